@@ -1,0 +1,194 @@
+"""Connecting to NATS and declaring the JetStream streams, consumers and KV buckets of a pipeline.
+
+Every declaration is idempotent (create, or update to the declared config), so any service may
+call :func:`ensure_topology` at start; the last writer wins with the same config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError
+from nats.js.kv import KeyValue
+
+from libs.common.subjects import (
+    REQUESTS_BUCKET,
+    SERVICES_BUCKET,
+    Subjects,
+    consumer_name,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BusLimits:
+    """JetStream limits and redelivery settings (seconds, counts, bytes)."""
+
+    requests_max_msgs: int = 10_000
+    """Admission queue bound; a full queue rejects new requests (HTTP 429)."""
+    stages_max_bytes: int = 1 << 30
+    ack_wait_s: float = 30.0
+    """Redelivery timer; workers send in-progress acks every ``ack_wait_s / 6`` while busy."""
+    max_deliver: int = 5
+    backoff_s: tuple[float, ...] = (30.0, 30.0, 60.0, 120.0)
+    """Delay before redelivery n (n = 1..); its first entry replaces ``ack_wait_s`` in NATS."""
+    max_ack_pending: int = 1024
+    duplicate_window_s: float = 120.0
+    """``Nats-Msg-Id`` de-duplication window."""
+    service_ttl_s: float = 6.0
+    """``omni_services`` entries vanish this long after the last heartbeat."""
+    heartbeat_s: float = 2.0
+    request_record_ttl_s: float = 3600.0
+    """``omni_requests`` records vanish this long after their last update."""
+
+
+LIMITS = BusLimits()
+
+
+async def connect(url: str, name: str) -> NATS:
+    """Connect with unlimited reconnects (services survive a broker restart)."""
+
+    async def _disconnected() -> None:
+        log.warning("NATS disconnected (%s); reconnecting", url)
+
+    async def _reconnected() -> None:
+        log.info("NATS reconnected (%s)", url)
+
+    async def _error(e: Exception) -> None:
+        log.warning("NATS error: %s", e)
+
+    return await nats.connect(
+        servers=[url],
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        connect_timeout=5,
+        disconnected_cb=_disconnected,
+        reconnected_cb=_reconnected,
+        error_cb=_error,
+    )
+
+
+async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+    try:
+        await js.add_stream(cfg)
+    except BadRequestError:
+        await js.update_stream(cfg)
+
+
+async def ensure_topology(js: JetStreamContext, subjects: Subjects, limits: BusLimits = LIMITS) -> None:
+    """Declare the pipeline's streams and KV buckets."""
+    work_queue = dict(
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.NEW,
+        duplicate_window=limits.duplicate_window_s,
+    )
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=subjects.requests_stream,
+            subjects=[subjects.requests],
+            max_msgs=limits.requests_max_msgs,
+            **work_queue,
+        ),
+    )
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=subjects.stages_stream,
+            subjects=[subjects.stages_wildcard],
+            max_bytes=limits.stages_max_bytes,
+            **work_queue,
+        ),
+    )
+    await _ensure_stream(
+        js,
+        StreamConfig(name=subjects.events_stream, subjects=[subjects.events_wildcard], **work_queue),
+    )
+    await services_kv(js, limits)
+    await requests_kv(js, limits)
+
+
+async def _kv(js: JetStreamContext, bucket: str, ttl_s: float) -> KeyValue:
+    try:
+        return await js.key_value(bucket)
+    except Exception:  # bucket not found (nats-py raises BucketNotFoundError / NotFoundError)
+        return await js.create_key_value(
+            KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s, storage=StorageType.FILE)
+        )
+
+
+async def services_kv(js: JetStreamContext, limits: BusLimits = LIMITS) -> KeyValue:
+    """The ``omni_services`` bucket (entries expire ``service_ttl_s`` after the last write)."""
+    return await _kv(js, SERVICES_BUCKET, limits.service_ttl_s)
+
+
+async def requests_kv(js: JetStreamContext, limits: BusLimits = LIMITS) -> KeyValue:
+    """The ``omni_requests`` bucket."""
+    return await _kv(js, REQUESTS_BUCKET, limits.request_record_ttl_s)
+
+
+def stage_consumer_config(
+    subjects: Subjects, stage: int, replica: int, limits: BusLimits = LIMITS
+) -> ConsumerConfig:
+    """Durable pull consumer ``stage-<s>-<r>`` of worker (stage, replica)."""
+    return ConsumerConfig(
+        durable_name=consumer_name(stage, replica),
+        filter_subject=subjects.stage_in(stage, replica),
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=limits.ack_wait_s,
+        max_deliver=limits.max_deliver,
+        backoff=list(limits.backoff_s),
+        max_ack_pending=limits.max_ack_pending,
+    )
+
+
+def orchestrator_consumer_config(subject: str, durable: str, limits: BusLimits = LIMITS) -> ConsumerConfig:
+    """Shared durable pull consumer of the orchestrator instances."""
+    return ConsumerConfig(
+        durable_name=durable,
+        filter_subject=subject,
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=limits.ack_wait_s,
+        max_deliver=limits.max_deliver,
+        max_ack_pending=limits.max_ack_pending,
+    )
+
+
+async def pull(psub: JetStreamContext.PullSubscription, name: str) -> AsyncIterator[Msg]:
+    """Messages of a pull subscription, one at a time, as soon as each is available.
+
+    One message per pull request: nats-py's batched fetch waits for the whole batch (or its
+    timeout) once the first message is in, which would add up to the timeout to latency.
+    Broker outages are logged and retried.
+    """
+    while True:
+        try:
+            msgs = await psub.fetch(batch=1, timeout=5.0)
+        except NatsTimeout:
+            continue
+        except Exception as e:
+            log.warning("%s: fetch failed (%r); retrying", name, e)
+            await asyncio.sleep(0.5)
+            continue
+        for msg in msgs:
+            yield msg

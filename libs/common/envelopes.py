@@ -1,0 +1,172 @@
+"""Message bodies on the bus: pydantic models encoded with msgpack.
+
+Arrays travel as raw bytes with dtype and shape (:class:`NdArray`). Decoding validates the body,
+so a malformed message raises :class:`MalformedMessage` (the receiver terminates it).
+Times are wall-clock ns (``time.time_ns()``) unless a field says otherwise.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal, TypeVar
+
+import msgpack
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class MalformedMessage(ValueError):
+    """A bus message whose body cannot be decoded into the expected envelope."""
+
+
+class _Envelope(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    def encode(self) -> bytes:
+        """msgpack bytes of this envelope."""
+        return msgpack.packb(self.model_dump(mode="python"), use_bin_type=True)
+
+
+E = TypeVar("E", bound=_Envelope)
+
+
+def decode(cls: type[E], data: bytes) -> E:
+    """Decode msgpack ``data`` into ``cls`` or raise :class:`MalformedMessage` saying why."""
+    try:
+        raw = msgpack.unpackb(data, raw=False)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise MalformedMessage(f"body is not msgpack: {e}") from None
+    if not isinstance(raw, dict):
+        raise MalformedMessage(f"body must be a map, got {type(raw).__name__}")
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as e:
+        raise MalformedMessage(f"not a valid {cls.__name__}: {e.errors()[0]['msg']}") from None
+
+
+class NdArray(BaseModel):
+    """A numpy array as raw bytes plus dtype and shape."""
+
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+    @classmethod
+    def of(cls, arr: np.ndarray) -> NdArray:
+        a = np.ascontiguousarray(arr)
+        return cls(dtype=a.dtype.str, shape=list(a.shape), data=a.tobytes())
+
+    def to_numpy(self) -> np.ndarray:
+        try:
+            return np.frombuffer(self.data, dtype=np.dtype(self.dtype)).reshape(self.shape)
+        except (TypeError, ValueError) as e:
+            raise MalformedMessage(f"bad array payload: {e}") from None
+
+
+class Sampling(BaseModel):
+    """Sampling parameters of the thinker (OpenAI request fields, validated by the gateway)."""
+
+    max_tokens: int = Field(ge=1)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+
+class Admission(_Envelope):
+    """Gateway → orchestrator: a new request (subject ``requests``)."""
+
+    request_id: str
+    gateway_id: str
+    arrival_ns: int
+    deadline_ns: int
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    audio: bool = False
+    trace_id: str | None = None
+
+
+class TaskKind(StrEnum):
+    START = "start"
+    """Stage 0: run the whole prompt."""
+    CHUNK = "chunk"
+    """Later stages: one chunk of the upstream stage's output."""
+
+
+class StageTask(_Envelope):
+    """Orchestrator or upstream worker → worker (stage, replica) (subject ``stage.<s>.<r>.in``).
+
+    ``route[s]`` is the replica bound to stage ``s`` for this request (sticky). A chunk with
+    ``final`` set is the last one of its request from the sender; it may carry no data.
+    """
+
+    request_id: str
+    gateway_id: str
+    arrival_ns: int
+    deadline_ns: int
+    route: list[int]
+    kind: TaskKind
+    seq: int = Field(ge=0)
+    final: bool = False
+    prompt_token_ids: list[int] = Field(default_factory=list)
+    sampling: Sampling | None = None
+    token_ids: list[int] = Field(default_factory=list)
+    text: str = ""
+    codes: NdArray | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class ClientEventType(StrEnum):
+    TEXT = "text"
+    """A text delta of the thinker."""
+    TEXT_DONE = "text_done"
+    """The thinker finished: finish_reason and usage."""
+    AUDIO = "audio"
+    """A PCM16 chunk of the audio stage."""
+    AUDIO_DONE = "audio_done"
+    """The audio stage finished: total frames and sample rate."""
+    ERROR = "error"
+    """The request failed: status, code, message."""
+
+
+class ClientEvent(_Envelope):
+    """Worker/orchestrator → gateway (subject ``out.<gateway_id>.<request_id>``)."""
+
+    request_id: str
+    type: ClientEventType
+    stage: int | None = None
+    replica: int | None = None
+    seq: int = 0
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    pcm16: bytes = b""
+    sample_rate: int = 0
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    status: int = 0
+    code: str = ""
+    message: str = ""
+
+
+class LifecycleEvent(_Envelope):
+    """All → orchestrator (subject ``events.<kind>``)."""
+
+    request_id: str
+    kind: Literal["started", "stage_done", "finished", "failed", "aborted"]
+    ts_ns: int
+    stage: int | None = None
+    replica: int | None = None
+    finish_reason: str | None = None
+    reason: str | None = None
+
+
+class AbortNotice(_Envelope):
+    """Gateway/orchestrator → every worker (subject ``ctl.abort``): stop work on a request."""
+
+    request_id: str
+    reason: str = "abort"

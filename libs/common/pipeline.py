@@ -1,0 +1,157 @@
+"""Pipeline configuration: the YAML file that names the stages, their models and how they chain.
+
+Stage ids are the 0-based position in ``stages``; subjects and metric labels use the id, the CLI
+and ``vllm:omni_stage_info`` show the name. Invalid files fail at load time with a message that
+names the file, the field and the reason.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DEFAULT_PIPELINE_PATH = Path(__file__).resolve().parents[2] / "compose" / "pipelines" / "default.yaml"
+
+_NAME_RE = r"^[a-z][a-z0-9_-]*$"
+
+
+class StageType(StrEnum):
+    """What runs inside a stage worker."""
+
+    LLM = "llm"
+    CODEC = "codec"
+
+
+class Payload(StrEnum):
+    """What a stage consumes or emits."""
+
+    TEXT = "text"
+    CODEC_CODES = "codec_codes"
+    AUDIO = "audio"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Chunking(_Strict):
+    """When a stage forwards a chunk downstream.
+
+    ``tokens``: text tokens per chunk (llm stages emitting text); ``sentence_end``: also cut at
+    ``.``/``!``/``?``; ``codes``: codec codes per chunk (llm stages emitting codec codes).
+    """
+
+    tokens: int = Field(default=16, ge=1, le=4096)
+    sentence_end: bool = True
+    codes: int = Field(default=25, ge=1, le=100_000)
+
+
+class EngineArgs(_Strict):
+    """Engine settings for ``llm`` stages (passed to vLLM's ``AsyncEngineArgs``)."""
+
+    max_model_len: int = Field(default=2048, ge=16)
+    max_num_seqs: int = Field(default=64, ge=1)
+    enforce_eager: bool = True
+    dtype: str = "auto"
+    kv_cache_space_gib: int = Field(
+        default=1, ge=1, description="VLLM_CPU_KVCACHE_SPACE of the worker (CPU builds only), GiB"
+    )
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    extra: dict[str, object] = Field(
+        default_factory=dict, description="any other AsyncEngineArgs field, passed through"
+    )
+
+
+class StageConfig(_Strict):
+    """One stage of the chain."""
+
+    name: str = Field(pattern=_NAME_RE)
+    type: StageType
+    model: str = Field(min_length=1)
+    replicas: int = Field(default=1, ge=1, le=64)
+    consumes: Payload
+    emits: Payload
+    stream_to_client: bool = False
+    chunking: Chunking = Chunking()
+    codes_per_token: int = Field(
+        default=4, ge=1, le=64, description="talker cap: codec codes per input text token"
+    )
+    engine: EngineArgs = EngineArgs()
+
+
+class PipelineConfig(_Strict):
+    """A whole pipeline as loaded from YAML."""
+
+    name: str = Field(pattern=_NAME_RE, max_length=32)
+    served_model_name: str = Field(min_length=1)
+    request_timeout_s: float = Field(default=120.0, gt=0, le=3600)
+    stages: list[StageConfig] = Field(min_length=1)
+    source: str = Field(default="<memory>", exclude=True)
+
+    @model_validator(mode="after")
+    def _check_chain(self) -> PipelineConfig:
+        first = self.stages[0]
+        if first.type != StageType.LLM or first.consumes != Payload.TEXT:
+            raise ValueError("stages[0] must be an 'llm' stage consuming 'text' (the thinker)")
+        for i in range(1, len(self.stages)):
+            prev, cur = self.stages[i - 1], self.stages[i]
+            if cur.consumes != prev.emits:
+                raise ValueError(
+                    f"stages[{i}].consumes is '{cur.consumes.value}' but stages[{i - 1}] "
+                    f"('{prev.name}') emits '{prev.emits.value}'"
+                )
+        names = [s.name for s in self.stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage names must be unique, got {names}")
+        for i, s in enumerate(self.stages):
+            if s.type == StageType.CODEC and (s.consumes, s.emits) != (
+                Payload.CODEC_CODES,
+                Payload.AUDIO,
+            ):
+                raise ValueError(f"stages[{i}] ('{s.name}'): a codec stage maps codec_codes → audio")
+        return self
+
+    @property
+    def stream_suffix(self) -> str:
+        """Pipeline name as used in JetStream stream names (upper case, ``-`` → ``_``)."""
+        return re.sub(r"[^A-Z0-9_]", "_", self.name.upper())
+
+    @property
+    def audio_stage(self) -> int | None:
+        """Id of the stage that emits audio, or None for a text-only pipeline."""
+        for i, s in enumerate(self.stages):
+            if s.emits == Payload.AUDIO:
+                return i
+        return None
+
+    def stages_for(self, audio: bool) -> list[int]:
+        """Stage ids a request runs through: only the thinker for text, the whole chain for audio."""
+        return list(range(len(self.stages))) if audio else [0]
+
+
+class PipelineConfigError(ValueError):
+    """A pipeline file that cannot be used; the message names file, field and reason."""
+
+
+def load_pipeline(path: str | Path | None = None) -> PipelineConfig:
+    """Load and validate a pipeline YAML file (the shipped default when ``path`` is None)."""
+    p = Path(path) if path else DEFAULT_PIPELINE_PATH
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except OSError as e:
+        raise PipelineConfigError(f"{p}: cannot read pipeline file: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise PipelineConfigError(f"{p}: not valid YAML: {e}") from e
+    if not isinstance(raw, dict):
+        raise PipelineConfigError(f"{p}: top level must be a mapping, got {type(raw).__name__}")
+    try:
+        return PipelineConfig.model_validate({**raw, "source": str(p)})
+    except ValidationError as e:
+        problems = "; ".join(
+            f"field '{'.'.join(str(x) for x in err['loc']) or '<root>'}': {err['msg']}" for err in e.errors()
+        )
+        raise PipelineConfigError(f"{p}: invalid pipeline: {problems}") from None

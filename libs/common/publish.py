@@ -1,0 +1,88 @@
+"""Sending on the bus with the contract's headers.
+
+``Omni-Tx-Start-Ns`` is read before the envelope is serialized and ``Omni-Tx-End-Ns`` when the
+serialized bytes are handed to the NATS client, both on the sender's wall clock (ns). A header
+cannot carry the time of its own publish acknowledgement, so the acknowledgement round trip is
+part of what the receiver sees as in-flight time, never of tx.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+
+from libs.common import headers as h
+from libs.common.envelopes import ClientEvent, LifecycleEvent, StageTask
+from libs.common.subjects import Subjects
+
+PUBLISH_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Hop:
+    """Sender and receiver of one transfer; the sender is ``orchestrator`` for stage 0."""
+
+    from_stage: str
+    from_replica: str
+    to_stage: int
+    to_replica: int
+
+
+async def publish_task(
+    js: JetStreamContext,
+    subjects: Subjects,
+    task: StageTask,
+    hop: Hop,
+    trace_headers: dict[str, str] | None = None,
+) -> None:
+    """Publish ``task`` to worker (to_stage, to_replica) and wait for JetStream's ack."""
+    tx_start = time.time_ns()
+    body = task.encode()
+    hdrs = {
+        h.REQUEST_ID: task.request_id,
+        h.ARRIVAL_NS: str(task.arrival_ns),
+        h.FROM_STAGE: hop.from_stage,
+        h.FROM_REPLICA: hop.from_replica,
+        h.TO_STAGE: str(hop.to_stage),
+        h.TO_REPLICA: str(hop.to_replica),
+        h.SEQ: str(task.seq),
+        h.FINAL: "true" if task.final else "false",
+        h.PAYLOAD_BYTES: str(len(body)),
+        h.MSG_ID: f"{task.request_id}.{hop.to_stage}.{task.seq}",
+        **(trace_headers or {}),
+    }
+    hdrs[h.TX_START_NS] = str(tx_start)
+    hdrs[h.TX_END_NS] = str(time.time_ns())
+    await js.publish(
+        subjects.stage_in(hop.to_stage, hop.to_replica),
+        body,
+        headers=hdrs,
+        timeout=PUBLISH_TIMEOUT_S,
+    )
+
+
+async def publish_client(
+    nc: NATS, subjects: Subjects, gateway_id: str, event: ClientEvent, arrival_ns: int
+) -> None:
+    """Send a client-visible event of one request to its gateway (core NATS, fire and forget)."""
+    await nc.publish(
+        subjects.out(gateway_id, event.request_id),
+        event.encode(),
+        headers={h.REQUEST_ID: event.request_id, h.ARRIVAL_NS: str(arrival_ns)},
+    )
+
+
+async def publish_lifecycle(js: JetStreamContext, subjects: Subjects, event: LifecycleEvent) -> None:
+    """Record a lifecycle event for the orchestrator (JetStream, de-duplicated per request/kind/stage)."""
+    await js.publish(
+        subjects.event(event.kind),
+        event.encode(),
+        headers={
+            h.REQUEST_ID: event.request_id,
+            h.MSG_ID: f"{event.request_id}.{event.kind}.{event.stage}",
+        },
+        timeout=PUBLISH_TIMEOUT_S,
+    )

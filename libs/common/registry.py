@@ -1,0 +1,150 @@
+"""Service registry in the ``omni_services`` KV bucket: heartbeats and the live-service view.
+
+Values are JSON so ``nats kv get omni_services <key>`` is readable. An entry is live while it
+is younger than the bucket TTL; readers judge age by their own monotonic clock (time since the
+update was received), never by comparing wall clocks across hosts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from enum import StrEnum
+
+from nats.js.kv import KeyValue
+from pydantic import BaseModel, ValidationError
+
+from libs.common.bus import LIMITS
+
+log = logging.getLogger(__name__)
+
+
+class ServiceKind(StrEnum):
+    GATEWAY = "gateway"
+    ORCHESTRATOR = "orchestrator"
+    WORKER = "worker"
+
+
+class ServiceRecord(BaseModel):
+    """One live service instance (the value stored under :meth:`key`)."""
+
+    service: ServiceKind
+    pipeline: str
+    instance: str
+    stage: int | None = None
+    stage_name: str | None = None
+    replica: int | None = None
+    metrics_url: str = ""
+    load: int = 0
+    """Requests in flight in this instance right now."""
+    version: str = ""
+    started_ns: int = 0
+    heartbeat_ns: int = 0
+    """Wall clock of the writer at the last heartbeat (informational)."""
+
+    @property
+    def key(self) -> str:
+        """``worker.<pipeline>.<stage>.<replica>`` or ``<service>.<pipeline>.<instance>``."""
+        if self.service == ServiceKind.WORKER:
+            return f"worker.{self.pipeline}.{self.stage}.{self.replica}"
+        return f"{self.service.value}.{self.pipeline}.{self.instance}"
+
+
+class Heartbeat:
+    """Keeps a :class:`ServiceRecord` alive in the registry; ``load`` is read on every beat."""
+
+    def __init__(self, kv: KeyValue, record: ServiceRecord, load: Callable[[], int]) -> None:
+        self._kv = kv
+        self._record = record
+        self._load = load
+        self._task: asyncio.Task[None] | None = None
+
+    async def beat(self) -> None:
+        """Write the record now (also used to publish a load change promptly)."""
+        self._record.load = self._load()
+        self._record.heartbeat_ns = time.time_ns()
+        await self._kv.put(self._record.key, self._record.model_dump_json().encode())
+
+    async def start(self) -> None:
+        if not self._record.started_ns:
+            self._record.started_ns = time.time_ns()
+        await self.beat()
+        self._task = asyncio.create_task(self._run(), name=f"heartbeat:{self._record.key}")
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(LIMITS.heartbeat_s)
+            try:
+                await self.beat()
+            except Exception as e:  # broker down: keep trying, the entry expires meanwhile
+                log.warning("heartbeat failed: %s", e)
+
+    async def stop(self) -> None:
+        """Stop beating and remove the entry (a clean shutdown disappears at once)."""
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(Exception):
+            await self._kv.delete(self._record.key)
+
+
+class LiveServices:
+    """A watched, in-memory view of the registry."""
+
+    def __init__(self, kv: KeyValue, ttl_s: float = LIMITS.service_ttl_s) -> None:
+        self._kv = kv
+        self._ttl_s = ttl_s
+        self._entries: dict[str, tuple[ServiceRecord, float]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._listeners: list[Callable[[ServiceRecord], None]] = []
+        self.ready = asyncio.Event()
+
+    def on_update(self, fn: Callable[[ServiceRecord], None]) -> None:
+        """Call ``fn`` with every record update received."""
+        self._listeners.append(fn)
+
+    async def start(self) -> None:
+        watcher = await self._kv.watchall()
+        self._task = asyncio.create_task(self._run(watcher), name="registry-watch")
+
+    async def _run(self, watcher: KeyValue.KeyWatcher) -> None:
+        try:
+            async for entry in watcher:
+                if entry is None:
+                    self.ready.set()
+                    continue
+                if entry.operation in ("DEL", "PURGE") or not entry.value:
+                    self._entries.pop(entry.key, None)
+                    continue
+                try:
+                    rec = ServiceRecord.model_validate_json(entry.value)
+                except ValidationError:
+                    log.warning("ignoring malformed registry entry %s", entry.key)
+                    continue
+                self._entries[entry.key] = (rec, time.monotonic())
+                for fn in self._listeners:
+                    fn(rec)
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def live(self, service: ServiceKind | None = None, stage: int | None = None) -> list[ServiceRecord]:
+        """Records updated within the TTL, filtered by service kind and stage."""
+        now = time.monotonic()
+        return [
+            rec
+            for rec, seen in self._entries.values()
+            if now - seen <= self._ttl_s
+            and (service is None or rec.service == service)
+            and (stage is None or rec.stage == stage)
+        ]

@@ -1,0 +1,56 @@
+"""Service settings read from the environment (pydantic-settings); CLI flags override them.
+
+Every variable is ``OMNIRELAY_<FIELD>`` except the NATS address, which also honours the
+conventional ``NATS_URL``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from pathlib import Path
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from libs.common.pipeline import DEFAULT_PIPELINE_PATH
+
+
+def _instance_id() -> str:
+    return f"{socket.gethostname().split('.')[0]}-{os.getpid()}-{uuid.uuid4().hex[:6]}".replace("_", "-")
+
+
+class ServiceSettings(BaseSettings):
+    """Settings shared by every service."""
+
+    model_config = SettingsConfigDict(env_prefix="OMNIRELAY_", extra="ignore")
+
+    nats_url: str = Field(
+        default="nats://127.0.0.1:4222",
+        validation_alias=AliasChoices("NATS_URL", "OMNIRELAY_NATS_URL"),
+        description="NATS server with JetStream",
+    )
+    pipeline: Path = Field(default=DEFAULT_PIPELINE_PATH, description="pipeline YAML file")
+    log_stats: bool = Field(default=False, description="record metrics and stats log lines")
+    log_level: str = Field(default="INFO", description="Python logging level")
+    advertise_host: str = Field(
+        default="127.0.0.1", description="host name other services and Prometheus use to reach this one"
+    )
+    instance_id: str = Field(default_factory=_instance_id, description="unique id of this process")
+
+
+class GatewaySettings(ServiceSettings):
+    host: str = Field(default="127.0.0.1", description="HTTP bind address")
+    port: int = Field(default=8000, ge=0, le=65535, description="HTTP port (OpenAI API, /metrics)")
+
+
+class OrchestratorSettings(ServiceSettings):
+    metrics_port: int = Field(default=0, ge=0, le=65535, description="/metrics port (0: any free)")
+
+
+class WorkerSettings(ServiceSettings):
+    stage: int = Field(default=0, ge=0, description="stage id (0-based position in the pipeline)")
+    replica: int = Field(default=0, ge=0, description="replica id of this stage")
+    metrics_port: int = Field(default=0, ge=0, le=65535, description="/metrics port (0: any free)")
+    max_inflight: int = Field(default=128, ge=1, description="requests handled at once")

@@ -1,0 +1,99 @@
+"""NATS subjects, JetStream stream/consumer names and KV bucket names — the only place they are spelled.
+
+Subjects go from general to specific: ``omni.<pipeline>.<kind>...``. Stage and replica are ids.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+SERVICES_BUCKET = "omni_services"
+"""KV bucket: one key per live service instance, kept alive by heartbeats."""
+REQUESTS_BUCKET = "omni_requests"
+"""KV bucket: one key per request (in flight, then kept until the bucket's max age)."""
+
+ORCHESTRATOR_ADMISSION_CONSUMER = "orchestrator"
+"""Durable pull consumer on the requests stream, shared by every orchestrator instance."""
+ORCHESTRATOR_EVENTS_CONSUMER = "orchestrator-events"
+"""Durable pull consumer on the events stream, shared by every orchestrator instance."""
+
+EVENT_KINDS = ("started", "stage_done", "finished", "failed", "aborted")
+"""Lifecycle event kinds published on ``omni.<pipeline>.events.<kind>``."""
+
+_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def check_token(value: str, what: str) -> str:
+    """Return ``value`` if it is usable as one subject token (no dots, spaces or wildcards)."""
+    if not _TOKEN_RE.match(value):
+        raise ValueError(f"{what} {value!r} is not a valid subject token ([A-Za-z0-9_-]+)")
+    return value
+
+
+def consumer_name(stage: int, replica: int) -> str:
+    """Durable consumer of worker (stage, replica): ``stage-<s>-<r>``."""
+    return f"stage-{stage}-{replica}"
+
+
+@dataclass(frozen=True)
+class Subjects:
+    """Subject and stream names of one pipeline."""
+
+    pipeline: str
+
+    def __post_init__(self) -> None:
+        check_token(self.pipeline, "pipeline name")
+
+    @property
+    def _suffix(self) -> str:
+        return re.sub(r"[^A-Z0-9_]", "_", self.pipeline.upper())
+
+    # --- subjects -------------------------------------------------------------------------
+    @property
+    def requests(self) -> str:
+        """Admission envelopes, gateway → orchestrator (JetStream, work queue)."""
+        return f"omni.{self.pipeline}.requests"
+
+    def stage_in(self, stage: int, replica: int) -> str:
+        """Task/chunk envelopes for worker (stage, replica) (JetStream, work queue)."""
+        return f"omni.{self.pipeline}.stage.{stage}.{replica}.in"
+
+    @property
+    def stages_wildcard(self) -> str:
+        return f"omni.{self.pipeline}.stage.>"
+
+    def out(self, gateway_id: str, request_id: str) -> str:
+        """Client-visible deltas and the terminal event of one request (core NATS)."""
+        return f"omni.{self.pipeline}.out.{gateway_id}.{request_id}"
+
+    def out_wildcard(self, gateway_id: str) -> str:
+        return f"omni.{self.pipeline}.out.{gateway_id}.*"
+
+    def event(self, kind: str) -> str:
+        """Lifecycle events, all → orchestrator (JetStream, work queue)."""
+        if kind not in EVENT_KINDS:
+            raise ValueError(f"unknown event kind {kind!r}")
+        return f"omni.{self.pipeline}.events.{kind}"
+
+    @property
+    def events_wildcard(self) -> str:
+        return f"omni.{self.pipeline}.events.>"
+
+    @property
+    def abort(self) -> str:
+        """Abort broadcast: cancel a request in every worker (core NATS)."""
+        return f"omni.{self.pipeline}.ctl.abort"
+
+    # --- JetStream streams ----------------------------------------------------------------
+    @property
+    def requests_stream(self) -> str:
+        return f"OMNI_{self._suffix}_REQUESTS"
+
+    @property
+    def stages_stream(self) -> str:
+        return f"OMNI_{self._suffix}_STAGES"
+
+    @property
+    def events_stream(self) -> str:
+        return f"OMNI_{self._suffix}_EVENTS"

@@ -1,0 +1,200 @@
+"""The ``omnirelay`` command line: one entry point, one subcommand per service and tool.
+
+Options default to the environment (``OMNIRELAY_*``, ``NATS_URL``) through the services'
+pydantic settings; a flag given on the command line wins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from libs.common.logs import setup_logging
+from libs.common.pipeline import PipelineConfigError, load_pipeline
+from libs.common.settings import GatewaySettings, OrchestratorSettings, ServiceSettings, WorkerSettings
+
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help="omnirelay: multi-stage inference pipelines over NATS JetStream.",
+)
+models_app = typer.Typer(no_args_is_help=True, help="Model utilities.")
+app.add_typer(models_app, name="models")
+
+PipelineOpt = Annotated[
+    Path | None,
+    typer.Option("--pipeline", help="pipeline YAML [env OMNIRELAY_PIPELINE; default: the shipped one]"),
+]
+NatsOpt = Annotated[str | None, typer.Option("--nats-url", help="NATS server [env NATS_URL]")]
+LogStatsOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--log-stats/--no-log-stats",
+        help="record metrics and stats logs [env OMNIRELAY_LOG_STATS; default off]",
+    ),
+]
+LogLevelOpt = Annotated[
+    str | None, typer.Option("--log-level", help="logging level [env OMNIRELAY_LOG_LEVEL; default INFO]")
+]
+
+
+def _settings(cls: type[ServiceSettings], **overrides: Any) -> Any:
+    return cls(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def _pipeline(settings: ServiceSettings):
+    try:
+        return load_pipeline(settings.pipeline)
+    except PipelineConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def gateway(
+    pipeline: PipelineOpt = None,
+    nats_url: NatsOpt = None,
+    host: Annotated[str | None, typer.Option(help="bind address [env OMNIRELAY_HOST]")] = None,
+    port: Annotated[int | None, typer.Option(help="HTTP port [env OMNIRELAY_PORT; default 8000]")] = None,
+    log_stats: LogStatsOpt = None,
+    log_level: LogLevelOpt = None,
+) -> None:
+    """Run the OpenAI-compatible HTTP gateway."""
+    from services.gateway.app import run_gateway
+
+    s = _settings(
+        GatewaySettings,
+        pipeline=pipeline,
+        nats_url=nats_url,
+        host=host,
+        port=port,
+        log_stats=log_stats,
+        log_level=log_level,
+    )
+    setup_logging(s.log_level, "gateway")
+    run_gateway(s, _pipeline(s))
+
+
+@app.command()
+def orchestrator(
+    pipeline: PipelineOpt = None,
+    nats_url: NatsOpt = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="/metrics port, 0 = any [env OMNIRELAY_METRICS_PORT]")
+    ] = None,
+    log_stats: LogStatsOpt = None,
+    log_level: LogLevelOpt = None,
+) -> None:
+    """Run an orchestrator instance (any number may run)."""
+    from services.orchestrator.orchestrator import run_orchestrator
+
+    s = _settings(
+        OrchestratorSettings,
+        pipeline=pipeline,
+        nats_url=nats_url,
+        metrics_port=metrics_port,
+        log_stats=log_stats,
+        log_level=log_level,
+    )
+    setup_logging(s.log_level, "orchestrator")
+    asyncio.run(run_orchestrator(s, _pipeline(s)))
+
+
+@app.command()
+def worker(
+    stage: Annotated[int | None, typer.Option(help="stage id [env OMNIRELAY_STAGE]")] = None,
+    replica: Annotated[int | None, typer.Option(help="replica id [env OMNIRELAY_REPLICA]")] = None,
+    pipeline: PipelineOpt = None,
+    nats_url: NatsOpt = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="/metrics port, 0 = any [env OMNIRELAY_METRICS_PORT]")
+    ] = None,
+    max_inflight: Annotated[
+        int | None, typer.Option(help="requests handled at once [env OMNIRELAY_MAX_INFLIGHT]")
+    ] = None,
+    log_stats: LogStatsOpt = None,
+    log_level: LogLevelOpt = None,
+) -> None:
+    """Run the worker of one (stage, replica)."""
+    from services.stage_worker.worker import run_worker
+
+    s = _settings(
+        WorkerSettings,
+        stage=stage,
+        replica=replica,
+        pipeline=pipeline,
+        nats_url=nats_url,
+        metrics_port=metrics_port,
+        max_inflight=max_inflight,
+        log_stats=log_stats,
+        log_level=log_level,
+    )
+    p = _pipeline(s)
+    name = p.stages[s.stage].name if s.stage < len(p.stages) else "?"
+    setup_logging(s.log_level, f"{name}-{s.replica}")
+    asyncio.run(run_worker(s, p))
+
+
+@app.command()
+def up(
+    pipeline: PipelineOpt = None,
+    port: Annotated[int, typer.Option(help="gateway HTTP port")] = 8000,
+    log_stats: Annotated[
+        bool, typer.Option("--log-stats/--no-log-stats", help="record metrics and stats logs")
+    ] = False,
+    data_dir: Annotated[Path, typer.Option(help="where the local NATS keeps JetStream data")] = Path(
+        ".omnirelay"
+    ),
+    nats_url: Annotated[
+        str | None,
+        typer.Option("--nats-url", envvar="NATS_URL", help="use this NATS instead of starting one"),
+    ] = None,
+) -> None:
+    """Start NATS (unless --nats-url/NATS_URL), the orchestrator, every worker and the gateway."""
+    from services.launcher import run_stack
+
+    s = _settings(ServiceSettings, pipeline=pipeline)
+    p = _pipeline(s)
+    raise typer.Exit(
+        asyncio.run(run_stack(p, s.pipeline.resolve(), port, log_stats, data_dir.resolve(), nats_url))
+    )
+
+
+@app.command("inspect")
+def inspect_cmd(
+    request_id: Annotated[str | None, typer.Argument(help="show this request's record")] = None,
+    pipeline: PipelineOpt = None,
+    nats_url: NatsOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Streams, per-(stage, replica) consumer state, live services and in-flight requests."""
+    from services.bus_inspect import run_inspect
+
+    s = _settings(ServiceSettings, pipeline=pipeline, nats_url=nats_url)
+    raise typer.Exit(asyncio.run(run_inspect(s.nats_url, _pipeline(s), request_id, as_json)))
+
+
+@models_app.command("make-tiny")
+def make_tiny_cmd(
+    force: Annotated[bool, typer.Option(help="regenerate even if present")] = False,
+    cache_dir: Annotated[
+        Path | None, typer.Option(help="cache root [env OMNIRELAY_CACHE_DIR; default ~/.cache/omnirelay]")
+    ] = None,
+) -> None:
+    """Generate the tiny thinker, talker and code2wav models (deterministic; no download)."""
+    from libs.models.tiny import make_tiny
+
+    for model_id, path in make_tiny(cache_dir, force=force).items():
+        typer.echo(f"{model_id}\t{path}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

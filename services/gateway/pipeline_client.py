@@ -1,0 +1,167 @@
+"""The gateway's side of the bus: submit admissions, receive a request's events, abort, health."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import APIError as JSAPIError
+
+from libs.common import headers as h
+from libs.common.bus import connect, ensure_topology, services_kv
+from libs.common.envelopes import (
+    AbortNotice,
+    Admission,
+    ClientEvent,
+    LifecycleEvent,
+    MalformedMessage,
+    decode,
+)
+from libs.common.pipeline import PipelineConfig
+from libs.common.publish import PUBLISH_TIMEOUT_S, publish_lifecycle
+from libs.common.registry import Heartbeat, LiveServices, ServiceKind, ServiceRecord
+from libs.common.settings import GatewaySettings
+from libs.common.subjects import Subjects
+from libs.common.version import VERSION
+from services.gateway.errors import APIError
+from services.gateway.schemas import Health
+
+log = logging.getLogger(__name__)
+
+JS_STREAM_FULL = 10077
+"""JetStream error code: maximum messages exceeded (the admission queue is full)."""
+
+
+class RequestHandle:
+    """The events of one submitted request, in arrival order, bounded by its deadline."""
+
+    def __init__(self, request_id: str, deadline_ns: int) -> None:
+        self.request_id = request_id
+        self.deadline_ns = deadline_ns
+        self.queue: asyncio.Queue[ClientEvent] = asyncio.Queue()
+
+    async def events(self) -> AsyncIterator[ClientEvent]:
+        """Yield events until the caller stops; raises a 504 :class:`APIError` at the deadline."""
+        while True:
+            left = (self.deadline_ns - time.time_ns()) / 1e9
+            try:
+                yield await asyncio.wait_for(self.queue.get(), timeout=max(left, 0.0))
+            except TimeoutError:
+                raise APIError(504, "the request did not finish before its deadline", "timeout") from None
+
+
+class PipelineClient:
+    def __init__(self, settings: GatewaySettings, pipeline: PipelineConfig) -> None:
+        self.settings = settings
+        self.pipeline = pipeline
+        self.subjects = Subjects(pipeline.name)
+        self.gateway_id = settings.instance_id
+        self._handles: dict[str, RequestHandle] = {}
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self.nc = await connect(self.settings.nats_url, f"omnirelay-gateway-{self.gateway_id}")
+        self.js = self.nc.jetstream()
+        await ensure_topology(self.js, self.subjects)
+        await self.nc.subscribe(
+            self.subjects.out_wildcard(self.gateway_id),
+            cb=self._on_event,
+            pending_msgs_limit=1_000_000,
+            pending_bytes_limit=1 << 30,
+        )
+        skv = await services_kv(self.js)
+        self.services = LiveServices(skv)
+        await self.services.start()
+        record = ServiceRecord(
+            service=ServiceKind.GATEWAY,
+            pipeline=self.pipeline.name,
+            instance=self.gateway_id,
+            metrics_url=f"http://{self.settings.advertise_host}:{self.settings.port}/metrics",
+            version=VERSION,
+        )
+        self._heartbeat = Heartbeat(skv, record, lambda: len(self._handles))
+        await self._heartbeat.start()
+
+    async def stop(self) -> None:
+        await self._heartbeat.stop()
+        await self.services.stop()
+        with contextlib.suppress(Exception):
+            await self.nc.drain()
+
+    @property
+    def inflight(self) -> int:
+        return len(self._handles)
+
+    async def _on_event(self, msg: Msg) -> None:
+        try:
+            event = decode(ClientEvent, msg.data)
+        except MalformedMessage as e:
+            log.error("dropping malformed event on %s: %s", msg.subject, e)
+            return
+        handle = self._handles.get(event.request_id)
+        if handle is not None:
+            handle.queue.put_nowait(event)
+
+    async def submit(self, adm: Admission, trace_headers: dict[str, str]) -> RequestHandle:
+        """Queue ``adm`` for the orchestrators; 429 when the admission queue is full, 503 when
+        the bus cannot take it."""
+        handle = RequestHandle(adm.request_id, adm.deadline_ns)
+        self._handles[adm.request_id] = handle
+        headers = {
+            h.REQUEST_ID: adm.request_id,
+            h.ARRIVAL_NS: str(adm.arrival_ns),
+            h.MSG_ID: adm.request_id,
+            **trace_headers,
+        }
+        try:
+            await self.js.publish(
+                self.subjects.requests, adm.encode(), headers=headers, timeout=PUBLISH_TIMEOUT_S
+            )
+        except JSAPIError as e:
+            self.release(adm.request_id)
+            if e.err_code == JS_STREAM_FULL:
+                raise APIError(429, "the admission queue is full; retry later", "queue_full") from None
+            raise APIError(503, f"the bus rejected the request: {e.description}", "bus_unavailable") from None
+        except (NatsTimeout, NoRespondersError, ConnectionError) as e:
+            self.release(adm.request_id)
+            raise APIError(503, f"the bus is unavailable: {type(e).__name__}", "bus_unavailable") from None
+        return handle
+
+    def release(self, request_id: str) -> None:
+        self._handles.pop(request_id, None)
+
+    def abort(self, request_id: str, reason: str) -> None:
+        """Cancel a request in every worker and record it (does not wait)."""
+        self.release(request_id)
+        task = asyncio.create_task(self._abort(request_id, reason))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort(self, request_id: str, reason: str) -> None:
+        try:
+            await self.nc.publish(
+                self.subjects.abort, AbortNotice(request_id=request_id, reason=reason).encode()
+            )
+            event = LifecycleEvent(request_id=request_id, kind="aborted", ts_ns=time.time_ns(), reason=reason)
+            await publish_lifecycle(self.js, self.subjects, event)
+        except Exception as e:
+            log.warning("request %s: abort not fully sent: %s", request_id, e)
+
+    def health(self) -> Health:
+        """Ready when the bus is connected, an orchestrator is live and every stage has a replica."""
+        stages = {
+            f"{i}:{s.name}": len(self.services.live(ServiceKind.WORKER, i))
+            for i, s in enumerate(self.pipeline.stages)
+        }
+        orchestrators = len(self.services.live(ServiceKind.ORCHESTRATOR))
+        bus = self.nc.is_connected
+        ok = bus and orchestrators > 0 and all(stages.values())
+        return Health(
+            status="ok" if ok else "unavailable", bus=bus, orchestrators=orchestrators, stages=stages
+        )

@@ -1,0 +1,125 @@
+"""Turning an API request into the thinker's prompt tokens and sampling parameters, with the
+limits checked here so bad input is answered before anything is queued."""
+
+from __future__ import annotations
+
+from libs.common.envelopes import Sampling
+from libs.common.pipeline import PipelineConfig
+from services.gateway.errors import bad_request
+from services.gateway.schemas import AudioParams, ChatCompletionRequest, ChatMessage, CompletionRequest
+
+AUDIO_FORMATS = ("wav", "pcm16")
+"""``audio.format`` values served. Streamed audio is always raw PCM16 chunks."""
+
+
+class Tokenizer:
+    """The thinker's tokenizer (loaded with transformers from the stage's model directory)."""
+
+    def __init__(self, model_path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(model_path)
+
+    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def text(self, prompt: str) -> list[int]:
+        return self._tok.encode(prompt, add_special_tokens=True)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as plain ``{role, content}`` text; non-text content parts are rejected."""
+    out = []
+    for i, m in enumerate(messages):
+        if m.content is None or isinstance(m.content, str):
+            text = m.content or ""
+        else:
+            parts = []
+            for j, p in enumerate(m.content):
+                if p.type != "text" or p.text is None:
+                    raise bad_request(
+                        f"content part type '{p.type}' is not supported (text only)",
+                        f"messages.{i}.content.{j}.type",
+                        "unsupported_content",
+                    )
+                parts.append(p.text)
+            text = "".join(parts)
+        role = "system" if m.role == "developer" else m.role
+        out.append({"role": role, "content": text})
+    return out
+
+
+def max_tokens_for(requested: int | None, prompt_len: int, max_model_len: int, param: str) -> int:
+    """The generation budget: what was asked for, or what is left of the context; 400 when
+    the prompt or the request does not fit."""
+    if requested is not None and requested < 1:
+        raise bad_request(f"{param} must be at least 1, got {requested}", param)
+    if prompt_len >= max_model_len:
+        raise bad_request(
+            f"the prompt has {prompt_len} tokens; this model's maximum context length is "
+            f"{max_model_len} tokens (prompt plus at least one generated token)",
+            "messages",
+            "context_length_exceeded",
+        )
+    room = max_model_len - prompt_len
+    if requested is None:
+        return room
+    if requested > room:
+        raise bad_request(
+            f"this model's maximum context length is {max_model_len} tokens, but {prompt_len} "
+            f"prompt tokens plus {param}={requested} is {prompt_len + requested}",
+            param,
+            "context_length_exceeded",
+        )
+    return requested
+
+
+def wants_audio(req: ChatCompletionRequest, pipeline: PipelineConfig) -> AudioParams | None:
+    """The audio output parameters when the request asks for audio, else None."""
+    mods = req.modalities or ["text"]
+    unknown = [m for m in mods if m not in ("text", "audio")]
+    if unknown:
+        raise bad_request(
+            f"unsupported modality {unknown[0]!r} (text, audio)", "modalities", "unsupported_modality"
+        )
+    if "audio" not in mods:
+        return None
+    if pipeline.audio_stage is None:
+        raise bad_request(
+            f"pipeline '{pipeline.name}' produces no audio", "modalities", "unsupported_modality"
+        )
+    audio = req.audio or AudioParams()
+    if audio.format not in AUDIO_FORMATS:
+        raise bad_request(
+            f"audio.format {audio.format!r} is not supported ({', '.join(AUDIO_FORMATS)})",
+            "audio.format",
+            "unsupported_audio_format",
+        )
+    return audio
+
+
+def sampling_for(req: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> Sampling:
+    if req.n != 1:
+        raise bad_request("only n=1 is supported", "n")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        seed=req.seed,
+        stop=stop,
+        ignore_eos=req.ignore_eos,
+    )
+
+
+UNSUPPORTED_CHAT_FIELDS = ("tools", "tool_choice", "functions", "function_call", "response_format")
+
+
+def reject_unsupported(req: ChatCompletionRequest) -> None:
+    extra = req.model_extra or {}
+    for name in UNSUPPORTED_CHAT_FIELDS:
+        if extra.get(name) not in (None, [], "none", {"type": "text"}):
+            raise bad_request(f"'{name}' is not supported by this server", name, "unsupported_parameter")
+    if extra.get("logprobs"):
+        raise bad_request("'logprobs' is not supported by this server", "logprobs", "unsupported_parameter")

@@ -1,0 +1,179 @@
+"""Turning a request's bus events into OpenAI responses: one JSON body, or Server-Sent Events."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from fastapi import Request
+
+from libs.common.envelopes import ClientEvent, ClientEventType
+from services.gateway.audio import pcm16_to_wav
+from services.gateway.errors import APIError
+from services.gateway.pipeline_client import PipelineClient, RequestHandle
+from services.gateway.schemas import AudioOut, Usage
+
+AUDIO_EXPIRY_S = 3600
+"""``audio.expires_at`` is this far in the future (informational: nothing is stored)."""
+DISCONNECT_POLL_S = 0.25
+T = TypeVar("T")
+
+
+@dataclass
+class Job:
+    """A submitted request as the response code sees it."""
+
+    handle: RequestHandle
+    client: PipelineClient
+    model: str
+    created: int
+    audio_format: str | None = None
+    """Requested audio format, None for a text-only request."""
+    return_token_ids: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.handle.request_id
+
+    @property
+    def audio_id(self) -> str:
+        return f"audio-{self.id}"
+
+
+@dataclass
+class Collected:
+    """Everything a non-streaming response needs."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    pcm: bytearray = field(default_factory=bytearray)
+    sample_rate: int = 0
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+    def add(self, ev: ClientEvent) -> None:
+        if ev.type == ClientEventType.TEXT:
+            self.text.append(ev.text)
+            self.token_ids.extend(ev.token_ids)
+        elif ev.type == ClientEventType.AUDIO:
+            self.pcm += ev.pcm16
+            self.sample_rate = ev.sample_rate
+        elif ev.type == ClientEventType.TEXT_DONE:
+            self.finish_reason = ev.finish_reason
+            self.usage = usage_of(ev)
+        elif ev.type == ClientEventType.AUDIO_DONE:
+            self.sample_rate = ev.sample_rate or self.sample_rate
+
+
+def usage_of(ev: ClientEvent) -> Usage | None:
+    if ev.usage is None:
+        return None
+    p, c = ev.usage.prompt_tokens, ev.usage.completion_tokens
+    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+async def events_until_done(job: Job) -> AsyncIterator[ClientEvent]:
+    """A request's events up to completion: the thinker's ``text_done`` and, for audio requests,
+    the audio stage's ``audio_done``. An ``error`` event raises :class:`APIError`."""
+    text_done = audio_done = False
+    async for ev in job.handle.events():
+        if ev.type == ClientEventType.ERROR:
+            raise APIError(ev.status or 500, ev.message or "the pipeline failed", ev.code or "pipeline_error")
+        yield ev
+        text_done = text_done or ev.type == ClientEventType.TEXT_DONE
+        audio_done = audio_done or ev.type == ClientEventType.AUDIO_DONE
+        if text_done and (audio_done or job.audio_format is None):
+            return
+
+
+async def collect(job: Job) -> Collected:
+    out = Collected()
+    async for ev in events_until_done(job):
+        out.add(ev)
+    return out
+
+
+def audio_message(job: Job, c: Collected) -> AudioOut:
+    """OpenAI's ``message.audio``: base64 WAV (or raw PCM16 for ``pcm16``) plus the transcript."""
+    raw = bytes(c.pcm) if job.audio_format == "pcm16" else pcm16_to_wav(bytes(c.pcm), c.sample_rate)
+    return AudioOut(
+        id=job.audio_id,
+        data=base64.b64encode(raw).decode(),
+        expires_at=int(time.time()) + AUDIO_EXPIRY_S,
+        transcript="".join(c.text),
+    )
+
+
+async def guarded(request: Request, job: Job, work: Awaitable[T]) -> T:
+    """Run ``work`` for a non-streaming response; abort the request everywhere if the client goes
+    away or the work fails, release it when done."""
+    task = asyncio.ensure_future(work)
+    finished = False
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                job.client.abort(job.id, "client disconnected")
+                raise asyncio.CancelledError
+        result = task.result()
+        finished = True
+        return result
+    finally:
+        if not task.done():
+            task.cancel()
+        if finished:
+            job.client.release(job.id)
+        elif not task.cancelled():
+            job.client.abort(job.id, _abort_reason(task))
+
+
+def _abort_reason(task: asyncio.Future) -> str:
+    with contextlib.suppress(BaseException):
+        e = task.exception()
+        if isinstance(e, APIError) and e.code == "timeout":
+            return "timeout"
+    return "failed"
+
+
+def sse(obj: object) -> str:
+    return f"data: {obj}\n\n"
+
+
+async def sse_stream(
+    job: Job,
+    head: list[str],
+    render: Callable[[ClientEvent], list[str]],
+    tail: Callable[[Collected], list[str]],
+) -> AsyncIterator[str]:
+    """Server-Sent Events of one request: the ``head`` chunks, then ``render`` of each event
+    (zero or more JSON chunks), then ``tail``; ends with ``[DONE]``. A client that disconnects
+    (the generator is closed early) or a failure aborts the request in every stage."""
+    state = Collected()
+    completed = False
+    try:
+        try:
+            for chunk in head:
+                yield sse(chunk)
+            async for ev in events_until_done(job):
+                state.add(ev)
+                for chunk in render(ev):
+                    yield sse(chunk)
+            for chunk in tail(state):
+                yield sse(chunk)
+            completed = True
+        except APIError as e:
+            yield e.sse()
+            job.client.abort(job.id, "timeout" if e.code == "timeout" else "failed")
+            completed = True
+        yield sse("[DONE]")
+    finally:
+        if completed:
+            job.client.release(job.id)
+        else:
+            job.client.abort(job.id, "client disconnected")

@@ -1,0 +1,184 @@
+"""HTTP routes of the gateway: thin functions over :class:`Submitter` and the response builders."""
+
+from __future__ import annotations
+
+import base64
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from libs.common.envelopes import ClientEvent, ClientEventType
+from services.gateway.responses import (
+    AUDIO_EXPIRY_S,
+    Collected,
+    Job,
+    audio_message,
+    collect,
+    guarded,
+    sse_stream,
+    usage_of,
+)
+from services.gateway.schemas import (
+    AssistantMessage,
+    AudioOut,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    Delta,
+    Health,
+    ModelCard,
+    ModelList,
+)
+
+router = APIRouter()
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _arrival_ns(request: Request) -> int:
+    return request.scope.get("state", {}).get("arrival_ns") or time.time_ns()
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> ModelList:
+    p = request.app.state.pipeline
+    card = ModelCard(
+        id=p.served_model_name,
+        created=request.app.state.started,
+        max_model_len=p.stages[0].engine.max_model_len,
+    )
+    return ModelList(data=[card])
+
+
+@router.get("/health", response_model=Health)
+async def health(request: Request) -> JSONResponse:
+    h = request.app.state.client.health()
+    return JSONResponse(h.model_dump(), status_code=200 if h.status == "ok" else 503)
+
+
+# --- chat -------------------------------------------------------------------------------------
+@router.post("/v1/chat/completions", response_model=ChatCompletion)
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    job = await request.app.state.submitter.chat(body, _arrival_ns(request))
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            sse_stream(
+                job,
+                [_chat_chunk(job, Delta(role="assistant", content=""))],
+                lambda ev: _chat_render(job, ev),
+                lambda c: _chat_tail(job, c, include_usage),
+            ),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    return await guarded(request, job, _chat_body(job))
+
+
+async def _chat_body(job: Job) -> ChatCompletion:
+    c = await collect(job)
+    if job.audio_format:
+        message = AssistantMessage(content=None, audio=audio_message(job, c))
+    else:
+        message = AssistantMessage(content="".join(c.text))
+    choice = ChatChoice(
+        message=message,
+        finish_reason=c.finish_reason,
+        token_ids=c.token_ids if job.return_token_ids else None,
+    )
+    return ChatCompletion(id=job.id, created=job.created, model=job.model, choices=[choice], usage=c.usage)
+
+
+def _chat_chunk(
+    job: Job, delta: Delta, finish_reason: str | None = None, token_ids: list[int] | None = None
+) -> str:
+    chunk = ChatCompletionChunk(
+        id=job.id,
+        created=job.created,
+        model=job.model,
+        choices=[ChunkChoice(delta=delta, finish_reason=finish_reason, token_ids=token_ids)],
+    )
+    return chunk.model_dump_json(exclude_none=True)
+
+
+def _chat_render(job: Job, ev: ClientEvent) -> list[str]:
+    ids = ev.token_ids if job.return_token_ids else None
+    if ev.type == ClientEventType.TEXT:
+        if job.audio_format:
+            return [
+                _chat_chunk(job, Delta(audio=AudioOut(id=job.audio_id, transcript=ev.text)), token_ids=ids)
+            ]
+        return [_chat_chunk(job, Delta(content=ev.text), token_ids=ids)]
+    if ev.type == ClientEventType.AUDIO:
+        data = base64.b64encode(ev.pcm16).decode()
+        audio = AudioOut(id=job.audio_id, data=data, expires_at=int(time.time()) + AUDIO_EXPIRY_S)
+        return [_chat_chunk(job, Delta(audio=audio))]
+    return []
+
+
+def _chat_tail(job: Job, c: Collected, include_usage: bool) -> list[str]:
+    out = [_chat_chunk(job, Delta(), finish_reason=c.finish_reason)]
+    if include_usage:
+        out.append(
+            ChatCompletionChunk(
+                id=job.id, created=job.created, model=job.model, choices=[], usage=c.usage
+            ).model_dump_json(exclude_none=True)
+        )
+    return out
+
+
+# --- completions -------------------------------------------------------------------------------
+@router.post("/v1/completions", response_model=Completion)
+async def completions(body: CompletionRequest, request: Request):
+    job = await request.app.state.submitter.completion(body, _arrival_ns(request))
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            sse_stream(
+                job,
+                [],
+                lambda ev: _completion_render(job, ev),
+                lambda c: _completion_tail(job, c, include_usage),
+            ),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    return await guarded(request, job, _completion_body(job))
+
+
+async def _completion_body(job: Job) -> Completion:
+    c = await collect(job)
+    choice = CompletionChoice(
+        text="".join(c.text),
+        finish_reason=c.finish_reason,
+        token_ids=c.token_ids if job.return_token_ids else None,
+    )
+    return Completion(id=job.id, created=job.created, model=job.model, choices=[choice], usage=c.usage)
+
+
+def _completion_chunk(job: Job, choices: list[CompletionChoice], usage=None) -> str:
+    return Completion(
+        id=job.id, created=job.created, model=job.model, choices=choices, usage=usage
+    ).model_dump_json(exclude_none=True)
+
+
+def _completion_render(job: Job, ev: ClientEvent) -> list[str]:
+    if ev.type != ClientEventType.TEXT:
+        return []
+    ids = ev.token_ids if job.return_token_ids else None
+    return [_completion_chunk(job, [CompletionChoice(text=ev.text, finish_reason=None, token_ids=ids)])]
+
+
+def _completion_tail(job: Job, c: Collected, include_usage: bool) -> list[str]:
+    out = [_completion_chunk(job, [CompletionChoice(text="", finish_reason=c.finish_reason)])]
+    if include_usage:
+        out.append(_completion_chunk(job, [], usage=c.usage))
+    return out
+
+
+__all__ = ["router", "usage_of"]

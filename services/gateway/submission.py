@@ -1,0 +1,85 @@
+"""From a validated API request to a submitted :class:`Job` (the request is queued on the bus)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from libs.common.envelopes import Admission, Sampling
+from libs.common.pipeline import PipelineConfig
+from services.gateway.errors import APIError
+from services.gateway.pipeline_client import PipelineClient
+from services.gateway.prompting import (
+    Tokenizer,
+    chat_messages,
+    max_tokens_for,
+    reject_unsupported,
+    sampling_for,
+    wants_audio,
+)
+from services.gateway.responses import Job
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+
+class Submitter:
+    def __init__(self, pipeline: PipelineConfig, client: PipelineClient, tokenizer: Tokenizer) -> None:
+        self.pipeline = pipeline
+        self.client = client
+        self.tokenizer = tokenizer
+        self.max_model_len = pipeline.stages[0].engine.max_model_len
+
+    def _check_model(self, model: str) -> None:
+        if model != self.pipeline.served_model_name:
+            raise APIError(
+                404,
+                f"the model '{model}' does not exist; this server serves '{self.pipeline.served_model_name}'",
+                "model_not_found",
+                "model",
+            )
+
+    async def chat(self, req: ChatCompletionRequest, arrival_ns: int) -> Job:
+        self._check_model(req.model)
+        reject_unsupported(req)
+        audio = wants_audio(req, self.pipeline)
+        ids = self.tokenizer.chat(chat_messages(req.messages))
+        asked, param = (
+            (req.max_completion_tokens, "max_completion_tokens")
+            if req.max_completion_tokens is not None
+            else (req.max_tokens, "max_tokens")
+        )
+        sampling = sampling_for(req, max_tokens_for(asked, len(ids), self.max_model_len, param))
+        job = await self._submit("chatcmpl", ids, sampling, audio is not None, arrival_ns, req.model)
+        job.audio_format = audio.format if audio else None
+        job.return_token_ids = req.return_token_ids
+        return job
+
+    async def completion(self, req: CompletionRequest, arrival_ns: int) -> Job:
+        self._check_model(req.model)
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if len(prompts) != 1:
+            raise APIError(400, "exactly one prompt per request is supported", "invalid_request", "prompt")
+        if req.echo:
+            raise APIError(400, "'echo' is not supported by this server", "unsupported_parameter", "echo")
+        ids = self.tokenizer.text(prompts[0])
+        sampling = sampling_for(
+            req, max_tokens_for(req.max_tokens, len(ids), self.max_model_len, "max_tokens")
+        )
+        job = await self._submit("cmpl", ids, sampling, False, arrival_ns, req.model)
+        job.return_token_ids = req.return_token_ids
+        return job
+
+    async def _submit(
+        self, prefix: str, ids: list[int], sampling: Sampling, audio: bool, arrival_ns: int, model: str
+    ) -> Job:
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        adm = Admission(
+            request_id=request_id,
+            gateway_id=self.client.gateway_id,
+            arrival_ns=arrival_ns,
+            deadline_ns=arrival_ns + int(self.pipeline.request_timeout_s * 1e9),
+            prompt_token_ids=ids,
+            sampling=sampling,
+            audio=audio,
+        )
+        handle = await self.client.submit(adm, trace_headers={})
+        return Job(handle=handle, client=self.client, model=model, created=int(time.time()))

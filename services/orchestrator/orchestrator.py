@@ -1,0 +1,242 @@
+"""The orchestrator: admits requests, binds replicas, dispatches stage 0, follows the lifecycle.
+
+Stateless: every instance pulls from the same two durable consumers (admissions, lifecycle
+events) and keeps all request state in the ``omni_requests`` KV bucket, so any number of
+instances can run and any of them may die.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from nats.aio.msg import Msg
+from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KeyValue
+
+from libs.common import headers as h
+from libs.common.bus import (
+    connect,
+    ensure_topology,
+    orchestrator_consumer_config,
+    pull,
+    requests_kv,
+    services_kv,
+)
+from libs.common.envelopes import (
+    Admission,
+    ClientEvent,
+    ClientEventType,
+    LifecycleEvent,
+    MalformedMessage,
+    StageTask,
+    TaskKind,
+    decode,
+)
+from libs.common.metrics_server import start_metrics_server
+from libs.common.pipeline import PipelineConfig
+from libs.common.publish import Hop, publish_client, publish_task
+from libs.common.records import RequestRecord, RequestStatus, StageProgress
+from libs.common.registry import Heartbeat, LiveServices, ServiceKind, ServiceRecord
+from libs.common.settings import OrchestratorSettings
+from libs.common.subjects import (
+    ORCHESTRATOR_ADMISSION_CONSUMER,
+    ORCHESTRATOR_EVENTS_CONSUMER,
+    Subjects,
+)
+from libs.common.version import VERSION
+from services.orchestrator.routing import NoLiveReplica, ReplicaPicker
+
+log = logging.getLogger(__name__)
+
+KV_RETRIES = 5
+
+
+class Orchestrator:
+    def __init__(self, settings: OrchestratorSettings, pipeline: PipelineConfig) -> None:
+        self.settings = settings
+        self.pipeline = pipeline
+        self.subjects = Subjects(pipeline.name)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._inflight = 0
+
+    async def start(self) -> None:
+        self.nc = await connect(self.settings.nats_url, "omnirelay-orchestrator")
+        self.js = self.nc.jetstream()
+        await ensure_topology(self.js, self.subjects)
+        self.requests: KeyValue = await requests_kv(self.js)
+        skv = await services_kv(self.js)
+        self.services = LiveServices(skv)
+        self.picker = ReplicaPicker(self.services)
+        await self.services.start()
+        await asyncio.wait_for(self.services.ready.wait(), timeout=10)
+        self._admissions = await self.js.pull_subscribe(
+            self.subjects.requests,
+            durable=ORCHESTRATOR_ADMISSION_CONSUMER,
+            stream=self.subjects.requests_stream,
+            config=orchestrator_consumer_config(self.subjects.requests, ORCHESTRATOR_ADMISSION_CONSUMER),
+        )
+        self._events = await self.js.pull_subscribe(
+            self.subjects.events_wildcard,
+            durable=ORCHESTRATOR_EVENTS_CONSUMER,
+            stream=self.subjects.events_stream,
+            config=orchestrator_consumer_config(self.subjects.events_wildcard, ORCHESTRATOR_EVENTS_CONSUMER),
+        )
+        port = start_metrics_server(self.settings.metrics_port)
+        record = ServiceRecord(
+            service=ServiceKind.ORCHESTRATOR,
+            pipeline=self.pipeline.name,
+            instance=self.settings.instance_id,
+            metrics_url=f"http://{self.settings.advertise_host}:{port}/metrics",
+            version=VERSION,
+        )
+        self._heartbeat = Heartbeat(skv, record, lambda: self._inflight)
+        await self._heartbeat.start()
+        self._tasks = [
+            asyncio.create_task(self._pull_loop(self._admissions, self._admit), name="admit"),
+            asyncio.create_task(self._pull_loop(self._events, self._on_event), name="events"),
+        ]
+        log.info("orchestrator %s: ready, metrics on :%d", self.settings.instance_id, port)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await self._heartbeat.stop()
+        await self.services.stop()
+        with contextlib.suppress(Exception):
+            await self.nc.drain()
+
+    async def _pull_loop(self, psub, handle) -> None:
+        async for msg in pull(psub, "orchestrator"):
+            try:
+                await handle(msg)
+            except MalformedMessage as e:
+                log.error("terminating malformed message on %s: %s", msg.subject, e)
+                with contextlib.suppress(Exception):
+                    await msg.term()
+            except Exception:
+                log.exception("handling %s failed; it will be redelivered", msg.subject)
+                with contextlib.suppress(Exception):
+                    await msg.nak(delay=1.0)
+
+    # --- admission -----------------------------------------------------------------------
+    async def _admit(self, msg: Msg) -> None:
+        adm = decode(Admission, msg.data)
+        now = time.time_ns()
+        if now >= adm.deadline_ns:
+            await self._reject(adm, 504, "timeout", "request expired while waiting for admission")
+            await msg.ack()
+            return
+        stages = self.pipeline.stages_for(adm.audio)
+        try:
+            route = self.picker.route(stages)
+        except NoLiveReplica as e:
+            name = self.pipeline.stages[e.stage].name
+            await self._reject(adm, 503, "no_live_replica", f"stage {e.stage} ({name}) has no live replica")
+            await msg.ack()
+            return
+        attempt = msg.metadata.num_delivered if msg.metadata else 1
+        record = RequestRecord(
+            request_id=adm.request_id,
+            gateway_id=adm.gateway_id,
+            status=RequestStatus.ADMITTED,
+            route=route,
+            stages=[StageProgress(replica=r) for r in route],
+            attempt=attempt,
+            trace_id=adm.trace_id,
+            arrival_ns=adm.arrival_ns,
+            admitted_ns=now,
+            deadline_ns=adm.deadline_ns,
+            updated_ns=now,
+        )
+        task = StageTask(
+            request_id=adm.request_id,
+            gateway_id=adm.gateway_id,
+            arrival_ns=adm.arrival_ns,
+            deadline_ns=adm.deadline_ns,
+            route=route,
+            kind=TaskKind.START,
+            seq=0,
+            final=True,
+            prompt_token_ids=adm.prompt_token_ids,
+            sampling=adm.sampling,
+        )
+        hop = Hop(h.FROM_ORCHESTRATOR, h.FROM_ORCHESTRATOR, 0, route[0])
+        trace = {k: v for k, v in (msg.headers or {}).items() if k in (h.TRACEPARENT, h.TRACESTATE)}
+        # The record exists before any worker can report on the request.
+        await self.requests.put(adm.request_id, record.model_dump_json().encode())
+        await publish_task(self.js, self.subjects, task, hop, trace)
+        await msg.ack()
+
+    async def _reject(self, adm: Admission, status: int, code: str, message: str) -> None:
+        log.warning("request %s rejected: %s", adm.request_id, message)
+        event = ClientEvent(
+            request_id=adm.request_id,
+            type=ClientEventType.ERROR,
+            status=status,
+            code=code,
+            message=message,
+        )
+        await publish_client(self.nc, self.subjects, adm.gateway_id, event, adm.arrival_ns)
+
+    # --- lifecycle ---------------------------------------------------------------------
+    async def _on_event(self, msg: Msg) -> None:
+        ev = decode(LifecycleEvent, msg.data)
+        await update_record(self.requests, ev.request_id, lambda rec: apply_event(rec, ev))
+        await msg.ack()
+
+
+def apply_event(rec: RequestRecord, ev: LifecycleEvent) -> None:
+    """Fold a lifecycle event into a record.
+
+    A terminal status is final: late events of a finished request only fill in timestamps.
+    """
+    s = ev.stage
+    if s is not None and 0 <= s < len(rec.stages):
+        if ev.kind == "started" and rec.stages[s].started_ns is None:
+            rec.stages[s].started_ns = ev.ts_ns
+        elif ev.kind in ("stage_done", "finished") and rec.stages[s].done_ns is None:
+            rec.stages[s].done_ns = ev.ts_ns
+    if ev.finish_reason and rec.finish_reason is None:
+        rec.finish_reason = ev.finish_reason
+    if not rec.status.terminal:
+        if ev.kind == "started":
+            rec.status = RequestStatus.RUNNING
+            rec.current_stage = max(rec.current_stage, s or 0)
+        elif ev.kind == "finished":
+            rec.status = RequestStatus.COMPLETED
+        elif ev.kind == "failed":
+            rec.status, rec.error = RequestStatus.FAILED, ev.reason
+        elif ev.kind == "aborted":
+            rec.status, rec.error = RequestStatus.ABORTED, ev.reason
+            rec.finish_reason = "abort"
+    rec.updated_ns = max(rec.updated_ns, ev.ts_ns)
+
+
+async def update_record(kv: KeyValue, key: str, change) -> None:
+    """Read-modify-write of a record with optimistic concurrency (several orchestrators)."""
+    for _ in range(KV_RETRIES):
+        try:
+            entry = await kv.get(key)
+        except (NotFoundError, KeyError):
+            log.debug("event for unknown request %s ignored", key)
+            return
+        rec = RequestRecord.model_validate_json(entry.value)
+        change(rec)
+        try:
+            await kv.update(key, rec.model_dump_json().encode(), last=entry.revision)
+            return
+        except KeyWrongLastSequenceError:
+            continue
+    raise RuntimeError(f"record {key}: too many concurrent updates")
+
+
+async def run_orchestrator(settings: OrchestratorSettings, pipeline: PipelineConfig) -> None:
+    from libs.common.signals import wait_for_shutdown
+
+    orch = Orchestrator(settings, pipeline)
+    await orch.start()
+    await wait_for_shutdown()
+    await orch.stop()

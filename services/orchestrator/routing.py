@@ -1,0 +1,53 @@
+"""Choosing a replica per stage for a new request: the least loaded live replica.
+
+Load is what each replica last reported in its heartbeat plus what this orchestrator has bound
+to it since that heartbeat (heartbeats are seconds apart; a burst would otherwise all go to one
+replica). Ties go to the replica bound least recently.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from libs.common.registry import LiveServices, ServiceKind, ServiceRecord
+
+
+class NoLiveReplica(Exception):
+    """A stage has no live replica."""
+
+    def __init__(self, stage: int) -> None:
+        super().__init__(f"stage {stage} has no live replica")
+        self.stage = stage
+
+
+class ReplicaPicker:
+    def __init__(self, services: LiveServices) -> None:
+        self._services = services
+        self._since_beat: dict[tuple[int, int], int] = {}
+        self._last_pick: dict[tuple[int, int], int] = {}
+        self._clock = itertools.count()
+        services.on_update(self._on_heartbeat)
+
+    def _on_heartbeat(self, rec: ServiceRecord) -> None:
+        if rec.service == ServiceKind.WORKER and rec.stage is not None and rec.replica is not None:
+            self._since_beat[(rec.stage, rec.replica)] = 0
+
+    def pick(self, stage: int) -> int:
+        """Bind a replica of ``stage`` (raises :class:`NoLiveReplica`)."""
+        live = self._services.live(ServiceKind.WORKER, stage)
+        if not live:
+            raise NoLiveReplica(stage)
+
+        def score(rec: ServiceRecord) -> tuple[int, int]:
+            key = (stage, rec.replica)
+            return (rec.load + self._since_beat.get(key, 0), self._last_pick.get(key, -1))
+
+        best = min(live, key=score)
+        key = (stage, best.replica)
+        self._since_beat[key] = self._since_beat.get(key, 0) + 1
+        self._last_pick[key] = next(self._clock)
+        return best.replica
+
+    def route(self, stages: list[int]) -> list[int]:
+        """One replica per stage, in stage order."""
+        return [self.pick(s) for s in stages]

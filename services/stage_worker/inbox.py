@@ -1,0 +1,55 @@
+"""Per-request inbox: holds a request's delivered messages and hands them out in ``Omni-Seq`` order.
+
+Messages stay un-acked while they wait; the worker keeps them alive with in-progress acks and
+acks each one once its output has been published.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from nats.aio.msg import Msg
+
+from libs.common.envelopes import StageTask
+
+
+@dataclass
+class Delivery:
+    """One received task/chunk message."""
+
+    msg: Msg
+    task: StageTask
+    received_ns: int
+    """Wall clock (ns) when the worker got the message."""
+
+
+class RequestInbox:
+    """Reorders one request's chunks by sequence number."""
+
+    def __init__(self) -> None:
+        self._next_seq = 0
+        self._waiting: dict[int, Delivery] = {}
+        self._ready = asyncio.Event()
+
+    def put(self, d: Delivery) -> bool:
+        """Accept ``d``; False for a duplicate (a seq already handed out or already waiting)."""
+        seq = d.task.seq
+        if seq < self._next_seq or seq in self._waiting:
+            return False
+        self._waiting[seq] = d
+        if seq == self._next_seq:
+            self._ready.set()
+        return True
+
+    async def next(self) -> Delivery:
+        """The delivery with the next sequence number (waits for it)."""
+        while self._next_seq not in self._waiting:
+            self._ready.clear()
+            await self._ready.wait()
+        self._next_seq += 1
+        return self._waiting.pop(self._next_seq - 1)
+
+    def held(self) -> list[Delivery]:
+        """Deliveries received but not handed out yet."""
+        return list(self._waiting.values())

@@ -1,0 +1,129 @@
+"""What a stage handler sees of one request: its ordered inbox and the ways to send results on."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+
+from libs.common.envelopes import ClientEvent, LifecycleEvent, StageTask, TaskKind
+from libs.common.publish import Hop, publish_client, publish_lifecycle, publish_task
+from libs.common.subjects import Subjects
+from services.stage_worker.inbox import Delivery, RequestInbox
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Identity:
+    """Who this worker is."""
+
+    stage: int
+    replica: int
+    num_stages: int
+
+
+@dataclass
+class Bus:
+    nc: NATS
+    js: JetStreamContext
+    subjects: Subjects
+
+
+@dataclass
+class RequestContext:
+    """One request inside one worker: created on its first delivery, ended when its task ends."""
+
+    me: Identity
+    bus: Bus
+    first: StageTask
+    """Envelope of the first delivery: route, gateway, arrival and deadline."""
+    inbox: RequestInbox = field(default_factory=RequestInbox)
+    trace_headers: dict[str, str] = field(default_factory=dict)
+    _out_seq: int = 0
+    _client_seq: int = 0
+    _started: bool = False
+    _in_hand: dict[int, Delivery] = field(default_factory=dict)
+    _background: set[asyncio.Task[None]] = field(default_factory=set)
+
+    @property
+    def request_id(self) -> str:
+        return self.first.request_id
+
+    @property
+    def is_last_stage(self) -> bool:
+        """True when this stage is the last one the request runs through."""
+        return self.me.stage == len(self.first.route) - 1
+
+    @property
+    def seconds_left(self) -> float:
+        """Time until the request's deadline (wall clock), in seconds."""
+        return (self.first.deadline_ns - time.time_ns()) / 1e9
+
+    async def next(self) -> Delivery:
+        """The next input in sequence order; the first call reports the stage as started."""
+        d = await self.inbox.next()
+        self._in_hand[d.task.seq] = d
+        if not self._started:
+            self._started = True
+            self.lifecycle("started")
+        return d
+
+    async def ack(self, d: Delivery) -> None:
+        """Acknowledge an input whose output has been published."""
+        self._in_hand.pop(d.task.seq, None)
+        await d.msg.ack()
+
+    def unacked(self) -> list[Delivery]:
+        """Inputs received and not yet acknowledged (waiting or being worked on)."""
+        return [*self._in_hand.values(), *self.inbox.held()]
+
+    async def downstream(self, *, final: bool = False, **payload: object) -> None:
+        """Send one chunk to the next stage's bound replica, numbered in order."""
+        to_stage = self.me.stage + 1
+        task = StageTask(
+            request_id=self.request_id,
+            gateway_id=self.first.gateway_id,
+            arrival_ns=self.first.arrival_ns,
+            deadline_ns=self.first.deadline_ns,
+            route=self.first.route,
+            kind=TaskKind.CHUNK,
+            seq=self._out_seq,
+            final=final,
+            **payload,
+        )
+        self._out_seq += 1
+        hop = Hop(str(self.me.stage), str(self.me.replica), to_stage, self.first.route[to_stage])
+        await publish_task(self.bus.js, self.bus.subjects, task, hop, self.trace_headers)
+
+    async def client(self, event: ClientEvent) -> None:
+        """Send a client-visible event to the request's gateway, stamped with stage and replica."""
+        event.stage, event.replica, event.seq = self.me.stage, self.me.replica, self._client_seq
+        self._client_seq += 1
+        await publish_client(
+            self.bus.nc, self.bus.subjects, self.first.gateway_id, event, self.first.arrival_ns
+        )
+
+    def lifecycle(self, kind: str, **fields: object) -> None:
+        """Report a lifecycle event to the orchestrator without waiting for it."""
+        event = LifecycleEvent(
+            request_id=self.request_id,
+            kind=kind,
+            ts_ns=time.time_ns(),
+            stage=self.me.stage,
+            replica=self.me.replica,
+            **fields,
+        )
+        task = asyncio.create_task(self._send_lifecycle(event))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _send_lifecycle(self, event: LifecycleEvent) -> None:
+        try:
+            await publish_lifecycle(self.bus.js, self.bus.subjects, event)
+        except Exception as e:  # bookkeeping only: the request itself is unaffected
+            log.warning("request %s: lifecycle event %s not recorded: %s", self.request_id, event.kind, e)

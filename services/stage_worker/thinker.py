@@ -1,0 +1,78 @@
+"""The thinker: an ``llm`` stage that turns a prompt into text, streamed to the client and,
+for audio requests, forwarded to the next stage in chunks."""
+
+from __future__ import annotations
+
+from libs.common.envelopes import ClientEvent, ClientEventType, Usage
+from libs.common.pipeline import StageConfig
+from libs.models.tiny import resolve_model
+from services.stage_worker.chunking import TextChunker
+from services.stage_worker.llm_engine import build_async_llm
+from services.stage_worker.request_context import RequestContext
+
+
+class ThinkerHandler:
+    def __init__(self, stage: StageConfig, log_stats: bool, has_next: bool) -> None:
+        self._stage = stage
+        self._log_stats = log_stats
+        self._has_next = has_next
+        self.engine = None
+
+    async def start(self) -> None:
+        self.engine = build_async_llm(self._stage, resolve_model(self._stage.model), self._log_stats)
+
+    async def stop(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    async def run(self, req: RequestContext) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        d = await req.next()
+        task, s = d.task, d.task.sampling
+        if s is None:
+            raise ValueError("start task without sampling parameters")
+        params = SamplingParams(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed,
+            stop=s.stop or None,
+            ignore_eos=s.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        forward = self._has_next and len(task.route) > 1
+        chunker = TextChunker(self._stage.chunking.tokens, self._stage.chunking.sentence_end)
+        generated, finish_reason = 0, None
+        prompt = TokensPrompt(prompt_token_ids=task.prompt_token_ids)
+        async for out in self.engine.generate(prompt, params, req.request_id):
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            generated += len(ids)
+            if ids or c.text:
+                await req.client(
+                    ClientEvent(
+                        request_id=req.request_id, type=ClientEventType.TEXT, text=c.text, token_ids=ids
+                    )
+                )
+            if forward:
+                for chunk in chunker.feed(ids, c.text):
+                    await req.downstream(token_ids=chunk.token_ids, text=chunk.text)
+            if out.finished:
+                finish_reason = c.finish_reason
+        if forward:
+            rest = chunker.flush()
+            await req.downstream(final=True, token_ids=rest.token_ids, text=rest.text)
+        usage = Usage(prompt_tokens=len(task.prompt_token_ids), completion_tokens=generated)
+        await req.client(
+            ClientEvent(
+                request_id=req.request_id,
+                type=ClientEventType.TEXT_DONE,
+                finish_reason=finish_reason,
+                usage=usage,
+            )
+        )
+        await req.ack(d)
+        req.lifecycle("stage_done", finish_reason=finish_reason)

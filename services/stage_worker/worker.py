@@ -1,0 +1,297 @@
+"""The stage worker's bus plumbing: pull consumer, per-request tasks, acks, aborts, registry.
+
+One process per (stage, replica). Messages are acked explicitly once their output is published;
+while they wait or are being worked on they are kept alive with in-progress acks. A malformed
+message is terminated (``term``) and logged; it never stops the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+
+from nats.aio.msg import Msg
+
+from libs.common import headers as h
+from libs.common.bus import (
+    LIMITS,
+    connect,
+    ensure_topology,
+    pull,
+    services_kv,
+    stage_consumer_config,
+)
+from libs.common.envelopes import (
+    AbortNotice,
+    ClientEvent,
+    ClientEventType,
+    MalformedMessage,
+    StageTask,
+    TaskKind,
+    decode,
+)
+from libs.common.metrics_server import start_metrics_server
+from libs.common.pipeline import PipelineConfig
+from libs.common.registry import Heartbeat, ServiceKind, ServiceRecord
+from libs.common.settings import WorkerSettings
+from libs.common.subjects import Subjects
+from libs.common.version import VERSION
+from services.stage_worker.inbox import Delivery
+from services.stage_worker.request_context import Bus, Identity, RequestContext
+from services.stage_worker.stage_handler import StageHandler, make_handler
+
+log = logging.getLogger(__name__)
+
+CLOSED_TTL_S = 600.0
+"""How long a finished/aborted request id is remembered so late chunks are dropped, seconds."""
+
+
+class StageWorker:
+    def __init__(self, settings: WorkerSettings, pipeline: PipelineConfig) -> None:
+        if settings.stage >= len(pipeline.stages):
+            raise SystemExit(
+                f"--stage {settings.stage}: pipeline '{pipeline.name}' ({pipeline.source}) has "
+                f"stages 0..{len(pipeline.stages) - 1}"
+            )
+        self.settings = settings
+        self.pipeline = pipeline
+        self.stage_cfg = pipeline.stages[settings.stage]
+        self.me = Identity(settings.stage, settings.replica, len(pipeline.stages))
+        self.subjects = Subjects(pipeline.name)
+        self.handler: StageHandler = make_handler(pipeline, settings.stage, settings.log_stats)
+        self.active: dict[str, tuple[RequestContext, asyncio.Task[None]]] = {}
+        self._closed: dict[str, float] = {}
+        self._abort_reasons: dict[str, str] = {}
+        self._backlog: deque[tuple[Msg, StageTask]] = deque()
+        self.bus: Bus | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def label(self) -> str:
+        return f"stage {self.me.stage} ({self.stage_cfg.name}) replica {self.me.replica}"
+
+    # --- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        t0 = time.monotonic()
+        await self.handler.start()
+        log.info("%s: engine ready in %.1f s", self.label, time.monotonic() - t0)
+        nc = await connect(self.settings.nats_url, f"omnirelay-worker-{self.me.stage}-{self.me.replica}")
+        js = nc.jetstream()
+        await ensure_topology(js, self.subjects)
+        self.bus = Bus(nc, js, self.subjects)
+        self._psub = await js.pull_subscribe(
+            self.subjects.stage_in(self.me.stage, self.me.replica),
+            durable=stage_consumer_config(self.subjects, self.me.stage, self.me.replica).durable_name,
+            stream=self.subjects.stages_stream,
+            config=stage_consumer_config(self.subjects, self.me.stage, self.me.replica),
+        )
+        await nc.subscribe(self.subjects.abort, cb=self._on_abort)
+        port = start_metrics_server(self.settings.metrics_port)
+        record = ServiceRecord(
+            service=ServiceKind.WORKER,
+            pipeline=self.pipeline.name,
+            instance=self.settings.instance_id,
+            stage=self.me.stage,
+            stage_name=self.stage_cfg.name,
+            replica=self.me.replica,
+            metrics_url=f"http://{self.settings.advertise_host}:{port}/metrics",
+            version=VERSION,
+        )
+        self._heartbeat = Heartbeat(await services_kv(js), record, lambda: len(self.active))
+        await self._heartbeat.start()
+        self._tasks = [
+            asyncio.create_task(self._fetch_loop(), name="fetch"),
+            asyncio.create_task(self._keep_alive_loop(), name="keep-alive"),
+        ]
+        log.info(
+            "%s: serving %s, metrics on :%d",
+            self.label,
+            self.subjects.stage_in(self.me.stage, self.me.replica),
+            port,
+        )
+
+    async def stop(self, drain_s: float = 10.0) -> None:
+        """Stop taking work, let in-flight requests finish for up to ``drain_s``, then leave."""
+        for t in self._tasks[:1]:
+            t.cancel()
+        pending = [task for _, task in self.active.values()]
+        if pending:
+            log.info("%s: draining %d in-flight request(s)", self.label, len(pending))
+            await asyncio.wait(pending, timeout=drain_s)
+        for _, task in list(self.active.values()):
+            task.cancel()
+        for t in self._tasks:
+            t.cancel()
+        if self._heartbeat:
+            await self._heartbeat.stop()
+        await self.handler.stop()
+        if self.bus:
+            with contextlib.suppress(Exception):
+                await self.bus.nc.drain()
+
+    # --- receiving -----------------------------------------------------------------------
+    async def _fetch_loop(self) -> None:
+        async for msg in pull(self._psub, self.label):
+            await self._dispatch(msg)
+
+    async def _dispatch(self, msg: Msg) -> None:
+        received_ns = time.time_ns()
+        try:
+            task = self._validate(msg)
+        except MalformedMessage as e:
+            log.error(
+                "%s: terminating malformed message on %s (seq %s): %s",
+                self.label,
+                msg.subject,
+                _stream_seq(msg),
+                e,
+            )
+            with contextlib.suppress(Exception):
+                await msg.term()
+            return
+        rid = task.request_id
+        if rid in self._closed:
+            log.debug("%s: dropping late message for closed request %s", self.label, rid)
+            await msg.ack()
+            return
+        entry = self.active.get(rid)
+        if entry is None and len(self.active) >= self.settings.max_inflight:
+            self._backlog.append((msg, task))  # started when a request ends (kept alive meanwhile)
+            return
+        await self._accept(msg, task, received_ns)
+
+    async def _accept(self, msg: Msg, task: StageTask, received_ns: int) -> None:
+        rid = task.request_id
+        entry = self.active.get(rid)
+        if entry is None:
+            ctx = RequestContext(self.me, self.bus, task, trace_headers=_trace_headers(msg))
+            task_ = asyncio.create_task(self._run_request(ctx), name=f"request:{rid}")
+            self.active[rid] = (ctx, task_)
+        else:
+            ctx = entry[0]
+        if not ctx.inbox.put(Delivery(msg, task, received_ns)):
+            log.info("%s: request %s: duplicate seq %d acked and dropped", self.label, rid, task.seq)
+            await msg.ack()
+
+    def _validate(self, msg: Msg) -> StageTask:
+        task = decode(StageTask, msg.data)
+        hdr = msg.headers or {}
+        to_stage, to_replica = h.header_int(hdr, h.TO_STAGE), h.header_int(hdr, h.TO_REPLICA)
+        if (to_stage, to_replica) != (self.me.stage, self.me.replica):
+            raise MalformedMessage(
+                f"headers address stage {to_stage} replica {to_replica}, this is "
+                f"stage {self.me.stage} replica {self.me.replica}"
+            )
+        if len(task.route) <= self.me.stage or task.route[self.me.stage] != self.me.replica:
+            raise MalformedMessage(f"route {task.route} does not bind this replica")
+        expected = TaskKind.START if self.me.stage == 0 else TaskKind.CHUNK
+        if task.kind != expected:
+            raise MalformedMessage(
+                f"stage {self.me.stage} takes '{expected.value}' tasks, got '{task.kind.value}'"
+            )
+        return task
+
+    # --- running a request ---------------------------------------------------------------
+    async def _run_request(self, ctx: RequestContext) -> None:
+        rid = ctx.request_id
+        try:
+            async with asyncio.timeout(max(ctx.seconds_left, 0.0)):
+                await self.handler.run(ctx)
+            if ctx.is_last_stage:
+                ctx.lifecycle("finished")
+        except asyncio.CancelledError:
+            log.info("%s: request %s stopped (%s)", self.label, rid, self._abort_reasons.get(rid, "shutdown"))
+        except TimeoutError:
+            log.warning("%s: request %s passed its deadline; stopped", self.label, rid)
+            ctx.lifecycle("failed", reason="timeout")
+        except Exception as e:
+            log.exception("%s: request %s failed", self.label, rid)
+            await self._report_failure(ctx, e)
+        finally:
+            self.active.pop(rid, None)
+            self._abort_reasons.pop(rid, None)
+            self._close(rid)
+            await self._ack_all(ctx)
+            await self._admit_backlog()
+
+    async def _admit_backlog(self) -> None:
+        """Start backlogged requests while there is room (their later chunks join them)."""
+        while self._backlog and len(self.active) < self.settings.max_inflight:
+            msg, task = self._backlog.popleft()
+            await self._accept(msg, task, time.time_ns())
+
+    async def _report_failure(self, ctx: RequestContext, e: Exception) -> None:
+        status, code = (400, "invalid_request") if isinstance(e, ValueError) else (500, "stage_error")
+        message = f"stage {self.me.stage} ({self.stage_cfg.name}) failed: {e}"
+        with contextlib.suppress(Exception):
+            await ctx.client(
+                ClientEvent(
+                    request_id=ctx.request_id,
+                    type=ClientEventType.ERROR,
+                    status=status,
+                    code=code,
+                    message=message,
+                )
+            )
+        ctx.lifecycle("failed", reason=code)
+
+    async def _ack_all(self, ctx: RequestContext) -> None:
+        """Ack what the request left behind (its input was handled, failed or aborted)."""
+        for d in ctx.unacked():
+            with contextlib.suppress(Exception):
+                await d.msg.ack()
+
+    def _close(self, rid: str) -> None:
+        now = time.monotonic()
+        self._closed[rid] = now
+        if len(self._closed) > 10_000:
+            self._closed = {k: t for k, t in self._closed.items() if now - t < CLOSED_TTL_S}
+
+    async def _keep_alive_loop(self) -> None:
+        """In-progress acks for every message held by an active request."""
+        period = LIMITS.ack_wait_s / 6
+        while True:
+            await asyncio.sleep(period)
+            held = [d.msg for ctx, _ in list(self.active.values()) for d in ctx.unacked()]
+            for msg in [*held, *(m for m, _ in self._backlog)]:
+                with contextlib.suppress(Exception):
+                    await msg.in_progress()
+
+    async def _on_abort(self, msg: Msg) -> None:
+        try:
+            notice = decode(AbortNotice, msg.data)
+        except MalformedMessage as e:
+            log.warning("%s: ignoring malformed abort notice: %s", self.label, e)
+            return
+        entry = self.active.get(notice.request_id)
+        self._close(notice.request_id)
+        if entry is not None:
+            self._abort_reasons[notice.request_id] = notice.reason
+            entry[1].cancel()
+
+
+def _stream_seq(msg: Msg) -> str:
+    try:
+        return str(msg.metadata.sequence.stream)
+    except Exception:
+        return "?"
+
+
+def _trace_headers(msg: Msg) -> dict[str, str]:
+    hdr = msg.headers or {}
+    return {k: hdr[k] for k in (h.TRACEPARENT, h.TRACESTATE) if k in hdr}
+
+
+async def run_worker(settings: WorkerSettings, pipeline: PipelineConfig) -> None:
+    """Run one worker until SIGINT/SIGTERM."""
+    from libs.common.signals import wait_for_shutdown
+
+    worker = StageWorker(settings, pipeline)
+    await worker.start()
+    await wait_for_shutdown()
+    log.info("%s: shutting down", worker.label)
+    await worker.stop()
