@@ -114,18 +114,21 @@ class Stack:
                 await asyncio.wait_for(t, 2)
 
 
-async def wait_healthy(url: str, stack: Stack, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
-    """Poll ``url`` until it answers 200; fail early if a process dies."""
+async def wait_all_live(url: str, pipeline: PipelineConfig, stack: Stack, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
+    """Poll the gateway's ``/health`` until it is ready with every planned replica of every stage
+    live (``/health`` itself is ready with one per stage); fail early if a process dies."""
+    want = {f"{i}:{s.name}": s.replicas for i, s in enumerate(pipeline.stages)}
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(timeout=2.0) as client:
         while time.monotonic() < deadline:
             if dead := stack.dead():
                 raise RuntimeError(f"process(es) exited during start: {', '.join(dead)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if (await client.get(url)).status_code == 200:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                r = await client.get(url)
+                if r.status_code == 200 and r.json()["stages"] == want:
                     return
             await asyncio.sleep(0.5)
-    raise RuntimeError(f"{url} not healthy after {timeout_s:.0f} s")
+    raise RuntimeError(f"{url}: not every replica live after {timeout_s:.0f} s")
 
 
 def banner(port: int, nats_url: str, monitor: str | None, model: str) -> str:
@@ -186,7 +189,7 @@ async def run_stack(
             nats_url, monitor = f"nats://127.0.0.1:{nport}", f"http://127.0.0.1:{mport}"
         for spec in plan_services(pipeline, pipeline_path, nats_url, port, log_stats):
             await stack.spawn(spec.name, [sys.executable, "-m", "services.cli", *spec.args], spec.env)
-        await wait_healthy(f"http://127.0.0.1:{port}/health", stack)
+        await wait_all_live(f"http://127.0.0.1:{port}/health", pipeline, stack)
         print(banner(port, nats_url, monitor, pipeline.served_model_name), flush=True)
         stop = asyncio.create_task(wait_for_shutdown())
         while not stop.done():

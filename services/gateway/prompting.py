@@ -19,6 +19,7 @@ class Tokenizer:
         from transformers import AutoTokenizer
 
         self._tok = AutoTokenizer.from_pretrained(model_path)
+        self._tok.model_max_length = 1 << 62  # the limit is checked here, against the engine's max_model_len
 
     def chat(self, messages: list[dict[str, str]]) -> list[int]:
         text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -9,10 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from libs.common.envelopes import NdArray
-from libs.common.pipeline import StageConfig
-from libs.models.tiny import resolve_model
 from services.stage_worker.chunking import CodeChunker
-from services.stage_worker.llm_engine import build_async_llm
+from services.stage_worker.llm_engine import LLMEngineSpec, LLMHandler
 from services.stage_worker.request_context import RequestContext
 
 TALKER_VOCAB_FILE = "omnirelay_talker.json"
@@ -29,23 +27,16 @@ def load_code_range(model_dir: str) -> tuple[int, int]:
         raise SystemExit(f"talker model {model_dir}: cannot read {TALKER_VOCAB_FILE}: {e}") from None
 
 
-class TalkerHandler:
-    def __init__(self, stage: StageConfig, log_stats: bool) -> None:
-        self._stage = stage
-        self._log_stats = log_stats
-        self.engine = None
+class TalkerHandler(LLMHandler):
+    def __init__(self, spec: LLMEngineSpec) -> None:
+        super().__init__(spec)
         self._offset = 0
         self._allowed: list[int] = []
 
     async def start(self) -> None:
-        path = resolve_model(self._stage.model)
-        self._offset, num_codes = load_code_range(path)
+        self._offset, num_codes = load_code_range(self.model_path)
         self._allowed = list(range(self._offset, self._offset + num_codes))
-        self.engine = build_async_llm(self._stage, path, self._log_stats)
-
-    async def stop(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
+        await super().start()
 
     async def run(self, req: RequestContext) -> None:
         from vllm import SamplingParams

@@ -4,26 +4,15 @@ for audio requests, forwarded to the next stage in chunks."""
 from __future__ import annotations
 
 from libs.common.envelopes import ClientEvent, ClientEventType, Usage
-from libs.common.pipeline import StageConfig
-from libs.models.tiny import resolve_model
 from services.stage_worker.chunking import TextChunker
-from services.stage_worker.llm_engine import build_async_llm
+from services.stage_worker.llm_engine import LLMEngineSpec, LLMHandler
 from services.stage_worker.request_context import RequestContext
 
 
-class ThinkerHandler:
-    def __init__(self, stage: StageConfig, log_stats: bool, has_next: bool) -> None:
-        self._stage = stage
-        self._log_stats = log_stats
+class ThinkerHandler(LLMHandler):
+    def __init__(self, spec: LLMEngineSpec, has_next: bool) -> None:
+        super().__init__(spec)
         self._has_next = has_next
-        self.engine = None
-
-    async def start(self) -> None:
-        self.engine = build_async_llm(self._stage, resolve_model(self._stage.model), self._log_stats)
-
-    async def stop(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
 
     async def run(self, req: RequestContext) -> None:
         from vllm import SamplingParams

@@ -61,7 +61,9 @@ class StageWorker:
         self.stage_cfg = pipeline.stages[settings.stage]
         self.me = Identity(settings.stage, settings.replica, len(pipeline.stages))
         self.subjects = Subjects(pipeline.name)
-        self.handler: StageHandler = make_handler(pipeline, settings.stage, settings.log_stats)
+        self.handler: StageHandler = make_handler(
+            pipeline, settings.stage, settings.replica, settings.log_stats
+        )
         self.active: dict[str, tuple[RequestContext, asyncio.Task[None]]] = {}
         self._closed: dict[str, float] = {}
         self._abort_reasons: dict[str, str] = {}

@@ -1,0 +1,55 @@
+"""Shared fixtures: a real nats-server with JetStream on free ports in a temp dir."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.launcher import free_port, nats_server_binary
+
+
+def wait_port(port: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"port {port} did not open in {timeout_s} s")
+
+
+class NatsServer:
+    """A nats-server process started for the tests."""
+
+    def __init__(self, store: Path) -> None:
+        self.port, self.monitor_port = free_port(), free_port()
+        self.store = store
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        argv = [nats_server_binary(), "-js", "-sd", str(self.store), "-a", "127.0.0.1"]
+        argv += ["-p", str(self.port), "-m", str(self.monitor_port)]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_port(self.port)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    server = NatsServer(tmp_path_factory.mktemp("jetstream"))
+    server.start()
+    yield server
+    server.stop()

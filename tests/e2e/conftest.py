@@ -1,0 +1,75 @@
+"""The whole stack, started once per session with ``omnirelay up`` against the test's NATS."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from libs.common.pipeline import load_pipeline
+from services.launcher import free_port
+from tests.conftest import NatsServer
+
+START_TIMEOUT_S = 420.0
+
+
+@dataclass
+class Stack:
+    base_url: str
+    nats_url: str
+    log: Path
+    proc: subprocess.Popen[bytes]
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_log(self, *needles: str, timeout_s: float = 15.0) -> str:
+        """The first log line containing every one of ``needles`` (waits for it)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in self.log_text().splitlines():
+                if all(n in line for n in needles):
+                    return line
+            time.sleep(0.2)
+        raise AssertionError(f"no log line containing {needles!r} within {timeout_s} s")
+
+
+@pytest.fixture(scope="session")
+def pipeline():
+    return load_pipeline()
+
+
+@pytest.fixture(scope="session")
+def stack(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("stack")
+    log = tmp / "stack.log"
+    port = free_port()
+    env = {**os.environ, "NATS_URL": nats_server.url, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    argv = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--data-dir", str(tmp)]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    s = Stack(f"http://127.0.0.1:{port}", nats_server.url, log, proc)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while "omnirelay is up" not in s.log_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"stack did not come up (exit {proc.poll()}):\n{s.log_text()[-5000:]}")
+            time.sleep(1)
+        assert httpx.get(f"{s.base_url}/health").status_code == 200
+        yield s
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

@@ -1,0 +1,173 @@
+"""The OpenAI-compatible API through the whole pipeline, with the official ``openai`` client."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import wave
+
+import httpx
+import openai
+import pytest
+
+from services.bus_inspect import request_record
+
+pytestmark = pytest.mark.e2e
+
+SAMPLE_RATE = 24_000
+SAMPLES_PER_CODE = 480
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def expected_audio_samples(pipeline, completion_tokens: int) -> int:
+    """Every thinker token reaches the talker, which makes ``codes_per_token`` codes of it; the
+    codec turns each code into 480 samples."""
+    return completion_tokens * pipeline.stages[1].codes_per_token * SAMPLES_PER_CODE
+
+
+def test_models_lists_the_served_model(client, pipeline) -> None:
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [pipeline.served_model_name]
+
+
+def test_health_reports_every_stage(stack, pipeline) -> None:
+    body = httpx.get(f"{stack.base_url}/health").json()
+    assert body["status"] == "ok" and body["bus"] is True and body["orchestrators"] >= 1
+    assert body["stages"] == {f"{i}:{s.name}": s.replicas for i, s in enumerate(pipeline.stages)}
+
+
+def test_chat_non_streaming_text(client, pipeline) -> None:
+    r = client.chat.completions.create(
+        model=pipeline.served_model_name,
+        messages=[{"role": "user", "content": "Tell me about the weather."}],
+        max_tokens=12,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    choice = r.choices[0]
+    assert r.id.startswith("chatcmpl-")
+    assert choice.finish_reason == "length"
+    assert choice.message.content
+    assert r.usage.completion_tokens == 12 == len(choice.model_extra["token_ids"])
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+    assert r.usage.prompt_tokens > 5  # chat template + message
+
+
+def test_chat_streaming_text_usage_matches_streamed_tokens(client, pipeline) -> None:
+    stream = client.chat.completions.create(
+        model=pipeline.served_model_name,
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=20,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    text, ids, finish, usage, chunk_ids = [], [], None, None, set()
+    for chunk in stream:
+        chunk_ids.add(chunk.id)
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text.append(c.delta.content or "")
+            ids.extend((c.model_extra or {}).get("token_ids") or [])
+            finish = c.finish_reason or finish
+    assert len(chunk_ids) == 1
+    assert finish == "length"
+    assert usage is not None and usage.completion_tokens == len(ids) == 20
+    assert "".join(text)
+
+
+def test_completions_non_streaming_and_streaming(client, pipeline) -> None:
+    r = client.completions.create(
+        model=pipeline.served_model_name,
+        prompt="Once upon a time",
+        max_tokens=7,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 7
+    stream = client.completions.create(
+        model=pipeline.served_model_name,
+        prompt="Once upon a time",
+        max_tokens=7,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    ids, usage = [], None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            ids.extend((c.model_extra or {}).get("token_ids") or [])
+    assert usage.completion_tokens == len(ids) == 7
+
+
+def test_chat_audio_non_streaming_is_a_valid_wav_of_the_right_length(client, pipeline, stack) -> None:
+    r = client.chat.completions.create(
+        model=pipeline.served_model_name,
+        messages=[{"role": "user", "content": "Say something."}],
+        max_tokens=15,
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "wav"},
+        extra_body={"ignore_eos": True},
+    )
+    audio = r.choices[0].message.audio
+    assert audio is not None and audio.transcript
+    with wave.open(io.BytesIO(base64.b64decode(audio.data))) as w:
+        assert (w.getframerate(), w.getsampwidth(), w.getnchannels()) == (SAMPLE_RATE, 2, 1)
+        frames = w.getnframes()
+        pcm = w.readframes(frames)
+    assert r.usage.completion_tokens == 15
+    assert frames == expected_audio_samples(pipeline, 15)
+    assert len(pcm) == 2 * frames and any(pcm)  # not silence
+
+
+async def test_chat_audio_streaming_pcm_chunks(stack, pipeline) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+    stream = await client.chat.completions.create(
+        model=pipeline.served_model_name,
+        messages=[{"role": "user", "content": "Sing."}],
+        max_tokens=30,
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "pcm16"},
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    pcm, transcript, usage, audio_chunks = bytearray(), [], None, 0
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            audio = c.delta.audio  # typed by recent clients (OpenAI's streamed audio shape)
+            if audio and audio.data:
+                pcm += base64.b64decode(audio.data)
+                audio_chunks += 1
+            if audio and audio.transcript:
+                transcript.append(audio.transcript)
+    assert usage.completion_tokens == 30
+    assert len(pcm) == 2 * expected_audio_samples(pipeline, 30)
+    # 30 tokens x 4 codes = 120 codes, forwarded 25 at a time: more than one chunk streamed.
+    assert audio_chunks > 1
+    assert "".join(transcript)
+
+
+async def test_request_record_shows_where_the_request_went(stack, pipeline, client) -> None:
+    r = client.chat.completions.create(
+        model=pipeline.served_model_name,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        modalities=["text", "audio"],
+    )
+    rec = None
+    for _ in range(50):  # lifecycle events are recorded asynchronously
+        rec = await request_record(stack.nats_url, r.id)
+        if rec and rec["status"] == "completed":
+            break
+        await asyncio.sleep(0.1)
+    assert rec is not None and rec["status"] == "completed"
+    assert len(rec["route"]) == 3
+    assert all(s["started_ns"] and s["done_ns"] for s in rec["stages"])
+    assert rec["finish_reason"] == r.choices[0].finish_reason
