@@ -71,8 +71,15 @@ async def snapshot(nats_url: str, pipeline: PipelineConfig) -> dict[str, Any]:
                 except NotFoundError:
                     row["missing"] = True
                 consumers.append(row)
-        services = sorted(await _records(await services_kv(js), ServiceRecord), key=lambda r: r.key)
-        requests = [r for r in await _records(await requests_kv(js), RequestRecord) if not r.status.terminal]
+        services = sorted(
+            (r for r in await _records(await services_kv(js), ServiceRecord) if r.pipeline == pipeline.name),
+            key=lambda r: r.key,
+        )
+        requests = [
+            r
+            for r in await _records(await requests_kv(js), RequestRecord)
+            if r.pipeline == pipeline.name and not r.status.terminal
+        ]
         return {
             "pipeline": pipeline.name,
             "streams": streams,

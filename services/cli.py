@@ -192,6 +192,63 @@ def make_tiny_cmd(
         typer.echo(f"{model_id}\t{path}")
 
 
+@app.command()
+def bench(
+    pipeline: Annotated[
+        Path | None,
+        typer.Option(
+            "--pipeline", help="thinker-only pipeline YAML [default: compose/pipelines/text-only.yaml]"
+        ),
+    ] = None,
+    concurrency: Annotated[str, typer.Option(help="comma-separated concurrency levels")] = "1,16",
+    requests: Annotated[
+        int | None,
+        typer.Option(
+            help="requests per (target, concurrency) over all rounds [default: 32 at c=1, 64 at c=16]"
+        ),
+    ] = None,
+    max_tokens: Annotated[int, typer.Option(help="output tokens per request (ignore_eos)")] = 64,
+    warmup: Annotated[int, typer.Option(help="unmeasured requests per target first")] = 16,
+    rounds: Annotated[int, typer.Option(help="alternating rounds per concurrency (A B, B A, ...)")] = 2,
+    core: Annotated[
+        int | None, typer.Option(help="CPU core both engines bind to [default: the first usable one]")
+    ] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="write the raw numbers here")] = None,
+    log_dir: Annotated[
+        Path | None, typer.Option(help="keep the processes' logs here [default: a temp dir, removed]")
+    ] = None,
+) -> None:
+    """Benchmark the gateway against vLLM's own OpenAI server on the same thinker (prints a table)."""
+    from services.bench import DEFAULT_PIPELINE, BenchOptions, parse_concurrency, run_bench
+
+    try:
+        levels = tuple(parse_concurrency(concurrency))
+    except ValueError as e:
+        typer.echo(f"error: --concurrency: {e}", err=True)
+        raise typer.Exit(2) from None
+    if min(max_tokens, warmup + 1, rounds) < 1 or (requests is not None and requests < 1):
+        typer.echo("error: --max-tokens, --requests and --rounds must be ≥ 1, --warmup ≥ 0", err=True)
+        raise typer.Exit(2)
+    path = (pipeline or DEFAULT_PIPELINE).resolve()
+    try:
+        load_pipeline(path)
+    except PipelineConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    opts = BenchOptions(
+        pipeline_path=path,
+        concurrency=levels,
+        requests=requests,
+        max_tokens=max_tokens,
+        warmup=warmup,
+        rounds=rounds,
+        core=core,
+        json_path=json_path,
+        log_dir=log_dir.resolve() if log_dir else None,
+    )
+    raise typer.Exit(run_bench(opts))
+
+
 def main() -> None:
     app()
 

@@ -98,23 +98,31 @@ class Stack:
         return [f"{n} (exit {p.returncode})" for n, p in self.procs if p.returncode is not None]
 
     async def stop(self) -> None:
-        """SIGTERM in reverse start order (gateway first, NATS last), then SIGKILL stragglers."""
-        for _, p in reversed(self.procs):
-            if p.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    p.send_signal(signal.SIGTERM)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(p.wait(), STOP_TIMEOUT_S)
-            if p.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                await p.wait()
+        """Stop the gateway first (no new requests), then the services it fronts, NATS last."""
+        services = [(n, p) for n, p in self.procs if n != "nats"]
+        nats = [(n, p) for n, p in self.procs if n == "nats"]
+        for group in (services[-1:], services[:-1], nats):
+            await asyncio.gather(*(_terminate(p) for _, p in group))
         for t in self._pumps:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(t, 2)
 
 
-async def wait_all_live(url: str, pipeline: PipelineConfig, stack: Stack, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
+async def _terminate(p: asyncio.subprocess.Process) -> None:
+    """SIGTERM, then SIGKILL to the whole process group after ``STOP_TIMEOUT_S``."""
+    if p.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            p.send_signal(signal.SIGTERM)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(p.wait(), STOP_TIMEOUT_S)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGKILL)  # also reaps what the process spawned (vLLM's EngineCore)
+    await p.wait()
+
+
+async def wait_all_live(
+    url: str, pipeline: PipelineConfig, stack: Stack, timeout_s: float = HEALTH_TIMEOUT_S
+) -> None:
     """Poll the gateway's ``/health`` until it is ready with every planned replica of every stage
     live (``/health`` itself is ready with one per stage); fail early if a process dies."""
     want = {f"{i}:{s.name}": s.replicas for i, s in enumerate(pipeline.stages)}
@@ -160,43 +168,71 @@ async def run_stack(
     data_dir: Path,
     nats_url: str | None,
 ) -> int:
-    """Start everything, print the banner, stream logs until Ctrl-C or a process dies."""
-    from libs.common.signals import wait_for_shutdown
-    from libs.models.tiny import make_tiny
+    """Start everything, print the banner, stream logs until Ctrl-C/SIGTERM or a process dies.
 
-    await asyncio.to_thread(make_tiny)
+    Signals are handled from the first moment, so an interrupted start still stops what it began.
+    """
+    from libs.common.signals import shutdown_event
+
+    stop = shutdown_event()
     stack = Stack()
     stack.width = max(len(f"{s.name}-{r}") for s in pipeline.stages for r in range(s.replicas)) + 1
-    monitor = None
     try:
-        if not nats_url:
-            nport, mport = free_port(), free_port()
-            store = data_dir / "jetstream"
-            store.mkdir(parents=True, exist_ok=True)
-            argv = [
-                nats_server_binary(),
-                "-js",
-                "-sd",
-                str(store),
-                "-a",
-                "127.0.0.1",
-                "-p",
-                str(nport),
-                "-m",
-                str(mport),
-            ]
-            await stack.spawn("nats", argv, {})
-            nats_url, monitor = f"nats://127.0.0.1:{nport}", f"http://127.0.0.1:{mport}"
-        for spec in plan_services(pipeline, pipeline_path, nats_url, port, log_stats):
-            await stack.spawn(spec.name, [sys.executable, "-m", "services.cli", *spec.args], spec.env)
-        await wait_all_live(f"http://127.0.0.1:{port}/health", pipeline, stack)
+        starting = asyncio.create_task(
+            _start(stack, pipeline, pipeline_path, port, log_stats, data_dir, nats_url)
+        )
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            return 130
+        stopping.cancel()
+        nats_url, monitor = starting.result()
         print(banner(port, nats_url, monitor, pipeline.served_model_name), flush=True)
-        stop = asyncio.create_task(wait_for_shutdown())
-        while not stop.done():
-            await asyncio.wait({stop}, timeout=1.0)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
             if dead := stack.dead():
                 print(f"omnirelay: {', '.join(dead)} stopped; shutting down", file=sys.stderr)
                 return 1
         return 0
     finally:
         await stack.stop()
+
+
+async def _start(
+    stack: Stack,
+    pipeline: PipelineConfig,
+    pipeline_path: Path,
+    port: int,
+    log_stats: bool,
+    data_dir: Path,
+    nats_url: str | None,
+) -> tuple[str, str | None]:
+    """NATS (unless given), then every service; returns (NATS URL, monitoring URL or None)."""
+    from libs.models.tiny import make_tiny
+
+    await asyncio.to_thread(make_tiny)
+    monitor = None
+    if not nats_url:
+        nport, mport = free_port(), free_port()
+        store = data_dir / "jetstream"
+        store.mkdir(parents=True, exist_ok=True)
+        argv = [
+            nats_server_binary(),
+            "-js",
+            "-sd",
+            str(store),
+            "-a",
+            "127.0.0.1",
+            "-p",
+            str(nport),
+            "-m",
+            str(mport),
+        ]
+        await stack.spawn("nats", argv, {})
+        nats_url, monitor = f"nats://127.0.0.1:{nport}", f"http://127.0.0.1:{mport}"
+    for spec in plan_services(pipeline, pipeline_path, nats_url, port, log_stats):
+        await stack.spawn(spec.name, [sys.executable, "-m", "services.cli", *spec.args], spec.env)
+    await wait_all_live(f"http://127.0.0.1:{port}/health", pipeline, stack)
+    return nats_url, monitor

@@ -61,6 +61,8 @@ class BusLimits:
 
 
 LIMITS = BusLimits()
+DRAIN_TIMEOUT_S = 5.0
+"""How long a shutting-down service waits for its subscriptions to drain, seconds."""
 
 
 async def connect(url: str, name: str) -> NATS:
@@ -81,6 +83,7 @@ async def connect(url: str, name: str) -> NATS:
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
         connect_timeout=5,
+        drain_timeout=DRAIN_TIMEOUT_S,
         disconnected_cb=_disconnected,
         reconnected_cb=_reconnected,
         error_cb=_error,

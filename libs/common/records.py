@@ -29,6 +29,7 @@ class RequestRecord(BaseModel):
     """Where a request is: status, bound replica per stage, current stage, timestamps (wall ns)."""
 
     request_id: str
+    pipeline: str
     gateway_id: str
     status: RequestStatus
     route: list[int]

@@ -93,10 +93,11 @@ class Heartbeat:
 
 
 class LiveServices:
-    """A watched, in-memory view of the registry."""
+    """A watched, in-memory view of one pipeline's part of the registry."""
 
-    def __init__(self, kv: KeyValue, ttl_s: float = LIMITS.service_ttl_s) -> None:
+    def __init__(self, kv: KeyValue, pipeline: str, ttl_s: float = LIMITS.service_ttl_s) -> None:
         self._kv = kv
+        self._pipeline = pipeline
         self._ttl_s = ttl_s
         self._entries: dict[str, tuple[ServiceRecord, float]] = {}
         self._task: asyncio.Task[None] | None = None
@@ -108,7 +109,7 @@ class LiveServices:
         self._listeners.append(fn)
 
     async def start(self) -> None:
-        watcher = await self._kv.watchall()
+        watcher = await self._kv.watch(f"*.{self._pipeline}.>")
         self._task = asyncio.create_task(self._run(watcher), name="registry-watch")
 
     async def _run(self, watcher: KeyValue.KeyWatcher) -> None:

@@ -6,10 +6,15 @@ import asyncio
 import signal
 
 
-async def wait_for_shutdown() -> None:
-    """Return when the process receives SIGINT or SIGTERM."""
+def shutdown_event() -> asyncio.Event:
+    """An event set when the process receives SIGINT or SIGTERM (handlers installed now)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    return stop
+
+
+async def wait_for_shutdown() -> None:
+    """Return when the process receives SIGINT or SIGTERM."""
+    await shutdown_event().wait()

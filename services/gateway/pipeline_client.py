@@ -38,6 +38,10 @@ JS_STREAM_FULL = 10077
 """JetStream error code: maximum messages exceeded (the admission queue is full)."""
 
 
+BACKSTOP_S = 3.0
+"""The gateway's own timeout fires this long after a request's deadline, seconds."""
+
+
 class RequestHandle:
     """The events of one submitted request, in arrival order, bounded by its deadline."""
 
@@ -47,9 +51,11 @@ class RequestHandle:
         self.queue: asyncio.Queue[ClientEvent] = asyncio.Queue()
 
     async def events(self) -> AsyncIterator[ClientEvent]:
-        """Yield events until the caller stops; raises a 504 :class:`APIError` at the deadline."""
+        """Yield events until the caller stops; raises a 504 :class:`APIError` when nothing has
+        ended the request ``BACKSTOP_S`` after its deadline (workers and orchestrators normally
+        answer at the deadline itself; this covers a bus or orchestrator outage)."""
         while True:
-            left = (self.deadline_ns - time.time_ns()) / 1e9
+            left = (self.deadline_ns - time.time_ns()) / 1e9 + BACKSTOP_S
             try:
                 yield await asyncio.wait_for(self.queue.get(), timeout=max(left, 0.0))
             except TimeoutError:
@@ -76,7 +82,7 @@ class PipelineClient:
             pending_bytes_limit=1 << 30,
         )
         skv = await services_kv(self.js)
-        self.services = LiveServices(skv)
+        self.services = LiveServices(skv, self.pipeline.name)
         await self.services.start()
         record = ServiceRecord(
             service=ServiceKind.GATEWAY,

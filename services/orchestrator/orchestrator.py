@@ -26,6 +26,7 @@ from libs.common.bus import (
     services_kv,
 )
 from libs.common.envelopes import (
+    AbortNotice,
     Admission,
     ClientEvent,
     ClientEventType,
@@ -47,6 +48,7 @@ from libs.common.subjects import (
     Subjects,
 )
 from libs.common.version import VERSION
+from services.orchestrator.deadlines import DeadlineSweeper
 from services.orchestrator.routing import NoLiveReplica, ReplicaPicker
 
 log = logging.getLogger(__name__)
@@ -68,7 +70,7 @@ class Orchestrator:
         await ensure_topology(self.js, self.subjects)
         self.requests: KeyValue = await requests_kv(self.js)
         skv = await services_kv(self.js)
-        self.services = LiveServices(skv)
+        self.services = LiveServices(skv, self.pipeline.name)
         self.picker = ReplicaPicker(self.services)
         await self.services.start()
         await asyncio.wait_for(self.services.ready.wait(), timeout=10)
@@ -84,6 +86,8 @@ class Orchestrator:
             stream=self.subjects.events_stream,
             config=orchestrator_consumer_config(self.subjects.events_wildcard, ORCHESTRATOR_EVENTS_CONSUMER),
         )
+        self._sweeper = DeadlineSweeper(self.requests, self.pipeline.name, self._expired)
+        await self._sweeper.start()
         port = start_metrics_server(self.settings.metrics_port)
         record = ServiceRecord(
             service=ServiceKind.ORCHESTRATOR,
@@ -103,6 +107,7 @@ class Orchestrator:
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
+        await self._sweeper.stop()
         await self._heartbeat.stop()
         await self.services.stop()
         with contextlib.suppress(Exception):
@@ -140,6 +145,7 @@ class Orchestrator:
         attempt = msg.metadata.num_delivered if msg.metadata else 1
         record = RequestRecord(
             request_id=adm.request_id,
+            pipeline=self.pipeline.name,
             gateway_id=adm.gateway_id,
             status=RequestStatus.ADMITTED,
             route=route,
@@ -172,14 +178,29 @@ class Orchestrator:
 
     async def _reject(self, adm: Admission, status: int, code: str, message: str) -> None:
         log.warning("request %s rejected: %s", adm.request_id, message)
+        await self._tell_client(adm.request_id, adm.gateway_id, adm.arrival_ns, status, code, message)
+
+    async def _tell_client(
+        self, request_id: str, gateway_id: str, arrival_ns: int, status: int, code: str, message: str
+    ) -> None:
         event = ClientEvent(
-            request_id=adm.request_id,
-            type=ClientEventType.ERROR,
-            status=status,
-            code=code,
-            message=message,
+            request_id=request_id, type=ClientEventType.ERROR, status=status, code=code, message=message
         )
-        await publish_client(self.nc, self.subjects, adm.gateway_id, event, adm.arrival_ns)
+        await publish_client(self.nc, self.subjects, gateway_id, event, arrival_ns)
+
+    async def _expired(self, rec: RequestRecord) -> None:
+        """A request past its deadline: abort it in every worker and answer the client."""
+        await self.nc.publish(
+            self.subjects.abort, AbortNotice(request_id=rec.request_id, reason="timeout").encode()
+        )
+        await self._tell_client(
+            rec.request_id,
+            rec.gateway_id,
+            rec.arrival_ns,
+            504,
+            "timeout",
+            "the request did not finish before its deadline",
+        )
 
     # --- lifecycle ---------------------------------------------------------------------
     async def _on_event(self, msg: Msg) -> None:

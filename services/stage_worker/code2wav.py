@@ -10,6 +10,7 @@ from libs.common.pipeline import StageConfig
 from libs.models.codec import decode_to_pcm16, load_codec
 from libs.models.tiny import resolve_model
 from services.stage_worker.request_context import RequestContext
+from services.stage_worker.stage_handler import StageError
 
 
 class Code2WavHandler:
@@ -35,7 +36,12 @@ class Code2WavHandler:
             d = await req.next()
             codes = d.task.codes.to_numpy() if d.task.codes is not None else None
             if codes is not None and codes.size:
-                pcm = await loop.run_in_executor(self._pool, decode_to_pcm16, self._model, codes)
+                try:
+                    pcm = await loop.run_in_executor(self._pool, decode_to_pcm16, self._model, codes)
+                except ValueError as e:
+                    raise StageError(
+                        500, "codec_input_rejected", f"code2wav rejected chunk {d.task.seq}: {e}"
+                    ) from e
                 await req.client(
                     ClientEvent(
                         request_id=req.request_id,

@@ -9,6 +9,14 @@ from services.stage_worker.llm_engine import LLMEngineSpec, cpu_core_for
 from services.stage_worker.request_context import RequestContext
 
 
+class StageError(Exception):
+    """A failure a handler can name: the client gets ``status`` and ``code``."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
 class StageHandler(Protocol):
     """Runs one stage's engine. ``run`` processes one request from its first to its final input."""
 

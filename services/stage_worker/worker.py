@@ -41,7 +41,7 @@ from libs.common.subjects import Subjects
 from libs.common.version import VERSION
 from services.stage_worker.inbox import Delivery
 from services.stage_worker.request_context import Bus, Identity, RequestContext
-from services.stage_worker.stage_handler import StageHandler, make_handler
+from services.stage_worker.stage_handler import StageError, StageHandler, make_handler
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,12 @@ class StageWorker:
             raise SystemExit(
                 f"--stage {settings.stage}: pipeline '{pipeline.name}' ({pipeline.source}) has "
                 f"stages 0..{len(pipeline.stages) - 1}"
+            )
+        declared = pipeline.stages[settings.stage].replicas
+        if settings.replica >= declared:
+            raise SystemExit(
+                f"--replica {settings.replica}: pipeline '{pipeline.name}' ({pipeline.source}) declares "
+                f"{declared} replica(s) of stage {settings.stage}; raise 'replicas' to add one"
             )
         self.settings = settings
         self.pipeline = pipeline
@@ -209,10 +215,16 @@ class StageWorker:
             log.info("%s: request %s stopped (%s)", self.label, rid, self._abort_reasons.get(rid, "shutdown"))
         except TimeoutError:
             log.warning("%s: request %s passed its deadline; stopped", self.label, rid)
-            ctx.lifecycle("failed", reason="timeout")
+            await self._report_failure(ctx, 504, "timeout", "the request did not finish before its deadline")
+        except StageError as e:
+            log.error("%s: request %s failed: %s", self.label, rid, e)
+            await self._report_failure(ctx, e.status, e.code, str(e))
         except Exception as e:
             log.exception("%s: request %s failed", self.label, rid)
-            await self._report_failure(ctx, e)
+            status, code = (400, "invalid_request") if isinstance(e, ValueError) else (500, "stage_error")
+            await self._report_failure(
+                ctx, status, code, f"stage {self.me.stage} ({self.stage_cfg.name}) failed: {e}"
+            )
         finally:
             self.active.pop(rid, None)
             self._abort_reasons.pop(rid, None)
@@ -226,19 +238,13 @@ class StageWorker:
             msg, task = self._backlog.popleft()
             await self._accept(msg, task, time.time_ns())
 
-    async def _report_failure(self, ctx: RequestContext, e: Exception) -> None:
-        status, code = (400, "invalid_request") if isinstance(e, ValueError) else (500, "stage_error")
-        message = f"stage {self.me.stage} ({self.stage_cfg.name}) failed: {e}"
+    async def _report_failure(self, ctx: RequestContext, status: int, code: str, message: str) -> None:
+        """Tell the client (its gateway) and the orchestrator that the request failed here."""
+        event = ClientEvent(
+            request_id=ctx.request_id, type=ClientEventType.ERROR, status=status, code=code, message=message
+        )
         with contextlib.suppress(Exception):
-            await ctx.client(
-                ClientEvent(
-                    request_id=ctx.request_id,
-                    type=ClientEventType.ERROR,
-                    status=status,
-                    code=code,
-                    message=message,
-                )
-            )
+            await ctx.client(event)
         ctx.lifecycle("failed", reason=code)
 
     async def _ack_all(self, ctx: RequestContext) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -40,6 +41,10 @@ class Stack:
                     return line
             time.sleep(0.2)
         raise AssertionError(f"no log line containing {needles!r} within {timeout_s} s")
+
+    async def await_log(self, *needles: str, timeout_s: float = 15.0) -> str:
+        """:meth:`wait_log` for async tests (does not block their event loop)."""
+        return await asyncio.to_thread(self.wait_log, *needles, timeout_s=timeout_s)
 
 
 @pytest.fixture(scope="session")

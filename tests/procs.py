@@ -1,0 +1,96 @@
+"""Starting omnirelay services as real processes for tests, with their output in a log file."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+class ServiceProcess:
+    """``python -m services.cli <args>`` with extra environment, logging to ``log``."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
+        self.args, self.env, self.log = args, env, log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ServiceProcess:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", *self.args],
+                env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return self
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def wait_log(self, *needles: str, timeout_s: float = 60.0) -> str:
+        """The first line of the log containing all ``needles`` (waits for it; fails if the
+        process exits first)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in self.text().splitlines():
+                if all(n in line for n in needles):
+                    return line
+            if self.proc is not None and self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"{self.args}: no log line with {needles!r}:\n{self.text()[-3000:]}")
+
+    async def await_log(self, *needles: str, timeout_s: float = 60.0) -> str:
+        """:meth:`wait_log` for async tests (does not block their event loop)."""
+        return await asyncio.to_thread(self.wait_log, *needles, timeout_s=timeout_s)
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            return self.proc.wait()
+
+
+def write_pipeline(path: Path, name: str, stages_yaml: str, timeout_s: float = 120.0) -> Path:
+    """A pipeline file named ``name`` (unique per test module: streams are per pipeline)."""
+    path.write_text(
+        f"name: {name}\nserved_model_name: {name}-model\nrequest_timeout_s: {timeout_s}\nstages:\n{stages_yaml}"
+    )
+    return path
+
+
+THINKER_YAML = """\
+  - name: thinker
+    type: llm
+    model: tiny-thinker
+    replicas: 1
+    consumes: text
+    emits: text
+    stream_to_client: true
+    engine: {max_model_len: 2048, enforce_eager: true, dtype: float32}
+"""
+TALKER_YAML = """\
+  - name: talker
+    type: llm
+    model: tiny-talker
+    consumes: text
+    emits: codec_codes
+    engine: {max_model_len: 2048, enforce_eager: true, dtype: float32}
+"""
+CODE2WAV_YAML = """\
+  - name: code2wav
+    type: codec
+    model: tiny-code2wav
+    consumes: codec_codes
+    emits: audio
+    stream_to_client: true
+"""

@@ -1,0 +1,188 @@
+"""The pure statistics of ``omnirelay bench``: hand-computed cases, no servers."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.bench import (
+    DIRECT,
+    GATEWAY,
+    CellStats,
+    RequestTiming,
+    RoundResult,
+    Row,
+    Summary,
+    aggregate,
+    comparison_rows,
+    default_requests,
+    overhead_pct,
+    parse_concurrency,
+    percentile,
+    ratio,
+    render_table,
+    round_order,
+    split_requests,
+    verdict_line,
+)
+
+
+# --- percentile -----------------------------------------------------------------------------
+def test_percentile_single_value_is_that_value() -> None:
+    assert percentile([7.0], 0) == 7.0
+    assert percentile([7.0], 50) == 7.0
+    assert percentile([7.0], 100) == 7.0
+
+
+def test_percentile_interpolates_between_ranks() -> None:
+    # sorted 1, 2, 3, 4: position (n-1)*q = 3*q; p50 -> 1.5 -> 2.5; p90 -> 2.7 -> 3.7
+    xs = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(xs, 50) == pytest.approx(2.5)
+    assert percentile(xs, 90) == pytest.approx(3.7)
+    assert percentile(xs, 0) == 1.0
+    assert percentile(xs, 100) == 4.0
+
+
+def test_percentile_odd_count_median_is_middle() -> None:
+    # sorted 10, 20, 30, 40, 100: p50 at position 2 -> 30; p90 at 3.6 -> 40 + 0.6*60 = 76
+    xs = [100.0, 10.0, 40.0, 20.0, 30.0]
+    assert percentile(xs, 50) == 30.0
+    assert percentile(xs, 90) == pytest.approx(76.0)
+
+
+def test_percentile_rejects_empty_and_out_of_range() -> None:
+    with pytest.raises(ValueError):
+        percentile([], 50)
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+
+
+def test_summary_of_values_and_of_nothing() -> None:
+    s = Summary.of([1.0, 2.0, 3.0, 4.0])
+    assert s == Summary(p50=2.5, p90=pytest.approx(3.7), mean=2.5, count=4)
+    assert Summary.of([]) is None
+
+
+# --- one request --------------------------------------------------------------------------
+def test_request_timing_metrics() -> None:
+    # sent at 10.0, first content at 10.1, last at 10.5 after 5 tokens, stream ends at 10.6
+    t = RequestTiming(sent_s=10.0, done_s=10.6, first_token_s=10.1, last_token_s=10.5, tokens=5)
+    assert t.ttft_s == pytest.approx(0.1)
+    assert t.tpot_s == pytest.approx(0.1)  # (10.5 - 10.1) / (5 - 1)
+    assert t.e2e_s == pytest.approx(0.6)
+
+
+def test_request_timing_single_token_has_no_tpot() -> None:
+    t = RequestTiming(sent_s=0.0, done_s=0.3, first_token_s=0.2, last_token_s=0.2, tokens=1)
+    assert t.ttft_s == pytest.approx(0.2)
+    assert t.tpot_s is None
+
+
+def test_failed_request_has_no_metrics() -> None:
+    t = RequestTiming(sent_s=0.0, done_s=1.0, first_token_s=0.5, tokens=3, error="boom")
+    assert not t.ok
+    assert (t.ttft_s, t.tpot_s, t.e2e_s) == (None, None, None)
+    assert not RequestTiming(sent_s=0.0, done_s=1.0).ok  # no content ever arrived
+
+
+# --- aggregation --------------------------------------------------------------------------
+def _req(sent: float, ttft: float, tpot: float, tokens: int, tail: float = 0.0) -> RequestTiming:
+    first = sent + ttft
+    last = first + tpot * (tokens - 1)
+    return RequestTiming(
+        sent_s=sent, done_s=last + tail, first_token_s=first, last_token_s=last, tokens=tokens
+    )
+
+
+def test_aggregate_pools_rounds_and_sums_wall_time() -> None:
+    r0 = RoundResult(GATEWAY, 1, 0, wall_s=2.0, timings=[_req(0, 0.1, 0.01, 11), _req(1, 0.3, 0.03, 11)])
+    r1 = RoundResult(
+        GATEWAY,
+        1,
+        1,
+        wall_s=2.0,
+        timings=[_req(0, 0.2, 0.02, 11), RequestTiming(sent_s=0, done_s=1, error="HTTP 500")],
+    )
+    s = aggregate([r0, r1])
+    assert s.requests == 4 and s.errors == 1
+    # TTFTs 0.1, 0.2, 0.3 -> p50 0.2, p90 at position 1.8 -> 0.28, mean 0.2
+    assert s.ttft.p50 == pytest.approx(0.2)
+    assert s.ttft.p90 == pytest.approx(0.28)
+    assert s.ttft.mean == pytest.approx(0.2)
+    assert s.tpot.p50 == pytest.approx(0.02)
+    # e2e = ttft + 10 * tpot: 0.2, 0.4, 0.6 -> mean 0.4
+    assert s.e2e.mean == pytest.approx(0.4)
+    # 3 good requests * 11 tokens / (2 + 2) s
+    assert s.throughput_tok_s == pytest.approx(33 / 4)
+
+
+def test_aggregate_of_only_failures() -> None:
+    s = aggregate([RoundResult(DIRECT, 16, 0, 1.0, [RequestTiming(sent_s=0, done_s=1, error="x")])])
+    assert (s.ttft, s.tpot, s.e2e, s.throughput_tok_s, s.errors) == (None, None, None, 0.0, 1)
+
+
+# --- ratio and verdict --------------------------------------------------------------------
+def test_ratio_and_overhead() -> None:
+    assert ratio(0.12, 0.10) == pytest.approx(1.2)
+    assert overhead_pct(0.12, 0.10) == pytest.approx(20.0)
+    assert overhead_pct(0.09, 0.10) == pytest.approx(-10.0)
+    assert ratio(1.0, 0.0) is None
+    assert ratio(None, 1.0) is None
+    assert overhead_pct(1.0, None) is None
+
+
+def test_verdict_line_met_and_missed() -> None:
+    met = verdict_line(0.0115, 0.0100)
+    assert met == ("gateway TTFT p50 at concurrency 1 is +15.0% over direct vLLM (target ≤ +20%): met")
+    assert verdict_line(0.0150, 0.0100).endswith("+50.0% over direct vLLM (target ≤ +20%): MISSED")
+    assert "not measured" in verdict_line(None, 0.01)
+
+
+# --- table --------------------------------------------------------------------------------
+def _cell(ttft_ms: float, tput: float) -> CellStats:
+    s = Summary(p50=ttft_ms / 1e3, p90=ttft_ms / 1e3, mean=ttft_ms / 1e3, count=1)
+    return CellStats(ttft=s, tpot=s, e2e=s, throughput_tok_s=tput, requests=1, errors=0)
+
+
+def test_comparison_rows_are_metric_by_concurrency_in_display_units() -> None:
+    rows = comparison_rows({1: _cell(12, 100), 16: _cell(30, 800)}, {1: _cell(10, 110)}, [1, 16])
+    assert len(rows) == 3 * 3 * 2 + 2
+    assert rows[0] == Row("TTFT p50 (ms)", 1, pytest.approx(12.0), pytest.approx(10.0))
+    assert rows[1] == Row("TTFT p50 (ms)", 16, pytest.approx(30.0), None)
+    assert rows[-2] == Row("throughput (tok/s)", 1, 100, 110)
+    assert rows[-1] == Row("throughput (tok/s)", 16, 800, None)
+    assert [r.metric for r in rows[2:6]] == [
+        "TTFT p90 (ms)",
+        "TTFT p90 (ms)",
+        "TTFT mean (ms)",
+        "TTFT mean (ms)",
+    ]
+
+
+def test_render_table_columns_and_ratio() -> None:
+    text = render_table([Row("TTFT p50 (ms)", 1, 12.0, 10.0), Row("throughput (tok/s)", 16, 800.0, None)])
+    lines = text.splitlines()
+    assert lines[0].split() == ["metric", "conc", "omnirelay", "vLLM", "direct", "ratio"]
+    assert set(lines[1]) == {"-"}
+    assert lines[2].split() == ["TTFT", "p50", "(ms)", "1", "12.00", "10.00", "1.20x", "(+20%)"]
+    assert lines[3].split() == ["throughput", "(tok/s)", "16", "800.0", "-", "-"]
+    assert len({len(line) for line in lines}) == 1  # fixed width
+
+
+# --- plan helpers -------------------------------------------------------------------------
+def test_split_requests_and_round_order() -> None:
+    assert split_requests(64, 2) == [32, 32]
+    assert split_requests(33, 2) == [17, 16]
+    assert split_requests(2, 3) == [1, 1, 0]
+    with pytest.raises(ValueError):
+        split_requests(4, 0)
+    assert [round_order(r) for r in range(3)] == [(GATEWAY, DIRECT), (DIRECT, GATEWAY), (GATEWAY, DIRECT)]
+
+
+def test_parse_concurrency_and_defaults() -> None:
+    assert parse_concurrency("1,16") == [1, 16]
+    assert parse_concurrency(" 4, 4 ,1,") == [4, 1]
+    with pytest.raises(ValueError):
+        parse_concurrency("0")
+    with pytest.raises(ValueError):
+        parse_concurrency(",")
+    assert (default_requests(1), default_requests(16), default_requests(32)) == (32, 64, 128)

@@ -1,0 +1,74 @@
+"""Pipeline YAML: the shipped files load; bad files fail naming file, field and reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from libs.common.pipeline import DEFAULT_PIPELINE_PATH, PipelineConfigError, load_pipeline
+
+
+def test_default_pipeline_is_the_three_stage_chain() -> None:
+    p = load_pipeline()
+    assert [s.name for s in p.stages] == ["thinker", "talker", "code2wav"]
+    assert p.stages_for(audio=False) == [0] and p.stages_for(audio=True) == [0, 1, 2]
+    assert p.audio_stage == 2 and p.stages[0].replicas == 2
+
+
+def test_every_shipped_pipeline_loads() -> None:
+    for path in DEFAULT_PIPELINE_PATH.parent.glob("*.yaml"):
+        assert load_pipeline(path).stages
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    return path
+
+
+GOOD_STAGE = "  - {name: thinker, type: llm, model: m, consumes: text, emits: text}\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "fragments"),
+    [
+        ("name: x\nserved_model_name: y\nstages: []\n", ["field 'stages'"]),
+        ("name: x\nstages:\n" + GOOD_STAGE, ["field 'served_model_name'", "Field required"]),
+        ("name: Bad Name\nserved_model_name: y\nstages:\n" + GOOD_STAGE, ["field 'name'"]),
+        (
+            "name: x\nserved_model_name: y\nstages:\n"
+            + GOOD_STAGE.replace("replicas", "")
+            + "  - {name: t, type: llm, model: m, consumes: audio, emits: text}\n",
+            ["stages[1].consumes is 'audio'", "emits 'text'"],
+        ),
+        (
+            "name: x\nserved_model_name: y\nstages:\n" + GOOD_STAGE.replace("type: llm", "type: gpu"),
+            ["stages.0.type"],
+        ),
+        (
+            "name: x\nserved_model_name: y\nstages:\n" + GOOD_STAGE.replace("}", ", replicas: 0}"),
+            ["stages.0.replicas"],
+        ),
+        (
+            "name: x\nserved_model_name: y\nbogus: 1\nstages:\n" + GOOD_STAGE,
+            ["field 'bogus'", "Extra inputs"],
+        ),
+        ("- just\n- a list\n", ["top level must be a mapping"]),
+        ("name: [unclosed\n", ["not valid YAML"]),
+    ],
+)
+def test_invalid_pipeline_names_file_field_and_reason(
+    tmp_path: Path, text: str, fragments: list[str]
+) -> None:
+    path = _write(tmp_path, text)
+    with pytest.raises(PipelineConfigError) as e:
+        load_pipeline(path)
+    assert str(path) in str(e.value)
+    for f in fragments:
+        assert f in str(e.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(PipelineConfigError, match="cannot read pipeline file"):
+        load_pipeline(tmp_path / "nope.yaml")

@@ -1,0 +1,123 @@
+"""Pure pieces of the workers and orchestrator: chunking, re-ordering, routing, record updates."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from libs.common.envelopes import LifecycleEvent, StageTask, TaskKind
+from libs.common.records import RequestRecord, RequestStatus, StageProgress
+from libs.common.registry import ServiceKind, ServiceRecord
+from services.orchestrator.orchestrator import apply_event
+from services.orchestrator.routing import NoLiveReplica, ReplicaPicker
+from services.stage_worker.chunking import CodeChunker, TextChunker
+from services.stage_worker.inbox import Delivery, RequestInbox
+
+
+def test_text_chunker_cuts_by_count_and_at_sentence_ends() -> None:
+    c = TextChunker(max_tokens=3, sentence_end=True)
+    assert c.feed([1], "Hi") == []
+    assert [(x.token_ids, x.text) for x in c.feed([2], " there.")] == [([1, 2], "Hi there.")]
+    assert c.feed([3], " a") == [] and c.feed([4], " b") == []
+    assert [x.token_ids for x in c.feed([5], " c")] == [[3, 4, 5]]
+    assert c.feed([6], "!") and c.flush().token_ids == []
+
+
+def test_text_chunker_without_sentence_ends_and_flush() -> None:
+    c = TextChunker(max_tokens=4, sentence_end=False)
+    assert c.feed([1, 2], "a.") == []
+    rest = c.flush()
+    assert (rest.token_ids, rest.text) == ([1, 2], "a.")
+
+
+def test_code_chunker_emits_fixed_size_chunks() -> None:
+    c = CodeChunker(size=3)
+    assert c.feed([1, 2]) == []
+    assert c.feed([3, 4, 5, 6, 7]) == [[1, 2, 3], [4, 5, 6]]
+    assert c.flush() == [7] and c.flush() == []
+
+
+def _delivery(seq: int) -> Delivery:
+    t = StageTask(
+        request_id="r", gateway_id="g", arrival_ns=0, deadline_ns=0, route=[0], kind=TaskKind.CHUNK, seq=seq
+    )
+    return Delivery(msg=None, task=t, received_ns=0)
+
+
+async def test_inbox_hands_out_in_sequence_and_rejects_duplicates() -> None:
+    box = RequestInbox()
+    assert box.put(_delivery(2)) and box.put(_delivery(1))
+    assert not box.put(_delivery(2))
+    waiter = asyncio.create_task(box.next())
+    await asyncio.sleep(0.01)
+    assert not waiter.done()  # seq 0 has not arrived
+    assert box.put(_delivery(0))
+    assert (await waiter).task.seq == 0
+    assert [(await box.next()).task.seq for _ in range(2)] == [1, 2]
+    assert not box.put(_delivery(1)) and box.held() == []
+
+
+class FakeLive:
+    """The part of LiveServices the picker uses."""
+
+    def __init__(self, loads: dict[int, int]) -> None:
+        self.records = [
+            ServiceRecord(
+                service=ServiceKind.WORKER, pipeline="p", instance=f"i{r}", stage=0, replica=r, load=n
+            )
+            for r, n in loads.items()
+        ]
+        self.listeners = []
+
+    def on_update(self, fn) -> None:
+        self.listeners.append(fn)
+
+    def live(self, service=None, stage=None):
+        return [r for r in self.records if stage in (None, r.stage)]
+
+
+def test_picker_prefers_least_loaded_and_counts_its_own_bindings() -> None:
+    live = FakeLive({0: 3, 1: 0})
+    picker = ReplicaPicker(live)
+    picks = [picker.pick(0) for _ in range(5)]
+    # replica 1 starts 3 lower; after 3 bindings both are equal and they alternate.
+    assert picks[:3] == [1, 1, 1] and sorted(picks[3:]) == [0, 1]
+    for fn in live.listeners:  # a heartbeat resets what was bound since the last one
+        fn(live.records[1])
+    assert picker.pick(0) == 1
+    with pytest.raises(NoLiveReplica):
+        picker.pick(5)
+
+
+def _record() -> RequestRecord:
+    return RequestRecord(
+        request_id="r", pipeline="p", gateway_id="g", status=RequestStatus.ADMITTED, route=[0, 1],
+        stages=[StageProgress(replica=0), StageProgress(replica=1)], arrival_ns=1, admitted_ns=2, deadline_ns=9, updated_ns=2,
+    )  # fmt: skip
+
+
+def _ev(kind: str, stage: int | None = None, ts: int = 5, **kw) -> LifecycleEvent:
+    return LifecycleEvent(request_id="r", kind=kind, ts_ns=ts, stage=stage, **kw)
+
+
+def test_lifecycle_folds_into_the_record_and_terminal_is_final() -> None:
+    rec = _record()
+    apply_event(rec, _ev("started", 0, 3))
+    apply_event(rec, _ev("stage_done", 0, 4, finish_reason="length"))
+    apply_event(rec, _ev("started", 1, 5))
+    assert (rec.status, rec.current_stage, rec.stages[0].done_ns) == (RequestStatus.RUNNING, 1, 4)
+    apply_event(rec, _ev("finished", 1, 6))
+    assert rec.status == RequestStatus.COMPLETED and rec.finish_reason == "length"
+    apply_event(rec, _ev("aborted", None, 7, reason="client disconnected"))
+    assert rec.status == RequestStatus.COMPLETED and rec.updated_ns == 7
+
+
+def test_abort_sets_finish_reason_abort() -> None:
+    rec = _record()
+    apply_event(rec, _ev("aborted", reason="client disconnected"))
+    assert (rec.status, rec.finish_reason, rec.error) == (
+        RequestStatus.ABORTED,
+        "abort",
+        "client disconnected",
+    )
