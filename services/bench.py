@@ -379,11 +379,26 @@ class Managed:
             return self.log_path.read_text(errors="replace")[-chars:]
         return ""
 
+    def _signal_family(self, sig: int) -> None:
+        for pid in [self.proc.pid, *descendants(self.proc.pid)]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+    def pause(self) -> None:
+        """SIGSTOP it and everything it started: an idle vLLM is not idle (its executor polls
+        shared memory on the engine's core), so the target not being measured is frozen."""
+        self._signal_family(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT it and everything it started."""
+        self._signal_family(signal.SIGCONT)
+
     def stop(self) -> None:
         """Signal it, wait, then SIGKILL whatever is left of it and everything it started."""
         if self.proc.poll() is not None:
             return
         family = descendants(self.proc.pid)
+        self.resume()  # a stopped process would not act on the stop signal
         with contextlib.suppress(ProcessLookupError):
             self.proc.send_signal(self.stop_signal)
         try:
@@ -508,11 +523,13 @@ def engine_env(pipeline: PipelineConfig, core: int) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Target:
-    """An OpenAI-compatible endpoint under test."""
+    """An OpenAI-compatible endpoint under test, served by ``process`` (and what it started)."""
 
     name: str
     base_url: str
     model: str
+    health_url: str
+    process: Managed
 
 
 async def timed_request(client, model: str, prompt: str, max_tokens: int) -> RequestTiming:
@@ -591,10 +608,47 @@ class BenchOptions:
     json_path: Path | None = None
     log_dir: Path | None = None
     start_timeout_s: float = 600.0
+    pause_idle: bool = True
+    """SIGSTOP the target not being measured (see :meth:`Managed.pause`)."""
+    settle: int = 2
+    """Unmeasured sequential requests after each resume."""
+
+
+async def _wait_ready(target: Target, timeout_s: float = 60.0) -> None:
+    """Poll ``target``'s health URL until it answers 200 (after a resume, the omnirelay services
+    re-register within a heartbeat)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(target.health_url)).status_code == 200:
+                    return
+            if target.process.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{target.name} not healthy after resume:\n{target.process.log_tail()}")
+            await asyncio.sleep(0.2)
+
+
+@contextlib.asynccontextmanager
+async def _active(target: Target, pause_idle: bool, settle: int, client, max_tokens: int):
+    """Resume ``target`` (if paused), wait until healthy, send ``settle`` unmeasured requests;
+    pause it again afterwards."""
+    if pause_idle:
+        target.process.resume()
+        await _wait_ready(target)
+        for i in range(settle):
+            await timed_request(client, target.model, PROMPTS[i % len(PROMPTS)], max_tokens)
+    try:
+        yield
+    finally:
+        if pause_idle:
+            target.process.pause()
 
 
 async def measure(targets: dict[str, Target], opts: BenchOptions) -> list[RoundResult]:
-    """Warm both targets up, then run every (concurrency, round) with the targets one at a time."""
+    """Warm both targets up, then run every (concurrency, round) with the targets one at a time
+    (the other one paused unless ``opts.pause_idle`` is off)."""
     from openai import AsyncOpenAI
 
     clients = {
@@ -602,12 +656,20 @@ async def measure(targets: dict[str, Target], opts: BenchOptions) -> list[RoundR
         for name, t in targets.items()
     }
     results: list[RoundResult] = []
+
+    def active(name: str):
+        return _active(targets[name], opts.pause_idle, opts.settle, clients[name], opts.max_tokens)
+
     try:
+        if opts.pause_idle:
+            for t in targets.values():
+                t.process.pause()
         for name, t in targets.items():
             t0 = time.monotonic()
-            wall, timings = await run_load(
-                clients[name], t.model, opts.warmup, max(opts.concurrency), opts.max_tokens
-            )
+            async with active(name):
+                _, timings = await run_load(
+                    clients[name], t.model, opts.warmup, max(opts.concurrency), opts.max_tokens
+                )
             failed = [x.error for x in timings if not x.ok]
             log(f"warm-up {name}: {len(timings)} requests in {time.monotonic() - t0:.1f} s")
             if failed:
@@ -616,8 +678,11 @@ async def measure(targets: dict[str, Target], opts: BenchOptions) -> list[RoundR
             per_round = split_requests(opts.requests or default_requests(c), opts.rounds)
             for r, n in enumerate(per_round):
                 for name in round_order(r):
-                    machine = machine_activity()
-                    wall, timings = await run_load(clients[name], targets[name].model, n, c, opts.max_tokens)
+                    async with active(name):
+                        machine = machine_activity()
+                        wall, timings = await run_load(
+                            clients[name], targets[name].model, n, c, opts.max_tokens
+                        )
                     result = RoundResult(name, c, r, wall, timings, machine)
                     results.append(result)
                     _log_round(result)
@@ -690,8 +755,12 @@ def _start_targets(
         f"vllm ready in {wait_http_ok(vllm, f'http://127.0.0.1:{vllm_port}/health', opts.start_timeout_s):.1f} s"
     )
     return {
-        GATEWAY: Target(GATEWAY, f"http://127.0.0.1:{gw_port}/v1", model),
-        DIRECT: Target(DIRECT, f"http://127.0.0.1:{vllm_port}/v1", model),
+        GATEWAY: Target(
+            GATEWAY, f"http://127.0.0.1:{gw_port}/v1", model, f"http://127.0.0.1:{gw_port}/health", stack
+        ),
+        DIRECT: Target(
+            DIRECT, f"http://127.0.0.1:{vllm_port}/v1", model, f"http://127.0.0.1:{vllm_port}/health", vllm
+        ),
     }
 
 

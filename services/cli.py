@@ -116,6 +116,13 @@ def worker(
     max_inflight: Annotated[
         int | None, typer.Option(help="requests handled at once [env OMNIRELAY_MAX_INFLIGHT]")
     ] = None,
+    log_stats_interval_s: Annotated[
+        float | None,
+        typer.Option(
+            "--log-stats-interval",
+            help="seconds between vLLM stats log lines [env OMNIRELAY_LOG_STATS_INTERVAL_S; default 5]",
+        ),
+    ] = None,
     log_stats: LogStatsOpt = None,
     log_level: LogLevelOpt = None,
 ) -> None:
@@ -130,6 +137,7 @@ def worker(
         nats_url=nats_url,
         metrics_port=metrics_port,
         max_inflight=max_inflight,
+        log_stats_interval_s=log_stats_interval_s,
         log_stats=log_stats,
         log_level=log_level,
     )
@@ -217,6 +225,12 @@ def bench(
     log_dir: Annotated[
         Path | None, typer.Option(help="keep the processes' logs here [default: a temp dir, removed]")
     ] = None,
+    pause_idle: Annotated[
+        bool,
+        typer.Option(
+            "--pause-idle/--no-pause-idle", help="SIGSTOP the target not being measured (idle vLLM polls)"
+        ),
+    ] = True,
 ) -> None:
     """Benchmark the gateway against vLLM's own OpenAI server on the same thinker (prints a table)."""
     from services.bench import DEFAULT_PIPELINE, BenchOptions, parse_concurrency, run_bench
@@ -245,6 +259,7 @@ def bench(
         core=core,
         json_path=json_path,
         log_dir=log_dir.resolve() if log_dir else None,
+        pause_idle=pause_idle,
     )
     raise typer.Exit(run_bench(opts))
 

@@ -16,7 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 class MalformedMessage(ValueError):
-    """A bus message whose body cannot be decoded into the expected envelope."""
+    """A bus message that cannot be used; ``reason`` is a short code for metrics."""
+
+    def __init__(self, message: str, reason: str = "invalid_envelope") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class _Envelope(BaseModel):
@@ -35,9 +39,9 @@ def decode(cls: type[E], data: bytes) -> E:
     try:
         raw = msgpack.unpackb(data, raw=False)
     except Exception as e:  # msgpack raises several unrelated types
-        raise MalformedMessage(f"body is not msgpack: {e}") from None
+        raise MalformedMessage(f"body is not msgpack: {e}", "not_msgpack") from None
     if not isinstance(raw, dict):
-        raise MalformedMessage(f"body must be a map, got {type(raw).__name__}")
+        raise MalformedMessage(f"body must be a map, got {type(raw).__name__}", "not_a_map")
     try:
         return cls.model_validate(raw)
     except ValidationError as e:
@@ -60,7 +64,7 @@ class NdArray(BaseModel):
         try:
             return np.frombuffer(self.data, dtype=np.dtype(self.dtype)).reshape(self.shape)
         except (TypeError, ValueError) as e:
-            raise MalformedMessage(f"bad array payload: {e}") from None
+            raise MalformedMessage(f"bad array payload: {e}", "bad_array") from None
 
 
 class Sampling(BaseModel):

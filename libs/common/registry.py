@@ -93,9 +93,10 @@ class Heartbeat:
 
 
 class LiveServices:
-    """A watched, in-memory view of one pipeline's part of the registry."""
+    """A watched, in-memory view of one pipeline's part of the registry (every pipeline's when
+    ``pipeline`` is None)."""
 
-    def __init__(self, kv: KeyValue, pipeline: str, ttl_s: float = LIMITS.service_ttl_s) -> None:
+    def __init__(self, kv: KeyValue, pipeline: str | None, ttl_s: float = LIMITS.service_ttl_s) -> None:
         self._kv = kv
         self._pipeline = pipeline
         self._ttl_s = ttl_s
@@ -109,7 +110,7 @@ class LiveServices:
         self._listeners.append(fn)
 
     async def start(self) -> None:
-        watcher = await self._kv.watch(f"*.{self._pipeline}.>")
+        watcher = await self._kv.watch(f"*.{self._pipeline}.>" if self._pipeline else ">")
         self._task = asyncio.create_task(self._run(watcher), name="registry-watch")
 
     async def _run(self, watcher: KeyValue.KeyWatcher) -> None:

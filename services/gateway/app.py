@@ -9,27 +9,53 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from prometheus_fastapi_instrumentator import Instrumentator
 
+from libs.common.metrics_catalog import Exporter, MetricSet
 from libs.common.pipeline import PipelineConfig
 from libs.common.settings import GatewaySettings
 from libs.models.tiny import resolve_model
 from services.gateway.errors import install_error_handlers
 from services.gateway.pipeline_client import PipelineClient
 from services.gateway.prompting import Tokenizer
+from services.gateway.request_stats import GatewayStatLogger
+from services.gateway.responses import body_started
 from services.gateway.routes import router
 from services.gateway.submission import Submitter
 
 
-class ArrivalStamp:
-    """ASGI middleware: records the wall clock (ns) at which each request arrived, before any
-    other work, as ``scope["state"]["arrival_ns"]`` — the anchor of every request latency."""
+class ResponseTimer:
+    """ASGI middleware timing each HTTP request on the gateway's clocks.
+
+    Stamps the arrival before any other work — wall clock ns (``Omni-Arrival-Ns``, the anchor
+    carried to every service) and ``time.monotonic()`` (for intervals measured here) — and, for
+    a request with a submitted job (``scope["state"]["job"]``), records when the response body
+    started and finished being written.
+    """
 
     def __init__(self, app) -> None:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            scope.setdefault("state", {})["arrival_ns"] = time.time_ns()
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        state["arrival_ns"], state["arrival_s"] = time.time_ns(), time.monotonic()
+        first_body = True
+
+        async def timed_send(message) -> None:
+            nonlocal first_body
+            job = state.get("job")
+            if job is None or message["type"] != "http.response.body":
+                await send(message)
+                return
+            if first_body:
+                first_body = False
+                body_started(job, time.monotonic())
+            await send(message)
+            if not message.get("more_body", False):
+                job.log.ended(job.stats, time.monotonic())
+
+        await self.app(scope, receive, timed_send)
 
 
 def create_app(settings: GatewaySettings, pipeline: PipelineConfig) -> FastAPI:
@@ -39,7 +65,10 @@ def create_app(settings: GatewaySettings, pipeline: PipelineConfig) -> FastAPI:
         client = PipelineClient(settings, pipeline)
         await client.start()
         app.state.client = client
-        app.state.submitter = Submitter(pipeline, client, tokenizer)
+        stat_log = GatewayStatLogger(
+            MetricSet(Exporter.GATEWAY, settings.log_stats), pipeline.served_model_name
+        )
+        app.state.submitter = Submitter(pipeline, client, tokenizer, stat_log)
         try:
             yield
         finally:
@@ -50,8 +79,8 @@ def create_app(settings: GatewaySettings, pipeline: PipelineConfig) -> FastAPI:
     app.state.started = int(time.time())
     app.include_router(router)
     install_error_handlers(app)
-    Instrumentator().instrument(app).expose(app, endpoint="/metrics", include_in_schema=False)
-    app.add_middleware(ArrivalStamp)
+    Instrumentator(excluded_handlers=["/metrics"]).instrument(app)  # http_* families; served by /metrics
+    app.add_middleware(ResponseTimer)
     return app
 
 

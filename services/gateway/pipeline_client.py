@@ -84,6 +84,9 @@ class PipelineClient:
         skv = await services_kv(self.js)
         self.services = LiveServices(skv, self.pipeline.name)
         await self.services.start()
+        self.all_services = LiveServices(skv, None)
+        """Every pipeline's services (for Prometheus service discovery)."""
+        await self.all_services.start()
         record = ServiceRecord(
             service=ServiceKind.GATEWAY,
             pipeline=self.pipeline.name,
@@ -97,6 +100,7 @@ class PipelineClient:
     async def stop(self) -> None:
         await self._heartbeat.stop()
         await self.services.stop()
+        await self.all_services.stop()
         with contextlib.suppress(Exception):
             await self.nc.drain()
 

@@ -13,9 +13,11 @@ from typing import TypeVar
 from fastapi import Request
 
 from libs.common.envelopes import ClientEvent, ClientEventType
+from libs.common.playback import AudioChunk
 from services.gateway.audio import pcm16_to_wav
 from services.gateway.errors import APIError
 from services.gateway.pipeline_client import PipelineClient, RequestHandle
+from services.gateway.request_stats import GatewayStatLogger, RequestStats
 from services.gateway.schemas import AudioOut, Usage
 
 AUDIO_EXPIRY_S = 3600
@@ -32,6 +34,8 @@ class Job:
     client: PipelineClient
     model: str
     created: int
+    stats: RequestStats
+    log: GatewayStatLogger
     audio_format: str | None = None
     """Requested audio format, None for a text-only request."""
     return_token_ids: bool = False
@@ -81,14 +85,26 @@ async def events_until_done(job: Job) -> AsyncIterator[ClientEvent]:
     """A request's events up to completion: the thinker's ``text_done`` and, for audio requests,
     the audio stage's ``audio_done``. An ``error`` event raises :class:`APIError`."""
     text_done = audio_done = False
-    async for ev in job.handle.events():
-        if ev.type == ClientEventType.ERROR:
-            raise APIError(ev.status or 500, ev.message or "the pipeline failed", ev.code or "pipeline_error")
-        yield ev
-        text_done = text_done or ev.type == ClientEventType.TEXT_DONE
-        audio_done = audio_done or ev.type == ClientEventType.AUDIO_DONE
-        if text_done and (audio_done or job.audio_format is None):
-            return
+    try:
+        async for ev in job.handle.events():
+            now = time.monotonic()
+            job.log.started(job.stats, now)
+            if ev.type == ClientEventType.ERROR:
+                raise APIError(
+                    ev.status or 500, ev.message or "the pipeline failed", ev.code or "pipeline_error"
+                )
+            if ev.type == ClientEventType.AUDIO:
+                job.stats.audio_received(ev.stage, ev.replica, len(ev.pcm16), ev.sample_rate, now)
+            elif ev.type == ClientEventType.TEXT_DONE:
+                job.stats.finished_reason = ev.finish_reason
+            yield ev
+            text_done = text_done or ev.type == ClientEventType.TEXT_DONE
+            audio_done = audio_done or ev.type == ClientEventType.AUDIO_DONE
+            if text_done and (audio_done or job.audio_format is None):
+                return
+    except APIError as e:
+        job.stats.failure = e.code or "pipeline_error"
+        raise
 
 
 async def collect(job: Job) -> Collected:
@@ -119,7 +135,7 @@ async def guarded(request: Request, job: Job, work: Awaitable[T]) -> T:
             await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if not task.done() and await request.is_disconnected():
                 task.cancel()
-                job.client.abort(job.id, "client disconnected")
+                abandon(job)
                 raise asyncio.CancelledError
         result = task.result()
         finished = True
@@ -162,6 +178,8 @@ async def sse_stream(
                 yield sse(chunk)
             async for ev in events_until_done(job):
                 state.add(ev)
+                if ev.type == ClientEventType.AUDIO:
+                    job.stats.audio_chunks.append(AudioChunk(time.monotonic(), len(ev.pcm16)))
                 for chunk in render(ev):
                     yield sse(chunk)
             for chunk in tail(state):
@@ -176,4 +194,19 @@ async def sse_stream(
         if completed:
             job.client.release(job.id)
         else:
-            job.client.abort(job.id, "client disconnected")
+            abandon(job)
+
+
+def body_started(job: Job, now: float) -> None:
+    """The response body began to be written: for a non-streamed audio response, that is when
+    the client got its audio (one chunk: the whole of it)."""
+    s = job.stats
+    if s.audio and not s.streamed and s.audio_bytes:
+        s.audio_chunks.append(AudioChunk(now, s.audio_bytes))
+
+
+def abandon(job: Job) -> None:
+    """The client went away: abort the request everywhere and record it as aborted."""
+    job.client.abort(job.id, "client disconnected")
+    job.stats.finished_reason = "abort"
+    job.log.ended(job.stats, time.monotonic())

@@ -6,9 +6,12 @@ import base64
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.exposition import choose_encoder
 
 from libs.common.envelopes import ClientEvent, ClientEventType
+from libs.common.metrics_server import EXPOSITION
+from services.gateway.discovery import sd_targets
 from services.gateway.responses import (
     AUDIO_EXPIRY_S,
     Collected,
@@ -17,7 +20,6 @@ from services.gateway.responses import (
     collect,
     guarded,
     sse_stream,
-    usage_of,
 )
 from services.gateway.schemas import (
     AssistantMessage,
@@ -35,13 +37,15 @@ from services.gateway.schemas import (
     ModelCard,
     ModelList,
 )
+from services.gateway.submission import Arrival
 
 router = APIRouter()
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _arrival_ns(request: Request) -> int:
-    return request.scope.get("state", {}).get("arrival_ns") or time.time_ns()
+def _arrival(request: Request) -> Arrival:
+    state = request.scope.get("state", {})
+    return Arrival(state.get("arrival_ns") or time.time_ns(), state.get("arrival_s") or time.monotonic())
 
 
 @router.get("/v1/models")
@@ -61,10 +65,25 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(h.model_dump(), status_code=200 if h.status == "ok" else 503)
 
 
+@router.get("/metrics", include_in_schema=False)
+async def metrics(request: Request) -> Response:
+    """Prometheus exposition (OpenMetrics when the scraper asks for it): http_*, process_* and
+    the gateway's vllm:omni_* families."""
+    encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+    return Response(encoder(EXPOSITION), media_type=content_type)
+
+
+@router.get("/prometheus/targets")
+async def prometheus_targets(request: Request) -> list[dict[str, object]]:
+    """Prometheus HTTP service discovery: every live service of every pipeline."""
+    return sd_targets(request.app.state.client.all_services.live())
+
+
 # --- chat -------------------------------------------------------------------------------------
 @router.post("/v1/chat/completions", response_model=ChatCompletion)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    job = await request.app.state.submitter.chat(body, _arrival_ns(request))
+    job = await request.app.state.submitter.chat(body, _arrival(request))
+    request.state.job = job
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
@@ -135,7 +154,8 @@ def _chat_tail(job: Job, c: Collected, include_usage: bool) -> list[str]:
 # --- completions -------------------------------------------------------------------------------
 @router.post("/v1/completions", response_model=Completion)
 async def completions(body: CompletionRequest, request: Request):
-    job = await request.app.state.submitter.completion(body, _arrival_ns(request))
+    job = await request.app.state.submitter.completion(body, _arrival(request))
+    request.state.job = job
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
@@ -179,6 +199,3 @@ def _completion_tail(job: Job, c: Collected, include_usage: bool) -> list[str]:
     if include_usage:
         out.append(_completion_chunk(job, [], usage=c.usage))
     return out
-
-
-__all__ = ["router", "usage_of"]

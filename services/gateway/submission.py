@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 
 from libs.common.envelopes import Admission, Sampling
 from libs.common.pipeline import PipelineConfig
@@ -17,15 +18,23 @@ from services.gateway.prompting import (
     sampling_for,
     wants_audio,
 )
+from services.gateway.request_stats import GatewayStatLogger, RequestStats
 from services.gateway.responses import Job
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 
 class Submitter:
-    def __init__(self, pipeline: PipelineConfig, client: PipelineClient, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self,
+        pipeline: PipelineConfig,
+        client: PipelineClient,
+        tokenizer: Tokenizer,
+        stat_log: GatewayStatLogger,
+    ) -> None:
         self.pipeline = pipeline
         self.client = client
         self.tokenizer = tokenizer
+        self.stat_log = stat_log
         self.max_model_len = pipeline.stages[0].engine.max_model_len
 
     def _check_model(self, model: str) -> None:
@@ -37,7 +46,7 @@ class Submitter:
                 "model",
             )
 
-    async def chat(self, req: ChatCompletionRequest, arrival_ns: int) -> Job:
+    async def chat(self, req: ChatCompletionRequest, arrival: Arrival) -> Job:
         self._check_model(req.model)
         reject_unsupported(req)
         audio = wants_audio(req, self.pipeline)
@@ -48,12 +57,12 @@ class Submitter:
             else (req.max_tokens, "max_tokens")
         )
         sampling = sampling_for(req, max_tokens_for(asked, len(ids), self.max_model_len, param))
-        job = await self._submit("chatcmpl", ids, sampling, audio is not None, arrival_ns, req.model)
+        job = await self._submit("chatcmpl", ids, sampling, audio is not None, req.stream, arrival, req.model)
         job.audio_format = audio.format if audio else None
         job.return_token_ids = req.return_token_ids
         return job
 
-    async def completion(self, req: CompletionRequest, arrival_ns: int) -> Job:
+    async def completion(self, req: CompletionRequest, arrival: Arrival) -> Job:
         self._check_model(req.model)
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if len(prompts) != 1:
@@ -64,22 +73,50 @@ class Submitter:
         sampling = sampling_for(
             req, max_tokens_for(req.max_tokens, len(ids), self.max_model_len, "max_tokens")
         )
-        job = await self._submit("cmpl", ids, sampling, False, arrival_ns, req.model)
+        job = await self._submit("cmpl", ids, sampling, False, req.stream, arrival, req.model)
         job.return_token_ids = req.return_token_ids
         return job
 
     async def _submit(
-        self, prefix: str, ids: list[int], sampling: Sampling, audio: bool, arrival_ns: int, model: str
+        self,
+        prefix: str,
+        ids: list[int],
+        sampling: Sampling,
+        audio: bool,
+        streamed: bool,
+        arrival: Arrival,
+        model: str,
     ) -> Job:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         adm = Admission(
             request_id=request_id,
             gateway_id=self.client.gateway_id,
-            arrival_ns=arrival_ns,
-            deadline_ns=arrival_ns + int(self.pipeline.request_timeout_s * 1e9),
+            arrival_ns=arrival.wall_ns,
+            deadline_ns=arrival.wall_ns + int(self.pipeline.request_timeout_s * 1e9),
             prompt_token_ids=ids,
             sampling=sampling,
             audio=audio,
         )
-        handle = await self.client.submit(adm, trace_headers={})
-        return Job(handle=handle, client=self.client, model=model, created=int(time.time()))
+        try:
+            handle = await self.client.submit(adm, trace_headers={})
+        except APIError as e:
+            self.stat_log.rejected(e.code or "rejected")
+            raise
+        stats = RequestStats(arrival_s=arrival.mono_s, audio=audio, streamed=streamed)
+        self.stat_log.submitted(stats)
+        return Job(
+            handle=handle,
+            client=self.client,
+            model=model,
+            created=int(time.time()),
+            stats=stats,
+            log=self.stat_log,
+        )
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """When the HTTP request arrived: wall clock (ns, the cross-service anchor) and monotonic (s)."""
+
+    wall_ns: int
+    mono_s: float

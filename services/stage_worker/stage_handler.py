@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from libs.common.pipeline import Payload, PipelineConfig, StageType
+from libs.common.settings import WorkerSettings
 from services.stage_worker.llm_engine import LLMEngineSpec, cpu_core_for
 from services.stage_worker.request_context import RequestContext
 
@@ -27,14 +28,22 @@ class StageHandler(Protocol):
     async def stop(self) -> None: ...
 
 
-def make_handler(pipeline: PipelineConfig, stage_id: int, replica: int, log_stats: bool) -> StageHandler:
-    """The handler for ``pipeline.stages[stage_id]`` (chosen by type and payloads)."""
+def make_handler(pipeline: PipelineConfig, settings: WorkerSettings) -> StageHandler:
+    """The handler for the worker's stage (chosen by type and payloads)."""
+    stage_id, replica = settings.stage, settings.replica
     stage = pipeline.stages[stage_id]
     if stage.type == StageType.CODEC:
         from services.stage_worker.code2wav import Code2WavHandler
 
         return Code2WavHandler(stage)
-    engine = LLMEngineSpec(stage, log_stats, cpu_core_for(pipeline, stage_id, replica))
+    engine = LLMEngineSpec(
+        pipeline=pipeline,
+        stage_id=stage_id,
+        replica=replica,
+        log_stats=settings.log_stats,
+        log_stats_interval_s=settings.log_stats_interval_s,
+        cpu_core=cpu_core_for(pipeline, stage_id, replica),
+    )
     if stage.emits == Payload.TEXT:
         from services.stage_worker.thinker import ThinkerHandler
 

@@ -33,6 +33,7 @@ from libs.common.envelopes import (
     TaskKind,
     decode,
 )
+from libs.common.metrics_catalog import Exporter, MetricSet
 from libs.common.metrics_server import start_metrics_server
 from libs.common.pipeline import PipelineConfig
 from libs.common.registry import Heartbeat, ServiceKind, ServiceRecord
@@ -42,6 +43,7 @@ from libs.common.version import VERSION
 from services.stage_worker.inbox import Delivery
 from services.stage_worker.request_context import Bus, Identity, RequestContext
 from services.stage_worker.stage_handler import StageError, StageHandler, make_handler
+from services.stage_worker.transfer_stats import TransferStatLogger, transfer_stats
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +69,10 @@ class StageWorker:
         self.stage_cfg = pipeline.stages[settings.stage]
         self.me = Identity(settings.stage, settings.replica, len(pipeline.stages))
         self.subjects = Subjects(pipeline.name)
-        self.handler: StageHandler = make_handler(
-            pipeline, settings.stage, settings.replica, settings.log_stats
-        )
+        self.handler: StageHandler = make_handler(pipeline, settings)
+        self.metrics = MetricSet(Exporter.WORKER, settings.log_stats)
+        self.transfers = TransferStatLogger(self.metrics, pipeline.served_model_name)
+        self._labels = (pipeline.served_model_name, str(settings.stage), str(settings.replica))
         self.active: dict[str, tuple[RequestContext, asyncio.Task[None]]] = {}
         self._closed: dict[str, float] = {}
         self._abort_reasons: dict[str, str] = {}
@@ -98,6 +101,11 @@ class StageWorker:
             config=stage_consumer_config(self.subjects, self.me.stage, self.me.replica),
         )
         await nc.subscribe(self.subjects.abort, cb=self._on_abort)
+        if self.metrics.enabled:
+            st = self.stage_cfg
+            self.metrics["vllm:omni_stage_info"].labels(*self._labels, st.name, st.type.value, st.model).set(
+                1
+            )
         port = start_metrics_server(self.settings.metrics_port)
         record = ServiceRecord(
             service=ServiceKind.WORKER,
@@ -147,10 +155,17 @@ class StageWorker:
             await self._dispatch(msg)
 
     async def _dispatch(self, msg: Msg) -> None:
-        received_ns = time.time_ns()
+        received_ns, t0 = time.time_ns(), time.perf_counter()
         try:
             task = self._validate(msg)
+            if self.metrics.enabled:
+                rx_s = time.perf_counter() - t0
+                stats = transfer_stats(msg.headers or {}, received_ns, _stored_ns(msg), rx_s, len(msg.data))
+                if stats is not None:
+                    self.transfers.record(stats)
         except MalformedMessage as e:
+            if self.metrics.enabled:
+                self.metrics["vllm:omni_bus_messages_terminated"].labels(*self._labels, e.reason).inc()
             log.error(
                 "%s: terminating malformed message on %s (seq %s): %s",
                 self.label,
@@ -192,10 +207,11 @@ class StageWorker:
         if (to_stage, to_replica) != (self.me.stage, self.me.replica):
             raise MalformedMessage(
                 f"headers address stage {to_stage} replica {to_replica}, this is "
-                f"stage {self.me.stage} replica {self.me.replica}"
+                f"stage {self.me.stage} replica {self.me.replica}",
+                "misaddressed",
             )
         if len(task.route) <= self.me.stage or task.route[self.me.stage] != self.me.replica:
-            raise MalformedMessage(f"route {task.route} does not bind this replica")
+            raise MalformedMessage(f"route {task.route} does not bind this replica", "misaddressed")
         expected = TaskKind.START if self.me.stage == 0 else TaskKind.CHUNK
         if task.kind != expected:
             raise MalformedMessage(
@@ -280,6 +296,14 @@ class StageWorker:
         if entry is not None:
             self._abort_reasons[notice.request_id] = notice.reason
             entry[1].cancel()
+
+
+def _stored_ns(msg: Msg) -> int | None:
+    """JetStream's stored timestamp of a delivered message (broker wall clock, ns)."""
+    try:
+        return int(msg.metadata.timestamp.timestamp() * 1e9)
+    except Exception:
+        return None
 
 
 def _stream_seq(msg: Msg) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 
 import httpx
 import msgpack
@@ -109,7 +110,7 @@ async def test_malformed_stage_messages_are_terminated_and_the_worker_keeps_serv
 
 async def test_inspect_shows_streams_consumers_services(stack, pipeline) -> None:
     proc = await asyncio.create_subprocess_exec(
-        "python", "-m", "services.cli", "inspect", "--json", "--nats-url", stack.nats_url,
+        sys.executable, "-m", "services.cli", "inspect", "--json", "--nats-url", stack.nats_url,
         stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     out, _ = await proc.communicate()

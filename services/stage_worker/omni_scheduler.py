@@ -1,0 +1,280 @@
+"""The scheduler of every ``llm`` worker's engine, and its 1 Hz ``SchedulerStats`` throttle.
+
+vLLM loads :class:`OmniScheduler` inside the EngineCore process through
+``AsyncEngineArgs(scheduler_cls=OMNI_SCHEDULER_CLS)``. It subclasses ``AsyncScheduler`` (vLLM warns
+that a plain ``Scheduler`` subclass turns async scheduling off) and, with stats on, hands the
+frontend at most one ``SchedulerStats`` per :data:`STATS_INTERVAL_S`, which saves serialising one
+per engine step over ZMQ.
+
+Unlike a throttle that drops the suppressed steps, :class:`SchedulerStatsThrottle` folds them:
+
+- per-step *deltas* (prefix-cache and connector prefix-cache queries/hits, spec-decoding counts,
+  KV-cache eviction samples, perf-model flops/bytes, KV/EC connector transfer stats) are summed
+  over the suppressed steps and shipped with the next emitted stats, so vLLM's counters end up
+  exactly where an unthrottled engine would put them;
+- *levels* (running, waiting, deferred, KV-fetch stages, KV-cache usage, step counter, wave,
+  iteration details, LoRA adapter maps, the CUDA-graph sample) take the latest step's value;
+- a step that leaves the engine idle (nothing running, nothing waiting) is emitted at once, even
+  inside the window, so gauges never stay stale while the engine sleeps.
+
+The throttle is a plain object (no scheduler needed) so it can be tested on hand-built stats.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import fields
+from itertools import zip_longest
+from typing import Any
+
+from vllm.logger import init_logger
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.metrics.perf import DebugPerfStats, PerfStats
+from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
+from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+logger = init_logger(__name__)
+
+OMNI_SCHEDULER_CLS = "services.stage_worker.omni_scheduler.OmniScheduler"
+"""What ``AsyncEngineArgs.scheduler_cls`` names to load :class:`OmniScheduler`."""
+
+STATS_INTERVAL_S = 1.0
+"""At most one ``SchedulerStats`` per this many seconds per engine (idle snapshots excepted)."""
+
+LEVEL_FIELDS = frozenset(
+    {
+        "num_running_reqs",
+        "num_waiting_reqs",
+        "num_skipped_waiting_reqs",
+        "num_kv_fetch_reqs_by_stage",
+        "step_counter",
+        "current_wave",
+        "kv_cache_usage",
+        "iteration_details",
+        "waiting_lora_adapters",
+        "running_lora_adapters",
+        "cudagraph_stats",
+    }
+)
+"""``SchedulerStats`` fields that describe the engine *now*: the latest step's value wins.
+(``cudagraph_stats`` is one sample per step for a logging table; it cannot be summed.)"""
+
+DELTA_FIELDS = frozenset(
+    {
+        "prefix_cache_stats",
+        "connector_prefix_cache_stats",
+        "kv_cache_eviction_events",
+        "spec_decoding_stats",
+        "kv_connector_stats",
+        "ec_connector_stats",
+        "perf_stats",
+    }
+)
+"""``SchedulerStats`` fields that count what happened *in the step*: summed over suppressed steps.
+(``kv_connector_stats``/``ec_connector_stats`` are folded as connector objects, see
+:meth:`SchedulerStatsThrottle.offer`.)"""
+
+
+class SchedulerStatsThrottle:
+    """Lets one ``SchedulerStats`` through per ``interval_s`` and folds the steps in between.
+
+    Call :meth:`offer` once per engine step with that step's stats; it returns the stats to send
+    (this step plus everything folded since the last emission) or ``None``. The first step, the
+    first step after ``interval_s`` has passed since the last emission, and every idle step are
+    emitted; after an emission the next window starts from zero.
+    """
+
+    def __init__(self, interval_s: float = STATS_INTERVAL_S, clock: Callable[[], float] = time.monotonic):
+        self.interval_s = interval_s
+        self._clock = clock
+        self._pending: SchedulerStats | None = None
+        self._kv_connector_stats: Any = None
+        self._ec_connector_stats: Any = None
+        self._last_emit: float | None = None
+        self.steps_folded = 0
+        """Steps offered since the last emission (including the emitting one)."""
+
+    def offer(
+        self,
+        step: SchedulerStats,
+        kv_connector_stats: Any = None,
+        ec_connector_stats: Any = None,
+    ) -> SchedulerStats | None:
+        """Fold one step's stats in; return what to send now, or ``None`` while throttled.
+
+        ``kv_connector_stats``/``ec_connector_stats`` are the step's connector stats *objects*
+        (``KVConnectorStats``/``ECConnectorStats``); they are merged with their own
+        ``aggregate()`` and turned into the payload upstream would send (``to_dict()`` /
+        ``.data``) on emission. ``step`` is never modified.
+        """
+        if self._pending is None:
+            self._pending = _empty_stats()
+        fold(self._pending, step)
+        self._kv_connector_stats = _aggregate(self._kv_connector_stats, kv_connector_stats)
+        self._ec_connector_stats = _aggregate(self._ec_connector_stats, ec_connector_stats)
+        self.steps_folded += 1
+
+        now = self._clock()
+        due = self._last_emit is None or now - self._last_emit >= self.interval_s
+        if not (due or is_idle(step)):
+            return None
+        out = self._pending
+        if self._kv_connector_stats is not None:
+            out.kv_connector_stats = self._kv_connector_stats.to_dict()
+        if self._ec_connector_stats is not None:
+            out.ec_connector_stats = self._ec_connector_stats.data
+        self._pending = None
+        self._kv_connector_stats = self._ec_connector_stats = None
+        self._last_emit = now
+        self.steps_folded = 0
+        return out
+
+
+def is_idle(stats: SchedulerStats) -> bool:
+    """Nothing running and nothing waiting (deferred requests count as waiting)."""
+    return not (stats.num_running_reqs or stats.num_waiting_reqs or stats.num_skipped_waiting_reqs)
+
+
+def fold(acc: SchedulerStats, step: SchedulerStats) -> None:
+    """Fold ``step`` into ``acc`` (owned by the caller): levels replaced, deltas summed."""
+    for f in fields(SchedulerStats):
+        name = f.name
+        new = getattr(step, name)
+        if name == "prefix_cache_stats":
+            _add_cache_stats(acc.prefix_cache_stats, new)
+        elif name == "connector_prefix_cache_stats":
+            if new is not None:
+                if acc.connector_prefix_cache_stats is None:
+                    acc.connector_prefix_cache_stats = PrefixCacheStats()
+                _add_cache_stats(acc.connector_prefix_cache_stats, new)
+        elif name == "kv_cache_eviction_events":
+            acc.kv_cache_eviction_events.extend(new)
+        elif name == "spec_decoding_stats":
+            acc.spec_decoding_stats = _add_spec_decoding(acc.spec_decoding_stats, new)
+        elif name == "perf_stats":
+            acc.perf_stats = _add_perf(acc.perf_stats, new)
+        elif new is not None or name in LEVEL_FIELDS:
+            # Levels, and (defensively) connector payloads that arrive already serialised or
+            # a field a newer vLLM added: the latest value wins.
+            setattr(acc, name, copy.copy(new) if isinstance(new, dict) else new)
+
+
+def _empty_stats() -> SchedulerStats:
+    return SchedulerStats()
+
+
+def _aggregate(held: Any, new: Any) -> Any:
+    if new is None:
+        return held
+    if held is None:
+        return copy.deepcopy(new)  # aggregate() mutates; the step's object is not ours
+    return held.aggregate(new)
+
+
+def _add_counts(acc: dict[Any, int], new: dict[Any, int]) -> None:
+    for k, v in new.items():
+        acc[k] = acc.get(k, 0) + v
+
+
+def _add_cache_stats(acc: PrefixCacheStats, new: PrefixCacheStats) -> None:
+    acc.reset = acc.reset or new.reset
+    acc.requests += new.requests
+    acc.queries += new.queries
+    acc.hits += new.hits
+    acc.preempted_requests += new.preempted_requests
+    acc.preempted_queries += new.preempted_queries
+    acc.preempted_hits += new.preempted_hits
+    _add_counts(acc.hits_by_source, new.hits_by_source)
+
+
+def _add_spec_decoding(
+    acc: SpecDecodingStats | None, new: SpecDecodingStats | None
+) -> SpecDecodingStats | None:
+    if new is None:
+        return acc
+    if acc is None:
+        return copy.deepcopy(new)
+    acc.num_spec_tokens = max(acc.num_spec_tokens, new.num_spec_tokens)
+    acc.num_drafts += new.num_drafts
+    acc.num_draft_tokens += new.num_draft_tokens
+    acc.num_accepted_tokens += new.num_accepted_tokens
+    acc.num_accepted_tokens_per_pos = _add_lists(
+        acc.num_accepted_tokens_per_pos, new.num_accepted_tokens_per_pos
+    )
+    acc.num_draft_tokens_per_pos = _add_lists(acc.num_draft_tokens_per_pos, new.num_draft_tokens_per_pos)
+    return acc
+
+
+def _add_lists(a: list[int], b: list[int]) -> list[int]:
+    return [x + y for x, y in zip_longest(a, b, fillvalue=0)]
+
+
+def _add_perf(acc: PerfStats | None, new: PerfStats | None) -> PerfStats | None:
+    if new is None:
+        return acc
+    if acc is None:
+        return copy.deepcopy(new)
+    acc.num_flops_per_gpu += new.num_flops_per_gpu
+    acc.num_read_bytes_per_gpu += new.num_read_bytes_per_gpu
+    acc.num_write_bytes_per_gpu += new.num_write_bytes_per_gpu
+    if new.debug_stats is not None:
+        if acc.debug_stats is None:
+            acc.debug_stats = copy.deepcopy(new.debug_stats)
+        else:
+            _add_debug_perf(acc.debug_stats, new.debug_stats)
+    return acc
+
+
+def _add_debug_perf(acc: DebugPerfStats, new: DebugPerfStats) -> None:
+    for f in fields(DebugPerfStats):
+        a, b = getattr(acc, f.name), getattr(new, f.name)
+        if b is None:
+            continue
+        if a is None:
+            setattr(acc, f.name, copy.deepcopy(b))
+        elif isinstance(a, dict):
+            _add_counts(a, b)
+        else:
+            setattr(acc, f.name, a + b)
+
+
+class OmniScheduler(AsyncScheduler):
+    """vLLM's async scheduler with the stats throttle. Kept small on purpose: later engine-side
+    features (step tracing, spec/004) extend this class."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._stats_throttle: SchedulerStatsThrottle | None = None
+        if self.log_stats:
+            if self.observability_config.enable_logging_iteration_details:
+                # EngineCore substitutes an empty SchedulerStats for a None on every step when
+                # iteration details are logged; throttling would then zero the gauges.
+                logger.warning("iteration-details logging is on: scheduler stats are not throttled")
+            else:
+                self._stats_throttle = SchedulerStatsThrottle()
+
+    def make_stats(
+        self,
+        spec_decoding_stats=None,
+        kv_connector_stats=None,
+        cudagraph_stats=None,
+        perf_stats=None,
+        ec_connector_stats=None,
+    ) -> SchedulerStats | None:
+        throttle = self._stats_throttle
+        if throttle is None:  # stats off (upstream returns None) or throttling disabled
+            return super().make_stats(
+                spec_decoding_stats,
+                kv_connector_stats,
+                cudagraph_stats,
+                perf_stats,
+                ec_connector_stats=ec_connector_stats,
+            )
+        # Always drain this step's counters (prefix cache, eviction samples, ...) from the
+        # scheduler; the connector stats objects are folded by the throttle itself.
+        step = super().make_stats(spec_decoding_stats, None, cudagraph_stats, perf_stats)
+        if step is None:
+            return None
+        return throttle.offer(step, kv_connector_stats, ec_connector_stats)

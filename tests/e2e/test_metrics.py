@@ -1,0 +1,189 @@
+"""Metrics agree with what the client saw and with what crossed the bus (stack runs --log-stats).
+
+Each test reads the exposition before and after its own requests and compares the difference
+with ground truth measured independently: the client's clock and decoded audio, and the stage
+messages captured on the bus by a subscriber of our own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections import defaultdict
+
+import httpx
+import nats
+import openai
+import pytest
+
+from libs.common import headers as h
+from libs.common.subjects import Subjects
+from services.bus_inspect import snapshot
+from tests.metrics_scrape import delta, scrape, total
+
+pytestmark = pytest.mark.e2e
+
+SR = 24_000
+LATENCY_SLACK_S = 0.1
+"""The client measures from before sending to after reading: at most this much more than the
+gateway's arrival → last byte written, on loopback."""
+
+
+@pytest.fixture(scope="module")
+def gw(stack) -> str:
+    return f"{stack.base_url}/metrics"
+
+
+@pytest.fixture(scope="module")
+def worker_urls(stack, pipeline) -> dict[tuple[int, int], str]:
+    snap = asyncio.run(snapshot(stack.nats_url, pipeline))
+    return {
+        (s["stage"], s["replica"]): s["metrics_url"] for s in snap["services"] if s["service"] == "worker"
+    }
+
+
+def test_finish_reasons_and_e2e_latency_match_the_client(stack, pipeline, gw) -> None:
+    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+    model = pipeline.served_model_name
+    before = scrape(gw)
+    latencies = []
+    for n in (3, 9, 5):
+        t0 = time.monotonic()
+        r = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=n,
+            extra_body={"ignore_eos": True},
+        )
+        latencies.append(time.monotonic() - t0)
+        assert r.choices[0].finish_reason == "length"
+    after = scrape(gw)
+    assert (
+        delta(before, after, "vllm:omni_requests_success_total", finished_reason="length", model_name=model)
+        == 3
+    )
+    assert delta(before, after, "vllm:omni_e2e_request_latency_s_count") == 3
+    server_sum = delta(before, after, "vllm:omni_e2e_request_latency_s_sum")
+    assert 0 <= sum(latencies) - server_sum <= 3 * LATENCY_SLACK_S, (latencies, server_sum)
+    assert (
+        total(after, "vllm:omni_num_requests_running") == 0
+        and total(after, "vllm:omni_num_requests_waiting") == 0
+    )
+
+
+def test_failures_are_counted_by_reason_not_as_aborts(stack, pipeline, gw) -> None:
+    before = scrape(gw)
+    body = {
+        "model": pipeline.served_model_name,
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 3,
+    }
+    r = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200
+    after = scrape(gw)
+    assert delta(before, after, "vllm:omni_requests_failed_total") == 0
+    assert delta(before, after, "vllm:omni_requests_success_total", finished_reason="abort") == 0
+
+
+def test_audio_metrics_match_the_decoded_audio_and_client_timing(stack, pipeline, gw) -> None:
+    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+    before = scrape(gw)
+    t0 = time.monotonic()
+    stream = client.chat.completions.create(
+        model=pipeline.served_model_name,
+        messages=[{"role": "user", "content": "Read me a story."}],
+        max_tokens=40,
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "pcm16"},
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    pcm, first_audio = bytearray(), None
+    for chunk in stream:
+        for c in chunk.choices:
+            if c.delta.audio and c.delta.audio.data:
+                first_audio = first_audio or time.monotonic() - t0
+                pcm += base64.b64decode(c.delta.audio.data)
+    e2e = time.monotonic() - t0
+    after = scrape(gw)
+    stage = str(pipeline.audio_stage)
+    frames = len(pcm) // 2
+    assert delta(before, after, "vllm:omni_audio_frames_total", stage=stage) == frames
+    assert delta(before, after, "vllm:omni_audio_duration_s_sum", stage=stage) == pytest.approx(frames / SR)
+    ttfp = delta(before, after, "vllm:omni_audio_ttfp_s_sum", stage=stage)
+    assert delta(before, after, "vllm:omni_audio_ttfp_s_count", stage=stage) == 1
+    assert 0 <= first_audio - ttfp <= LATENCY_SLACK_S, (first_audio, ttfp)
+    rtf = delta(before, after, "vllm:omni_audio_rtf_sum", stage=stage)
+    assert 0 < rtf <= e2e / (frames / SR)
+    assert delta(before, after, "vllm:omni_audio_streams_total", stage=stage) == 1
+    assert delta(before, after, "vllm:omni_audio_underrun_s_count", stage=stage) == 1
+    ok = {
+        ms: delta(before, after, "vllm:omni_audio_continuity_ok_total", threshold_ms=ms)
+        for ms in ("50", "100", "200")
+    }
+    assert ok["50"] <= ok["100"] <= ok["200"] <= 1  # a looser threshold can only pass more often
+
+
+def test_transfer_sizes_equal_the_bytes_on_the_bus(stack, pipeline, worker_urls) -> None:
+    subjects = Subjects(pipeline.name)
+    sent: dict[tuple[str, str, str, str], int] = defaultdict(int)
+    hops: dict[tuple[str, str, str, str], int] = defaultdict(int)
+
+    async def run() -> None:
+        nc = await nats.connect(stack.nats_url)
+
+        async def cb(msg) -> None:
+            hdr = msg.headers
+            edge = (hdr[h.FROM_STAGE], hdr[h.FROM_REPLICA], hdr[h.TO_STAGE], hdr[h.TO_REPLICA])
+            sent[edge] += len(msg.data)
+            hops[edge] += 1
+
+        await nc.subscribe(subjects.stages_wildcard, cb=cb)
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as http:
+            body = {
+                "model": pipeline.served_model_name,
+                "messages": [{"role": "user", "content": "bytes"}],
+                "max_tokens": 30,
+                "ignore_eos": True,
+                "modalities": ["text", "audio"],
+            }
+            assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+        await nc.flush()
+        await nc.close()
+
+    before = {k: scrape(u) for k, u in worker_urls.items()}
+    asyncio.run(run())
+    after = {k: scrape(u) for k, u in worker_urls.items()}
+    assert {e[2] for e in sent} == {"0", "1", "2"}  # orchestrator → thinker → talker → code2wav
+    for (fs, fr, ts, tr), nbytes in sent.items():
+        key = (int(ts), int(tr))
+        labels = dict(from_stage=fs, from_replica=fr, to_stage=ts, to_replica=tr)
+        assert delta(before[key], after[key], "vllm:omni_transfer_size_bytes_sum", **labels) == nbytes
+        assert (
+            delta(before[key], after[key], "vllm:omni_transfer_size_bytes_count", **labels)
+            == hops[(fs, fr, ts, tr)]
+        )
+        for part in ("tx", "rx", "in_flight", "publish", "queue_wait"):
+            assert (
+                delta(before[key], after[key], f"vllm:omni_transfer_{part}_s_count", **labels)
+                == hops[(fs, fr, ts, tr)]
+            )
+
+
+def test_every_worker_exports_its_stage_identity(pipeline, worker_urls) -> None:
+    for (s, r), url in worker_urls.items():
+        st = pipeline.stages[s]
+        got = scrape(url)
+        assert (
+            total(
+                got,
+                "vllm:omni_stage_info",
+                stage=str(s),
+                replica=str(r),
+                stage_name=st.name,
+                stage_type=st.type.value,
+                model=st.model,
+            )
+            == 1
+        )
