@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
+from nats.js.api import PubAck
 
 from libs.common import headers as h
 from libs.common.envelopes import ClientEvent, LifecycleEvent, StageTask
@@ -37,8 +38,9 @@ async def publish_task(
     task: StageTask,
     hop: Hop,
     trace_headers: dict[str, str] | None = None,
-) -> None:
-    """Publish ``task`` to worker (to_stage, to_replica) and wait for JetStream's ack."""
+) -> PubAck:
+    """Publish ``task`` to worker (to_stage, to_replica) and wait for JetStream's ack (whose
+    ``duplicate`` flag tells a re-send that ``Nats-Msg-Id`` de-duplication dropped)."""
     tx_start = time.time_ns()
     body = task.encode()
     hdrs = {
@@ -56,7 +58,7 @@ async def publish_task(
     }
     hdrs[h.TX_START_NS] = str(tx_start)
     hdrs[h.TX_END_NS] = str(time.time_ns())
-    await js.publish(
+    return await js.publish(
         subjects.stage_in(hop.to_stage, hop.to_replica),
         body,
         headers=hdrs,

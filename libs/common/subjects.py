@@ -31,6 +31,11 @@ def check_token(value: str, what: str) -> str:
     return value
 
 
+def max_deliveries_advisory(stream: str, consumer: str) -> str:
+    """JetStream's advisory subject, published when a message of ``consumer`` hits max_deliver."""
+    return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{consumer}"
+
+
 def consumer_name(stage: int, replica: int) -> str:
     """Durable consumer of worker (stage, replica): ``stage-<s>-<r>``."""
     return f"stage-{stage}-{replica}"

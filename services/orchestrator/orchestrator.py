@@ -36,6 +36,7 @@ from libs.common.envelopes import (
     TaskKind,
     decode,
 )
+from libs.common.metrics_catalog import Exporter, MetricSet
 from libs.common.metrics_server import start_metrics_server
 from libs.common.pipeline import PipelineConfig
 from libs.common.publish import Hop, publish_client, publish_task
@@ -54,6 +55,8 @@ from services.orchestrator.routing import NoLiveReplica, ReplicaPicker
 log = logging.getLogger(__name__)
 
 KV_RETRIES = 5
+HEALTH_PERIOD_S = 2.0
+LOOP_LAG_PERIOD_S = 0.25
 
 
 class Orchestrator:
@@ -63,6 +66,8 @@ class Orchestrator:
         self.subjects = Subjects(pipeline.name)
         self._tasks: list[asyncio.Task[None]] = []
         self._inflight = 0
+        self.metrics = MetricSet(Exporter.ORCHESTRATOR, settings.log_stats)
+        self.model = pipeline.served_model_name
 
     async def start(self) -> None:
         self.nc = await connect(self.settings.nats_url, "omnirelay-orchestrator")
@@ -102,7 +107,37 @@ class Orchestrator:
             asyncio.create_task(self._pull_loop(self._admissions, self._admit), name="admit"),
             asyncio.create_task(self._pull_loop(self._events, self._on_event), name="events"),
         ]
+        if self.metrics.enabled:
+            self._tasks += [
+                asyncio.create_task(self._queue_depth_loop(), name="queue-depth"),
+                asyncio.create_task(self._loop_lag_loop(), name="loop-lag"),
+            ]
         log.info("orchestrator %s: ready, metrics on :%d", self.settings.instance_id, port)
+
+    async def _queue_depth_loop(self) -> None:
+        """Admissions waiting in the requests stream, every few seconds."""
+        gauge = self.metrics["vllm:omni_orchestrator_admission_queue_depth"].labels(self.model)
+        while True:
+            try:
+                ci = await self.js.consumer_info(
+                    self.subjects.requests_stream, ORCHESTRATOR_ADMISSION_CONSUMER
+                )
+                gauge.set(ci.num_pending or 0)
+            except Exception as e:
+                log.debug("admission consumer info unavailable: %s", e)
+            await asyncio.sleep(HEALTH_PERIOD_S)
+
+    async def _loop_lag_loop(self) -> None:
+        """How late the event loop wakes up against a fixed period (a busy or blocked loop)."""
+        hist = self.metrics["vllm:omni_orchestrator_loop_lag_s"].labels(self.model)
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(LOOP_LAG_PERIOD_S)
+            hist.observe(max(0.0, time.monotonic() - t0 - LOOP_LAG_PERIOD_S))
+
+    def _count(self, outcome: str) -> None:
+        if self.metrics.enabled:
+            self.metrics["vllm:omni_orchestrator_admissions"].labels(self.model, outcome).inc()
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -133,6 +168,7 @@ class Orchestrator:
         if now >= adm.deadline_ns:
             await self._reject(adm, 504, "timeout", "request expired while waiting for admission")
             await msg.ack()
+            self._count("expired")
             return
         stages = self.pipeline.stages_for(adm.audio)
         try:
@@ -141,6 +177,7 @@ class Orchestrator:
             name = self.pipeline.stages[e.stage].name
             await self._reject(adm, 503, "no_live_replica", f"stage {e.stage} ({name}) has no live replica")
             await msg.ack()
+            self._count("no_live_replica")
             return
         attempt = msg.metadata.num_delivered if msg.metadata else 1
         record = RequestRecord(
@@ -175,6 +212,7 @@ class Orchestrator:
         await self.requests.put(adm.request_id, record.model_dump_json().encode())
         await publish_task(self.js, self.subjects, task, hop, trace)
         await msg.ack()
+        self._count("dispatched")
 
     async def _reject(self, adm: Admission, status: int, code: str, message: str) -> None:
         log.warning("request %s rejected: %s", adm.request_id, message)

@@ -15,7 +15,8 @@ Unlike a throttle that drops the suppressed steps, :class:`SchedulerStatsThrottl
 - *levels* (running, waiting, deferred, KV-fetch stages, KV-cache usage, step counter, wave,
   iteration details, LoRA adapter maps, the CUDA-graph sample) take the latest step's value;
 - a step that leaves the engine idle (nothing running, nothing waiting) is emitted at once, even
-  inside the window, so gauges never stay stale while the engine sleeps.
+  inside the window, so gauges never stay stale while the engine sleeps (an idle step that would
+  repeat the previous emission exactly, with nothing counted since, is held instead).
 
 The throttle is a plain object (no scheduler needed) so it can be tested on hand-built stats.
 """
@@ -82,8 +83,9 @@ class SchedulerStatsThrottle:
 
     Call :meth:`offer` once per engine step with that step's stats; it returns the stats to send
     (this step plus everything folded since the last emission) or ``None``. The first step, the
-    first step after ``interval_s`` has passed since the last emission, and every idle step are
-    emitted; after an emission the next window starts from zero.
+    first step after ``interval_s`` has passed since the last emission, and an idle step are
+    emitted (an idle step only if it tells something the last emission did not); after an
+    emission the next window starts from zero.
     """
 
     def __init__(self, interval_s: float = STATS_INTERVAL_S, clock: Callable[[], float] = time.monotonic):
@@ -93,6 +95,7 @@ class SchedulerStatsThrottle:
         self._kv_connector_stats: Any = None
         self._ec_connector_stats: Any = None
         self._last_emit: float | None = None
+        self._last_levels: tuple[Any, ...] | None = None
         self.steps_folded = 0
         """Steps offered since the last emission (including the emitting one)."""
 
@@ -118,7 +121,7 @@ class SchedulerStatsThrottle:
 
         now = self._clock()
         due = self._last_emit is None or now - self._last_emit >= self.interval_s
-        if not (due or is_idle(step)):
+        if not due and not (is_idle(step) and self._idle_snapshot_is_news()):
             return None
         out = self._pending
         if self._kv_connector_stats is not None:
@@ -128,13 +131,56 @@ class SchedulerStatsThrottle:
         self._pending = None
         self._kv_connector_stats = self._ec_connector_stats = None
         self._last_emit = now
+        self._last_levels = _levels(out)
         self.steps_folded = 0
         return out
+
+    def _idle_snapshot_is_news(self) -> bool:
+        """Whether an idle step must go out now: unless the last emission already showed this
+        idle state and nothing was counted since (vLLM runs one more, empty step after a request
+        finishes; its snapshot would be a duplicate)."""
+        assert self._pending is not None
+        return (
+            self._last_levels != _levels(self._pending)
+            or has_deltas(self._pending)
+            or self._kv_connector_stats is not None
+            or self._ec_connector_stats is not None
+        )
 
 
 def is_idle(stats: SchedulerStats) -> bool:
     """Nothing running and nothing waiting (deferred requests count as waiting)."""
     return not (stats.num_running_reqs or stats.num_waiting_reqs or stats.num_skipped_waiting_reqs)
+
+
+def _levels(stats: SchedulerStats) -> tuple[Any, ...]:
+    return (
+        stats.num_running_reqs,
+        stats.num_waiting_reqs,
+        stats.num_skipped_waiting_reqs,
+        sorted(stats.num_kv_fetch_reqs_by_stage.items()),
+        stats.kv_cache_usage,
+    )
+
+
+def has_deltas(stats: SchedulerStats) -> bool:
+    """Whether ``stats`` counts anything (a delta field is non-empty)."""
+    caches = [stats.prefix_cache_stats, stats.connector_prefix_cache_stats]
+    perf = stats.perf_stats
+    return bool(
+        any(
+            c is not None and (c.reset or c.requests or c.queries or c.hits or c.preempted_requests)
+            for c in caches
+        )
+        or stats.kv_cache_eviction_events
+        or (stats.spec_decoding_stats is not None and stats.spec_decoding_stats.num_drafts)
+        or stats.kv_connector_stats
+        or stats.ec_connector_stats
+        or (
+            perf is not None
+            and (perf.num_flops_per_gpu or perf.num_read_bytes_per_gpu or perf.num_write_bytes_per_gpu)
+        )
+    )
 
 
 def fold(acc: SchedulerStats, step: SchedulerStats) -> None:

@@ -38,7 +38,7 @@ from libs.common.metrics_server import start_metrics_server
 from libs.common.pipeline import PipelineConfig
 from libs.common.registry import Heartbeat, ServiceKind, ServiceRecord
 from libs.common.settings import WorkerSettings
-from libs.common.subjects import Subjects
+from libs.common.subjects import Subjects, consumer_name, max_deliveries_advisory
 from libs.common.version import VERSION
 from services.stage_worker.inbox import Delivery
 from services.stage_worker.request_context import Bus, Identity, RequestContext
@@ -47,6 +47,7 @@ from services.stage_worker.transfer_stats import TransferStatLogger, transfer_st
 
 log = logging.getLogger(__name__)
 
+CONSUMER_STATE_PERIOD_S = 2.0
 CLOSED_TTL_S = 600.0
 """How long a finished/aborted request id is remembered so late chunks are dropped, seconds."""
 
@@ -123,6 +124,12 @@ class StageWorker:
             asyncio.create_task(self._fetch_loop(), name="fetch"),
             asyncio.create_task(self._keep_alive_loop(), name="keep-alive"),
         ]
+        if self.metrics.enabled:
+            self._tasks.append(asyncio.create_task(self._consumer_state_loop(), name="consumer-state"))
+        consumer = consumer_name(self.me.stage, self.me.replica)
+        await nc.subscribe(
+            max_deliveries_advisory(self.subjects.stages_stream, consumer), cb=self._on_dead_letter
+        )
         log.info(
             "%s: serving %s, metrics on :%d",
             self.label,
@@ -284,6 +291,30 @@ class StageWorker:
             for msg in [*held, *(m for m, _ in self._backlog)]:
                 with contextlib.suppress(Exception):
                     await msg.in_progress()
+
+    async def _consumer_state_loop(self) -> None:
+        """Export this worker's consumer state (what ``nats consumer info`` shows) every few seconds."""
+        consumer = consumer_name(self.me.stage, self.me.replica)
+        while True:
+            try:
+                ci = await self.bus.js.consumer_info(self.subjects.stages_stream, consumer)
+                self.metrics["vllm:omni_bus_consumer_pending"].labels(*self._labels).set(ci.num_pending or 0)
+                self.metrics["vllm:omni_bus_consumer_ack_pending"].labels(*self._labels).set(
+                    ci.num_ack_pending or 0
+                )
+                self.metrics["vllm:omni_bus_consumer_redelivered"].labels(*self._labels).set(
+                    ci.num_redelivered or 0
+                )
+            except Exception as e:
+                log.debug("%s: consumer info unavailable: %s", self.label, e)
+            await asyncio.sleep(CONSUMER_STATE_PERIOD_S)
+
+    async def _on_dead_letter(self, msg: Msg) -> None:
+        log.error(
+            "%s: a message reached max_deliver and was dropped by JetStream: %s", self.label, msg.data[:300]
+        )
+        if self.metrics.enabled:
+            self.metrics["vllm:omni_bus_dead_lettered"].labels(*self._labels).inc()
 
     async def _on_abort(self, msg: Msg) -> None:
         try:

@@ -24,6 +24,8 @@ from libs.common.publish import Hop, publish_task
 from libs.common.subjects import Subjects, consumer_name
 from libs.models.codec import decode_to_pcm16, load_codec
 from libs.models.tiny import resolve_model
+from services.launcher import free_port
+from tests.metrics_scrape import delta, scrape, total
 from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, ServiceProcess, write_pipeline
 
 pytestmark = pytest.mark.integration
@@ -38,8 +40,16 @@ HOP = Hop("1", "0", 2, 0)
 def worker(nats_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("c2w")
     path = write_pipeline(tmp / "p.yaml", PIPELINE, THINKER_YAML + TALKER_YAML + CODE2WAV_YAML)
-    env = {"NATS_URL": nats_server.url, "OMNIRELAY_PIPELINE": str(path), "OMNIRELAY_STAGE": "2"}
+    port = free_port()
+    env = {
+        "NATS_URL": nats_server.url,
+        "OMNIRELAY_PIPELINE": str(path),
+        "OMNIRELAY_STAGE": "2",
+        "OMNIRELAY_LOG_STATS": "true",
+        "OMNIRELAY_METRICS_PORT": str(port),
+    }
     proc = ServiceProcess(["worker"], env, tmp / "worker.log").start()
+    proc.metrics_url = f"http://127.0.0.1:{port}/metrics"
     proc.wait_log("serving", timeout_s=120)
     yield proc
     assert proc.stop() == 0
@@ -97,10 +107,22 @@ async def test_chunks_are_decoded_in_sequence_order_and_duplicates_dropped(worke
     q = await events_of(nc, rid)
     js = nc.jetstream()
     parts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
-    # seq 2 (final) first, then 1, then 0, then 1 again: the worker must hold and reorder.
+    before = scrape(worker.metrics_url)
+    # seq 2 (final) first, then 1, then 0, then 1 again: the worker must hold and reorder; the
+    # re-sent seq 1 carries the same Nats-Msg-Id and JetStream drops it as a duplicate.
+    sent, duplicates = [], []
     for seq in (2, 1, 0, 1):
-        await publish_task(js, SUBJECTS, chunk(rid, seq, parts[seq], final=seq == 2), HOP)
+        task = chunk(rid, seq, parts[seq], final=seq == 2)
+        ack = await publish_task(js, SUBJECTS, task, HOP)
+        (duplicates if ack.duplicate else sent).append(len(task.encode()))
+    assert len(duplicates) == 1
     evs = await until(q, ClientEventType.AUDIO_DONE)
+    after = scrape(worker.metrics_url)
+    edge = dict(from_stage="1", from_replica="0", to_stage="2", to_replica="0")
+    # Every transfer is observed once, with the bytes that were sent.
+    assert delta(before, after, "vllm:omni_transfer_size_bytes_count", **edge) == 3
+    assert delta(before, after, "vllm:omni_transfer_size_bytes_sum", **edge) == sum(sent)
+    assert delta(before, after, "vllm:omni_transfer_in_flight_s_count", **edge) == 3
     audio = [e for e in evs if e.type == ClientEventType.AUDIO]
     assert [e.seq for e in evs] == list(range(len(evs)))
     assert b"".join(e.pcm16 for e in audio) == b"".join(decode_to_pcm16(codec, np.asarray(p)) for p in parts)
@@ -145,7 +167,30 @@ async def test_a_request_waiting_past_its_deadline_gets_a_504(worker, nc) -> Non
     await worker.await_log(f"request {rid} passed its deadline")
 
 
+async def test_held_messages_show_as_ack_pending_in_the_consumer_state(worker, nc) -> None:
+    rid = f"held-{time.time_ns()}"
+    q = await events_of(nc, rid)
+    js = nc.jetstream()
+    for seq in (1, 2):  # seq 0 missing: both wait, un-acked, in the worker
+        await publish_task(js, SUBJECTS, chunk(rid, seq, [1], final=seq == 2), HOP)
+    await _wait_metric(worker.metrics_url, "vllm:omni_bus_consumer_ack_pending", 2)
+    await publish_task(js, SUBJECTS, chunk(rid, 0, [1]), HOP)
+    await until(q, ClientEventType.AUDIO_DONE)
+    await _wait_metric(worker.metrics_url, "vllm:omni_bus_consumer_ack_pending", 0)
+
+
+async def _wait_metric(url: str, name: str, value: float, timeout_s: float = 10.0) -> None:
+    got = None
+    for _ in range(int(timeout_s / 0.25)):
+        got = total(await asyncio.to_thread(scrape, url), name)
+        if got == value:
+            return
+        await asyncio.sleep(0.25)
+    raise AssertionError(f"{name} is {got}, expected {value}")
+
+
 async def test_malformed_and_misaddressed_messages_are_terminated(worker, nc) -> None:
+    before = scrape(worker.metrics_url)
     js = nc.jetstream()
     subject = SUBJECTS.stage_in(2, 0)
     ack1 = await js.publish(subject, b"\xc1", headers={h.TO_STAGE: "2", h.TO_REPLICA: "0"})
@@ -155,6 +200,9 @@ async def test_malformed_and_misaddressed_messages_are_terminated(worker, nc) ->
     await worker.await_log(
         f"terminating malformed message on {subject} (seq {ack2.seq})", "headers address stage 1"
     )
+    after = scrape(worker.metrics_url)
+    assert delta(before, after, "vllm:omni_bus_messages_terminated_total", reason="not_msgpack") == 1
+    assert delta(before, after, "vllm:omni_bus_messages_terminated_total", reason="misaddressed") == 1
     # ... and the worker keeps serving.
     await test_chunks_are_decoded_in_sequence_order_and_duplicates_dropped(
         worker, nc, load_codec(resolve_model("tiny-code2wav"))

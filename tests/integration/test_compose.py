@@ -647,3 +647,24 @@ def test_compose_services_start_natively_and_serve_audio(
     wav = base64.b64decode(data)
     assert wav[:4] == b"RIFF" and len(wav) > 44, f"not a WAV with samples: {len(wav)} bytes"
     assert not procs.dead(), procs.dead()
+    _assert_log_stats_off_exports_no_vllm_family(gateway, envs, record_property)
+
+
+def _assert_log_stats_off_exports_no_vllm_family(
+    gateway: str, envs: dict[str, dict[str, str]], record_property
+) -> None:
+    """Gating: the compose default (--log-stats off) registers no vllm:* family in any service —
+    neither omnirelay's vllm:omni_* nor the engines' — after real traffic went through."""
+    urls = {"gateway": f"{gateway}/metrics"}
+    urls |= {
+        name: f"http://127.0.0.1:{env['OMNIRELAY_METRICS_PORT']}/metrics"
+        for name, env in envs.items()
+        if "OMNIRELAY_METRICS_PORT" in env
+    }
+    assert len(urls) == len(envs), sorted(envs)
+    for name, url in urls.items():
+        lines = httpx.get(url, timeout=10).text.splitlines()
+        vllm = [ln for ln in lines if "vllm:" in ln]
+        assert not vllm, f"{name} exports vllm families with --log-stats off: {vllm[:5]}"
+        assert any(ln.startswith("process_") for ln in lines), name
+        record_property(f"metrics_lines_log_stats_off_{name}", len(lines))

@@ -31,6 +31,8 @@ from libs.common.publish import publish_lifecycle
 from libs.common.records import RequestRecord, RequestStatus, StageProgress
 from libs.common.registry import ServiceKind, ServiceRecord
 from libs.common.subjects import Subjects
+from services.launcher import free_port
+from tests.metrics_scrape import delta, scrape, total
 from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, ServiceProcess, write_pipeline
 
 pytestmark = pytest.mark.integration
@@ -44,9 +46,15 @@ SUBJECTS = Subjects(PIPELINE)
 def orchestrator(nats_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("orch")
     path = write_pipeline(tmp / "p.yaml", PIPELINE, THINKER_YAML + TALKER_YAML + CODE2WAV_YAML)
-    proc = ServiceProcess(
-        ["orchestrator"], {"NATS_URL": nats_server.url, "OMNIRELAY_PIPELINE": str(path)}, tmp / "orch.log"
-    ).start()
+    port = free_port()
+    env = {
+        "NATS_URL": nats_server.url,
+        "OMNIRELAY_PIPELINE": str(path),
+        "OMNIRELAY_LOG_STATS": "true",
+        "OMNIRELAY_METRICS_PORT": str(port),
+    }
+    proc = ServiceProcess(["orchestrator"], env, tmp / "orch.log").start()
+    proc.metrics_url = f"http://127.0.0.1:{port}/metrics"
     proc.wait_log("ready")
     yield proc
     assert proc.stop() == 0
@@ -216,3 +224,29 @@ async def test_malformed_admission_is_terminated_and_admission_goes_on(orchestra
     info = await js.consumer_info(SUBJECTS.requests_stream, "orchestrator")
     assert info.num_ack_pending == 0 and info.delivered.stream_seq >= ack.seq
     await test_no_live_replica_is_answered_with_503(orchestrator, nc)
+
+
+async def test_admission_outcomes_and_health_are_exported(orchestrator, nc) -> None:
+    before = scrape(orchestrator.metrics_url)
+    out: asyncio.Queue = asyncio.Queue()
+    await nc.subscribe(SUBJECTS.out_wildcard(GATEWAY), cb=out.put)
+    stage0: asyncio.Queue = asyncio.Queue()
+    await nc.subscribe(f"omni.{PIPELINE}.stage.0.>", cb=stage0.put)
+    js = nc.jetstream()
+    await js.publish(SUBJECTS.requests, admission().encode())  # nobody is live
+    await asyncio.wait_for(out.get(), 10)
+    await js.publish(SUBJECTS.requests, admission(deadline_s=-1).encode())  # already expired
+    await asyncio.wait_for(out.get(), 10)
+    async with live_workers(nc, {0: [0], 1: [0], 2: [0]}):
+        for _ in range(2):
+            await js.publish(SUBJECTS.requests, admission().encode())
+        for _ in range(2):
+            await asyncio.wait_for(stage0.get(), 10)
+    await asyncio.sleep(2.5)  # one queue-depth refresh
+    after = scrape(orchestrator.metrics_url)
+    name = "vllm:omni_orchestrator_admissions_total"
+    assert delta(before, after, name, outcome="no_live_replica") == 1
+    assert delta(before, after, name, outcome="expired") == 1
+    assert delta(before, after, name, outcome="dispatched") == 2
+    assert total(after, "vllm:omni_orchestrator_admission_queue_depth", model_name=f"{PIPELINE}-model") == 0
+    assert delta(before, after, "vllm:omni_orchestrator_loop_lag_s_count") >= 4

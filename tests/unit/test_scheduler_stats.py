@@ -6,6 +6,7 @@ Hand-built ``SchedulerStats`` sequences, a fake clock, no engine.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 
 import pytest
@@ -79,7 +80,9 @@ def step(
         connector_prefix_cache_stats=cpcs,
         kv_cache_eviction_events=[KVCacheEvictionEvent(1.0 * k, 0.5, (0.1,))],
         spec_decoding_stats=sds,
-        perf_stats=PerfStats(num_flops_per_gpu=100 * k, num_read_bytes_per_gpu=k, num_write_bytes_per_gpu=2 * k)
+        perf_stats=PerfStats(
+            num_flops_per_gpu=100 * k, num_read_bytes_per_gpu=k, num_write_bytes_per_gpu=2 * k
+        )
         if perf
         else None,
     )
@@ -94,8 +97,12 @@ def totals(stats: list[SchedulerStats]) -> dict[str, object]:
         "preempted_queries": sum(s.prefix_cache_stats.preempted_queries for s in stats),
         "preempted_hits": sum(s.prefix_cache_stats.preempted_hits for s in stats),
         "preempted_requests": sum(s.prefix_cache_stats.preempted_requests for s in stats),
-        "conn_queries": sum(s.connector_prefix_cache_stats.queries for s in stats if s.connector_prefix_cache_stats),
-        "conn_hits": sum(s.connector_prefix_cache_stats.hits for s in stats if s.connector_prefix_cache_stats),
+        "conn_queries": sum(
+            s.connector_prefix_cache_stats.queries for s in stats if s.connector_prefix_cache_stats
+        ),
+        "conn_hits": sum(
+            s.connector_prefix_cache_stats.hits for s in stats if s.connector_prefix_cache_stats
+        ),
         "conn_host_hits": sum(
             s.connector_prefix_cache_stats.hits_by_source.get(CacheHitSource.HOST, 0)
             for s in stats
@@ -197,7 +204,9 @@ def test_a_second_window_starts_fresh() -> None:
     second = throttle.offer(step(7))
     assert second is not None
     assert totals([second]) == totals([step(6), step(7)])
-    assert second.kv_cache_eviction_events == step(6).kv_cache_eviction_events + step(7).kv_cache_eviction_events
+    assert (
+        second.kv_cache_eviction_events == step(6).kv_cache_eviction_events + step(7).kv_cache_eviction_events
+    )
 
 
 def test_nothing_is_lost_over_a_long_irregular_run() -> None:
@@ -228,7 +237,7 @@ def test_nothing_is_lost_over_a_long_irregular_run() -> None:
     assert totals([e for _, e in emitted]) == totals(steps)
     # at most one emission per second, apart from idle snapshots
     busy = [t for t, e in emitted if e.num_running_reqs or e.num_waiting_reqs]
-    assert all(b - a >= 1.0 for a, b in zip(busy, busy[1:], strict=False))
+    assert all(b - a >= 1.0 for a, b in itertools.pairwise(busy))
     assert len(emitted) < len(steps) / 10
 
 
@@ -270,3 +279,43 @@ def test_reset_flag_survives_folding() -> None:
     fold(acc, step(3))
     assert acc.prefix_cache_stats.reset
     assert acc.prefix_cache_stats.queries == 13 + 23 + 33
+
+
+def idle_step(k: int = 0, *, counts: bool = False) -> SchedulerStats:
+    s = SchedulerStats(num_running_reqs=0, num_waiting_reqs=0)
+    if counts:
+        s.prefix_cache_stats.record(num_tokens=k, num_hits=0, preempted=False)
+    return s
+
+
+def test_a_repeated_idle_snapshot_is_held_but_new_counts_are_not() -> None:
+    """vLLM runs one more (empty) step after a request finishes: its idle snapshot would repeat
+    the previous one, so it is held; an idle step that counted something still goes out."""
+    clock = Clock()
+    throttle = SchedulerStatsThrottle(1.0, clock)
+    throttle.offer(step(0))
+    clock.t += 0.1
+    assert throttle.offer(idle_step()) is not None
+    clock.t += 0.01
+    assert throttle.offer(idle_step()) is None, "duplicate idle snapshot"
+    clock.t += 0.01
+    out = throttle.offer(idle_step(17, counts=True))
+    assert out is not None and out.prefix_cache_stats.queries == 17
+    clock.t += 0.01
+    changed = idle_step()
+    changed.kv_cache_usage = 0.25
+    assert throttle.offer(changed) is not None, "a level changed"
+
+
+def test_busy_then_idle_then_busy_emits_each_idle_transition_once() -> None:
+    clock = Clock()
+    throttle = SchedulerStatsThrottle(1.0, clock)
+    emitted = 0
+    for _ in range(10):  # ten short requests, one after the other, in 0.5 s
+        for k in range(4):
+            clock.t += 0.01
+            emitted += throttle.offer(step(k)) is not None
+        for _ in range(2):
+            clock.t += 0.0025
+            emitted += throttle.offer(idle_step()) is not None
+    assert emitted == 1 + 10
