@@ -157,6 +157,20 @@ class ClientEvent(_Envelope):
     message: str = ""
 
 
+class EdgeSummary(BaseModel):
+    """One request's transfers over one edge, as the receiver measured them (sums, seconds)."""
+
+    from_stage: str
+    from_replica: str
+    to_stage: str
+    to_replica: str
+    hops: int = 0
+    bytes: int = 0
+    tx_s: float = 0.0
+    rx_s: float = 0.0
+    in_flight_s: float = 0.0
+
+
 class LifecycleEvent(_Envelope):
     """All → orchestrator (subject ``events.<kind>``)."""
 
@@ -167,6 +181,8 @@ class LifecycleEvent(_Envelope):
     replica: int | None = None
     finish_reason: str | None = None
     reason: str | None = None
+    edges: list[EdgeSummary] = Field(default_factory=list)
+    """Transfers this stage received for the request (``stage_done``, with --log-stats)."""
 
 
 class AbortNotice(_Envelope):

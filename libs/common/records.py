@@ -6,6 +6,8 @@ from enum import StrEnum
 
 from pydantic import BaseModel, Field
 
+from libs.common.envelopes import EdgeSummary
+
 
 class RequestStatus(StrEnum):
     ADMITTED = "admitted"
@@ -44,3 +46,7 @@ class RequestRecord(BaseModel):
     updated_ns: int
     finish_reason: str | None = None
     error: str | None = None
+    edges: list[EdgeSummary] = Field(default_factory=list)
+    """Transfers into each stage (with --log-stats), as the receiving stages reported them."""
+    summary_logged: bool = False
+    """The per-request summary line was written (exactly once across orchestrators)."""

@@ -47,6 +47,9 @@ class GatewaySettings(ServiceSettings):
 
 class OrchestratorSettings(ServiceSettings):
     metrics_port: int = Field(default=0, ge=0, le=65535, description="/metrics port (0: any free)")
+    log_stats_interval_s: float = Field(
+        default=5.0, gt=0, description="period of the pipeline stats log line (with --log-stats), seconds"
+    )
 
 
 class WorkerSettings(ServiceSettings):

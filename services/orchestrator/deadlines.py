@@ -38,6 +38,11 @@ class DeadlineSweeper:
         self._deadlines: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
+    @property
+    def inflight(self) -> int:
+        """Requests of the pipeline not yet in a terminal state."""
+        return len(self._deadlines)
+
     async def start(self) -> None:
         watcher = await self._kv.watchall()
         self._tasks = [asyncio.create_task(self._watch(watcher)), asyncio.create_task(self._sweep())]

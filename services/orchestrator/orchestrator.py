@@ -51,6 +51,7 @@ from libs.common.subjects import (
 from libs.common.version import VERSION
 from services.orchestrator.deadlines import DeadlineSweeper
 from services.orchestrator.routing import NoLiveReplica, ReplicaPicker
+from services.orchestrator.summary import PipelineTally, format_summary, ready_to_summarize
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class Orchestrator:
         self._tasks: list[asyncio.Task[None]] = []
         self._inflight = 0
         self.metrics = MetricSet(Exporter.ORCHESTRATOR, settings.log_stats)
+        self._tally = PipelineTally()
         self.model = pipeline.served_model_name
 
     async def start(self) -> None:
@@ -111,6 +113,7 @@ class Orchestrator:
             self._tasks += [
                 asyncio.create_task(self._queue_depth_loop(), name="queue-depth"),
                 asyncio.create_task(self._loop_lag_loop(), name="loop-lag"),
+                asyncio.create_task(self._pipeline_log_loop(), name="pipeline-log"),
             ]
         log.info("orchestrator %s: ready, metrics on :%d", self.settings.instance_id, port)
 
@@ -134,6 +137,16 @@ class Orchestrator:
             t0 = time.monotonic()
             await asyncio.sleep(LOOP_LAG_PERIOD_S)
             hist.observe(max(0.0, time.monotonic() - t0 - LOOP_LAG_PERIOD_S))
+
+    async def _pipeline_log_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.log_stats_interval_s)
+            log.info(
+                "%s",
+                self._tally.line(
+                    self.pipeline.name, self._sweeper.inflight, self.settings.log_stats_interval_s
+                ),
+            )
 
     def _count(self, outcome: str) -> None:
         if self.metrics.enabled:
@@ -213,6 +226,7 @@ class Orchestrator:
         await publish_task(self.js, self.subjects, task, hop, trace)
         await msg.ack()
         self._count("dispatched")
+        self._tally.admitted += 1
 
     async def _reject(self, adm: Admission, status: int, code: str, message: str) -> None:
         log.warning("request %s rejected: %s", adm.request_id, message)
@@ -243,8 +257,19 @@ class Orchestrator:
     # --- lifecycle ---------------------------------------------------------------------
     async def _on_event(self, msg: Msg) -> None:
         ev = decode(LifecycleEvent, msg.data)
-        await update_record(self.requests, ev.request_id, lambda rec: apply_event(rec, ev))
+        summary: list[RequestRecord] = []
+
+        def change(rec: RequestRecord) -> None:
+            apply_event(rec, ev)
+            if self.settings.log_stats and ready_to_summarize(rec):
+                rec.summary_logged = True
+                summary[:] = [rec]
+
+        await update_record(self.requests, ev.request_id, change)
         await msg.ack()
+        for rec in summary:  # only the writer whose update stuck gets here
+            log.info("%s", format_summary(rec, self.pipeline))
+            self._tally.end(rec)
 
 
 def apply_event(rec: RequestRecord, ev: LifecycleEvent) -> None:
@@ -260,6 +285,7 @@ def apply_event(rec: RequestRecord, ev: LifecycleEvent) -> None:
             rec.stages[s].done_ns = ev.ts_ns
     if ev.finish_reason and rec.finish_reason is None:
         rec.finish_reason = ev.finish_reason
+    rec.edges.extend(ev.edges)
     if not rec.status.terminal:
         if ev.kind == "started":
             rec.status = RequestStatus.RUNNING

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from nats.aio.msg import Msg
 
 from libs.common.envelopes import StageTask
+from services.stage_worker.transfer_stats import TransferStats
 
 
 @dataclass
@@ -22,6 +23,8 @@ class Delivery:
     task: StageTask
     received_ns: int
     """Wall clock (ns) when the worker got the message."""
+    transfer: TransferStats | None = None
+    """How the message travelled (measured with --log-stats)."""
 
 
 class RequestInbox:

@@ -113,7 +113,7 @@ class SchedulerStatsThrottle:
         ``.data``) on emission. ``step`` is never modified.
         """
         if self._pending is None:
-            self._pending = _empty_stats()
+            self._pending = SchedulerStats()
         fold(self._pending, step)
         self._kv_connector_stats = _aggregate(self._kv_connector_stats, kv_connector_stats)
         self._ec_connector_stats = _aggregate(self._ec_connector_stats, ec_connector_stats)
@@ -205,10 +205,6 @@ def fold(acc: SchedulerStats, step: SchedulerStats) -> None:
             # Levels, and (defensively) connector payloads that arrive already serialised or
             # a field a newer vLLM added: the latest value wins.
             setattr(acc, name, copy.copy(new) if isinstance(new, dict) else new)
-
-
-def _empty_stats() -> SchedulerStats:
-    return SchedulerStats()
 
 
 def _aggregate(held: Any, new: Any) -> Any:

@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from libs.common.envelopes import ClientEvent, LifecycleEvent, StageTask, TaskKind
+from libs.common.envelopes import ClientEvent, EdgeSummary, LifecycleEvent, StageTask, TaskKind
 from libs.common.publish import Hop, publish_client, publish_lifecycle, publish_task
 from libs.common.subjects import Subjects
 from services.stage_worker.inbox import Delivery, RequestInbox
+from services.stage_worker.transfer_stats import TransferStats
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class RequestContext:
     _client_seq: int = 0
     _started: bool = False
     _in_hand: dict[int, Delivery] = field(default_factory=dict)
+    _edges: dict[tuple[str, str], EdgeSummary] = field(default_factory=dict)
     _background: set[asyncio.Task[None]] = field(default_factory=set)
 
     @property
@@ -68,6 +70,8 @@ class RequestContext:
         """The next input in sequence order; the first call reports the stage as started."""
         d = await self.inbox.next()
         self._in_hand[d.task.seq] = d
+        if d.transfer is not None:
+            self._add_transfer(d.transfer)
         if not self._started:
             self._started = True
             self.lifecycle("started")
@@ -108,14 +112,31 @@ class RequestContext:
             self.bus.nc, self.bus.subjects, self.first.gateway_id, event, self.first.arrival_ns
         )
 
+    def _add_transfer(self, t: TransferStats) -> None:
+        e = self._edges.get((t.from_stage, t.from_replica))
+        if e is None:
+            e = self._edges[(t.from_stage, t.from_replica)] = EdgeSummary(
+                from_stage=t.from_stage,
+                from_replica=t.from_replica,
+                to_stage=t.to_stage,
+                to_replica=t.to_replica,
+            )
+        e.hops += 1
+        e.bytes += t.size_bytes
+        e.tx_s += t.tx_s
+        e.rx_s += t.rx_s
+        e.in_flight_s += t.in_flight_s
+
     def lifecycle(self, kind: str, **fields: object) -> None:
-        """Report a lifecycle event to the orchestrator without waiting for it."""
+        """Report a lifecycle event to the orchestrator without waiting for it; ``stage_done``
+        carries the transfers this stage received for the request."""
         event = LifecycleEvent(
             request_id=self.request_id,
             kind=kind,
             ts_ns=time.time_ns(),
             stage=self.me.stage,
             replica=self.me.replica,
+            edges=list(self._edges.values()) if kind == "stage_done" else [],
             **fields,
         )
         task = asyncio.create_task(self._send_lifecycle(event))

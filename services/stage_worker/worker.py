@@ -77,7 +77,7 @@ class StageWorker:
         self.active: dict[str, tuple[RequestContext, asyncio.Task[None]]] = {}
         self._closed: dict[str, float] = {}
         self._abort_reasons: dict[str, str] = {}
-        self._backlog: deque[tuple[Msg, StageTask]] = deque()
+        self._backlog: deque[Delivery] = deque()
         self.bus: Bus | None = None
         self._heartbeat: Heartbeat | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -163,13 +163,16 @@ class StageWorker:
 
     async def _dispatch(self, msg: Msg) -> None:
         received_ns, t0 = time.time_ns(), time.perf_counter()
+        transfer = None
         try:
             task = self._validate(msg)
             if self.metrics.enabled:
                 rx_s = time.perf_counter() - t0
-                stats = transfer_stats(msg.headers or {}, received_ns, _stored_ns(msg), rx_s, len(msg.data))
-                if stats is not None:
-                    self.transfers.record(stats)
+                transfer = transfer_stats(
+                    msg.headers or {}, received_ns, _stored_ns(msg), rx_s, len(msg.data)
+                )
+                if transfer is not None:
+                    self.transfers.record(transfer)
         except MalformedMessage as e:
             if self.metrics.enabled:
                 self.metrics["vllm:omni_bus_messages_terminated"].labels(*self._labels, e.reason).inc()
@@ -189,12 +192,14 @@ class StageWorker:
             await msg.ack()
             return
         entry = self.active.get(rid)
+        delivery = Delivery(msg, task, received_ns, transfer)
         if entry is None and len(self.active) >= self.settings.max_inflight:
-            self._backlog.append((msg, task))  # started when a request ends (kept alive meanwhile)
+            self._backlog.append(delivery)  # started when a request ends (kept alive meanwhile)
             return
-        await self._accept(msg, task, received_ns)
+        await self._accept(delivery)
 
-    async def _accept(self, msg: Msg, task: StageTask, received_ns: int) -> None:
+    async def _accept(self, d: Delivery) -> None:
+        msg, task = d.msg, d.task
         rid = task.request_id
         entry = self.active.get(rid)
         if entry is None:
@@ -203,7 +208,7 @@ class StageWorker:
             self.active[rid] = (ctx, task_)
         else:
             ctx = entry[0]
-        if not ctx.inbox.put(Delivery(msg, task, received_ns)):
+        if not ctx.inbox.put(d):
             log.info("%s: request %s: duplicate seq %d acked and dropped", self.label, rid, task.seq)
             await msg.ack()
 
@@ -258,8 +263,7 @@ class StageWorker:
     async def _admit_backlog(self) -> None:
         """Start backlogged requests while there is room (their later chunks join them)."""
         while self._backlog and len(self.active) < self.settings.max_inflight:
-            msg, task = self._backlog.popleft()
-            await self._accept(msg, task, time.time_ns())
+            await self._accept(self._backlog.popleft())
 
     async def _report_failure(self, ctx: RequestContext, status: int, code: str, message: str) -> None:
         """Tell the client (its gateway) and the orchestrator that the request failed here."""
@@ -288,7 +292,7 @@ class StageWorker:
         while True:
             await asyncio.sleep(period)
             held = [d.msg for ctx, _ in list(self.active.values()) for d in ctx.unacked()]
-            for msg in [*held, *(m for m, _ in self._backlog)]:
+            for msg in [*held, *(d.msg for d in self._backlog)]:
                 with contextlib.suppress(Exception):
                     await msg.in_progress()
 

@@ -141,6 +141,7 @@ def test_transfer_sizes_equal_the_bytes_on_the_bus(stack, pipeline, worker_urls)
 
         await nc.subscribe(subjects.stages_wildcard, cb=cb)
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as http:
+            nonlocal rid
             body = {
                 "model": pipeline.served_model_name,
                 "messages": [{"role": "user", "content": "bytes"}],
@@ -148,10 +149,13 @@ def test_transfer_sizes_equal_the_bytes_on_the_bus(stack, pipeline, worker_urls)
                 "ignore_eos": True,
                 "modalities": ["text", "audio"],
             }
-            assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+            r = await http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200
+            rid = r.json()["id"]
         await nc.flush()
         await nc.close()
 
+    rid = None
     before = {k: scrape(u) for k, u in worker_urls.items()}
     asyncio.run(run())
     after = {k: scrape(u) for k, u in worker_urls.items()}
