@@ -58,7 +58,17 @@ def stack(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> 
     log = tmp / "stack.log"
     port = free_port()
     env = {**os.environ, "NATS_URL": nats_server.url, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    argv = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--data-dir", str(tmp), "--log-stats"]
+    argv = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "up",
+        "--port",
+        str(port),
+        "--data-dir",
+        str(tmp),
+        "--log-stats",
+    ]
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     s = Stack(f"http://127.0.0.1:{port}", nats_server.url, log, proc)
