@@ -221,3 +221,7 @@ def _build(f: Family, registry: CollectorRegistry):
     if f.kind == Kind.GAUGE:
         return Gauge(f.name, f.help, f.labels, registry=registry, multiprocess_mode="livesum")
     return Histogram(f.name, f.help, f.labels, registry=registry, buckets=f.buckets)
+
+
+if __name__ == "__main__":  # python -m libs.common.metrics_catalog > table for docs/metrics.md
+    print(markdown_table())
