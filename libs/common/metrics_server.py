@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, disable_created_metrics, start_http_server
 from prometheus_client.registry import Collector
 
 from libs.common.metrics_catalog import OMNI_REGISTRY
+
+disable_created_metrics()  # no *_created series: they double /metrics and no dashboard uses them
 
 
 class Registries(Collector):

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
+from opentelemetry.trace import Span
 
 from libs.common import headers as h
 from libs.common.envelopes import ClientEvent, LifecycleEvent, StageTask
 from libs.common.subjects import Subjects
+from libs.common.tracing import inject_headers
 
 PUBLISH_TIMEOUT_S = 5.0
 
@@ -37,10 +39,11 @@ async def publish_task(
     subjects: Subjects,
     task: StageTask,
     hop: Hop,
-    trace_headers: dict[str, str] | None = None,
+    span: Span | None = None,
 ) -> PubAck:
     """Publish ``task`` to worker (to_stage, to_replica) and wait for JetStream's ack (whose
-    ``duplicate`` flag tells a re-send that ``Nats-Msg-Id`` de-duplication dropped)."""
+    ``duplicate`` flag tells a re-send that ``Nats-Msg-Id`` de-duplication dropped). ``span``'s
+    context travels in ``traceparent``/``tracestate`` when tracing is on."""
     tx_start = time.time_ns()
     body = task.encode()
     hdrs = {
@@ -54,8 +57,8 @@ async def publish_task(
         h.FINAL: "true" if task.final else "false",
         h.PAYLOAD_BYTES: str(len(body)),
         h.MSG_ID: f"{task.request_id}.{hop.to_stage}.{task.seq}",
-        **(trace_headers or {}),
     }
+    inject_headers(hdrs, span)
     hdrs[h.TX_START_NS] = str(tx_start)
     hdrs[h.TX_END_NS] = str(time.time_ns())
     return await js.publish(

@@ -12,12 +12,13 @@ from prometheus_fastapi_instrumentator import Instrumentator
 from libs.common.metrics_catalog import Exporter, MetricSet
 from libs.common.pipeline import PipelineConfig
 from libs.common.settings import GatewaySettings
+from libs.common.tracing import setup_tracing, shutdown_tracing
 from libs.models.tiny import resolve_model
 from services.gateway.errors import install_error_handlers
 from services.gateway.pipeline_client import PipelineClient
 from services.gateway.prompting import Tokenizer
 from services.gateway.request_stats import GatewayStatLogger
-from services.gateway.responses import body_started
+from services.gateway.responses import body_started, finish
 from services.gateway.routes import router
 from services.gateway.submission import Submitter
 
@@ -53,7 +54,7 @@ class ResponseTimer:
                 body_started(job, time.monotonic())
             await send(message)
             if not message.get("more_body", False):
-                job.log.ended(job.stats, time.monotonic())
+                finish(job, time.monotonic())
 
         await self.app(scope, receive, timed_send)
 
@@ -73,6 +74,7 @@ def create_app(settings: GatewaySettings, pipeline: PipelineConfig) -> FastAPI:
             yield
         finally:
             await client.stop()
+            shutdown_tracing()
 
     app = FastAPI(title="omnirelay gateway", lifespan=lifespan)
     app.state.pipeline = pipeline
@@ -87,6 +89,7 @@ def create_app(settings: GatewaySettings, pipeline: PipelineConfig) -> FastAPI:
 def run_gateway(settings: GatewaySettings, pipeline: PipelineConfig) -> None:
     import uvicorn
 
+    setup_tracing("gateway", pipeline.name)
     app = create_app(settings, pipeline)
     uvicorn.run(
         app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(), access_log=False

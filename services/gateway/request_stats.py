@@ -39,6 +39,8 @@ class RequestStats:
     audio_bytes: int = 0
     last_audio_received_s: float | None = None
     """When the last audio chunk reached the gateway (end of audio generation as seen here)."""
+    input_tokens: int = 0
+    output_tokens: int = 0
     done: bool = False
 
     def audio_received(

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fastapi import Request
+from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 
 from libs.common.envelopes import ClientEvent, ClientEventType
 from libs.common.playback import AudioChunk
@@ -36,6 +37,8 @@ class Job:
     created: int
     stats: RequestStats
     log: GatewayStatLogger
+    span: Span = INVALID_SPAN
+    """The HTTP request's SERVER span (the root of the request's trace)."""
     audio_format: str | None = None
     """Requested audio format, None for a text-only request."""
     return_token_ids: bool = False
@@ -97,6 +100,11 @@ async def events_until_done(job: Job) -> AsyncIterator[ClientEvent]:
                 job.stats.audio_received(ev.stage, ev.replica, len(ev.pcm16), ev.sample_rate, now)
             elif ev.type == ClientEventType.TEXT_DONE:
                 job.stats.finished_reason = ev.finish_reason
+                if ev.usage is not None:
+                    job.stats.input_tokens, job.stats.output_tokens = (
+                        ev.usage.prompt_tokens,
+                        ev.usage.completion_tokens,
+                    )
             yield ev
             text_done = text_done or ev.type == ClientEventType.TEXT_DONE
             audio_done = audio_done or ev.type == ClientEventType.AUDIO_DONE
@@ -209,4 +217,25 @@ def abandon(job: Job) -> None:
     """The client went away: abort the request everywhere and record it as aborted."""
     job.client.abort(job.id, "client disconnected")
     job.stats.finished_reason = "abort"
-    job.log.ended(job.stats, time.monotonic())
+    finish(job, time.monotonic())
+
+
+def finish(job: Job, end_s: float) -> None:
+    """The response is over (last byte written, or the client left): record it once."""
+    if job.stats.done:
+        return
+    job.log.ended(job.stats, end_s)
+    s, span = job.stats, job.span
+    if span.is_recording():
+        span.set_attributes(
+            {
+                "gen_ai.response.id": job.id,
+                "gen_ai.usage.input_tokens": s.input_tokens,
+                "gen_ai.usage.output_tokens": s.output_tokens,
+                "gen_ai.response.finish_reasons": [s.finished_reason or ""],
+                "omnirelay.audio.bytes": s.audio_bytes,
+            }
+        )
+        if s.failure:
+            span.set_status(Status(StatusCode.ERROR, s.failure))
+    span.end()

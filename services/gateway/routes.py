@@ -11,6 +11,7 @@ from prometheus_client.exposition import choose_encoder
 
 from libs.common.envelopes import ClientEvent, ClientEventType
 from libs.common.metrics_server import EXPOSITION
+from libs.common.tracing import context_from_headers
 from services.gateway.discovery import sd_targets
 from services.gateway.responses import (
     AUDIO_EXPIRY_S,
@@ -45,7 +46,11 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def _arrival(request: Request) -> Arrival:
     state = request.scope.get("state", {})
-    return Arrival(state.get("arrival_ns") or time.time_ns(), state.get("arrival_s") or time.monotonic())
+    return Arrival(
+        state.get("arrival_ns") or time.time_ns(),
+        state.get("arrival_s") or time.monotonic(),
+        context_from_headers(request.headers),
+    )
 
 
 @router.get("/v1/models")

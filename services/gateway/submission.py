@@ -6,8 +6,12 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
 from libs.common.envelopes import Admission, Sampling
 from libs.common.pipeline import PipelineConfig
+from libs.common.tracing import inject_headers, start_span, trace_id_hex
 from services.gateway.errors import APIError
 from services.gateway.pipeline_client import PipelineClient
 from services.gateway.prompting import (
@@ -57,7 +61,9 @@ class Submitter:
             else (req.max_tokens, "max_tokens")
         )
         sampling = sampling_for(req, max_tokens_for(asked, len(ids), self.max_model_len, param))
-        job = await self._submit("chatcmpl", ids, sampling, audio is not None, req.stream, arrival, req.model)
+        job = await self._submit(
+            "chatcmpl", ids, sampling, audio is not None, req.stream, arrival, req.model, "chat"
+        )
         job.audio_format = audio.format if audio else None
         job.return_token_ids = req.return_token_ids
         return job
@@ -73,7 +79,9 @@ class Submitter:
         sampling = sampling_for(
             req, max_tokens_for(req.max_tokens, len(ids), self.max_model_len, "max_tokens")
         )
-        job = await self._submit("cmpl", ids, sampling, False, req.stream, arrival, req.model)
+        job = await self._submit(
+            "cmpl", ids, sampling, False, req.stream, arrival, req.model, "text_completion"
+        )
         job.return_token_ids = req.return_token_ids
         return job
 
@@ -86,8 +94,25 @@ class Submitter:
         streamed: bool,
         arrival: Arrival,
         model: str,
+        operation: str,
     ) -> Job:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
+        span = start_span(
+            f"{operation} {model}",
+            arrival.trace_parent,
+            SpanKind.SERVER,
+            {
+                "http.request.method": "POST",
+                "gen_ai.operation.name": operation,
+                "gen_ai.request.model": model,
+                "gen_ai.request.max_tokens": sampling.max_tokens,
+                "gen_ai.request.temperature": sampling.temperature,
+                "gen_ai.request.top_p": sampling.top_p,
+                "omnirelay.request_id": request_id,
+                "omnirelay.audio": audio,
+            },
+            start_time=arrival.wall_ns,
+        )
         adm = Admission(
             request_id=request_id,
             gateway_id=self.client.gateway_id,
@@ -96,11 +121,16 @@ class Submitter:
             prompt_token_ids=ids,
             sampling=sampling,
             audio=audio,
+            trace_id=trace_id_hex(span),
         )
+        headers: dict[str, str] = {}
+        inject_headers(headers, span)
         try:
-            handle = await self.client.submit(adm, trace_headers={})
+            handle = await self.client.submit(adm, trace_headers=headers)
         except APIError as e:
             self.stat_log.rejected(e.code or "rejected")
+            span.set_status(Status(StatusCode.ERROR, e.code or "rejected"))
+            span.end()
             raise
         stats = RequestStats(arrival_s=arrival.mono_s, audio=audio, streamed=streamed)
         self.stat_log.submitted(stats)
@@ -120,3 +150,5 @@ class Arrival:
 
     wall_ns: int
     mono_s: float
+    trace_parent: Context | None = None
+    """Trace context the client sent (``traceparent``), if any."""

@@ -15,6 +15,7 @@ import time
 from nats.aio.msg import Msg
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
+from opentelemetry.trace import SpanKind
 
 from libs.common import headers as h
 from libs.common.bus import (
@@ -48,6 +49,7 @@ from libs.common.subjects import (
     ORCHESTRATOR_EVENTS_CONSUMER,
     Subjects,
 )
+from libs.common.tracing import context_from_headers, setup_tracing, shutdown_tracing, start_span
 from libs.common.version import VERSION
 from services.orchestrator.deadlines import DeadlineSweeper
 from services.orchestrator.routing import NoLiveReplica, ReplicaPicker
@@ -220,10 +222,18 @@ class Orchestrator:
             sampling=adm.sampling,
         )
         hop = Hop(h.FROM_ORCHESTRATOR, h.FROM_ORCHESTRATOR, 0, route[0])
-        trace = {k: v for k, v in (msg.headers or {}).items() if k in (h.TRACEPARENT, h.TRACESTATE)}
-        # The record exists before any worker can report on the request.
-        await self.requests.put(adm.request_id, record.model_dump_json().encode())
-        await publish_task(self.js, self.subjects, task, hop, trace)
+        span = start_span(
+            "omni.admit",
+            context_from_headers(msg.headers),
+            SpanKind.CONSUMER,
+            {"omnirelay.request_id": adm.request_id, "omnirelay.route": route, "messaging.system": "nats"},
+        )
+        try:
+            # The record exists before any worker can report on the request.
+            await self.requests.put(adm.request_id, record.model_dump_json().encode())
+            await publish_task(self.js, self.subjects, task, hop, span)
+        finally:
+            span.end()
         await msg.ack()
         self._count("dispatched")
         self._tally.admitted += 1
@@ -321,7 +331,9 @@ async def update_record(kv: KeyValue, key: str, change) -> None:
 async def run_orchestrator(settings: OrchestratorSettings, pipeline: PipelineConfig) -> None:
     from libs.common.signals import wait_for_shutdown
 
+    setup_tracing("orchestrator", pipeline.name)
     orch = Orchestrator(settings, pipeline)
     await orch.start()
     await wait_for_shutdown()
     await orch.stop()
+    shutdown_tracing()

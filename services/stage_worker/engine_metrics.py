@@ -58,8 +58,13 @@ class EngineIdentity:
     """The only engine index the worker's ``AsyncLLM`` has (no data parallelism per worker)."""
 
     @property
+    def label(self) -> str:
+        """``stage <id> (<name>) replica <r>``, as the worker's own log lines say it."""
+        return f"stage {self.stage} ({self.stage_name}) replica {self.replica}"
+
+    @property
     def log_prefix(self) -> str:
-        return f"stage {self.stage} ({self.stage_name}) replica {self.replica}: "
+        return f"{self.label}: "
 
     def check_engine(self, value: object) -> None:
         if str(value) != str(self.engine_index):

@@ -125,7 +125,7 @@ class LLMHandler:
 
             self._log_task = asyncio.create_task(
                 log_stats_periodically(
-                    self.engine, self._spec.log_stats_interval_s, engine_identity(self._spec).log_prefix
+                    self.engine, self._spec.log_stats_interval_s, engine_identity(self._spec).label
                 ),
                 name="vllm-log-stats",
             )

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
+from opentelemetry.trace import INVALID_SPAN, Span
 
+from libs.common import tracing
 from libs.common.envelopes import ClientEvent, EdgeSummary, LifecycleEvent, StageTask, TaskKind
 from libs.common.publish import Hop, publish_client, publish_lifecycle, publish_task
 from libs.common.subjects import Subjects
@@ -44,7 +46,8 @@ class RequestContext:
     first: StageTask
     """Envelope of the first delivery: route, gateway, arrival and deadline."""
     inbox: RequestInbox = field(default_factory=RequestInbox)
-    trace_headers: dict[str, str] = field(default_factory=dict)
+    span: Span = INVALID_SPAN
+    """This request's span in this stage (non-recording when tracing is off)."""
     _out_seq: int = 0
     _client_seq: int = 0
     _started: bool = False
@@ -72,6 +75,8 @@ class RequestContext:
         self._in_hand[d.task.seq] = d
         if d.transfer is not None:
             self._add_transfer(d.transfer)
+        if tracing.enabled():
+            self.span.add_event("chunk.received", _chunk_attributes(d))
         if not self._started:
             self._started = True
             self.lifecycle("started")
@@ -102,7 +107,17 @@ class RequestContext:
         )
         self._out_seq += 1
         hop = Hop(str(self.me.stage), str(self.me.replica), to_stage, self.first.route[to_stage])
-        await publish_task(self.bus.js, self.bus.subjects, task, hop, self.trace_headers)
+        await publish_task(self.bus.js, self.bus.subjects, task, hop, self.span)
+        if tracing.enabled():
+            self.span.add_event(
+                "chunk.sent",
+                {
+                    "omni.seq": task.seq,
+                    "omni.final": final,
+                    "omni.to_stage": to_stage,
+                    "omni.to_replica": hop.to_replica,
+                },
+            )
 
     async def client(self, event: ClientEvent) -> None:
         """Send a client-visible event to the request's gateway, stamped with stage and replica."""
@@ -148,3 +163,22 @@ class RequestContext:
             await publish_lifecycle(self.bus.js, self.bus.subjects, event)
         except Exception as e:  # bookkeeping only: the request itself is unaffected
             log.warning("request %s: lifecycle event %s not recorded: %s", self.request_id, event.kind, e)
+
+
+def _chunk_attributes(d: Delivery) -> dict[str, object]:
+    """Span event attributes of one received chunk: sequence, size and transfer times (s)."""
+    attrs: dict[str, object] = {
+        "omni.seq": d.task.seq,
+        "omni.final": d.task.final,
+        "messaging.message.body.size": len(d.msg.data),
+    }
+    t = d.transfer
+    if t is not None:
+        attrs |= {
+            "omni.from_stage": t.from_stage,
+            "omni.from_replica": t.from_replica,
+            "omni.transfer.tx_s": t.tx_s,
+            "omni.transfer.rx_s": t.rx_s,
+            "omni.transfer.in_flight_s": t.in_flight_s,
+        }
+    return attrs

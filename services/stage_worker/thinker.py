@@ -55,6 +55,19 @@ class ThinkerHandler(LLMHandler):
             rest = chunker.flush()
             await req.downstream(final=True, token_ids=rest.token_ids, text=rest.text)
         usage = Usage(prompt_tokens=len(task.prompt_token_ids), completion_tokens=generated)
+        req.span.set_attributes(
+            {
+                "gen_ai.operation.name": "chat",
+                "gen_ai.system": "vllm",
+                "gen_ai.request.model": self._spec.pipeline.served_model_name,
+                "gen_ai.request.max_tokens": s.max_tokens,
+                "gen_ai.request.temperature": s.temperature,
+                "gen_ai.request.top_p": s.top_p,
+                "gen_ai.usage.input_tokens": usage.prompt_tokens,
+                "gen_ai.usage.output_tokens": usage.completion_tokens,
+                "gen_ai.response.finish_reasons": [finish_reason or ""],
+            }
+        )
         await req.client(
             ClientEvent(
                 request_id=req.request_id,

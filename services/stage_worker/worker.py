@@ -14,8 +14,11 @@ import time
 from collections import deque
 
 from nats.aio.msg import Msg
+from opentelemetry import trace
+from opentelemetry.trace import INVALID_SPAN, Link, Span, SpanKind, Status, StatusCode
 
 from libs.common import headers as h
+from libs.common import tracing
 from libs.common.bus import (
     LIMITS,
     connect,
@@ -203,7 +206,7 @@ class StageWorker:
         rid = task.request_id
         entry = self.active.get(rid)
         if entry is None:
-            ctx = RequestContext(self.me, self.bus, task, trace_headers=_trace_headers(msg))
+            ctx = RequestContext(self.me, self.bus, task, span=self._request_span(msg, task))
             task_ = asyncio.create_task(self._run_request(ctx), name=f"request:{rid}")
             self.active[rid] = (ctx, task_)
         else:
@@ -211,6 +214,31 @@ class StageWorker:
         if not ctx.inbox.put(d):
             log.info("%s: request %s: duplicate seq %d acked and dropped", self.label, rid, task.seq)
             await msg.ack()
+
+    def _request_span(self, msg: Msg, task: StageTask) -> Span:
+        """The span of this request in this stage: a child of the sender's span; a redelivered
+        first message also links to it, marking the new attempt."""
+        if not tracing.enabled():
+            return INVALID_SPAN
+        parent = tracing.context_from_headers(msg.headers)
+        attempt = msg.metadata.num_delivered if msg.metadata else 1
+        links = []
+        if attempt > 1 and parent is not None:
+            links = [
+                Link(trace.get_current_span(parent).get_span_context(), {"omnirelay.link": "redelivery"})
+            ]
+        attrs = {
+            "omnirelay.request_id": task.request_id,
+            "omnirelay.stage": self.me.stage,
+            "omnirelay.stage_name": self.stage_cfg.name,
+            "omnirelay.replica": self.me.replica,
+            "messaging.system": "nats",
+            "messaging.destination.name": msg.subject,
+            "messaging.message.delivery_count": attempt,
+        }
+        return tracing.start_span(
+            f"omni.stage {self.stage_cfg.name}", parent, SpanKind.CONSUMER, attrs, links
+        )
 
     def _validate(self, msg: Msg) -> StageTask:
         task = decode(StageTask, msg.data)
@@ -254,6 +282,7 @@ class StageWorker:
                 ctx, status, code, f"stage {self.me.stage} ({self.stage_cfg.name}) failed: {e}"
             )
         finally:
+            ctx.span.end()
             self.active.pop(rid, None)
             self._abort_reasons.pop(rid, None)
             self._close(rid)
@@ -267,6 +296,7 @@ class StageWorker:
 
     async def _report_failure(self, ctx: RequestContext, status: int, code: str, message: str) -> None:
         """Tell the client (its gateway) and the orchestrator that the request failed here."""
+        ctx.span.set_status(Status(StatusCode.ERROR, f"{code}: {message}"))
         event = ClientEvent(
             request_id=ctx.request_id, type=ClientEventType.ERROR, status=status, code=code, message=message
         )
@@ -348,17 +378,14 @@ def _stream_seq(msg: Msg) -> str:
         return "?"
 
 
-def _trace_headers(msg: Msg) -> dict[str, str]:
-    hdr = msg.headers or {}
-    return {k: hdr[k] for k in (h.TRACEPARENT, h.TRACESTATE) if k in hdr}
-
-
 async def run_worker(settings: WorkerSettings, pipeline: PipelineConfig) -> None:
     """Run one worker until SIGINT/SIGTERM."""
     from libs.common.signals import wait_for_shutdown
 
+    tracing.setup_tracing("worker", pipeline.name, settings.stage, settings.replica)
     worker = StageWorker(settings, pipeline)
     await worker.start()
     await wait_for_shutdown()
     log.info("%s: shutting down", worker.label)
     await worker.stop()
+    tracing.shutdown_tracing()

