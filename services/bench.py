@@ -276,6 +276,23 @@ def verdict_line(
     )
 
 
+def machine_note(samples: Sequence[dict[str, float]]) -> str:
+    """One line on what else ran during the rounds (ranges over the per-round samples)."""
+
+    def span(key: str, fmt: str) -> str:
+        vals = [m[key] for m in samples if key in m]
+        if not vals:
+            return "?"
+        lo, hi = format(min(vals), fmt), format(max(vals), fmt)
+        return lo if lo == hi else f"{lo}–{hi}"
+
+    return (
+        f"machine during the rounds: {span('foreign_services_cli', '.0f')} other services.cli, "
+        f"{span('foreign_pytest', '.0f')} pytest, {span('foreign_vllm_engines', '.0f')} other vLLM "
+        f"engine processes; load average {span('loadavg_1m', '.1f')}"
+    )
+
+
 def split_requests(total: int, rounds: int) -> list[int]:
     """Split ``total`` requests over ``rounds`` rounds as evenly as possible (larger ones first)."""
     if rounds < 1:
@@ -795,6 +812,7 @@ def report(results: list[RoundResult], opts: BenchOptions) -> tuple[str, dict[st
                 f"note: {TARGET_TITLES[t]} streams {mean_chunks:.1f} content chunks per request "
                 f"for {mean_tokens:.1f} tokens (several tokens per chunk)"
             )
+    lines.append(machine_note([r.machine for r in results]))
     prompts = {(r.target, x.prompt_tokens) for r in results for x in r.timings if x.prompt_tokens}
     gw_p = sorted({p for t, p in prompts if t == GATEWAY})
     vl_p = sorted({p for t, p in prompts if t == DIRECT})

@@ -59,7 +59,7 @@ def setup_tracing(service: str, pipeline: str, stage: int | None = None, replica
     exporters = {e.strip() for e in os.environ.get("OTEL_TRACES_EXPORTER", "otlp").split(",") if e.strip()}
     if "console" in exporters:
         provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
-    if "otlp" in exporters or not exporters - {"console"}:
+    if "otlp" in exporters:
         provider.add_span_processor(BatchSpanProcessor(_otlp_exporter()))
     trace.set_tracer_provider(provider)
     _enabled = True

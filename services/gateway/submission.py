@@ -141,6 +141,7 @@ class Submitter:
             created=int(time.time()),
             stats=stats,
             log=self.stat_log,
+            span=span,
         )
 
 

@@ -18,6 +18,7 @@ import pytest
 from libs.common.pipeline import load_pipeline
 from services.launcher import free_port
 from tests.conftest import NatsServer
+from tests.otlp_receiver import Receiver, start_receiver
 
 START_TIMEOUT_S = 420.0
 
@@ -53,11 +54,29 @@ def pipeline():
 
 
 @pytest.fixture(scope="session")
-def stack(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def otlp() -> Iterator[Receiver]:
+    """Where every service of the stack exports its spans (OTLP/HTTP)."""
+    server, receiver = start_receiver()
+    receiver.endpoint = f"http://127.0.0.1:{server.server_port}"
+    yield receiver
+    server.shutdown()
+
+
+@pytest.fixture(scope="session")
+def stack(
+    nats_server: NatsServer, otlp: Receiver, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("stack")
     log = tmp / "stack.log"
     port = free_port()
-    env = {**os.environ, "NATS_URL": nats_server.url, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {
+        **os.environ,
+        "NATS_URL": nats_server.url,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+    }
     argv = [
         sys.executable,
         "-m",

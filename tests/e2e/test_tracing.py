@@ -1,0 +1,92 @@
+"""One trace per request across every service (spans collected by an OTLP receiver)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+from services.bus_inspect import request_record
+
+pytestmark = pytest.mark.e2e
+
+SERVER, CONSUMER = 2, 5  # OTLP SpanKind values
+
+
+def _wait_spans(otlp, trace_id: str, n: int, timeout_s: float = 15.0) -> list:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        spans = otlp.trace(trace_id)
+        if len(spans) >= n:
+            return spans
+        time.sleep(0.2)
+    got = [(s.service, s.name) for s in otlp.trace(trace_id)]
+    raise AssertionError(f"{len(got)} spans of trace {trace_id}, expected {n}: {got}")
+
+
+def test_one_trace_follows_an_audio_request_through_every_service(stack, pipeline, otlp) -> None:
+    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+    r = client.chat.completions.create(
+        model=pipeline.served_model_name,
+        messages=[{"role": "user", "content": "trace me"}],
+        max_tokens=20,
+        modalities=["text", "audio"],
+        extra_body={"ignore_eos": True},
+    )
+    rec = asyncio.run(request_record(stack.nats_url, r.id))
+    trace_id = rec["trace_id"]
+    assert trace_id and len(trace_id) == 32
+    # gateway, orchestrator admission, one span per stage
+    spans = _wait_spans(otlp, trace_id, 2 + len(pipeline.stages))
+    by_id = {s.span_id: s for s in spans}
+    roots = [s for s in spans if not s.parent_span_id]
+    assert len(roots) == 1, [(s.service, s.name) for s in roots]
+    root = roots[0]
+    assert (root.service, root.kind) == ("omnirelay-gateway", SERVER)
+    assert root.attributes["gen_ai.operation.name"] == "chat"
+    assert root.attributes["gen_ai.request.model"] == pipeline.served_model_name
+    assert root.attributes["gen_ai.usage.output_tokens"] == r.usage.completion_tokens == 20
+    assert root.attributes["gen_ai.usage.input_tokens"] == r.usage.prompt_tokens
+    assert root.attributes["gen_ai.response.finish_reasons"] == ["length"]
+    assert all(s.parent_span_id in by_id for s in spans if s is not root), "a span's parent is missing"
+
+    (admit,) = [s for s in spans if s.name == "omni.admit"]
+    assert (admit.service, admit.parent_span_id, admit.kind) == (
+        "omnirelay-orchestrator",
+        root.span_id,
+        CONSUMER,
+    )
+    parent = admit
+    for i, stage in enumerate(pipeline.stages):
+        (span,) = [s for s in spans if s.attributes.get("omnirelay.stage") == i]
+        assert span.service == "omnirelay-worker" and span.name == f"omni.stage {stage.name}"
+        assert span.parent_span_id == parent.span_id, f"{stage.name} is not a child of the previous hop"
+        assert span.attributes["omnirelay.replica"] == rec["route"][i]
+        received = [attrs for name, attrs in span.events if name == "chunk.received"]
+        assert received and all(
+            "omni.transfer.in_flight_s" in a and a["omni.transfer.tx_s"] >= 0 for a in received
+        )
+        if i + 1 < len(pipeline.stages):
+            assert any(name == "chunk.sent" for name, _ in span.events)
+        parent = span
+    thinker = next(s for s in spans if s.attributes.get("omnirelay.stage") == 0)
+    assert thinker.attributes["gen_ai.usage.output_tokens"] == 20
+
+
+def test_inspect_shows_the_trace_id_of_a_request(stack, pipeline) -> None:
+    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+    r = client.chat.completions.create(
+        model=pipeline.served_model_name, messages=[{"role": "user", "content": "x"}], max_tokens=2
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", "inspect", r.id, "--nats-url", stack.nats_url],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    rec = asyncio.run(request_record(stack.nats_url, r.id))
+    assert rec["trace_id"] and f'"trace_id": "{rec["trace_id"]}"' in out
