@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from pydantic import ValidationError
 
 from libs.common.logs import setup_logging
 from libs.common.pipeline import PipelineConfigError, load_pipeline
@@ -43,7 +44,16 @@ LogLevelOpt = Annotated[
 
 
 def _settings(cls: type[ServiceSettings], **overrides: Any) -> Any:
-    return cls(**{k: v for k, v in overrides.items() if v is not None})
+    """Settings from the environment with the given flags on top; a bad value exits with a
+    message naming the flag (and its variable) and the reason."""
+    try:
+        return cls(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as e:
+        for err in e.errors():
+            field = str(err["loc"][0]) if err["loc"] else "?"
+            flag, var = f"--{field.replace('_', '-')}", f"OMNIRELAY_{field.upper()}"
+            typer.echo(f"error: {flag} / {var}: {err['msg']} (got {err.get('input')!r})", err=True)
+        raise typer.Exit(2) from None
 
 
 def _pipeline(settings: ServiceSettings):
@@ -123,6 +133,31 @@ def worker(
             help="seconds between vLLM stats log lines [env OMNIRELAY_LOG_STATS_INTERVAL_S; default 5]",
         ),
     ] = None,
+    journey_tracing_sample_rate: Annotated[
+        float | None,
+        typer.Option(
+            help="share of requests traced inside the engine, 0..1 [env OMNIRELAY_JOURNEY_TRACING_SAMPLE_RATE; default 1.0]"
+        ),
+    ] = None,
+    step_tracing_enabled: Annotated[
+        bool | None,
+        typer.Option(
+            "--step-tracing-enabled/--no-step-tracing-enabled",
+            help="scheduler step tracing [env OMNIRELAY_STEP_TRACING_ENABLED; default off]",
+        ),
+    ] = None,
+    step_tracing_sample_rate: Annotated[
+        float | None,
+        typer.Option(
+            help="share of steps with a batch summary, 0..1 [env OMNIRELAY_STEP_TRACING_SAMPLE_RATE; default 0.01]"
+        ),
+    ] = None,
+    step_tracing_rich_subsample_rate: Annotated[
+        float | None,
+        typer.Option(
+            help="share of summarized steps with per-request snapshots, 0..1 [env OMNIRELAY_STEP_TRACING_RICH_SUBSAMPLE_RATE; default 0.001]"
+        ),
+    ] = None,
     log_stats: LogStatsOpt = None,
     log_level: LogLevelOpt = None,
 ) -> None:
@@ -138,6 +173,10 @@ def worker(
         metrics_port=metrics_port,
         max_inflight=max_inflight,
         log_stats_interval_s=log_stats_interval_s,
+        journey_tracing_sample_rate=journey_tracing_sample_rate,
+        step_tracing_enabled=step_tracing_enabled,
+        step_tracing_sample_rate=step_tracing_sample_rate,
+        step_tracing_rich_subsample_rate=step_tracing_rich_subsample_rate,
         log_stats=log_stats,
         log_level=log_level,
     )

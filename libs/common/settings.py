@@ -60,3 +60,16 @@ class WorkerSettings(ServiceSettings):
     log_stats_interval_s: float = Field(
         default=5.0, gt=0, description="period of vLLM's stats log line (with --log-stats), seconds"
     )
+    journey_tracing_sample_rate: float = Field(
+        default=1.0, ge=0, le=1, description="share of requests whose engine journey events are traced"
+    )
+    step_tracing_enabled: bool = Field(default=False, description="emit scheduler step spans/events")
+    step_tracing_sample_rate: float = Field(
+        default=0.01, ge=0, le=1, description="share of scheduler steps with a step.BATCH_SUMMARY event"
+    )
+    step_tracing_rich_subsample_rate: float = Field(
+        default=0.001,
+        ge=0,
+        le=1,
+        description="share of summarized steps that also get step.REQUEST_SNAPSHOT events",
+    )

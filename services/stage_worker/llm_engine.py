@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from libs.common.pipeline import PipelineConfig, StageConfig, StageType
@@ -30,6 +30,16 @@ def cpu_core_for(pipeline: PipelineConfig, stage_id: int, replica: int) -> int:
 
 
 @dataclass(frozen=True)
+class EngineTracing:
+    """Tracing inside the engine (spec/004): journey events and scheduler step tracing; rates in [0, 1]."""
+
+    journey_sample_rate: float = 1.0
+    step_enabled: bool = False
+    step_sample_rate: float = 0.01
+    rich_subsample_rate: float = 0.001
+
+
+@dataclass(frozen=True)
 class LLMEngineSpec:
     """How an ``llm`` stage's engine is built."""
 
@@ -39,6 +49,7 @@ class LLMEngineSpec:
     log_stats: bool
     log_stats_interval_s: float
     cpu_core: int
+    tracing: EngineTracing = field(default_factory=lambda: EngineTracing())
 
     @property
     def stage(self) -> StageConfig:

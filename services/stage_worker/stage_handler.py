@@ -6,7 +6,7 @@ from typing import Protocol
 
 from libs.common.pipeline import Payload, PipelineConfig, StageType
 from libs.common.settings import WorkerSettings
-from services.stage_worker.llm_engine import LLMEngineSpec, cpu_core_for
+from services.stage_worker.llm_engine import EngineTracing, LLMEngineSpec, cpu_core_for
 from services.stage_worker.request_context import RequestContext
 
 
@@ -43,6 +43,12 @@ def make_handler(pipeline: PipelineConfig, settings: WorkerSettings) -> StageHan
         log_stats=settings.log_stats,
         log_stats_interval_s=settings.log_stats_interval_s,
         cpu_core=cpu_core_for(pipeline, stage_id, replica),
+        tracing=EngineTracing(
+            journey_sample_rate=settings.journey_tracing_sample_rate,
+            step_enabled=settings.step_tracing_enabled,
+            step_sample_rate=settings.step_tracing_sample_rate,
+            rich_subsample_rate=settings.step_tracing_rich_subsample_rate,
+        ),
     )
     if stage.emits == Payload.TEXT:
         from services.stage_worker.thinker import ThinkerHandler
