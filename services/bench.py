@@ -4,8 +4,11 @@ Both targets serve the SAME thinker model with the same engine settings and CPU 
 omnirelay stack runs a thinker-only pipeline (``compose/pipelines/text-only.yaml``, one replica)
 behind its gateway; the reference is ``python -m vllm.entrypoints.openai.api_server``. Both are
 started up front, then measured one at a time, in rounds that alternate the order (A B, B A, ...)
-to spread machine noise over both. The difference is what the gateway, the orchestrator and the
-bus add to a single-stage text request.
+to spread machine noise over both. The target not being measured is frozen (SIGSTOP): an idle
+vLLM is not idle, its executor polls shared memory on the very core the engines are bound to.
+After a resume the target must answer its health check and serves a few unmeasured requests.
+The difference is what the gateway, the orchestrator and the bus add to a single-stage text
+request.
 
 Per request, measured client-side with ``time.perf_counter()`` (seconds):
 
@@ -364,6 +367,11 @@ def descendants(pid: int, table: dict[int, tuple[int, str]] | None = None) -> li
     return out
 
 
+def _is_pytest(cmdline: str) -> bool:
+    """A pytest run (``pytest ...``, ``python -m pytest ...``), not a path that mentions it."""
+    return any(arg == "pytest" or arg.endswith("/pytest") for arg in cmdline.split())
+
+
 def machine_activity() -> dict[str, float]:
     """What else runs here: ``services.cli`` / pytest / vLLM engine processes not started by this
     bench, and the 1-minute load average."""
@@ -372,7 +380,7 @@ def machine_activity() -> dict[str, float]:
     foreign = [cmd for pid, (_, cmd) in table.items() if pid not in mine]
     return {
         "foreign_services_cli": sum("services.cli" in c for c in foreign),
-        "foreign_pytest": sum("pytest" in c for c in foreign),
+        "foreign_pytest": sum(_is_pytest(c) for c in foreign),
         "foreign_vllm_engines": sum(c.startswith("VLLM::EngineCore") for c in foreign),
         "loadavg_1m": os.getloadavg()[0],
     }

@@ -41,7 +41,13 @@ class RequestStats:
     """When the last audio chunk reached the gateway (end of audio generation as seen here)."""
     input_tokens: int = 0
     output_tokens: int = 0
+    trace_id: str | None = None
+    """The request's trace (an exemplar on the latency histograms), when tracing is on."""
     done: bool = False
+
+    @property
+    def exemplar(self) -> dict[str, str] | None:
+        return {"trace_id": self.trace_id} if self.trace_id else None
 
     def audio_received(
         self, stage: int | None, replica: int | None, nbytes: int, sample_rate: int, now: float
@@ -92,7 +98,7 @@ class GatewayStatLogger:
             reason = s.finished_reason or "stop"
             m["vllm:omni_requests_success"].labels(model, reason).inc()
             if reason != "abort":  # an abandoned request has no end-to-end latency
-                m["vllm:omni_e2e_request_latency_s"].labels(model).observe(end_s - s.arrival_s)
+                m["vllm:omni_e2e_request_latency_s"].labels(model).observe(end_s - s.arrival_s, s.exemplar)
         if s.audio:
             self._audio(s)
 
@@ -108,7 +114,7 @@ class GatewayStatLogger:
         duration = frames / s.sample_rate
         m["vllm:omni_audio_frames"].labels(*labels).inc(frames)
         m["vllm:omni_audio_duration_s"].labels(*labels).observe(duration)
-        m["vllm:omni_audio_ttfp_s"].labels(*labels).observe(s.audio_chunks[0].t_s - s.arrival_s)
+        m["vllm:omni_audio_ttfp_s"].labels(*labels).observe(s.audio_chunks[0].t_s - s.arrival_s, s.exemplar)
         if s.last_audio_received_s is not None and duration > 0:
             m["vllm:omni_audio_rtf"].labels(*labels).observe(
                 (s.last_audio_received_s - s.arrival_s) / duration

@@ -7,10 +7,9 @@ import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client.exposition import choose_encoder
 
 from libs.common.envelopes import ClientEvent, ClientEventType
-from libs.common.metrics_server import EXPOSITION
+from libs.common.metrics_server import render
 from libs.common.tracing import context_from_headers
 from services.gateway.discovery import sd_targets
 from services.gateway.responses import (
@@ -74,8 +73,8 @@ async def health(request: Request) -> JSONResponse:
 async def metrics(request: Request) -> Response:
     """Prometheus exposition (OpenMetrics when the scraper asks for it): http_*, process_* and
     the gateway's vllm:omni_* families."""
-    encoder, content_type = choose_encoder(request.headers.get("accept", ""))
-    return Response(encoder(EXPOSITION), media_type=content_type)
+    body, content_type = render(request.headers.get("accept", ""))
+    return Response(body, media_type=content_type)
 
 
 @router.get("/prometheus/targets")

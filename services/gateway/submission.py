@@ -132,7 +132,7 @@ class Submitter:
             span.set_status(Status(StatusCode.ERROR, e.code or "rejected"))
             span.end()
             raise
-        stats = RequestStats(arrival_s=arrival.mono_s, audio=audio, streamed=streamed)
+        stats = RequestStats(arrival_s=arrival.mono_s, audio=audio, streamed=streamed, trace_id=adm.trace_id)
         self.stat_log.submitted(stats)
         return Job(
             handle=handle,

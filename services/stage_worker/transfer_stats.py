@@ -32,6 +32,8 @@ class TransferStats:
     """JetStream stored timestamp → receipt."""
     clamped: tuple[str, ...] = field(default=())
     """Names of the cross-clock intervals that were negative and clamped to 0."""
+    trace_id: str | None = None
+    """Trace of the request the chunk belongs to (from ``traceparent``): the histograms' exemplar."""
 
 
 def _cross_clock(name: str, later_ns: int, earlier_ns: int, clamped: list[str]) -> float:
@@ -61,7 +63,15 @@ def transfer_stats(
     if stored_ns is not None:
         publish = _cross_clock("publish", stored_ns, tx_end, clamped)
         queue_wait = _cross_clock("queue_wait", received_ns, stored_ns, clamped)
-    return TransferStats(*edge, size_bytes, tx, rx_s, in_flight, publish, queue_wait, tuple(clamped))
+    return TransferStats(
+        *edge, size_bytes, tx, rx_s, in_flight, publish, queue_wait, tuple(clamped), _trace_id(headers)
+    )
+
+
+def _trace_id(headers: dict[str, str]) -> str | None:
+    """The trace id of a W3C ``traceparent`` (``00-<trace id>-<span id>-<flags>``)."""
+    parts = headers.get(h.TRACEPARENT, "").split("-")
+    return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else None
 
 
 class TransferStatLogger:
@@ -75,12 +85,13 @@ class TransferStatLogger:
         if not self._m.enabled:
             return
         edge = (self._model, s.from_stage, s.from_replica, s.to_stage, s.to_replica)
-        self._m["vllm:omni_transfer_size_bytes"].labels(*edge).observe(s.size_bytes)
-        self._m["vllm:omni_transfer_tx_s"].labels(*edge).observe(s.tx_s)
-        self._m["vllm:omni_transfer_rx_s"].labels(*edge).observe(s.rx_s)
-        self._m["vllm:omni_transfer_in_flight_s"].labels(*edge).observe(s.in_flight_s)
+        ex = {"trace_id": s.trace_id} if s.trace_id else None
+        self._m["vllm:omni_transfer_size_bytes"].labels(*edge).observe(s.size_bytes, ex)
+        self._m["vllm:omni_transfer_tx_s"].labels(*edge).observe(s.tx_s, ex)
+        self._m["vllm:omni_transfer_rx_s"].labels(*edge).observe(s.rx_s, ex)
+        self._m["vllm:omni_transfer_in_flight_s"].labels(*edge).observe(s.in_flight_s, ex)
         if s.publish_s is not None:
-            self._m["vllm:omni_transfer_publish_s"].labels(*edge).observe(s.publish_s)
-            self._m["vllm:omni_transfer_queue_wait_s"].labels(*edge).observe(s.queue_wait_s)
+            self._m["vllm:omni_transfer_publish_s"].labels(*edge).observe(s.publish_s, ex)
+            self._m["vllm:omni_transfer_queue_wait_s"].labels(*edge).observe(s.queue_wait_s, ex)
         for interval in s.clamped:
             self._m["vllm:omni_transfer_clock_skew_clamps"].labels(*edge, interval).inc()

@@ -7,10 +7,12 @@ import subprocess
 import sys
 import time
 
+import httpx
 import openai
 import pytest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from services.bus_inspect import request_record
+from services.bus_inspect import request_record, snapshot
 
 pytestmark = pytest.mark.e2e
 
@@ -90,3 +92,33 @@ def test_inspect_shows_the_trace_id_of_a_request(stack, pipeline) -> None:
     ).stdout
     rec = asyncio.run(request_record(stack.nats_url, r.id))
     assert rec["trace_id"] and f'"trace_id": "{rec["trace_id"]}"' in out
+
+
+def _exemplar_trace_ids(url: str, family: str) -> set[str]:
+    """Trace ids of the exemplars on ``family``'s buckets, scraped as OpenMetrics."""
+    text = httpx.get(url, headers={"Accept": "application/openmetrics-text; version=1.0.0"}, timeout=10).text
+    return {
+        s.exemplar.labels["trace_id"]
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == f"{family}_bucket" and s.exemplar is not None
+    }
+
+
+def test_latency_histograms_carry_the_trace_id_as_exemplar(stack, pipeline) -> None:
+    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+    r = client.chat.completions.create(
+        model=pipeline.served_model_name,
+        messages=[{"role": "user", "content": "exemplar"}],
+        max_tokens=6,
+        modalities=["text", "audio"],
+    )
+    trace_id = asyncio.run(request_record(stack.nats_url, r.id))["trace_id"]
+    gateway = f"{stack.base_url}/metrics"
+    assert trace_id in _exemplar_trace_ids(gateway, "vllm:omni_e2e_request_latency_s")
+    assert trace_id in _exemplar_trace_ids(gateway, "vllm:omni_audio_ttfp_s")
+    snap = asyncio.run(snapshot(stack.nats_url, pipeline))
+    talker = next(s["metrics_url"] for s in snap["services"] if s["service"] == "worker" and s["stage"] == 1)
+    assert trace_id in _exemplar_trace_ids(talker, "vllm:omni_transfer_in_flight_s")
+    # the classic text format carries no exemplars (Prometheus asks for OpenMetrics to get them)
+    assert "trace_id" not in httpx.get(gateway, timeout=10).text
