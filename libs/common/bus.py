@@ -48,8 +48,6 @@ class BusLimits:
     ack_wait_s: float = 30.0
     """Redelivery timer; workers send in-progress acks every ``ack_wait_s / 6`` while busy."""
     max_deliver: int = 5
-    backoff_s: tuple[float, ...] = (30.0, 30.0, 60.0, 120.0)
-    """Delay before redelivery n (n = 1..); its first entry replaces ``ack_wait_s`` in NATS."""
     max_ack_pending: int = 1024
     duplicate_window_s: float = 120.0
     """``Nats-Msg-Id`` de-duplication window."""
@@ -58,6 +56,12 @@ class BusLimits:
     heartbeat_s: float = 2.0
     request_record_ttl_s: float = 3600.0
     """``omni_requests`` records vanish this long after their last update."""
+
+    @property
+    def backoff_s(self) -> tuple[float, ...]:
+        """Delay before redelivery n = 1, 2, ...: 1, 1, 2, 4 × ``ack_wait_s`` (NATS uses the first
+        entry in place of ``ack_wait``)."""
+        return tuple(self.ack_wait_s * k for k in (1, 1, 2, 4))[: self.max_deliver - 1]
 
 
 LIMITS = BusLimits()

@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from libs.common.bus import LIMITS, BusLimits
 from libs.common.pipeline import DEFAULT_PIPELINE_PATH
 
 
@@ -38,6 +40,13 @@ class ServiceSettings(BaseSettings):
         default="127.0.0.1", description="host name other services and Prometheus use to reach this one"
     )
     instance_id: str = Field(default_factory=_instance_id, description="unique id of this process")
+    ack_wait_s: float = Field(
+        default=30.0, gt=0, description="JetStream redelivery timer of this service's consumers, seconds"
+    )
+
+    @property
+    def bus_limits(self) -> BusLimits:
+        return replace(LIMITS, ack_wait_s=self.ack_wait_s)
 
 
 class GatewaySettings(ServiceSettings):

@@ -87,13 +87,17 @@ class Orchestrator:
             self.subjects.requests,
             durable=ORCHESTRATOR_ADMISSION_CONSUMER,
             stream=self.subjects.requests_stream,
-            config=orchestrator_consumer_config(self.subjects.requests, ORCHESTRATOR_ADMISSION_CONSUMER),
+            config=orchestrator_consumer_config(
+                self.subjects.requests, ORCHESTRATOR_ADMISSION_CONSUMER, self.settings.bus_limits
+            ),
         )
         self._events = await self.js.pull_subscribe(
             self.subjects.events_wildcard,
             durable=ORCHESTRATOR_EVENTS_CONSUMER,
             stream=self.subjects.events_stream,
-            config=orchestrator_consumer_config(self.subjects.events_wildcard, ORCHESTRATOR_EVENTS_CONSUMER),
+            config=orchestrator_consumer_config(
+                self.subjects.events_wildcard, ORCHESTRATOR_EVENTS_CONSUMER, self.settings.bus_limits
+            ),
         )
         self._sweeper = DeadlineSweeper(self.requests, self.pipeline.name, self._expired)
         await self._sweeper.start()

@@ -19,11 +19,18 @@ Unlike a throttle that drops the suppressed steps, :class:`SchedulerStatsThrottl
   repeat the previous emission exactly, with nothing counted since, is held instead).
 
 The throttle is a plain object (no scheduler needed) so it can be tested on hand-built stats.
+
+The scheduler also hosts the engine-side tracing of spec/004 (see docs/engine-tracing.md): journey
+events per sampled request (:mod:`~services.stage_worker.journey_tracing`) and scheduler step
+tracing (:mod:`~services.stage_worker.step_tracing`), configured through
+``VllmConfig.additional_config`` (:mod:`~services.stage_worker.engine_tracing`). Without that
+configuration no tracing object exists and every hook costs one ``is None`` check.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections.abc import Callable
 from dataclasses import fields
@@ -32,9 +39,16 @@ from typing import Any
 
 from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.metrics.perf import DebugPerfStats, PerfStats
 from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
+from vllm.v1.request import Request
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+from services.stage_worker import engine_tracing
+from services.stage_worker.engine_tracing import EngineTracingConfig
+from services.stage_worker.journey_tracing import JourneyTracer
+from services.stage_worker.step_tracing import StepTracer
 
 logger = init_logger(__name__)
 
@@ -283,8 +297,13 @@ def _add_debug_perf(acc: DebugPerfStats, new: DebugPerfStats) -> None:
 
 
 class OmniScheduler(AsyncScheduler):
-    """vLLM's async scheduler with the stats throttle. Kept small on purpose: later engine-side
-    features (step tracing, spec/004) extend this class."""
+    """vLLM's async scheduler with the stats throttle and the engine-side tracing of spec/004.
+
+    Tracing hooks wrap vLLM's own methods and never change what they return: ``add_request``
+    (QUEUED), ``schedule`` (SCHEDULED, PREEMPTED, step events), ``update_from_output``
+    (FIRST_TOKEN), ``_free_request`` (FINISHED: every finished request, whatever the reason,
+    passes through it) and ``shutdown`` (spans ended, exporter flushed).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -296,6 +315,137 @@ class OmniScheduler(AsyncScheduler):
                 logger.warning("iteration-details logging is on: scheduler stats are not throttled")
             else:
                 self._stats_throttle = SchedulerStatsThrottle()
+        self._journey: JourneyTracer | None = None
+        self._steps: StepTracer | None = None
+        self._trace_provider: Any = None
+        self._output_steps: dict[int, int] = {}
+        """id(SchedulerOutput) → its step, while journeys are open (FIRST_TOKEN names the step
+        that produced the token; async scheduling updates step N after scheduling step N + 1)."""
+        self._output_step: int | None = None
+        # Invalid settings raise here: the engine does not start (fail fast).
+        cfg = EngineTracingConfig.from_vllm_config(self.vllm_config)
+        if cfg is not None and cfg.active:
+            self._start_tracing(cfg)
+
+    # -- tracing set-up ----------------------------------------------------------------------------
+
+    def _start_tracing(self, cfg: EngineTracingConfig) -> None:
+        try:
+            provider = engine_tracing.make_tracer_provider(cfg)
+            tracer = provider.get_tracer(engine_tracing.INSTRUMENTATION_SCOPE)
+            journey_sampler, step_sampler, rich_sampler = cfg.samplers()
+            journey = (
+                JourneyTracer(tracer, cfg.journey_sample_rate, journey_sampler)
+                if cfg.journey_enabled
+                else None
+            )
+            steps = None
+            if cfg.step_enabled:
+                steps = StepTracer(
+                    tracer,
+                    cfg.step_sample_rate,
+                    cfg.rich_subsample_rate,
+                    step_sampler,
+                    rich_sampler,
+                    span_attributes=tracing_config_attributes(cfg),
+                )
+        except Exception as e:  # tracing never prevents the engine from running
+            logger.warning("engine tracing disabled: cannot set it up: %r", e)
+            return
+        self._trace_provider, self._journey, self._steps = provider, journey, steps
+        logger.info(
+            "engine tracing on (pid %d): journey_sample_rate=%s step_tracing_enabled=%s "
+            "step_sample_rate=%s rich_subsample_rate=%s sampler=%s -> %s (%s)",
+            os.getpid(),
+            cfg.journey_sample_rate,
+            cfg.step_enabled,
+            cfg.step_sample_rate,
+            cfg.rich_subsample_rate,
+            cfg.sampler,
+            cfg.endpoint,
+            cfg.protocol,
+        )
+
+    @property
+    def journey_tracer(self) -> JourneyTracer | None:
+        return self._journey
+
+    @property
+    def step_tracer(self) -> StepTracer | None:
+        return self._steps
+
+    @property
+    def _journey_sampled_requests(self) -> set[str]:
+        """Ids of the sampled requests still in the engine (spec/004 PR #2's name)."""
+        return set(self._journey.sampled) if self._journey is not None else set()
+
+    # -- hooks ---------------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        journey = self._journey
+        is_new = journey is not None and request.request_id not in self.requests
+        super().add_request(request)
+        if is_new and request.request_id in self.requests:
+            journey.on_request_added(request, self.current_step)  # type: ignore[union-attr]
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        journey, steps = self._journey, self._steps
+        if journey is None and steps is None:
+            return super().schedule(throttle_prefills)
+        ts_start_ns = time.monotonic_ns()
+        output = super().schedule(throttle_prefills)
+        step = self.current_step
+        if journey is not None and journey.sampled:
+            journey.on_scheduled(output, step, self.requests)
+            steps_of = self._output_steps
+            steps_of[id(output)] = step
+            while len(steps_of) > 64:  # outputs that never came back (bounded, defensive)
+                del steps_of[next(iter(steps_of))]
+        if steps is not None:
+            steps.on_schedule_end(self, output, step, ts_start_ns)
+        return output
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any) -> Any:
+        journey = self._journey
+        if journey is None:
+            return super().update_from_output(scheduler_output, model_runner_output)
+        step = self._output_steps.pop(id(scheduler_output), self.current_step)
+        self._output_step = step
+        try:
+            outputs = super().update_from_output(scheduler_output, model_runner_output)
+        finally:
+            self._output_step = None
+        journey.on_outputs(scheduler_output, step, self.requests)
+        return outputs
+
+    def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
+        journey = self._journey
+        if journey is not None and journey.sampled:
+            step = self._output_step if self._output_step is not None else self.current_step
+            journey.on_finished(request, step)
+        return super()._free_request(request, delay_free_blocks)
+
+    def shutdown(self) -> None:
+        try:
+            self._stop_tracing()
+        finally:
+            super().shutdown()
+
+    def _stop_tracing(self) -> None:
+        journey, steps, provider = self._journey, self._steps, self._trace_provider
+        self._journey = self._steps = self._trace_provider = None
+        try:
+            if journey is not None:
+                journey.close()
+            if steps is not None:
+                steps.close()
+            if provider is not None:
+                provider.force_flush(timeout_millis=3000)
+                provider.shutdown()
+        except Exception as e:
+            logger.warning("engine tracing: shutdown failed: %r", e)
+
+    # -- stats ---------------------------------------------------------------------------------------
 
     def make_stats(
         self,
@@ -320,3 +470,16 @@ class OmniScheduler(AsyncScheduler):
         if step is None:
             return None
         return throttle.offer(step, kv_connector_stats, ec_connector_stats)
+
+
+def tracing_config_attributes(cfg: EngineTracingConfig) -> dict[str, Any]:
+    """Attributes of the ``scheduler_steps`` span: the tracing settings as the EngineCore
+    received them, and its pid (evidence that the flags reached the engine process)."""
+    return {
+        "omnirelay.engine.pid": os.getpid(),
+        "omnirelay.tracing.journey_sample_rate": cfg.journey_sample_rate,
+        "omnirelay.tracing.step_enabled": cfg.step_enabled,
+        "omnirelay.tracing.step_sample_rate": cfg.step_sample_rate,
+        "omnirelay.tracing.rich_subsample_rate": cfg.rich_subsample_rate,
+        "omnirelay.tracing.sampler": cfg.sampler,
+    }

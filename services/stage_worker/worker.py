@@ -20,7 +20,6 @@ from opentelemetry.trace import INVALID_SPAN, Link, Span, SpanKind, Status, Stat
 from libs.common import headers as h
 from libs.common import tracing
 from libs.common.bus import (
-    LIMITS,
     connect,
     ensure_topology,
     pull,
@@ -100,9 +99,13 @@ class StageWorker:
         self.bus = Bus(nc, js, self.subjects)
         self._psub = await js.pull_subscribe(
             self.subjects.stage_in(self.me.stage, self.me.replica),
-            durable=stage_consumer_config(self.subjects, self.me.stage, self.me.replica).durable_name,
+            durable=stage_consumer_config(
+                self.subjects, self.me.stage, self.me.replica, self.settings.bus_limits
+            ).durable_name,
             stream=self.subjects.stages_stream,
-            config=stage_consumer_config(self.subjects, self.me.stage, self.me.replica),
+            config=stage_consumer_config(
+                self.subjects, self.me.stage, self.me.replica, self.settings.bus_limits
+            ),
         )
         await nc.subscribe(self.subjects.abort, cb=self._on_abort)
         if self.metrics.enabled:
@@ -318,7 +321,7 @@ class StageWorker:
 
     async def _keep_alive_loop(self) -> None:
         """In-progress acks for every message held by an active request."""
-        period = LIMITS.ack_wait_s / 6
+        period = self.settings.bus_limits.ack_wait_s / 6
         while True:
             await asyncio.sleep(period)
             held = [d.msg for ctx, _ in list(self.active.values()) for d in ctx.unacked()]

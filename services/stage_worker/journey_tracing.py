@@ -1,0 +1,347 @@
+"""Request journey tracing inside the engine (spec/004 PR #1 and PR #2).
+
+Each sampled request gets one ``llm_core`` span (SpanKind.INTERNAL) in the EngineCore, started
+when the scheduler admits the request and ended when vLLM frees it. Its parent is the context
+carried in the request's ``trace_headers`` (the worker's per-request stage span), so it sits in
+the request's trace; without headers it is a root span. Events, in order of occurrence:
+
+``journey.QUEUED`` (added to the scheduler) → ``journey.SCHEDULED`` (``schedule.kind`` FIRST or
+RESUME) → ``journey.FIRST_TOKEN`` → [``journey.PREEMPTED`` → ``journey.SCHEDULED`` ...] →
+``journey.FINISHED``.
+
+Every event carries ``ts.monotonic_ns`` (int ns) and ``ts.monotonic`` (float s) from a single
+``time.monotonic_ns()`` read (the float is derived from the int, so both name the same instant;
+``ts.monotonic`` is kept for existing consumers and may be dropped once they read the ns value),
+the scheduler step (``scheduler.step``) and the request's progress at that moment.
+
+Sampling (PR #2): one decision per request at admission, ``sampler(key, journey_sample_rate)``
+with ``key`` the request's trace id when it carries a W3C ``traceparent`` (so deterministic
+samplers decide the same way for a trace in every engine) and its request id otherwise.
+Unsampled requests cost one failed dict lookup per hook. The sampled set is keyed by request id
+and emptied as requests finish; no ``Request`` field is added or changed.
+
+Tracing failures are contained: a failing sampler, span or event is logged (once per kind at
+warning, then debug) and scheduling proceeds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from opentelemetry.trace import Span, SpanKind, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from services.stage_worker.engine_tracing import Sampler, random_sampler, validate_rate
+
+log = logging.getLogger(__name__)
+
+CORE_SPAN_NAME = "llm_core"
+EVENT_PREFIX = "journey."
+
+# Event attributes.
+TS_MONOTONIC = "ts.monotonic"
+"""float seconds; kept for compatibility (deprecation candidate, superseded by ``ts.monotonic_ns``)."""
+TS_MONOTONIC_NS = "ts.monotonic_ns"
+SCHEDULER_STEP = "scheduler.step"
+PHASE = "phase"
+PREFILL_DONE_TOKENS = "prefill.done_tokens"
+PREFILL_TOTAL_TOKENS = "prefill.total_tokens"
+DECODE_DONE_TOKENS = "decode.done_tokens"
+DECODE_MAX_TOKENS = "decode.max_tokens"
+NUM_PREEMPTIONS = "num_preemptions"
+SCHEDULE_KIND = "schedule.kind"
+FINISH_STATUS = "finish.status"
+
+# Span attributes.
+REQUEST_ID = "gen_ai.request.id"
+SAMPLE_RATE = "journey.sample_rate"
+"""The rate the span was sampled at (lets a consumer weight sampled journeys)."""
+INCOMPLETE = "journey.incomplete"
+"""Set (True) on spans ended by engine shutdown before the request finished."""
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+class JourneyEventType(StrEnum):
+    QUEUED = "QUEUED"
+    SCHEDULED = "SCHEDULED"
+    FIRST_TOKEN = "FIRST_TOKEN"
+    PREEMPTED = "PREEMPTED"
+    FINISHED = "FINISHED"
+
+    @property
+    def event_name(self) -> str:
+        return EVENT_PREFIX + self.value
+
+
+class ScheduleKind(StrEnum):
+    FIRST = "FIRST"
+    RESUME = "RESUME"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestJourneyEvent:
+    """One journey event; :meth:`attributes` is its OTel event payload."""
+
+    event_type: JourneyEventType
+    ts_monotonic: float
+    ts_monotonic_ns: int
+    scheduler_step: int
+    phase: str
+    prefill_done_tokens: int
+    prefill_total_tokens: int
+    decode_done_tokens: int
+    decode_max_tokens: int
+    num_preemptions: int
+    schedule_kind: ScheduleKind | None = None
+    finish_status: str | None = None
+
+    def attributes(self) -> dict[str, str | int | float]:
+        attrs: dict[str, str | int | float] = {
+            TS_MONOTONIC: self.ts_monotonic,
+            TS_MONOTONIC_NS: self.ts_monotonic_ns,
+            SCHEDULER_STEP: self.scheduler_step,
+            PHASE: self.phase,
+            PREFILL_DONE_TOKENS: self.prefill_done_tokens,
+            PREFILL_TOTAL_TOKENS: self.prefill_total_tokens,
+            DECODE_DONE_TOKENS: self.decode_done_tokens,
+            DECODE_MAX_TOKENS: self.decode_max_tokens,
+            NUM_PREEMPTIONS: self.num_preemptions,
+        }
+        if self.schedule_kind is not None:
+            attrs[SCHEDULE_KIND] = self.schedule_kind.value
+        if self.finish_status is not None:
+            attrs[FINISH_STATUS] = self.finish_status
+        return attrs
+
+
+def monotonic_pair(clock_ns: Callable[[], int] = time.monotonic_ns) -> tuple[float, int]:
+    """(seconds, nanoseconds) of one monotonic clock read."""
+    ns = clock_ns()
+    return ns / 1e9, ns
+
+
+def sampling_key(request_id: str, trace_headers: Mapping[str, str] | None) -> str:
+    """The request's trace id (32 hex digits) if it carries a valid ``traceparent``, else its id."""
+    if trace_headers:
+        parts = str(trace_headers.get("traceparent", "")).split("-")
+        if len(parts) >= 4 and len(parts[1]) == 32 and parts[1] != "0" * 32:
+            return parts[1].lower()
+    return request_id
+
+
+def finish_status(request: Any) -> str:
+    """``FINISHED_LENGTH_CAPPED`` → ``length_capped`` (``stopped``, ``aborted``, ``error``, ...)."""
+    name = getattr(getattr(request, "status", None), "name", "") or "unknown"
+    return name.removeprefix("FINISHED_").lower()
+
+
+class _Journey:
+    __slots__ = ("ever_scheduled", "running", "span")
+
+    def __init__(self, span: Span) -> None:
+        self.span = span
+        self.running = False
+        self.ever_scheduled = False
+
+
+class JourneyTracer:
+    """Journey spans and events for the requests of one scheduler.
+
+    The scheduler calls :meth:`on_request_added`, :meth:`on_scheduled` (end of ``schedule()``),
+    :meth:`on_outputs` (end of ``update_from_output()``), :meth:`on_finished` (when vLLM frees a
+    finished request) and :meth:`close` (engine shutdown). None of them raises.
+    """
+
+    def __init__(
+        self,
+        tracer: Tracer,
+        sample_rate: float,
+        sampler: Sampler = random_sampler,
+        clock_ns: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
+        self.tracer = tracer
+        self.sample_rate = validate_rate("journey_sample_rate", sample_rate)
+        self.sampler = sampler
+        self._clock_ns = clock_ns
+        self.sampled: dict[str, _Journey] = {}
+        """Request id → journey of every sampled request not yet finished (spec: the scheduler's
+        ``_journey_sampled_requests``)."""
+        self.awaiting_first_token: set[str] = set()
+        self._warned: set[str] = set()
+
+    # -- hooks -----------------------------------------------------------------------------------
+
+    def on_request_added(self, request: Any, step: int) -> None:
+        """A new request entered the scheduler: decide sampling; if sampled, start its span and
+        emit QUEUED."""
+        rate = self.sample_rate
+        if rate <= 0.0:
+            return
+        rid = request.request_id
+        try:
+            headers = request.trace_headers
+            if rate < 1.0 and not self.sampler(sampling_key(rid, headers), rate):
+                return
+            parent = _PROPAGATOR.extract(dict(headers)) if headers else None
+            attrs: dict[str, Any] = {REQUEST_ID: rid, SAMPLE_RATE: rate}
+            max_tokens = getattr(request, "max_tokens", None)
+            if isinstance(max_tokens, int):
+                attrs["gen_ai.request.max_tokens"] = max_tokens
+            span = self.tracer.start_span(
+                CORE_SPAN_NAME, context=parent, kind=SpanKind.INTERNAL, attributes=attrs
+            )
+        except Exception as e:
+            self._failed("sampling/span start", e)
+            return
+        self.sampled[rid] = _Journey(span)
+        self.awaiting_first_token.add(rid)
+        self._emit(self.sampled[rid], request, JourneyEventType.QUEUED, step, phase="WAITING")
+
+    def on_scheduled(self, output: Any, step: int, requests: Mapping[str, Any]) -> None:
+        """End of ``schedule()``: PREEMPTED for sampled requests preempted since the last step,
+        then SCHEDULED for sampled requests that (re)entered the running batch."""
+        if not self.sampled:
+            return
+        try:
+            preempted = output.preempted_req_ids
+            if preempted:
+                for rid in preempted:
+                    j = self.sampled.get(rid)
+                    if j is not None and (req := requests.get(rid)) is not None:
+                        j.running = False
+                        self._emit(j, req, JourneyEventType.PREEMPTED, step, phase="WAITING")
+            for rid in _entered_ids(output):
+                j = self.sampled.get(rid)
+                if j is None or j.running or (req := requests.get(rid)) is None:
+                    continue
+                kind = ScheduleKind.RESUME if j.ever_scheduled else ScheduleKind.FIRST
+                j.running = j.ever_scheduled = True
+                # num_computed_tokens already counts this step's tokens: report the progress the
+                # request had when it was picked.
+                done = req.num_computed_tokens - output.num_scheduled_tokens.get(rid, 0)
+                self._emit(j, req, JourneyEventType.SCHEDULED, step, schedule_kind=kind, computed=done)
+        except Exception as e:
+            self._failed("schedule hook", e)
+
+    def on_outputs(self, scheduler_output: Any, step: int, requests: Mapping[str, Any]) -> None:
+        """End of ``update_from_output()``: FIRST_TOKEN for sampled requests whose first output
+        token arrived with this step's output (``step``: the step that produced it)."""
+        awaiting = self.awaiting_first_token
+        if not awaiting:
+            return
+        try:
+            scheduled = scheduler_output.num_scheduled_tokens
+            candidates = (
+                [r for r in awaiting if r in scheduled]
+                if len(awaiting) <= len(scheduled)
+                else [r for r in scheduled if r in awaiting]
+            )
+            for rid in candidates:
+                req = requests.get(rid)
+                j = self.sampled.get(rid)
+                if req is not None and j is not None and req.num_output_tokens > 0:
+                    awaiting.discard(rid)
+                    self._emit(j, req, JourneyEventType.FIRST_TOKEN, step)
+        except Exception as e:
+            self._failed("output hook", e)
+
+    def on_finished(self, request: Any, step: int) -> None:
+        """vLLM frees a finished request: FINISHED (after FIRST_TOKEN if its first token came
+        with the finishing output), end the span, forget the request."""
+        rid = request.request_id
+        j = self.sampled.pop(rid, None)
+        if j is None:
+            return
+        try:
+            if rid in self.awaiting_first_token:
+                self.awaiting_first_token.discard(rid)
+                if request.num_output_tokens > 0:
+                    self._emit(j, request, JourneyEventType.FIRST_TOKEN, step)
+            status = finish_status(request)
+            self._emit(j, request, JourneyEventType.FINISHED, step, phase="FINISHED", status=status)
+            j.span.set_attributes(
+                {
+                    "gen_ai.usage.prompt_tokens": request.num_prompt_tokens,
+                    "gen_ai.usage.completion_tokens": request.num_output_tokens,
+                    FINISH_STATUS: status,
+                    NUM_PREEMPTIONS: request.num_preemptions,
+                }
+            )
+        except Exception as e:
+            self._failed("finish hook", e)
+        finally:
+            self._end(j)
+
+    def close(self) -> None:
+        """Engine shutdown: end the spans of requests still in the engine (``journey.incomplete``)."""
+        journeys, self.sampled = self.sampled, {}
+        self.awaiting_first_token.clear()
+        for j in journeys.values():
+            try:
+                j.span.set_attribute(INCOMPLETE, True)
+            except Exception as e:
+                self._failed("close", e)
+            self._end(j)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _emit(
+        self,
+        j: _Journey,
+        req: Any,
+        kind: JourneyEventType,
+        step: int,
+        *,
+        phase: str | None = None,
+        schedule_kind: ScheduleKind | None = None,
+        status: str | None = None,
+        computed: int | None = None,
+    ) -> None:
+        try:
+            ts, ts_ns = monotonic_pair(self._clock_ns)
+            prompt, outputs = req.num_prompt_tokens, req.num_output_tokens
+            if computed is None:
+                computed = req.num_computed_tokens
+            event = RequestJourneyEvent(
+                event_type=kind,
+                ts_monotonic=ts,
+                ts_monotonic_ns=ts_ns,
+                scheduler_step=step,
+                phase=phase or ("PREFILL" if outputs == 0 else "DECODE"),
+                prefill_done_tokens=max(min(computed, prompt), 0),
+                prefill_total_tokens=prompt,
+                decode_done_tokens=outputs,
+                decode_max_tokens=req.max_tokens,
+                num_preemptions=req.num_preemptions,
+                schedule_kind=schedule_kind,
+                finish_status=status,
+            )
+            j.span.add_event(kind.event_name, event.attributes())
+        except Exception as e:
+            self._failed(f"{kind.value} event", e)
+
+    def _end(self, j: _Journey) -> None:
+        try:
+            j.span.end()
+        except Exception as e:
+            self._failed("span end", e)
+
+    def _failed(self, what: str, e: Exception) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning("journey tracing: %s failed (tracing only, scheduling continues): %r", what, e)
+        else:
+            log.debug("journey tracing: %s failed: %r", what, e)
+
+
+def _entered_ids(output: Any) -> Iterable[str]:
+    """Ids of requests that entered the running batch in this step (new or resumed)."""
+    for new in output.scheduled_new_reqs:
+        yield new.req_id
+    yield from output.scheduled_cached_reqs.resumed_req_ids

@@ -1,0 +1,111 @@
+"""A worker dies holding a message: JetStream redelivers it to the replica's next incarnation,
+which finishes the request; its span is linked to the sender's and records the delivery count."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import nats
+import numpy as np
+import pytest
+
+from libs.common.envelopes import ClientEvent, ClientEventType, NdArray, StageTask, TaskKind, decode
+from libs.common.publish import Hop, publish_task
+from libs.common.subjects import Subjects
+from libs.common.tracing import setup_tracing, start_span
+from tests.otlp_receiver import start_receiver
+from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, ServiceProcess, write_pipeline
+
+pytestmark = pytest.mark.integration
+
+PIPELINE = "redeliv"
+SUBJECTS = Subjects(PIPELINE)
+HOP = Hop("1", "0", 2, 0)
+
+
+def _chunk(rid: str, seq: int, final: bool) -> StageTask:
+    now = time.time_ns()
+    return StageTask(
+        request_id=rid,
+        gateway_id="gw3",
+        arrival_ns=now,
+        deadline_ns=now + 60 * 10**9,
+        route=[0, 0, 0],
+        kind=TaskKind.CHUNK,
+        seq=seq,
+        final=final,
+        codes=NdArray.of(np.arange(3, dtype=np.int32)),
+    )
+
+
+async def test_redelivered_message_is_finished_by_the_next_worker_with_a_linked_span(
+    nats_server, tmp_path, monkeypatch
+) -> None:
+    server, otlp = start_receiver()
+    endpoint = f"http://127.0.0.1:{server.server_port}"
+    for k, v in {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }.items():
+        monkeypatch.setenv(k, v)
+    setup_tracing("test", PIPELINE)  # this process plays the sender (the talker)
+    path = write_pipeline(tmp_path / "p.yaml", PIPELINE, THINKER_YAML + TALKER_YAML + CODE2WAV_YAML)
+    env = {
+        "NATS_URL": nats_server.url,
+        "OMNIRELAY_PIPELINE": str(path),
+        "OMNIRELAY_STAGE": "2",
+        "OMNIRELAY_ACK_WAIT_S": "1",
+        **{
+            k: os.environ[k]
+            for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_BSP_SCHEDULE_DELAY")
+        },
+    }
+    first = ServiceProcess(["worker"], env, tmp_path / "first.log").start()
+    second = ServiceProcess(["worker"], env, tmp_path / "second.log")
+    nc = await nats.connect(nats_server.url)
+    try:
+        await first.await_log("serving", timeout_s=120)
+        rid = f"redeliver-{time.time_ns()}"
+        events: asyncio.Queue = asyncio.Queue()
+        await nc.subscribe(SUBJECTS.out("gw3", rid), cb=events.put)
+        sender = start_span("talker (test)")
+        await publish_task(nc.jetstream(), SUBJECTS, _chunk(rid, 1, final=True), HOP, sender)
+        await asyncio.sleep(1.0)  # delivered; seq 0 has not come, so seq 1 is held un-acked
+        os.killpg(first.proc.pid, signal.SIGKILL)  # dies holding seq 1, un-acked
+        first.proc.wait()
+        second.start()
+        await second.await_log("serving", timeout_s=120)
+        await publish_task(nc.jetstream(), SUBJECTS, _chunk(rid, 0, final=False), HOP, sender)
+        got = []
+        while not got or got[-1].type != ClientEventType.AUDIO_DONE:
+            got.append(decode(ClientEvent, (await asyncio.wait_for(events.get(), 30)).data))
+        assert [e.type for e in got] == [
+            ClientEventType.AUDIO,
+            ClientEventType.AUDIO,
+            ClientEventType.AUDIO_DONE,
+        ]
+        sender.end()
+        trace_id = format(sender.get_span_context().trace_id, "032x")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            spans = [s for s in otlp.trace(trace_id) if s.name == "omni.stage code2wav"]
+            if spans:
+                break
+            await asyncio.sleep(0.2)
+        (span,) = spans
+        sender_id = format(sender.get_span_context().span_id, "016x")
+        assert span.parent_span_id == sender_id
+        # the request's first message (seq 1) was a redelivery: the new attempt says so
+        assert span.attributes["messaging.message.delivery_count"] == 2
+        assert [(t, s, a) for t, s, a in span.links] == [
+            (trace_id, sender_id, {"omnirelay.link": "redelivery"})
+        ]
+    finally:
+        await nc.close()
+        second.stop()
+        first.stop()
+        server.shutdown()
