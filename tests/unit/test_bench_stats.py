@@ -15,6 +15,7 @@ from services.bench import (
     aggregate,
     comparison_rows,
     default_requests,
+    machine_note,
     overhead_pct,
     parse_concurrency,
     percentile,
@@ -186,3 +187,17 @@ def test_parse_concurrency_and_defaults() -> None:
     with pytest.raises(ValueError):
         parse_concurrency(",")
     assert (default_requests(1), default_requests(16), default_requests(32)) == (32, 64, 128)
+
+
+def test_machine_note_ranges() -> None:
+    note = machine_note(
+        [
+            {"foreign_services_cli": 0, "foreign_pytest": 1, "foreign_vllm_engines": 2, "loadavg_1m": 0.5},
+            {"foreign_services_cli": 8, "foreign_pytest": 1, "foreign_vllm_engines": 2, "loadavg_1m": 3.25},
+        ]
+    )
+    assert note == (
+        "machine during the rounds: 0–8 other services.cli, 1 pytest, 2 other vLLM engine processes; "
+        "load average 0.5–3.2"
+    )
+    assert "? other services.cli" in machine_note([])
