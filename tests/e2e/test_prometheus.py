@@ -1,0 +1,586 @@
+"""A real Prometheus federates the stack through the gateway's HTTP service discovery.
+
+Prometheus (Debian's binary, ``make prometheus-bin``) runs with compose/prometheus.yml, changed only
+where the compose network differs: the service-discovery URL is the stack's
+``/prometheus/targets``, intervals are 1 s, its own scrape address is its free port, and the
+compose-only ``nats`` exporter job is dropped. The tests send known traffic with the official
+``openai`` client and compare PromQL answers with ground truth measured independently (what the
+client saw, the bytes a NATS subscriber of our own captured on the bus, the routes in the
+``omni_requests`` KV records), check that every series carries the one label scheme (also on
+``/federate``), run every dashboard query, and show a replica joining and leaving without any
+configuration change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import nats
+import openai
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from libs.common import headers as h
+from libs.common.envelopes import StageTask, decode
+from libs.common.metrics_catalog import AUDIO, Exporter, exposed_names, families_for
+from libs.common.subjects import Subjects
+from services.bus_inspect import request_record
+from services.launcher import free_port
+from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, ServiceProcess, write_pipeline
+from tests.unit.test_dashboard import DASHBOARD, dashboard_queries, grafana_to_promql, metric_names
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "compose" / "prometheus.yml"
+INTERVAL = "1s"
+SR = 24_000
+LATENCY_SLACK_S = 0.25
+"""Per request: the client's clock (before sending → after reading the last byte, or the first
+audio chunk) may exceed the gateway's arrival → last byte / first audio written by at most this,
+on loopback, with the five requests running concurrently in one client event loop."""
+WAIT_S = 20.0
+"""How long a PromQL answer may take to reflect what happened (1 s scrapes; vLLM emits its
+scheduler stats at most once a second and a final snapshot when it goes idle)."""
+DYN_PIPELINE = "promdyn"
+UNIFIED = ("service", "pipeline", "instance", "job")
+WORKER_LABELS = ("stage", "replica", "stage_name")
+GATEWAY_AUDIO = {
+    n
+    for f in families_for(Exporter.GATEWAY)
+    if f.labels[: len(AUDIO)] == AUDIO
+    for n in (*exposed_names(f), f"{f.name}_created")
+}
+"""Gateway samples that carry the stage and replica of the stage that produced the audio."""
+
+
+# --- a Prometheus process ----------------------------------------------------------------------------
+class Prometheus:
+    def __init__(self, url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.url, self.proc, self.log = url, proc, log
+        self.http = httpx.Client(base_url=url, timeout=30)
+
+    def api(self, path: str, **params: Any) -> Any:
+        r = self.http.get(f"/api/v1/{path}", params=params)
+        body = r.json()
+        assert body["status"] == "success", f"{path} {params}: {body}"
+        return body["data"]
+
+    def query(self, q: str, at: float | None = None) -> list[dict[str, Any]]:
+        return self.api("query", query=q, **({"time": f"{at:.3f}"} if at is not None else {}))["result"]
+
+    def vector(self, q: str, *labels: str, at: float | None = None) -> dict[tuple[str, ...], float]:
+        return {
+            tuple(r["metric"].get(n, "") for n in labels): float(r["value"][1]) for r in self.query(q, at)
+        }
+
+    def scalar(self, q: str, at: float | None = None) -> float | None:
+        res = self.query(q, at)
+        assert len(res) <= 1, res
+        return float(res[0]["value"][1]) if res else None
+
+    def grown(
+        self, selector: str, by: str, t0: float, at: float | None = None
+    ) -> dict[tuple[str, ...], float]:
+        """Increase of ``sum by (by) (selector)`` since ``t0`` (raw values, no extrapolation; a series
+        created after ``t0`` counts from 0)."""
+        now = f"sum by ({by}) ({selector})"
+        then = f"sum by ({by}) ({selector} @ {t0:.3f})"
+        labels = [n.strip() for n in by.split(",") if n.strip()]
+        return self.vector(f"({now} - {then}) or {now}", *labels, at=at)
+
+    def wait_scraped_after(self, t: float, timeout_s: float = WAIT_S) -> None:
+        """Wait until every omnirelay target has been scraped after wall time ``t``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            stamps = [float(r["value"][1]) for r in self.query('timestamp(up{job="omnirelay"})')]
+            if stamps and min(stamps) > t:
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"targets not scraped after {t} within {timeout_s} s")
+
+    def targets(self) -> list[dict[str, Any]]:
+        return self.api("targets", state="active")["activeTargets"]
+
+
+def eventually(fn, ok, timeout_s: float = WAIT_S, every_s: float = 0.25):
+    """``fn()`` until ``ok(value)`` or the timeout; returns the last value (assert on it)."""
+    deadline = time.monotonic() + timeout_s
+    value = fn()
+    while not ok(value) and time.monotonic() < deadline:
+        time.sleep(every_s)
+        value = fn()
+    return value
+
+
+def sd_groups(stack) -> list[dict[str, Any]]:
+    return httpx.get(f"{stack.base_url}/prometheus/targets", timeout=30).json()
+
+
+def local_config(sd_url: str, port: int) -> dict[str, Any]:
+    """compose/prometheus.yml with the local differences (and nothing else) applied."""
+    config = yaml.safe_load(CONFIG.read_text())
+    config["global"].update(scrape_interval=INTERVAL, scrape_timeout=INTERVAL, evaluation_interval=INTERVAL)
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    assert set(jobs) == {"omnirelay", "prometheus", "nats"}, set(jobs)
+    (sd,) = jobs["omnirelay"]["http_sd_configs"]
+    assert sd["url"] == "http://gateway:8000/prometheus/targets"
+    sd.update(url=sd_url, refresh_interval=INTERVAL)
+    jobs["prometheus"]["static_configs"][0]["targets"] = [f"127.0.0.1:{port}"]
+    config["scrape_configs"] = [jobs["omnirelay"], jobs["prometheus"]]  # no NATS exporter here
+    return config
+
+
+@pytest.fixture(scope="module")
+def prom(stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
+    binary = shutil.which("prometheus")
+    if not binary:
+        pytest.skip("Debian's prometheus is not installed: run `make prometheus-bin` (`make test` does)")
+    tmp = tmp_path_factory.mktemp("prometheus")
+    port = free_port()
+    config = tmp / "prometheus.yml"
+    config.write_text(
+        yaml.safe_dump(local_config(f"{stack.base_url}/prometheus/targets", port), sort_keys=False)
+    )
+    log = tmp / "prometheus.log"
+    argv = [
+        binary,
+        f"--config.file={config}",
+        f"--storage.tsdb.path={tmp / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--enable-feature=exemplar-storage",
+    ]
+    t0 = time.monotonic()
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    p = Prometheus(f"http://127.0.0.1:{port}", proc, log)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{p.url}/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"prometheus did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        ready_s = time.monotonic() - t0
+        want = {g["labels"]["__meta_omnirelay_instance"] for g in sd_groups(stack)}
+        up = eventually(
+            lambda: p.vector('up{job="omnirelay"} == 1', "instance"), lambda v: want <= {k[0] for k in v}
+        )
+        assert want <= {k[0] for k in up}, (want, up, p.targets())
+        print(
+            f"\nprometheus ready {ready_s:.1f} s, all {len(want)} services up {time.monotonic() - t0:.1f} s after start"
+        )
+        yield p
+    finally:
+        p.http.close()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+# --- known traffic and its ground truth ---------------------------------------------------------------
+@dataclass
+class Traffic:
+    t0: float
+    """Wall time before the traffic, after every target was scraped in quiet."""
+    finish: Counter[str] = field(default_factory=Counter)
+    latencies: list[float] = field(default_factory=list)
+    first_audio: list[float] = field(default_factory=list)
+    frames: int = 0
+    ids: list[str] = field(default_factory=list)
+    audio_ids: list[str] = field(default_factory=list)
+    bus_bytes: dict[tuple[str, str, str, str], int] = field(default_factory=lambda: defaultdict(int))
+    bus_hops: dict[tuple[str, str, str, str], int] = field(default_factory=lambda: defaultdict(int))
+    talker_requests: Counter[str] = field(default_factory=Counter)
+    """Chunks with text tokens received per talker replica (each is one talker engine request)."""
+    routes: dict[str, list[int]] = field(default_factory=dict)
+    seconds: float = 0.0
+    t1: float = 0.0
+    """Wall time after the last response."""
+
+
+TEXT_MAX_TOKENS = (3, 7, 5)
+AUDIO_MAX_TOKENS = (24, 12)
+
+
+async def _text(client: openai.AsyncOpenAI, model: str, n: int, out: Traffic) -> None:
+    t = time.monotonic()
+    r = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=n,
+        extra_body={"ignore_eos": True},
+    )
+    out.latencies.append(time.monotonic() - t)
+    out.finish[r.choices[0].finish_reason] += 1
+    out.ids.append(r.id)
+
+
+async def _audio(client: openai.AsyncOpenAI, model: str, n: int, out: Traffic) -> None:
+    t = time.monotonic()
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Read me a story."}],
+        max_tokens=n,
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "pcm16"},
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    pcm, first, reason, rid = bytearray(), None, None, None
+    async for chunk in stream:
+        rid = chunk.id
+        for c in chunk.choices:
+            if c.delta.audio and c.delta.audio.data:
+                first = first if first is not None else time.monotonic() - t
+                pcm += base64.b64decode(c.delta.audio.data)
+            reason = c.finish_reason or reason
+    out.latencies.append(time.monotonic() - t)
+    assert first is not None and rid and reason, (first, rid, reason)
+    out.first_audio.append(first)
+    out.frames += len(pcm) // 2
+    out.finish[reason] += 1
+    out.ids.append(rid)
+    out.audio_ids.append(rid)
+
+
+async def _run_traffic(stack, pipeline, out: Traffic) -> None:
+    nc = await nats.connect(stack.nats_url)
+
+    async def on_stage_msg(msg) -> None:
+        hdr = msg.headers or {}
+        edge = (hdr[h.FROM_STAGE], hdr[h.FROM_REPLICA], hdr[h.TO_STAGE], hdr[h.TO_REPLICA])
+        out.bus_bytes[edge] += len(msg.data)
+        out.bus_hops[edge] += 1
+        if edge[2] == "1" and decode(StageTask, msg.data).token_ids:
+            out.talker_requests[edge[3]] += 1
+
+    await nc.subscribe(Subjects(pipeline.name).stages_wildcard, cb=on_stage_msg)
+    await nc.flush()
+    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    model = pipeline.served_model_name
+    await client.models.list()  # the client's first-use costs (connection, headers) are not the server's
+    t = time.monotonic()
+    await asyncio.gather(
+        *(_text(client, model, n, out) for n in TEXT_MAX_TOKENS),
+        *(_audio(client, model, n, out) for n in AUDIO_MAX_TOKENS),
+    )
+    out.seconds = time.monotonic() - t
+    out.t1 = time.time()
+    await client.close()
+    await asyncio.sleep(0.5)  # the last hops of a request may trail its HTTP response
+    await nc.flush()
+    await nc.close()
+    for rid in out.ids:
+        rec = await request_record(stack.nats_url, rid)
+        assert rec, f"no omni_requests record for {rid}"
+        out.routes[rid] = rec["route"]
+
+
+@pytest.fixture(scope="module")
+def traffic(stack, pipeline, prom) -> Traffic:
+    quiet = time.time()
+    prom.wait_scraped_after(quiet)
+    out = Traffic(t0=time.time())
+    asyncio.run(_run_traffic(stack, pipeline, out))
+    print(
+        f"\ntraffic: {len(out.ids)} requests in {out.seconds:.2f} s, finish {dict(out.finish)}, "
+        f"{out.frames} audio frames, bus {dict(out.bus_bytes)}"
+    )
+    return out
+
+
+# --- the tests -------------------------------------------------------------------------------------------
+def test_every_live_service_is_an_up_target_with_its_labels(prom, stack) -> None:
+    sd = _sd_labels(stack)
+    assert {r["service"] for r in sd.values()} == {"gateway", "orchestrator", "worker"}, sd
+    targets = {t["labels"]["instance"]: t for t in prom.targets() if t["labels"]["job"] == "omnirelay"}
+    assert sd.keys() <= targets.keys(), (sd.keys(), targets.keys())
+    for instance, want in sd.items():
+        t = targets[instance]
+        assert t["health"] == "up", t
+        got = {k: v for k, v in t["labels"].items() if k not in ("job", "instance")}
+        assert got == {k: v for k, v in want.items() if v and k != "instance"}, (got, want)
+    up = prom.vector('up{job="omnirelay"}', "instance")
+    assert all(up[(i,)] == 1 for i in sd), up
+
+
+def test_scraped_names_keep_their_colons(prom, traffic) -> None:
+    """``vllm:*`` names arrive intact (Prometheus 2.x asks for OpenMetrics first on every scrape).
+
+    prometheus_client 0.23-0.26 escapes ':' to '_' in OpenMetrics sample lines but not in their
+    # HELP/# TYPE lines (prometheus/client_python#1177): every dashboard query would then be empty."""
+    mangled = eventually(
+        lambda: prom.query('count by (__name__) ({__name__=~"vllm_.+", job="omnirelay"})'), lambda v: not v, 3
+    )
+    assert not mangled, "scraped as vllm_* instead of vllm:*: " + ", ".join(
+        sorted(r["metric"]["__name__"] for r in mangled)[:10]
+    )
+
+
+def test_finish_reasons_match_what_the_client_saw(prom, traffic, pipeline) -> None:
+    sel = f'vllm:omni_requests_success_total{{pipeline="{pipeline.name}"}}'
+    want = {(reason,): float(n) for reason, n in traffic.finish.items()}
+    got = eventually(
+        lambda: {k: v for k, v in prom.grown(sel, "finished_reason", traffic.t0).items() if v},
+        lambda v: v == want,
+    )
+    assert got == want
+
+
+def test_transfer_bytes_per_edge_equal_the_bytes_on_the_bus(prom, traffic, pipeline) -> None:
+    by = "from_stage, from_replica, to_stage, to_replica"
+    want_bytes = {k: float(v) for k, v in traffic.bus_bytes.items()}
+    want_hops = {k: float(v) for k, v in traffic.bus_hops.items()}
+    assert {e[2] for e in want_bytes} == {"0", "1", "2"}, want_bytes
+    assert any(e[0] == h.FROM_ORCHESTRATOR for e in want_bytes), want_bytes
+
+    def both() -> tuple[dict, dict]:
+        at = time.time()
+        sizes = prom.grown(
+            f'vllm:omni_transfer_size_bytes_sum{{pipeline="{pipeline.name}"}}', by, traffic.t0, at
+        )
+        hops = prom.grown(
+            f'vllm:omni_transfer_size_bytes_count{{pipeline="{pipeline.name}"}}', by, traffic.t0, at
+        )
+        return {k: v for k, v in sizes.items() if v}, {k: v for k, v in hops.items() if v}
+
+    sizes, hops = eventually(both, lambda v: v == (want_bytes, want_hops))
+    assert sizes == want_bytes
+    assert hops == want_hops
+
+
+def test_latency_and_audio_sums_agree_with_the_client(prom, traffic, pipeline) -> None:
+    n, n_audio = len(traffic.latencies), len(traffic.first_audio)
+    gw = f'{{pipeline="{pipeline.name}", service="gateway"}}'
+
+    def read() -> dict[str, float]:
+        at = time.time()
+        names = {
+            "e2e_count": "vllm:omni_e2e_request_latency_s_count",
+            "e2e_sum": "vllm:omni_e2e_request_latency_s_sum",
+            "ttfp_count": "vllm:omni_audio_ttfp_s_count",
+            "ttfp_sum": "vllm:omni_audio_ttfp_s_sum",
+            "duration_sum": "vllm:omni_audio_duration_s_sum",
+            "frames": "vllm:omni_audio_frames_total",
+        }
+        return {
+            k: sum(prom.grown(f"{name}{gw}", "pipeline", traffic.t0, at).values())
+            for k, name in names.items()
+        }
+
+    got = eventually(
+        read, lambda v: v["e2e_count"] == n and v["ttfp_count"] == n_audio and v["frames"] == traffic.frames
+    )
+    assert got["e2e_count"] == n and got["ttfp_count"] == n_audio
+    e2e_gap = sum(traffic.latencies) - got["e2e_sum"]
+    ttfp_gap = sum(traffic.first_audio) - got["ttfp_sum"]
+    print(
+        f"\nclient - server: e2e {e2e_gap * 1000:.1f} ms over {n} requests, "
+        f"ttfp {ttfp_gap * 1000:.1f} ms over {n_audio} audio requests"
+    )
+    assert 0 <= e2e_gap <= n * LATENCY_SLACK_S, (traffic.latencies, got)
+    assert 0 <= ttfp_gap <= n_audio * LATENCY_SLACK_S, (traffic.first_audio, got)
+    assert got["frames"] == traffic.frames
+    assert got["duration_sum"] == pytest.approx(traffic.frames / SR, rel=1e-9)
+
+
+def test_engine_requests_per_replica_match_the_routes(prom, traffic, pipeline, stack) -> None:
+    workers = [g for g in sd_groups(stack) if g["labels"]["__meta_omnirelay_service"] == "worker"]
+    llm = [
+        g for g in workers if pipeline.stages[int(g["labels"]["__meta_omnirelay_stage"])].type.value == "llm"
+    ]
+    exposed = {
+        fam.name
+        for g in llm
+        for fam in text_string_to_metric_families(
+            httpx.get(f"http://{g['targets'][0]}/metrics", timeout=30).text
+        )
+    }
+    if "vllm:request_success" not in exposed:
+        pytest.xfail("engine families not wired yet")
+    thinker = Counter(str(route[0]) for route in traffic.routes.values())
+    want = {("0", r): float(n) for r, n in thinker.items()}
+    want |= {("1", r): float(n) for r, n in traffic.talker_requests.items()}
+    talkers = {str(traffic.routes[i][1]) for i in traffic.audio_ids}
+    assert talkers == set(traffic.talker_requests), traffic.routes
+    sel = f'vllm:request_success_total{{pipeline="{pipeline.name}", service="worker"}}'
+    got = eventually(
+        lambda: {k: v for k, v in prom.grown(sel, "stage, replica", traffic.t0).items() if v},
+        lambda v: v == want,
+    )
+    print(f"\nengine requests per (stage, replica): {got}")
+    assert got == want
+
+
+def _check_unified(metric: dict[str, str], sd: dict[str, dict[str, str]]) -> list[str]:
+    """Problems with one series' labels (empty if it follows the scheme)."""
+    name = metric.get("__name__", "")
+    problems = [f"{name}: {k}" for k in metric if k.startswith("exported_")]
+    if metric.get("job") == "prometheus":
+        return problems + ([] if metric.get("service") == "prometheus" else [f"{name}: {metric}"])
+    missing = [k for k in UNIFIED if not metric.get(k)]
+    if missing:
+        return [*problems, f"{name}: missing {missing} in {metric}"]
+    target = sd.get(metric["instance"])
+    if target is None:
+        return [*problems, f"{name}: instance {metric['instance']} is no SD target"]
+    for label in ("service", "pipeline", *WORKER_LABELS):
+        if target.get(label):
+            if metric.get(label) != target[label]:
+                problems.append(f"{name}: {label}={metric.get(label)!r}, target says {target[label]!r}")
+        elif label in metric and not (label in ("stage", "replica") and name in GATEWAY_AUDIO):
+            problems.append(f"{name}: unexpected {label}={metric[label]!r} on a {metric['service']}")
+    return problems
+
+
+def _sd_labels(stack) -> dict[str, dict[str, str]]:
+    return {
+        g["labels"]["__meta_omnirelay_instance"]: {
+            k.removeprefix("__meta_omnirelay_"): v
+            for k, v in g["labels"].items()
+            if k.startswith("__meta_omnirelay_")
+        }
+        for g in sd_groups(stack)
+    }
+
+
+def test_every_series_carries_the_unified_labels(prom, traffic, stack) -> None:
+    sd = _sd_labels(stack)
+    series = prom.api("series", **{"match[]": '{__name__=~".+"}', "start": f"{traffic.t0:.3f}"})
+    assert len(series) > 500, len(series)
+    services = Counter(s.get("service") for s in series)
+    assert {"gateway", "orchestrator", "worker", "prometheus"} <= services.keys(), services
+    problems = [p for s in series for p in _check_unified(s, sd)]
+    assert not problems, "\n".join(problems[:30])
+    # Engine and omnirelay families of a worker keep the worker's own stage/replica (honor_labels).
+    for name in ("vllm:num_requests_running", "vllm:omni_stage_info"):
+        rows = [s for s in series if s["__name__"] == name]
+        assert rows or name.startswith("vllm:num"), name
+        for s in rows:
+            assert (s["stage"], s["replica"]) == (sd[s["instance"]]["stage"], sd[s["instance"]]["replica"]), s
+
+
+def test_federate_exposes_the_same_labels(prom, traffic, stack) -> None:
+    sd = _sd_labels(stack)
+    match = '{__name__=~"vllm:omni_.*"}'
+
+    def both() -> tuple[set, set]:
+        text = prom.http.get("/federate", params={"match[]": match}).text
+        fed = {
+            (s.name, frozenset(s.labels.items()))
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        }
+        direct = {
+            (r["metric"]["__name__"], frozenset((k, v) for k, v in r["metric"].items() if k != "__name__"))
+            for r in prom.query(match)
+        }
+        return fed, direct
+
+    fed, direct = eventually(both, lambda v: v[0] == v[1], timeout_s=5)
+    assert fed == direct, (len(fed), len(direct), list(fed ^ direct)[:5])
+    names = {n for n, _ in fed}
+    assert {
+        "vllm:omni_stage_info",
+        "vllm:omni_e2e_request_latency_s_bucket",
+        "vllm:omni_transfer_size_bytes_sum",
+    } <= names
+    problems = [p for n, labels in fed for p in _check_unified({"__name__": n, **dict(labels)}, sd)]
+    assert not problems, "\n".join(problems[:30])
+
+
+EVENT_DRIVEN = {
+    "vllm:omni_requests_failed_total",
+    "vllm:omni_audio_late_chunks_total",
+    "vllm:omni_audio_skipped_requests_total",
+    "vllm:omni_transfer_clock_skew_clamps_total",
+    "vllm:omni_bus_dead_lettered_total",
+    "vllm:omni_bus_messages_terminated_total",
+}
+"""Labelled counters that have no series until their event happens (none of it in this traffic)."""
+
+
+def test_every_dashboard_query_runs_and_has_data(prom, traffic) -> None:
+    """Each dashboard query (variables at All) is valid for this Prometheus and returns series,
+    except queries of event-driven families whose events did not happen."""
+    prom.wait_scraped_after(traffic.t1 + 2.5)  # rate() needs two samples of the series the traffic created
+    present = set(prom.api("label/__name__/values"))
+    empty, absent, skipped = [], [], []
+    for where, expr in dashboard_queries(json.loads(DASHBOARD.read_text())):
+        q = grafana_to_promql(expr[len("query_result(") : -1] if expr.startswith("query_result(") else expr)
+        result = prom.query(q)  # asserts status success
+        missing = metric_names(q) - present
+        if missing - EVENT_DRIVEN:
+            absent.append(f"{where}: {sorted(missing - EVENT_DRIVEN)} not in Prometheus")
+        elif missing:
+            skipped.append(f"{where}: {sorted(missing)}")
+        elif not result:
+            empty.append(f"{where}: {q}")
+    print("\nno event yet, query not checked:\n  " + "\n  ".join(skipped) if skipped else "")
+    assert not absent + empty, "\n".join(absent + empty)
+
+
+def test_a_replica_that_joins_is_scraped_and_one_that_leaves_goes_stale(prom, stack, tmp_path: Path) -> None:
+    """A code2wav worker of another pipeline, started outside the stack: Prometheus scrapes it
+    without any configuration change; when it stops its target disappears and its series go stale."""
+    config_time = prom.api("status/runtimeinfo")["lastConfigTime"]
+    path = write_pipeline(tmp_path / "p.yaml", DYN_PIPELINE, THINKER_YAML + TALKER_YAML + CODE2WAV_YAML)
+    instance = f"promdyn-{uuid.uuid4().hex[:8]}"
+    env = {
+        "NATS_URL": stack.nats_url,
+        "OMNIRELAY_PIPELINE": str(path),
+        "OMNIRELAY_STAGE": "2",
+        "OMNIRELAY_INSTANCE_ID": instance,
+    }
+    worker = ServiceProcess(["worker", "--log-stats"], env, tmp_path / "worker.log").start()
+    try:
+        worker.wait_log("serving", timeout_s=120)
+        t_join = time.monotonic()
+        info = (
+            f'vllm:omni_stage_info{{instance="{instance}", service="worker", pipeline="{DYN_PIPELINE}", '
+            f'stage="2", replica="0", stage_name="code2wav", stage_type="codec"}}'
+        )
+        up = eventually(lambda: prom.scalar(f'up{{instance="{instance}"}}'), lambda v: v == 1)
+        assert up == 1, prom.targets()
+        assert eventually(lambda: prom.scalar(info), lambda v: v == 1) == 1
+        joined_s = time.monotonic() - t_join
+    finally:
+        t_leave = time.monotonic()
+        assert worker.stop() == 0, worker.text()[-2000:]
+
+    def gone() -> bool:
+        listed = any(t["labels"].get("instance") == instance for t in prom.targets())
+        return not listed and not prom.query(f'up{{instance="{instance}"}}') and not prom.query(info)
+
+    assert eventually(gone, bool), prom.targets()
+    left_s = time.monotonic() - t_leave
+    # Stale, not forgotten: the samples it had are still there over a range.
+    assert prom.scalar(f"count_over_time({info}[5m])") >= 1
+    assert prom.api("status/runtimeinfo")["lastConfigTime"] == config_time, "no configuration change"
+    print(
+        f"\nnew replica scraped {joined_s:.1f} s after it served; its series stale {left_s:.1f} s after SIGTERM"
+    )
