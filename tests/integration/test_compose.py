@@ -63,10 +63,12 @@ OMNIRELAY_COMMANDS = {"orchestrator", "worker", "gateway"}
 #   OMNIRELAY_METRICS_PORT    fixed /metrics port of orchestrator and workers (the launcher picks any)
 #   OMNIRELAY_HOST            the gateway binds all interfaces inside its container
 #   OMNIRELAY_LOG_LEVEL       user switch; its default is the services' own default
+#   OTEL_EXPORTER_OTLP_*      traces to the compose OTel collector (the launcher leaves tracing to the user)
+OTEL_VARS = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL"}
 COMPOSE_ONLY_VARS = {
-    "orchestrator": {"OMNIRELAY_ADVERTISE_HOST", "OMNIRELAY_METRICS_PORT", "OMNIRELAY_LOG_LEVEL"},
-    "worker": {"OMNIRELAY_ADVERTISE_HOST", "OMNIRELAY_METRICS_PORT", "OMNIRELAY_LOG_LEVEL"},
-    "gateway": {"OMNIRELAY_ADVERTISE_HOST", "OMNIRELAY_HOST", "OMNIRELAY_LOG_LEVEL"},
+    "orchestrator": {"OMNIRELAY_ADVERTISE_HOST", "OMNIRELAY_METRICS_PORT", "OMNIRELAY_LOG_LEVEL", *OTEL_VARS},
+    "worker": {"OMNIRELAY_ADVERTISE_HOST", "OMNIRELAY_METRICS_PORT", "OMNIRELAY_LOG_LEVEL", *OTEL_VARS},
+    "gateway": {"OMNIRELAY_ADVERTISE_HOST", "OMNIRELAY_HOST", "OMNIRELAY_LOG_LEVEL", *OTEL_VARS},
 }
 
 HEALTHY_TIMEOUT_S = 240.0
@@ -534,6 +536,8 @@ def _local_env(name: str, compose_env: Mapping[str, str], nats_url: str) -> dict
     for var in ("OMNIRELAY_PORT", "OMNIRELAY_METRICS_PORT"):
         if var in env:
             env[var] = str(free_port())
+    assert env.pop("OTEL_EXPORTER_OTLP_ENDPOINT") == "http://otel-collector:4317"
+    env.pop("OTEL_EXPORTER_OTLP_PROTOCOL")  # no collector here: tracing stays off
     return env
 
 
@@ -668,3 +672,25 @@ def _assert_log_stats_off_exports_no_vllm_family(
         assert not vllm, f"{name} exports vllm families with --log-stats off: {vllm[:5]}"
         assert any(ln.startswith("process_") for ln in lines), name
         record_property(f"metrics_lines_log_stats_off_{name}", len(lines))
+
+
+def test_traces_flow_from_every_service_through_the_collector_to_jaeger() -> None:
+    """Every omnirelay service exports to the collector; the collector's traces pipeline is wired
+    to Jaeger; Grafana opens an exemplar's trace_id in the Jaeger data source."""
+    compose = load_compose(COMPOSE_FILE)
+    services = compose["services"]
+    for name, svc in omnirelay_services(compose).items():
+        env = as_env(svc["environment"])
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317", name
+    collector = yaml.safe_load((COMPOSE_FILE.parent / "otel-collector.yaml").read_text())
+    traces = collector["service"]["pipelines"]["traces"]
+    for kind in ("receivers", "processors", "exporters"):
+        assert set(traces[kind]) <= set(collector[kind]), kind
+    jaeger_exporter = collector["exporters"][traces["exporters"][0]]["endpoint"]
+    assert jaeger_exporter.split(":")[0] in services and "otel-collector" in services
+    grafana = COMPOSE_FILE.parent / "grafana" / "provisioning" / "datasources"
+    jaeger = yaml.safe_load((grafana / "jaeger.yaml").read_text())["datasources"][0]
+    prom = yaml.safe_load((grafana / "prometheus.yaml").read_text())["datasources"][0]
+    (link,) = prom["jsonData"]["exemplarTraceIdDestinations"]
+    assert (link["name"], link["datasourceUid"]) == ("trace_id", jaeger["uid"])  # the exemplar label we emit
+    assert jaeger["url"].startswith("http://jaeger:")
