@@ -134,6 +134,9 @@ FAMILIES: tuple[Family, ...] = (
            "Cross-clock differences that came out negative and were clamped to 0, by interval.",
            (*EDGE, "interval"), Exporter.WORKER, spec=False),
     # --- stages and the bus --------------------------------------------------------------------
+    Family("vllm:omni_stage_request_s", Kind.HISTOGRAM,
+           "Time a request spent in this stage: first input received → last output sent, seconds.",
+           WORKER, Exporter.WORKER, SECONDS_BUCKETS, spec=False),
     Family("vllm:omni_stage_info", Kind.GAUGE,
            "Stage identity: id, name, type and model of each worker.", (*WORKER, "stage_name", "stage_type", "model"),
            Exporter.WORKER, spec=False),

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -188,7 +189,7 @@ class JourneyTracer:
             headers = request.trace_headers
             if rate < 1.0 and not self.sampler(sampling_key(rid, headers), rate):
                 return
-            parent = _PROPAGATOR.extract(dict(headers)) if headers else None
+            parent = _PROPAGATOR.extract(dict(headers)) if headers else Context()
             attrs: dict[str, Any] = {REQUEST_ID: rid, SAMPLE_RATE: rate}
             max_tokens = getattr(request, "max_tokens", None)
             if isinstance(max_tokens, int):

@@ -43,14 +43,19 @@ class EngineTracing:
     step_enabled: bool = False
     step_sample_rate: float = 0.01
     rich_subsample_rate: float = 0.001
+    sampler: str = "random"
+    """``random`` (production) or ``sha1`` (deterministic, for tests; see engine_tracing)."""
+    seed: int = 0
 
     def __post_init__(self) -> None:
-        from services.stage_worker.engine_tracing import validate_rate
+        from services.stage_worker.engine_tracing import SAMPLERS, validate_rate
 
         for name in ("journey_sample_rate", "step_sample_rate", "rich_subsample_rate"):
             object.__setattr__(self, name, validate_rate(name, getattr(self, name)))
         if not isinstance(self.step_enabled, bool):
             raise ValueError(f"step_enabled must be a bool, got {self.step_enabled!r}")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {SAMPLERS}, got {self.sampler!r}")
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,8 @@ def engine_tracing_config(
         step_enabled=t.step_enabled,
         step_sample_rate=t.step_sample_rate,
         rich_subsample_rate=t.rich_subsample_rate,
+        sampler=t.sampler,
+        seed=t.seed,
         resource={
             "omnirelay.pipeline": spec.pipeline.name,
             "omnirelay.stage": spec.stage_id,

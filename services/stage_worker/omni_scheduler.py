@@ -31,7 +31,10 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import fields
 from itertools import zip_longest
@@ -322,10 +325,13 @@ class OmniScheduler(AsyncScheduler):
         """id(SchedulerOutput) → its step, while journeys are open (FIRST_TOKEN names the step
         that produced the token; async scheduling updates step N after scheduling step N + 1)."""
         self._output_step: int | None = None
+        self._shutdown_signalled = False
         # Invalid settings raise here: the engine does not start (fail fast).
         cfg = EngineTracingConfig.from_vllm_config(self.vllm_config)
         if cfg is not None and cfg.active:
             self._start_tracing(cfg)
+            if self._trace_provider is not None:
+                self._watch_shutdown_signals()
 
     # -- tracing set-up ----------------------------------------------------------------------------
 
@@ -365,6 +371,35 @@ class OmniScheduler(AsyncScheduler):
             cfg.endpoint,
             cfg.protocol,
         )
+
+    def _watch_shutdown_signals(self) -> None:
+        """Note SIGTERM/SIGINT before passing them to the EngineCore's own handlers.
+
+        ``EngineCore.shutdown()`` tears the model executor down before it calls
+        ``scheduler.shutdown()``; when the executor's workers are slow to exit, the process
+        manager's grace period (5 s) runs out and the EngineCore is killed before the last spans
+        are flushed. With the signal noted, :meth:`has_requests` ends and flushes the spans as soon
+        as the engine has drained, before the teardown starts. Only handlers the EngineCore
+        installed (Python callables) are wrapped; nothing happens outside the main thread.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return
+        me = weakref.ref(self)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous = signal.getsignal(sig)
+            if not callable(previous) or previous is signal.default_int_handler:
+                continue
+
+            def noted(signum: int, frame: Any, _previous: Callable[..., Any] = previous) -> None:
+                sched = me()
+                if sched is not None:
+                    sched._shutdown_signalled = True
+                _previous(signum, frame)
+
+            try:
+                signal.signal(sig, noted)
+            except (ValueError, OSError) as e:
+                logger.debug("engine tracing: cannot watch signal %s: %r", sig, e)
 
     @property
     def journey_tracer(self) -> JourneyTracer | None:
@@ -424,6 +459,14 @@ class OmniScheduler(AsyncScheduler):
             step = self._output_step if self._output_step is not None else self.current_step
             journey.on_finished(request, step)
         return super()._free_request(request, delay_free_blocks)
+
+    def has_requests(self) -> bool:
+        busy = super().has_requests()
+        if not busy and self._shutdown_signalled and self._trace_provider is not None:
+            # Drained after SIGTERM/SIGINT: the EngineCore tears down next (see
+            # _watch_shutdown_signals); end and flush the spans now.
+            self._stop_tracing()
+        return busy
 
     def shutdown(self) -> None:
         try:

@@ -53,6 +53,8 @@ class RequestContext:
     _started: bool = False
     _in_hand: dict[int, Delivery] = field(default_factory=dict)
     _edges: dict[tuple[str, str], EdgeSummary] = field(default_factory=dict)
+    received_s: float = field(default_factory=time.monotonic)
+    """When the request's first input reached this worker (monotonic)."""
     _background: set[asyncio.Task[None]] = field(default_factory=set)
 
     @property

@@ -14,7 +14,7 @@ At the end of every ``schedule()`` the scheduler offers the step to :class:`Step
 scheduler already has: ``SchedulerOutput``, the running list, the ``Request`` counters and the
 read-only KV helpers of :mod:`services.stage_worker.kv_observability`.
 
-The span (SpanKind.INTERNAL, a root span) is created with the tracer and carries the tracing
+The span (SpanKind.INTERNAL, always a root span, whatever context is current) is created with the tracer and carries the tracing
 configuration as attributes (``omnirelay.tracing.*``, plus the EngineCore's pid). It is ended by
 :meth:`StepTracer.close` (the scheduler's ``shutdown()``, called by ``EngineCore.shutdown()``).
 One deviation from "one span for the engine's life", forced by the OpenTelemetry SDK: a span is
@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanKind, Tracer
 
 from services.stage_worker.engine_tracing import Sampler, random_sampler, validate_rate
@@ -51,6 +52,9 @@ STEP_SPAN_NAME = "scheduler_steps"
 BATCH_SUMMARY_EVENT = "step.BATCH_SUMMARY"
 REQUEST_SNAPSHOT_EVENT = "step.REQUEST_SNAPSHOT"
 SPAN_INDEX = "scheduler_steps.index"
+"""0, 1, ...: position of a span in the engine's sequence of scheduler_steps spans."""
+SPAN_LAST = "scheduler_steps.last"
+"""True on the span ended by engine shutdown (the engine's last one)."""
 
 DEFAULT_MAX_SPAN_AGE_S = 30.0
 _DEFAULT_EVENT_LIMIT = 128  # the SDK's default OTEL_SPAN_EVENT_COUNT_LIMIT
@@ -265,6 +269,7 @@ class StepTracer:
         span, self.span = self.span, None
         if span is not None:
             try:
+                span.set_attribute(SPAN_LAST, True)
                 span.end()
             except Exception as e:
                 self._failed("span end", e)
@@ -276,7 +281,7 @@ class StepTracer:
             links = [Link(previous.get_span_context())] if previous is not None else None
             attrs = {**self._span_attributes, SPAN_INDEX: self._index}
             self.span = self.tracer.start_span(
-                STEP_SPAN_NAME, context=None, kind=SpanKind.INTERNAL, attributes=attrs, links=links
+                STEP_SPAN_NAME, context=Context(), kind=SpanKind.INTERNAL, attributes=attrs, links=links
             )
         except Exception as e:
             self.span = None

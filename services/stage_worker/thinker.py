@@ -36,7 +36,9 @@ class ThinkerHandler(LLMHandler):
         chunker = TextChunker(self._stage.chunking.tokens, self._stage.chunking.sentence_end)
         generated, finish_reason = 0, None
         prompt = TokensPrompt(prompt_token_ids=task.prompt_token_ids)
-        async for out in self.engine.generate(prompt, params, req.request_id):
+        async for out in self.engine.generate(
+            prompt, params, req.request_id, trace_headers=self.trace_headers(req.span)
+        ):
             c = out.outputs[0]
             ids = list(c.token_ids)
             generated += len(ids)

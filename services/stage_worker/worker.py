@@ -268,6 +268,10 @@ class StageWorker:
         try:
             async with asyncio.timeout(max(ctx.seconds_left, 0.0)):
                 await self.handler.run(ctx)
+            if self.metrics.enabled:
+                ex = {"trace_id": tracing.trace_id_hex(ctx.span)} if ctx.span.is_recording() else None
+                took = time.monotonic() - ctx.received_s
+                self.metrics["vllm:omni_stage_request_s"].labels(*self._labels).observe(took, ex)
             if ctx.is_last_stage:
                 ctx.lifecycle("finished")
         except asyncio.CancelledError:

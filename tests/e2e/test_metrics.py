@@ -175,6 +175,29 @@ def test_transfer_sizes_equal_the_bytes_on_the_bus(stack, pipeline, worker_urls)
             )
 
 
+def test_every_stage_reports_the_time_a_request_spent_in_it(stack, pipeline, worker_urls) -> None:
+    before = {k: scrape(u) for k, u in worker_urls.items()}
+    t0 = time.monotonic()
+    body = {
+        "model": pipeline.served_model_name,
+        "messages": [{"role": "user", "content": "stages"}],
+        "max_tokens": 12,
+        "ignore_eos": True,
+        "modalities": ["text", "audio"],
+    }
+    r = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=60)
+    client_s = time.monotonic() - t0
+    assert r.status_code == 200
+    after = {k: scrape(u) for k, u in worker_urls.items()}
+    per_stage = defaultdict(float)
+    for key in worker_urls:
+        n = delta(before[key], after[key], "vllm:omni_stage_request_s_count")
+        per_stage[key[0]] += n
+        took = delta(before[key], after[key], "vllm:omni_stage_request_s_sum")
+        assert 0 <= took <= client_s * n  # nothing spends longer in a stage than the client waited
+    assert dict(per_stage) == {s: 1 for s in range(len(pipeline.stages))}
+
+
 def test_every_worker_exports_its_stage_identity(pipeline, worker_urls) -> None:
     for (s, r), url in worker_urls.items():
         st = pipeline.stages[s]

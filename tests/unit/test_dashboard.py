@@ -344,7 +344,7 @@ def test_dashboard_covers_the_required_families(dashboard) -> None:
         # transfers and attribution
         "vllm:omni_transfer_size_bytes_sum", "vllm:omni_transfer_tx_s_sum", "vllm:omni_transfer_rx_s_sum",
         "vllm:omni_transfer_in_flight_s_sum", "vllm:omni_e2e_request_latency_s_sum",
-        "vllm:e2e_request_latency_seconds_sum",
+        "vllm:omni_stage_request_s_sum",
         # bus lag and pipeline outcomes
         "vllm:omni_bus_consumer_pending", "vllm:omni_num_requests_running", "vllm:omni_num_requests_waiting",
         "vllm:omni_requests_success_total", "vllm:omni_requests_failed_total",
