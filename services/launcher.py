@@ -68,6 +68,22 @@ def nats_server_binary() -> str:
     return found
 
 
+def nats_server_argv(store: Path, port: int, monitor_port: int) -> list[str]:
+    """``nats-server`` with JetStream storing in ``store``, on loopback, with its monitoring port."""
+    return [
+        nats_server_binary(),
+        "-js",
+        "-sd",
+        str(store),
+        "-a",
+        "127.0.0.1",
+        "-p",
+        str(port),
+        "-m",
+        str(monitor_port),
+    ]
+
+
 async def _pump(name: str, stream: asyncio.StreamReader, width: int) -> None:
     prefix = f"{name:<{width}} | "
     while line := await stream.readline():
@@ -218,18 +234,7 @@ async def _start(
         nport, mport = free_port(), free_port()
         store = data_dir / "jetstream"
         store.mkdir(parents=True, exist_ok=True)
-        argv = [
-            nats_server_binary(),
-            "-js",
-            "-sd",
-            str(store),
-            "-a",
-            "127.0.0.1",
-            "-p",
-            str(nport),
-            "-m",
-            str(mport),
-        ]
+        argv = nats_server_argv(store, nport, mport)
         await stack.spawn("nats", argv, {})
         nats_url, monitor = f"nats://127.0.0.1:{nport}", f"http://127.0.0.1:{mport}"
     for spec in plan_services(pipeline, pipeline_path, nats_url, port, log_stats):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.launcher import free_port, nats_server_binary
+from services.launcher import free_port, nats_server_argv
 
 
 def wait_port(port: int, timeout_s: float = 10.0) -> None:
@@ -36,8 +36,7 @@ class NatsServer:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        argv = [nats_server_binary(), "-js", "-sd", str(self.store), "-a", "127.0.0.1"]
-        argv += ["-p", str(self.port), "-m", str(self.monitor_port)]
+        argv = nats_server_argv(self.store, self.port, self.monitor_port)
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_port(self.port)
 

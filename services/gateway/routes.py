@@ -83,23 +83,25 @@ async def prometheus_targets(request: Request) -> list[dict[str, object]]:
     return sd_targets(request.app.state.client.all_services.live())
 
 
+def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+def _sse(job: Job, head: list[str], render, tail) -> StreamingResponse:
+    return StreamingResponse(
+        sse_stream(job, head, render, tail), media_type="text/event-stream", headers=SSE_HEADERS
+    )
+
+
 # --- chat -------------------------------------------------------------------------------------
 @router.post("/v1/chat/completions", response_model=ChatCompletion)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     job = await request.app.state.submitter.chat(body, _arrival(request))
     request.state.job = job
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            sse_stream(
-                job,
-                [_chat_chunk(job, Delta(role="assistant", content=""))],
-                lambda ev: _chat_render(job, ev),
-                lambda c: _chat_tail(job, c, include_usage),
-            ),
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
-        )
+        usage = _include_usage(body)
+        head = [_chat_chunk(job, Delta(role="assistant", content=""))]
+        return _sse(job, head, lambda ev: _chat_render(job, ev), lambda c: _chat_tail(job, c, usage))
     return await guarded(request, job, _chat_body(job))
 
 
@@ -161,16 +163,9 @@ async def completions(body: CompletionRequest, request: Request):
     job = await request.app.state.submitter.completion(body, _arrival(request))
     request.state.job = job
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            sse_stream(
-                job,
-                [],
-                lambda ev: _completion_render(job, ev),
-                lambda c: _completion_tail(job, c, include_usage),
-            ),
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
+        usage = _include_usage(body)
+        return _sse(
+            job, [], lambda ev: _completion_render(job, ev), lambda c: _completion_tail(job, c, usage)
         )
     return await guarded(request, job, _completion_body(job))
 

@@ -39,7 +39,7 @@ import yaml
 
 from libs.common.pipeline import StageType, load_pipeline
 from libs.common.settings import ServiceSettings
-from services.launcher import free_port, nats_server_binary, plan_services
+from services.launcher import free_port, nats_server_argv, plan_services
 
 pytestmark = pytest.mark.integration
 
@@ -574,18 +574,7 @@ def test_compose_services_start_natively_and_serve_audio(
     nport, mport = free_port(), free_port()
     store = tmp_path / "jetstream"
     store.mkdir()
-    argv = [
-        nats_server_binary(),
-        "-js",
-        "-sd",
-        str(store),
-        "-a",
-        "127.0.0.1",
-        "-p",
-        str(nport),
-        "-m",
-        str(mport),
-    ]
+    argv = nats_server_argv(store, nport, mport)
     procs.start("nats", argv, os.environ)
     _wait_http_ok(f"http://127.0.0.1:{mport}/healthz", procs, 30)
     nats_url = f"nats://127.0.0.1:{nport}"
