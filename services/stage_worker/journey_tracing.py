@@ -39,7 +39,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from services.stage_worker.engine_tracing import Sampler, random_sampler, validate_rate
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.omnirelay.journey_tracing")
+"""Under ``vllm.``: vLLM's logging set-up prints it in the EngineCore, prefixed with the process."""
 
 CORE_SPAN_NAME = "llm_core"
 EVENT_PREFIX = "journey."

@@ -25,7 +25,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.omnirelay.kv_observability")
+"""Under ``vllm.``: vLLM's logging set-up prints it in the EngineCore, prefixed with the process."""
 
 
 @dataclass(frozen=True, slots=True)

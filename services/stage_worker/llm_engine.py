@@ -132,6 +132,9 @@ def _with_tracing(kwargs: dict[str, Any], cfg: EngineTracingConfig) -> None:
     # vLLM's own exporters (frontend and EngineCore) read only the traces-specific protocol
     # variable and default to gRPC; give them the protocol our exporters use.
     os.environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = cfg.protocol
+    # ... and name no service: their start-up spans ("EngineCoreProc init", "Load model", ...)
+    # would show as unknown_service. Our providers set service.name explicitly.
+    os.environ.setdefault("OTEL_SERVICE_NAME", cfg.service_name)
 
 
 def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM

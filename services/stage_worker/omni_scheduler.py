@@ -54,6 +54,8 @@ from services.stage_worker.journey_tracing import JourneyTracer
 from services.stage_worker.step_tracing import StepTracer
 
 logger = init_logger(__name__)
+trace_log = init_logger("vllm.omnirelay.engine_tracing")
+"""Engine tracing messages (under ``vllm.``, so vLLM's logging set-up prints them in the EngineCore)."""
 
 OMNI_SCHEDULER_CLS = "services.stage_worker.omni_scheduler.OmniScheduler"
 """What ``AsyncEngineArgs.scheduler_cls`` names to load :class:`OmniScheduler`."""
@@ -305,7 +307,8 @@ class OmniScheduler(AsyncScheduler):
     Tracing hooks wrap vLLM's own methods and never change what they return: ``add_request``
     (QUEUED), ``schedule`` (SCHEDULED, PREEMPTED, step events), ``update_from_output``
     (FIRST_TOKEN), ``_free_request`` (FINISHED: every finished request, whatever the reason,
-    passes through it) and ``shutdown`` (spans ended, exporter flushed).
+    passes through it), ``has_requests`` (after SIGTERM/SIGINT, once drained: spans ended and
+    flushed before the engine's teardown) and ``shutdown`` (the same, if not done yet).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -356,10 +359,10 @@ class OmniScheduler(AsyncScheduler):
                     span_attributes=tracing_config_attributes(cfg),
                 )
         except Exception as e:  # tracing never prevents the engine from running
-            logger.warning("engine tracing disabled: cannot set it up: %r", e)
+            trace_log.warning("engine tracing disabled: cannot set it up: %r", e)
             return
         self._trace_provider, self._journey, self._steps = provider, journey, steps
-        logger.info(
+        trace_log.info(
             "engine tracing on (pid %d): journey_sample_rate=%s step_tracing_enabled=%s "
             "step_sample_rate=%s rich_subsample_rate=%s sampler=%s -> %s (%s)",
             os.getpid(),
@@ -399,7 +402,7 @@ class OmniScheduler(AsyncScheduler):
             try:
                 signal.signal(sig, noted)
             except (ValueError, OSError) as e:
-                logger.debug("engine tracing: cannot watch signal %s: %r", sig, e)
+                trace_log.debug("engine tracing: cannot watch signal %s: %r", sig, e)
 
     @property
     def journey_tracer(self) -> JourneyTracer | None:
@@ -486,7 +489,7 @@ class OmniScheduler(AsyncScheduler):
                 provider.force_flush(timeout_millis=3000)
                 provider.shutdown()
         except Exception as e:
-            logger.warning("engine tracing: shutdown failed: %r", e)
+            trace_log.warning("engine tracing: shutdown failed: %r", e)
 
     # -- stats ---------------------------------------------------------------------------------------
 

@@ -46,7 +46,8 @@ from services.stage_worker.kv_observability import (
     get_step_kv_summary,
 )
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.omnirelay.step_tracing")
+"""Under ``vllm.``: vLLM's logging set-up prints it in the EngineCore, prefixed with the process."""
 
 STEP_SPAN_NAME = "scheduler_steps"
 BATCH_SUMMARY_EVENT = "step.BATCH_SUMMARY"

@@ -19,15 +19,16 @@ pytestmark = pytest.mark.e2e
 SERVER, CONSUMER = 2, 5  # OTLP SpanKind values
 
 
-def _wait_spans(otlp, trace_id: str, n: int, timeout_s: float = 15.0) -> list:
+def _wait_spans(otlp, trace_id: str, names: set[str], timeout_s: float = 15.0) -> list:
+    """The trace's spans once one span of each of ``names`` has arrived (and a moment for the rest)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        spans = otlp.trace(trace_id)
-        if len(spans) >= n:
-            return spans
+        if names <= {s.name for s in otlp.trace(trace_id)}:
+            time.sleep(1.0)
+            return otlp.trace(trace_id)
         time.sleep(0.2)
-    got = [(s.service, s.name) for s in otlp.trace(trace_id)]
-    raise AssertionError(f"{len(got)} spans of trace {trace_id}, expected {n}: {got}")
+    got = sorted({(s.service, s.name) for s in otlp.trace(trace_id)})
+    raise AssertionError(f"trace {trace_id}: missing {names - {n for _, n in got}}; got {got}")
 
 
 def test_one_trace_follows_an_audio_request_through_every_service(stack, pipeline, otlp) -> None:
@@ -42,8 +43,13 @@ def test_one_trace_follows_an_audio_request_through_every_service(stack, pipelin
     rec = asyncio.run(request_record(stack.nats_url, r.id))
     trace_id = rec["trace_id"]
     assert trace_id and len(trace_id) == 32
-    # gateway, orchestrator admission, one span per stage
-    spans = _wait_spans(otlp, trace_id, 2 + len(pipeline.stages))
+    # gateway, orchestrator admission, one span per stage (engines add theirs below the stages)
+    wanted = {
+        f"chat {pipeline.served_model_name}",
+        "omni.admit",
+        *(f"omni.stage {st.name}" for st in pipeline.stages),
+    }
+    spans = _wait_spans(otlp, trace_id, wanted)
     by_id = {s.span_id: s for s in spans}
     roots = [s for s in spans if not s.parent_span_id]
     assert len(roots) == 1, [(s.service, s.name) for s in roots]
@@ -77,6 +83,14 @@ def test_one_trace_follows_an_audio_request_through_every_service(stack, pipelin
         parent = span
     thinker = next(s for s in spans if s.attributes.get("omnirelay.stage") == 0)
     assert thinker.attributes["gen_ai.usage.output_tokens"] == 20
+    # inside the llm engines, each request's journey span hangs below its stage span
+    stage_spans = {s.span_id: s for s in spans if s.name.startswith("omni.stage ")}
+    journeys = [s for s in spans if s.name == "llm_core"]
+    assert journeys and all(j.parent_span_id in stage_spans for j in journeys)
+    assert {stage_spans[j.parent_span_id].name for j in journeys} == {
+        "omni.stage thinker",
+        "omni.stage talker",
+    }
 
 
 def test_inspect_shows_the_trace_id_of_a_request(stack, pipeline) -> None:

@@ -1,0 +1,254 @@
+"""Overhead of engine tracing (spec/004), measured two ways (numbers in docs/engine-tracing.md):
+
+- ``scheduler``: vLLM's scheduler (our ``OmniScheduler``) driven without a model: a fake model
+  runner feeds one token per request and step, so the loop is pure scheduling and the difference
+  between configurations is the tracing cost per step (spans exported in batches to a discarding
+  exporter, on its own thread as in production);
+- ``engine``: real ``AsyncLLM`` engines on the tiny thinker, tracing off vs on (OTLP/HTTP to a
+  local sink that discards), per-request latency of sequential requests and the time of a burst.
+
+Run: ``python -m services.stage_worker.tracing_bench [scheduler|engine|all]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+ROUNDS = 5
+
+BASELINE = "vLLM AsyncScheduler (no OmniScheduler hooks)"
+
+CONFIGS: dict[str, dict[str, Any] | None] = {
+    BASELINE: None,
+    "off": None,
+    "journey 1.0 (default), step off": {"journey_sample_rate": 1.0},
+    "journey 0, step on at defaults (0.01 / 0.001)": {"journey_sample_rate": 0.0, "step_enabled": True},
+    "journey 1.0, step on at defaults (0.01 / 0.001)": {"journey_sample_rate": 1.0, "step_enabled": True},
+    "journey 1.0, step on at 1.0 / 1.0 (worst case)": {
+        "journey_sample_rate": 1.0,
+        "step_enabled": True,
+        "step_sample_rate": 1.0,
+        "rich_subsample_rate": 1.0,
+    },
+}
+
+
+# --- scheduler loop -------------------------------------------------------------------------------------
+
+
+def _discarding_provider(cfg: Any) -> Any:
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+    class Discard(SpanExporter):
+        def export(self, spans: Any) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider(resource=Resource.create({"service.name": cfg.service_name}))
+    provider.add_span_processor(BatchSpanProcessor(Discard()))
+    return provider
+
+
+def _scheduler(settings: dict[str, Any] | None, num_blocks: int = 4096, plain: bool = False):
+    import torch
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from libs.models.tiny import resolve_model
+    from services.stage_worker import engine_tracing
+    from services.stage_worker.omni_scheduler import OmniScheduler
+
+    engine_tracing.make_tracer_provider = _discarding_provider  # benchmark only
+    model = ModelConfig(model=resolve_model("tiny-thinker"), dtype="float32", max_model_len=2048)
+    sched_cfg = SchedulerConfig(
+        max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=2048, is_encoder_decoder=False
+    )
+    cache = CacheConfig(block_size=16, enable_prefix_caching=False)
+    cache.num_gpu_blocks = num_blocks
+    extra = {}
+    if settings is not None:
+        extra[engine_tracing.ADDITIONAL_CONFIG_KEY] = {"endpoint": "http://unused:4318/v1/traces", **settings}
+    vc = VllmConfig(
+        model_config=model, scheduler_config=sched_cfg, cache_config=cache, additional_config=extra
+    )
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    kv = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
+    )
+    cls = AsyncScheduler if plain else OmniScheduler
+    return cls(
+        vllm_config=vc,
+        kv_cache_config=kv,
+        structured_output_manager=StructuredOutputManager(vc),
+        block_size=16,
+        log_stats=False,
+    )
+
+
+def scheduler_us_per_step(
+    settings: dict[str, Any] | None,
+    requests: int = 64,
+    prompt: int = 64,
+    max_tokens: int = 128,
+    plain: bool = False,
+) -> tuple[float, int]:
+    """(µs per schedule + update_from_output, steps) for ``requests`` concurrent requests."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    sched = _scheduler(settings, plain=plain)
+    for i in range(requests):
+        ids = [10 + (i * 131 + k) % 1500 for k in range(prompt)]
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        sched.add_request(Request(f"r{i}", ids, params, None))
+    steps = 0
+    t0 = time.perf_counter_ns()
+    while sched.has_requests():
+        out = sched.schedule()
+        ids = list(out.num_scheduled_tokens)
+        sampled = [[] if sched.requests[r].is_prefill_chunk else [7] for r in ids]
+        runner = ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
+        )
+        sched.update_from_output(out, runner)
+        steps += 1
+    elapsed = time.perf_counter_ns() - t0
+    sched.shutdown()
+    return elapsed / steps / 1000, steps
+
+
+def bench_scheduler() -> None:
+    print(
+        f"scheduler loop, 64 requests x (64 prompt + 128 output tokens), median of {ROUNDS} interleaved runs"
+    )
+    scheduler_us_per_step(None)  # warm-up
+    runs: dict[str, list[tuple[float, int]]] = {name: [] for name in CONFIGS}
+    for _ in range(ROUNDS):
+        for name, settings in CONFIGS.items():
+            runs[name].append(scheduler_us_per_step(settings, plain=name == BASELINE))
+    base = statistics.median(r[0] for r in runs["off"])
+    for name, rs in runs.items():
+        us = statistics.median(r[0] for r in rs)
+        print(f"  {name:50s} {us:7.1f} µs/step  {us - base:+6.1f} µs ({(us / base - 1) * 100:+5.1f} %)")
+
+
+# --- real engines ---------------------------------------------------------------------------------------
+
+
+def _sink() -> ThreadingHTTPServer:
+    class Sink(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+async def _start(flags: Any):  # -> LLMHandler
+    from libs.common.pipeline import load_pipeline
+    from services.stage_worker.llm_engine import LLMEngineSpec, LLMHandler, cpu_core_for
+
+    pipeline = load_pipeline()
+    spec = LLMEngineSpec(
+        pipeline=pipeline,
+        stage_id=0,
+        replica=0,
+        log_stats=False,
+        log_stats_interval_s=5.0,
+        cpu_core=cpu_core_for(pipeline, 0, 0),
+        tracing=flags,
+    )
+    handler = LLMHandler(spec)
+    await handler.start()
+    return handler
+
+
+async def _round(engine: Any, r: int, sequential: int = 30, burst: int = 16) -> tuple[list[float], float]:
+    """Latencies of ``sequential`` requests one after the other, then the time of a burst."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.0)
+
+    async def one(k: int) -> float:
+        prompt = TokensPrompt(prompt_token_ids=[10 + (k * 7 + i) % 1500 for i in range(32)])
+        t0 = time.perf_counter()
+        async for _ in engine.generate(prompt, params, uuid.uuid4().hex):
+            pass
+        return time.perf_counter() - t0
+
+    seq = [await one(100 * r + k) for k in range(sequential)]
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(10_000 * r + k) for k in range(burst)))
+    return seq, time.perf_counter() - t0
+
+
+async def _compare_engines() -> dict[str, tuple[list[float], list[float]]]:
+    """Two engines side by side (tracing off, tracing on at the default rates with step tracing
+    enabled), used in alternation so that load drift hits both alike."""
+    from services.stage_worker.llm_engine import EngineTracing
+
+    for key in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_EXPORTER"):
+        os.environ.pop(key, None)
+    handlers = {"off": await _start(EngineTracing(step_enabled=True))}  # no exporter: off
+    sink = _sink()
+    os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{sink.server_address[1]}"
+    os.environ["OTEL_EXPORTER_OTLP_PROTOCOL"] = "http/protobuf"
+    handlers["on (journey 1.0, step 0.01 / 0.001)"] = await _start(EngineTracing(step_enabled=True))
+    results: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in handlers}
+    try:
+        for r in range(-1, 2 * ROUNDS):  # round -1 warms both up
+            for name, h in handlers.items():
+                seq, burst = await _round(h.engine, r)
+                if r >= 0:
+                    results[name][0].extend(seq)
+                    results[name][1].append(burst)
+    finally:
+        for h in handlers.values():
+            await h.stop()
+        sink.shutdown()
+    return results
+
+
+def bench_engine() -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    results = asyncio.run(_compare_engines())
+    print(
+        f"tiny thinker engine, 32-token prompts, 32 output tokens, {2 * ROUNDS} alternating rounds; "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    for name, (seq, bursts) in results.items():
+        q = statistics.quantiles(seq, n=20)
+        print(
+            f"  tracing {name:36s} sequential p50 {statistics.median(seq) * 1e3:6.1f} ms  "
+            f"p95 {q[18] * 1e3:6.1f} ms   burst of 16: median {statistics.median(bursts) * 1e3:6.1f} ms"
+        )
+
+
+BENCHES: dict[str, Callable[[], None]] = {"scheduler": bench_scheduler, "engine": bench_engine}
+
+if __name__ == "__main__":
+    which = sys.argv[1] if len(sys.argv) > 1 else "all"
+    for name, fn in BENCHES.items():
+        if which in (name, "all"):
+            fn()

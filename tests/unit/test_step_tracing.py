@@ -1,0 +1,702 @@
+"""Scheduler step tracing (spec/004 PR #3, #4, #5) on a real ``OmniScheduler``, without an engine.
+
+The scheduler is vLLM's, built from a real ``VllmConfig`` (the tiny thinker's model config) and a
+small KV cache; a :class:`Driver` plays the model runner (one sampled token per finished prefill or
+decode step). Spans go to an in-memory exporter instead of OTLP. Helpers here are shared with
+``test_journey_sampling.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import os
+import signal
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from libs.common.pipeline import load_pipeline
+from libs.models.tiny import resolve_model
+from services.stage_worker import engine_tracing
+from services.stage_worker.engine_tracing import (
+    ADDITIONAL_CONFIG_KEY,
+    EngineTracingConfig,
+    make_deterministic_sampler,
+    otlp_traces_endpoint,
+)
+from services.stage_worker.kv_observability import (
+    PerRequestKVMetrics,
+    StepKVSummary,
+    get_per_request_kv_metrics,
+    get_step_kv_summary,
+)
+from services.stage_worker.llm_engine import EngineTracing, LLMEngineSpec, engine_tracing_config
+from services.stage_worker.omni_scheduler import OmniScheduler
+from services.stage_worker.step_tracing import (
+    BATCH_SUMMARY_EVENT,
+    BATCH_SUMMARY_OPTIONAL,
+    BATCH_SUMMARY_REQUIRED,
+    REQUEST_SNAPSHOT_EVENT,
+    REQUEST_SNAPSHOT_OPTIONAL,
+    REQUEST_SNAPSHOT_REQUIRED,
+    STEP_SPAN_NAME,
+    StepTracer,
+)
+
+BLOCK = 16
+TOKEN = 7  # what the fake model runner "samples"
+
+
+# --- shared helpers ---------------------------------------------------------------------------------
+
+
+def tracing_settings(**overrides: Any) -> dict[str, Any]:
+    """What ``build_async_llm`` would put under ``additional_config`` (sha1 samplers)."""
+    raw = {"endpoint": "http://127.0.0.1:1/v1/traces", "protocol": "http/protobuf", "sampler": "sha1"}
+    return {**raw, **overrides}
+
+
+@dataclass
+class Traced:
+    """A scheduler under test and what it exported."""
+
+    sched: OmniScheduler
+    exporter: InMemorySpanExporter
+    hasher: Any
+
+    def spans(self, name: str | None = None) -> list[Any]:
+        return [s for s in self.exporter.get_finished_spans() if name is None or s.name == name]
+
+    def step_events(self, name: str) -> list[dict[str, Any]]:
+        """Events ``name`` of every ended scheduler_steps span, in emission order."""
+        spans = sorted(self.spans(STEP_SPAN_NAME), key=lambda s: s.attributes["scheduler_steps.index"])
+        return [dict(e.attributes) for s in spans for e in s.events if e.name == name]
+
+
+def make_scheduler(
+    monkeypatch: pytest.MonkeyPatch,
+    tracing: dict[str, Any] | None,
+    *,
+    num_blocks: int = 64,
+    max_num_seqs: int = 8,
+    max_batched_tokens: int = 512,
+    prefix_caching: bool = True,
+) -> Traced:
+    """An ``OmniScheduler`` with ``tracing`` as its ``additional_config`` settings (None: none)."""
+    exporter = InMemorySpanExporter()
+
+    def provider(cfg: EngineTracingConfig) -> TracerProvider:
+        p = TracerProvider(resource=Resource.create({"service.name": cfg.service_name}))
+        p.add_span_processor(SimpleSpanProcessor(exporter))
+        return p
+
+    monkeypatch.setattr(engine_tracing, "make_tracer_provider", provider)
+    model = ModelConfig(
+        model=resolve_model("tiny-thinker"), dtype="float32", max_model_len=1024, skip_tokenizer_init=True
+    )
+    sched_cfg = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_batched_tokens,
+        max_model_len=1024,
+        is_encoder_decoder=False,
+    )
+    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching)
+    cache.num_gpu_blocks = num_blocks
+    extra = {ADDITIONAL_CONFIG_KEY: tracing} if tracing is not None else {}
+    vllm_config = VllmConfig(
+        model_config=model, scheduler_config=sched_cfg, cache_config=cache, additional_config=extra
+    )
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    kv = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
+    )
+    sched = OmniScheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK,
+        log_stats=False,
+    )
+    init_none_hash(sha256)
+    return Traced(sched, exporter, get_request_block_hasher(BLOCK, sha256))
+
+
+def add(t: Traced, rid: str, prompt: list[int] | int, max_tokens: int, headers: dict | None = None) -> None:
+    ids = list(range(10, 10 + prompt)) if isinstance(prompt, int) else prompt
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    t.sched.add_request(Request(rid, ids, params, None, block_hasher=t.hasher, trace_headers=headers))
+
+
+@dataclass
+class Step:
+    output: SchedulerOutput
+    step_id: int
+    running: list[str]
+    """Ids in ``scheduler.running`` right after ``schedule()``."""
+    tokens: dict[str, int]
+    """Running request id → (output tokens) right after ``schedule()``."""
+
+
+def step(t: Traced) -> Step:
+    """One engine step: schedule, then feed back one token per request that finished its prefill."""
+    out = t.sched.schedule()
+    snap = Step(
+        output=out,
+        step_id=t.sched.current_step,
+        running=[r.request_id for r in t.sched.running],
+        tokens={r.request_id: r.num_output_tokens for r in t.sched.running},
+    )
+    ids = list(out.num_scheduled_tokens)
+    sampled = []
+    for rid in ids:
+        req = t.sched.requests.get(rid)
+        sampled.append([] if req is None or req.is_prefill_chunk else [TOKEN])
+    runner = ModelRunnerOutput(
+        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
+    )
+    t.sched.update_from_output(out, runner)
+    return snap
+
+
+def run_until_idle(t: Traced, limit: int = 500) -> list[Step]:
+    steps = []
+    while t.sched.has_requests():
+        steps.append(step(t))
+        assert len(steps) < limit, "scheduler did not drain"
+    steps.append(step(t))  # one more, empty step (the engine runs one after a request finishes)
+    return steps
+
+
+def check_types(attrs: dict[str, Any], required: dict[str, type], optional: dict[str, type]) -> None:
+    for name, typ in required.items():
+        assert name in attrs, f"{name} missing from {attrs}"
+        assert type(attrs[name]) is typ, f"{name}={attrs[name]!r} is not {typ.__name__}"
+    for name, value in attrs.items():
+        if name not in required:
+            assert name in optional, f"unexpected attribute {name}"
+            assert type(value) is optional[name], f"{name}={value!r}"
+
+
+def check_summary_invariants(s: dict[str, Any]) -> None:
+    assert s["step.duration_us"] >= 0
+    assert s["step.duration_us"] == (s["step.ts_end_ns"] - s["step.ts_start_ns"]) // 1000
+    assert s["queue.running_depth"] >= 0 and s["queue.waiting_depth"] >= 0
+    assert s["batch.num_prefill_reqs"] + s["batch.num_decode_reqs"] == s["queue.running_depth"]
+    assert s["batch.prefill_tokens"] + s["batch.decode_tokens"] == s["batch.scheduled_tokens"]
+    assert 0.0 <= s["kv.usage_gpu_ratio"] <= 1.0
+    assert 0 <= s["kv.blocks_free_gpu"] <= s["kv.blocks_total_gpu"]
+    expected_free = s["kv.blocks_total_gpu"] * (1 - s["kv.usage_gpu_ratio"])
+    assert math.isclose(s["kv.blocks_free_gpu"], expected_free, abs_tol=1.0)
+
+
+def check_snapshot_invariants(r: dict[str, Any]) -> None:
+    assert r["request.phase"] in {"PREFILL", "DECODE"}
+    assert (r["request.phase"] == "PREFILL") == (r["request.num_output_tokens"] == 0)
+    assert r["request.num_output_tokens"] >= 0 and r["request.num_preemptions"] >= 0
+    assert r["request.num_computed_tokens"] >= r["request.num_prompt_tokens"] + r["request.num_output_tokens"]
+    assert r["kv.blocks_allocated_gpu"] >= r["kv.blocks_cached_gpu"] >= 0
+
+
+# --- samplers -----------------------------------------------------------------------------------------
+
+
+def test_deterministic_samplers_give_exactly_the_expected_sets() -> None:
+    s0, s1 = make_deterministic_sampler(0), make_deterministic_sampler(1)
+    assert [k for k in range(1, 41) if s0(k, 0.25)] == [1, 2, 3, 7, 9, 10, 11, 12, 22, 25, 37, 38]
+    assert [k for k in range(1, 41) if s1(k, 0.5)] == [
+        1,
+        4,
+        7,
+        11,
+        12,
+        14,
+        15,
+        19,
+        21,
+        26,
+        28,
+        30,
+        33,
+        35,
+        37,
+        40,
+    ]
+    assert [f"req-{i}" for i in range(12) if s0(f"req-{i}", 0.5)] == [
+        "req-4",
+        "req-6",
+        "req-8",
+        "req-9",
+        "req-10",
+    ]
+    # the documented formula, independently
+    h = hashlib.sha1(b"0:req-4").digest()
+    assert int.from_bytes(h[:8], "big") / 2**64 < 0.5
+    # rate 0 never, rate 1 always; stable across instances
+    assert not any(s0(k, 0.0) for k in range(200)) and all(s0(k, 1.0) for k in range(200))
+    assert [s0(k, 0.3) for k in range(50)] == [make_deterministic_sampler(0)(k, 0.3) for k in range(50)]
+
+
+def test_config_samplers_are_independent_per_stage() -> None:
+    journey, steps, rich = EngineTracingConfig(**tracing_settings(seed=5)).samplers()
+    picks = [[k for k in range(100) if s(k, 0.5)] for s in (journey, steps, rich)]
+    assert picks[0] != picks[1] != picks[2]
+    assert picks[1] == [k for k in range(100) if make_deterministic_sampler(6)(k, 0.5)]
+    assert picks[2] == [k for k in range(100) if make_deterministic_sampler(7)(k, 0.5)]
+
+
+# --- configuration, transport, validation -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), float("inf"), "0.5", True, None])
+@pytest.mark.parametrize("name", ["journey_sample_rate", "step_sample_rate", "rich_subsample_rate"])
+def test_rates_outside_unit_interval_fail(name: str, bad: object) -> None:
+    with pytest.raises(ValueError, match=name):
+        EngineTracing(**{name: bad})
+    with pytest.raises(ValueError, match=name):
+        EngineTracingConfig(**tracing_settings(**{name: bad}))
+
+
+def test_defaults_follow_the_spec() -> None:
+    t = EngineTracing()
+    assert (t.journey_sample_rate, t.step_enabled, t.step_sample_rate, t.rich_subsample_rate) == (
+        1.0,
+        False,
+        0.01,
+        0.001,
+    )
+    c = EngineTracingConfig(endpoint="http://x:4317")
+    assert (c.journey_sample_rate, c.step_enabled, c.step_sample_rate, c.rich_subsample_rate, c.sampler) == (
+        1.0,
+        False,
+        0.01,
+        0.001,
+        "random",
+    )
+
+
+def test_invalid_settings_stop_the_scheduler_from_starting(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="step_sample_rate"):
+        make_scheduler(monkeypatch, tracing_settings(step_enabled=True, step_sample_rate=2.0))
+    with pytest.raises(ValueError, match="unknown keys"):
+        make_scheduler(monkeypatch, tracing_settings(step_rate=1.0))
+
+
+def _spec(tracing: EngineTracing) -> LLMEngineSpec:
+    return LLMEngineSpec(
+        pipeline=load_pipeline(),
+        stage_id=1,
+        replica=0,
+        log_stats=False,
+        log_stats_interval_s=5.0,
+        cpu_core=0,
+        tracing=tracing,
+    )
+
+
+def test_no_exporter_means_no_engine_tracing() -> None:
+    spec = _spec(EngineTracing(step_enabled=True))
+    assert engine_tracing_config(spec, {}) is None
+    assert engine_tracing_config(spec, {"OTEL_TRACES_EXPORTER": "console"}) is None
+    assert (
+        engine_tracing_config(spec, {"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": "x"}) is None
+    )
+    # configured, but nothing to trace
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"}
+    assert engine_tracing_config(_spec(EngineTracing(journey_sample_rate=0.0)), env) is None
+
+
+def test_engine_settings_carry_every_flag_and_the_worker_endpoint() -> None:
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318/", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
+    flags = EngineTracing(
+        journey_sample_rate=0.25, step_enabled=True, step_sample_rate=0.5, rich_subsample_rate=0.75
+    )
+    cfg = engine_tracing_config(_spec(flags), env)
+    assert cfg is not None
+    assert (cfg.journey_sample_rate, cfg.step_enabled, cfg.step_sample_rate, cfg.rich_subsample_rate) == (
+        0.25,
+        True,
+        0.5,
+        0.75,
+    )
+    assert (cfg.endpoint, cfg.protocol) == ("http://c:4318/v1/traces", "http/protobuf")
+    assert cfg.resource == {
+        "omnirelay.pipeline": "omni",
+        "omnirelay.stage": 1,
+        "omnirelay.stage_name": "talker",
+        "omnirelay.replica": 0,
+    }
+    # what travels in additional_config comes back unchanged in the EngineCore
+    carried = SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: cfg.to_dict(), "other": 1})
+    assert EngineTracingConfig.from_vllm_config(carried) == cfg
+    assert EngineTracingConfig.from_vllm_config(SimpleNamespace(additional_config={})) is None
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"}, ("http://c:4317", "grpc")),
+        (
+            {
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:4318/x",
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json",
+            },
+            ("http://t:4318/x", "http/protobuf"),
+        ),
+        ({"OTEL_TRACES_EXPORTER": "otlp"}, ("http://localhost:4317", "grpc")),
+        (
+            {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"},
+            ("http://localhost:4318/v1/traces", "http/protobuf"),
+        ),
+    ],
+)
+def test_traces_endpoint_resolution(env: dict[str, str], expected: tuple[str, str]) -> None:
+    assert otlp_traces_endpoint(env) == expected
+
+
+def test_scheduler_without_settings_has_no_tracing_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = make_scheduler(monkeypatch, None)
+    assert t.sched.journey_tracer is None and t.sched.step_tracer is None and t.sched._trace_provider is None
+    add(t, "a", 20, 3)
+    run_until_idle(t)
+    t.sched.shutdown()
+    assert t.spans() == []
+
+
+# --- step tracing ---------------------------------------------------------------------------------------
+
+
+def test_step_tracing_disabled_creates_no_span(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = make_scheduler(monkeypatch, tracing_settings(step_enabled=False, journey_sample_rate=0.0))
+    assert t.sched.step_tracer is None and t.sched.journey_tracer is None
+    add(t, "a", 20, 3)
+    run_until_idle(t)
+    t.sched.shutdown()
+    assert t.spans() == []
+
+
+def _workload(t: Traced) -> list[Step]:
+    """Three requests (the last two share a prefix: prefix-cache hits), plus a late arrival."""
+    shared = list(range(100, 148))  # three full blocks
+    add(t, "a", 40, 6)
+    add(t, "b", [*shared, 1, 2, 3], 4)
+    steps = [step(t), step(t)]
+    add(t, "c", [*shared, 4, 5], 5)
+    steps += run_until_idle(t)
+    return steps
+
+
+def test_rate_one_summarizes_every_step_and_snapshots_every_running_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    t = make_scheduler(
+        monkeypatch,
+        tracing_settings(
+            step_enabled=True, step_sample_rate=1.0, rich_subsample_rate=1.0, journey_sample_rate=0.0
+        ),
+    )
+    steps = _workload(t)
+    t.sched.shutdown()
+    (span,) = t.spans(STEP_SPAN_NAME)
+    assert span.parent is None and span.end_time is not None
+    summaries = t.step_events(BATCH_SUMMARY_EVENT)
+    snapshots = t.step_events(REQUEST_SNAPSHOT_EVENT)
+
+    assert [s["step.id"] for s in summaries] == [st.step_id for st in steps] == list(range(1, len(steps) + 1))
+    assert steps[-1].running == [] and summaries[-1]["batch.scheduled_tokens"] == 0  # an empty step
+    for st, s in zip(steps, summaries, strict=True):
+        check_types(s, BATCH_SUMMARY_REQUIRED, BATCH_SUMMARY_OPTIONAL)
+        check_summary_invariants(s)
+        out = st.output
+        assert s["queue.running_depth"] == len(st.running)
+        assert s["batch.scheduled_tokens"] == out.total_num_scheduled_tokens
+        assert s["batch.num_finished"] == len(out.finished_req_ids)
+        assert s["batch.num_preempted"] == len(out.preempted_req_ids or ())
+        assert s["batch.num_prefill_reqs"] == sum(1 for r in st.running if st.tokens[r] == 0)
+        assert s["kv.blocks_total_gpu"] == 64 - 1
+        mine = [r for r in snapshots if r["step.id"] == st.step_id]
+        assert sorted(r["request.id"] for r in mine) == sorted(st.running)
+        for r in mine:
+            check_types(r, REQUEST_SNAPSHOT_REQUIRED, REQUEST_SNAPSHOT_OPTIONAL)
+            check_snapshot_invariants(r)
+            assert r["request.scheduled_tokens_this_step"] == out.num_scheduled_tokens.get(r["request.id"], 0)
+            assert r["kv.blocks_allocated_gpu"] > 0
+    assert len(snapshots) == sum(len(st.running) for st in steps)
+    # the prefix-cache hit of "c" shows as cached blocks and a shorter effective prompt
+    c_first = next(r for r in snapshots if r["request.id"] == "c")
+    assert c_first["kv.blocks_cached_gpu"] >= 3
+    assert c_first["request.effective_prompt_len"] == 50 - 48
+    assert c_first["request.max_tokens"] == 5
+    # configuration reported by the span itself
+    assert span.attributes["omnirelay.tracing.step_enabled"] is True
+    assert span.attributes["omnirelay.tracing.step_sample_rate"] == 1.0
+    assert span.attributes["omnirelay.tracing.rich_subsample_rate"] == 1.0
+
+
+def test_rate_zero_emits_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = make_scheduler(
+        monkeypatch,
+        tracing_settings(
+            step_enabled=True, step_sample_rate=0.0, rich_subsample_rate=1.0, journey_sample_rate=0.0
+        ),
+    )
+    _workload(t)
+    t.sched.shutdown()
+    (span,) = t.spans(STEP_SPAN_NAME)
+    assert list(span.events) == []
+
+
+def test_rich_rate_zero_emits_summaries_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = make_scheduler(
+        monkeypatch,
+        tracing_settings(
+            step_enabled=True, step_sample_rate=1.0, rich_subsample_rate=0.0, journey_sample_rate=0.0
+        ),
+    )
+    steps = _workload(t)
+    t.sched.shutdown()
+    assert len(t.step_events(BATCH_SUMMARY_EVENT)) == len(steps)
+    assert t.step_events(REQUEST_SNAPSHOT_EVENT) == []
+
+
+def test_two_stage_deterministic_sampling_picks_exactly_the_expected_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seed, step_rate, rich_rate = 11, 0.6, 0.5
+    t = make_scheduler(
+        monkeypatch,
+        tracing_settings(
+            step_enabled=True,
+            step_sample_rate=step_rate,
+            rich_subsample_rate=rich_rate,
+            journey_sample_rate=0.0,
+            seed=seed,
+        ),
+    )
+    add(t, "a", 30, 30)
+    add(t, "b", 30, 30)
+    steps = run_until_idle(t)
+    t.sched.shutdown()
+    step_sampler, rich_sampler = make_deterministic_sampler(seed + 1), make_deterministic_sampler(seed + 2)
+    expected = [st.step_id for st in steps if step_sampler(st.step_id, step_rate)]
+    expected_rich = [k for k in expected if rich_sampler(k, rich_rate)]
+    assert 0 < len(expected_rich) < len(expected) < len(steps)
+    assert [s["step.id"] for s in t.step_events(BATCH_SUMMARY_EVENT)] == expected
+    by_step = {st.step_id: st for st in steps}
+    snapshots = t.step_events(REQUEST_SNAPSHOT_EVENT)
+    assert sorted({r["step.id"] for r in snapshots}) == [k for k in expected_rich if by_step[k].running]
+    assert len(snapshots) == sum(len(by_step[k].running) for k in expected_rich)
+
+
+def test_span_rotates_before_the_event_limit_without_losing_events() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    now = [0]
+    tracer = StepTracer(
+        provider.get_tracer("t"),
+        1.0,
+        1.0,
+        span_attributes={"omnirelay.engine.pid": 1},
+        max_events_per_span=5,
+        max_span_age_s=10.0,
+        clock_ns=lambda: now[0],
+    )
+    sched = SimpleNamespace(
+        running=[],
+        requests={},
+        get_request_counts=lambda: (0, 0),
+        kv_cache_manager=SimpleNamespace(
+            block_pool=SimpleNamespace(num_gpu_blocks=9, get_num_free_blocks=lambda: 8, get_usage=lambda: 0.0)
+        ),
+    )
+    out = SimpleNamespace(
+        num_scheduled_tokens={}, total_num_scheduled_tokens=0, finished_req_ids=set(), preempted_req_ids=set()
+    )
+    for k in range(1, 13):
+        tracer.on_schedule_end(sched, out, k, 0)
+    now[0] = 11 * 10**9  # older than max_span_age_s: the next summary opens a new span
+    tracer.on_schedule_end(sched, out, 13, 0)
+    tracer.close()
+    spans = sorted(exporter.get_finished_spans(), key=lambda s: s.attributes["scheduler_steps.index"])
+    assert [len(s.events) for s in spans] == [5, 5, 2, 1]
+    assert [e.attributes["step.id"] for s in spans for e in s.events] == list(range(1, 14))
+    for prev, cur in itertools.pairwise(spans):
+        assert cur.links[0].context.span_id == prev.context.span_id
+        assert cur.attributes["omnirelay.engine.pid"] == 1
+
+
+def test_emission_failures_never_break_scheduling(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = make_scheduler(
+        monkeypatch,
+        tracing_settings(
+            step_enabled=True, step_sample_rate=1.0, rich_subsample_rate=1.0, journey_sample_rate=1.0
+        ),
+    )
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("exporter on fire")
+
+    steps_tracer, journey = t.sched.step_tracer, t.sched.journey_tracer
+    assert steps_tracer is not None and journey is not None
+    monkeypatch.setattr(steps_tracer.span, "add_event", boom)
+    monkeypatch.setattr(journey, "sampler", boom)
+    monkeypatch.setattr(journey.tracer, "start_span", boom)
+    add(t, "a", 20, 4)
+    add(t, "b", list(range(500, 520)), 4)
+    steps = run_until_idle(t)
+    assert sum(s.output.total_num_scheduled_tokens for s in steps) == 2 * 20 + 2 * 3
+    assert not t.sched.requests
+    t.sched.shutdown()
+
+
+def test_shutdown_ends_the_span_and_later_steps_are_not_traced(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = make_scheduler(
+        monkeypatch, tracing_settings(step_enabled=True, step_sample_rate=1.0, journey_sample_rate=0.0)
+    )
+    step(t)
+    assert t.spans(STEP_SPAN_NAME) == []  # long-lived: still open
+    t.sched.shutdown()
+    (span,) = t.spans(STEP_SPAN_NAME)
+    assert span.end_time is not None and len(span.events) == 1
+    step(t)
+    t.sched.shutdown()
+    assert len(t.spans(STEP_SPAN_NAME)) == 1
+
+
+# --- KV observability helpers (PR #4) -------------------------------------------------------------------
+
+
+def test_kv_helpers_read_existing_interfaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = make_scheduler(monkeypatch, None, num_blocks=32)
+    manager = t.sched.kv_cache_manager
+    shared = list(range(200, 264))  # 4 full blocks
+    add(t, "x", [*shared, 1], 3)
+    step(t)
+    x = t.sched.requests["x"]
+    m = get_per_request_kv_metrics(x, manager)
+    assert isinstance(m, PerRequestKVMetrics)
+    assert m.blocks_allocated_gpu == 5  # ceil(65 / 16)
+    assert m.blocks_cached_gpu == 4  # its full blocks, now in the prefix cache
+    assert (m.blocks_cpu_offload, m.blocks_disk_offload) == (None, None)
+    add(t, "y", [*shared, 2], 3)
+    step(t)
+    y = t.sched.requests["y"]
+    my = get_per_request_kv_metrics(y, manager)
+    assert my.blocks_allocated_gpu == 5 and my.blocks_cached_gpu == 4
+    assert my.effective_prompt_len is None  # prefill stats went out with the first token
+    # the helpers do not create entries for unknown requests
+    ghost = SimpleNamespace(request_id="ghost", num_prompt_tokens=3)
+    assert get_per_request_kv_metrics(ghost, manager) == PerRequestKVMetrics(0, 0)
+    assert all("ghost" not in g.req_to_blocks for g in manager.coordinator.single_type_managers)
+
+    s = get_step_kv_summary(manager.block_pool)
+    assert isinstance(s, StepKVSummary)
+    assert s.blocks_total_gpu == 31
+    assert s.blocks_free_gpu == manager.block_pool.get_num_free_blocks()
+    assert s.usage_gpu_ratio == pytest.approx(manager.usage)
+    assert (s.blocks_cpu_offload, s.blocks_disk_offload) == (None, None)
+
+
+def test_kv_helpers_never_raise() -> None:
+    assert get_per_request_kv_metrics(SimpleNamespace(request_id="r"), None) == PerRequestKVMetrics(0, 0)
+    assert get_per_request_kv_metrics(object(), SimpleNamespace()) == PerRequestKVMetrics(0, 0)
+    assert get_step_kv_summary(None) == StepKVSummary(0, 0, 0.0)
+
+
+def test_kv_helpers_leave_the_scheduler_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = make_scheduler(monkeypatch, None)
+    add(t, "a", 40, 4)
+    step(t)
+    manager = t.sched.kv_cache_manager
+    groups = manager.coordinator.single_type_managers
+    before = (
+        [dict(g.req_to_blocks) for g in groups],
+        [dict(g.num_cached_block) for g in groups],
+        manager.block_pool.get_num_free_blocks(),
+    )
+    for _ in range(3):
+        get_per_request_kv_metrics(t.sched.requests["a"], manager)
+        get_step_kv_summary(manager.block_pool)
+    after = (
+        [dict(g.req_to_blocks) for g in groups],
+        [dict(g.num_cached_block) for g in groups],
+        manager.block_pool.get_num_free_blocks(),
+    )
+    assert before == after
+
+
+def test_finished_status_names() -> None:
+    from services.stage_worker.journey_tracing import finish_status
+
+    assert finish_status(SimpleNamespace(status=RequestStatus.FINISHED_LENGTH_CAPPED)) == "length_capped"
+    assert finish_status(SimpleNamespace(status=RequestStatus.FINISHED_ABORTED)) == "aborted"
+
+
+def test_shutdown_signal_ends_and_flushes_spans_once_drained(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the EngineCore, SIGTERM reaches vLLM's handler (here a stand-in) and, once the
+    scheduler has drained, the spans are ended before the engine's teardown starts."""
+    seen: list[int] = []
+    original = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    sigint_before = signal.getsignal(signal.SIGINT)
+    try:
+        t = make_scheduler(monkeypatch, tracing_settings(step_enabled=True, step_sample_rate=1.0))
+        assert signal.getsignal(signal.SIGINT) is sigint_before  # Python's default is left alone
+        add(t, "a", 20, 50)
+        step(t)
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # as the OS would deliver it
+        assert seen == [signal.SIGTERM]
+        assert t.sched.has_requests() and t.spans() == []  # still busy: nothing ended
+        t.sched.finish_requests(None, RequestStatus.FINISHED_ABORTED)  # EngineCore's abort mode
+        step(t)
+        assert not t.sched.has_requests()
+        (steps_span,) = t.spans(STEP_SPAN_NAME)
+        assert steps_span.attributes["scheduler_steps.last"] is True
+        (core,) = t.spans("llm_core")
+        assert core.events[-1].name == "journey.FINISHED"
+        assert core.events[-1].attributes["finish.status"] == "aborted"
+        assert t.sched.step_tracer is None and t.sched.journey_tracer is None
+        t.sched.shutdown()  # the regular hook afterwards is harmless
+        assert len(t.spans()) == 2
+    finally:
+        signal.signal(signal.SIGTERM, original)
+
+
+def test_build_args_carry_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.stage_worker.llm_engine import _with_tracing
+
+    for key in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_SERVICE_NAME"):
+        monkeypatch.setenv(key, "")  # recorded, so the undo removes what _with_tracing sets
+        monkeypatch.delenv(key)
+    cfg = EngineTracingConfig(**tracing_settings(step_enabled=True))
+    kwargs: dict[str, Any] = {"additional_config": {"gdn_prefill_backend": "triton"}}
+    _with_tracing(kwargs, cfg)
+    assert kwargs["additional_config"] == {
+        "gdn_prefill_backend": "triton",
+        ADDITIONAL_CONFIG_KEY: cfg.to_dict(),
+    }
+    assert kwargs["otlp_traces_endpoint"] == cfg.endpoint
+    assert os.environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+    assert os.environ["OTEL_SERVICE_NAME"] == "omnirelay-engine"
+    with pytest.raises(ValueError, match="additional_config"):
+        _with_tracing({"additional_config": "nope"}, cfg)
