@@ -266,21 +266,35 @@ def verdict_line(
     direct_ttft_p50_s: float | None,
     concurrency: int = 1,
     target_pct: float = TTFT_TARGET_PCT,
+    unreliable: str | None = None,
 ) -> str:
     """The sentence about the TTFT target, e.g. ``gateway TTFT p50 at concurrency 1 is +12.0% over
-    direct vLLM (target ≤ +20%): met``."""
+    direct vLLM (target ≤ +20%): met``; ``unreliable`` says why the comparison cannot be trusted."""
     pct = overhead_pct(gateway_ttft_p50_s, direct_ttft_p50_s)
     if pct is None:
         return f"gateway TTFT p50 at concurrency {concurrency}: not measured (target ≤ +{target_pct:.0f}%)"
     outcome = "met" if pct <= target_pct else "MISSED"
+    if unreliable:
+        outcome += f" — UNRELIABLE: {unreliable}"
     return (
         f"gateway TTFT p50 at concurrency {concurrency} is {pct:+.1f}% over direct vLLM "
         f"(target ≤ +{target_pct:.0f}%): {outcome}"
     )
 
 
-def machine_note(samples: Sequence[dict[str, float]]) -> str:
-    """One line on what else ran during the rounds (ranges over the per-round samples)."""
+def late_first_token_share(timings: Sequence[RequestTiming], tail: float = 0.1) -> float | None:
+    """Share (0..1) of successful multi-token requests whose first content arrived in the last
+    ``tail`` fraction of their e2e time: the stream came in one burst at the end (a CPU-starved
+    server or client), so their TTFT measures the whole generation. None without such requests."""
+    good = [t for t in timings if t.ok and t.tokens > 1]
+    if not good:
+        return None
+    return sum(t.ttft_s >= (1.0 - tail) * t.e2e_s for t in good) / len(good)
+
+
+def machine_note(samples: Sequence[dict[str, float]], cores: int | None = None) -> str:
+    """One line on what else ran during the rounds (ranges over the per-round samples); flags a
+    load average above ``cores``."""
 
     def span(key: str, fmt: str) -> str:
         vals = [m[key] for m in samples if key in m]
@@ -289,11 +303,15 @@ def machine_note(samples: Sequence[dict[str, float]]) -> str:
         lo, hi = format(min(vals), fmt), format(max(vals), fmt)
         return lo if lo == hi else f"{lo}–{hi}"
 
-    return (
+    text = (
         f"machine during the rounds: {span('foreign_services_cli', '.0f')} other services.cli, "
         f"{span('foreign_pytest', '.0f')} pytest, {span('foreign_vllm_engines', '.0f')} other vLLM "
         f"engine processes; load average {span('loadavg_1m', '.1f')}"
     )
+    loads = [m["loadavg_1m"] for m in samples if "loadavg_1m" in m]
+    if cores and loads and max(loads) > cores:
+        text += f" (above its {cores} cores: expect noisy numbers)"
+    return text
 
 
 def split_requests(total: int, rounds: int) -> list[int]:
@@ -419,10 +437,11 @@ class Managed:
         self._signal_family(signal.SIGCONT)
 
     def stop(self) -> None:
-        """Signal it, wait, then SIGKILL whatever is left of it and everything it started."""
+        """Signal it, wait, then SIGKILL whatever is left of it and everything it started
+        (each process identified by pid and start time, so a reused pid is never hit)."""
         if self.proc.poll() is not None:
             return
-        family = descendants(self.proc.pid)
+        family = {pid: _start_time(pid) for pid in descendants(self.proc.pid)}
         self.resume()  # a stopped process would not act on the stop signal
         with contextlib.suppress(ProcessLookupError):
             self.proc.send_signal(self.stop_signal)
@@ -430,11 +449,23 @@ class Managed:
             self.proc.wait(self.stop_timeout_s)
         except subprocess.TimeoutExpired:
             log(f"{self.name}: still running {self.stop_timeout_s:.0f} s after the signal; killing")
-        for pid in [self.proc.pid, *family]:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+        for pid, started in family.items():
+            if started is not None and _start_time(pid) == started:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(5)
+
+
+def _start_time(pid: int) -> int | None:
+    """Start time of ``pid`` (clock ticks since boot), None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[19])
 
 
 class Processes:
@@ -444,7 +475,15 @@ class Processes:
         self.log_dir = log_dir
         self.items: list[Managed] = []
 
-    def start(self, name: str, argv: list[str], env: dict[str, str], **kw: object) -> Managed:
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        stop_signal: int = signal.SIGTERM,
+        stop_timeout_s: float = 30.0,
+    ) -> Managed:
+        """Start ``argv`` in its own session, output to ``<log_dir>/<name>.log``."""
         log(f"starting {name}")
         path = self.log_dir / f"{name}.log"
         with path.open("wb") as out:
@@ -456,11 +495,12 @@ class Processes:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # Ctrl-C reaches the bench only; it stops them in order
             )
-        managed = Managed(name, proc, path, **kw)  # type: ignore[arg-type]
+        managed = Managed(name, proc, path, stop_signal, stop_timeout_s)
         self.items.append(managed)
         return managed
 
     def stop_all(self) -> None:
+        """Stop every process, last started first."""
         for m in reversed(self.items):
             if m.proc.poll() is None:
                 log(f"stopping {m.name}")
@@ -655,15 +695,28 @@ async def _wait_ready(target: Target, timeout_s: float = 60.0) -> None:
             await asyncio.sleep(0.2)
 
 
+async def _settle(target: Target, client, in_a_row: int, max_tokens: int, timeout_s: float = 60.0) -> None:
+    """Send sequential unmeasured requests until ``in_a_row`` consecutive ones succeed."""
+    deadline = time.monotonic() + timeout_s
+    ok = 0
+    while ok < in_a_row:
+        t = await timed_request(client, target.model, PROMPTS[ok % len(PROMPTS)], max_tokens)
+        ok = ok + 1 if t.ok else 0
+        if not t.ok:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{target.name} keeps failing after resume: {t.error}")
+            await asyncio.sleep(0.5)
+
+
 @contextlib.asynccontextmanager
 async def _active(target: Target, pause_idle: bool, settle: int, client, max_tokens: int):
-    """Resume ``target`` (if paused), wait until healthy, send ``settle`` unmeasured requests;
-    pause it again afterwards."""
+    """Resume ``target`` (if paused), wait until healthy and until ``settle`` unmeasured requests
+    in a row succeed (a long pause lets the omnirelay registrations expire; they come back with
+    the next heartbeat); pause it again afterwards."""
     if pause_idle:
         target.process.resume()
         await _wait_ready(target)
-        for i in range(settle):
-            await timed_request(client, target.model, PROMPTS[i % len(PROMPTS)], max_tokens)
+        await _settle(target, client, settle, max_tokens)
     try:
         yield
     finally:
@@ -797,35 +850,79 @@ def _cells(results: list[RoundResult], target: str) -> dict[int, CellStats]:
     return {c: aggregate(rs) for c, rs in by_c.items()}
 
 
+LATE_SHARE_LIMIT = 0.25
+"""Above this share of burst-delivered requests (:func:`late_first_token_share`) TTFT is not trusted."""
+
+
+def _timings(
+    results: Sequence[RoundResult], target: str, concurrency: int | None = None
+) -> list[RequestTiming]:
+    return [
+        x
+        for r in results
+        if r.target == target and (concurrency is None or r.concurrency == concurrency)
+        for x in r.timings
+    ]
+
+
+def _verdict(results: list[RoundResult], cells: dict[str, dict[int, CellStats]], opts: BenchOptions) -> str:
+    """The TTFT verdict at concurrency 1 (or the lowest measured), flagged when streams burst."""
+    c0 = 1 if 1 in opts.concurrency else min(opts.concurrency)
+    g, d = cells[GATEWAY].get(c0), cells[DIRECT].get(c0)
+    late = {t: late_first_token_share(_timings(results, t, c0)) for t in (GATEWAY, DIRECT)}
+    bursty = [
+        f"{TARGET_TITLES[t]} {v:.0%}" for t, v in late.items() if v is not None and v > LATE_SHARE_LIMIT
+    ]
+    unreliable = f"burst-delivered streams ({', '.join(bursty)}), see the note below" if bursty else None
+    return verdict_line(
+        g.ttft.p50 if g and g.ttft else None, d.ttft.p50 if d and d.ttft else None, c0, unreliable=unreliable
+    )
+
+
+def _notes(
+    results: list[RoundResult], cells: dict[str, dict[int, CellStats]], opts: BenchOptions
+) -> list[str]:
+    """Failures, token counts, chunking, burst delivery, machine activity, prompt parity."""
+    lines = [
+        f"note: {TARGET_TITLES[t]} c={c}: {s.errors} of {s.requests} requests failed"
+        for t in (GATEWAY, DIRECT)
+        for c, s in sorted(cells[t].items())
+        if s.errors
+    ]
+    good = {t: [x for x in _timings(results, t) if x.ok] for t in (GATEWAY, DIRECT)}
+    short = sum(x.tokens != opts.max_tokens for v in good.values() for x in v)
+    if short:
+        lines.append(f"note: {short} requests did not produce exactly {opts.max_tokens} tokens")
+    if all(good.values()):
+        per = ", ".join(
+            f"{TARGET_TITLES[t]} {sum(x.chunks for x in v) / len(v):.1f}" for t, v in good.items()
+        )
+        lines.append(f"content chunks per request (of {opts.max_tokens} tokens): {per}")
+    late = [
+        (t, c, late_first_token_share(_timings(results, t, c)))
+        for t in (GATEWAY, DIRECT)
+        for c in opts.concurrency
+    ]
+    if any(v for _, _, v in late):
+        shares = "; ".join(f"{TARGET_TITLES[t]} c={c} {v:.0%}" for t, c, v in late if v is not None)
+        lines.append(
+            f"note: first content in the last 10% of the stream (burst delivery, TTFT ≈ e2e; a sign "
+            f"of CPU starvation): {shares}"
+        )
+    lines.append(machine_note([r.machine for r in results], os.cpu_count()))
+    prompts = {t: sorted({x.prompt_tokens for x in v if x.prompt_tokens}) for t, v in good.items()}
+    if prompts[GATEWAY] != prompts[DIRECT]:
+        lines.append(
+            f"note: prompt token counts differ: omnirelay {prompts[GATEWAY]}, vLLM {prompts[DIRECT]}"
+        )
+    return lines
+
+
 def report(results: list[RoundResult], opts: BenchOptions) -> tuple[str, dict[str, dict[int, CellStats]]]:
     """The printed report (table, verdict, notes) and the per-target cell statistics."""
     cells = {t: _cells(results, t) for t in (GATEWAY, DIRECT)}
-    lines = [render_table(comparison_rows(cells[GATEWAY], cells[DIRECT], opts.concurrency)), ""]
-    c0 = 1 if 1 in opts.concurrency else min(opts.concurrency)
-    g, d = cells[GATEWAY].get(c0), cells[DIRECT].get(c0)
-    lines.append(verdict_line(g.ttft.p50 if g and g.ttft else None, d.ttft.p50 if d and d.ttft else None, c0))
-    for t in (GATEWAY, DIRECT):
-        for c, s in sorted(cells[t].items()):
-            if s.errors:
-                lines.append(f"note: {TARGET_TITLES[t]} c={c}: {s.errors} of {s.requests} requests failed")
-    short = [(r.target, x.tokens) for r in results for x in r.timings if x.ok and x.tokens != opts.max_tokens]
-    if short:
-        lines.append(f"note: {len(short)} requests did not produce exactly {opts.max_tokens} tokens")
-    for t in (GATEWAY, DIRECT):
-        good = [x for r in results if r.target == t for x in r.timings if x.ok]
-        if good and sum(x.chunks for x in good) < sum(x.tokens for x in good):
-            mean_chunks = sum(x.chunks for x in good) / len(good)
-            mean_tokens = sum(x.tokens for x in good) / len(good)
-            lines.append(
-                f"note: {TARGET_TITLES[t]} streams {mean_chunks:.1f} content chunks per request "
-                f"for {mean_tokens:.1f} tokens (several tokens per chunk)"
-            )
-    lines.append(machine_note([r.machine for r in results]))
-    prompts = {(r.target, x.prompt_tokens) for r in results for x in r.timings if x.prompt_tokens}
-    gw_p = sorted({p for t, p in prompts if t == GATEWAY})
-    vl_p = sorted({p for t, p in prompts if t == DIRECT})
-    if gw_p != vl_p:
-        lines.append(f"note: prompt token counts differ: omnirelay {gw_p}, vLLM {vl_p}")
+    table = render_table(comparison_rows(cells[GATEWAY], cells[DIRECT], opts.concurrency))
+    lines = [table, "", _verdict(results, cells, opts), *_notes(results, cells, opts)]
     return "\n".join(lines), cells
 
 

@@ -303,6 +303,18 @@ def bench(
     raise typer.Exit(run_bench(opts))
 
 
+@app.command("bench-log-stats")
+def bench_log_stats(
+    rounds: Annotated[int, typer.Option(help="alternating rounds (A B, B A, ...)")] = 6,
+    per_round: Annotated[int, typer.Option(help="sequential requests per side and round")] = 10,
+    max_tokens: Annotated[int, typer.Option(help="output tokens per request (ignore_eos)")] = 64,
+) -> None:
+    """What --log-stats costs: the same workload on two stacks, with and without it (prints a table)."""
+    from services.bench_log_stats import run_log_stats_bench
+
+    raise typer.Exit(run_log_stats_bench(rounds, per_round, max_tokens))
+
+
 def main() -> None:
     app()
 

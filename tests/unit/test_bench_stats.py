@@ -15,6 +15,7 @@ from services.bench import (
     aggregate,
     comparison_rows,
     default_requests,
+    late_first_token_share,
     machine_note,
     overhead_pct,
     parse_concurrency,
@@ -201,3 +202,23 @@ def test_machine_note_ranges() -> None:
         "load average 0.5–3.2"
     )
     assert "? other services.cli" in machine_note([])
+
+
+def test_machine_note_flags_load_above_cores() -> None:
+    busy = machine_note([{"loadavg_1m": 5.0}], cores=2)
+    assert busy.endswith("load average 5.0 (above its 2 cores: expect noisy numbers)")
+    assert "above" not in machine_note([{"loadavg_1m": 1.0}], cores=2)
+
+
+def test_late_first_token_share() -> None:
+    streamed = RequestTiming(sent_s=0, done_s=1.0, first_token_s=0.1, last_token_s=0.95, tokens=10)
+    burst = RequestTiming(sent_s=0, done_s=1.0, first_token_s=0.95, last_token_s=0.99, tokens=10)
+    one_token = RequestTiming(sent_s=0, done_s=1.0, first_token_s=0.99, last_token_s=0.99, tokens=1)
+    failed = RequestTiming(sent_s=0, done_s=1.0, error="x")
+    assert late_first_token_share([streamed, burst, one_token, failed]) == pytest.approx(0.5)
+    assert late_first_token_share([one_token, failed]) is None
+
+
+def test_verdict_line_flags_unreliable() -> None:
+    line = verdict_line(0.011, 0.010, unreliable="burst-delivered streams")
+    assert line.endswith("(target ≤ +20%): met — UNRELIABLE: burst-delivered streams")
