@@ -468,6 +468,20 @@ def _sd_labels(stack) -> dict[str, dict[str, str]]:
     }
 
 
+def test_prometheus_stores_the_trace_id_exemplars(prom, traffic, stack) -> None:
+    """Scraped as OpenMetrics, the latency histograms' exemplars land in Prometheus's exemplar
+    storage with the trace ids of the requests that made them."""
+    trace_ids = {asyncio.run(request_record(stack.nats_url, rid))["trace_id"] for rid in traffic.ids}
+    assert None not in trace_ids
+    prom.wait_scraped_after(traffic.t1)
+    window = {"start": f"{traffic.t0 - 5:.3f}", "end": f"{time.time() + 5:.3f}"}
+    for family in ("vllm:omni_e2e_request_latency_s_bucket", "vllm:omni_transfer_in_flight_s_bucket"):
+        series = prom.api("query_exemplars", query=family, **window)
+        stored = {ex["labels"]["trace_id"] for s in series for ex in s["exemplars"]}
+        assert stored & trace_ids, (family, stored)
+        assert all(len(t) == 32 and int(t, 16) >= 0 for t in stored)  # trace ids, 32 hex digits
+
+
 def test_every_series_carries_the_unified_labels(prom, traffic, stack) -> None:
     sd = _sd_labels(stack)
     series = prom.api("series", **{"match[]": '{__name__=~".+"}', "start": f"{traffic.t0:.3f}"})
