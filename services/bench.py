@@ -296,9 +296,13 @@ def late_first_token_share(timings: Sequence[RequestTiming], tail: float = 0.1) 
     return sum(t.ttft_s >= (1.0 - tail) * t.e2e_s for t in good) / len(good)
 
 
-def machine_note(samples: Sequence[dict[str, float]], cores: int | None = None) -> str:
-    """One line on what else ran during the rounds (ranges over the per-round samples); flags a
-    load average above ``cores``."""
+FOREIGN_CPU_NOISY_PCT = 20.0
+"""Other processes using more than this share of one core during a round make its numbers noisy."""
+
+
+def machine_note(samples: Sequence[dict[str, float]]) -> str:
+    """One line on what else ran during the rounds (ranges over the per-round samples); flags
+    rounds during which other processes used more than ``FOREIGN_CPU_NOISY_PCT`` of a core."""
 
     def span(key: str, fmt: str) -> str:
         vals = [m[key] for m in samples if key in m]
@@ -310,11 +314,12 @@ def machine_note(samples: Sequence[dict[str, float]], cores: int | None = None) 
     text = (
         f"machine during the rounds: {span('foreign_services_cli', '.0f')} other services.cli, "
         f"{span('foreign_pytest', '.0f')} pytest, {span('foreign_vllm_engines', '.0f')} other vLLM "
-        f"engine processes; load average {span('loadavg_1m', '.1f')}"
+        f"engines; other processes used {span('foreign_cpu_pct', '.0f')}% of a core; "
+        f"load average {span('loadavg_1m', '.1f')}"
     )
-    loads = [m["loadavg_1m"] for m in samples if "loadavg_1m" in m]
-    if cores and loads and max(loads) > cores:
-        text += f" (above its {cores} cores: expect noisy numbers)"
+    noisy = sum(m.get("foreign_cpu_pct", 0.0) > FOREIGN_CPU_NOISY_PCT for m in samples)
+    if noisy:
+        text += f" ({noisy} of {len(samples)} rounds shared the machine: expect noisy numbers)"
     return text
 
 
@@ -361,26 +366,40 @@ def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def _proc_table() -> dict[int, tuple[int, str]]:
-    """pid → (parent pid, command line) of every process visible in /proc."""
-    table: dict[int, tuple[int, str]] = {}
+@dataclass(frozen=True)
+class ProcInfo:
+    """What /proc says about one process."""
+
+    ppid: int
+    cmdline: str
+    cpu_s: float
+    """User + system CPU time so far, seconds."""
+
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_table() -> dict[int, ProcInfo]:
+    """pid → :class:`ProcInfo` of every process visible in /proc."""
+    table: dict[int, ProcInfo] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         with contextlib.suppress(OSError, ValueError, IndexError):
             stat = (entry / "stat").read_text()
-            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+            fields = stat[stat.rindex(")") + 2 :].split()
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            table[int(entry.name)] = (ppid, cmd)
+            cpu = (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
+            table[int(entry.name)] = ProcInfo(int(fields[1]), cmd, cpu)
     return table
 
 
-def descendants(pid: int, table: dict[int, tuple[int, str]] | None = None) -> list[int]:
+def descendants(pid: int, table: dict[int, ProcInfo] | None = None) -> list[int]:
     """Every process below ``pid`` (children, grandchildren, ...)."""
     table = table if table is not None else _proc_table()
     children: dict[int, list[int]] = {}
-    for p, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(p)
+    for p, info in table.items():
+        children.setdefault(info.ppid, []).append(p)
     out, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -394,18 +413,36 @@ def _is_pytest(cmdline: str) -> bool:
     return any(arg == "pytest" or arg.endswith("/pytest") for arg in cmdline.split())
 
 
-def machine_activity() -> dict[str, float]:
-    """What else runs here: ``services.cli`` / pytest / vLLM engine processes not started by this
-    bench, and the 1-minute load average."""
-    table = _proc_table()
+def _foreign(table: dict[int, ProcInfo]) -> dict[int, ProcInfo]:
+    """The processes this bench did not start."""
     mine = {os.getpid(), *descendants(os.getpid(), table)}
-    foreign = [cmd for pid, (_, cmd) in table.items() if pid not in mine]
+    return {pid: info for pid, info in table.items() if pid not in mine}
+
+
+def machine_activity() -> dict[str, float]:
+    """What else runs here now: ``services.cli`` / pytest / vLLM engine processes not started by
+    this bench, and the 1-minute load average."""
+    foreign = [info.cmdline for info in _foreign(_proc_table()).values()]
     return {
         "foreign_services_cli": sum("services.cli" in c for c in foreign),
         "foreign_pytest": sum(_is_pytest(c) for c in foreign),
         "foreign_vllm_engines": sum(c.startswith("VLLM::EngineCore") for c in foreign),
         "loadavg_1m": os.getloadavg()[0],
     }
+
+
+def foreign_cpu_s() -> dict[int, float]:
+    """CPU seconds used so far by each process this bench did not start."""
+    return {pid: info.cpu_s for pid, info in _foreign(_proc_table()).items()}
+
+
+def cpu_share_pct(before: dict[int, float], after: dict[int, float], wall_s: float) -> float:
+    """CPU used between two :func:`foreign_cpu_s` snapshots, percent of one core over ``wall_s``
+    (a process born in between counts whole; one that died in between is not seen)."""
+    if wall_s <= 0:
+        return 0.0
+    used = sum(cpu - before.get(pid, 0.0) for pid, cpu in after.items())
+    return 100.0 * max(used, 0.0) / wall_s
 
 
 # --- processes -----------------------------------------------------------------------------
@@ -771,6 +808,26 @@ async def _active(target: Target, pause_idle: bool, settle: int, client, max_tok
             target.process.pause()
 
 
+async def _warm_up(target: Target, client, opts: BenchOptions) -> None:
+    """``opts.warmup`` unmeasured requests at the highest concurrency; fails if any fails."""
+    t0 = time.monotonic()
+    _, timings = await run_load(client, target.model, opts.warmup, max(opts.concurrency), opts.max_tokens)
+    log(f"warm-up {target.name}: {len(timings)} requests in {time.monotonic() - t0:.1f} s")
+    failed = [x.error for x in timings if not x.ok]
+    if failed:
+        raise RuntimeError(f"warm-up of {target.name} failed: {failed[0]}")
+
+
+async def _round(
+    target: Target, client, concurrency: int, round_no: int, n: int, max_tokens: int
+) -> RoundResult:
+    """One measured round, with what else used the machine meanwhile."""
+    machine, cpu0 = machine_activity(), foreign_cpu_s()
+    wall, timings = await run_load(client, target.model, n, concurrency, max_tokens)
+    machine["foreign_cpu_pct"] = cpu_share_pct(cpu0, foreign_cpu_s(), wall)
+    return RoundResult(target.name, concurrency, round_no, wall, timings, machine)
+
+
 async def measure(targets: dict[str, Target], opts: BenchOptions) -> list[RoundResult]:
     """Warm both targets up, then run every (concurrency, round) with the targets one at a time
     (the other one paused unless ``opts.pause_idle`` is off)."""
@@ -790,25 +847,14 @@ async def measure(targets: dict[str, Target], opts: BenchOptions) -> list[RoundR
             for t in targets.values():
                 t.process.pause()
         for name, t in targets.items():
-            t0 = time.monotonic()
             async with active(name):
-                _, timings = await run_load(
-                    clients[name], t.model, opts.warmup, max(opts.concurrency), opts.max_tokens
-                )
-            failed = [x.error for x in timings if not x.ok]
-            log(f"warm-up {name}: {len(timings)} requests in {time.monotonic() - t0:.1f} s")
-            if failed:
-                raise RuntimeError(f"warm-up of {name} failed: {failed[0]}")
+                await _warm_up(t, clients[name], opts)
         for c in opts.concurrency:
             per_round = split_requests(opts.requests or default_requests(c), opts.rounds)
             for r, n in enumerate(per_round):
                 for name in round_order(r):
                     async with active(name):
-                        machine = machine_activity()
-                        wall, timings = await run_load(
-                            clients[name], targets[name].model, n, c, opts.max_tokens
-                        )
-                    result = RoundResult(name, c, r, wall, timings, machine)
+                        result = await _round(targets[name], clients[name], c, r, n, opts.max_tokens)
                     results.append(result)
                     _log_round(result)
     finally:
@@ -824,7 +870,7 @@ def _log_round(r: RoundResult) -> None:
         f"c={r.concurrency} round {r.round_no} {r.target}: {s.requests} requests, {s.errors} errors, "
         f"TTFT p50 {ttft}, {s.throughput_tok_s:.0f} tok/s, wall {r.wall_s:.1f} s "
         f"(others: {r.machine.get('foreign_services_cli', 0):.0f} services.cli, "
-        f"load {r.machine.get('loadavg_1m', 0):.1f})"
+        f"{r.machine.get('foreign_cpu_pct', 0):.0f}% of a core; load {r.machine.get('loadavg_1m', 0):.1f})"
     )
 
 
@@ -840,22 +886,8 @@ def _start_targets(
     nport, mport = free_port(), free_port()
     store = data_dir / "jetstream"
     store.mkdir(parents=True, exist_ok=True)
-    nats = procs.start(
-        "nats",
-        [
-            nats_server_binary(),
-            "-js",
-            "-sd",
-            str(store),
-            "-a",
-            "127.0.0.1",
-            "-p",
-            str(nport),
-            "-m",
-            str(mport),
-        ],
-        {},
-    )
+    nats_argv = [nats_server_binary(), "-js", "-sd", str(store), "-a", "127.0.0.1"]
+    nats = procs.start("nats", [*nats_argv, "-p", str(nport), "-m", str(mport)], {})
     log(f"nats ready in {wait_port(nats, nport, 30):.1f} s")
     env = engine_env(pipeline, core)
     gw_port, vllm_port = free_port(), free_port()
@@ -956,7 +988,7 @@ def _notes(
             f"note: first content in the last 10% of the stream (burst delivery, TTFT ≈ e2e; a sign "
             f"of CPU starvation): {shares}"
         )
-    lines.append(machine_note([r.machine for r in results], os.cpu_count()))
+    lines.append(machine_note([r.machine for r in results]))
     prompts = {t: sorted({x.prompt_tokens for x in v if x.prompt_tokens}) for t, v in good.items()}
     if prompts[GATEWAY] != prompts[DIRECT]:
         lines.append(

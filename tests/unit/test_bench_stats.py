@@ -14,6 +14,7 @@ from services.bench import (
     Summary,
     aggregate,
     comparison_rows,
+    cpu_share_pct,
     default_requests,
     late_first_token_share,
     machine_note,
@@ -191,23 +192,33 @@ def test_parse_concurrency_and_defaults() -> None:
 
 
 def test_machine_note_ranges() -> None:
+    quiet = {"foreign_services_cli": 0, "foreign_pytest": 1, "foreign_vllm_engines": 2}
+    busy = {"foreign_services_cli": 8, "foreign_pytest": 1, "foreign_vllm_engines": 2}
     note = machine_note(
         [
-            {"foreign_services_cli": 0, "foreign_pytest": 1, "foreign_vllm_engines": 2, "loadavg_1m": 0.5},
-            {"foreign_services_cli": 8, "foreign_pytest": 1, "foreign_vllm_engines": 2, "loadavg_1m": 3.25},
+            {**quiet, "foreign_cpu_pct": 3.0, "loadavg_1m": 0.5},
+            {**busy, "foreign_cpu_pct": 12.4, "loadavg_1m": 3.25},
         ]
     )
     assert note == (
-        "machine during the rounds: 0–8 other services.cli, 1 pytest, 2 other vLLM engine processes; "
-        "load average 0.5–3.2"
+        "machine during the rounds: 0–8 other services.cli, 1 pytest, 2 other vLLM engines; "
+        "other processes used 3–12% of a core; load average 0.5–3.2"
     )
     assert "? other services.cli" in machine_note([])
 
 
-def test_machine_note_flags_load_above_cores() -> None:
-    busy = machine_note([{"loadavg_1m": 5.0}], cores=2)
-    assert busy.endswith("load average 5.0 (above its 2 cores: expect noisy numbers)")
-    assert "above" not in machine_note([{"loadavg_1m": 1.0}], cores=2)
+def test_machine_note_flags_rounds_that_shared_the_machine() -> None:
+    note = machine_note([{"foreign_cpu_pct": 5.0}, {"foreign_cpu_pct": 60.0}, {"foreign_cpu_pct": 25.0}])
+    assert note.endswith("(2 of 3 rounds shared the machine: expect noisy numbers)")
+    assert "noisy" not in machine_note([{"foreign_cpu_pct": 19.0}])
+
+
+def test_cpu_share_pct() -> None:
+    before = {1: 10.0, 2: 5.0, 3: 1.0}  # pid 3 exits during the round
+    after = {1: 10.5, 2: 5.25, 4: 0.25}  # pid 4 is born during the round
+    # (0.5 + 0.25 + 0.25) CPU seconds over 2 s of wall time = 50% of one core
+    assert cpu_share_pct(before, after, 2.0) == pytest.approx(50.0)
+    assert cpu_share_pct(before, after, 0.0) == 0.0
 
 
 def test_late_first_token_share() -> None:
