@@ -11,7 +11,6 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
@@ -71,9 +70,11 @@ DRAIN_TIMEOUT_S = 5.0
 
 async def connect(url: str, name: str) -> NATS:
     """Connect with unlimited reconnects (services survive a broker restart)."""
+    nc = NATS()
 
     async def _disconnected() -> None:
-        log.warning("NATS disconnected (%s); reconnecting", url)
+        if not nc.is_closed:  # nats-py reports a deliberate close as a disconnect too
+            log.warning("NATS disconnected (%s); reconnecting", url)
 
     async def _reconnected() -> None:
         log.info("NATS reconnected (%s)", url)
@@ -81,7 +82,7 @@ async def connect(url: str, name: str) -> NATS:
     async def _error(e: Exception) -> None:
         log.warning("NATS error: %s", e)
 
-    return await nats.connect(
+    await nc.connect(
         servers=[url],
         name=name,
         max_reconnect_attempts=-1,
@@ -92,6 +93,7 @@ async def connect(url: str, name: str) -> NATS:
         reconnected_cb=_reconnected,
         error_cb=_error,
     )
+    return nc
 
 
 async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:

@@ -172,7 +172,11 @@ class EdgeSummary(BaseModel):
 
 
 class LifecycleEvent(_Envelope):
-    """All → orchestrator (subject ``events.<kind>``)."""
+    """All → orchestrator (subject ``events.<kind>``).
+
+    A stage reports ``started`` (stamped when it took the request's first input) once it has sent
+    its first output, then ``stage_done``; the last stage folds ``stage_done`` into ``finished``.
+    """
 
     request_id: str
     kind: Literal["started", "stage_done", "finished", "failed", "aborted"]
@@ -182,7 +186,8 @@ class LifecycleEvent(_Envelope):
     finish_reason: str | None = None
     reason: str | None = None
     edges: list[EdgeSummary] = Field(default_factory=list)
-    """Transfers this stage received for the request (``stage_done``, with --log-stats)."""
+    """Transfers this stage received for the request (``stage_done`` or the last stage's
+    ``finished``, with --log-stats)."""
 
 
 class AbortNotice(_Envelope):

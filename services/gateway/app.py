@@ -28,8 +28,8 @@ class ResponseTimer:
 
     Stamps the arrival before any other work — wall clock ns (``Omni-Arrival-Ns``, the anchor
     carried to every service) and ``time.monotonic()`` (for intervals measured here) — and, for
-    a request with a submitted job (``scope["state"]["job"]``), records when the response body
-    started and finished being written.
+    a request with a submitted job (``scope["state"]["job"]``), records when the response body's
+    first and last bytes were handed to the HTTP server.
     """
 
     def __init__(self, app) -> None:
@@ -49,12 +49,15 @@ class ResponseTimer:
             if job is None or message["type"] != "http.response.body":
                 await send(message)
                 return
+            # Stamped before the bytes are handed to the server: after ``send`` returns, this loop
+            # may run other work first, and the client can have read the bytes long before.
+            now = time.monotonic()
             if first_body:
                 first_body = False
-                body_started(job, time.monotonic())
+                body_started(job, now)
             await send(message)
             if not message.get("more_body", False):
-                finish(job, time.monotonic())
+                finish(job, now)
 
         await self.app(scope, receive, timed_send)
 

@@ -57,9 +57,13 @@ class RequestHandle:
         while True:
             left = (self.deadline_ns - time.time_ns()) / 1e9 + BACKSTOP_S
             try:
-                yield await asyncio.wait_for(self.queue.get(), timeout=max(left, 0.0))
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation
+                # (a client hang-up) that arrives together with an event.
+                async with asyncio.timeout(max(left, 0.0)):
+                    event = await self.queue.get()
             except TimeoutError:
                 raise APIError(504, "the request did not finish before its deadline", "timeout") from None
+            yield event
 
 
 class PipelineClient:

@@ -58,6 +58,12 @@ from services.orchestrator.summary import PipelineTally, format_summary, ready_t
 log = logging.getLogger(__name__)
 
 KV_RETRIES = 5
+UNKNOWN_EVENT_TRIES = 3
+"""Deliveries of a lifecycle event whose request has no record before it is dropped."""
+UNKNOWN_EVENT_RETRY_S = 0.2
+"""Redelivery delay of such an event, seconds."""
+MAX_CONCURRENT_ADMISSIONS = 64
+"""Admissions one orchestrator works on at once."""
 HEALTH_PERIOD_S = 2.0
 LOOP_LAG_PERIOD_S = 0.25
 
@@ -112,7 +118,9 @@ class Orchestrator:
         self._heartbeat = Heartbeat(skv, record, lambda: self._inflight)
         await self._heartbeat.start()
         self._tasks = [
-            asyncio.create_task(self._pull_loop(self._admissions, self._admit), name="admit"),
+            asyncio.create_task(
+                self._pull_loop(self._admissions, self._admit, MAX_CONCURRENT_ADMISSIONS), name="admit"
+            ),
             asyncio.create_task(self._pull_loop(self._events, self._on_event), name="events"),
         ]
         if self.metrics.enabled:
@@ -167,18 +175,29 @@ class Orchestrator:
         with contextlib.suppress(Exception):
             await self.nc.drain()
 
-    async def _pull_loop(self, psub, handle) -> None:
+    async def _pull_loop(self, psub, handle, concurrency: int = 1) -> None:
+        """Handle the subscription's messages, up to ``concurrency`` at once."""
+        slots = asyncio.Semaphore(concurrency)
+        running: set[asyncio.Task[None]] = set()
         async for msg in pull(psub, "orchestrator"):
-            try:
-                await handle(msg)
-            except MalformedMessage as e:
-                log.error("terminating malformed message on %s: %s", msg.subject, e)
-                with contextlib.suppress(Exception):
-                    await msg.term()
-            except Exception:
-                log.exception("handling %s failed; it will be redelivered", msg.subject)
-                with contextlib.suppress(Exception):
-                    await msg.nak(delay=1.0)
+            await slots.acquire()
+            task = asyncio.create_task(self._handle(msg, handle))
+            running.add(task)
+            task.add_done_callback(running.discard)
+            task.add_done_callback(lambda _: slots.release())
+
+    @staticmethod
+    async def _handle(msg: Msg, handle) -> None:
+        try:
+            await handle(msg)
+        except MalformedMessage as e:
+            log.error("terminating malformed message on %s: %s", msg.subject, e)
+            with contextlib.suppress(Exception):
+                await msg.term()
+        except Exception:
+            log.exception("handling %s failed; it will be redelivered", msg.subject)
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=1.0)
 
     # --- admission -----------------------------------------------------------------------
     async def _admit(self, msg: Msg) -> None:
@@ -233,9 +252,14 @@ class Orchestrator:
             {"omnirelay.request_id": adm.request_id, "omnirelay.route": route, "messaging.system": "nats"},
         )
         try:
-            # The record exists before any worker can report on the request.
-            await self.requests.put(adm.request_id, record.model_dump_json().encode())
-            await publish_task(self.js, self.subjects, task, hop, span)
+            # Both at once: the task is on its way while the record is written. A worker's first
+            # event follows the request's first output, long after the record is there (an event
+            # that still beats it is redelivered). If either fails the admission is redelivered:
+            # the record is rewritten and the task's Nats-Msg-Id drops the duplicate.
+            await asyncio.gather(
+                self.requests.put(adm.request_id, record.model_dump_json().encode()),
+                publish_task(self.js, self.subjects, task, hop, span),
+            )
         finally:
             span.end()
         await msg.ack()
@@ -279,7 +303,12 @@ class Orchestrator:
                 rec.summary_logged = True
                 summary[:] = [rec]
 
-        await update_record(self.requests, ev.request_id, change)
+        if not await update_record(self.requests, ev.request_id, change):
+            attempt = msg.metadata.num_delivered if msg.metadata else 1
+            if attempt < UNKNOWN_EVENT_TRIES:  # its admission may still be writing the record
+                await msg.nak(delay=UNKNOWN_EVENT_RETRY_S)
+                return
+            log.debug("event %s for unknown request %s dropped", ev.kind, ev.request_id)
         await msg.ack()
         for rec in summary:  # only the writer whose update stuck gets here
             log.info("%s", format_summary(rec, self.pipeline))
@@ -314,19 +343,19 @@ def apply_event(rec: RequestRecord, ev: LifecycleEvent) -> None:
     rec.updated_ns = max(rec.updated_ns, ev.ts_ns)
 
 
-async def update_record(kv: KeyValue, key: str, change) -> None:
-    """Read-modify-write of a record with optimistic concurrency (several orchestrators)."""
+async def update_record(kv: KeyValue, key: str, change) -> bool:
+    """Read-modify-write of a record with optimistic concurrency (several orchestrators);
+    False when there is no such record."""
     for _ in range(KV_RETRIES):
         try:
             entry = await kv.get(key)
         except (NotFoundError, KeyError):
-            log.debug("event for unknown request %s ignored", key)
-            return
+            return False
         rec = RequestRecord.model_validate_json(entry.value)
         change(rec)
         try:
             await kv.update(key, rec.model_dump_json().encode(), last=entry.revision)
-            return
+            return True
         except KeyWrongLastSequenceError:
             continue
     raise RuntimeError(f"record {key}: too many concurrent updates")

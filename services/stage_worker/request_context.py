@@ -50,12 +50,18 @@ class RequestContext:
     """This request's span in this stage (non-recording when tracing is off)."""
     _out_seq: int = 0
     _client_seq: int = 0
-    _started: bool = False
+    _started_ns: int | None = None
+    """When the handler took its first input (wall clock, ns); reported after the first output."""
+    _started_sent: bool = False
+    _done_fields: dict[str, object] | None = None
+    """A last stage's ``stage_done`` fields, folded into its ``finished`` event."""
     _in_hand: dict[int, Delivery] = field(default_factory=dict)
     _edges: dict[tuple[str, str], EdgeSummary] = field(default_factory=dict)
     received_s: float = field(default_factory=time.monotonic)
     """When the request's first input reached this worker (monotonic)."""
     _background: set[asyncio.Task[None]] = field(default_factory=set)
+    aborted: bool = False
+    """Set by :meth:`abort`; every later inbox or bus step of the handler raises."""
 
     @property
     def request_id(self) -> str:
@@ -71,17 +77,28 @@ class RequestContext:
         """Time until the request's deadline (wall clock), in seconds."""
         return (self.first.deadline_ns - time.time_ns()) / 1e9
 
+    def abort(self) -> None:
+        """Make the request stop at its handler's next step even if a cancellation of its task is
+        lost (Python 3.11's ``asyncio.wait_for``, used by nats-py's publish acknowledgement, drops
+        a cancellation that arrives together with the awaited result)."""
+        self.aborted = True
+
+    def _check_aborted(self) -> None:
+        if self.aborted:
+            raise asyncio.CancelledError(f"request {self.request_id} aborted")
+
     async def next(self) -> Delivery:
         """The next input in sequence order; the first call reports the stage as started."""
+        self._check_aborted()
         d = await self.inbox.next()
+        self._check_aborted()
         self._in_hand[d.task.seq] = d
         if d.transfer is not None:
             self._add_transfer(d.transfer)
         if tracing.enabled():
             self.span.add_event("chunk.received", _chunk_attributes(d))
-        if not self._started:
-            self._started = True
-            self.lifecycle("started")
+        if self._started_ns is None:
+            self._started_ns = time.time_ns()
         return d
 
     async def ack(self, d: Delivery) -> None:
@@ -95,6 +112,7 @@ class RequestContext:
 
     async def downstream(self, *, final: bool = False, **payload: object) -> None:
         """Send one chunk to the next stage's bound replica, numbered in order."""
+        self._check_aborted()
         to_stage = self.me.stage + 1
         task = StageTask(
             request_id=self.request_id,
@@ -110,6 +128,7 @@ class RequestContext:
         self._out_seq += 1
         hop = Hop(str(self.me.stage), str(self.me.replica), to_stage, self.first.route[to_stage])
         await publish_task(self.bus.js, self.bus.subjects, task, hop, self.span)
+        self._report_started()
         if tracing.enabled():
             self.span.add_event(
                 "chunk.sent",
@@ -123,11 +142,13 @@ class RequestContext:
 
     async def client(self, event: ClientEvent) -> None:
         """Send a client-visible event to the request's gateway, stamped with stage and replica."""
+        self._check_aborted()
         event.stage, event.replica, event.seq = self.me.stage, self.me.replica, self._client_seq
         self._client_seq += 1
         await publish_client(
             self.bus.nc, self.bus.subjects, self.first.gateway_id, event, self.first.arrival_ns
         )
+        self._report_started()
 
     def _add_transfer(self, t: TransferStats) -> None:
         e = self._edges.get((t.from_stage, t.from_replica))
@@ -144,18 +165,41 @@ class RequestContext:
         e.rx_s += t.rx_s
         e.in_flight_s += t.in_flight_s
 
+    def _report_started(self) -> None:
+        """Send ``started`` (stamped when the first input was taken) once the stage has produced
+        its first output: the orchestrator's record update then does not compete for the CPU
+        with the work that leads to the request's first token."""
+        if self._started_ns is not None and not self._started_sent:
+            self._started_sent = True
+            self._send(LifecycleEvent(**self._event_fields("started", self._started_ns)))
+
     def lifecycle(self, kind: str, **fields: object) -> None:
-        """Report a lifecycle event to the orchestrator without waiting for it; ``stage_done``
-        carries the transfers this stage received for the request."""
-        event = LifecycleEvent(
-            request_id=self.request_id,
-            kind=kind,
-            ts_ns=time.time_ns(),
-            stage=self.me.stage,
-            replica=self.me.replica,
-            edges=list(self._edges.values()) if kind == "stage_done" else [],
-            **fields,
-        )
+        """Report a lifecycle event to the orchestrator without waiting for it.
+
+        ``stage_done`` carries the transfers this stage received for the request; in the last
+        stage it is folded into the ``finished`` event that follows it (one bus message and one
+        record update fewer per request).
+        """
+        self._report_started()
+        if kind == "stage_done":
+            fields = {**fields, "edges": list(self._edges.values())}
+            if self.is_last_stage:
+                self._done_fields = fields
+                return
+        if kind == "finished" and self._done_fields is not None:
+            fields = {**self._done_fields, **fields}
+        self._send(LifecycleEvent(**self._event_fields(kind, time.time_ns()), **fields))
+
+    def _event_fields(self, kind: str, ts_ns: int) -> dict[str, object]:
+        return {
+            "request_id": self.request_id,
+            "kind": kind,
+            "ts_ns": ts_ns,
+            "stage": self.me.stage,
+            "replica": self.me.replica,
+        }
+
+    def _send(self, event: LifecycleEvent) -> None:
         task = asyncio.create_task(self._send_lifecycle(event))
         self._background.add(task)
         task.add_done_callback(self._background.discard)

@@ -302,7 +302,10 @@ class StageWorker:
             await self._accept(self._backlog.popleft())
 
     async def _report_failure(self, ctx: RequestContext, status: int, code: str, message: str) -> None:
-        """Tell the client (its gateway) and the orchestrator that the request failed here."""
+        """Tell the client (its gateway) and the orchestrator that the request failed here (not
+        when it was aborted: the abort's sender has told them already)."""
+        if ctx.aborted:
+            return
         ctx.span.set_status(Status(StatusCode.ERROR, f"{code}: {message}"))
         event = ClientEvent(
             request_id=ctx.request_id, type=ClientEventType.ERROR, status=status, code=code, message=message
@@ -367,6 +370,7 @@ class StageWorker:
         self._close(notice.request_id)
         if entry is not None:
             self._abort_reasons[notice.request_id] = notice.reason
+            entry[0].abort()
             entry[1].cancel()
 
 

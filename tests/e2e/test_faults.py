@@ -82,7 +82,11 @@ async def test_client_disconnect_mid_stream_aborts_every_stage(stack, pipeline) 
         if done_ns is not None and done_ns < hung_up_ns:
             assert i == 0, f"{stage.name} finished 7600 codes' worth of work before the hang-up?"
             continue
-        await stack.await_log(f"stage {i} ({stage.name})", f"request {rid} stopped (client disconnected)")
+        try:
+            await stack.await_log(f"stage {i} ({stage.name})", f"request {rid} stopped (client disconnected)")
+        except AssertionError as e:
+            seen = "\n".join(line for line in stack.log_text().splitlines() if rid in line)
+            raise AssertionError(f"{e}; hung up at {hung_up_ns}, record {rec}; log lines:\n{seen}") from None
 
 
 async def test_malformed_stage_messages_are_terminated_and_the_worker_keeps_serving(stack, pipeline) -> None:

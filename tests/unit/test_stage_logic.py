@@ -13,6 +13,7 @@ from services.orchestrator.orchestrator import apply_event
 from services.orchestrator.routing import NoLiveReplica, ReplicaPicker
 from services.stage_worker.chunking import CodeChunker, TextChunker
 from services.stage_worker.inbox import Delivery, RequestInbox
+from services.stage_worker.request_context import Identity, RequestContext
 
 
 def test_text_chunker_cuts_by_count_and_at_sentence_ends() -> None:
@@ -56,6 +57,30 @@ async def test_inbox_hands_out_in_sequence_and_rejects_duplicates() -> None:
     assert (await waiter).task.seq == 0
     assert [(await box.next()).task.seq for _ in range(2)] == [1, 2]
     assert not box.put(_delivery(1)) and box.held() == []
+
+
+async def test_an_abort_stops_the_handler_even_when_its_cancellation_is_lost() -> None:
+    """A cancellation that arrives together with a publish ack is dropped by Python 3.11's
+    ``asyncio.wait_for`` (nats-py awaits acks with it); the request must stop at its next step."""
+    ctx = RequestContext(Identity(1, 0, 3), bus=None, first=_delivery(0).task)
+    ack = asyncio.get_running_loop().create_future()
+    steps: list[str] = []
+
+    async def handler() -> None:
+        await asyncio.wait_for(ack, 5)  # the "publish" whose ack and the cancellation coincide
+        steps.append("went on")
+        ctx.inbox.put(_delivery(0))
+        await ctx.next()
+        steps.append("took more input")
+
+    task = asyncio.create_task(handler())
+    await asyncio.sleep(0)  # the handler waits for its ack
+    ack.set_result("ack")
+    ctx.abort()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert "took more input" not in steps
 
 
 class FakeLive:
