@@ -24,6 +24,8 @@ from services.gateway.schemas import AudioOut, Usage
 AUDIO_EXPIRY_S = 3600
 """``audio.expires_at`` is this far in the future (informational: nothing is stored)."""
 DISCONNECT_POLL_S = 0.25
+MAX_CHUNKS_PER_WRITE = 32
+"""At most this many SSE events are joined into one write of a streamed response."""
 T = TypeVar("T")
 
 
@@ -176,25 +178,31 @@ async def sse_stream(
     tail: Callable[[Collected], list[str]],
 ) -> AsyncIterator[str]:
     """Server-Sent Events of one request: the ``head`` chunks, then ``render`` of each event
-    (zero or more JSON chunks), then ``tail``; ends with ``[DONE]``. A client that disconnects
-    (the generator is closed early) or a failure aborts the request in every stage."""
+    (zero or more JSON chunks), then ``tail``; ends with ``[DONE]``. The head is written with the
+    first event, and events that are already waiting are written together. A client that
+    disconnects (the generator is closed early) or a failure aborts the request in every stage."""
     state = Collected()
     completed = False
+    # The head waits for the first event, as in vLLM's server: while the request is on its way
+    # to its first token, neither this loop nor the client spends CPU on an empty chunk.
+    held = [sse(chunk) for chunk in head]
     try:
         try:
-            for chunk in head:
-                yield sse(chunk)
             async for ev in events_until_done(job):
                 state.add(ev)
                 if ev.type == ClientEventType.AUDIO:
                     job.stats.audio_chunks.append(AudioChunk(time.monotonic(), len(ev.pcm16)))
-                for chunk in render(ev):
-                    yield sse(chunk)
-            for chunk in tail(state):
-                yield sse(chunk)
+                held += [sse(chunk) for chunk in render(ev)]
+                # Events already waiting go out in the same write (fewer sends when busy).
+                if held and (job.handle.queue.empty() or len(held) >= MAX_CHUNKS_PER_WRITE):
+                    yield "".join(held)
+                    held = []
+            held += [sse(chunk) for chunk in tail(state)]
+            if held:
+                yield "".join(held)
             completed = True
         except APIError as e:
-            yield e.sse()
+            yield "".join([*held, e.sse()])
             job.client.abort(job.id, "timeout" if e.code == "timeout" else "failed")
             completed = True
         yield sse("[DONE]")

@@ -257,8 +257,8 @@ class Orchestrator:
             # that still beats it is redelivered). If either fails the admission is redelivered:
             # the record is rewritten and the task's Nats-Msg-Id drops the duplicate.
             await asyncio.gather(
+                publish_task(self.js, self.subjects, task, hop, span),  # first on the wire
                 self.requests.put(adm.request_id, record.model_dump_json().encode()),
-                publish_task(self.js, self.subjects, task, hop, span),
             )
         finally:
             span.end()
