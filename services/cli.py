@@ -329,6 +329,19 @@ def bench_log_stats(
     raise typer.Exit(run_log_stats_bench(rounds, per_round, max_tokens))
 
 
+@app.command("bench-bus")
+def bench_bus(
+    messages: Annotated[int, typer.Option(help="measured messages per hop kind and placement")] = 400,
+    interval_ms: Annotated[float, typer.Option(help="pause before each message, ms")] = 10.0,
+    warmup: Annotated[int, typer.Option(help="unmeasured messages first")] = 50,
+) -> None:
+    """The floor of one bus hop between two processes (JetStream stage hop, core-NATS event hop),
+    on any core and with everything on one core (prints a table)."""
+    from services.bench_bus import render, run_bus_bench
+
+    typer.echo(render(run_bus_bench(messages, interval_ms / 1e3, warmup)))
+
+
 def main() -> None:
     app()
 

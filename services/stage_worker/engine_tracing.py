@@ -77,31 +77,23 @@ def validate_rate(name: str, value: object) -> float:
 
 
 @dataclass(frozen=True)
-class EngineTracingConfig:
-    """Everything the EngineCore needs to trace: where to export, and the spec/004 knobs.
+class EngineTracing:
+    """What the engine traces (spec/004): journey events and scheduler step tracing; rates in
+    [0, 1] (anything else raises ``ValueError``: the worker fails at start).
 
     ``sampler``/``seed`` choose the sampler family: ``random`` (production) or ``sha1`` (stable,
     for tests); the journey, step and rich samplers use seeds ``seed``, ``seed + 1`` and
     ``seed + 2`` so the two stages of step sampling stay independent.
     """
 
-    endpoint: str
-    protocol: str = "grpc"
     journey_sample_rate: float = 1.0
     step_enabled: bool = False
     step_sample_rate: float = 0.01
     rich_subsample_rate: float = 0.001
     sampler: str = "random"
     seed: int = 0
-    service_name: str = ENGINE_SERVICE_NAME
-    resource: dict[str, str | int] = field(default_factory=dict)
-    """Extra resource attributes (``omnirelay.pipeline``/``stage``/``replica``, ...)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.endpoint, str) or not self.endpoint:
-            raise ValueError(f"endpoint must be a non-empty string, got {self.endpoint!r}")
-        if self.protocol not in PROTOCOLS:
-            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
         for name in ("journey_sample_rate", "step_sample_rate", "rich_subsample_rate"):
             object.__setattr__(self, name, validate_rate(name, getattr(self, name)))
         if not isinstance(self.step_enabled, bool):
@@ -110,8 +102,6 @@ class EngineTracingConfig:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {self.sampler!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
-        if not isinstance(self.resource, dict):
-            raise ValueError(f"resource must be a dict, got {self.resource!r}")
 
     @property
     def journey_enabled(self) -> bool:
@@ -121,6 +111,27 @@ class EngineTracingConfig:
     def active(self) -> bool:
         """Whether the engine has anything to trace."""
         return self.journey_enabled or self.step_enabled
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineTracingConfig(EngineTracing):
+    """Everything the EngineCore needs to trace: the :class:`EngineTracing` knobs and where to
+    export the spans."""
+
+    endpoint: str
+    protocol: str = "grpc"
+    service_name: str = ENGINE_SERVICE_NAME
+    resource: dict[str, str | int] = field(default_factory=dict)
+    """Extra resource attributes (``omnirelay.pipeline``/``stage``/``replica``, ...)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.endpoint, str) or not self.endpoint:
+            raise ValueError(f"endpoint must be a non-empty string, got {self.endpoint!r}")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
+        super().__post_init__()
+        if not isinstance(self.resource, dict):
+            raise ValueError(f"resource must be a dict, got {self.resource!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

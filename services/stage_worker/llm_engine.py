@@ -6,12 +6,13 @@ import asyncio
 import contextlib
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from libs.common import tracing
 from libs.common.pipeline import PipelineConfig, StageConfig, StageType
 from libs.models.tiny import resolve_model
+from services.stage_worker.engine_tracing import EngineTracing
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -35,30 +36,6 @@ def cpu_core_for(pipeline: PipelineConfig, stage_id: int, replica: int) -> int:
 
 
 @dataclass(frozen=True)
-class EngineTracing:
-    """Tracing inside the engine (spec/004): journey events and scheduler step tracing; rates in [0, 1]
-    (anything else raises ``ValueError``: the worker fails at start)."""
-
-    journey_sample_rate: float = 1.0
-    step_enabled: bool = False
-    step_sample_rate: float = 0.01
-    rich_subsample_rate: float = 0.001
-    sampler: str = "random"
-    """``random`` (production) or ``sha1`` (deterministic, for tests; see engine_tracing)."""
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        from services.stage_worker.engine_tracing import SAMPLERS, validate_rate
-
-        for name in ("journey_sample_rate", "step_sample_rate", "rich_subsample_rate"):
-            object.__setattr__(self, name, validate_rate(name, getattr(self, name)))
-        if not isinstance(self.step_enabled, bool):
-            raise ValueError(f"step_enabled must be a bool, got {self.step_enabled!r}")
-        if self.sampler not in SAMPLERS:
-            raise ValueError(f"sampler must be one of {SAMPLERS}, got {self.sampler!r}")
-
-
-@dataclass(frozen=True)
 class LLMEngineSpec:
     """How an ``llm`` stage's engine is built."""
 
@@ -68,7 +45,7 @@ class LLMEngineSpec:
     log_stats: bool
     log_stats_interval_s: float
     cpu_core: int
-    tracing: EngineTracing = field(default_factory=lambda: EngineTracing())
+    tracing: EngineTracing = field(default_factory=EngineTracing)
 
     @property
     def stage(self) -> StageConfig:
@@ -95,20 +72,14 @@ def engine_tracing_config(
     flags leave nothing to trace (journey rate 0 and step tracing off)."""
     from services.stage_worker.engine_tracing import EngineTracingConfig, otlp_traces_endpoint
 
-    t = spec.tracing
     target = otlp_traces_endpoint(env)
-    if target is None or not (t.journey_sample_rate > 0 or t.step_enabled):
+    if target is None or not spec.tracing.active:
         return None
     endpoint, protocol = target
     return EngineTracingConfig(
+        **asdict(spec.tracing),
         endpoint=endpoint,
         protocol=protocol,
-        journey_sample_rate=t.journey_sample_rate,
-        step_enabled=t.step_enabled,
-        step_sample_rate=t.step_sample_rate,
-        rich_subsample_rate=t.rich_subsample_rate,
-        sampler=t.sampler,
-        seed=t.seed,
         resource={
             "omnirelay.pipeline": spec.pipeline.name,
             "omnirelay.stage": spec.stage_id,

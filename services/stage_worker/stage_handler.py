@@ -6,7 +6,8 @@ from typing import Protocol
 
 from libs.common.pipeline import Payload, PipelineConfig, StageType
 from libs.common.settings import WorkerSettings
-from services.stage_worker.llm_engine import EngineTracing, LLMEngineSpec, cpu_core_for
+from services.stage_worker.engine_tracing import EngineTracing
+from services.stage_worker.llm_engine import LLMEngineSpec, cpu_core_for
 from services.stage_worker.request_context import RequestContext
 
 

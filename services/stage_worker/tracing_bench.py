@@ -206,7 +206,7 @@ async def _round(engine: Any, r: int, sequential: int = 30, burst: int = 16) -> 
 async def _compare_engines() -> dict[str, tuple[list[float], list[float]]]:
     """Two engines side by side (tracing off, tracing on at the default rates with step tracing
     enabled), used in alternation so that load drift hits both alike."""
-    from services.stage_worker.llm_engine import EngineTracing
+    from services.stage_worker.engine_tracing import EngineTracing
 
     for key in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_EXPORTER"):
         os.environ.pop(key, None)

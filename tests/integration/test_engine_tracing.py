@@ -37,8 +37,12 @@ from vllm.inputs import TokensPrompt
 
 from libs.common import tracing
 from libs.common.pipeline import PipelineConfig, load_pipeline
-from services.stage_worker.engine_tracing import ENGINE_SERVICE_NAME, make_deterministic_sampler
-from services.stage_worker.llm_engine import EngineTracing, LLMEngineSpec, LLMHandler, cpu_core_for
+from services.stage_worker.engine_tracing import (
+    ENGINE_SERVICE_NAME,
+    EngineTracing,
+    make_deterministic_sampler,
+)
+from services.stage_worker.llm_engine import LLMEngineSpec, LLMHandler, cpu_core_for
 from services.stage_worker.step_tracing import (
     BATCH_SUMMARY_EVENT,
     BATCH_SUMMARY_REQUIRED,
