@@ -47,6 +47,28 @@ class LLMEngineSpec:
     cpu_core: int
     tracing: EngineTracing = field(default_factory=EngineTracing)
 
+    @classmethod
+    def for_replica(
+        cls,
+        pipeline: PipelineConfig,
+        stage_id: int,
+        replica: int,
+        *,
+        log_stats: bool = False,
+        log_stats_interval_s: float = 5.0,
+        tracing: EngineTracing | None = None,
+    ) -> LLMEngineSpec:
+        """The engine of worker (``stage_id``, ``replica``), on its core (:func:`cpu_core_for`)."""
+        return cls(
+            pipeline=pipeline,
+            stage_id=stage_id,
+            replica=replica,
+            log_stats=log_stats,
+            log_stats_interval_s=log_stats_interval_s,
+            cpu_core=cpu_core_for(pipeline, stage_id, replica),
+            tracing=tracing or EngineTracing(),
+        )
+
     @property
     def stage(self) -> StageConfig:
         return self.pipeline.stages[self.stage_id]

@@ -7,7 +7,7 @@ from typing import Protocol
 from libs.common.pipeline import Payload, PipelineConfig, StageType
 from libs.common.settings import WorkerSettings
 from services.stage_worker.engine_tracing import EngineTracing
-from services.stage_worker.llm_engine import LLMEngineSpec, cpu_core_for
+from services.stage_worker.llm_engine import LLMEngineSpec
 from services.stage_worker.request_context import RequestContext
 
 
@@ -37,13 +37,12 @@ def make_handler(pipeline: PipelineConfig, settings: WorkerSettings) -> StageHan
         from services.stage_worker.code2wav import Code2WavHandler
 
         return Code2WavHandler(stage)
-    engine = LLMEngineSpec(
-        pipeline=pipeline,
-        stage_id=stage_id,
-        replica=replica,
+    engine = LLMEngineSpec.for_replica(
+        pipeline,
+        stage_id,
+        replica,
         log_stats=settings.log_stats,
         log_stats_interval_s=settings.log_stats_interval_s,
-        cpu_core=cpu_core_for(pipeline, stage_id, replica),
         tracing=EngineTracing(
             journey_sample_rate=settings.journey_tracing_sample_rate,
             step_enabled=settings.step_tracing_enabled,

@@ -166,19 +166,9 @@ def _sink() -> ThreadingHTTPServer:
 
 async def _start(flags: Any):  # -> LLMHandler
     from libs.common.pipeline import load_pipeline
-    from services.stage_worker.llm_engine import LLMEngineSpec, LLMHandler, cpu_core_for
+    from services.stage_worker.llm_engine import LLMEngineSpec, LLMHandler
 
-    pipeline = load_pipeline()
-    spec = LLMEngineSpec(
-        pipeline=pipeline,
-        stage_id=0,
-        replica=0,
-        log_stats=False,
-        log_stats_interval_s=5.0,
-        cpu_core=cpu_core_for(pipeline, 0, 0),
-        tracing=flags,
-    )
-    handler = LLMHandler(spec)
+    handler = LLMHandler(LLMEngineSpec.for_replica(load_pipeline(), 0, 0, tracing=flags))
     await handler.start()
     return handler
 

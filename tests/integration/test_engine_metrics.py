@@ -46,7 +46,7 @@ from libs.common.metrics_catalog import OMNI_REGISTRY
 from libs.common.metrics_server import exposition_registry
 from libs.common.pipeline import load_pipeline
 from services.stage_worker.engine_metrics import EngineIdentity, prometheus_logger_class
-from services.stage_worker.llm_engine import LLMEngineSpec, LLMHandler, cpu_core_for
+from services.stage_worker.llm_engine import LLMEngineSpec, LLMHandler
 
 pytestmark = pytest.mark.integration
 
@@ -79,14 +79,7 @@ def small_kv_cache() -> Iterator[None]:
 def engine_spec(log_stats: bool) -> LLMEngineSpec:
     pipeline = load_pipeline()
     assert pipeline.served_model_name == SERVED
-    return LLMEngineSpec(
-        pipeline=pipeline,
-        stage_id=0,
-        replica=0,
-        log_stats=log_stats,
-        log_stats_interval_s=LOG_INTERVAL_S,
-        cpu_core=cpu_core_for(pipeline, 0, 0),
-    )
+    return LLMEngineSpec.for_replica(pipeline, 0, 0, log_stats=log_stats, log_stats_interval_s=LOG_INTERVAL_S)
 
 
 async def generate(engine, prompt: list[int], max_tokens: int) -> None:

@@ -42,7 +42,7 @@ from services.stage_worker.engine_tracing import (
     EngineTracing,
     make_deterministic_sampler,
 )
-from services.stage_worker.llm_engine import LLMEngineSpec, LLMHandler, cpu_core_for
+from services.stage_worker.llm_engine import LLMEngineSpec, LLMHandler
 from services.stage_worker.step_tracing import (
     BATCH_SUMMARY_EVENT,
     BATCH_SUMMARY_REQUIRED,
@@ -126,16 +126,7 @@ def pipeline_for_test() -> PipelineConfig:
 
 
 def spec_with(flags: EngineTracing) -> LLMEngineSpec:
-    pipeline = pipeline_for_test()
-    return LLMEngineSpec(
-        pipeline=pipeline,
-        stage_id=0,
-        replica=0,
-        log_stats=False,
-        log_stats_interval_s=5.0,
-        cpu_core=cpu_core_for(pipeline, 0, 0),
-        tracing=flags,
-    )
+    return LLMEngineSpec.for_replica(pipeline_for_test(), 0, 0, tracing=flags)
 
 
 def engine_pid(handler: LLMHandler) -> int:

@@ -41,6 +41,7 @@ from libs.models.tiny import resolve_model
 from services.stage_worker import engine_tracing
 from services.stage_worker.engine_tracing import (
     ADDITIONAL_CONFIG_KEY,
+    EngineTracing,
     EngineTracingConfig,
     make_deterministic_sampler,
     otlp_traces_endpoint,
@@ -51,7 +52,7 @@ from services.stage_worker.kv_observability import (
     get_per_request_kv_metrics,
     get_step_kv_summary,
 )
-from services.stage_worker.llm_engine import EngineTracing, LLMEngineSpec, engine_tracing_config
+from services.stage_worker.llm_engine import LLMEngineSpec, engine_tracing_config
 from services.stage_worker.omni_scheduler import OmniScheduler
 from services.stage_worker.step_tracing import (
     BATCH_SUMMARY_EVENT,
@@ -303,15 +304,7 @@ def test_invalid_settings_stop_the_scheduler_from_starting(monkeypatch: pytest.M
 
 
 def _spec(tracing: EngineTracing) -> LLMEngineSpec:
-    return LLMEngineSpec(
-        pipeline=load_pipeline(),
-        stage_id=1,
-        replica=0,
-        log_stats=False,
-        log_stats_interval_s=5.0,
-        cpu_core=0,
-        tracing=tracing,
-    )
+    return LLMEngineSpec.for_replica(load_pipeline(), 1, 0, tracing=tracing)
 
 
 def test_no_exporter_means_no_engine_tracing() -> None:
