@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from services.launcher import free_port
+
 
 class ServiceProcess:
     """``python -m services.cli <args>`` with extra environment, logging to ``log``."""
@@ -17,6 +19,7 @@ class ServiceProcess:
     def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
         self.args, self.env, self.log = args, env, log
         self.proc: subprocess.Popen[bytes] | None = None
+        self.metrics_url: str | None = None
 
     def start(self) -> ServiceProcess:
         with self.log.open("ab") as out:
@@ -58,6 +61,23 @@ class ServiceProcess:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             return self.proc.wait()
+
+
+def start_service(
+    args: list[str], nats_url: str, pipeline: Path, log: Path, env: dict[str, str] | None = None
+) -> ServiceProcess:
+    """A service of ``pipeline`` with --log-stats on and its ``/metrics`` on a free port
+    (``metrics_url``)."""
+    port = free_port()
+    base = {
+        "NATS_URL": nats_url,
+        "OMNIRELAY_PIPELINE": str(pipeline),
+        "OMNIRELAY_LOG_STATS": "true",
+        "OMNIRELAY_METRICS_PORT": str(port),
+    }
+    proc = ServiceProcess(args, {**base, **(env or {})}, log).start()
+    proc.metrics_url = f"http://127.0.0.1:{port}/metrics"
+    return proc
 
 
 def write_pipeline(path: Path, name: str, stages_yaml: str, timeout_s: float = 120.0) -> Path:

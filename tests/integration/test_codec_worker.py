@@ -24,9 +24,8 @@ from libs.common.publish import Hop, publish_task
 from libs.common.subjects import Subjects, consumer_name
 from libs.models.codec import decode_to_pcm16, load_codec
 from libs.models.tiny import resolve_model
-from services.launcher import free_port
 from tests.metrics_scrape import delta, scrape, total
-from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, ServiceProcess, write_pipeline
+from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, start_service, write_pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -40,16 +39,7 @@ HOP = Hop("1", "0", 2, 0)
 def worker(nats_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("c2w")
     path = write_pipeline(tmp / "p.yaml", PIPELINE, THINKER_YAML + TALKER_YAML + CODE2WAV_YAML)
-    port = free_port()
-    env = {
-        "NATS_URL": nats_server.url,
-        "OMNIRELAY_PIPELINE": str(path),
-        "OMNIRELAY_STAGE": "2",
-        "OMNIRELAY_LOG_STATS": "true",
-        "OMNIRELAY_METRICS_PORT": str(port),
-    }
-    proc = ServiceProcess(["worker"], env, tmp / "worker.log").start()
-    proc.metrics_url = f"http://127.0.0.1:{port}/metrics"
+    proc = start_service(["worker"], nats_server.url, path, tmp / "worker.log", {"OMNIRELAY_STAGE": "2"})
     proc.wait_log("serving", timeout_s=120)
     yield proc
     assert proc.stop() == 0

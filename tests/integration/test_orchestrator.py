@@ -31,9 +31,8 @@ from libs.common.publish import publish_lifecycle
 from libs.common.records import RequestRecord, RequestStatus, StageProgress
 from libs.common.registry import ServiceKind, ServiceRecord
 from libs.common.subjects import Subjects
-from services.launcher import free_port
 from tests.metrics_scrape import delta, scrape, total
-from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, ServiceProcess, write_pipeline
+from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, start_service, write_pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -46,15 +45,7 @@ SUBJECTS = Subjects(PIPELINE)
 def orchestrator(nats_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("orch")
     path = write_pipeline(tmp / "p.yaml", PIPELINE, THINKER_YAML + TALKER_YAML + CODE2WAV_YAML)
-    port = free_port()
-    env = {
-        "NATS_URL": nats_server.url,
-        "OMNIRELAY_PIPELINE": str(path),
-        "OMNIRELAY_LOG_STATS": "true",
-        "OMNIRELAY_METRICS_PORT": str(port),
-    }
-    proc = ServiceProcess(["orchestrator"], env, tmp / "orch.log").start()
-    proc.metrics_url = f"http://127.0.0.1:{port}/metrics"
+    proc = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
     proc.wait_log("ready")
     yield proc
     assert proc.stop() == 0
