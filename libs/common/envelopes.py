@@ -174,8 +174,10 @@ class EdgeSummary(BaseModel):
 class LifecycleEvent(_Envelope):
     """All → orchestrator (subject ``events.<kind>``).
 
-    A stage reports ``started`` (stamped when it took the request's first input) once it has sent
-    its first output, then ``stage_done``; the last stage folds ``stage_done`` into ``finished``.
+    A stage still working ``STARTED_REPORT_DELAY_S`` after taking a request's first input reports
+    ``started`` (stamped with that moment); a stage that ends sooner carries the moment in
+    ``started_ns`` of its ending event instead. The last stage folds ``stage_done`` into
+    ``finished``.
     """
 
     request_id: str
@@ -185,6 +187,9 @@ class LifecycleEvent(_Envelope):
     replica: int | None = None
     finish_reason: str | None = None
     reason: str | None = None
+    started_ns: int | None = None
+    """When the stage took its first input (wall clock, ns), on an ending event whose stage sent
+    no ``started``."""
     edges: list[EdgeSummary] = Field(default_factory=list)
     """Transfers this stage received for the request (``stage_done`` or the last stage's
     ``finished``, with --log-stats)."""

@@ -321,19 +321,20 @@ def apply_event(rec: RequestRecord, ev: LifecycleEvent) -> None:
     A terminal status is final: late events of a finished request only fill in timestamps.
     """
     s = ev.stage
+    started_ns = ev.ts_ns if ev.kind == "started" else ev.started_ns
     if s is not None and 0 <= s < len(rec.stages):
-        if ev.kind == "started" and rec.stages[s].started_ns is None:
-            rec.stages[s].started_ns = ev.ts_ns
-        elif ev.kind in ("stage_done", "finished") and rec.stages[s].done_ns is None:
+        if started_ns is not None and rec.stages[s].started_ns is None:
+            rec.stages[s].started_ns = started_ns
+        if ev.kind in ("stage_done", "finished") and rec.stages[s].done_ns is None:
             rec.stages[s].done_ns = ev.ts_ns
     if ev.finish_reason and rec.finish_reason is None:
         rec.finish_reason = ev.finish_reason
     rec.edges.extend(ev.edges)
     if not rec.status.terminal:
-        if ev.kind == "started":
+        if started_ns is not None:
             rec.status = RequestStatus.RUNNING
             rec.current_stage = max(rec.current_stage, s or 0)
-        elif ev.kind == "finished":
+        if ev.kind == "finished":
             rec.status = RequestStatus.COMPLETED
         elif ev.kind == "failed":
             rec.status, rec.error = RequestStatus.FAILED, ev.reason

@@ -20,6 +20,10 @@ from services.stage_worker.transfer_stats import TransferStats
 
 log = logging.getLogger(__name__)
 
+STARTED_REPORT_DELAY_S = 0.25
+"""A stage still working this long after taking a request's first input reports ``started``;
+one that ends sooner reports its start in its ending event, seconds."""
+
 
 @dataclass
 class Identity:
@@ -51,8 +55,9 @@ class RequestContext:
     _out_seq: int = 0
     _client_seq: int = 0
     _started_ns: int | None = None
-    """When the handler took its first input (wall clock, ns); reported after the first output."""
+    """When the handler took its first input (wall clock, ns)."""
     _started_sent: bool = False
+    _started_timer: asyncio.TimerHandle | None = None
     _done_fields: dict[str, object] | None = None
     """A last stage's ``stage_done`` fields, folded into its ``finished`` event."""
     _in_hand: dict[int, Delivery] = field(default_factory=dict)
@@ -99,6 +104,9 @@ class RequestContext:
             self.span.add_event("chunk.received", _chunk_attributes(d))
         if self._started_ns is None:
             self._started_ns = time.time_ns()
+            self._started_timer = asyncio.get_running_loop().call_later(
+                STARTED_REPORT_DELAY_S, self._report_started
+            )
         return d
 
     async def ack(self, d: Delivery) -> None:
@@ -128,7 +136,6 @@ class RequestContext:
         self._out_seq += 1
         hop = Hop(str(self.me.stage), str(self.me.replica), to_stage, self.first.route[to_stage])
         await publish_task(self.bus.js, self.bus.subjects, task, hop, self.span)
-        self._report_started()
         if tracing.enabled():
             self.span.add_event(
                 "chunk.sent",
@@ -148,7 +155,6 @@ class RequestContext:
         await publish_client(
             self.bus.nc, self.bus.subjects, self.first.gateway_id, event, self.first.arrival_ns
         )
-        self._report_started()
 
     def _add_transfer(self, t: TransferStats) -> None:
         e = self._edges.get((t.from_stage, t.from_replica))
@@ -166,21 +172,29 @@ class RequestContext:
         e.in_flight_s += t.in_flight_s
 
     def _report_started(self) -> None:
-        """Send ``started`` (stamped when the first input was taken) once the stage has produced
-        its first output: the orchestrator's record update then does not compete for the CPU
-        with the work that leads to the request's first token."""
-        if self._started_ns is not None and not self._started_sent:
+        """Send ``started`` for a stage still at work ``STARTED_REPORT_DELAY_S`` after it began."""
+        if not self._started_sent:
             self._started_sent = True
             self._send(LifecycleEvent(**self._event_fields("started", self._started_ns)))
+
+    def close(self) -> None:
+        """The request has ended here: no late ``started``."""
+        if self._started_timer is not None:
+            self._started_timer.cancel()
+        self._started_sent = True
 
     def lifecycle(self, kind: str, **fields: object) -> None:
         """Report a lifecycle event to the orchestrator without waiting for it.
 
-        ``stage_done`` carries the transfers this stage received for the request; in the last
-        stage it is folded into the ``finished`` event that follows it (one bus message and one
-        record update fewer per request).
+        An ending event of a stage that has not reported ``started`` carries ``started_ns``. A
+        short stage thus costs one event and one record update instead of two, and the record
+        still shows within ``STARTED_REPORT_DELAY_S`` where a long request is. ``stage_done``
+        carries the transfers this stage received for the request; in the last stage it is
+        folded into the ``finished`` event that follows it.
         """
-        self._report_started()
+        if not self._started_sent and self._started_ns is not None:
+            fields = {**fields, "started_ns": self._started_ns}
+            self.close()
         if kind == "stage_done":
             fields = {**fields, "edges": list(self._edges.values())}
             if self.is_last_stage:

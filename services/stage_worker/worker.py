@@ -289,6 +289,7 @@ class StageWorker:
                 ctx, status, code, f"stage {self.me.stage} ({self.stage_cfg.name}) failed: {e}"
             )
         finally:
+            ctx.close()
             ctx.span.end()
             self.active.pop(rid, None)
             self._abort_reasons.pop(rid, None)

@@ -11,6 +11,7 @@ from libs.common.records import RequestRecord, RequestStatus, StageProgress
 from libs.common.registry import ServiceKind, ServiceRecord
 from services.orchestrator.orchestrator import apply_event
 from services.orchestrator.routing import NoLiveReplica, ReplicaPicker
+from services.stage_worker import request_context
 from services.stage_worker.chunking import CodeChunker, TextChunker
 from services.stage_worker.inbox import Delivery, RequestInbox
 from services.stage_worker.request_context import Identity, RequestContext
@@ -136,6 +137,49 @@ def test_lifecycle_folds_into_the_record_and_terminal_is_final() -> None:
     assert rec.status == RequestStatus.COMPLETED and rec.finish_reason == "length"
     apply_event(rec, _ev("aborted", None, 7, reason="client disconnected"))
     assert rec.status == RequestStatus.COMPLETED and rec.updated_ns == 7
+
+
+def test_an_ending_event_carries_the_start_of_a_stage_that_sent_no_started() -> None:
+    rec = _record()
+    apply_event(rec, _ev("stage_done", 0, 9, started_ns=4, finish_reason="stop"))
+    assert (rec.status, rec.stages[0].started_ns, rec.stages[0].done_ns) == (RequestStatus.RUNNING, 4, 9)
+    apply_event(rec, _ev("finished", 1, 12, started_ns=10))
+    assert rec.status == RequestStatus.COMPLETED
+    assert (rec.stages[1].started_ns, rec.stages[1].done_ns) == (10, 12)
+
+
+async def _events_of_a_stage(monkeypatch, works_s: float, last: bool) -> list[LifecycleEvent]:
+    """The lifecycle events one stage's context sends for a request it works on ``works_s``."""
+    monkeypatch.setattr(request_context, "STARTED_REPORT_DELAY_S", 0.05)
+    route = [0, 0] if last else [0, 0, 0]
+    first = StageTask(
+        request_id="r", gateway_id="g", arrival_ns=0, deadline_ns=0, route=route, kind=TaskKind.CHUNK, seq=0
+    )
+    ctx = RequestContext(Identity(1, 0, 3), bus=None, first=first)
+    sent: list[LifecycleEvent] = []
+    monkeypatch.setattr(ctx, "_send", sent.append)
+    ctx.inbox.put(Delivery(msg=None, task=first, received_ns=0))
+    await ctx.next()
+    await asyncio.sleep(works_s)
+    ctx.lifecycle("stage_done", finish_reason="stop")
+    if last:
+        ctx.lifecycle("finished")
+    ctx.close()
+    await asyncio.sleep(0.1)  # no late "started" after the end
+    return sent
+
+
+async def test_a_short_stage_reports_its_start_in_its_ending_event(monkeypatch) -> None:
+    (done,) = await _events_of_a_stage(monkeypatch, 0.0, last=False)
+    assert done.kind == "stage_done" and done.started_ns is not None and done.started_ns <= done.ts_ns
+    (fin,) = await _events_of_a_stage(monkeypatch, 0.0, last=True)  # stage_done folded into finished
+    assert fin.kind == "finished" and fin.started_ns is not None and fin.finish_reason == "stop"
+
+
+async def test_a_long_stage_reports_started_while_it_works(monkeypatch) -> None:
+    started, done = await _events_of_a_stage(monkeypatch, 0.2, last=False)
+    assert started.kind == "started" and done.kind == "stage_done" and done.started_ns is None
+    assert started.ts_ns < done.ts_ns - 0.15e9
 
 
 def test_abort_sets_finish_reason_abort() -> None:
