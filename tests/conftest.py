@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from libs.common import tracing
 from services.launcher import free_port, nats_server_argv
 
 
@@ -52,3 +53,12 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _tracing_left_as_found() -> Iterator[None]:
+    """No test may leave in-process tracing switched on for the tests after it
+    (use ``tests.otlp_receiver.tracing_in_this_process``)."""
+    before = tracing._enabled
+    yield
+    assert tracing._enabled == before, "this test left in-process tracing switched on"

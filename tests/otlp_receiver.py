@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from opentelemetry import trace as otel_trace
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.util._once import Once
+
+from libs.common import tracing
 
 
 def _value(v: AnyValue) -> object:
@@ -96,3 +102,22 @@ def start_receiver() -> tuple[ThreadingHTTPServer, Receiver]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, receiver
+
+
+@contextlib.contextmanager
+def tracing_in_this_process(
+    service: str, pipeline: str, stage: int | None = None, replica: int | None = None
+) -> Iterator[None]:
+    """``setup_tracing`` for the test process (exporting where the environment says), undone on
+    exit: the OTel API sets a process's tracer provider once, so this one is swapped in and the
+    previous one and the ``tracing`` flag are put back — later tests run as if it never happened."""
+    enabled_before = tracing._enabled
+    provider_before = (otel_trace._TRACER_PROVIDER_SET_ONCE, otel_trace._TRACER_PROVIDER)
+    otel_trace._TRACER_PROVIDER_SET_ONCE, otel_trace._TRACER_PROVIDER = Once(), None
+    try:
+        assert tracing.setup_tracing(service, pipeline, stage, replica)
+        yield
+    finally:
+        tracing.shutdown_tracing()
+        tracing._enabled = enabled_before
+        otel_trace._TRACER_PROVIDER_SET_ONCE, otel_trace._TRACER_PROVIDER = provider_before

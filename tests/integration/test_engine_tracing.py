@@ -29,9 +29,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from opentelemetry import trace as otel_trace
 from opentelemetry.trace import Span
-from opentelemetry.util._once import Once
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
@@ -52,7 +50,7 @@ from services.stage_worker.step_tracing import (
     SPAN_LAST,
     STEP_SPAN_NAME,
 )
-from tests.otlp_receiver import Receiver, SpanRecord, start_receiver
+from tests.otlp_receiver import Receiver, SpanRecord, start_receiver, tracing_in_this_process
 
 pytestmark = pytest.mark.integration
 
@@ -87,11 +85,6 @@ LONG_PROMPT, LONG_MAX = 60, 150
 def otlp() -> Iterator[Receiver]:
     server, receiver = start_receiver()
     host, port = server.server_address[:2]
-    enabled_before = tracing._enabled
-    # The OTel API lets a process set its tracer provider once: give this module its own and put
-    # back whatever was there afterwards, so other modules' setup_tracing() still works.
-    provider_before = (otel_trace._TRACER_PROVIDER_SET_ONCE, otel_trace._TRACER_PROVIDER)
-    otel_trace._TRACER_PROVIDER_SET_ONCE, otel_trace._TRACER_PROVIDER = Once(), None
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
         mp.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://{host}:{port}")
@@ -108,13 +101,10 @@ def otlp() -> Iterator[Receiver]:
         ):
             mp.setenv(key, "")
             mp.delenv(key)
-        assert tracing.setup_tracing("worker", "omni", 0, 0)  # the "worker" side of this process
         try:
-            yield receiver
+            with tracing_in_this_process("worker", "omni", 0, 0):  # the "worker" side of this process
+                yield receiver
         finally:
-            tracing.shutdown_tracing()
-            tracing._enabled = enabled_before
-            otel_trace._TRACER_PROVIDER_SET_ONCE, otel_trace._TRACER_PROVIDER = provider_before
             server.shutdown()
 
 

@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 import nats
 import numpy as np
@@ -15,8 +16,8 @@ import pytest
 from libs.common.envelopes import ClientEvent, ClientEventType, NdArray, StageTask, TaskKind, decode
 from libs.common.publish import Hop, publish_task
 from libs.common.subjects import Subjects
-from libs.common.tracing import setup_tracing, start_span
-from tests.otlp_receiver import start_receiver
+from libs.common.tracing import start_span
+from tests.otlp_receiver import Receiver, start_receiver, tracing_in_this_process
 from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, ServiceProcess, write_pipeline
 
 pytestmark = pytest.mark.integration
@@ -41,18 +42,26 @@ def _chunk(rid: str, seq: int, final: bool) -> StageTask:
     )
 
 
-async def test_redelivered_message_is_finished_by_the_next_worker_with_a_linked_span(
-    nats_server, tmp_path, monkeypatch
-) -> None:
-    server, otlp = start_receiver()
-    endpoint = f"http://127.0.0.1:{server.server_port}"
+@pytest.fixture
+def otlp(monkeypatch) -> Iterator[Receiver]:
+    """An OTLP receiver that this process (the sender, playing the talker) exports to."""
+    server, receiver = start_receiver()
     for k, v in {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{server.server_port}",
         "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
         "OTEL_BSP_SCHEDULE_DELAY": "100",
     }.items():
         monkeypatch.setenv(k, v)
-    setup_tracing("test", PIPELINE)  # this process plays the sender (the talker)
+    try:
+        with tracing_in_this_process("test", PIPELINE):
+            yield receiver
+    finally:
+        server.shutdown()
+
+
+async def test_redelivered_message_is_finished_by_the_next_worker_with_a_linked_span(
+    nats_server, tmp_path, otlp
+) -> None:
     path = write_pipeline(tmp_path / "p.yaml", PIPELINE, THINKER_YAML + TALKER_YAML + CODE2WAV_YAML)
     env = {
         "NATS_URL": nats_server.url,
@@ -108,4 +117,3 @@ async def test_redelivered_message_is_finished_by_the_next_worker_with_a_linked_
         await nc.close()
         second.stop()
         first.stop()
-        server.shutdown()

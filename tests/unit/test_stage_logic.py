@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -158,7 +159,7 @@ async def _events_of_a_stage(monkeypatch, works_s: float, last: bool) -> list[Li
     ctx = RequestContext(Identity(1, 0, 3), bus=None, first=first)
     sent: list[LifecycleEvent] = []
     monkeypatch.setattr(ctx, "_send", sent.append)
-    ctx.inbox.put(Delivery(msg=None, task=first, received_ns=0))
+    ctx.inbox.put(Delivery(msg=SimpleNamespace(data=b""), task=first, received_ns=0))
     await ctx.next()
     await asyncio.sleep(works_s)
     ctx.lifecycle("stage_done", finish_reason="stop")
