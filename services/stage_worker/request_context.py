@@ -93,7 +93,8 @@ class RequestContext:
             raise asyncio.CancelledError(f"request {self.request_id} aborted")
 
     async def next(self) -> Delivery:
-        """The next input in sequence order; the first call reports the stage as started."""
+        """The next input in sequence order; the first call stamps the stage's start (see
+        :meth:`lifecycle` for when it is reported)."""
         self._check_aborted()
         d = await self.inbox.next()
         self._check_aborted()
