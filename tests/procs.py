@@ -53,14 +53,20 @@ class ServiceProcess:
         return await asyncio.to_thread(self.wait_log, *needles, timeout_s=timeout_s)
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            return self.proc.wait()
+        return None if self.proc is None else stop_process(self.proc, signal.SIGTERM, timeout_s)
+
+
+def stop_process(proc: subprocess.Popen[bytes], sig: int, timeout_s: float) -> int:
+    """Send ``sig`` to a process started in its own session and wait up to ``timeout_s``; then
+    SIGKILL its whole process group. Its exit code."""
+    if proc.poll() is not None:
+        return proc.returncode
+    proc.send_signal(sig)
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
 
 
 def start_service(

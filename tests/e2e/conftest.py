@@ -19,6 +19,7 @@ from libs.common.pipeline import load_pipeline
 from services.launcher import free_port
 from tests.conftest import NatsServer
 from tests.otlp_receiver import Receiver, start_receiver
+from tests.procs import stop_process
 
 START_TIMEOUT_S = 420.0
 
@@ -100,10 +101,4 @@ def stack(
         assert httpx.get(f"{s.base_url}/health").status_code == 200
         yield s
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process(proc, signal.SIGINT, 60)

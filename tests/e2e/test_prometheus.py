@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -41,7 +40,7 @@ from libs.common.metrics_catalog import AUDIO, Exporter, exposed_names, families
 from libs.common.subjects import Subjects
 from services.bus_inspect import request_record
 from services.launcher import free_port
-from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, ServiceProcess, write_pipeline
+from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, ServiceProcess, stop_process, write_pipeline
 from tests.unit.test_dashboard import DASHBOARD, dashboard_queries, grafana_to_promql, metric_names
 
 pytestmark = pytest.mark.e2e
@@ -192,13 +191,7 @@ def prom(stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus
         yield p
     finally:
         p.http.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process(proc, signal.SIGTERM, 15)
 
 
 # --- known traffic and its ground truth ---------------------------------------------------------------
