@@ -65,8 +65,9 @@ class RequestContext:
     received_s: float = field(default_factory=time.monotonic)
     """When the request's first input reached this worker (monotonic)."""
     _background: set[asyncio.Task[None]] = field(default_factory=set)
-    aborted: bool = False
-    """Set by :meth:`abort`; every later inbox or bus step of the handler raises."""
+    abort_reason: str | None = None
+    """Why the request was aborted (set by :meth:`abort`); once set, every later inbox or bus
+    step of the handler raises."""
 
     @property
     def request_id(self) -> str:
@@ -82,11 +83,15 @@ class RequestContext:
         """Time until the request's deadline (wall clock), in seconds."""
         return (self.first.deadline_ns - time.time_ns()) / 1e9
 
-    def abort(self) -> None:
+    @property
+    def aborted(self) -> bool:
+        return self.abort_reason is not None
+
+    def abort(self, reason: str) -> None:
         """Make the request stop at its handler's next step even if a cancellation of its task is
         lost (Python 3.11's ``asyncio.wait_for``, used by nats-py's publish acknowledgement, drops
         a cancellation that arrives together with the awaited result)."""
-        self.aborted = True
+        self.abort_reason = reason
 
     def _check_aborted(self) -> None:
         if self.aborted:

@@ -78,7 +78,6 @@ class StageWorker:
         self._labels = (pipeline.served_model_name, str(settings.stage), str(settings.replica))
         self.active: dict[str, tuple[RequestContext, asyncio.Task[None]]] = {}
         self._closed: dict[str, float] = {}
-        self._abort_reasons: dict[str, str] = {}
         self._backlog: deque[Delivery] = deque()
         self.bus: Bus | None = None
         self._heartbeat: Heartbeat | None = None
@@ -275,7 +274,7 @@ class StageWorker:
             if ctx.is_last_stage:
                 ctx.lifecycle("finished")
         except asyncio.CancelledError:
-            log.info("%s: request %s stopped (%s)", self.label, rid, self._abort_reasons.get(rid, "shutdown"))
+            log.info("%s: request %s stopped (%s)", self.label, rid, ctx.abort_reason or "shutdown")
         except TimeoutError:
             log.warning("%s: request %s passed its deadline; stopped", self.label, rid)
             await self._report_failure(ctx, 504, "timeout", "the request did not finish before its deadline")
@@ -292,7 +291,6 @@ class StageWorker:
             ctx.close()
             ctx.span.end()
             self.active.pop(rid, None)
-            self._abort_reasons.pop(rid, None)
             self._close(rid)
             await self._ack_all(ctx)
             await self._admit_backlog()
@@ -370,8 +368,7 @@ class StageWorker:
         entry = self.active.get(notice.request_id)
         self._close(notice.request_id)
         if entry is not None:
-            self._abort_reasons[notice.request_id] = notice.reason
-            entry[0].abort()
+            entry[0].abort(notice.reason)
             entry[1].cancel()
 
 

@@ -78,7 +78,7 @@ async def test_an_abort_stops_the_handler_even_when_its_cancellation_is_lost() -
     task = asyncio.create_task(handler())
     await asyncio.sleep(0)  # the handler waits for its ack
     ack.set_result("ack")
-    ctx.abort()
+    ctx.abort("client disconnected")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
