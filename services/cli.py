@@ -14,6 +14,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
+from libs.common.event_loop import run_service
 from libs.common.logs import setup_logging
 from libs.common.pipeline import PipelineConfigError, load_pipeline
 from libs.common.settings import GatewaySettings, OrchestratorSettings, ServiceSettings, WorkerSettings
@@ -111,7 +112,7 @@ def orchestrator(
         log_level=log_level,
     )
     setup_logging(s.log_level, "orchestrator")
-    asyncio.run(run_orchestrator(s, _pipeline(s)))
+    run_service(run_orchestrator(s, _pipeline(s)))
 
 
 @app.command()
@@ -183,7 +184,7 @@ def worker(
     p = _pipeline(s)
     name = p.stages[s.stage].name if s.stage < len(p.stages) else "?"
     setup_logging(s.log_level, f"{name}-{s.replica}")
-    asyncio.run(run_worker(s, p))
+    run_service(run_worker(s, p))
 
 
 @app.command()
