@@ -7,11 +7,12 @@ gateway). This measures both kinds with the project's own plumbing and nothing e
 
 - ``jetstream``: a message published to a stage subject of a work-queue stream (the sender waits
   for the PubAck, as the gateway, orchestrator and workers do), received through the stage's
-  durable pull consumer by :func:`libs.common.bus.pull`, as a worker receives its tasks;
+  durable pull consumer by :class:`libs.common.consumer.PullConsumer`, as a worker receives its tasks;
 - ``core``: a core-NATS publish to a gateway's ``out`` subject, received by a subscription.
 
 Latency is the receiver's wall clock at receipt minus the sender's just before the publish call
 (one host, one clock), in ms. The messages are spaced, so each hop is measured on an idle bus.
+Both sides run on uvloop, as the services do.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from libs.common.event_loop import run_service
 from services.bench import percentile
 
 SENT_NS = "Bench-Sent-Ns"
@@ -61,11 +63,11 @@ def _receive(url: str, mode: str, count: int, conn: Connection, cpu: int | None)
     """Receiver process: tell the parent when subscribed, then send back ``count`` latencies (ms)."""
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
-    conn.send(asyncio.run(_receive_async(url, mode, count, conn)))
+    conn.send(run_service(_receive_async(url, mode, count, conn)))
 
 
 async def _receive_async(url: str, mode: str, count: int, conn: Connection) -> list[float]:
-    from libs.common.bus import connect, pull, stage_consumer_config
+    from libs.common.bus import connect, consume, stage_consumer_config
     from libs.common.subjects import Subjects
 
     subjects = Subjects(PIPELINE)
@@ -89,17 +91,18 @@ async def _receive_async(url: str, mode: str, count: int, conn: Connection) -> l
             conn.send("ready")
             await done.wait()
         else:
-            cfg = stage_consumer_config(subjects, 0, 0)
-            js = nc.jetstream()
-            psub = await js.pull_subscribe(
-                subjects.stage_in(0, 0), durable=cfg.durable_name, stream=subjects.stages_stream, config=cfg
-            )
-            conn.send("ready")
-            async for msg in pull(psub, "bench-bus"):
+
+            async def on_task(msg) -> None:
                 record(msg.headers)
                 await msg.ack()
-                if done.is_set():
-                    break
+
+            cfg = stage_consumer_config(subjects, 0, 0)
+            consumer = await consume(
+                nc, nc.jetstream(), subjects.stages_stream, cfg, on_task, batch=64, name="bench-bus"
+            )
+            conn.send("ready")
+            await done.wait()
+            await consumer.stop()
     finally:
         await nc.close()
     return got
@@ -145,7 +148,7 @@ def measure_hop(url: str, mode: str, count: int, interval_s: float, cpu: int | N
     try:
         if not parent.poll(60) or parent.recv() != "ready":
             raise RuntimeError(f"{mode} receiver did not start")
-        asyncio.run(_send(url, mode, count, interval_s))
+        run_service(_send(url, mode, count, interval_s))
         if not parent.poll(60):
             raise RuntimeError(f"{mode} receiver got fewer than {count} messages in 60 s")
         return parent.recv()

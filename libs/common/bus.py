@@ -6,14 +6,10 @@ call :func:`ensure_topology` at start; the last writer wins with the same config
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -24,9 +20,10 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
 
+from libs.common.consumer import Handler, PullConsumer
 from libs.common.subjects import (
     REQUESTS_BUCKET,
     SERVICES_BUCKET,
@@ -183,21 +180,22 @@ def orchestrator_consumer_config(subject: str, durable: str, limits: BusLimits =
     )
 
 
-async def pull(psub: JetStreamContext.PullSubscription, name: str) -> AsyncIterator[Msg]:
-    """Messages of a pull subscription, one at a time, as soon as each is available.
-
-    One message per pull request: nats-py's batched fetch waits for the whole batch (or its
-    timeout) once the first message is in, which would add up to the timeout to latency.
-    Broker outages are logged and retried.
-    """
-    while True:
-        try:
-            msgs = await psub.fetch(batch=1, timeout=5.0)
-        except NatsTimeout:
-            continue
-        except Exception as e:
-            log.warning("%s: fetch failed (%r); retrying", name, e)
-            await asyncio.sleep(0.5)
-            continue
-        for msg in msgs:
-            yield msg
+async def consume(
+    nc: NATS,
+    js: JetStreamContext,
+    stream: str,
+    config: ConsumerConfig,
+    handle: Handler,
+    *,
+    batch: int,
+    name: str,
+) -> PullConsumer:
+    """Declare durable pull consumer ``config`` on ``stream`` (kept as it is when it exists) and
+    hand its messages to ``handle`` as they arrive, at most ``batch`` asked for at a time."""
+    try:
+        await js.consumer_info(stream, config.durable_name)
+    except NotFoundError:
+        await js.add_consumer(stream, config)
+    consumer = PullConsumer(nc, stream, config.durable_name, handle, batch=batch, name=name)
+    await consumer.start()
+    return consumer

@@ -20,12 +20,13 @@ from opentelemetry.trace import SpanKind
 from libs.common import headers as h
 from libs.common.bus import (
     connect,
+    consume,
     ensure_topology,
     orchestrator_consumer_config,
-    pull,
     requests_kv,
     services_kv,
 )
+from libs.common.consumer import Handler, PullConsumer
 from libs.common.envelopes import (
     AbortNotice,
     Admission,
@@ -80,6 +81,7 @@ class Orchestrator:
         self.pipeline = pipeline
         self.subjects = Subjects(pipeline.name)
         self._tasks: list[asyncio.Task[None]] = []
+        self._consumers: list[PullConsumer] = []
         self._inflight = 0
         self.metrics = MetricSet(Exporter.ORCHESTRATOR, settings.log_stats)
         self._tally = PipelineTally()
@@ -95,22 +97,6 @@ class Orchestrator:
         self.picker = ReplicaPicker(self.services)
         await self.services.start()
         await asyncio.wait_for(self.services.ready.wait(), timeout=10)
-        self._admissions = await self.js.pull_subscribe(
-            self.subjects.requests,
-            durable=ORCHESTRATOR_ADMISSION_CONSUMER,
-            stream=self.subjects.requests_stream,
-            config=orchestrator_consumer_config(
-                self.subjects.requests, ORCHESTRATOR_ADMISSION_CONSUMER, self.settings.bus_limits
-            ),
-        )
-        self._events = await self.js.pull_subscribe(
-            self.subjects.events_wildcard,
-            durable=ORCHESTRATOR_EVENTS_CONSUMER,
-            stream=self.subjects.events_stream,
-            config=orchestrator_consumer_config(
-                self.subjects.events_wildcard, ORCHESTRATOR_EVENTS_CONSUMER, self.settings.bus_limits
-            ),
-        )
         self._sweeper = DeadlineSweeper(self.requests, self.pipeline.name, self._expired)
         await self._sweeper.start()
         port = start_metrics_server(self.settings.metrics_port)
@@ -123,20 +109,35 @@ class Orchestrator:
         )
         self._heartbeat = Heartbeat(skv, record, lambda: self._inflight)
         await self._heartbeat.start()
-        self._tasks = [
-            asyncio.create_task(
-                self._pull_loop(self._admissions, self._admit, MAX_CONCURRENT_ADMISSIONS), name="admit"
-            ),
-            asyncio.create_task(
-                self._pull_loop(self._events, self._on_event, MAX_CONCURRENT_EVENTS), name="events"
-            ),
-        ]
         if self.metrics.enabled:
             self._tasks += [
                 asyncio.create_task(self._queue_depth_loop(), name="queue-depth"),
                 asyncio.create_task(self._loop_lag_loop(), name="loop-lag"),
                 asyncio.create_task(self._pipeline_log_loop(), name="pipeline-log"),
             ]
+        limits = self.settings.bus_limits
+        self._consumers = [
+            await consume(
+                self.nc,
+                self.js,
+                self.subjects.requests_stream,
+                orchestrator_consumer_config(self.subjects.requests, ORCHESTRATOR_ADMISSION_CONSUMER, limits),
+                self._concurrently(self._admit, MAX_CONCURRENT_ADMISSIONS),
+                batch=MAX_CONCURRENT_ADMISSIONS,
+                name="orchestrator admissions",
+            ),
+            await consume(
+                self.nc,
+                self.js,
+                self.subjects.events_stream,
+                orchestrator_consumer_config(
+                    self.subjects.events_wildcard, ORCHESTRATOR_EVENTS_CONSUMER, limits
+                ),
+                self._concurrently(self._on_event, MAX_CONCURRENT_EVENTS),
+                batch=MAX_CONCURRENT_EVENTS,
+                name="orchestrator events",
+            ),
+        ]
         log.info("orchestrator %s: ready, metrics on :%d", self.settings.instance_id, port)
 
     async def _queue_depth_loop(self) -> None:
@@ -175,6 +176,8 @@ class Orchestrator:
             self.metrics["vllm:omni_orchestrator_admissions"].labels(self.model, outcome).inc()
 
     async def stop(self) -> None:
+        for c in self._consumers:
+            await c.stop()
         for t in self._tasks:
             t.cancel()
         await self._sweeper.stop()
@@ -183,16 +186,20 @@ class Orchestrator:
         with contextlib.suppress(Exception):
             await self.nc.drain()
 
-    async def _pull_loop(self, psub, handle, concurrency: int = 1) -> None:
-        """Handle the subscription's messages, up to ``concurrency`` at once."""
+    def _concurrently(self, handle, concurrency: int) -> Handler:
+        """A message handler that runs ``handle`` on up to ``concurrency`` messages at once
+        (it waits for a free slot before taking the next message)."""
         slots = asyncio.Semaphore(concurrency)
         running: set[asyncio.Task[None]] = set()
-        async for msg in pull(psub, "orchestrator"):
+
+        async def start(msg: Msg) -> None:
             await slots.acquire()
             task = asyncio.create_task(self._handle(msg, handle))
             running.add(task)
             task.add_done_callback(running.discard)
             task.add_done_callback(lambda _: slots.release())
+
+        return start
 
     @staticmethod
     async def _handle(msg: Msg, handle) -> None:

@@ -21,11 +21,12 @@ from libs.common import headers as h
 from libs.common import tracing
 from libs.common.bus import (
     connect,
+    consume,
     ensure_topology,
-    pull,
     services_kv,
     stage_consumer_config,
 )
+from libs.common.consumer import PullConsumer
 from libs.common.envelopes import (
     AbortNotice,
     ClientEvent,
@@ -50,6 +51,9 @@ from services.stage_worker.transfer_stats import TransferStatLogger, transfer_st
 log = logging.getLogger(__name__)
 
 CONSUMER_STATE_PERIOD_S = 2.0
+PULL_BATCH = 64
+"""Messages asked of the stage consumer at a time (those beyond ``max_inflight`` requests wait
+in the backlog, kept alive by in-progress acks)."""
 CLOSED_TTL_S = 600.0
 """How long a finished/aborted request id is remembered so late chunks are dropped, seconds."""
 
@@ -82,6 +86,7 @@ class StageWorker:
         self.bus: Bus | None = None
         self._heartbeat: Heartbeat | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._consumer: PullConsumer | None = None
 
     @property
     def label(self) -> str:
@@ -96,16 +101,6 @@ class StageWorker:
         js = nc.jetstream()
         await ensure_topology(js, self.subjects)
         self.bus = Bus(nc, js, self.subjects)
-        self._psub = await js.pull_subscribe(
-            self.subjects.stage_in(self.me.stage, self.me.replica),
-            durable=stage_consumer_config(
-                self.subjects, self.me.stage, self.me.replica, self.settings.bus_limits
-            ).durable_name,
-            stream=self.subjects.stages_stream,
-            config=stage_consumer_config(
-                self.subjects, self.me.stage, self.me.replica, self.settings.bus_limits
-            ),
-        )
         await nc.subscribe(self.subjects.abort, cb=self._on_abort)
         if self.metrics.enabled:
             st = self.stage_cfg
@@ -123,12 +118,18 @@ class StageWorker:
             metrics_url=f"http://{self.settings.advertise_host}:{port}/metrics",
             version=VERSION,
         )
+        self._consumer = await consume(
+            nc,
+            js,
+            self.subjects.stages_stream,
+            stage_consumer_config(self.subjects, self.me.stage, self.me.replica, self.settings.bus_limits),
+            self._dispatch,
+            batch=PULL_BATCH,
+            name=self.label,
+        )
         self._heartbeat = Heartbeat(await services_kv(js), record, lambda: len(self.active))
         await self._heartbeat.start()
-        self._tasks = [
-            asyncio.create_task(self._fetch_loop(), name="fetch"),
-            asyncio.create_task(self._keep_alive_loop(), name="keep-alive"),
-        ]
+        self._tasks = [asyncio.create_task(self._keep_alive_loop(), name="keep-alive")]
         if self.metrics.enabled:
             self._tasks.append(asyncio.create_task(self._consumer_state_loop(), name="consumer-state"))
         consumer = consumer_name(self.me.stage, self.me.replica)
@@ -144,8 +145,8 @@ class StageWorker:
 
     async def stop(self, drain_s: float = 10.0) -> None:
         """Stop taking work, let in-flight requests finish for up to ``drain_s``, then leave."""
-        for t in self._tasks[:1]:
-            t.cancel()
+        if self._consumer:
+            await self._consumer.stop()
         pending = [task for _, task in self.active.values()]
         if pending:
             log.info("%s: draining %d in-flight request(s)", self.label, len(pending))
@@ -162,10 +163,6 @@ class StageWorker:
                 await self.bus.nc.drain()
 
     # --- receiving -----------------------------------------------------------------------
-    async def _fetch_loop(self) -> None:
-        async for msg in pull(self._psub, self.label):
-            await self._dispatch(msg)
-
     async def _dispatch(self, msg: Msg) -> None:
         received_ns, t0 = time.time_ns(), time.perf_counter()
         transfer = None

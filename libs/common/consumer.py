@@ -1,0 +1,142 @@
+"""Reading a durable JetStream pull consumer through standing pull requests.
+
+nats-py's ``fetch(batch=1)`` sends one pull request per message and waits for each reply; its
+batched fetch waits for the whole batch (or its timeout) before returning anything. Here a few
+pull requests stand at the server at once, asking for up to ``batch`` messages in all; each
+message is handled the moment it arrives, and the requests are topped up when fewer than half
+of ``batch`` are still asked for. At one request at a time this takes a pull-request round trip
+(a publish and a broker wake-up on the busy front-end core) off every message's path.
+
+Accounting: every delivered message uses up one requested message. A request that expires
+(status 408) or is ended by the server (409) reports what it left unfulfilled in
+``Nats-Pending-Messages``. If nothing at all arrives for longer than a request lives (the
+requests were lost, e.g. the broker restarted), the count starts over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+log = logging.getLogger(__name__)
+
+PENDING_MESSAGES = "Nats-Pending-Messages"
+"""Header of a 408/409 status: messages its pull request left unfulfilled."""
+STATUS = "Status"
+NEXT_API = "$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+LOST_GRACE_S = 2.0
+"""Silence beyond a request's lifetime after which the standing requests count as lost, seconds."""
+
+Handler = Callable[[Msg], Awaitable[None]]
+
+
+class PullConsumer:
+    """Hands every message of durable pull consumer ``consumer`` (of ``stream``) to ``handle``,
+    one at a time, in delivery order.
+
+    ``batch`` bounds the messages delivered to this instance and not yet handed over (other
+    instances of the same consumer get the rest); each pull request lives ``expires_s`` seconds.
+    """
+
+    def __init__(
+        self,
+        nc: NATS,
+        stream: str,
+        consumer: str,
+        handle: Handler,
+        *,
+        batch: int = 64,
+        expires_s: float = 5.0,
+        name: str = "",
+    ) -> None:
+        if batch < 1:
+            raise ValueError(f"batch must be at least 1, got {batch}")
+        self._nc = nc
+        self._api = NEXT_API.format(stream=stream, consumer=consumer)
+        self._handle = handle
+        self.batch = batch
+        self.expires_s = expires_s
+        self._name = name or consumer
+        self._inbox = nc.new_inbox()
+        self._sub: Subscription | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._asked = 0
+        """Messages requested by the standing pull requests and not delivered yet."""
+        self._heard = time.monotonic()
+        """When the server last sent anything on the inbox (``time.monotonic()``, s)."""
+        self._stopped = False
+
+    async def start(self) -> None:
+        self._sub = await self._nc.subscribe(self._inbox, cb=self._on_msg)
+        await self._top_up()
+        self._watchdog = asyncio.create_task(self._watch(), name=f"pull-watchdog:{self._name}")
+
+    async def stop(self) -> None:
+        """Ask for nothing more and stop handing messages over (the server drops standing
+        requests whose inbox has no subscriber; what it had sent and was not handed over is
+        redelivered after ``ack_wait``)."""
+        self._stopped = True
+        if self._watchdog:
+            self._watchdog.cancel()
+        if self._sub:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    async def _on_msg(self, msg: Msg) -> None:
+        self._heard = time.monotonic()
+        status = msg.headers.get(STATUS) if msg.headers else None
+        if status is not None and not msg.data:
+            self._on_status(status, msg.headers or {})
+            await self._top_up()
+            return
+        self._asked -= 1
+        await self._top_up()
+        if self._stopped:
+            return
+        try:
+            await self._handle(msg)
+        except Exception:
+            log.exception("%s: handling a message failed", self._name)
+
+    def _on_status(self, status: str, headers: dict[str, str]) -> None:
+        if status == "100":  # idle heartbeat / flow control: nothing to account
+            return
+        try:
+            self._asked -= int(headers[PENDING_MESSAGES])
+        except (KeyError, ValueError):
+            if status != "408":  # a request ended without saying what it left: ask afresh
+                log.warning("%s: pull request ended: %s %s", self._name, status, headers.get("Description"))
+                self._asked = 0
+        self._asked = max(self._asked, 0)
+
+    async def _top_up(self) -> None:
+        """Ask for more once fewer than half of ``batch`` messages are still asked for."""
+        if self._stopped or self._asked > self.batch // 2:
+            return
+        more = self.batch - self._asked
+        self._asked = self.batch
+        body = json.dumps({"batch": more, "expires": int(self.expires_s * 1e9)}).encode()
+        try:
+            await self._nc.publish(self._api, body, reply=self._inbox)
+        except Exception as e:
+            self._asked -= more
+            log.warning("%s: pull request failed (%r); the watchdog retries", self._name, e)
+
+    async def _watch(self) -> None:
+        """Start over when the server has been silent for longer than a request lives."""
+        while True:
+            await asyncio.sleep(1.0)
+            if time.monotonic() - self._heard > self.expires_s + LOST_GRACE_S:
+                if self._asked:
+                    log.info("%s: no word from the server; pull requests renewed", self._name)
+                self._asked = 0
+                self._heard = time.monotonic()
+                await self._top_up()

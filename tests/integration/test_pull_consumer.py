@@ -1,0 +1,138 @@
+"""PullConsumer against a real nats-server: every message handed over once and in order, standing
+requests topped up, expired requests renewed, lost requests (consumer re-created) recovered."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats
+import pytest
+from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StreamConfig
+
+from libs.common.bus import consume
+from libs.common.consumer import LOST_GRACE_S, PullConsumer
+
+pytestmark = pytest.mark.integration
+
+
+class Received:
+    """What the handler was given: payloads in order, and when each arrived (monotonic, s)."""
+
+    def __init__(self) -> None:
+        self.payloads: list[bytes] = []
+        self.at: list[float] = []
+        self.changed = asyncio.Event()
+
+    async def handle(self, msg) -> None:
+        self.payloads.append(msg.data)
+        self.at.append(time.monotonic())
+        await msg.ack()
+        self.changed.set()
+
+    async def wait_for(self, count: int, timeout_s: float) -> None:
+        async with asyncio.timeout(timeout_s):
+            while len(self.payloads) < count:
+                self.changed.clear()
+                await self.changed.wait()
+
+
+@pytest.fixture
+async def bus(nats_server, request):
+    """A connection and a fresh work-queue stream named after the test."""
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    name = request.node.name.replace("_", "").upper()[:24]
+    await js.add_stream(
+        StreamConfig(name=name, subjects=[f"{name}.in"], retention=RetentionPolicy.WORK_QUEUE)
+    )
+    try:
+        yield nc, js, name
+    finally:
+        await js.delete_stream(name)
+        await nc.close()
+
+
+def _config(name: str) -> ConsumerConfig:
+    return ConsumerConfig(durable_name="c", filter_subject=f"{name}.in", ack_policy=AckPolicy.EXPLICIT)
+
+
+async def _start(bus, got: Received, batch: int, expires_s: float) -> PullConsumer:
+    nc, js, name = bus
+    await js.add_consumer(name, _config(name))
+    consumer = PullConsumer(nc, name, "c", got.handle, batch=batch, expires_s=expires_s, name="t")
+    await consumer.start()
+    return consumer
+
+
+async def test_every_message_once_in_order_beyond_many_batches(bus) -> None:
+    nc, js, name = bus
+    got = Received()
+    consumer = await consume(nc, js, name, _config(name), got.handle, batch=4, name="t")
+    sent = [str(i).encode() for i in range(50)]
+    for body in sent:
+        await js.publish(f"{name}.in", body)
+    await got.wait_for(len(sent), 10)
+    await asyncio.sleep(0.3)  # nothing more, nothing twice
+    assert got.payloads == sent
+    info = await js.consumer_info(name, "c")
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+    # at most `batch` messages are asked for at a time: a handful of standing requests, not 50
+    assert 1 <= info.num_waiting <= 4
+    await consumer.stop()
+
+
+async def test_messages_keep_coming_after_requests_expire(bus) -> None:
+    _, js, name = bus
+    got = Received()
+    consumer = await _start(bus, got, batch=2, expires_s=0.3)
+    await js.publish(f"{name}.in", b"first")
+    await got.wait_for(1, 5)
+    await asyncio.sleep(1.2)  # the requests expire (408) and are renewed several times
+    t0 = time.monotonic()
+    await js.publish(f"{name}.in", b"after")
+    await got.wait_for(2, 5)
+    assert got.payloads == [b"first", b"after"]
+    assert got.at[1] - t0 < 0.5, "a renewed request was standing; the message did not wait for one"
+    await consumer.stop()
+
+
+async def test_lost_requests_are_renewed(bus) -> None:
+    """The consumer is deleted and re-created under the client (as after a broker restart): its
+    standing requests are gone, and the watchdog asks again."""
+    nc, js, name = bus
+    got = Received()
+    consumer = await _start(bus, got, batch=8, expires_s=1.0)
+    await js.delete_consumer(name, "c")
+    await asyncio.sleep(0.3)  # the client is told (409) and asks again, of a consumer that is gone
+    await js.add_consumer(name, _config(name))
+    await js.publish(f"{name}.in", b"x")
+    # renewed at the latest when the watchdog (1 s ticks) has heard nothing for expires + grace
+    await got.wait_for(1, consumer.expires_s + LOST_GRACE_S + 1.5)
+    assert got.payloads == [b"x"]
+    await nc.flush()  # the handler's ack is on the server
+    assert (await js.consumer_info(name, "c")).num_ack_pending == 0
+    await consumer.stop()
+
+
+async def test_stop_hands_over_nothing_more(bus) -> None:
+    nc, js, name = bus
+    got = Received()
+    consumer = await consume(nc, js, name, _config(name), got.handle, batch=8, name="t")
+    await js.publish(f"{name}.in", b"before")
+    await got.wait_for(1, 5)
+    await consumer.stop()
+    await js.publish(f"{name}.in", b"after")
+    await asyncio.sleep(0.5)
+    assert got.payloads == [b"before"]
+    info = await js.consumer_info(name, "c")
+    assert info.num_pending == 1 and info.num_ack_pending == 0, "the message stays queued for the next reader"
+
+
+async def test_batch_must_be_positive(nats_server) -> None:
+    nc = await nats.connect(nats_server.url)
+    try:
+        with pytest.raises(ValueError, match="batch"):
+            PullConsumer(nc, "S", "c", Received().handle, batch=0)
+    finally:
+        await nc.close()
