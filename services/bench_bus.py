@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from libs.common.event_loop import run_service
+from libs.common.runtime import run_service
 from services.bench import percentile
 
 SENT_NS = "Bench-Sent-Ns"

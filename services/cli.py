@@ -14,9 +14,9 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
-from libs.common.event_loop import run_service
 from libs.common.logs import setup_logging
 from libs.common.pipeline import PipelineConfigError, load_pipeline
+from libs.common.runtime import run_service
 from libs.common.settings import GatewaySettings, OrchestratorSettings, ServiceSettings, WorkerSettings
 
 app = typer.Typer(

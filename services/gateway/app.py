@@ -11,6 +11,7 @@ from prometheus_fastapi_instrumentator import Instrumentator
 
 from libs.common.metrics_catalog import Exporter, MetricSet
 from libs.common.pipeline import PipelineConfig
+from libs.common.runtime import freeze_startup_heap
 from libs.common.settings import GatewaySettings
 from libs.common.tracing import setup_tracing, shutdown_tracing
 from libs.models.tiny import resolve_model
@@ -73,6 +74,7 @@ def create_app(settings: GatewaySettings, pipeline: PipelineConfig) -> FastAPI:
             MetricSet(Exporter.GATEWAY, settings.log_stats), pipeline.served_model_name
         )
         app.state.submitter = Submitter(pipeline, client, tokenizer, stat_log)
+        freeze_startup_heap()
         try:
             yield
         finally:

@@ -44,6 +44,7 @@ from libs.common.pipeline import PipelineConfig
 from libs.common.publish import Hop, publish_client, publish_task
 from libs.common.records import RequestRecord, RequestStatus, StageProgress
 from libs.common.registry import Heartbeat, LiveServices, ServiceKind, ServiceRecord
+from libs.common.runtime import freeze_startup_heap
 from libs.common.settings import OrchestratorSettings
 from libs.common.subjects import (
     ORCHESTRATOR_ADMISSION_CONSUMER,
@@ -384,6 +385,7 @@ async def run_orchestrator(settings: OrchestratorSettings, pipeline: PipelineCon
     setup_tracing("orchestrator", pipeline.name)
     orch = Orchestrator(settings, pipeline)
     await orch.start()
+    freeze_startup_heap()
     await wait_for_shutdown()
     await orch.stop()
     shutdown_tracing()

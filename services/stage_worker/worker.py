@@ -40,6 +40,7 @@ from libs.common.metrics_catalog import Exporter, MetricSet
 from libs.common.metrics_server import start_metrics_server
 from libs.common.pipeline import PipelineConfig
 from libs.common.registry import Heartbeat, ServiceKind, ServiceRecord
+from libs.common.runtime import freeze_startup_heap
 from libs.common.settings import WorkerSettings
 from libs.common.subjects import Subjects, consumer_name, max_deliveries_advisory
 from libs.common.version import VERSION
@@ -391,6 +392,7 @@ async def run_worker(settings: WorkerSettings, pipeline: PipelineConfig) -> None
     tracing.setup_tracing("worker", pipeline.name, settings.stage, settings.replica)
     worker = StageWorker(settings, pipeline)
     await worker.start()
+    freeze_startup_heap()
     await wait_for_shutdown()
     log.info("%s: shutting down", worker.label)
     await worker.stop()

@@ -1,7 +1,8 @@
-"""Running a service's asyncio program."""
+"""How a service process runs: its event loop, and its heap once it has started."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -19,3 +20,12 @@ def run_service(main: Coroutine[Any, Any, T]) -> T:
     concurrency 1 from +45 % to +30 % over direct vLLM.
     """
     return uvloop.run(main)
+
+
+def freeze_startup_heap() -> None:
+    """Move everything allocated so far (imported modules — torch and vLLM in a worker —, the
+    engine, connections) out of the garbage collector's sight, as vLLM's API server does after
+    start-up: the oldest-generation collections that serving triggers then walk only what serving
+    allocated, instead of millions of start-up objects that never become garbage."""
+    gc.collect()
+    gc.freeze()
