@@ -252,12 +252,12 @@ def bench(
     requests: Annotated[
         int | None,
         typer.Option(
-            help="requests per (target, concurrency) over all rounds [default: 120 at c=1, 64 at c=16]"
+            help="requests per (target, concurrency) over all rounds [default: 240 at c=1, 128 at c=16]"
         ),
     ] = None,
     max_tokens: Annotated[int, typer.Option(help="output tokens per request (ignore_eos)")] = 64,
     warmup: Annotated[int, typer.Option(help="unmeasured requests per target first")] = 16,
-    rounds: Annotated[int, typer.Option(help="alternating rounds per concurrency (A B, B A, ...)")] = 4,
+    rounds: Annotated[int, typer.Option(help="alternating rounds per concurrency (A B, B A, ...)")] = 8,
     core: Annotated[
         int | None, typer.Option(help="CPU core both engines bind to [default: the first usable one]")
     ] = None,

@@ -188,7 +188,7 @@ def test_parse_concurrency_and_defaults() -> None:
         parse_concurrency("0")
     with pytest.raises(ValueError):
         parse_concurrency(",")
-    assert (default_requests(1), default_requests(16), default_requests(32)) == (120, 64, 128)
+    assert (default_requests(1), default_requests(16), default_requests(32)) == (240, 128, 256)
 
 
 def test_machine_note_ranges() -> None:
