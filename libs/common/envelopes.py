@@ -126,6 +126,9 @@ class Usage(BaseModel):
 
 
 class ClientEventType(StrEnum):
+    STARTED = "started"
+    """Stage 0 handed the request to its engine (once, before any output): the gateway starts a
+    streamed response on it."""
     TEXT = "text"
     """A text delta of the thinker."""
     TEXT_DONE = "text_done"

@@ -7,7 +7,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.schemas import ErrorBody, ErrorResponse
@@ -47,6 +47,14 @@ class APIError(Exception):
         return f"data: {json.dumps(self.body().model_dump())}\n\n"
 
 
+class ClientGone(Exception):
+    """The client hung up before its response began (the request has been aborted); the
+    answer, 499 with no body, reaches nobody and only shows in logs and ``http_*`` metrics."""
+
+
+CLIENT_CLOSED_REQUEST = 499
+
+
 def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> APIError:
     return APIError(400, message, code, param)
 
@@ -57,6 +65,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
         return JSONResponse(e.body().model_dump(), status_code=e.status)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_: Request, e: ClientGone) -> Response:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:

@@ -49,21 +49,40 @@ class RequestHandle:
         self.request_id = request_id
         self.deadline_ns = deadline_ns
         self.queue: asyncio.Queue[ClientEvent] = asyncio.Queue()
+        self.first: ClientEvent | None = None
+        """The request's first event (stays here after it is taken from the queue)."""
+        self.arrived = asyncio.Event()
+        """Set with the first event."""
+
+    def put(self, event: ClientEvent) -> None:
+        if self.first is None:
+            self.first = event
+            self.arrived.set()
+        self.queue.put_nowait(event)
+
+    @property
+    def seconds_left(self) -> float:
+        """Time until the gateway's own timeout: ``BACKSTOP_S`` after the request's deadline
+        (workers and orchestrators normally answer at the deadline itself; this covers a bus or
+        orchestrator outage), seconds."""
+        return (self.deadline_ns - time.time_ns()) / 1e9 + BACKSTOP_S
 
     async def events(self) -> AsyncIterator[ClientEvent]:
-        """Yield events until the caller stops; raises a 504 :class:`APIError` when nothing has
-        ended the request ``BACKSTOP_S`` after its deadline (workers and orchestrators normally
-        answer at the deadline itself; this covers a bus or orchestrator outage)."""
+        """Yield events until the caller stops; raises :func:`timed_out` when nothing has ended
+        the request within :attr:`seconds_left`."""
         while True:
-            left = (self.deadline_ns - time.time_ns()) / 1e9 + BACKSTOP_S
             try:
                 # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation
                 # (a client hang-up) that arrives together with an event.
-                async with asyncio.timeout(max(left, 0.0)):
+                async with asyncio.timeout(max(self.seconds_left, 0.0)):
                     event = await self.queue.get()
             except TimeoutError:
-                raise APIError(504, "the request did not finish before its deadline", "timeout") from None
+                raise timed_out() from None
             yield event
+
+
+def timed_out() -> APIError:
+    return APIError(504, "the request did not finish before its deadline", "timeout")
 
 
 class PipelineClient:
@@ -120,7 +139,7 @@ class PipelineClient:
             return
         handle = self._handles.get(event.request_id)
         if handle is not None:
-            handle.queue.put_nowait(event)
+            handle.put(event)
 
     async def submit(self, adm: Admission, trace_headers: dict[str, str]) -> RequestHandle:
         """Queue ``adm`` for the orchestrators; 429 when the admission queue is full, 503 when

@@ -8,7 +8,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from fastapi import Request
 from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
@@ -16,8 +16,8 @@ from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 from libs.common.envelopes import ClientEvent, ClientEventType
 from libs.common.playback import AudioChunk
 from services.gateway.audio import pcm16_to_wav
-from services.gateway.errors import APIError
-from services.gateway.pipeline_client import PipelineClient, RequestHandle
+from services.gateway.errors import APIError, ClientGone
+from services.gateway.pipeline_client import PipelineClient, RequestHandle, timed_out
 from services.gateway.request_stats import GatewayStatLogger, RequestStats
 from services.gateway.schemas import AudioOut, Usage
 
@@ -146,7 +146,7 @@ async def guarded(request: Request, job: Job, work: Awaitable[T]) -> T:
             if not task.done() and await request.is_disconnected():
                 task.cancel()
                 abandon(job)
-                raise asyncio.CancelledError
+                raise ClientGone
         result = task.result()
         finished = True
         return result
@@ -157,6 +157,37 @@ async def guarded(request: Request, job: Job, work: Awaitable[T]) -> T:
             job.client.release(job.id)
         elif not task.cancelled():
             job.client.abort(job.id, _abort_reason(task))
+
+
+async def until_started(request: Request, job: Job) -> None:
+    """Wait for a streamed request's first event before its response begins: stage 0's
+    ``started`` (its engine has the request) or an error. An error — no live replica, expired in
+    the queue, a failing stage — or the gateway's timeout is raised as :class:`APIError` here,
+    so the client gets its HTTP status instead of a 200 stream that only carries an error. A
+    client that hangs up meanwhile aborts the request."""
+    handle = job.handle
+    while handle.first is None:
+        if handle.seconds_left <= 0:
+            _failed(job, timed_out())
+        try:
+            async with asyncio.timeout(min(DISCONNECT_POLL_S, max(handle.seconds_left, 0.0))):
+                await handle.arrived.wait()
+        except TimeoutError:
+            if await request.is_disconnected():
+                abandon(job)
+                raise ClientGone from None
+    ev = handle.first
+    if ev.type == ClientEventType.ERROR:
+        _failed(
+            job, APIError(ev.status or 500, ev.message or "the pipeline failed", ev.code or "pipeline_error")
+        )
+
+
+def _failed(job: Job, e: APIError) -> NoReturn:
+    """End a request that failed before its response began (stopped in every stage)."""
+    job.stats.failure = e.code or "pipeline_error"
+    job.client.abort(job.id, "timeout" if e.code == "timeout" else "failed")
+    raise e
 
 
 def _abort_reason(task: asyncio.Future) -> str:
@@ -177,14 +208,14 @@ async def sse_stream(
     render: Callable[[ClientEvent], list[str]],
     tail: Callable[[Collected], list[str]],
 ) -> AsyncIterator[str]:
-    """Server-Sent Events of one request: the ``head`` chunks, then ``render`` of each event
-    (zero or more JSON chunks), then ``tail``; ends with ``[DONE]``. The head is written with the
-    first event, and events that are already waiting are written together. A client that
-    disconnects (the generator is closed early) or a failure aborts the request in every stage."""
+    """Server-Sent Events of one request (begun after :func:`until_started`): the ``head``
+    chunks, then ``render`` of each event (zero or more JSON chunks), then ``tail``; ends with
+    ``[DONE]``. The head goes out with the first event — stage 0's ``started``, so while its
+    engine computes the first token, as vLLM's server sends its role chunk — and events that
+    are already waiting are written together. A client that disconnects (the generator is
+    closed early) or a failure aborts the request in every stage."""
     state = Collected()
     completed = False
-    # The head waits for the first event, as in vLLM's server: while the request is on its way
-    # to its first token, neither this loop nor the client spends CPU on an empty chunk.
     held = [sse(chunk) for chunk in head]
     try:
         try:

@@ -20,6 +20,7 @@ from services.gateway.responses import (
     collect,
     guarded,
     sse_stream,
+    until_started,
 )
 from services.gateway.schemas import (
     AssistantMessage,
@@ -99,6 +100,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     job = await request.app.state.submitter.chat(body, _arrival(request))
     request.state.job = job
     if body.stream:
+        await until_started(request, job)
         usage = _include_usage(body)
         head = [_chat_chunk(job, Delta(role="assistant", content=""))]
         return _sse(job, head, lambda ev: _chat_render(job, ev), lambda c: _chat_tail(job, c, usage))
@@ -163,6 +165,7 @@ async def completions(body: CompletionRequest, request: Request):
     job = await request.app.state.submitter.completion(body, _arrival(request))
     request.state.job = job
     if body.stream:
+        await until_started(request, job)
         usage = _include_usage(body)
         return _sse(
             job, [], lambda ev: _completion_render(job, ev), lambda c: _completion_tail(job, c, usage)

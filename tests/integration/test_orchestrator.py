@@ -13,6 +13,7 @@ from collections import Counter
 
 import nats
 import pytest
+from nats.js.errors import KeyNotFoundError
 
 from libs.common import headers as h
 from libs.common.bus import requests_kv, services_kv
@@ -69,6 +70,21 @@ def admission(audio: bool = False, deadline_s: float = 60.0) -> Admission:
         sampling=Sampling(max_tokens=4),
         audio=audio,
     )
+
+
+async def wait_record(kv, rid: str, until=lambda rec: True, timeout_s: float = 5.0) -> RequestRecord:
+    """The request's record once it exists (it is written shortly after the dispatch) and
+    satisfies ``until``; the last one read if time runs out."""
+    rec = None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(KeyNotFoundError):
+            rec = RequestRecord.model_validate_json((await kv.get(rid)).value)
+            if until(rec):
+                break
+        await asyncio.sleep(0.05)
+    assert rec is not None, f"no record of {rid}"
+    return rec
 
 
 @contextlib.asynccontextmanager
@@ -141,7 +157,7 @@ async def test_requests_are_spread_over_live_replicas_with_every_header(orchestr
     assert by_replica == {0: 5, 1: 5}, by_replica
     assert {decode(StageTask, m.data).request_id for m in msgs} == {a.request_id for a in sent}
     kv = await requests_kv(nc.jetstream())
-    rec = RequestRecord.model_validate_json((await kv.get(sent[0].request_id)).value)
+    rec = await wait_record(kv, sent[0].request_id)
     assert rec.pipeline == PIPELINE and rec.status == RequestStatus.ADMITTED and len(rec.stages) == 3
 
 
@@ -170,11 +186,7 @@ async def test_lifecycle_events_update_the_record(orchestrator, nc) -> None:
         ),
     )
     kv = await requests_kv(js)
-    for _ in range(50):
-        rec = RequestRecord.model_validate_json((await kv.get(adm.request_id)).value)
-        if rec.status == RequestStatus.COMPLETED:
-            break
-        await asyncio.sleep(0.1)
+    rec = await wait_record(kv, adm.request_id, lambda r: r.status == RequestStatus.COMPLETED)
     assert rec.status == RequestStatus.COMPLETED and rec.finish_reason == "stop"
     assert (rec.stages[0].started_ns, rec.stages[0].done_ns) == (now, now + 5)
 
