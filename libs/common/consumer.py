@@ -34,6 +34,7 @@ STATUS = "Status"
 NEXT_API = "$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
 LOST_GRACE_S = 2.0
 """Silence beyond a request's lifetime after which the standing requests count as lost, seconds."""
+WATCH_PERIOD_S = 1.0
 
 Handler = Callable[[Msg], Awaitable[None]]
 
@@ -94,8 +95,8 @@ class PullConsumer:
         self._heard = time.monotonic()
         status = msg.headers.get(STATUS) if msg.headers else None
         if status is not None and not msg.data:
-            self._on_status(status, msg.headers or {})
-            await self._top_up()
+            if self._on_status(status, msg.headers or {}):
+                await self._top_up()
             return
         self._asked -= 1
         await self._top_up()
@@ -106,16 +107,21 @@ class PullConsumer:
         except Exception:
             log.exception("%s: handling a message failed", self._name)
 
-    def _on_status(self, status: str, headers: dict[str, str]) -> None:
+    def _on_status(self, status: str, headers: dict[str, str]) -> bool:
+        """Account for a status message; True when the standing requests may be topped up now
+        (a refusal, e.g. ``409 Consumer is push based``, waits for the watchdog's next tick
+        instead, so a lasting one costs a request a second, not a busy loop)."""
         if status == "100":  # idle heartbeat / flow control: nothing to account
-            return
+            return False
         try:
-            self._asked -= int(headers[PENDING_MESSAGES])
+            self._asked = max(self._asked - int(headers[PENDING_MESSAGES]), 0)
+            return True
         except (KeyError, ValueError):
-            if status != "408":  # a request ended without saying what it left: ask afresh
-                log.warning("%s: pull request ended: %s %s", self._name, status, headers.get("Description"))
-                self._asked = 0
-        self._asked = max(self._asked, 0)
+            if status == "408":  # expired without saying what it left: keep counting
+                return True
+            log.warning("%s: pull request ended: %s %s", self._name, status, headers.get("Description"))
+            self._asked = 0
+            return False
 
     async def _top_up(self) -> None:
         """Ask for more once fewer than half of ``batch`` messages are still asked for."""
@@ -131,12 +137,13 @@ class PullConsumer:
             log.warning("%s: pull request failed (%r); the watchdog retries", self._name, e)
 
     async def _watch(self) -> None:
-        """Start over when the server has been silent for longer than a request lives."""
+        """Every second: start over when the server has been silent for longer than a request
+        lives, and top up what a refused request left short."""
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(WATCH_PERIOD_S)
             if time.monotonic() - self._heard > self.expires_s + LOST_GRACE_S:
                 if self._asked:
                     log.info("%s: no word from the server; pull requests renewed", self._name)
                 self._asked = 0
                 self._heard = time.monotonic()
-                await self._top_up()
+            await self._top_up()

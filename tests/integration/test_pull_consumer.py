@@ -136,3 +136,21 @@ async def test_batch_must_be_positive(nats_server) -> None:
             PullConsumer(nc, "S", "c", Received().handle, batch=0)
     finally:
         await nc.close()
+
+
+async def test_a_refused_request_is_retried_once_a_second_not_in_a_loop(bus) -> None:
+    """A push consumer refuses pull requests at once (409, nothing pending reported)."""
+    nc, js, name = bus
+    await js.add_consumer(name, ConsumerConfig(durable_name="c", deliver_subject=f"{name}.push"))
+    asked: list[float] = []
+
+    async def count(msg) -> None:
+        asked.append(time.monotonic())
+
+    await nc.subscribe(f"$JS.API.CONSUMER.MSG.NEXT.{name}.c", cb=count)
+    await nc.flush()
+    consumer = PullConsumer(nc, name, "c", Received().handle, batch=8, name="t")
+    await consumer.start()
+    await asyncio.sleep(2.5)
+    await consumer.stop()
+    assert 2 <= len(asked) <= 4, f"{len(asked)} pull requests in 2.5 s"
