@@ -191,7 +191,7 @@ class Orchestrator:
         with contextlib.suppress(Exception):
             await self.nc.drain()
 
-    def _concurrently(self, handle, concurrency: int) -> Handler:
+    def _concurrently(self, handle: Handler, concurrency: int) -> Handler:
         """A message handler that runs ``handle`` on up to ``concurrency`` messages at once
         (it waits for a free slot before taking the next message)."""
         slots = asyncio.Semaphore(concurrency)
