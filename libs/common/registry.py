@@ -21,6 +21,10 @@ from libs.common.bus import LIMITS
 
 log = logging.getLogger(__name__)
 
+MIN_BEAT_GAP_S = 0.25
+"""An early beat (see :meth:`Heartbeat.load_dropped`) comes at least this long after the last
+one, seconds."""
+
 
 class ServiceKind(StrEnum):
     GATEWAY = "gateway"
@@ -61,12 +65,23 @@ class Heartbeat:
         self._record = record
         self._load = load
         self._task: asyncio.Task[None] | None = None
+        self._early = asyncio.Event()
 
     async def beat(self) -> None:
-        """Write the record now (also used to publish a load change promptly)."""
+        """Write the record now."""
         self._record.load = self._load()
         self._record.heartbeat_ns = time.time_ns()
         await self._kv.put(self._record.key, self._record.model_dump_json().encode())
+
+    def load_dropped(self) -> None:
+        """Call when the load went down: if it has fallen to half or less of what the registry
+        shows, and by 2 or more, the record is written early (within ``MIN_BEAT_GAP_S``).
+        Routers then stop steering around a replica that has just finished a burst, instead of
+        for up to a heartbeat period; a replica serving one request at a time sends no extra
+        writes."""
+        shown, now = self._record.load, self._load()
+        if shown - now >= 2 and 2 * now <= shown:
+            self._early.set()
 
     async def start(self) -> None:
         if not self._record.started_ns:
@@ -76,7 +91,11 @@ class Heartbeat:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(LIMITS.heartbeat_s)
+            await asyncio.sleep(MIN_BEAT_GAP_S)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(LIMITS.heartbeat_s - MIN_BEAT_GAP_S):
+                    await self._early.wait()
+            self._early.clear()
             try:
                 await self.beat()
             except Exception as e:  # broker down: keep trying, the entry expires meanwhile

@@ -289,6 +289,8 @@ class StageWorker:
             ctx.close()
             ctx.span.end()
             self.active.pop(rid, None)
+            if self._heartbeat:
+                self._heartbeat.load_dropped()
             self._close(rid)
             await self._ack_all(ctx)
             await self._admit_backlog()

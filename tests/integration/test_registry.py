@@ -1,0 +1,51 @@
+"""Heartbeats against a real nats-server: a load that fell by half (a finished burst) reaches the
+registry within a fraction of the heartbeat period; small changes wait for the regular beat."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats
+import pytest
+
+from libs.common.bus import LIMITS, services_kv
+from libs.common.registry import MIN_BEAT_GAP_S, Heartbeat, ServiceKind, ServiceRecord
+
+pytestmark = pytest.mark.integration
+
+
+async def _shown_load(kv, key: str) -> int:
+    return ServiceRecord.model_validate_json((await kv.get(key)).value).load
+
+
+async def _until(kv, key: str, load: int, timeout_s: float) -> float:
+    """Seconds until the registry shows ``load`` for ``key`` (fails after ``timeout_s``)."""
+    t0 = time.monotonic()
+    while await _shown_load(kv, key) != load:
+        assert time.monotonic() - t0 < timeout_s, f"load {load} not shown within {timeout_s} s"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("before, after, early", [(16, 0, True), (8, 4, True), (9, 8, False), (1, 0, False)])
+async def test_a_halved_load_is_shown_early_and_small_changes_wait(nats_server, before, after, early) -> None:
+    nc = await nats.connect(nats_server.url)
+    kv = await services_kv(nc.jetstream())
+    load = before
+    rec = ServiceRecord(service=ServiceKind.WORKER, pipeline="hb", instance="i", stage=0, replica=before)
+    beat = Heartbeat(kv, rec, lambda: load)
+    try:
+        await beat.start()
+        assert await _shown_load(kv, rec.key) == before
+        await asyncio.sleep(MIN_BEAT_GAP_S)
+        load = after
+        beat.load_dropped()
+        took = await _until(kv, rec.key, after, LIMITS.heartbeat_s + 1)
+        if early:
+            assert took < 2 * MIN_BEAT_GAP_S, took
+        else:
+            assert took > LIMITS.heartbeat_s - 2 * MIN_BEAT_GAP_S, took
+    finally:
+        await beat.stop()
+        await nc.close()
