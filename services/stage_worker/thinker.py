@@ -36,9 +36,9 @@ class ThinkerHandler(LLMHandler):
         chunker = TextChunker(self._stage.chunking.tokens, self._stage.chunking.sentence_end)
         generated, finish_reason = 0, None
         prompt = TokensPrompt(prompt_token_ids=task.prompt_token_ids)
-        # Queued now, written to the socket at this loop's next turn: after generate() has handed
-        # the request to the EngineCore, so the gateway and its client take the response's start
-        # while the engine computes the first token.
+        # Queued now and written to the socket when this task first waits — normally once
+        # generate() has handed the request to the EngineCore — so the gateway and its client
+        # take the response's start while the engine computes the first token.
         await req.client(ClientEvent(request_id=req.request_id, type=ClientEventType.STARTED))
         async for out in self.engine.generate(
             prompt, params, req.request_id, trace_headers=self.trace_headers(req.span)
