@@ -95,9 +95,7 @@ async def events_until_done(job: Job) -> AsyncIterator[ClientEvent]:
             now = time.monotonic()
             job.log.started(job.stats, now)
             if ev.type == ClientEventType.ERROR:
-                raise APIError(
-                    ev.status or 500, ev.message or "the pipeline failed", ev.code or "pipeline_error"
-                )
+                raise error_of(ev)
             if ev.type == ClientEventType.AUDIO:
                 job.stats.audio_received(ev.stage, ev.replica, len(ev.pcm16), ev.sample_rate, now)
             elif ev.type == ClientEventType.TEXT_DONE:
@@ -115,6 +113,16 @@ async def events_until_done(job: Job) -> AsyncIterator[ClientEvent]:
     except APIError as e:
         job.stats.failure = e.code or "pipeline_error"
         raise
+
+
+def error_of(ev: ClientEvent) -> APIError:
+    """The client-facing error of an ``error`` event."""
+    return APIError(ev.status or 500, ev.message or "the pipeline failed", ev.code or "pipeline_error")
+
+
+def abort_reason(e: BaseException | None) -> str:
+    """Why a failed request is aborted in every stage: ``timeout`` or ``failed``."""
+    return "timeout" if isinstance(e, APIError) and e.code == "timeout" else "failed"
 
 
 async def collect(job: Job) -> Collected:
@@ -178,24 +186,21 @@ async def until_started(request: Request, job: Job) -> None:
                 raise ClientGone from None
     ev = handle.first
     if ev.type == ClientEventType.ERROR:
-        _failed(
-            job, APIError(ev.status or 500, ev.message or "the pipeline failed", ev.code or "pipeline_error")
-        )
+        _failed(job, error_of(ev))
 
 
 def _failed(job: Job, e: APIError) -> NoReturn:
     """End a request that failed before its response began (stopped in every stage)."""
     job.stats.failure = e.code or "pipeline_error"
-    job.client.abort(job.id, "timeout" if e.code == "timeout" else "failed")
+    job.client.abort(job.id, abort_reason(e))
     raise e
 
 
 def _abort_reason(task: asyncio.Future) -> str:
+    e = None
     with contextlib.suppress(BaseException):
         e = task.exception()
-        if isinstance(e, APIError) and e.code == "timeout":
-            return "timeout"
-    return "failed"
+    return abort_reason(e)
 
 
 def sse(obj: object) -> str:
@@ -234,7 +239,7 @@ async def sse_stream(
             completed = True
         except APIError as e:
             yield "".join([*held, e.sse()])
-            job.client.abort(job.id, "timeout" if e.code == "timeout" else "failed")
+            job.client.abort(job.id, abort_reason(e))
             completed = True
         yield sse("[DONE]")
     finally:
