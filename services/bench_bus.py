@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from libs.common.jetstream import JetStream
 from libs.common.runtime import run_service
 from services.bench import percentile
 
@@ -114,7 +115,7 @@ async def _send(url: str, mode: str, count: int, interval_s: float) -> None:
 
     subjects = Subjects(PIPELINE)
     nc = await connect(url, "bench-bus-sender")
-    js = nc.jetstream()
+    js = JetStream(nc)
     try:
         for _ in range(count):
             await asyncio.sleep(interval_s)

@@ -23,6 +23,7 @@ from libs.common.envelopes import (
     MalformedMessage,
     decode,
 )
+from libs.common.jetstream import JetStream
 from libs.common.pipeline import PipelineConfig
 from libs.common.publish import PUBLISH_TIMEOUT_S, publish_lifecycle
 from libs.common.registry import Heartbeat, LiveServices, ServiceKind, ServiceRecord
@@ -96,7 +97,7 @@ class PipelineClient:
 
     async def start(self) -> None:
         self.nc = await connect(self.settings.nats_url, f"omnirelay-gateway-{self.gateway_id}")
-        self.js = self.nc.jetstream()
+        self.js = JetStream(self.nc)
         await ensure_topology(self.js, self.subjects)
         await self.nc.subscribe(
             self.subjects.out_wildcard(self.gateway_id),

@@ -38,6 +38,7 @@ from libs.common.envelopes import (
     TaskKind,
     decode,
 )
+from libs.common.jetstream import JetStream
 from libs.common.metrics_catalog import Exporter, MetricSet
 from libs.common.metrics_server import start_metrics_server
 from libs.common.pipeline import PipelineConfig
@@ -94,7 +95,7 @@ class Orchestrator:
 
     async def start(self) -> None:
         self.nc = await connect(self.settings.nats_url, "omnirelay-orchestrator")
-        self.js = self.nc.jetstream()
+        self.js = JetStream(self.nc)
         await ensure_topology(self.js, self.subjects)
         self.requests: KeyValue = await requests_kv(self.js)
         skv = await services_kv(self.js)

@@ -3,10 +3,22 @@ for audio requests, forwarded to the next stage in chunks."""
 
 from __future__ import annotations
 
+import asyncio
+
 from libs.common.envelopes import ClientEvent, ClientEventType, Usage
 from services.stage_worker.chunking import TextChunker
 from services.stage_worker.llm_engine import LLMEngineSpec, LLMHandler
 from services.stage_worker.request_context import RequestContext
+
+
+async def _send_started(req: RequestContext) -> None:
+    await req.client(ClientEvent(request_id=req.request_id, type=ClientEventType.STARTED))
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    """Mark the outcome of a task whose failure is reported another way as seen."""
+    if not task.cancelled():
+        task.exception()
 
 
 class ThinkerHandler(LLMHandler):
@@ -36,27 +48,35 @@ class ThinkerHandler(LLMHandler):
         chunker = TextChunker(self._stage.chunking.tokens, self._stage.chunking.sentence_end)
         generated, finish_reason = 0, None
         prompt = TokensPrompt(prompt_token_ids=task.prompt_token_ids)
-        # Queued now and written to the socket when this task first waits — normally once
-        # generate() has handed the request to the EngineCore — so the gateway and its client
-        # take the response's start while the engine computes the first token.
-        await req.client(ClientEvent(request_id=req.request_id, type=ClientEventType.STARTED))
-        async for out in self.engine.generate(
-            prompt, params, req.request_id, trace_headers=self.trace_headers(req.span)
-        ):
-            c = out.outputs[0]
-            ids = list(c.token_ids)
-            generated += len(ids)
-            if ids or c.text:
-                await req.client(
-                    ClientEvent(
-                        request_id=req.request_id, type=ClientEventType.TEXT, text=c.text, token_ids=ids
+        # Built and sent when this task first waits — normally once generate() has handed the
+        # request to the EngineCore — so neither delays the hand-off, and the gateway and its
+        # client take the response's start while the engine computes the first token.
+        started: asyncio.Task | None = asyncio.ensure_future(_send_started(req))
+        started.add_done_callback(_retrieved)
+        try:
+            async for out in self.engine.generate(
+                prompt, params, req.request_id, trace_headers=self.trace_headers(req.span)
+            ):
+                if started is not None:  # sent before any output (and its failure raised here)
+                    await started
+                    started = None
+                c = out.outputs[0]
+                ids = list(c.token_ids)
+                generated += len(ids)
+                if ids or c.text:
+                    await req.client(
+                        ClientEvent(
+                            request_id=req.request_id, type=ClientEventType.TEXT, text=c.text, token_ids=ids
+                        )
                     )
-                )
-            if forward:
-                for chunk in chunker.feed(ids, c.text):
-                    await req.downstream(token_ids=chunk.token_ids, text=chunk.text)
-            if out.finished:
-                finish_reason = c.finish_reason
+                if forward:
+                    for chunk in chunker.feed(ids, c.text):
+                        await req.downstream(token_ids=chunk.token_ids, text=chunk.text)
+                if out.finished:
+                    finish_reason = c.finish_reason
+        finally:
+            if started is not None:
+                started.cancel()
         if forward:
             rest = chunker.flush()
             await req.downstream(final=True, token_ids=rest.token_ids, text=rest.text)

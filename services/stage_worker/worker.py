@@ -36,6 +36,7 @@ from libs.common.envelopes import (
     TaskKind,
     decode,
 )
+from libs.common.jetstream import JetStream
 from libs.common.metrics_catalog import Exporter, MetricSet
 from libs.common.metrics_server import start_metrics_server
 from libs.common.pipeline import PipelineConfig
@@ -99,7 +100,7 @@ class StageWorker:
         await self.handler.start()
         log.info("%s: engine ready in %.1f s", self.label, time.monotonic() - t0)
         nc = await connect(self.settings.nats_url, f"omnirelay-worker-{self.me.stage}-{self.me.replica}")
-        js = nc.jetstream()
+        js = JetStream(nc)
         await ensure_topology(js, self.subjects)
         self.bus = Bus(nc, js, self.subjects)
         await nc.subscribe(self.subjects.abort, cb=self._on_abort)
