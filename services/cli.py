@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from libs.common.logs import setup_logging
 from libs.common.pipeline import PipelineConfigError, load_pipeline
-from libs.common.runtime import run_service
+from libs.common.runtime import run_service, yield_on_wakeup
 from libs.common.settings import GatewaySettings, OrchestratorSettings, ServiceSettings, WorkerSettings
 
 app = typer.Typer(
@@ -87,6 +87,7 @@ def gateway(
         log_level=log_level,
     )
     setup_logging(s.log_level, "gateway")
+    yield_on_wakeup(s.sched_batch)
     run_gateway(s, _pipeline(s))
 
 
@@ -112,6 +113,7 @@ def orchestrator(
         log_level=log_level,
     )
     setup_logging(s.log_level, "orchestrator")
+    yield_on_wakeup(s.sched_batch)
     run_service(run_orchestrator(s, _pipeline(s)))
 
 

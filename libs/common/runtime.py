@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import gc
+import logging
+import os
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import uvloop
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def run_service(main: Coroutine[Any, Any, T]) -> T:
@@ -29,3 +32,25 @@ def freeze_startup_heap() -> None:
     allocated, instead of millions of start-up objects that never become garbage."""
     gc.collect()
     gc.freeze()
+
+
+def yield_on_wakeup(enabled: bool) -> bool:
+    """Schedule this process ``SCHED_BATCH`` (when ``enabled``): Linux then never lets it preempt
+    the running task when it wakes up; it still gets its fair share of CPU. Call it before any
+    thread starts: threads inherit the policy. Returns whether the policy is in force.
+
+    For the services that publish to JetStream on a request's way to its engine (the gateway's
+    admission, the orchestrator's stage-0 task). The broker sends the stream's acknowledgement to
+    the publisher before it hands the message to the consumer; with the default policy the woken
+    publisher preempts the broker on a shared core, and its handling of the acknowledgement runs
+    before the consumer has the message. Measured with two stacks and alternating blocks at c=1,
+    600 requests a side: TTFT −0.41 ms per block pair (95 % CI −0.67 to −0.16).
+    """
+    if not enabled:
+        return False
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError) as e:  # not Linux, or a sandbox that forbids it
+        log.warning("could not switch to SCHED_BATCH (%s); scheduling unchanged", e)
+        return False
+    return True

@@ -52,12 +52,20 @@ class ServiceSettings(BaseSettings):
 class GatewaySettings(ServiceSettings):
     host: str = Field(default="127.0.0.1", description="HTTP bind address")
     port: int = Field(default=8000, ge=0, le=65535, description="HTTP port (OpenAI API, /metrics)")
+    sched_batch: bool = Field(
+        default=True,
+        description="run as SCHED_BATCH: no preemption on wake-up (see libs/common/runtime.yield_on_wakeup)",
+    )
 
 
 class OrchestratorSettings(ServiceSettings):
     metrics_port: int = Field(default=0, ge=0, le=65535, description="/metrics port (0: any free)")
     log_stats_interval_s: float = Field(
         default=5.0, gt=0, description="period of the pipeline stats log line (with --log-stats), seconds"
+    )
+    sched_batch: bool = Field(
+        default=True,
+        description="run as SCHED_BATCH: no preemption on wake-up (see libs/common/runtime.yield_on_wakeup)",
     )
 
 
