@@ -526,8 +526,10 @@ class Processes:
         env: dict[str, str],
         stop_signal: int = signal.SIGTERM,
         stop_timeout_s: float = 30.0,
+        cwd: Path | None = None,
     ) -> Managed:
-        """Start ``argv`` in its own session, output to ``<log_dir>/<name>.log``."""
+        """Start ``argv`` (in ``cwd``, default this one) in its own session, output to
+        ``<log_dir>/<name>.log``."""
         log(f"starting {name}")
         path = self.log_dir / f"{name}.log"
         with path.open("wb") as out:
@@ -537,6 +539,7 @@ class Processes:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                cwd=cwd,
                 start_new_session=True,  # Ctrl-C reaches the bench only; it stops them in order
             )
         managed = Managed(name, proc, path, stop_signal, stop_timeout_s)

@@ -332,6 +332,20 @@ def bench_log_stats(
     raise typer.Exit(run_log_stats_bench(rounds, per_round, max_tokens))
 
 
+@app.command("bench-ab")
+def bench_ab(
+    tree_a: Annotated[Path, typer.Argument(help="omnirelay checkout A (e.g. a `git worktree` of main)")],
+    tree_b: Annotated[Path, typer.Argument(help="omnirelay checkout B (e.g. this one, with a change)")],
+    blocks: Annotated[int, typer.Option(help="block pairs (A B, B A, ...)")] = 40,
+    block: Annotated[int, typer.Option(help="sequential requests per block")] = 10,
+    max_tokens: Annotated[int, typer.Option(help="output tokens per request (ignore_eos)")] = 64,
+) -> None:
+    """Is B faster than A? Paired TTFT / e2e of two code trees on the same machine (prints a table)."""
+    from services.bench_ab import run_ab_bench
+
+    raise typer.Exit(run_ab_bench(tree_a, tree_b, blocks, block, max_tokens))
+
+
 @app.command("bench-bus")
 def bench_bus(
     messages: Annotated[int, typer.Option(help="measured messages per hop kind and placement")] = 400,
