@@ -19,15 +19,13 @@ import itertools
 import json
 from typing import Any
 
+from nats.aio.client import NO_RESPONDERS_STATUS
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import Header, PubAck
 from nats.js.errors import APIError, NoStreamResponseError
-
-NO_RESPONDERS = "503"
-"""Status the server sends to a request's reply subject when nothing takes the subject."""
 
 
 class JetStream(JetStreamContext):
@@ -65,7 +63,7 @@ class JetStream(JetStreamContext):
             raise NatsTimeout from None
         finally:
             self._waiting.pop(token, None)
-        if msg.headers and msg.headers.get(Header.STATUS) == NO_RESPONDERS:
+        if msg.headers and msg.headers.get(Header.STATUS) == NO_RESPONDERS_STATUS:
             raise NoStreamResponseError
         resp = json.loads(msg.data)
         if "error" in resp:

@@ -11,12 +11,21 @@ import socket
 import uuid
 from dataclasses import replace
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from libs.common.bus import LIMITS, BusLimits
 from libs.common.pipeline import DEFAULT_PIPELINE_PATH
+
+SchedBatch = Annotated[
+    bool,
+    Field(
+        description="run as SCHED_BATCH: no preemption on wake-up (see libs/common/runtime.yield_on_wakeup)"
+    ),
+]
+"""``OMNIRELAY_SCHED_BATCH`` of the services that publish on a request's way to its engine."""
 
 
 def _instance_id() -> str:
@@ -52,10 +61,7 @@ class ServiceSettings(BaseSettings):
 class GatewaySettings(ServiceSettings):
     host: str = Field(default="127.0.0.1", description="HTTP bind address")
     port: int = Field(default=8000, ge=0, le=65535, description="HTTP port (OpenAI API, /metrics)")
-    sched_batch: bool = Field(
-        default=True,
-        description="run as SCHED_BATCH: no preemption on wake-up (see libs/common/runtime.yield_on_wakeup)",
-    )
+    sched_batch: SchedBatch = True
 
 
 class OrchestratorSettings(ServiceSettings):
@@ -63,10 +69,7 @@ class OrchestratorSettings(ServiceSettings):
     log_stats_interval_s: float = Field(
         default=5.0, gt=0, description="period of the pipeline stats log line (with --log-stats), seconds"
     )
-    sched_batch: bool = Field(
-        default=True,
-        description="run as SCHED_BATCH: no preemption on wake-up (see libs/common/runtime.yield_on_wakeup)",
-    )
+    sched_batch: SchedBatch = True
 
 
 class WorkerSettings(ServiceSettings):
