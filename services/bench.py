@@ -595,6 +595,45 @@ def wait_port(m: Managed, port: int, timeout_s: float) -> float:
     return _wait(ok, m, timeout_s, f"port {port}")
 
 
+@dataclass(frozen=True)
+class Stack:
+    """An ``omnirelay up`` stack with a NATS server of its own, started by a bench."""
+
+    name: str
+    base_url: str
+    nats_url: str
+    process: Managed
+
+
+def start_stack(
+    procs: Processes,
+    name: str,
+    pipeline_path: Path,
+    env: dict[str, str],
+    data_dir: Path,
+    up_args: Sequence[str] = (),
+    tree: Path | None = None,
+) -> Stack:
+    """Start a NATS server and ``omnirelay up`` (from checkout ``tree``, default this one) with
+    ``up_args``; their files go under ``data_dir/name``. Returns once the stack is up."""
+    from services.launcher import free_port, nats_server_argv
+
+    nport, mport = free_port(), free_port()
+    store = data_dir / name.replace(" ", "-") / "jetstream"
+    store.mkdir(parents=True)
+    nats = procs.start(f"nats ({name})", nats_server_argv(store, nport, mport), {})
+    wait_port(nats, nport, 30)
+    port = free_port()
+    argv = [sys.executable, "-m", "services.cli", "up", "--pipeline", str(pipeline_path), "--port", str(port)]
+    argv += ["--data-dir", str(store.parent), *up_args]
+    stack_env = {**env, "NATS_URL": f"nats://127.0.0.1:{nport}"}
+    if tree is not None:  # `python -m` looks in the working directory first
+        stack_env["PYTHONPATH"] = str(tree)
+    stack = procs.start(name, argv, stack_env, signal.SIGINT, 90.0, cwd=tree)
+    log(f"{name} ready in {wait_log(stack, 'omnirelay is up', 600):.1f} s")
+    return Stack(name, f"http://127.0.0.1:{port}/v1", f"nats://127.0.0.1:{nport}", stack)
+
+
 def engine_flags(pipeline: PipelineConfig) -> list[str]:
     """vLLM api_server flags equal to what the omnirelay worker passes to ``AsyncEngineArgs``
     for stage 0 (see ``services.stage_worker.llm_engine.build_async_llm``, log stats off)."""

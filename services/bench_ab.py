@@ -15,9 +15,7 @@ import asyncio
 import os
 import random
 import shutil
-import signal
 import statistics
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,17 +23,15 @@ from pathlib import Path
 from libs.common.pipeline import load_pipeline
 from services.bench import (
     DEFAULT_PIPELINE,
-    Managed,
     Processes,
     RequestTiming,
+    Stack,
     engine_env,
     isolate_engines,
     log,
+    start_stack,
     timed_request,
-    wait_log,
-    wait_port,
 )
-from services.launcher import free_port, nats_server_argv
 
 PROMPT = "Tell me a short story about a lighthouse keeper."
 SETTLE_TRIES = 50
@@ -65,31 +61,7 @@ def paired_difference(
     )
 
 
-@dataclass(frozen=True)
-class Side:
-    name: str
-    base_url: str
-    process: Managed
-
-
-def _start_side(
-    procs: Processes, name: str, tree: Path, pipeline_path: Path, env: dict[str, str], tmp: Path
-) -> Side:
-    nport, mport = free_port(), free_port()
-    store = tmp / name / "jetstream"
-    store.mkdir(parents=True)
-    nats = procs.start(f"nats-{name}", nats_server_argv(store, nport, mport), {})
-    wait_port(nats, nport, 30)
-    port = free_port()
-    argv = [sys.executable, "-m", "services.cli", "up", "--pipeline", str(pipeline_path), "--port", str(port)]
-    argv += ["--data-dir", str(store.parent)]
-    stack_env = {**env, "NATS_URL": f"nats://127.0.0.1:{nport}", "PYTHONPATH": str(tree)}
-    stack = procs.start(name, argv, stack_env, signal.SIGINT, 90.0, cwd=tree)
-    log(f"{name} ({tree}) ready in {wait_log(stack, 'omnirelay is up', 600):.1f} s")
-    return Side(name, f"http://127.0.0.1:{port}/v1", stack)
-
-
-async def _block(side: Side, client, model: str, n: int, max_tokens: int) -> list[RequestTiming]:
+async def _block(side: Stack, client, model: str, n: int, max_tokens: int) -> list[RequestTiming]:
     side.process.resume()
     try:
         for _ in range(SETTLE_TRIES):
@@ -101,7 +73,7 @@ async def _block(side: Side, client, model: str, n: int, max_tokens: int) -> lis
         side.process.pause()
 
 
-async def _measure(sides: dict[str, Side], model: str, blocks: int, block: int, max_tokens: int):
+async def _measure(sides: dict[str, Stack], model: str, blocks: int, block: int, max_tokens: int):
     from openai import AsyncOpenAI
 
     clients = {
@@ -167,7 +139,9 @@ def run_ab_bench(
     ok = False
     try:
         env = engine_env(pipeline, core)
-        sides = {n: _start_side(procs, n, t, pipeline_path.resolve(), env, tmp) for n, t in trees.items()}
+        sides = {
+            n: start_stack(procs, n, pipeline_path.resolve(), env, tmp, tree=t) for n, t in trees.items()
+        }
         isolate_engines(procs.items, core)
         for s in sides.values():
             s.process.pause()

@@ -13,12 +13,9 @@ import asyncio
 import math
 import os
 import shutil
-import signal
 import statistics
-import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -26,29 +23,19 @@ import httpx
 from libs.common.pipeline import load_pipeline
 from services.bench import (
     DEFAULT_PIPELINE,
-    Managed,
     Processes,
     RequestTiming,
+    Stack,
     engine_env,
     log,
     percentile,
+    start_stack,
     timed_request,
-    wait_log,
-    wait_port,
 )
 from services.bus_inspect import snapshot
-from services.launcher import free_port, nats_server_argv
 
 OFF, ON = "log-stats off", "log-stats on"
 PROMPT = "Describe the harbour at dawn in a few sentences."
-
-
-@dataclass(frozen=True)
-class Side:
-    name: str
-    base_url: str
-    nats_url: str
-    process: Managed
 
 
 def welch_t(a: list[float], b: list[float]) -> tuple[float, float]:
@@ -82,23 +69,7 @@ def t_critical_95(df: float) -> float:
     return table[max(k for k in table if k <= max(df, 1))]
 
 
-def _start_side(
-    procs: Processes, name: str, log_stats: bool, pipeline_path: Path, env: dict[str, str], tmp: Path
-) -> Side:
-    nport, mport = free_port(), free_port()
-    store = tmp / name.replace(" ", "-") / "jetstream"
-    store.mkdir(parents=True)
-    nats = procs.start(f"nats ({name})", nats_server_argv(store, nport, mport), {})
-    wait_port(nats, nport, 30)
-    port = free_port()
-    argv = [sys.executable, "-m", "services.cli", "up", "--pipeline", str(pipeline_path), "--port", str(port)]
-    argv += ["--data-dir", str(store.parent)] + (["--log-stats"] if log_stats else ["--no-log-stats"])
-    stack = procs.start(name, argv, {**env, "NATS_URL": f"nats://127.0.0.1:{nport}"}, signal.SIGINT, 90.0)
-    log(f"{name} ready in {wait_log(stack, 'omnirelay is up', 600):.1f} s")
-    return Side(name, f"http://127.0.0.1:{port}/v1", f"nats://127.0.0.1:{nport}", stack)
-
-
-async def _round(side: Side, model: str, n: int, max_tokens: int) -> list[RequestTiming]:
+async def _round(side: Stack, model: str, n: int, max_tokens: int) -> list[RequestTiming]:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=side.base_url, api_key="bench", timeout=120.0, max_retries=0)
@@ -110,7 +81,7 @@ async def _round(side: Side, model: str, n: int, max_tokens: int) -> list[Reques
         await client.close()
 
 
-def _scrape_ms(side: Side, pipeline, repeats: int = 50) -> float:
+def _scrape_ms(side: Stack, pipeline, repeats: int = 50) -> float:
     """Median time to fetch a thinker worker's ``/metrics``, milliseconds."""
     side.process.resume()
     try:
@@ -136,7 +107,12 @@ def run_log_stats_bench(
     procs = Processes(tmp)
     try:
         env = engine_env(pipeline, core)
-        sides = {n: _start_side(procs, n, n == ON, pipeline_path, env, tmp) for n in (OFF, ON)}
+        sides = {
+            n: start_stack(
+                procs, n, pipeline_path, env, tmp, ["--log-stats" if n == ON else "--no-log-stats"]
+            )
+            for n in (OFF, ON)
+        }
         for s in sides.values():
             s.process.pause()
         model = pipeline.served_model_name
