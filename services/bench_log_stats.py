@@ -105,6 +105,7 @@ def run_log_stats_bench(
     core = sorted(os.sched_getaffinity(0))[0]
     tmp = Path(tempfile.mkdtemp(prefix="omnirelay-bench-log-stats-"))
     procs = Processes(tmp)
+    ok = False
     try:
         env = engine_env(pipeline, core)
         sides = {
@@ -129,13 +130,14 @@ def run_log_stats_bench(
             log(f"round {r + 1}/{rounds} done")
         scrape = {n: _scrape_ms(s, pipeline) for n, s in sides.items()}
         print(report(e2e, scrape), flush=True)
-        return 0
+        ok = True
     except (RuntimeError, KeyboardInterrupt) as e:
-        log(f"failed: {e}; logs in {tmp}")
-        return 1
+        log(f"failed: {e}; logs kept in {tmp}")
     finally:
         procs.stop_all()
+    if ok:
         shutil.rmtree(tmp, ignore_errors=True)
+    return 0 if ok else 1
 
 
 def report(e2e: dict[str, list[float]], scrape_ms: dict[str, float]) -> str:
