@@ -336,7 +336,9 @@ def bench_log_stats(
 def bench_ab(
     tree_a: Annotated[Path, typer.Argument(help="omnirelay checkout A (e.g. a `git worktree` of main)")],
     tree_b: Annotated[Path, typer.Argument(help="omnirelay checkout B (e.g. this one, with a change)")],
-    blocks: Annotated[int, typer.Option(help="block pairs (A B, B A, ...)")] = 40,
+    blocks: Annotated[
+        int, typer.Option(min=10, help="block pairs (A B, B A, ...); fewer give no useful interval")
+    ] = 40,
     block: Annotated[int, typer.Option(help="sequential requests per block")] = 10,
     max_tokens: Annotated[int, typer.Option(help="output tokens per request (ignore_eos)")] = 64,
 ) -> None:
