@@ -634,6 +634,23 @@ def start_stack(
     return Stack(name, f"http://127.0.0.1:{port}/v1", f"nats://127.0.0.1:{nport}", stack)
 
 
+def run_with_stacks(prefix: str, work: Callable[[Processes, Path], None]) -> int:
+    """Run ``work(procs, data_dir)`` in a fresh temporary directory named ``prefix...``; every
+    process it started is stopped afterwards. The directory is removed after a success and kept
+    (and named) after a failure. Returns 0 or 1."""
+    data_dir = Path(tempfile.mkdtemp(prefix=prefix))
+    procs = Processes(data_dir)
+    try:
+        work(procs, data_dir)
+    except (RuntimeError, KeyboardInterrupt) as e:
+        log(f"failed: {e}; logs kept in {data_dir}")
+        return 1
+    finally:
+        procs.stop_all()
+    shutil.rmtree(data_dir, ignore_errors=True)
+    return 0
+
+
 def engine_flags(pipeline: PipelineConfig) -> list[str]:
     """vLLM api_server flags equal to what the omnirelay worker passes to ``AsyncEngineArgs``
     for stage 0 (see ``services.stage_worker.llm_engine.build_async_llm``, log stats off)."""

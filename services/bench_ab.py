@@ -14,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import shutil
 import statistics
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from services.bench import (
     engine_env,
     isolate_engines,
     log,
+    run_with_stacks,
     start_stack,
     timed_request,
 )
@@ -134,24 +133,16 @@ def run_ab_bench(
             return 2
     pipeline = load_pipeline(pipeline_path)
     core = sorted(os.sched_getaffinity(0))[0]
-    tmp = Path(tempfile.mkdtemp(prefix="omnirelay-bench-ab-"))
-    procs = Processes(tmp)
-    ok = False
-    try:
+
+    def work(procs: Processes, data_dir: Path) -> None:
         env = engine_env(pipeline, core)
         sides = {
-            n: start_stack(procs, n, pipeline_path.resolve(), env, tmp, tree=t) for n, t in trees.items()
+            n: start_stack(procs, n, pipeline_path.resolve(), env, data_dir, tree=t) for n, t in trees.items()
         }
         isolate_engines(procs.items, core)
         for s in sides.values():
             s.process.pause()
         result = asyncio.run(_measure(sides, pipeline.served_model_name, blocks, block, max_tokens))
         print(report(trees, result), flush=True)
-        ok = True
-    except (RuntimeError, KeyboardInterrupt) as e:
-        log(f"failed: {e}; logs kept in {tmp}")
-    finally:
-        procs.stop_all()
-    if ok:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return 0 if ok else 1
+
+    return run_with_stacks("omnirelay-bench-ab-", work)

@@ -12,9 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from services.bench import (
     engine_env,
     log,
     percentile,
+    run_with_stacks,
     start_stack,
     timed_request,
 )
@@ -103,14 +102,12 @@ def run_log_stats_bench(
 ) -> int:
     pipeline = load_pipeline(pipeline_path)
     core = sorted(os.sched_getaffinity(0))[0]
-    tmp = Path(tempfile.mkdtemp(prefix="omnirelay-bench-log-stats-"))
-    procs = Processes(tmp)
-    ok = False
-    try:
+
+    def work(procs: Processes, data_dir: Path) -> None:
         env = engine_env(pipeline, core)
         sides = {
             n: start_stack(
-                procs, n, pipeline_path, env, tmp, ["--log-stats" if n == ON else "--no-log-stats"]
+                procs, n, pipeline_path, env, data_dir, ["--log-stats" if n == ON else "--no-log-stats"]
             )
             for n in (OFF, ON)
         }
@@ -130,14 +127,8 @@ def run_log_stats_bench(
             log(f"round {r + 1}/{rounds} done")
         scrape = {n: _scrape_ms(s, pipeline) for n, s in sides.items()}
         print(report(e2e, scrape), flush=True)
-        ok = True
-    except (RuntimeError, KeyboardInterrupt) as e:
-        log(f"failed: {e}; logs kept in {tmp}")
-    finally:
-        procs.stop_all()
-    if ok:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return 0 if ok else 1
+
+    return run_with_stacks("omnirelay-bench-log-stats-", work)
 
 
 def report(e2e: dict[str, list[float]], scrape_ms: dict[str, float]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 from services.bench_ab import paired_difference
 
@@ -32,3 +33,21 @@ def test_identical_sides_give_an_interval_around_zero() -> None:
 def test_a_single_pair_is_its_own_difference() -> None:
     d = paired_difference([[1.0, 2.0, 3.0]], [[2.5, 3.5, 4.5]])
     assert (d.median_s, d.low_s, d.high_s, d.pairs) == (1.5, 1.5, 1.5, 1)
+
+
+def test_run_with_stacks_keeps_the_logs_of_a_failed_run_only(tmp_path, monkeypatch) -> None:
+    from services import bench
+
+    monkeypatch.setattr(bench.tempfile, "tempdir", str(tmp_path))
+    used: list[Path] = []
+
+    def fails(procs, data_dir: Path) -> None:
+        used.append(data_dir)
+        raise RuntimeError("a stack did not come up")
+
+    def works(procs, data_dir: Path) -> None:
+        used.append(data_dir)
+
+    assert bench.run_with_stacks("t-", fails) == 1
+    assert bench.run_with_stacks("t-", works) == 0
+    assert used[0].is_dir() and not used[1].exists()
