@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import statistics
 import time
 from collections import defaultdict
 
@@ -27,7 +28,9 @@ pytestmark = pytest.mark.e2e
 SR = 24_000
 LATENCY_SLACK_S = 0.1
 """The client measures from before sending to after reading: at most this much more than the
-gateway's arrival → last byte written, on loopback."""
+gateway's arrival → last byte written, on loopback (typically ~2 ms more). The machine can stall
+a process for a few hundred ms now and then (seen in CI: one request of three at +0.32 s), so
+the e2e check takes the median gap of several requests."""
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +49,10 @@ def worker_urls(stack, pipeline) -> dict[tuple[int, int], str]:
 def test_finish_reasons_and_e2e_latency_match_the_client(stack, pipeline, gw) -> None:
     client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
     model = pipeline.served_model_name
-    before = scrape(gw)
-    latencies = []
-    for n in (3, 9, 5):
+    sizes = (3, 9, 5, 7, 4)
+    first = before = scrape(gw)
+    gaps = []
+    for n in sizes:
         t0 = time.monotonic()
         r = client.chat.completions.create(
             model=model,
@@ -56,16 +60,18 @@ def test_finish_reasons_and_e2e_latency_match_the_client(stack, pipeline, gw) ->
             max_tokens=n,
             extra_body={"ignore_eos": True},
         )
-        latencies.append(time.monotonic() - t0)
+        client_s = time.monotonic() - t0
         assert r.choices[0].finish_reason == "length"
-    after = scrape(gw)
-    assert (
-        delta(before, after, "vllm:omni_requests_success_total", finished_reason="length", model_name=model)
-        == 3
-    )
-    assert delta(before, after, "vllm:omni_e2e_request_latency_s_count") == 3
-    server_sum = delta(before, after, "vllm:omni_e2e_request_latency_s_sum")
-    assert 0 <= sum(latencies) - server_sum <= 3 * LATENCY_SLACK_S, (latencies, server_sum)
+        after = scrape(gw)
+        assert delta(before, after, "vllm:omni_e2e_request_latency_s_count") == 1
+        server_s = delta(before, after, "vllm:omni_e2e_request_latency_s_sum")
+        assert 0 < server_s <= client_s, (n, client_s, server_s)
+        gaps.append(client_s - server_s)
+        before = after
+    assert statistics.median(gaps) <= LATENCY_SLACK_S, gaps
+    assert delta(
+        first, after, "vllm:omni_requests_success_total", finished_reason="length", model_name=model
+    ) == len(sizes)
     assert (
         total(after, "vllm:omni_num_requests_running") == 0
         and total(after, "vllm:omni_num_requests_waiting") == 0
