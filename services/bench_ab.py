@@ -25,6 +25,7 @@ from services.bench import (
     RequestTiming,
     Stack,
     engine_env,
+    front_end_cores,
     isolate_engines,
     log,
     run_with_stacks,
@@ -136,9 +137,11 @@ def run_ab_bench(
 
     def work(procs: Processes, data_dir: Path) -> None:
         env = engine_env(pipeline, core)
-        sides = {
-            n: start_stack(procs, n, pipeline_path.resolve(), env, data_dir, tree=t) for n, t in trees.items()
-        }
+        with front_end_cores(core):
+            sides = {
+                n: start_stack(procs, n, pipeline_path.resolve(), env, data_dir, tree=t)
+                for n, t in trees.items()
+            }
         isolate_engines(procs.items, core)
         for s in sides.values():
             s.process.pause()
