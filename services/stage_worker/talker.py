@@ -40,7 +40,7 @@ class TalkerHandler(LLMHandler):
 
     async def run(self, req: RequestContext) -> None:
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
         chunker = CodeChunker(self._stage.chunking.codes)
@@ -54,7 +54,7 @@ class TalkerHandler(LLMHandler):
                     detokenize=False,
                     output_kind=RequestOutputKind.DELTA,
                 )
-                prompt = TokensPrompt(prompt_token_ids=d.task.token_ids)
+                prompt = tokens_input(d.task.token_ids)
                 sub_id = f"{req.request_id}-{d.task.seq}"
                 async for out in self.engine.generate(
                     prompt, params, sub_id, trace_headers=self.trace_headers(req.span)

@@ -28,7 +28,7 @@ class ThinkerHandler(LLMHandler):
 
     async def run(self, req: RequestContext) -> None:
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
         d = await req.next()
@@ -47,7 +47,7 @@ class ThinkerHandler(LLMHandler):
         forward = self._has_next and len(task.route) > 1
         chunker = TextChunker(self._stage.chunking.tokens, self._stage.chunking.sentence_end)
         generated, finish_reason = 0, None
-        prompt = TokensPrompt(prompt_token_ids=task.prompt_token_ids)
+        prompt = tokens_input(task.prompt_token_ids)
         # Built and sent when this task first waits — normally once generate() has handed the
         # request to the EngineCore — so neither delays the hand-off, and the gateway and its
         # client take the response's start while the engine computes the first token.
