@@ -28,6 +28,7 @@ the round (summed over rounds). The statistics are pure functions (tested in
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import math
@@ -1039,12 +1040,20 @@ def _verdict(results: list[RoundResult], cells: dict[str, dict[int, CellStats]],
     )
 
 
+def _commonest_error(timings: Sequence[RequestTiming]) -> str:
+    """The error that failed the most of ``timings``, with its count."""
+    counts = collections.Counter(x.error for x in timings if x.error is not None)
+    error, n = counts.most_common(1)[0]
+    return f"{error} (×{n})"
+
+
 def _notes(
     results: list[RoundResult], cells: dict[str, dict[int, CellStats]], opts: BenchOptions
 ) -> list[str]:
     """Failures, token counts, chunking, burst delivery, machine activity, prompt parity."""
     lines = [
-        f"note: {TARGET_TITLES[t]} c={c}: {s.errors} of {s.requests} requests failed"
+        f"note: {TARGET_TITLES[t]} c={c}: {s.errors} of {s.requests} requests failed; "
+        f"most often: {_commonest_error(_timings(results, t, c))}"
         for t in (GATEWAY, DIRECT)
         for c, s in sorted(cells[t].items())
         if s.errors

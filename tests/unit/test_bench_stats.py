@@ -12,6 +12,7 @@ from services.bench import (
     RoundResult,
     Row,
     Summary,
+    _commonest_error,
     aggregate,
     comparison_rows,
     cpu_share_pct,
@@ -233,3 +234,13 @@ def test_late_first_token_share() -> None:
 def test_verdict_line_flags_unreliable() -> None:
     line = verdict_line(0.011, 0.010, unreliable="burst-delivered streams")
     assert line.endswith("(target ≤ +20%): met — UNRELIABLE: burst-delivered streams")
+
+
+def test_the_commonest_error_is_named_with_its_count() -> None:
+    timings = [
+        RequestTiming(sent_s=0, done_s=1.0, error="HTTP 503: no live replica"),
+        RequestTiming(sent_s=0, done_s=1.0),
+        RequestTiming(sent_s=0, done_s=1.0, error="timeout"),
+        RequestTiming(sent_s=0, done_s=1.0, error="HTTP 503: no live replica"),
+    ]
+    assert _commonest_error(timings) == "HTTP 503: no live replica (×2)"
