@@ -159,6 +159,16 @@ class LiveServices:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
+    def last_heard(self, service: ServiceKind, stage: int | None = None) -> list[tuple[ServiceRecord, float]]:
+        """Every record of ``service`` (and ``stage``) ever received and not deleted, live or
+        expired, with the seconds since it was last received (this process's monotonic clock)."""
+        now = time.monotonic()
+        return [
+            (rec, now - seen)
+            for rec, seen in self._entries.values()
+            if rec.service == service and (stage is None or rec.stage == stage)
+        ]
+
     def live(self, service: ServiceKind | None = None, stage: int | None = None) -> list[ServiceRecord]:
         """Records updated within the TTL, filtered by service kind and stage."""
         now = time.monotonic()

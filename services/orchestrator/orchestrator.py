@@ -234,7 +234,8 @@ class Orchestrator:
             route = self.picker.route(stages)
         except NoLiveReplica as e:
             name = self.pipeline.stages[e.stage].name
-            await self._reject(adm, 503, "no_live_replica", f"stage {e.stage} ({name}) has no live replica")
+            message = f"stage {e.stage} ({name}) has no live replica"
+            await self._reject(adm, 503, "no_live_replica", message, e.why())
             await msg.ack()
             self._count("no_live_replica")
             return
@@ -292,8 +293,9 @@ class Orchestrator:
         await asyncio.sleep(after_s)
         await self.requests.put(record.request_id, record.model_dump_json().encode())
 
-    async def _reject(self, adm: Admission, status: int, code: str, message: str) -> None:
-        log.warning("request %s rejected: %s", adm.request_id, message)
+    async def _reject(self, adm: Admission, status: int, code: str, message: str, detail: str = "") -> None:
+        """Answer the client with ``message``; the log line adds ``detail`` (for the operator)."""
+        log.warning("request %s rejected: %s%s", adm.request_id, message, f"; {detail}" if detail else "")
         await self._tell_client(adm.request_id, adm.gateway_id, adm.arrival_ns, status, code, message)
 
     async def _tell_client(

@@ -9,15 +9,25 @@ from __future__ import annotations
 
 import itertools
 
+from libs.common.bus import LIMITS
 from libs.common.registry import LiveServices, ServiceKind, ServiceRecord
 
 
 class NoLiveReplica(Exception):
-    """A stage has no live replica."""
+    """A stage has no live replica; ``silent`` maps each replica that registered and expired
+    to the seconds since its last heartbeat arrived."""
 
-    def __init__(self, stage: int) -> None:
+    def __init__(self, stage: int, silent: dict[int, float]) -> None:
         super().__init__(f"stage {stage} has no live replica")
         self.stage = stage
+        self.silent = silent
+
+    def why(self) -> str:
+        """What the registry knows of the stage's replicas, for the log."""
+        if not self.silent:
+            return "none has registered"
+        heard = ", ".join(f"replica {r} last heard {age:.1f} s ago" for r, age in sorted(self.silent.items()))
+        return f"{heard} (a replica is dead {LIMITS.service_ttl_s:g} s after its last heartbeat)"
 
 
 class ReplicaPicker:
@@ -36,7 +46,8 @@ class ReplicaPicker:
         """Bind a replica of ``stage`` (raises :class:`NoLiveReplica`)."""
         live = self._services.live(ServiceKind.WORKER, stage)
         if not live:
-            raise NoLiveReplica(stage)
+            heard = self._services.last_heard(ServiceKind.WORKER, stage)
+            raise NoLiveReplica(stage, {rec.replica: age for rec, age in heard if rec.replica is not None})
 
         def score(rec: ServiceRecord) -> tuple[int, int]:
             key = (stage, rec.replica)

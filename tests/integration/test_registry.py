@@ -10,7 +10,7 @@ import nats
 import pytest
 
 from libs.common.bus import LIMITS, services_kv
-from libs.common.registry import MIN_BEAT_GAP_S, Heartbeat, ServiceKind, ServiceRecord
+from libs.common.registry import MIN_BEAT_GAP_S, Heartbeat, LiveServices, ServiceKind, ServiceRecord
 
 pytestmark = pytest.mark.integration
 
@@ -48,4 +48,30 @@ async def test_a_halved_load_is_shown_early_and_small_changes_wait(nats_server, 
             assert took > LIMITS.heartbeat_s - 2 * MIN_BEAT_GAP_S, took
     finally:
         await beat.stop()
+        await nc.close()
+
+
+async def test_an_expired_replica_is_not_live_but_its_silence_is_known(nats_server) -> None:
+    nc = await nats.connect(nats_server.url)
+    kv = await services_kv(nc.jetstream())
+    rec = ServiceRecord(service=ServiceKind.WORKER, pipeline="ttl", instance="i", stage=0, replica=3)
+    live = LiveServices(kv, "ttl", ttl_s=0.3)
+    try:
+        await kv.put(rec.key, rec.model_dump_json().encode())
+        await live.start()
+        await asyncio.wait_for(live.ready.wait(), 5)
+        assert [r.replica for r in live.live(ServiceKind.WORKER, 0)] == [3]
+        await asyncio.sleep(0.5)
+        assert live.live(ServiceKind.WORKER, 0) == []
+        [(heard, age)] = live.last_heard(ServiceKind.WORKER, 0)
+        assert heard.replica == 3 and 0.5 <= age < 5
+        assert live.last_heard(ServiceKind.WORKER, 1) == [] and live.last_heard(ServiceKind.GATEWAY) == []
+        await kv.delete(rec.key)
+        for _ in range(100):  # the deletion reaches the watcher
+            if not live.last_heard(ServiceKind.WORKER):
+                break
+            await asyncio.sleep(0.02)
+        assert live.last_heard(ServiceKind.WORKER) == []
+    finally:
+        await live.stop()
         await nc.close()

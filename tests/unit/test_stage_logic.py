@@ -103,6 +103,9 @@ class FakeLive:
     def live(self, service=None, stage=None):
         return [r for r in self.records if stage in (None, r.stage)]
 
+    def last_heard(self, service, stage=None):
+        return [(r, 1.5) for r in self.records if stage in (None, r.stage)]
+
 
 def test_picker_prefers_least_loaded_and_counts_its_own_bindings() -> None:
     live = FakeLive({0: 3, 1: 0})
@@ -113,8 +116,20 @@ def test_picker_prefers_least_loaded_and_counts_its_own_bindings() -> None:
     for fn in live.listeners:  # a heartbeat resets what was bound since the last one
         fn(live.records[1])
     assert picker.pick(0) == 1
-    with pytest.raises(NoLiveReplica):
+    with pytest.raises(NoLiveReplica) as e:
         picker.pick(5)
+    assert e.value.why() == "none has registered"
+
+
+def test_no_live_replica_says_when_each_expired_replica_was_last_heard() -> None:
+    class Expired(FakeLive):
+        def live(self, service=None, stage=None):
+            return []
+
+    with pytest.raises(NoLiveReplica) as e:
+        ReplicaPicker(Expired({0: 0, 1: 2})).pick(0)
+    assert e.value.silent == {0: 1.5, 1: 1.5}
+    assert e.value.why().startswith("replica 0 last heard 1.5 s ago, replica 1 last heard 1.5 s ago (")
 
 
 def _record() -> RequestRecord:
