@@ -90,10 +90,14 @@ class Heartbeat:
         self._task = asyncio.create_task(self._run(), name=f"heartbeat:{self._record.key}")
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(MIN_BEAT_GAP_S)
+            # The regular beat is due a period after the last one, on an absolute deadline: after
+            # a stall (a stopped process, a starved core) it is written the moment this process
+            # runs again, not a period later, while readers already count the replica dead.
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(LIMITS.heartbeat_s - MIN_BEAT_GAP_S):
+                async with asyncio.timeout_at(loop.time() + LIMITS.heartbeat_s):
+                    await asyncio.sleep(MIN_BEAT_GAP_S)
                     await self._early.wait()
             self._early.clear()
             try:

@@ -75,3 +75,25 @@ async def test_an_expired_replica_is_not_live_but_its_silence_is_known(nats_serv
     finally:
         await live.stop()
         await nc.close()
+
+
+async def test_a_beat_overdue_after_a_stall_is_written_at_once(nats_server) -> None:
+    """A process stopped (or starved) past its beat writes it as soon as it runs again; readers
+    count a replica dead ``service_ttl_s`` after its last beat, so a period's wait would lose it."""
+    nc = await nats.connect(nats_server.url)
+    kv = await services_kv(nc.jetstream())
+    rec = ServiceRecord(service=ServiceKind.WORKER, pipeline="stall", instance="i", stage=0, replica=0)
+    beat = Heartbeat(kv, rec, lambda: 0)
+    try:
+        await beat.start()
+        first = (await kv.get(rec.key)).revision
+        await asyncio.sleep(MIN_BEAT_GAP_S / 2)  # the beat loop waits out its minimum gap
+        time.sleep(LIMITS.heartbeat_s + 0.5)  # the whole event loop stalls past the next beat
+        t0 = time.monotonic()
+        while (await kv.get(rec.key)).revision == first:
+            assert time.monotonic() - t0 < LIMITS.heartbeat_s, "no beat after the stall"
+            await asyncio.sleep(0.01)
+        assert time.monotonic() - t0 < 0.5
+    finally:
+        await beat.stop()
+        await nc.close()
