@@ -215,9 +215,9 @@ async def sse_stream(
 ) -> AsyncIterator[str]:
     """Server-Sent Events of one request (begun after :func:`until_started`): the ``head``
     chunks, then ``render`` of each event (zero or more JSON chunks), then ``tail``; ends with
-    ``[DONE]``. The head goes out with the first event — stage 0's ``started``, so while its
-    engine computes the first token, as vLLM's server sends its role chunk — and events that
-    are already waiting are written together. A client that disconnects (the generator is
+    ``[DONE]``. The head goes out with the first event — stage 0's ``started``, so the client
+    reads it while the engine computes the first token (vLLM's server sends its role chunk with
+    the first output) — and events that are already waiting are written together. A client that disconnects (the generator is
     closed early) or a failure aborts the request in every stage."""
     state = Collected()
     completed = False
