@@ -1,0 +1,47 @@
+"""Stage 0's ``started`` event: once, a short delay after the hand-off or at the first output."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from libs.common.envelopes import ClientEventType
+from services.stage_worker.thinker import STARTED_DELAY_S, _StartedNotice
+
+
+class Recorder:
+    """Stands in for a RequestContext: records the client events it is asked to publish."""
+
+    request_id = "r"
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[ClientEventType, float]] = []
+
+    async def client(self, event) -> None:
+        self.sent.append((event.type, time.monotonic()))
+
+
+async def test_it_goes_out_after_the_delay_without_an_output() -> None:
+    req = Recorder()
+    t0 = time.monotonic()
+    _StartedNotice(req)
+    await asyncio.sleep(STARTED_DELAY_S + 0.05)
+    assert [t for t, _ in req.sent] == [ClientEventType.STARTED]
+    assert req.sent[0][1] - t0 >= STARTED_DELAY_S * 0.9
+
+
+async def test_a_first_output_sends_it_at_once_and_only_once() -> None:
+    req = Recorder()
+    notice = _StartedNotice(req)
+    await notice.sent()
+    assert len(req.sent) == 1
+    await asyncio.sleep(STARTED_DELAY_S + 0.05)  # the timer was stopped
+    await notice.sent()
+    assert len(req.sent) == 1
+
+
+async def test_cancelled_before_the_delay_it_never_goes_out() -> None:
+    req = Recorder()
+    _StartedNotice(req).cancel()
+    await asyncio.sleep(STARTED_DELAY_S + 0.05)
+    assert req.sent == []
