@@ -861,28 +861,31 @@ async def _wait_ready(target: Target, timeout_s: float = 60.0) -> None:
             await asyncio.sleep(0.2)
 
 
-async def _settle(target: Target, client, in_a_row: int, max_tokens: int, timeout_s: float = 60.0) -> None:
-    """Send sequential unmeasured requests until ``in_a_row`` consecutive ones succeed."""
+async def settle(
+    name: str, model: str, client, in_a_row: int, max_tokens: int, timeout_s: float = 60.0
+) -> None:
+    """Send sequential unmeasured requests to ``name`` until ``in_a_row`` consecutive ones succeed
+    (fails after ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
     ok = 0
     while ok < in_a_row:
-        t = await timed_request(client, target.model, PROMPTS[ok % len(PROMPTS)], max_tokens)
+        t = await timed_request(client, model, PROMPTS[ok % len(PROMPTS)], max_tokens)
         ok = ok + 1 if t.ok else 0
         if not t.ok:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{target.name} keeps failing after resume: {t.error}")
+                raise RuntimeError(f"{name} keeps failing after resume: {t.error}")
             await asyncio.sleep(0.5)
 
 
 @contextlib.asynccontextmanager
-async def _active(target: Target, pause_idle: bool, settle: int, client, max_tokens: int):
-    """Resume ``target`` (if paused), wait until healthy and until ``settle`` unmeasured requests
+async def _active(target: Target, pause_idle: bool, in_a_row: int, client, max_tokens: int):
+    """Resume ``target`` (if paused), wait until healthy and until ``in_a_row`` unmeasured requests
     in a row succeed (a long pause lets the omnirelay registrations expire; they come back with
     the next heartbeat); pause it again afterwards."""
     if pause_idle:
         target.process.resume()
         await _wait_ready(target)
-        await _settle(target, client, settle, max_tokens)
+        await settle(target.name, target.model, client, in_a_row, max_tokens)
     try:
         yield
     finally:

@@ -29,14 +29,12 @@ from services.bench import (
     isolate_engines,
     log,
     run_with_stacks,
+    settle,
     start_stack,
     timed_request,
 )
 
 PROMPT = "Tell me a short story about a lighthouse keeper."
-SETTLE_TRIES = 50
-"""Unmeasured requests tried after a resume until one succeeds (a paused stack's registrations
-can be stale for a heartbeat)."""
 
 
 @dataclass(frozen=True)
@@ -64,10 +62,7 @@ def paired_difference(
 async def _block(side: Stack, client, model: str, n: int, max_tokens: int) -> list[RequestTiming]:
     side.process.resume()
     try:
-        for _ in range(SETTLE_TRIES):
-            if (await timed_request(client, model, PROMPT, max_tokens)).ok:
-                break
-            await asyncio.sleep(0.2)
+        await settle(side.name, model, client, 1, max_tokens)
         return [await timed_request(client, model, PROMPT, max_tokens) for _ in range(n)]
     finally:
         side.process.pause()
