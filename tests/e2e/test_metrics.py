@@ -30,7 +30,9 @@ LATENCY_SLACK_S = 0.1
 """The client measures from before sending to after reading: at most this much more than the
 gateway's arrival → last byte written, on loopback (typically ~2 ms more). The machine can stall
 a process for a few hundred ms now and then (seen in CI: one request of three at +0.32 s, one
-audio request's first audio at +0.16 s), so the checks take the median gap of several requests."""
+audio request's first audio at +0.16 s), so the checks take the median gap of several requests.
+(Two of three audio requests at +0.16 s and +0.45 s were vLLM's busy-waiting engines starving the
+gateway and the client: see services/stage_worker/engine_wait.py.)"""
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +120,7 @@ def test_audio_metrics_match_the_decoded_audio_and_client_timing(stack, pipeline
     client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
     stage = str(pipeline.audio_stage)
     gaps = []
-    for _ in range(3):
+    for _ in range(5):
         before = scrape(gw)
         pcm, first_audio, e2e = _audio_request(client, pipeline.served_model_name)
         after = scrape(gw)
