@@ -6,12 +6,14 @@ shared-memory queues. After every message it reads, a reader busy-waits on the q
 before it sleeps on a ZeroMQ notification. On a GPU host with a core per process that costs
 nothing; on a CPU box with more engines than cores, every engine that served anything in the last
 second burns a core yielding to everyone else: measured on the default pipeline (three engines, two
-cores), text TTFT p50 41 ms instead of 7 ms and audio end-to-end 0.43-2.1 s instead of 0.25-0.30 s.
+cores), text TTFT p50 39-41 ms instead of 7-10 ms, audio end to end 0.29-2.4 s instead of
+0.24-0.35 s (README, "How engines wait").
 
 :class:`WaitPolicy` keeps the busy wait for ``spin_s`` after a read (the gap between two steps of
 one request is well under that), then, for the rest of vLLM's busy window, checks the queue every
 ``nap_s`` seconds and sleeps in between; past the window vLLM's own idle wait (the ZeroMQ poll)
-takes over unchanged. A message that arrives during a nap waits at most ``nap_s``.
+takes over unchanged. A message that arrives during a nap waits at most ``nap_s`` (plus the
+kernel's timer slack, 50 us by default).
 
 The policy travels to the engine's processes in the environment (:meth:`WaitPolicy.env`, set by the
 worker before it builds the engine); vLLM calls :func:`register` in each of its processes (entry
