@@ -45,7 +45,16 @@ def reader(monkeypatch: pytest.MonkeyPatch):
     address = get_open_zmq_ipc_path()
     writer = SpinCondition(is_reader=False, context=ctx, notify_address=address)
     r = SpinCondition(is_reader=True, context=ctx, notify_address=address)
-    time.sleep(0.2)  # the subscription reaches the publisher
+    deadline = time.monotonic() + 10
+    while True:  # until the subscription has reached the publisher (ZeroMQ drops what comes before)
+        writer.notify()
+        if r.local_notify_socket.poll(50):
+            r.local_notify_socket.recv()
+            break
+        assert time.monotonic() < deadline, "the notification socket never connected"
+    time.sleep(0.1)
+    while r.local_notify_socket.poll(0):  # a notification of the loop still on its way
+        r.local_notify_socket.recv()
     yield r, writer
     ctx.destroy(linger=0)
 
