@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
 
     from services.stage_worker.engine_metrics import EngineIdentity
     from services.stage_worker.engine_tracing import EngineTracingConfig
+
+log = logging.getLogger(__name__)
 
 
 def cpu_core_for(pipeline: PipelineConfig, stage_id: int, replica: int) -> int:
@@ -168,7 +171,15 @@ def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
     eng = spec.stage.engine
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(eng.kv_cache_space_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(spec.cpu_core))
-    os.environ.update(wait_policy(eng).env())
+    policy = wait_policy(eng)
+    os.environ.update(policy.env())
+    log.info(
+        "%s: engine processes busy-wait %g ms after each queue read, then check every %g ms "
+        "until 1 s (vLLM's own: busy-wait the whole second)",
+        engine_identity(spec).label,
+        policy.spin_s * 1000,
+        policy.nap_s * 1000,
+    )
     stat_loggers = None
     if spec.log_stats:
         from services.stage_worker.engine_metrics import stat_loggers_for
