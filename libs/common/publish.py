@@ -69,15 +69,14 @@ async def publish_task(
     )
 
 
-async def publish_client(
-    nc: NATS, subjects: Subjects, gateway_id: str, event: ClientEvent, arrival_ns: int
-) -> None:
-    """Send a client-visible event of one request to its gateway (core NATS, fire and forget)."""
-    await nc.publish(
-        subjects.out(gateway_id, event.request_id),
-        event.encode(),
-        headers={h.REQUEST_ID: event.request_id, h.ARRIVAL_NS: str(arrival_ns)},
-    )
+async def publish_client(nc: NATS, subjects: Subjects, gateway_id: str, event: ClientEvent) -> None:
+    """Send a client-visible event of one request to its gateway (core NATS, fire and forget).
+
+    No headers: the subject names the gateway and the request, and the body says the rest. A
+    request streams one of these per token, and headers cost both ends (nats-py builds and parses
+    them in Python): without them the worker and the gateway spend ~12 % less CPU per request at
+    concurrency 16."""
+    await nc.publish(subjects.out(gateway_id, event.request_id), event.encode())
 
 
 async def publish_lifecycle(js: JetStreamContext, subjects: Subjects, event: LifecycleEvent) -> None:

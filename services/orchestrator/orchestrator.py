@@ -296,15 +296,15 @@ class Orchestrator:
     async def _reject(self, adm: Admission, status: int, code: str, message: str, detail: str = "") -> None:
         """Answer the client with ``message``; the log line adds ``detail`` (for the operator)."""
         log.warning("request %s rejected: %s%s", adm.request_id, message, f"; {detail}" if detail else "")
-        await self._tell_client(adm.request_id, adm.gateway_id, adm.arrival_ns, status, code, message)
+        await self._tell_client(adm.request_id, adm.gateway_id, status, code, message)
 
     async def _tell_client(
-        self, request_id: str, gateway_id: str, arrival_ns: int, status: int, code: str, message: str
+        self, request_id: str, gateway_id: str, status: int, code: str, message: str
     ) -> None:
         event = ClientEvent(
             request_id=request_id, type=ClientEventType.ERROR, status=status, code=code, message=message
         )
-        await publish_client(self.nc, self.subjects, gateway_id, event, arrival_ns)
+        await publish_client(self.nc, self.subjects, gateway_id, event)
 
     async def _expired(self, rec: RequestRecord) -> None:
         """A request past its deadline: abort it in every worker and answer the client."""
@@ -314,7 +314,6 @@ class Orchestrator:
         await self._tell_client(
             rec.request_id,
             rec.gateway_id,
-            rec.arrival_ns,
             504,
             "timeout",
             "the request did not finish before its deadline",

@@ -158,9 +158,7 @@ class RequestContext:
         self._check_aborted()
         event.stage, event.replica, event.seq = self.me.stage, self.me.replica, self._client_seq
         self._client_seq += 1
-        await publish_client(
-            self.bus.nc, self.bus.subjects, self.first.gateway_id, event, self.first.arrival_ns
-        )
+        await publish_client(self.bus.nc, self.bus.subjects, self.first.gateway_id, event)
 
     def _add_transfer(self, t: TransferStats) -> None:
         e = self._edges.get((t.from_stage, t.from_replica))
