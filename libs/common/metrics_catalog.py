@@ -166,6 +166,27 @@ FAMILIES: tuple[Family, ...] = (
 
 BY_NAME = {f.name: f for f in FAMILIES}
 
+ENGINE_PROCESSES: dict[str, str] = {
+    "vllm:omni_engine_core": "VLLM::EngineCore",
+    "vllm:omni_engine_worker": "VLLM::Worker",
+}
+"""Process families of an ``llm`` worker's engine (worker ``/metrics``, always on): namespace →
+the title vLLM gives the process. Each namespace gets prometheus_client's process families,
+``<namespace>_process_`` + :data:`PROCESS_FAMILY_SUFFIXES`."""
+PROCESS_FAMILY_SUFFIXES = (
+    "cpu_seconds_total",
+    "resident_memory_bytes",
+    "virtual_memory_bytes",
+    "start_time_seconds",
+    "open_fds",
+    "max_fds",
+)
+
+
+def engine_process_names() -> tuple[str, ...]:
+    """Exposed sample names of the engine process families."""
+    return tuple(f"{ns}_process_{suffix}" for ns in ENGINE_PROCESSES for suffix in PROCESS_FAMILY_SUFFIXES)
+
 
 def families_for(exporter: Exporter) -> tuple[Family, ...]:
     return tuple(f for f in FAMILIES if f.exporter == exporter)

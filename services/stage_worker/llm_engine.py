@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from libs.common import tracing
 from libs.common.pipeline import EngineArgs, PipelineConfig, StageConfig, StageType
 from libs.models.tiny import resolve_model
+from services.stage_worker.engine_processes import export_engine_processes
 from services.stage_worker.engine_tracing import EngineTracing
 from services.stage_worker.engine_wait import WaitPolicy
 
@@ -240,6 +241,7 @@ class LLMHandler:
     async def start(self) -> None:
         self._engine_traced = engine_tracing_config(self._spec) is not None
         self.engine = build_async_llm(self._spec, self.model_path)
+        export_engine_processes()
         if self._spec.log_stats:
             from services.stage_worker.engine_metrics import log_stats_periodically
 

