@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from libs.common import headers as h
 from libs.common.envelopes import StageTask, decode
-from libs.common.metrics_catalog import AUDIO, Exporter, exposed_names, families_for
+from libs.common.metrics_catalog import AUDIO, ENGINE_PROCESSES, Exporter, exposed_names, families_for
 from libs.common.subjects import Subjects
 from services.bus_inspect import request_record
 from services.launcher import free_port
@@ -427,6 +427,28 @@ def test_engine_requests_per_replica_match_the_routes(prom, traffic, pipeline, s
     )
     print(f"\nengine requests per (stage, replica): {got}")
     assert got == want
+
+
+def test_every_engine_process_is_scraped_with_its_worker_labels(prom, traffic, pipeline, stack) -> None:
+    """The engine processes vLLM runs beside each ``llm`` worker are federated under that worker's
+    stage and replica, and those that served the traffic used CPU meanwhile."""
+    llm = {
+        (g["labels"]["__meta_omnirelay_stage"], g["labels"]["__meta_omnirelay_replica"])
+        for g in sd_groups(stack)
+        if g["labels"]["__meta_omnirelay_service"] == "worker"
+        and pipeline.stages[int(g["labels"]["__meta_omnirelay_stage"])].type.value == "llm"
+    }
+    served = {("0", str(route[0])) for route in traffic.routes.values()}
+    served |= {("1", str(r)) for r in traffic.talker_requests}
+    assert served <= llm
+    for namespace in ENGINE_PROCESSES:
+        sel = f'{namespace}_process_cpu_seconds_total{{pipeline="{pipeline.name}", service="worker"}}'
+        got = eventually(
+            lambda sel=sel: prom.grown(sel, "stage, replica", traffic.t0),
+            lambda v: set(v) == llm and all(v[k] > 0 for k in served),
+        )
+        assert set(got) == llm, (namespace, got)
+        assert all(got[k] > 0 for k in served), (namespace, got)
 
 
 def _check_unified(metric: dict[str, str], sd: dict[str, dict[str, str]]) -> list[str]:

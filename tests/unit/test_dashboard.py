@@ -24,7 +24,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from libs.common.metrics_catalog import FAMILIES, exposed_names
+from libs.common.metrics_catalog import FAMILIES, engine_process_names, exposed_names
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "compose" / "grafana" / "dashboards" / "omnirelay.json"
@@ -236,7 +236,7 @@ def dashboard() -> dict[str, Any]:
 def known_names() -> set[str]:
     vllm_names = vllm_stat_logger_names()
     assert {"vllm:num_requests_running", "vllm:e2e_request_latency_seconds_bucket"} <= vllm_names
-    return catalog_names() | vllm_names
+    return catalog_names() | vllm_names | set(engine_process_names())
 
 
 def unknown_metrics(dashboard: dict[str, Any], known: set[str]) -> list[str]:
