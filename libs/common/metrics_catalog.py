@@ -170,7 +170,7 @@ ENGINE_PROCESSES: dict[str, str] = {
     "vllm:omni_engine_core": "VLLM::EngineCore",
     "vllm:omni_engine_worker": "VLLM::Worker",
 }
-"""Process families of an ``llm`` worker's engine (worker ``/metrics``, always on): namespace →
+"""Process families of an ``llm`` worker's engine (worker ``/metrics``, with ``--log-stats``): namespace →
 the title vLLM gives the process. Each namespace gets prometheus_client's process families,
 ``<namespace>_process_`` + :data:`PROCESS_FAMILY_SUFFIXES`."""
 PROCESS_FAMILY_SUFFIXES = (

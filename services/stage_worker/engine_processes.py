@@ -5,7 +5,8 @@ the worker's ``process_*`` families do not look: their CPU time, memory and file
 invisible. prometheus_client's ``ProcessCollector`` reads them from ``/proc/<pid>`` at each scrape,
 under the namespaces of :data:`~libs.common.metrics_catalog.ENGINE_PROCESSES`, e.g.
 ``rate(vllm:omni_engine_worker_process_cpu_seconds_total[1m])`` is the cores the engine's model
-runner keeps busy. A process that is not (or no longer) there exports nothing.
+runner keeps busy. A process that is not (or no longer) there exports nothing. Like every
+``vllm:`` family they exist only with ``--log-stats`` (:class:`~services.stage_worker.llm_engine.LLMHandler`).
 """
 
 from __future__ import annotations

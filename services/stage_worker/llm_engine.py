@@ -241,8 +241,8 @@ class LLMHandler:
     async def start(self) -> None:
         self._engine_traced = engine_tracing_config(self._spec) is not None
         self.engine = build_async_llm(self._spec, self.model_path)
-        export_engine_processes()
         if self._spec.log_stats:
+            export_engine_processes()
             from services.stage_worker.engine_metrics import log_stats_periodically
 
             self._log_task = asyncio.create_task(

@@ -106,7 +106,7 @@ def test_the_policy_comes_from_the_environment_only_when_named(monkeypatch: pyte
 async def engine() -> AsyncIterator[tuple[LLMHandler, list[psutil.Process]]]:
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
-    handler = LLMHandler(LLMEngineSpec.for_replica(load_pipeline(), 0, 0))
+    handler = LLMHandler(LLMEngineSpec.for_replica(load_pipeline(), 0, 0, log_stats=True))
     await handler.start()
     try:
         procs = [
