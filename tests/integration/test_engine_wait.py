@@ -3,7 +3,8 @@ real engine (tiny thinker, CPU).
 
 With vLLM's stock wait, an engine's EngineCore and Worker busy-wait for a second after every message:
 in the half second after a request they keep about one of this machine's two cores busy (measured:
-1.0). With the policy they rest (measured: 0.02-0.04).
+1.0). With the policy they rest (measured: 0.02-0.04). The same engine also checks the engine
+process families on the worker's /metrics (services/stage_worker/engine_processes.py).
 """
 
 from __future__ import annotations
