@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.process_collector import ProcessCollector
 
 OMNI_REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -171,21 +172,15 @@ ENGINE_PROCESSES: dict[str, str] = {
     "vllm:omni_engine_worker": "VLLM::Worker",
 }
 """Process families of an ``llm`` worker's engine (worker ``/metrics``, with ``--log-stats``): namespace →
-the title vLLM gives the process. Each namespace gets prometheus_client's process families,
-``<namespace>_process_`` + :data:`PROCESS_FAMILY_SUFFIXES`."""
-PROCESS_FAMILY_SUFFIXES = (
-    "cpu_seconds_total",
-    "resident_memory_bytes",
-    "virtual_memory_bytes",
-    "start_time_seconds",
-    "open_fds",
-    "max_fds",
-)
+the title vLLM gives the process. Each namespace gets prometheus_client's process families
+(``<namespace>_process_cpu_seconds_total``, ...)."""
 
 
 def engine_process_names() -> tuple[str, ...]:
-    """Exposed sample names of the engine process families."""
-    return tuple(f"{ns}_process_{suffix}" for ns in ENGINE_PROCESSES for suffix in PROCESS_FAMILY_SUFFIXES)
+    """Exposed sample names of the engine process families: those prometheus_client's process
+    collector exports for this process, under each namespace of :data:`ENGINE_PROCESSES`."""
+    own = ProcessCollector(pid=lambda: "self", registry=None).collect()
+    return tuple(f"{ns}_{s.name}" for ns in ENGINE_PROCESSES for m in own for s in m.samples)
 
 
 def families_for(exporter: Exporter) -> tuple[Family, ...]:

@@ -11,8 +11,9 @@ runner keeps busy. A process that is not (or no longer) there exports nothing. L
 
 from __future__ import annotations
 
+import functools
+
 import psutil
-from prometheus_client import CollectorRegistry
 from prometheus_client.process_collector import ProcessCollector
 
 from libs.common.metrics_catalog import ENGINE_PROCESSES, OMNI_REGISTRY
@@ -23,8 +24,6 @@ so the collector exports nothing."""
 
 COMM_LEN = 15
 """A process name as the kernel keeps it (``/proc/<pid>/comm``) is cut to this many characters."""
-
-_registered: set[int] = set()
 
 
 class ChildByTitle:
@@ -50,10 +49,9 @@ class ChildByTitle:
         return MISSING
 
 
-def export_engine_processes(registry: CollectorRegistry = OMNI_REGISTRY) -> None:
-    """Register the engine process families on ``registry`` (once per registry and process)."""
-    if id(registry) in _registered:
-        return
-    _registered.add(id(registry))
+@functools.cache
+def export_engine_processes() -> None:
+    """Register the engine process families on :data:`OMNI_REGISTRY` (once per process: the
+    collectors find whichever engine runs at scrape time)."""
     for namespace, title in ENGINE_PROCESSES.items():
-        ProcessCollector(namespace=namespace, pid=ChildByTitle(title), registry=registry)
+        ProcessCollector(namespace=namespace, pid=ChildByTitle(title), registry=OMNI_REGISTRY)
