@@ -44,6 +44,7 @@ up: models
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 test: models lint prometheus-bin
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

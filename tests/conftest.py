@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from libs.common import tracing
+from libs.common.local_nats import free_port, nats_server_argv
 from libs.common.runtime import freeze_startup_heap
-from services.launcher import free_port, nats_server_argv
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

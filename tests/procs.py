@@ -10,11 +10,11 @@ import sys
 import time
 from pathlib import Path
 
-from services.launcher import free_port
+from libs.common.local_nats import free_port
 
 
 class ServiceProcess:
-    """``python -m services.cli <args>`` with extra environment, logging to ``log``."""
+    """``python -m cli <args>`` with extra environment, logging to ``log``."""
 
     def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
         self.args, self.env, self.log = args, env, log
@@ -24,7 +24,7 @@ class ServiceProcess:
     def start(self) -> ServiceProcess:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", *self.args],
+                [sys.executable, "-m", "cli", *self.args],
                 env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"},
                 stdout=out,
                 stderr=subprocess.STDOUT,

@@ -36,6 +36,38 @@ def tracing_configured(env: Mapping[str, str] = os.environ) -> bool:
     return bool(endpoint) or bool(exporters & {"otlp", "console"})
 
 
+def _protocol(env: Mapping[str, str]) -> str:
+    raw = (
+        env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
+    ).strip()
+    # _otlp_exporter exports every http* protocol as http/protobuf; do the same.
+    return "http/protobuf" if raw.startswith("http") else "grpc"
+
+
+def otlp_traces_endpoint(env: Mapping[str, str] = os.environ) -> tuple[str, str] | None:
+    """(traces endpoint, protocol) the worker's OTLP exporter uses, or None when the environment
+    configures no OTLP trace export (tracing off, or a console-only exporter).
+
+    Resolved as the OpenTelemetry SDK does: ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` as is, else
+    ``OTEL_EXPORTER_OTLP_ENDPOINT`` (with ``/v1/traces`` appended for HTTP), else the SDK
+    default for the protocol.
+    """
+    if not tracing_configured(env):
+        return None
+    exporters = {e.strip() for e in env.get("OTEL_TRACES_EXPORTER", "otlp").split(",") if e.strip()}
+    if "otlp" not in exporters:
+        return None
+    protocol = _protocol(env)
+    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
+    if not endpoint:
+        base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
+        if protocol == "grpc":
+            endpoint = base or "http://localhost:4317"
+        else:
+            endpoint = f"{base.rstrip('/')}/v1/traces" if base else "http://localhost:4318/v1/traces"
+    return endpoint, protocol
+
+
 def setup_tracing(service: str, pipeline: str, stage: int | None = None, replica: int | None = None) -> bool:
     """Install a tracer provider for ``omnirelay-<service>`` if the environment asks for one.
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import Mapping
@@ -12,16 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 from libs.common import tracing
 from libs.common.pipeline import EngineArgs, PipelineConfig, StageConfig, StageType
-from libs.models.tiny import resolve_model
-from services.stage_worker.engine_processes import export_engine_processes
-from services.stage_worker.engine_tracing import EngineTracing
-from services.stage_worker.engine_wait import WaitPolicy
+from services.stage_worker.engine_core.tracing_config import EngineTracing
+from services.stage_worker.engine_core.wait_plugin import WaitPolicy
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span
-
+    from services.stage_worker.engine_core.tracing_config import EngineTracingConfig
     from services.stage_worker.engine_metrics import EngineIdentity
-    from services.stage_worker.engine_tracing import EngineTracingConfig
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +91,9 @@ def engine_tracing_config(
     """What the engine of ``spec`` traces and where it exports, or None (no tracing inside the
     engine): None when the environment configures no OTLP trace export, or when the worker's
     flags leave nothing to trace (journey rate 0 and step tracing off)."""
-    from services.stage_worker.engine_tracing import EngineTracingConfig, otlp_traces_endpoint
+    from services.stage_worker.engine_core.tracing_config import EngineTracingConfig
 
-    target = otlp_traces_endpoint(env)
+    target = tracing.otlp_traces_endpoint(env)
     if target is None or not spec.tracing.active:
         return None
     endpoint, protocol = target
@@ -120,7 +114,7 @@ def _with_tracing(kwargs: dict[str, Any], cfg: EngineTracingConfig) -> None:
     """Engine args for ``cfg``: vLLM's ``otlp_traces_endpoint`` (without it ``generate()``
     drops ``trace_headers``) and our settings under ``additional_config`` (merged with any the
     stage's ``extra`` gives)."""
-    from services.stage_worker.engine_tracing import ADDITIONAL_CONFIG_KEY
+    from services.stage_worker.engine_core.tracing_config import ADDITIONAL_CONFIG_KEY
 
     extra_cfg = kwargs.get("additional_config") or {}
     if not isinstance(extra_cfg, dict):
@@ -149,9 +143,9 @@ def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
     ``VLLM_CPU_OMP_THREADS_BIND``; both are ignored on GPUs.
 
     The engine's processes wait for their next message by the stage's :func:`wait_policy`
-    (:mod:`~services.stage_worker.engine_wait`, a vLLM plugin fed by the environment).
+    (:mod:`~services.stage_worker.engine_core.wait_plugin`, a vLLM plugin fed by the environment).
 
-    The engine always runs :class:`~services.stage_worker.omni_scheduler.OmniScheduler` (unless
+    The engine always runs :class:`~services.stage_worker.engine_core.scheduler.OmniScheduler` (unless
     the stage's ``extra`` engine args name another ``scheduler_cls``). With ``log_stats`` off,
     vLLM records no stats and no stat logger exists (no ``vllm:`` family is registered). With it
     on, the engine gets exactly the two loggers of
@@ -167,7 +161,7 @@ def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from services.stage_worker.omni_scheduler import OMNI_SCHEDULER_CLS
+    from services.stage_worker.engine_core.scheduler import OMNI_SCHEDULER_CLS
 
     eng = spec.stage.engine
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(eng.kv_cache_space_gib))
@@ -212,51 +206,3 @@ def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
         # output handler. Our journey spans come from the EngineCore and are unaffected.
         engine.output_processor.tracing_enabled = False
     return engine
-
-
-class LLMHandler:
-    """Base of the ``llm`` stage handlers: owns the engine's start and shutdown (and, with
-    ``log_stats``, the periodic stats log line)."""
-
-    def __init__(self, spec: LLMEngineSpec) -> None:
-        self._spec = spec
-        self._stage = spec.stage
-        self.engine = None
-        self._log_task: asyncio.Task[None] | None = None
-        self._engine_traced = False
-
-    def trace_headers(self, span: Span) -> dict[str, str] | None:
-        """W3C headers carrying ``span`` into the engine (``generate(trace_headers=...)``), so the
-        request's journey span joins its trace; None when the engine does not trace (one check)."""
-        if not self._engine_traced:
-            return None
-        headers: dict[str, str] = {}
-        tracing.inject_headers(headers, span)
-        return headers or None
-
-    @property
-    def model_path(self) -> str:
-        return resolve_model(self._stage.model)
-
-    async def start(self) -> None:
-        self._engine_traced = engine_tracing_config(self._spec) is not None
-        self.engine = build_async_llm(self._spec, self.model_path)
-        if self._spec.log_stats:
-            export_engine_processes()
-            from services.stage_worker.engine_metrics import log_stats_periodically
-
-            self._log_task = asyncio.create_task(
-                log_stats_periodically(
-                    self.engine, self._spec.log_stats_interval_s, engine_identity(self._spec).label
-                ),
-                name="vllm-log-stats",
-            )
-
-    async def stop(self) -> None:
-        if self._log_task is not None:
-            self._log_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._log_task
-            self._log_task = None
-        if self.engine is not None:
-            self.engine.shutdown()

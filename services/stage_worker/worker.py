@@ -45,9 +45,10 @@ from libs.common.runtime import freeze_startup_heap
 from libs.common.settings import WorkerSettings
 from libs.common.subjects import Subjects, consumer_name, max_deliveries_advisory
 from libs.common.version import VERSION
+from services.stage_worker.handlers import make_handler
+from services.stage_worker.handlers.base import StageError, StageHandler
 from services.stage_worker.inbox import Delivery
 from services.stage_worker.request_context import Bus, Identity, RequestContext
-from services.stage_worker.stage_handler import StageError, StageHandler, make_handler
 from services.stage_worker.transfer_stats import TransferStatLogger, transfer_stats
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from libs.common.local_nats import free_port
 from libs.common.pipeline import load_pipeline
-from services.launcher import free_port
 from tests.conftest import NatsServer
 from tests.otlp_receiver import Receiver, start_receiver
 from tests.procs import stop_process
@@ -81,7 +81,7 @@ def stack(
     argv = [
         sys.executable,
         "-m",
-        "services.cli",
+        "cli",
         "up",
         "--port",
         str(port),

@@ -8,7 +8,7 @@ from collections import Counter
 import openai
 import pytest
 
-from services.bus_inspect import request_record
+from libs.common.bus_state import request_record
 
 pytestmark = pytest.mark.e2e
 

@@ -13,8 +13,8 @@ import nats
 import pytest
 
 from libs.common import headers as h
+from libs.common.bus_state import request_record, snapshot
 from libs.common.subjects import Subjects, consumer_name
-from services.bus_inspect import request_record, snapshot
 
 pytestmark = pytest.mark.e2e
 
@@ -129,7 +129,7 @@ async def test_malformed_stage_messages_are_terminated_and_the_worker_keeps_serv
 
 async def test_inspect_shows_streams_consumers_services(stack, pipeline) -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.cli", "inspect", "--json", "--nats-url", stack.nats_url,
+        sys.executable, "-m", "cli", "inspect", "--json", "--nats-url", stack.nats_url,
         stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     out, _ = await proc.communicate()

@@ -19,8 +19,8 @@ import openai
 import pytest
 
 from libs.common import headers as h
+from libs.common.bus_state import snapshot
 from libs.common.subjects import Subjects
-from services.bus_inspect import snapshot
 from tests.metrics_scrape import delta, scrape, total
 
 pytestmark = pytest.mark.e2e
@@ -32,7 +32,7 @@ gateway's arrival → last byte written, on loopback (typically ~2 ms more). The
 a process for a few hundred ms now and then (seen in CI: one request of three at +0.32 s, one
 audio request's first audio at +0.16 s), so the checks take the median gap of several requests.
 (Two of three audio requests at +0.16 s and +0.45 s were vLLM's busy-waiting engines starving the
-gateway and the client: see services/stage_worker/engine_wait.py.)"""
+gateway and the client: see services/stage_worker/engine_core/wait_plugin.py.)"""
 
 
 @pytest.fixture(scope="module")

@@ -35,11 +35,11 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from libs.common import headers as h
+from libs.common.bus_state import request_record
 from libs.common.envelopes import StageTask, decode
+from libs.common.local_nats import free_port
 from libs.common.metrics_catalog import AUDIO, ENGINE_PROCESSES, Exporter, exposed_names, families_for
 from libs.common.subjects import Subjects
-from services.bus_inspect import request_record
-from services.launcher import free_port
 from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, ServiceProcess, stop_process, write_pipeline
 from tests.unit.test_dashboard import DASHBOARD, dashboard_queries, grafana_to_promql, metric_names
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.bench import descendants
+from benchmarks.harness import descendants
 
 pytestmark = [
     pytest.mark.e2e,
@@ -24,8 +24,8 @@ def test_front_end_services_yield_on_wakeup_and_workers_do_not(stack) -> None:
             policy = os.sched_getscheduler(pid)
         except OSError:
             continue
-        if "services.cli" in argv:
-            service = argv[argv.index("services.cli") + 1]
+        if "cli" in argv:
+            service = argv[argv.index("cli") + 1]
             policies.setdefault(service, set()).add(policy)
     assert policies.get("gateway") == {os.SCHED_BATCH}
     assert policies.get("orchestrator") == {os.SCHED_BATCH}

@@ -12,7 +12,7 @@ import openai
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from services.bus_inspect import request_record, snapshot
+from libs.common.bus_state import request_record, snapshot
 
 pytestmark = pytest.mark.e2e
 
@@ -99,7 +99,7 @@ def test_inspect_shows_the_trace_id_of_a_request(stack, pipeline) -> None:
         model=pipeline.served_model_name, messages=[{"role": "user", "content": "x"}], max_tokens=2
     )
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "inspect", r.id, "--nats-url", stack.nats_url],
+        [sys.executable, "-m", "cli", "inspect", r.id, "--nats-url", stack.nats_url],
         capture_output=True,
         text=True,
         check=True,

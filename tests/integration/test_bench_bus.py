@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from services.bench_bus import HEADER, MODES, run_bus_bench
+from benchmarks.bus_hop import HEADER, MODES, run_bus_bench
 
 
 def test_every_hop_kind_is_measured_on_both_placements() -> None:
@@ -22,7 +22,7 @@ def test_cli_prints_the_table() -> None:
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "cli",
             "bench-bus",
             "--messages",
             "10",

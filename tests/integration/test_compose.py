@@ -10,7 +10,7 @@ Containers cannot run on the test machines, so the files are held to three check
    (``plan_services``) for the same process, given the compose NATS address and in-image pipeline path;
    the only other variables are the documented per-container ones (``COMPOSE_ONLY_VARS``).
 3. Native start: a real ``nats-server`` plus every omnirelay service of the compose file started as
-   ``python -m services.cli <command>`` with that service's compose environment (NATS address, pipeline
+   ``python -m cli <command>`` with that service's compose environment (NATS address, pipeline
    path, hosts and ports swapped for local ones); the gateway must become healthy, the compose
    healthcheck commands must pass against the processes, and a text+audio chat request must return audio.
 """
@@ -37,9 +37,10 @@ import httpx
 import pytest
 import yaml
 
+from cli.launcher import plan_services
+from libs.common.local_nats import free_port, nats_server_argv
 from libs.common.pipeline import StageType, load_pipeline
 from libs.common.settings import ServiceSettings
-from services.launcher import free_port, nats_server_argv, plan_services
 
 pytestmark = pytest.mark.integration
 
@@ -590,7 +591,7 @@ def test_compose_services_start_natively_and_serve_audio(
     t0 = time.monotonic()
     for name, svc in services.items():
         envs[name] = _local_env(name, as_env(svc["environment"]), nats_url)
-        argv = [sys.executable, "-m", "services.cli", *svc["command"]]
+        argv = [sys.executable, "-m", "cli", *svc["command"]]
         procs.start(name, argv, base | envs[name], wave=1)
 
     gateway = f"http://127.0.0.1:{envs['gateway']['OMNIRELAY_PORT']}"

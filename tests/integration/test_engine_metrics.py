@@ -46,7 +46,8 @@ from libs.common.metrics_catalog import OMNI_REGISTRY
 from libs.common.metrics_server import exposition_registry
 from libs.common.pipeline import load_pipeline
 from services.stage_worker.engine_metrics import EngineIdentity, prometheus_logger_class
-from services.stage_worker.llm_engine import LLMEngineSpec, LLMHandler
+from services.stage_worker.handlers.llm import LLMHandler
+from services.stage_worker.llm_engine import LLMEngineSpec
 
 pytestmark = pytest.mark.integration
 

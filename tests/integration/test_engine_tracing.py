@@ -35,13 +35,7 @@ from vllm.inputs import TokensPrompt
 
 from libs.common import tracing
 from libs.common.pipeline import PipelineConfig, load_pipeline
-from services.stage_worker.engine_tracing import (
-    ENGINE_SERVICE_NAME,
-    EngineTracing,
-    make_deterministic_sampler,
-)
-from services.stage_worker.llm_engine import LLMEngineSpec, LLMHandler
-from services.stage_worker.step_tracing import (
+from services.stage_worker.engine_core.step_tracing import (
     BATCH_SUMMARY_EVENT,
     BATCH_SUMMARY_REQUIRED,
     REQUEST_SNAPSHOT_EVENT,
@@ -50,6 +44,13 @@ from services.stage_worker.step_tracing import (
     SPAN_LAST,
     STEP_SPAN_NAME,
 )
+from services.stage_worker.engine_core.tracing_config import (
+    ENGINE_SERVICE_NAME,
+    EngineTracing,
+    make_deterministic_sampler,
+)
+from services.stage_worker.handlers.llm import LLMHandler
+from services.stage_worker.llm_engine import LLMEngineSpec
 from tests.otlp_receiver import Receiver, SpanRecord, start_receiver, tracing_in_this_process
 
 pytestmark = pytest.mark.integration

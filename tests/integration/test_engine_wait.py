@@ -1,4 +1,4 @@
-"""The engine wait policy (services/stage_worker/engine_wait.py) on vLLM's own queue classes and on a
+"""The engine wait policy (services/stage_worker/engine_core/wait_plugin.py) on vLLM's own queue classes and on a
 real engine (tiny thinker, CPU).
 
 With vLLM's stock wait, an engine's EngineCore and Worker busy-wait for a second after every message:
@@ -28,10 +28,11 @@ from vllm.utils.network_utils import get_open_zmq_ipc_path
 from libs.common.metrics_catalog import ENGINE_PROCESSES
 from libs.common.metrics_server import exposition_registry
 from libs.common.pipeline import load_pipeline
-from services.stage_worker import engine_wait
+from services.stage_worker.engine_core import wait_plugin
+from services.stage_worker.engine_core.wait_plugin import NAP_ENV, SPIN_ENV, WaitPolicy
 from services.stage_worker.engine_processes import COMM_LEN
-from services.stage_worker.engine_wait import NAP_ENV, SPIN_ENV, WaitPolicy
-from services.stage_worker.llm_engine import LLMEngineSpec, LLMHandler
+from services.stage_worker.handlers.llm import LLMHandler
+from services.stage_worker.llm_engine import LLMEngineSpec
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +47,7 @@ def reader(monkeypatch: pytest.MonkeyPatch):
     """A reader and a writer of vLLM's queue-notification socket pair, with the policy installed
     (vLLM's wait is restored afterwards)."""
     monkeypatch.setattr(SpinCondition, "wait", SpinCondition.wait)
-    engine_wait.install(WaitPolicy(SPIN_S, NAP_S))
+    wait_plugin.install(WaitPolicy(SPIN_S, NAP_S))
     ctx = zmq.Context()
     address = get_open_zmq_ipc_path()
     writer = SpinCondition(is_reader=False, context=ctx, notify_address=address)
@@ -92,13 +93,13 @@ def test_the_policy_comes_from_the_environment_only_when_named(monkeypatch: pyte
     vllm_wait = getattr(current, "vllm_wait", current)
     monkeypatch.delenv(SPIN_ENV, raising=False)
     monkeypatch.delenv(NAP_ENV, raising=False)
-    engine_wait.register()
+    wait_plugin.register()
     assert SpinCondition.wait is current
     policy = WaitPolicy(0.003, 0.0004)
     for k, v in policy.env().items():
         monkeypatch.setenv(k, v)
-    engine_wait.register()
-    engine_wait.register()  # vLLM may load a plugin twice: still one layer over vLLM's wait
+    wait_plugin.register()
+    wait_plugin.register()  # vLLM may load a plugin twice: still one layer over vLLM's wait
     assert SpinCondition.wait.policy == policy
     assert SpinCondition.wait.vllm_wait is vllm_wait
 

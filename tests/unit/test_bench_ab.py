@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from services.bench_ab import paired_difference
+from benchmarks.paired_ab import paired_difference
 
 
 def _blocks(rng: random.Random, drift: list[float], shift: float) -> list[list[float]]:
@@ -36,7 +36,7 @@ def test_a_single_pair_is_its_own_difference() -> None:
 
 
 def test_run_with_stacks_keeps_the_logs_of_a_failed_run_only(tmp_path, monkeypatch) -> None:
-    from services import bench
+    from benchmarks import harness as bench
 
     monkeypatch.setattr(bench.tempfile, "tempdir", str(tmp_path))
     used: list[Path] = []

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from services.bench import front_end_cores
+from benchmarks.harness import front_end_cores
 
 
 def _child_cores() -> set[int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.bench_log_stats import OFF, ON, report, t_critical_95, welch_t
+from benchmarks.log_stats_cost import OFF, ON, report, t_critical_95, welch_t
 
 
 def test_welch_t_on_a_known_pair() -> None:

@@ -4,30 +4,27 @@ from __future__ import annotations
 
 import pytest
 
-from services.bench import (
+from benchmarks.gateway_vs_vllm import (
     DIRECT,
     GATEWAY,
     CellStats,
-    RequestTiming,
     RoundResult,
     Row,
-    Summary,
     _commonest_error,
     aggregate,
     comparison_rows,
-    cpu_share_pct,
     default_requests,
     late_first_token_share,
     machine_note,
     overhead_pct,
     parse_concurrency,
-    percentile,
     ratio,
     render_table,
     round_order,
     split_requests,
     verdict_line,
 )
+from benchmarks.harness import RequestTiming, Summary, cpu_share_pct, percentile
 
 
 # --- percentile -----------------------------------------------------------------------------
@@ -193,8 +190,8 @@ def test_parse_concurrency_and_defaults() -> None:
 
 
 def test_machine_note_ranges() -> None:
-    quiet = {"foreign_services_cli": 0, "foreign_pytest": 1, "foreign_vllm_engines": 2}
-    busy = {"foreign_services_cli": 8, "foreign_pytest": 1, "foreign_vllm_engines": 2}
+    quiet = {"foreign_omnirelay": 0, "foreign_pytest": 1, "foreign_vllm_engines": 2}
+    busy = {"foreign_omnirelay": 8, "foreign_pytest": 1, "foreign_vllm_engines": 2}
     note = machine_note(
         [
             {**quiet, "foreign_cpu_pct": 3.0, "loadavg_1m": 0.5},
@@ -202,10 +199,10 @@ def test_machine_note_ranges() -> None:
         ]
     )
     assert note == (
-        "machine during the rounds: 0–8 other services.cli, 1 pytest, 2 other vLLM engines; "
+        "machine during the rounds: 0–8 other omnirelay processes, 1 pytest, 2 other vLLM engines; "
         "other processes used 3–12% of a core; load average 0.5–3.2"
     )
-    assert "? other services.cli" in machine_note([])
+    assert "? other omnirelay processes" in machine_note([])
 
 
 def test_machine_note_flags_rounds_that_shared_the_machine() -> None:

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from cli.launcher import plan_services
 from libs.common.pipeline import load_pipeline
 from services.gateway.audio import pcm16_to_wav
 from services.gateway.errors import APIError
 from services.gateway.prompting import chat_messages, max_tokens_for, sampling_for, wants_audio
 from services.gateway.schemas import ChatCompletionRequest
-from services.launcher import plan_services
 
 
 def test_max_tokens_defaults_to_the_rest_of_the_context() -> None:

@@ -15,13 +15,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind
 from vllm.v1.request import RequestStatus
 
-from services.stage_worker.engine_tracing import make_deterministic_sampler
-from services.stage_worker.journey_tracing import (
+from services.stage_worker.engine_core.journey_tracing import (
     CORE_SPAN_NAME,
     JourneyTracer,
     monotonic_pair,
     sampling_key,
 )
+from services.stage_worker.engine_core.tracing_config import make_deterministic_sampler
 from tests.unit.test_step_tracing import Traced, add, make_scheduler, run_until_idle, step, tracing_settings
 
 KINDS = ["QUEUED", "SCHEDULED", "FIRST_TOKEN", "PREEMPTED", "FINISHED"]

@@ -18,7 +18,7 @@ from vllm.v1.metrics.perf import PerfStats
 from vllm.v1.metrics.stats import KVCacheEvictionEvent, PrefixCacheStats, SchedulerStats
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
-from services.stage_worker.omni_scheduler import (
+from services.stage_worker.engine_core.scheduler import (
     DELTA_FIELDS,
     LEVEL_FIELDS,
     SchedulerStatsThrottle,

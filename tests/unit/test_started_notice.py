@@ -6,7 +6,7 @@ import asyncio
 import time
 
 from libs.common.envelopes import ClientEventType
-from services.stage_worker.thinker import STARTED_DELAY_S, _StartedNotice
+from services.stage_worker.handlers.thinker import STARTED_DELAY_S, _StartedNotice
 
 
 class Recorder:

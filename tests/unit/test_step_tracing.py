@@ -37,24 +37,17 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from libs.common.pipeline import load_pipeline
+from libs.common.tracing import otlp_traces_endpoint
 from libs.models.tiny import resolve_model
-from services.stage_worker import engine_tracing
-from services.stage_worker.engine_tracing import (
-    ADDITIONAL_CONFIG_KEY,
-    EngineTracing,
-    EngineTracingConfig,
-    make_deterministic_sampler,
-    otlp_traces_endpoint,
-)
-from services.stage_worker.kv_observability import (
+from services.stage_worker.engine_core import tracing_config
+from services.stage_worker.engine_core.kv_observability import (
     PerRequestKVMetrics,
     StepKVSummary,
     get_per_request_kv_metrics,
     get_step_kv_summary,
 )
-from services.stage_worker.llm_engine import LLMEngineSpec, engine_tracing_config
-from services.stage_worker.omni_scheduler import OmniScheduler
-from services.stage_worker.step_tracing import (
+from services.stage_worker.engine_core.scheduler import OmniScheduler
+from services.stage_worker.engine_core.step_tracing import (
     BATCH_SUMMARY_EVENT,
     BATCH_SUMMARY_OPTIONAL,
     BATCH_SUMMARY_REQUIRED,
@@ -64,6 +57,13 @@ from services.stage_worker.step_tracing import (
     STEP_SPAN_NAME,
     StepTracer,
 )
+from services.stage_worker.engine_core.tracing_config import (
+    ADDITIONAL_CONFIG_KEY,
+    EngineTracing,
+    EngineTracingConfig,
+    make_deterministic_sampler,
+)
+from services.stage_worker.llm_engine import LLMEngineSpec, engine_tracing_config
 
 BLOCK = 16
 TOKEN = 7  # what the fake model runner "samples"
@@ -112,7 +112,7 @@ def make_scheduler(
         p.add_span_processor(SimpleSpanProcessor(exporter))
         return p
 
-    monkeypatch.setattr(engine_tracing, "make_tracer_provider", provider)
+    monkeypatch.setattr(tracing_config, "make_tracer_provider", provider)
     model = ModelConfig(
         model=resolve_model("tiny-thinker"), dtype="float32", max_model_len=1024, skip_tokenizer_init=True
     )
@@ -640,7 +640,7 @@ def test_kv_helpers_leave_the_scheduler_unchanged(monkeypatch: pytest.MonkeyPatc
 
 
 def test_finished_status_names() -> None:
-    from services.stage_worker.journey_tracing import finish_status
+    from services.stage_worker.engine_core.journey_tracing import finish_status
 
     assert finish_status(SimpleNamespace(status=RequestStatus.FINISHED_LENGTH_CAPPED)) == "length_capped"
     assert finish_status(SimpleNamespace(status=RequestStatus.FINISHED_ABORTED)) == "aborted"

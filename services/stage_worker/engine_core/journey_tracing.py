@@ -37,7 +37,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from services.stage_worker.engine_tracing import Sampler, random_sampler, validate_rate
+from services.stage_worker.engine_core.tracing_config import Sampler, random_sampler, validate_rate
 
 log = logging.getLogger("vllm.omnirelay.journey_tracing")
 """Under ``vllm.``: vLLM's logging set-up prints it in the EngineCore, prefixed with the process."""

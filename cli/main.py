@@ -7,7 +7,6 @@ pydantic settings; a flag given on the command line wins.
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -205,7 +204,7 @@ def up(
     ] = None,
 ) -> None:
     """Start NATS (unless --nats-url/NATS_URL), the orchestrator, every worker and the gateway."""
-    from services.launcher import run_stack
+    from cli.launcher import run_stack
 
     s = _settings(ServiceSettings, pipeline=pipeline)
     p = _pipeline(s)
@@ -222,7 +221,7 @@ def inspect_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Streams, per-(stage, replica) consumer state, live services and in-flight requests."""
-    from services.bus_inspect import run_inspect
+    from cli.bus_inspect import run_inspect
 
     s = _settings(ServiceSettings, pipeline=pipeline, nats_url=nats_url)
     raise typer.Exit(asyncio.run(run_inspect(s.nats_url, _pipeline(s), request_id, as_json)))
@@ -284,7 +283,7 @@ def bench(
     """Benchmark the gateway against vLLM's own OpenAI server on the same thinker (prints a table)."""
     import os
 
-    from services.bench import DEFAULT_PIPELINE, BenchOptions, parse_concurrency, run_bench
+    from benchmarks.gateway_vs_vllm import DEFAULT_PIPELINE, BenchOptions, parse_concurrency, run_bench
 
     try:
         levels = tuple(parse_concurrency(concurrency))
@@ -327,7 +326,7 @@ def bench_log_stats(
     max_tokens: Annotated[int, typer.Option(help="output tokens per request (ignore_eos)")] = 64,
 ) -> None:
     """What --log-stats costs: the same workload on two stacks, with and without it (prints a table)."""
-    from services.bench_log_stats import run_log_stats_bench
+    from benchmarks.log_stats_cost import run_log_stats_bench
 
     raise typer.Exit(run_log_stats_bench(rounds, per_round, max_tokens))
 
@@ -343,7 +342,7 @@ def bench_ab(
     max_tokens: Annotated[int, typer.Option(help="output tokens per request (ignore_eos)")] = 64,
 ) -> None:
     """Is B faster than A? Paired TTFT / e2e of two code trees on the same machine (prints a table)."""
-    from services.bench_ab import run_ab_bench
+    from benchmarks.paired_ab import run_ab_bench
 
     raise typer.Exit(run_ab_bench(tree_a, tree_b, blocks, block, max_tokens))
 
@@ -356,14 +355,10 @@ def bench_bus(
 ) -> None:
     """The floor of one bus hop between two processes (JetStream stage hop, core-NATS event hop),
     on any core and with everything on one core (prints a table)."""
-    from services.bench_bus import render, run_bus_bench
+    from benchmarks.bus_hop import render, run_bus_bench
 
     typer.echo(render(run_bus_bench(messages, interval_ms / 1e3, warmup)))
 
 
 def main() -> None:
     app()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

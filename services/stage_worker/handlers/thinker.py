@@ -7,7 +7,8 @@ import asyncio
 
 from libs.common.envelopes import ClientEvent, ClientEventType, Usage
 from services.stage_worker.chunking import TextChunker
-from services.stage_worker.llm_engine import LLMEngineSpec, LLMHandler
+from services.stage_worker.handlers.llm import LLMHandler
+from services.stage_worker.llm_engine import LLMEngineSpec
 from services.stage_worker.request_context import RequestContext
 
 STARTED_DELAY_S = 0.001

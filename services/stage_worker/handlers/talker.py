@@ -10,7 +10,8 @@ import numpy as np
 
 from libs.common.envelopes import NdArray
 from services.stage_worker.chunking import CodeChunker
-from services.stage_worker.llm_engine import LLMEngineSpec, LLMHandler
+from services.stage_worker.handlers.llm import LLMHandler
+from services.stage_worker.llm_engine import LLMEngineSpec
 from services.stage_worker.request_context import RequestContext
 
 TALKER_VOCAB_FILE = "omnirelay_talker.json"

@@ -12,7 +12,7 @@ At the end of every ``schedule()`` the scheduler offers the step to :class:`Step
 ``step.id`` is the scheduler's own step counter (``current_step``, incremented at every
 ``schedule()``; vLLM 0.32's ``SchedulerOutput`` has no step field). Payloads only use what the
 scheduler already has: ``SchedulerOutput``, the running list, the ``Request`` counters and the
-read-only KV helpers of :mod:`services.stage_worker.kv_observability`.
+read-only KV helpers of :mod:`services.stage_worker.engine_core.kv_observability`.
 
 The span (SpanKind.INTERNAL, always a root span, whatever context is current) is created with the tracer and carries the tracing
 configuration as attributes (``omnirelay.tracing.*``, plus the EngineCore's pid). It is ended by
@@ -38,13 +38,13 @@ from typing import Any
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanKind, Tracer
 
-from services.stage_worker.engine_tracing import Sampler, random_sampler, validate_rate
-from services.stage_worker.kv_observability import (
+from services.stage_worker.engine_core.kv_observability import (
     PerRequestKVMetrics,
     StepKVSummary,
     get_per_request_kv_metrics,
     get_step_kv_summary,
 )
+from services.stage_worker.engine_core.tracing_config import Sampler, random_sampler, validate_rate
 
 log = logging.getLogger("vllm.omnirelay.step_tracing")
 """Under ``vllm.``: vLLM's logging set-up prints it in the EngineCore, prefixed with the process."""

@@ -21,9 +21,9 @@ Unlike a throttle that drops the suppressed steps, :class:`SchedulerStatsThrottl
 The throttle is a plain object (no scheduler needed) so it can be tested on hand-built stats.
 
 The scheduler also hosts the engine-side tracing of spec/004 (see docs/engine-tracing.md): journey
-events per sampled request (:mod:`~services.stage_worker.journey_tracing`) and scheduler step
-tracing (:mod:`~services.stage_worker.step_tracing`), configured through
-``VllmConfig.additional_config`` (:mod:`~services.stage_worker.engine_tracing`). Without that
+events per sampled request (:mod:`~services.stage_worker.engine_core.journey_tracing`) and scheduler step
+tracing (:mod:`~services.stage_worker.engine_core.step_tracing`), configured through
+``VllmConfig.additional_config`` (:mod:`~services.stage_worker.engine_core.tracing_config`). Without that
 configuration no tracing object exists and every hook costs one ``is None`` check.
 """
 
@@ -48,16 +48,16 @@ from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 from vllm.v1.request import Request
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
-from services.stage_worker import engine_tracing
-from services.stage_worker.engine_tracing import EngineTracingConfig
-from services.stage_worker.journey_tracing import JourneyTracer
-from services.stage_worker.step_tracing import StepTracer
+from services.stage_worker.engine_core import tracing_config
+from services.stage_worker.engine_core.journey_tracing import JourneyTracer
+from services.stage_worker.engine_core.step_tracing import StepTracer
+from services.stage_worker.engine_core.tracing_config import EngineTracingConfig
 
 logger = init_logger(__name__)
 trace_log = init_logger("vllm.omnirelay.engine_tracing")
 """Engine tracing messages (under ``vllm.``, so vLLM's logging set-up prints them in the EngineCore)."""
 
-OMNI_SCHEDULER_CLS = "services.stage_worker.omni_scheduler.OmniScheduler"
+OMNI_SCHEDULER_CLS = "services.stage_worker.engine_core.scheduler.OmniScheduler"
 """What ``AsyncEngineArgs.scheduler_cls`` names to load :class:`OmniScheduler`."""
 
 STATS_INTERVAL_S = 1.0
@@ -340,8 +340,8 @@ class OmniScheduler(AsyncScheduler):
 
     def _start_tracing(self, cfg: EngineTracingConfig) -> None:
         try:
-            provider = engine_tracing.make_tracer_provider(cfg)
-            tracer = provider.get_tracer(engine_tracing.INSTRUMENTATION_SCOPE)
+            provider = tracing_config.make_tracer_provider(cfg)
+            tracer = provider.get_tracer(tracing_config.INSTRUMENTATION_SCOPE)
             journey_sampler, step_sampler, rich_sampler = cfg.samplers()
             journey = (
                 JourneyTracer(tracer, cfg.journey_sample_rate, journey_sampler)

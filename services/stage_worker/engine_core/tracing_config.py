@@ -1,11 +1,11 @@
 """How tracing inside a vLLM engine (spec/004) is configured, carried into the EngineCore process,
 sampled, and exported.
 
-The worker process decides (:func:`otlp_traces_endpoint` plus the worker's tracing flags) and
+The worker process decides (:func:`libs.common.tracing.otlp_traces_endpoint` plus the worker's tracing flags) and
 builds an :class:`EngineTracingConfig`; ``build_async_llm`` puts it, as a plain dict, under
 ``AsyncEngineArgs(additional_config={ADDITIONAL_CONFIG_KEY: ...})``. vLLM carries
 ``additional_config`` inside the ``VllmConfig`` it hands to the EngineCore process, where
-:class:`~services.stage_worker.omni_scheduler.OmniScheduler` reads it back with
+:class:`~services.stage_worker.engine_core.scheduler.OmniScheduler` reads it back with
 :meth:`EngineTracingConfig.from_vllm_config` (invalid values raise there too: the engine fails to
 start). No key → no tracing objects at all in the engine.
 
@@ -163,40 +163,6 @@ class EngineTracingConfig(EngineTracing):
         if self.sampler == "sha1":
             return tuple(make_deterministic_sampler(self.seed + i) for i in range(3))  # type: ignore[return-value]
         return random_sampler, random_sampler, random_sampler
-
-
-def _protocol(env: Mapping[str, str]) -> str:
-    raw = (
-        env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
-    ).strip()
-    # libs.common.tracing exports every http* protocol as http/protobuf; do the same.
-    return "http/protobuf" if raw.startswith("http") else "grpc"
-
-
-def otlp_traces_endpoint(env: Mapping[str, str] = os.environ) -> tuple[str, str] | None:
-    """(traces endpoint, protocol) the worker's OTLP exporter uses, or None when the environment
-    configures no OTLP trace export (tracing off, or a console-only exporter).
-
-    Resolved as the OpenTelemetry SDK does: ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` as is, else
-    ``OTEL_EXPORTER_OTLP_ENDPOINT`` (with ``/v1/traces`` appended for HTTP), else the SDK
-    default for the protocol.
-    """
-    from libs.common.tracing import tracing_configured
-
-    if not tracing_configured(env):
-        return None
-    exporters = {e.strip() for e in env.get("OTEL_TRACES_EXPORTER", "otlp").split(",") if e.strip()}
-    if "otlp" not in exporters:
-        return None
-    protocol = _protocol(env)
-    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
-    if not endpoint:
-        base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
-        if protocol == "grpc":
-            endpoint = base or "http://localhost:4317"
-        else:
-            endpoint = f"{base.rstrip('/')}/v1/traces" if base else "http://localhost:4318/v1/traces"
-    return endpoint, protocol
 
 
 def make_tracer_provider(cfg: EngineTracingConfig):  # -> opentelemetry.sdk.trace.TracerProvider

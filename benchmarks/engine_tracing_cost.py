@@ -7,7 +7,7 @@
 - ``engine``: real ``AsyncLLM`` engines on the tiny thinker, tracing off vs on (OTLP/HTTP to a
   local sink that discards), per-request latency of sequential requests and the time of a burst.
 
-Run: ``python -m services.stage_worker.tracing_bench [scheduler|engine|all]``.
+Run: ``python -m benchmarks.engine_tracing_cost [scheduler|engine|all]``.
 """
 
 from __future__ import annotations
@@ -67,10 +67,10 @@ def _scheduler(settings: dict[str, Any] | None, num_blocks: int = 4096, plain: b
     from vllm.v1.structured_output import StructuredOutputManager
 
     from libs.models.tiny import resolve_model
-    from services.stage_worker import engine_tracing
-    from services.stage_worker.omni_scheduler import OmniScheduler
+    from services.stage_worker.engine_core import tracing_config
+    from services.stage_worker.engine_core.scheduler import OmniScheduler
 
-    engine_tracing.make_tracer_provider = _discarding_provider  # benchmark only
+    tracing_config.make_tracer_provider = _discarding_provider  # benchmark only
     model = ModelConfig(model=resolve_model("tiny-thinker"), dtype="float32", max_model_len=2048)
     sched_cfg = SchedulerConfig(
         max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=2048, is_encoder_decoder=False
@@ -79,7 +79,7 @@ def _scheduler(settings: dict[str, Any] | None, num_blocks: int = 4096, plain: b
     cache.num_gpu_blocks = num_blocks
     extra = {}
     if settings is not None:
-        extra[engine_tracing.ADDITIONAL_CONFIG_KEY] = {"endpoint": "http://unused:4318/v1/traces", **settings}
+        extra[tracing_config.ADDITIONAL_CONFIG_KEY] = {"endpoint": "http://unused:4318/v1/traces", **settings}
     vc = VllmConfig(
         model_config=model, scheduler_config=sched_cfg, cache_config=cache, additional_config=extra
     )
@@ -166,7 +166,8 @@ def _sink() -> ThreadingHTTPServer:
 
 async def _start(flags: Any):  # -> LLMHandler
     from libs.common.pipeline import load_pipeline
-    from services.stage_worker.llm_engine import LLMEngineSpec, LLMHandler
+    from services.stage_worker.handlers.llm import LLMHandler
+    from services.stage_worker.llm_engine import LLMEngineSpec
 
     handler = LLMHandler(LLMEngineSpec.for_replica(load_pipeline(), 0, 0, tracing=flags))
     await handler.start()
@@ -196,7 +197,7 @@ async def _round(engine: Any, r: int, sequential: int = 30, burst: int = 16) -> 
 async def _compare_engines() -> dict[str, tuple[list[float], list[float]]]:
     """Two engines side by side (tracing off, tracing on at the default rates with step tracing
     enabled), used in alternation so that load drift hits both alike."""
-    from services.stage_worker.engine_tracing import EngineTracing
+    from services.stage_worker.engine_core.tracing_config import EngineTracing
 
     for key in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_EXPORTER"):
         os.environ.pop(key, None)

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from libs.common.pipeline import load_pipeline
-from services.bench import (
+from benchmarks.harness import (
     DEFAULT_PIPELINE,
     Processes,
     RequestTiming,
@@ -31,7 +30,8 @@ from services.bench import (
     start_stack,
     timed_request,
 )
-from services.bus_inspect import snapshot
+from libs.common.bus_state import snapshot
+from libs.common.pipeline import load_pipeline
 
 OFF, ON = "log-stats off", "log-stats on"
 PROMPT = "Describe the harbour at dawn in a few sentences."

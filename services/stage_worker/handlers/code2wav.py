@@ -9,11 +9,11 @@ from libs.common.envelopes import ClientEvent, ClientEventType
 from libs.common.pipeline import StageConfig
 from libs.models.codec import decode_to_pcm16, load_codec
 from libs.models.tiny import resolve_model
+from services.stage_worker.handlers.base import StageError, StageHandler
 from services.stage_worker.request_context import RequestContext
-from services.stage_worker.stage_handler import StageError
 
 
-class Code2WavHandler:
+class Code2WavHandler(StageHandler):
     def __init__(self, stage: StageConfig) -> None:
         self._stage = stage
         self._model = None

