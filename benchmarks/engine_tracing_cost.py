@@ -164,12 +164,12 @@ def _sink() -> ThreadingHTTPServer:
     return server
 
 
-async def _start(flags: Any):  # -> LLMHandler
+async def _start(flags: Any):  # -> ThinkerHandler
     from libs.common.pipeline import load_pipeline
-    from services.stage_worker.handlers.llm import LLMHandler
+    from services.stage_worker.handlers.thinker import ThinkerHandler
     from services.stage_worker.llm_engine import LLMEngineSpec
 
-    handler = LLMHandler(LLMEngineSpec.for_replica(load_pipeline(), 0, 0, tracing=flags))
+    handler = ThinkerHandler(LLMEngineSpec.for_replica(load_pipeline(), 0, 0, tracing=flags), has_next=False)
     await handler.start()
     return handler
 

@@ -47,6 +47,7 @@ from libs.common.metrics_server import exposition_registry
 from libs.common.pipeline import load_pipeline
 from services.stage_worker.engine_metrics import EngineIdentity, prometheus_logger_class
 from services.stage_worker.handlers.llm import LLMHandler
+from services.stage_worker.handlers.thinker import ThinkerHandler
 from services.stage_worker.llm_engine import LLMEngineSpec
 
 pytestmark = pytest.mark.integration
@@ -140,7 +141,7 @@ def upstream_family_names(text: str) -> list[str]:
 @pytest.fixture(scope="class")
 async def off_handler() -> AsyncIterator[LLMHandler]:
     unregister_vllm_metrics()  # leftovers of engines other test modules started in this process
-    handler = LLMHandler(engine_spec(log_stats=False))
+    handler = ThinkerHandler(engine_spec(log_stats=False), has_next=False)
     t0 = time.monotonic()
     await handler.start()
     print(f"\nlog_stats off: engine start {time.monotonic() - t0:.1f} s")
@@ -203,7 +204,7 @@ class OnEngine(SimpleNamespace):
 async def on() -> AsyncIterator[OnEngine]:
     probe = Gauge(PROBE, "Registered before the engine starts.", ["stage"], registry=OMNI_REGISTRY)
     probe.labels(stage="0").set(42)
-    handler = LLMHandler(engine_spec(log_stats=True))
+    handler = ThinkerHandler(engine_spec(log_stats=True), has_next=False)
     t0 = time.monotonic()
     await handler.start()
     print(f"\nlog_stats on: engine start {time.monotonic() - t0:.1f} s")

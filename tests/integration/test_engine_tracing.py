@@ -50,6 +50,7 @@ from services.stage_worker.engine_core.tracing_config import (
     make_deterministic_sampler,
 )
 from services.stage_worker.handlers.llm import LLMHandler
+from services.stage_worker.handlers.thinker import ThinkerHandler
 from services.stage_worker.llm_engine import LLMEngineSpec
 from tests.otlp_receiver import Receiver, SpanRecord, start_receiver, tracing_in_this_process
 
@@ -196,7 +197,7 @@ def parents_in_trace(rate: float, want: bool, n: int) -> list[Span]:
 
 @pytest.fixture(scope="module")
 async def engine_a(otlp: Receiver) -> AsyncIterator[SimpleNamespace]:
-    handler = LLMHandler(spec_with(A))
+    handler = ThinkerHandler(spec_with(A), has_next=False)
     t0 = time.monotonic()
     await handler.start()
     print(f"\nengine A: start {time.monotonic() - t0:.1f} s")
@@ -328,7 +329,7 @@ class TestEngineA:
 
 
 async def test_engine_b_rate_zero_emits_no_step_event(otlp: Receiver) -> None:
-    handler = LLMHandler(spec_with(B))
+    handler = ThinkerHandler(spec_with(B), has_next=False)
     t0 = time.monotonic()
     await handler.start()
     print(f"\nengine B: start {time.monotonic() - t0:.1f} s")

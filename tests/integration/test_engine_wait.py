@@ -32,6 +32,7 @@ from services.stage_worker.engine_core import wait_plugin
 from services.stage_worker.engine_core.wait_plugin import NAP_ENV, SPIN_ENV, WaitPolicy
 from services.stage_worker.engine_processes import COMM_LEN
 from services.stage_worker.handlers.llm import LLMHandler
+from services.stage_worker.handlers.thinker import ThinkerHandler
 from services.stage_worker.llm_engine import LLMEngineSpec
 
 pytestmark = pytest.mark.integration
@@ -108,7 +109,7 @@ def test_the_policy_comes_from_the_environment_only_when_named(monkeypatch: pyte
 async def engine() -> AsyncIterator[tuple[LLMHandler, list[psutil.Process]]]:
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
-    handler = LLMHandler(LLMEngineSpec.for_replica(load_pipeline(), 0, 0, log_stats=True))
+    handler = ThinkerHandler(LLMEngineSpec.for_replica(load_pipeline(), 0, 0, log_stats=True), has_next=False)
     await handler.start()
     try:
         procs = [
