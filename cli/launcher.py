@@ -1,4 +1,5 @@
-"""``omnirelay up``: the whole stack as local processes, with prefixed logs and a clean Ctrl-C.
+"""``omnirelay up``: the whole stack as local processes, with prefixed logs, a process that dies
+restarted with back-off, and a clean Ctrl-C.
 
 The process plan (:func:`plan_services`) is a pure function of the pipeline and options so the
 compose file can be checked against it: same commands, same environment.
@@ -59,37 +60,137 @@ async def _pump(name: str, stream: asyncio.StreamReader, width: int) -> None:
         sys.stdout.flush()
 
 
+RESTART_FIRST_DELAY_S = 0.5
+"""Back-off before restarting a process that died: this, doubling with each death in a row."""
+RESTART_MAX_DELAY_S = 30.0
+"""... up to this, seconds."""
+EXIT_POLL_S = 0.1
+"""How often a supervised process is checked for having exited, seconds."""
+STABLE_AFTER_S = 60.0
+"""A process that ran this long before it died starts its back-off over (it was not crash-looping)."""
+
+
+def restart_delay(deaths_in_a_row: int) -> float:
+    """Seconds to wait before restart number ``deaths_in_a_row`` (1 = the first death after a
+    stable run): 0.5, 1, 2, 4, ... capped at :data:`RESTART_MAX_DELAY_S`."""
+    return min(RESTART_FIRST_DELAY_S * 2 ** max(deaths_in_a_row - 1, 0), RESTART_MAX_DELAY_S)
+
+
+def exit_status(returncode: int) -> str:
+    """A process's end as an operator reads it: ``exit 1`` or ``signal 9 (SIGKILL)``."""
+    if returncode >= 0:
+        return f"exit {returncode}"
+    try:
+        return f"signal {-returncode} ({signal.Signals(-returncode).name})"
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+@dataclass
+class Child:
+    """One process of the stack and how to start it again."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    proc: asyncio.subprocess.Process | None = None
+    started_s: float = 0.0
+    """``time.monotonic()`` at the last start."""
+    restarts: int = 0
+    deaths_in_a_row: int = 0
+
+
 class Stack:
-    """Processes started together and stopped together."""
+    """Processes started together, kept running (a process that dies is restarted with back-off,
+    once the stack is up), and stopped together."""
 
     def __init__(self) -> None:
-        self.procs: list[tuple[str, asyncio.subprocess.Process]] = []
-        self._pumps: list[asyncio.Task[None]] = []
+        self.children: list[Child] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
         self.width = 12
 
     async def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
+        child = Child(name, argv, env)
+        self.children.append(child)
+        await self._launch(child)
+
+    async def _launch(self, child: Child) -> None:
+        child.proc = await asyncio.create_subprocess_exec(
+            *child.argv,
+            env={**os.environ, **child.env, "PYTHONUNBUFFERED": "1"},
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
         )
-        self.procs.append((name, proc))
-        self._pumps.append(asyncio.create_task(_pump(name, proc.stdout, self.width)))
+        child.started_s = time.monotonic()
+        self._tasks.append(asyncio.create_task(_pump(child.name, child.proc.stdout, self.width)))
 
     def dead(self) -> list[str]:
-        return [f"{n} (exit {p.returncode})" for n, p in self.procs if p.returncode is not None]
+        return [
+            f"{c.name} ({exit_status(c.proc.returncode)})"
+            for c in self.children
+            if c.proc is not None and c.proc.returncode is not None
+        ]
+
+    def supervise(self) -> None:
+        """From now on, restart every process that dies (see :meth:`_keep_running`)."""
+        self._tasks += [asyncio.create_task(self._keep_running(c)) for c in self.children]
+
+    async def _keep_running(self, child: Child) -> None:
+        """Wait for ``child`` to die, then start it again with the same command and environment
+        (so a worker takes its stage, replica and durable consumer back) after
+        :func:`restart_delay`; logs which process, how it ended and the restart number."""
+        while not self._stopping:
+            assert child.proc is not None
+            code = await _exited(child.proc)
+            if self._stopping:
+                return
+            ran_s = time.monotonic() - child.started_s
+            child.deaths_in_a_row = 1 if ran_s >= STABLE_AFTER_S else child.deaths_in_a_row + 1
+            delay = restart_delay(child.deaths_in_a_row)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.proc.pid, signal.SIGKILL)  # what it spawned (vLLM's engine) goes too
+            print(
+                f"omnirelay: {child.name} (pid {child.proc.pid}) ended with {exit_status(code)} after "
+                f"{ran_s:.1f} s; restart {child.restarts + 1} in {delay:g} s",
+                file=sys.stderr,
+                flush=True,
+            )
+            await asyncio.sleep(delay)
+            if self._stopping:
+                return
+            await self._launch(child)
+            child.restarts += 1
+            print(
+                f"omnirelay: {child.name} restarted (pid {child.proc.pid}, restart {child.restarts})",
+                file=sys.stderr,
+                flush=True,
+            )
 
     async def stop(self) -> None:
         """Stop the gateway first (no new requests), then the services it fronts, NATS last."""
-        services = [(n, p) for n, p in self.procs if n != "nats"]
-        nats = [(n, p) for n, p in self.procs if n == "nats"]
+        self._stopping = True
+        procs = [(c.name, c.proc) for c in self.children if c.proc is not None]
+        services = [p for n, p in procs if n != "nats"]
+        nats = [p for n, p in procs if n == "nats"]
         for group in (services[-1:], services[:-1], nats):
-            await asyncio.gather(*(_terminate(p) for _, p in group))
-        for t in self._pumps:
-            with contextlib.suppress(Exception):
+            await asyncio.gather(*(_terminate(p) for p in group))
+        for t in self._tasks:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.wait_for(t, 2)
+
+
+async def _exited(p: asyncio.subprocess.Process) -> int:
+    """``p``'s return code once it has exited.
+
+    Not ``p.wait()``: on Python 3.11 that returns only once every pipe of the process is closed,
+    and what the process spawned (vLLM's engine processes, which outlive a killed worker for a
+    while) holds its stdout. The return code is set as soon as the process is reaped.
+    """
+    while p.returncode is None:
+        await asyncio.sleep(EXIT_POLL_S)
+    return p.returncode
 
 
 async def _terminate(p: asyncio.subprocess.Process) -> None:
@@ -98,10 +199,10 @@ async def _terminate(p: asyncio.subprocess.Process) -> None:
         with contextlib.suppress(ProcessLookupError):
             p.send_signal(signal.SIGTERM)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(p.wait(), STOP_TIMEOUT_S)
+            await asyncio.wait_for(_exited(p), STOP_TIMEOUT_S)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(p.pid, signal.SIGKILL)  # also reaps what the process spawned (vLLM's EngineCore)
-    await p.wait()
+    await _exited(p)
 
 
 async def wait_all_live(
@@ -152,9 +253,12 @@ async def run_stack(
     data_dir: Path,
     nats_url: str | None,
 ) -> int:
-    """Start everything, print the banner, stream logs until Ctrl-C/SIGTERM or a process dies.
+    """Start everything, print the banner, stream logs until Ctrl-C/SIGTERM; a process that dies
+    once the stack is up is restarted (:meth:`Stack.supervise`), never the reason to stop.
 
-    Signals are handled from the first moment, so an interrupted start still stops what it began.
+    A process that dies during start fails the start (a crash there is a configuration error far
+    more often than a fault). Signals are handled from the first moment, so an interrupted start
+    still stops what it began.
     """
     from libs.common.signals import shutdown_event
 
@@ -173,12 +277,8 @@ async def run_stack(
         stopping.cancel()
         nats_url, monitor = starting.result()
         print(banner(port, nats_url, monitor, pipeline.served_model_name), flush=True)
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 1.0)
-            if dead := stack.dead():
-                print(f"omnirelay: {', '.join(dead)} stopped; shutting down", file=sys.stderr)
-                return 1
+        stack.supervise()
+        await stop.wait()
         return 0
     finally:
         await stack.stop()

@@ -188,14 +188,17 @@ class PipelineClient:
             log.warning("request %s: abort not fully sent: %s", request_id, e)
 
     def health(self) -> Health:
-        """Ready when the bus is connected, an orchestrator is live and every stage has a replica."""
+        """Ready (``ok`` or ``degraded``) when the bus is connected, an orchestrator is live and
+        every stage has a live replica; ``degraded`` names the stages with fewer live replicas
+        than the pipeline declares (a replica died or stalls and has not come back yet)."""
         stages = {
             f"{i}:{s.name}": len(self.services.live(ServiceKind.WORKER, i))
             for i, s in enumerate(self.pipeline.stages)
         }
+        declared = {f"{i}:{s.name}": s.replicas for i, s in enumerate(self.pipeline.stages)}
+        degraded = [key for key, live in stages.items() if live < declared[key]]
         orchestrators = len(self.services.live(ServiceKind.ORCHESTRATOR))
         bus = self.nc.is_connected
         ok = bus and orchestrators > 0 and all(stages.values())
-        return Health(
-            status="ok" if ok else "unavailable", bus=bus, orchestrators=orchestrators, stages=stages
-        )
+        status = ("degraded" if degraded else "ok") if ok else "unavailable"
+        return Health(status=status, bus=bus, orchestrators=orchestrators, stages=stages, degraded=degraded)

@@ -67,7 +67,7 @@ async def list_models(request: Request) -> ModelList:
 @router.get("/health", response_model=Health)
 async def health(request: Request) -> JSONResponse:
     h = request.app.state.client.health()
-    return JSONResponse(h.model_dump(), status_code=200 if h.status == "ok" else 503)
+    return JSONResponse(h.model_dump(), status_code=503 if h.status == "unavailable" else 200)
 
 
 @router.get("/metrics", include_in_schema=False)

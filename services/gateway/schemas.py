@@ -169,9 +169,12 @@ class ErrorResponse(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "unavailable"]
+    status: Literal["ok", "degraded", "unavailable"]
+    """``ok`` and ``degraded`` answer 200, ``unavailable`` 503."""
     bus: bool
     orchestrators: int
     stages: dict[str, int]
     """Live replicas per stage, keyed ``<id>:<name>``."""
+    degraded: list[str] = Field(default_factory=list)
+    """Stages (``<id>:<name>``) with fewer live replicas than the pipeline declares."""
     detail: dict[str, Any] = Field(default_factory=dict)
