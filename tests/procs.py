@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.harness import descendants
 from libs.common.local_nats import free_port
 
 
@@ -120,3 +121,27 @@ CODE2WAV_YAML = """\
     emits: audio
     stream_to_client: true
 """
+
+
+def worker_pid(root: int, stage: int, replica: int) -> int:
+    """The pid of the worker process (stage, replica) under the ``omnirelay up`` process ``root``."""
+    want = {f"OMNIRELAY_STAGE={stage}", f"OMNIRELAY_REPLICA={replica}"}
+    found = []
+    for pid in descendants(root):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+            env = set(Path(f"/proc/{pid}/environ").read_text().split("\0"))
+        except OSError:
+            continue
+        if argv[1:4] == ["-m", "cli", "worker"] and want <= env:
+            found.append(pid)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def gone(pid: int) -> bool:
+    """The process no longer exists, or is a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True

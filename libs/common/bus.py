@@ -25,6 +25,7 @@ from nats.js.kv import KeyValue
 
 from libs.common.consumer import Handler, PullConsumer
 from libs.common.subjects import (
+    EVICTIONS_BUCKET,
     REQUESTS_BUCKET,
     SERVICES_BUCKET,
     Subjects,
@@ -151,6 +152,11 @@ async def services_kv(js: JetStreamContext, limits: BusLimits = LIMITS) -> KeyVa
 async def requests_kv(js: JetStreamContext, limits: BusLimits = LIMITS) -> KeyValue:
     """The ``omni_requests`` bucket."""
     return await _kv(js, REQUESTS_BUCKET, limits.request_record_ttl_s)
+
+
+async def evictions_kv(js: JetStreamContext, limits: BusLimits = LIMITS) -> KeyValue:
+    """The ``omni_evictions`` bucket (entries kept as long as request records)."""
+    return await _kv(js, EVICTIONS_BUCKET, limits.request_record_ttl_s)
 
 
 def stage_consumer_config(

@@ -160,6 +160,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("vllm:omni_orchestrator_loop_lag_s", Kind.HISTOGRAM,
            "Event-loop lag of the orchestrator (scheduled vs actual wake-up), seconds.", PIPELINE,
            Exporter.ORCHESTRATOR, SECONDS_FAST_BUCKETS, spec=False),
+    Family("vllm:omni_replica_evictions", Kind.COUNTER,
+           "Stage replicas declared dead while they had work, by reason (exit: its connection is gone; "
+           "stall: it left its liveness probe unanswered for the stage's stall_timeout_s). Counted once "
+           "per replica incarnation across orchestrators.", (*PIPELINE, "stage", "replica", "reason"),
+           Exporter.ORCHESTRATOR, spec=False),
     Family("vllm:omni_orchestrator_admissions", Kind.COUNTER,
            "Admissions handled, by outcome (dispatched, no_live_replica, expired).", (*PIPELINE, "outcome"),
            Exporter.ORCHESTRATOR, spec=False),

@@ -94,6 +94,12 @@ class StageConfig(_Strict):
         default=4, ge=1, le=64, description="talker cap: codec codes per input text token"
     )
     engine: EngineArgs = EngineArgs()
+    stall_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=600,
+        description="a replica with work that leaves its liveness probe unanswered this long is dead, seconds",
+    )
 
 
 class PipelineConfig(_Strict):

@@ -12,6 +12,9 @@ SERVICES_BUCKET = "omni_services"
 """KV bucket: one key per live service instance, kept alive by heartbeats."""
 REQUESTS_BUCKET = "omni_requests"
 """KV bucket: one key per request (in flight, then kept until the bucket's max age)."""
+EVICTIONS_BUCKET = "omni_evictions"
+"""KV bucket: one key per replica incarnation declared dead (``<pipeline>.<stage>.<replica>.<started_ns>``);
+created once, so exactly one orchestrator counts and logs the eviction."""
 
 ORCHESTRATOR_ADMISSION_CONSUMER = "orchestrator"
 """Durable pull consumer on the requests stream, shared by every orchestrator instance."""
@@ -89,6 +92,15 @@ class Subjects:
     def abort(self) -> str:
         """Abort broadcast: cancel a request in every worker (core NATS)."""
         return f"omni.{self.pipeline}.ctl.abort"
+
+    def alive(self, stage: int, replica: int) -> str:
+        """Liveness probe of worker (stage, replica) (core NATS request/reply): the worker answers
+        while its event loop runs; NATS answers "no responders" once its connection is gone."""
+        return f"omni.{self.pipeline}.ctl.alive.{stage}.{replica}"
+
+    def eviction_key(self, stage: int, replica: int, started_ns: int) -> str:
+        """Key in ``omni_evictions`` of one incarnation of worker (stage, replica)."""
+        return f"{self.pipeline}.{stage}.{replica}.{started_ns}"
 
     # --- JetStream streams ----------------------------------------------------------------
     @property

@@ -17,9 +17,9 @@ from collections.abc import Awaitable, Callable
 
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
-from pydantic import ValidationError
 
 from libs.common.records import RequestRecord, RequestStatus
+from services.orchestrator.inflight import InflightRequests
 
 log = logging.getLogger(__name__)
 
@@ -30,56 +30,30 @@ SWEEP_PERIOD_S = 0.5
 
 class DeadlineSweeper:
     def __init__(
-        self, kv: KeyValue, pipeline: str, on_expired: Callable[[RequestRecord], Awaitable[None]]
+        self,
+        kv: KeyValue,
+        inflight: InflightRequests,
+        on_expired: Callable[[RequestRecord], Awaitable[None]],
     ) -> None:
         self._kv = kv
-        self._pipeline = pipeline
+        self._inflight = inflight
         self._on_expired = on_expired
-        self._deadlines: dict[str, int] = {}
-        self._tasks: list[asyncio.Task[None]] = []
-
-    @property
-    def inflight(self) -> int:
-        """Requests of the pipeline not yet in a terminal state."""
-        return len(self._deadlines)
+        self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        watcher = await self._kv.watchall()
-        self._tasks = [asyncio.create_task(self._watch(watcher)), asyncio.create_task(self._sweep())]
+        self._task = asyncio.create_task(self._sweep(), name="deadline-sweep")
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
+        if self._task is not None:
+            self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await t
-
-    async def _watch(self, watcher: KeyValue.KeyWatcher) -> None:
-        try:
-            async for entry in watcher:
-                if entry is None:
-                    continue
-                if entry.operation in ("DEL", "PURGE") or not entry.value:
-                    self._deadlines.pop(entry.key, None)
-                    continue
-                try:
-                    rec = RequestRecord.model_validate_json(entry.value)
-                except ValidationError:
-                    continue
-                if rec.pipeline != self._pipeline:
-                    continue
-                if rec.status.terminal:
-                    self._deadlines.pop(entry.key, None)
-                else:
-                    self._deadlines[entry.key] = rec.deadline_ns
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()
+                await self._task
 
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(SWEEP_PERIOD_S)
             limit = time.time_ns() - int(GRACE_S * 1e9)
-            for rid in [r for r, d in self._deadlines.items() if d < limit]:
+            for rid in [r for r, rec in self._inflight.records.items() if rec.deadline_ns < limit]:
                 try:
                     await self._expire(rid)
                 except Exception as e:
@@ -89,17 +63,17 @@ class DeadlineSweeper:
         try:
             entry = await self._kv.get(rid)
         except (NotFoundError, KeyError):
-            self._deadlines.pop(rid, None)
+            self._inflight.forget(rid)
             return
         rec = RequestRecord.model_validate_json(entry.value)
         if rec.status.terminal:
-            self._deadlines.pop(rid, None)
+            self._inflight.forget(rid)
             return
         rec.status, rec.error, rec.updated_ns = RequestStatus.FAILED, "timeout", time.time_ns()
         try:
             await self._kv.update(rid, rec.model_dump_json().encode(), last=entry.revision)
         except KeyWrongLastSequenceError:
             return  # another instance (or a worker's event) got there first; look again next sweep
-        self._deadlines.pop(rid, None)
+        self._inflight.forget(rid)
         log.warning("request %s: past its deadline in status %s; failed and aborted", rid, rec.status)
         await self._on_expired(rec)

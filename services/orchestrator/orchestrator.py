@@ -22,6 +22,7 @@ from libs.common.bus import (
     connect,
     consume,
     ensure_topology,
+    evictions_kv,
     orchestrator_consumer_config,
     requests_kv,
     services_kv,
@@ -55,6 +56,8 @@ from libs.common.subjects import (
 from libs.common.tracing import context_from_headers, setup_tracing, shutdown_tracing, start_span
 from libs.common.version import VERSION
 from services.orchestrator.deadlines import DeadlineSweeper
+from services.orchestrator.inflight import InflightRequests
+from services.orchestrator.liveness import Death, DeathReason, ReplicaWatch
 from services.orchestrator.routing import NoLiveReplica, ReplicaPicker
 from services.orchestrator.summary import PipelineTally, format_summary, ready_to_summarize
 
@@ -103,8 +106,21 @@ class Orchestrator:
         self.picker = ReplicaPicker(self.services)
         await self.services.start()
         await asyncio.wait_for(self.services.ready.wait(), timeout=10)
-        self._sweeper = DeadlineSweeper(self.requests, self.pipeline.name, self._expired)
+        self._index = InflightRequests(self.requests, self.pipeline.name)
+        await self._index.start()
+        self._sweeper = DeadlineSweeper(self.requests, self._index, self._expired)
         await self._sweeper.start()
+        self._watch = ReplicaWatch(
+            self.nc,
+            self.subjects,
+            self.pipeline,
+            self._index,
+            self.services,
+            await evictions_kv(self.js),
+            self._evicted,
+            self._replica_died,
+        )
+        await self._watch.start()
         port = start_metrics_server(self.settings.metrics_port)
         record = ServiceRecord(
             service=ServiceKind.ORCHESTRATOR,
@@ -172,9 +188,7 @@ class Orchestrator:
             await asyncio.sleep(self.settings.log_stats_interval_s)
             log.info(
                 "%s",
-                self._tally.line(
-                    self.pipeline.name, self._sweeper.inflight, self.settings.log_stats_interval_s
-                ),
+                self._tally.line(self.pipeline.name, len(self._index), self.settings.log_stats_interval_s),
             )
 
     def _count(self, outcome: str) -> None:
@@ -186,7 +200,9 @@ class Orchestrator:
             await c.stop()
         for t in self._tasks:
             t.cancel()
+        await self._watch.stop()
         await self._sweeper.stop()
+        await self._index.stop()
         await self._heartbeat.stop()
         await self.services.stop()
         with contextlib.suppress(Exception):
@@ -319,6 +335,60 @@ class Orchestrator:
             "the request did not finish before its deadline",
         )
 
+    # --- dead replicas -----------------------------------------------------------------
+    def _evicted(self, death: Death) -> None:
+        """This instance was the first to judge ``death``: count it and tell the operator."""
+        stage = self.pipeline.stages[death.stage]
+        log.warning(
+            "stage %d (%s) replica %d is dead (%s: %s for %.1f s); %d request(s) bound to it",
+            death.stage,
+            stage.name,
+            death.replica,
+            death.reason,
+            "its connection is gone" if death.reason == DeathReason.EXIT else "no answer to its probe",
+            death.silent_s,
+            len(self._index.bound_to(death.stage, death.replica)),
+        )
+        if self.metrics.enabled:
+            self.metrics["vllm:omni_replica_evictions"].labels(
+                self.model, str(death.stage), str(death.replica), death.reason.value
+            ).inc()
+
+    async def _replica_died(self, death: Death, seen: RequestRecord) -> None:
+        """A request bound to a dead replica, queued there or in progress: it fails now, with
+        ``replica_lost`` (``no_live_replica`` when the stage has no other live replica), never by
+        waiting for its deadline or for the replica's restart. Moving it to a live replica of the
+        stage instead is the next step (docs/reliability.md)."""
+        s, stage = death.stage, self.pipeline.stages[death.stage]
+        others = [r for r in self.services.live(ServiceKind.WORKER, s) if r.replica != death.replica]
+        where = f"stage {s} ({stage.name}) replica {death.replica}"
+        if others:
+            code, message = "replica_lost", f"{where}, which had the request, died ({death.reason})"
+        else:
+            code, message = (
+                "no_live_replica",
+                f"{where} died ({death.reason}) and the stage has no live replica",
+            )
+        failed = False
+
+        def change(rec: RequestRecord) -> bool:
+            nonlocal failed
+            if rec.status.terminal:
+                return False
+            rec.status, rec.error, rec.updated_ns = RequestStatus.FAILED, code, time.time_ns()
+            failed = True
+            return True
+
+        await update_record(self.requests, seen.request_id, change)
+        if not failed:
+            return  # ended meanwhile, or another orchestrator failed it
+        self._index.forget(seen.request_id)
+        log.warning("request %s failed: %s", seen.request_id, message)
+        await self.nc.publish(
+            self.subjects.abort, AbortNotice(request_id=seen.request_id, reason=code).encode()
+        )
+        await self._tell_client(seen.request_id, seen.gateway_id, 503, code, message)
+
     # --- lifecycle ---------------------------------------------------------------------
     async def _on_event(self, msg: Msg) -> None:
         ev = decode(LifecycleEvent, msg.data)
@@ -374,14 +444,15 @@ def apply_event(rec: RequestRecord, ev: LifecycleEvent) -> None:
 
 async def update_record(kv: KeyValue, key: str, change) -> bool:
     """Read-modify-write of a record with optimistic concurrency (several orchestrators);
-    False when there is no such record."""
+    False when there is no such record. A ``change`` that returns False leaves it as it is."""
     for _ in range(KV_RETRIES):
         try:
             entry = await kv.get(key)
         except (NotFoundError, KeyError):
             return False
         rec = RequestRecord.model_validate_json(entry.value)
-        change(rec)
+        if change(rec) is False:
+            return True
         try:
             await kv.update(key, rec.model_dump_json().encode(), last=entry.revision)
             return True

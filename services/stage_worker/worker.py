@@ -130,6 +130,9 @@ class StageWorker:
             batch=PULL_BATCH,
             name=self.label,
         )
+        # Orchestrators probe this while the replica has work (services/orchestrator/liveness.py);
+        # it answers before the replica is routable.
+        await nc.subscribe(self.subjects.alive(self.me.stage, self.me.replica), cb=self._on_alive)
         self._heartbeat = Heartbeat(await services_kv(js), record, lambda: len(self.active))
         await self._heartbeat.start()
         self._tasks = [asyncio.create_task(self._keep_alive_loop(), name="keep-alive")]
@@ -360,6 +363,10 @@ class StageWorker:
         )
         if self.metrics.enabled:
             self.metrics["vllm:omni_bus_dead_lettered"].labels(*self._labels).inc()
+
+    async def _on_alive(self, msg: Msg) -> None:
+        """Answer a liveness probe: the answer itself says this event loop runs."""
+        await msg.respond(b"")
 
     async def _on_abort(self, msg: Msg) -> None:
         try:
