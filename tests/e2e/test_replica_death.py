@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import nats
@@ -28,9 +29,9 @@ STREAMS, MAX_TOKENS = 6, 1900
 FAILED_WITHIN_S = 2.0
 """How soon after the kill the orchestrator must have failed a request bound to the dead replica
 (its record's update time, wall clock), seconds."""
-CLIENT_ERROR_WITHIN_S = 10.0
-"""How soon after the kill the client must have read the error. Looser: the test's own client
-reads six streams of ~1000 chunks a second on a two-core box and runs behind the server."""
+CLIENT_LAG_S = 8.0
+"""How much later than the orchestrator's verdict the client may read the error: the test's own
+client reads six streams of ~1000 chunks a second on a two-core box and runs behind the server."""
 
 
 @dataclass
@@ -64,13 +65,10 @@ async def _stream(client: AsyncOpenAI, model: str, seen: Seen) -> None:
         seen.error, seen.error_at = e, time.monotonic()
 
 
-async def test_streams_on_a_killed_replica_fail_fast_and_the_others_complete(stack, pipeline) -> None:
-    services = (await snapshot(stack.nats_url, pipeline))["services"]
-    incarnations = {s["key"]: s["started_ns"] for s in services}
-    (orchestrator,) = [s["metrics_url"] for s in services if s["service"] == "orchestrator"]
-    (gateway,) = [s["metrics_url"] for s in services if s["service"] == "gateway"]
-    before_o, before_g = scrape(orchestrator), scrape(gateway)
-
+async def _streams_and_victim(stack, pipeline):
+    """Start ``STREAMS`` streams; as soon as at least two run in stage 0, pick the replica with the
+    most of them. Returns (client, what each client saw, their tasks, victim replica, the ids of
+    the streams running on it)."""
     client = AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
     seen = [Seen() for _ in range(STREAMS)]
     tasks = [asyncio.create_task(_stream(client, pipeline.served_model_name, s)) for s in seen]
@@ -92,6 +90,43 @@ async def test_streams_on_a_killed_replica_fail_fast_and_the_others_complete(sta
     assert all(s.error is None for s in seen), [str(s.error) for s in seen if s.error]
     victim = max(set(running.values()), key=list(running.values()).count)
     doomed = {rid for rid, r in running.items() if r == victim}
+    return client, seen, tasks, victim, doomed
+
+
+async def _outcomes(
+    stack, seen: list[Seen], doomed: set[str], fault_s: float, fault_ns: int, low_s: float, high_s: float
+) -> dict[str, float]:
+    """Check every stream's end against the fault at ``fault_s`` (monotonic) / ``fault_ns`` (wall):
+    a doomed stream either got ``replica_lost``, its record failed between ``low_s`` and
+    ``high_s`` after the fault, or finished in full just before it; every other stream completed
+    in full. Returns the streams the fault cut: id → seconds from the fault to their failure."""
+    lost: dict[str, float] = {}
+    for s in seen:
+        if s.id in doomed and s.error is not None:
+            assert s.error.code == "replica_lost", (s.id, s.error)
+            rec = await request_record(stack.nats_url, s.id)
+            assert rec["status"] == "failed" and rec["error"] == "replica_lost"
+            failed_s = (rec["updated_ns"] - fault_ns) / 1e9
+            assert low_s < failed_s <= high_s, f"failed {failed_s:.2f} s after the fault"
+            assert s.error_at - fault_s <= high_s + CLIENT_LAG_S, f"client error {s.error_at - fault_s:.2f} s"
+            lost[s.id] = failed_s
+        else:
+            # On the live replica, or finished on the victim just before the fault (its
+            # stage_done event still on its way): complete, nothing missing.
+            assert s.error is None, (s.id, s.error)
+            assert s.tokens == MAX_TOKENS and s.chunks > 0
+    assert lost, "no stream was cut by the fault"
+    return lost
+
+
+async def test_streams_on_a_killed_replica_fail_fast_and_the_others_complete(stack, pipeline) -> None:
+    services = (await snapshot(stack.nats_url, pipeline))["services"]
+    incarnations = {s["key"]: s["started_ns"] for s in services}
+    (orchestrator,) = [s["metrics_url"] for s in services if s["service"] == "orchestrator"]
+    (gateway,) = [s["metrics_url"] for s in services if s["service"] == "gateway"]
+    before_o, before_g = scrape(orchestrator), scrape(gateway)
+
+    client, seen, tasks, victim, doomed = await _streams_and_victim(stack, pipeline)
     pid = worker_pid(stack.proc.pid, 0, victim)
     os.kill(pid, signal.SIGKILL)
     killed, killed_ns = time.monotonic(), time.time_ns()
@@ -103,26 +138,10 @@ async def test_streams_on_a_killed_replica_fail_fast_and_the_others_complete(sta
 
     await asyncio.wait_for(asyncio.gather(*tasks), 180)
     await client.close()
-    lost = set()
-    for s in seen:
-        if s.id in doomed and s.error is not None:
-            assert s.error.code == "replica_lost", (s.id, s.error)
-            rec = await request_record(stack.nats_url, s.id)
-            assert rec["status"] == "failed" and rec["error"] == "replica_lost"
-            failed_s = (rec["updated_ns"] - killed_ns) / 1e9
-            assert 0 < failed_s <= FAILED_WITHIN_S, f"failed {failed_s:.2f} s after the kill"
-            assert s.error_at - killed <= CLIENT_ERROR_WITHIN_S, f"client error {s.error_at - killed:.2f} s"
-            lost.add(s.id)
-        else:
-            # On the live replica, or finished on the victim just before the kill (its stage_done
-            # event still on its way): complete, nothing missing.
-            assert s.error is None, (s.id, s.error)
-            assert s.tokens == MAX_TOKENS and s.chunks > 0
-    assert lost, "no stream was cut by the kill"
-    doomed = lost
-    lag = max(s.error_at - killed for s in seen if s.id in doomed)
+    lost = await _outcomes(stack, seen, doomed, killed, killed_ns, 0.0, FAILED_WITHIN_S)
+    lag = max(s.error_at - killed for s in seen if s.id in lost)
     print(
-        f"{len(doomed)} stream(s) on replica {victim}: the client read replica_lost {lag:.2f} s after the kill"
+        f"{len(lost)} stream(s) on replica {victim}: the client read replica_lost {lag:.2f} s after the kill"
     )
 
     after_o, after_g = scrape(orchestrator), scrape(gateway)
@@ -137,7 +156,7 @@ async def test_streams_on_a_killed_replica_fail_fast_and_the_others_complete(sta
         )
         == 1
     )
-    assert delta(before_g, after_g, "vllm:omni_requests_failed_total", reason="replica_lost") == len(doomed)
+    assert delta(before_g, after_g, "vllm:omni_requests_failed_total", reason="replica_lost") == len(lost)
     assert delta(before_g, after_g, "vllm:omni_requests_success_total", finished_reason="abort") == 0
 
     # Leave the stack whole for the tests after this one: wait for the launcher's replacement
@@ -153,3 +172,55 @@ async def test_streams_on_a_killed_replica_fail_fast_and_the_others_complete(sta
         raise AssertionError("the killed replica did not come back")
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=10) as http:
         assert (await http.get("/health")).json()["status"] == "ok"
+
+
+def _state(pid: int) -> str:
+    """The process state letter of ``pid`` (``T`` when stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+async def test_streams_on_a_stopped_replica_fail_after_the_stall_timeout(stack, pipeline) -> None:
+    """SIGSTOP: the process lives and holds its connection, but answers nothing. Its streams fail
+    ``stall_timeout_s`` later; after SIGCONT it stops the work it no longer owns."""
+    stall_s = pipeline.stages[0].stall_timeout_s
+    services = (await snapshot(stack.nats_url, pipeline))["services"]
+    (orchestrator,) = [s["metrics_url"] for s in services if s["service"] == "orchestrator"]
+    before = scrape(orchestrator)
+
+    client, seen, tasks, victim, doomed = await _streams_and_victim(stack, pipeline)
+    pid = worker_pid(stack.proc.pid, 0, victim)
+    os.kill(pid, signal.SIGSTOP)
+    stopped, stopped_ns = time.monotonic(), time.time_ns()
+    try:
+        for _ in range(50):
+            if _state(pid) == "T":
+                break
+            await asyncio.sleep(0.05)
+        assert _state(pid) == "T", "the worker did not stop"
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    await client.close()
+    lost = await _outcomes(stack, seen, doomed, stopped, stopped_ns, stall_s - 1.0, stall_s + 2.0)
+    print(
+        f"{len(lost)} stream(s) on stopped replica {victim}: failed {max(lost.values()):.2f} s after SIGSTOP"
+    )
+    after = scrape(orchestrator)
+    assert (
+        delta(
+            before, after, "vllm:omni_replica_evictions_total", stage="0", replica=str(victim), reason="stall"
+        )
+        == 1
+    )
+    # Resumed, the worker reads the aborts that waited for it (the orchestrator's and the
+    # gateway's) and stops the requests it lost.
+    for rid in lost:
+        line = f"stage 0 ({pipeline.stages[0].name}) replica {victim}: request {rid} stopped ("
+        await stack.await_log(line)
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=10) as http:
+        for _ in range(60):
+            if (await http.get("/health")).json()["status"] == "ok":
+                break
+            await asyncio.sleep(0.5)
+        else:
+            raise AssertionError("the resumed replica did not come back to the registry")
