@@ -26,7 +26,7 @@ from tests.procs import gone, worker_pid
 pytestmark = pytest.mark.e2e
 
 STREAMS, MAX_TOKENS = 6, 1900
-FAILED_WITHIN_S = 2.0
+FAILED_WITHIN_S = 3.0
 """How soon after the kill the orchestrator must have failed a request bound to the dead replica
 (its record's update time, wall clock), seconds."""
 CLIENT_LAG_S = 8.0
@@ -67,13 +67,10 @@ async def _stream(client: AsyncOpenAI, model: str, seen: Seen) -> None:
 
 async def _streams_and_victim(stack, pipeline):
     """Start ``STREAMS`` streams; as soon as at least two run in stage 0, pick the replica with the
-    most of them. Returns (client, what each client saw, their tasks, victim replica, the ids of
-    the streams running on it)."""
+    most of them. Returns (client, what each client saw, their tasks, the victim replica)."""
     client = AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
     seen = [Seen() for _ in range(STREAMS)]
     tasks = [asyncio.create_task(_stream(client, pipeline.served_model_name, s)) for s in seen]
-    # Kill, as soon as streams flow, the replica with the most requests unfinished in stage 0;
-    # those are doomed. (A stream that finished there before the kill must complete normally.)
     nc = await nats.connect(stack.nats_url)
     try:
         kv = await requests_kv(nc.jetstream())
@@ -88,33 +85,34 @@ async def _streams_and_victim(stack, pipeline):
         await nc.close()
     assert running, "no stream was running in stage 0"
     assert all(s.error is None for s in seen), [str(s.error) for s in seen if s.error]
-    victim = max(set(running.values()), key=list(running.values()).count)
-    doomed = {rid for rid, r in running.items() if r == victim}
-    return client, seen, tasks, victim, doomed
+    return client, seen, tasks, max(set(running.values()), key=list(running.values()).count)
 
 
 async def _outcomes(
-    stack, seen: list[Seen], doomed: set[str], fault_s: float, fault_ns: int, low_s: float, high_s: float
+    stack, seen: list[Seen], victim: int, fault_s: float, fault_ns: int, low_s: float, high_s: float
 ) -> dict[str, float]:
-    """Check every stream's end against the fault at ``fault_s`` (monotonic) / ``fault_ns`` (wall):
-    a doomed stream either got ``replica_lost``, its record failed between ``low_s`` and
-    ``high_s`` after the fault, or finished in full just before it; every other stream completed
-    in full. Returns the streams the fault cut: id → seconds from the fault to their failure."""
+    """Check every stream's end against the fault of replica ``victim`` at ``fault_s`` (monotonic)
+    / ``fault_ns`` (wall). A stream bound to the victim either got ``replica_lost`` — its record
+    failed between ``low_s`` and ``high_s`` after the fault — or finished in full before the fault;
+    every other stream completed in full. Returns the streams the fault cut: id → seconds from the
+    fault to their failure (a stream cut before its first chunk has no id: keyed by position)."""
     lost: dict[str, float] = {}
-    for s in seen:
-        if s.id in doomed and s.error is not None:
+    for i, s in enumerate(seen):
+        if s.error is not None:
             assert s.error.code == "replica_lost", (s.id, s.error)
-            rec = await request_record(stack.nats_url, s.id)
-            assert rec["status"] == "failed" and rec["error"] == "replica_lost"
-            failed_s = (rec["updated_ns"] - fault_ns) / 1e9
-            assert low_s < failed_s <= high_s, f"failed {failed_s:.2f} s after the fault"
             assert s.error_at - fault_s <= high_s + CLIENT_LAG_S, f"client error {s.error_at - fault_s:.2f} s"
-            lost[s.id] = failed_s
+            failed_s = high_s
+            if s.id:
+                rec = await request_record(stack.nats_url, s.id)
+                assert rec["route"][0] == victim
+                assert rec["status"] == "failed" and rec["error"] == "replica_lost"
+                failed_s = (rec["updated_ns"] - fault_ns) / 1e9
+                assert low_s < failed_s <= high_s, f"failed {failed_s:.2f} s after the fault"
+            lost[s.id or f"#{i}"] = failed_s
         else:
             # On the live replica, or finished on the victim just before the fault (its
             # stage_done event still on its way): complete, nothing missing.
-            assert s.error is None, (s.id, s.error)
-            assert s.tokens == MAX_TOKENS and s.chunks > 0
+            assert s.tokens == MAX_TOKENS and s.chunks > 0, (s.id, s.tokens)
     assert lost, "no stream was cut by the fault"
     return lost
 
@@ -126,52 +124,54 @@ async def test_streams_on_a_killed_replica_fail_fast_and_the_others_complete(sta
     (gateway,) = [s["metrics_url"] for s in services if s["service"] == "gateway"]
     before_o, before_g = scrape(orchestrator), scrape(gateway)
 
-    client, seen, tasks, victim, doomed = await _streams_and_victim(stack, pipeline)
-    pid = worker_pid(stack.proc.pid, 0, victim)
-    os.kill(pid, signal.SIGKILL)
-    killed, killed_ns = time.monotonic(), time.time_ns()
-    for _ in range(50):
-        if gone(pid):
-            break
-        await asyncio.sleep(0.1)
-    assert gone(pid), f"worker {pid} still running after SIGKILL"
+    client, seen, tasks, victim = await _streams_and_victim(stack, pipeline)
+    try:
+        pid = worker_pid(stack.proc.pid, 0, victim)
+        os.kill(pid, signal.SIGKILL)
+        killed, killed_ns = time.monotonic(), time.time_ns()
+        for _ in range(50):
+            if gone(pid):
+                break
+            await asyncio.sleep(0.1)
+        assert gone(pid), f"worker {pid} still running after SIGKILL"
 
-    await asyncio.wait_for(asyncio.gather(*tasks), 180)
-    await client.close()
-    lost = await _outcomes(stack, seen, doomed, killed, killed_ns, 0.0, FAILED_WITHIN_S)
-    lag = max(s.error_at - killed for s in seen if s.id in lost)
-    print(
-        f"{len(lost)} stream(s) on replica {victim}: the client read replica_lost {lag:.2f} s after the kill"
-    )
-
-    after_o, after_g = scrape(orchestrator), scrape(gateway)
-    assert (
-        delta(
-            before_o,
-            after_o,
-            "vllm:omni_replica_evictions_total",
-            stage="0",
-            replica=str(victim),
-            reason="exit",
+        await asyncio.wait_for(asyncio.gather(*tasks), 180)
+        await client.close()
+        lost = await _outcomes(stack, seen, victim, killed, killed_ns, 0.0, FAILED_WITHIN_S)
+        lag = max(s.error_at - killed for s in seen if s.error is not None)
+        print(
+            f"{len(lost)} stream(s) on replica {victim}: failed {max(lost.values()):.2f} s after the kill, "
+            f"the client read replica_lost {lag:.2f} s after it"
         )
-        == 1
-    )
-    assert delta(before_g, after_g, "vllm:omni_requests_failed_total", reason="replica_lost") == len(lost)
-    assert delta(before_g, after_g, "vllm:omni_requests_success_total", finished_reason="abort") == 0
 
-    # Leave the stack whole for the tests after this one: wait for the launcher's replacement
-    # (a new incarnation in the registry), not for /health alone, which still counts the dead
-    # replica until its registration expires.
-    key = f"worker.{pipeline.name}.0.{victim}"
-    for _ in range(600):
-        now = {s["key"]: s for s in (await snapshot(stack.nats_url, pipeline))["services"]}
-        if key in now and now[key]["started_ns"] > incarnations[key]:
-            break
-        await asyncio.sleep(0.5)
-    else:
-        raise AssertionError("the killed replica did not come back")
-    async with httpx.AsyncClient(base_url=stack.base_url, timeout=10) as http:
-        assert (await http.get("/health")).json()["status"] == "ok"
+        after_o, after_g = scrape(orchestrator), scrape(gateway)
+        assert (
+            delta(
+                before_o,
+                after_o,
+                "vllm:omni_replica_evictions_total",
+                stage="0",
+                replica=str(victim),
+                reason="exit",
+            )
+            == 1
+        )
+        assert delta(before_g, after_g, "vllm:omni_requests_failed_total", reason="replica_lost") == len(lost)
+        assert delta(before_g, after_g, "vllm:omni_requests_success_total", finished_reason="abort") == 0
+    finally:
+        # Leave the stack whole for the tests after this one: wait for the launcher's replacement
+        # (a new incarnation in the registry), not for /health alone, which still counts the dead
+        # replica until its registration expires.
+        key = f"worker.{pipeline.name}.0.{victim}"
+        for _ in range(600):
+            now = {s["key"]: s for s in (await snapshot(stack.nats_url, pipeline))["services"]}
+            if key in now and now[key]["started_ns"] > incarnations[key]:
+                break
+            await asyncio.sleep(0.5)
+        else:
+            raise AssertionError("the killed replica did not come back")
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=10) as http:
+            assert (await http.get("/health")).json()["status"] == "ok"
 
 
 def _state(pid: int) -> str:
@@ -187,7 +187,7 @@ async def test_streams_on_a_stopped_replica_fail_after_the_stall_timeout(stack, 
     (orchestrator,) = [s["metrics_url"] for s in services if s["service"] == "orchestrator"]
     before = scrape(orchestrator)
 
-    client, seen, tasks, victim, doomed = await _streams_and_victim(stack, pipeline)
+    client, seen, tasks, victim = await _streams_and_victim(stack, pipeline)
     pid = worker_pid(stack.proc.pid, 0, victim)
     os.kill(pid, signal.SIGSTOP)
     stopped, stopped_ns = time.monotonic(), time.time_ns()
@@ -201,7 +201,7 @@ async def test_streams_on_a_stopped_replica_fail_after_the_stall_timeout(stack, 
     finally:
         os.kill(pid, signal.SIGCONT)
     await client.close()
-    lost = await _outcomes(stack, seen, doomed, stopped, stopped_ns, stall_s - 1.0, stall_s + 2.0)
+    lost = await _outcomes(stack, seen, victim, stopped, stopped_ns, stall_s - 1.0, stall_s + 2.0)
     print(
         f"{len(lost)} stream(s) on stopped replica {victim}: failed {max(lost.values()):.2f} s after SIGSTOP"
     )
@@ -214,7 +214,7 @@ async def test_streams_on_a_stopped_replica_fail_after_the_stall_timeout(stack, 
     )
     # Resumed, the worker reads the aborts that waited for it (the orchestrator's and the
     # gateway's) and stops the requests it lost.
-    for rid in lost:
+    for rid in (r for r in lost if not r.startswith("#")):
         line = f"stage 0 ({pipeline.stages[0].name}) replica {victim}: request {rid} stopped ("
         await stack.await_log(line)
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=10) as http:
