@@ -18,6 +18,7 @@ from nats.js.kv import KeyValue
 from pydantic import BaseModel, ValidationError
 
 from libs.common.bus import LIMITS
+from libs.common.runtime import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +108,7 @@ class Heartbeat:
 
     async def stop(self) -> None:
         """Stop beating and remove the entry (a clean shutdown disappears at once)."""
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         with contextlib.suppress(Exception):
             await self._kv.delete(self._record.key)
 
@@ -158,10 +156,7 @@ class LiveServices:
                 await watcher.stop()
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     def last_heard(self, service: ServiceKind, stage: int | None = None) -> list[tuple[ServiceRecord, float]]:
         """Every record of ``service`` (and ``stage``) ever received and not deleted, live or

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -54,3 +56,13 @@ def yield_on_wakeup(enabled: bool) -> bool:
         log.warning("could not switch to SCHED_BATCH (%s); scheduling unchanged", e)
         return False
     return True
+
+
+async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
+    """Stop a background task this process owns: cancel it and wait until it has ended (its
+    cancellation swallowed). None is allowed (the task was never started)."""
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -10,7 +10,6 @@ a compare-and-set on the record makes exactly one of them act.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -19,6 +18,7 @@ from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
 from libs.common.records import RequestRecord, RequestStatus
+from libs.common.runtime import cancel_and_wait
 from services.orchestrator.inflight import InflightRequests
 
 log = logging.getLogger(__name__)
@@ -44,10 +44,7 @@ class DeadlineSweeper:
         self._task = asyncio.create_task(self._sweep(), name="deadline-sweep")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     async def _sweep(self) -> None:
         while True:

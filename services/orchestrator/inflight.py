@@ -14,6 +14,7 @@ from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
 from libs.common.records import RequestRecord
+from libs.common.runtime import cancel_and_wait
 
 
 class InflightRequests:
@@ -48,10 +49,7 @@ class InflightRequests:
         self._task = asyncio.create_task(self._watch(watcher), name="inflight-watch")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     async def _watch(self, watcher: KeyValue.KeyWatcher) -> None:
         try:

@@ -20,7 +20,6 @@ its record (exactly one instance acts per request). Clocks: ``time.monotonic()``
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -36,6 +35,7 @@ from nats.js.kv import KeyValue
 from libs.common.pipeline import PipelineConfig
 from libs.common.records import RequestRecord
 from libs.common.registry import LiveServices, ServiceKind
+from libs.common.runtime import cancel_and_wait
 from libs.common.subjects import Subjects
 from services.orchestrator.inflight import InflightRequests
 
@@ -103,10 +103,7 @@ class ReplicaWatch:
         self._task = asyncio.create_task(self._run(), name="replica-watch")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         """Every period, a new probe for each busy replica, whether or not its earlier ones have

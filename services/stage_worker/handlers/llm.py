@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import TYPE_CHECKING
 
 from libs.common import tracing
+from libs.common.runtime import cancel_and_wait
 from libs.models.tiny import resolve_model
 from services.stage_worker.engine_processes import export_engine_processes
 from services.stage_worker.handlers.base import StageHandler
@@ -61,10 +61,7 @@ class LLMHandler(StageHandler):
             )
 
     async def stop(self) -> None:
-        if self._log_task is not None:
-            self._log_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._log_task
-            self._log_task = None
+        await cancel_and_wait(self._log_task)
+        self._log_task = None
         if self.engine is not None:
             self.engine.shutdown()
