@@ -7,7 +7,8 @@ loop. Two verdicts:
 
 - ``exit`` — NATS answers "no responders": no connection holds the subscription any more (the
   process is gone; the server notices a closed TCP connection at once). Seen within one probe period
-  of a ``kill -9``.
+  of a ``kill -9``. Not for :data:`RECONNECT_GRACE_S` after this orchestrator reconnected (a broker
+  restart: the workers are reconnecting too).
 - ``stall`` — no answer at all for the stage's ``stall_timeout_s`` (pipeline YAML): the process is
   stopped, or its event loop is blocked.
 
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from nats.aio.client import Client as NATS
-from nats.errors import NoRespondersError
+from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
@@ -45,6 +46,10 @@ PROBE_PERIOD_S = 0.5
 """Seconds between two probes of a busy replica."""
 PROBE_TIMEOUT_S = 1.0
 """How long one probe waits for its answer, seconds."""
+RECONNECT_GRACE_S = 5.0
+"""After this orchestrator reconnects to NATS (a broker restart), "no responders" is no verdict for
+this long, seconds: the workers are reconnecting too (every 0.5 s), and until one has, its
+subscription is missing although it lives. Silence still counts towards a stall meanwhile."""
 
 
 class DeathReason(StrEnum):
@@ -65,12 +70,15 @@ class Death:
     """Seconds since its last answer to a probe (or since probing began)."""
 
 
-def verdict(answer: str, silent_s: float, stall_timeout_s: float) -> DeathReason | None:
+def verdict(answer: str, silent_s: float, stall_timeout_s: float, reconnecting: bool) -> DeathReason | None:
     """The verdict on one probe: ``answer`` is ``ok``, ``no_responders`` or ``timeout``;
-    ``silent_s`` is how long the replica has not answered (0 after an answer)."""
-    if answer == "no_responders":
+    ``silent_s`` is how long the replica has not answered (0 after an answer); ``reconnecting``:
+    this orchestrator reconnected less than :data:`RECONNECT_GRACE_S` ago."""
+    if answer == "ok":
+        return None
+    if answer == "no_responders" and not reconnecting:
         return DeathReason.EXIT
-    if answer == "timeout" and silent_s >= stall_timeout_s:
+    if silent_s >= stall_timeout_s:
         return DeathReason.STALL
     return None
 
@@ -97,6 +105,9 @@ class ReplicaWatch:
         self._on_dead = on_dead
         self._last_answer: dict[tuple[int, int], float] = {}
         """(stage, replica) → when it last answered, or when probing it began."""
+        self._reconnects = 0
+        self._grace_until = 0.0
+        """No "exit" verdict before this (``time.monotonic()``): see :data:`RECONNECT_GRACE_S`."""
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -130,8 +141,8 @@ class ReplicaWatch:
             await self._nc.request(self._subjects.alive(stage, replica), b"", timeout=PROBE_TIMEOUT_S)
         except NoRespondersError:
             return "no_responders"
-        except (NatsTimeoutError, TimeoutError):
-            return "timeout"
+        except (NatsTimeoutError, TimeoutError, ConnectionClosedError):
+            return "timeout"  # ours is down too: no answer, and no proof of death
         return "ok"
 
     async def _check(self, stage: int, replica: int) -> None:
@@ -142,7 +153,7 @@ class ReplicaWatch:
             self._last_answer[(stage, replica)] = time.monotonic()
             return
         silent_s = time.monotonic() - since
-        reason = verdict(answer, silent_s, self._pipeline.stages[stage].stall_timeout_s)
+        reason = verdict(answer, silent_s, self._pipeline.stages[stage].stall_timeout_s, self._reconnecting())
         if reason is None:
             return
         death = Death(stage, replica, self._incarnation(stage, replica), reason, silent_s)
@@ -155,6 +166,15 @@ class ReplicaWatch:
             await self._on_dead(death, rec)
         except Exception as e:
             log.warning("request %s: handling the death of its replica failed: %s", rec.request_id, e)
+
+    def _reconnecting(self) -> bool:
+        """Whether this orchestrator reconnected to NATS less than :data:`RECONNECT_GRACE_S` ago
+        (read after each probe: a probe sent during the outage is flushed, and answered, the moment
+        the connection is back)."""
+        if self._nc.stats["reconnects"] != self._reconnects:
+            self._reconnects = self._nc.stats["reconnects"]
+            self._grace_until = time.monotonic() + RECONNECT_GRACE_S
+        return time.monotonic() < self._grace_until
 
     def _incarnation(self, stage: int, replica: int) -> int:
         heard = [

@@ -8,13 +8,19 @@ from services.orchestrator.liveness import DeathReason, verdict
 
 
 def test_no_responders_is_an_exit_at_once() -> None:
-    assert verdict("no_responders", 0.0, 10.0) == DeathReason.EXIT
+    assert verdict("no_responders", 0.0, 10.0, reconnecting=False) == DeathReason.EXIT
 
 
 def test_silence_is_a_stall_only_after_the_stall_timeout() -> None:
-    assert verdict("timeout", 9.9, 10.0) is None
-    assert verdict("timeout", 10.0, 10.0) == DeathReason.STALL
-    assert verdict("ok", 60.0, 10.0) is None
+    assert verdict("timeout", 9.9, 10.0, reconnecting=False) is None
+    assert verdict("timeout", 10.0, 10.0, reconnecting=False) == DeathReason.STALL
+    assert verdict("ok", 60.0, 10.0, reconnecting=False) is None
+
+
+def test_after_a_reconnect_no_responders_is_no_exit_but_silence_still_stalls() -> None:
+    """A broker restart: the worker may not have re-subscribed yet although it lives."""
+    assert verdict("no_responders", 1.0, 10.0, reconnecting=True) is None
+    assert verdict("no_responders", 10.0, 10.0, reconnecting=True) == DeathReason.STALL
 
 
 def _rec(rid: str, route: list[int], done: list[bool]) -> RequestRecord:
