@@ -27,8 +27,9 @@ COMM_LEN = 15
 
 
 class ChildByTitle:
-    """The pid of this process's descendant whose name starts with ``title`` (remembered while
-    that process lives)."""
+    """The pid of this process's nearest descendant whose name starts with ``title`` (remembered
+    while that process lives). Nearest: a process that runs engines of other stacks below it (a
+    test run, a launcher) finds its own engine's processes, a generation above theirs."""
 
     def __init__(self, title: str) -> None:
         self._title = title
@@ -39,13 +40,22 @@ class ChildByTitle:
         if p is not None and p.is_running():
             return p.pid
         self._proc = None
-        for child in psutil.Process().children(recursive=True):
-            try:
-                if child.name().startswith(self._title[:COMM_LEN]):
-                    self._proc = child
-                    return child.pid
-            except psutil.Error:
-                continue
+        level = [psutil.Process()]
+        while level:  # nearest generation first: this process's own engine, not one further down
+            children: list[psutil.Process] = []
+            for parent in level:
+                try:
+                    children += parent.children()
+                except psutil.Error:
+                    continue
+            for child in children:
+                try:
+                    if child.name().startswith(self._title[:COMM_LEN]):
+                        self._proc = child
+                        return child.pid
+                except psutil.Error:
+                    continue
+            level = children
         return MISSING
 
 
