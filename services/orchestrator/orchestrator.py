@@ -372,12 +372,11 @@ class Orchestrator:
         failed = False
 
         def change(rec: RequestRecord) -> bool:
-            nonlocal failed
-            if rec.status.terminal:
-                return False
-            rec.status, rec.error, rec.updated_ns = RequestStatus.FAILED, code, time.time_ns()
-            failed = True
-            return True
+            nonlocal failed  # as of the last try: a retried compare-and-set calls this again
+            failed = not rec.status.terminal
+            if failed:
+                rec.status, rec.error, rec.updated_ns = RequestStatus.FAILED, code, time.time_ns()
+            return failed
 
         await update_record(self.requests, seen.request_id, change)
         if not failed:
