@@ -322,18 +322,17 @@ class Orchestrator:
         )
         await publish_client(self.nc, self.subjects, gateway_id, event)
 
+    async def _end_everywhere(self, rec: RequestRecord, status: int, code: str, message: str) -> None:
+        """A request this instance has just failed: abort it in every worker (reason ``code``)
+        and answer the client."""
+        await self.nc.publish(
+            self.subjects.abort, AbortNotice(request_id=rec.request_id, reason=code).encode()
+        )
+        await self._tell_client(rec.request_id, rec.gateway_id, status, code, message)
+
     async def _expired(self, rec: RequestRecord) -> None:
         """A request past its deadline: abort it in every worker and answer the client."""
-        await self.nc.publish(
-            self.subjects.abort, AbortNotice(request_id=rec.request_id, reason="timeout").encode()
-        )
-        await self._tell_client(
-            rec.request_id,
-            rec.gateway_id,
-            504,
-            "timeout",
-            "the request did not finish before its deadline",
-        )
+        await self._end_everywhere(rec, 504, "timeout", "the request did not finish before its deadline")
 
     # --- dead replicas -----------------------------------------------------------------
     def _evicted(self, death: Death) -> None:
@@ -383,10 +382,7 @@ class Orchestrator:
             return  # ended meanwhile, or another orchestrator failed it
         self._index.forget(seen.request_id)
         log.warning("request %s failed: %s", seen.request_id, message)
-        await self.nc.publish(
-            self.subjects.abort, AbortNotice(request_id=seen.request_id, reason=code).encode()
-        )
-        await self._tell_client(seen.request_id, seen.gateway_id, 503, code, message)
+        await self._end_everywhere(seen, 503, code, message)
 
     # --- lifecycle ---------------------------------------------------------------------
     async def _on_event(self, msg: Msg) -> None:
