@@ -91,6 +91,13 @@ class Admission(_Envelope):
     trace_id: str | None = None
 
 
+class TextDelta(BaseModel):
+    """One text delta of the thinker as the client received it."""
+
+    token_ids: list[int]
+    text: str
+
+
 class TaskKind(StrEnum):
     START = "start"
     """Stage 0: run the whole prompt."""
@@ -101,8 +108,13 @@ class TaskKind(StrEnum):
 class StageTask(_Envelope):
     """Orchestrator or upstream worker → worker (stage, replica) (subject ``stage.<s>.<r>.in``).
 
-    ``route[s]`` is the replica bound to stage ``s`` for this request (sticky). A chunk with
-    ``final`` set is the last one of its request from the sender; it may carry no data.
+    ``route[s]`` is the replica bound to stage ``s`` for this request (sticky until the replica
+    dies and the request moves). A chunk with ``final`` set is the last one of its request from
+    the sender; it may carry no data.
+
+    Attempts: a request's first run in a stage is attempt 1; each move to another replica of the
+    stage (docs/reliability.md) starts the next. ``attempt`` is the receiving stage's attempt this
+    task belongs to, ``from_attempt`` the sender's (1 for the orchestrator).
     """
 
     request_id: str
@@ -118,6 +130,11 @@ class StageTask(_Envelope):
     token_ids: list[int] = Field(default_factory=list)
     text: str = ""
     codes: NdArray | None = None
+    attempt: int = Field(default=1, ge=1)
+    from_attempt: int = Field(default=1, ge=1)
+    resume: list[TextDelta] = Field(default_factory=list)
+    """Stage 0 after a move: the text deltas the client already has, in order; the new attempt
+    goes on after them (its input is the prompt plus their tokens)."""
 
 
 class Usage(BaseModel):
@@ -158,6 +175,9 @@ class ClientEvent(_Envelope):
     status: int = 0
     code: str = ""
     message: str = ""
+    attempt: int = 1
+    """The sending stage's attempt; the gateway drops events of an attempt older than the one it
+    was told of (the request moved on)."""
 
 
 class EdgeSummary(BaseModel):
@@ -196,10 +216,42 @@ class LifecycleEvent(_Envelope):
     edges: list[EdgeSummary] = Field(default_factory=list)
     """Transfers this stage received for the request (``stage_done`` or the last stage's
     ``finished``, with --log-stats)."""
+    attempt: int = 1
+    """The reporting stage's attempt; the record ignores events of an attempt it has moved past."""
+
+
+MOVED = "moved"
+"""``AbortNotice.reason`` of a request that moved to another replica of ``stage``."""
 
 
 class AbortNotice(_Envelope):
-    """Gateway/orchestrator → every worker (subject ``ctl.abort``): stop work on a request."""
+    """Gateway/orchestrator → every worker (subject ``ctl.abort``): stop work on a request.
+
+    With reason :data:`MOVED` only the attempts of ``stage`` older than ``attempt`` stop (the
+    request runs on as ``attempt`` on another replica)."""
 
     request_id: str
     reason: str = "abort"
+    stage: int | None = None
+    attempt: int = 0
+
+
+class ResumeQuery(_Envelope):
+    """Orchestrator → the request's gateway (subject ``ctl.resume.<gateway>``): where does the
+    client's stream of ``stage`` stand? From now on the gateway drops events of that stage's
+    attempts older than ``attempt``."""
+
+    request_id: str
+    stage: int
+    attempt: int
+
+
+class ResumePoint(_Envelope):
+    """The gateway's answer to :class:`ResumeQuery`, taken after the fence was raised."""
+
+    known: bool
+    """False when the gateway no longer holds the request (its client is gone)."""
+    deltas: list[TextDelta] = Field(default_factory=list)
+    """Stage 0's text deltas the gateway has received, in order."""
+    text_done: bool = False
+    """Stage 0's ``text_done`` has arrived: nothing of the thinker is missing."""

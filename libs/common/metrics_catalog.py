@@ -88,6 +88,10 @@ FAMILIES: tuple[Family, ...] = (
            "Requests that failed, by reason (timeout, stage_error, no_live_replica, queue_full, ...).",
            (*PIPELINE, "reason"), Exporter.GATEWAY, spec=False),
     # --- audio (gateway, client-facing edge) ---------------------------------------------------
+    Family("vllm:omni_stale_events_dropped", Kind.COUNTER,
+           "Client events dropped by the gateway because they came from an attempt of the stage the "
+           "request had moved past (a replica that resumed after a stall, or one still sending as it "
+           "died).", ("model_name", "stage"), Exporter.GATEWAY, spec=False),
     Family("vllm:omni_audio_ttfp_s", Kind.HISTOGRAM,
            "Time from HTTP arrival to the first audio bytes written to the client, seconds.",
            AUDIO, Exporter.GATEWAY, SECONDS_BUCKETS),
@@ -165,6 +169,11 @@ FAMILIES: tuple[Family, ...] = (
            "stall: it left its liveness probe unanswered for the stage's stall_timeout_s). Counted once "
            "per replica incarnation across orchestrators.", (*PIPELINE, "stage", "replica", "reason"),
            Exporter.ORCHESTRATOR, spec=False),
+    Family("vllm:omni_requests_migrated", Kind.COUNTER,
+           "Requests moved to another replica of a stage because the one they ran on died, by reason "
+           "(exit, stall) and phase (queued: its engine had not started it; in_progress). Counted by "
+           "the orchestrator that moved the request.",
+           (*PIPELINE, "stage", "from_replica", "to_replica", "reason", "phase"), Exporter.ORCHESTRATOR, spec=False),
     Family("vllm:omni_orchestrator_admissions", Kind.COUNTER,
            "Admissions handled, by outcome (dispatched, no_live_replica, expired).", (*PIPELINE, "outcome"),
            Exporter.ORCHESTRATOR, spec=False),

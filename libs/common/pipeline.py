@@ -100,6 +100,20 @@ class StageConfig(_Strict):
         le=600,
         description="a replica with work that leaves its liveness probe unanswered this long is dead, seconds",
     )
+    migration_limit: int = Field(
+        default=3,
+        ge=0,
+        le=100,
+        description="how many times one request may move to another replica of this stage when the one "
+        "it runs on dies; past it the request fails (503 migration_limit)",
+    )
+    no_replica_wait_s: float = Field(
+        default=2.0,
+        ge=0,
+        le=600,
+        description="how long a request whose replica died waits for a live replica of the stage to move "
+        "to before it fails (503 no_live_replica), seconds",
+    )
 
 
 class PipelineConfig(_Strict):

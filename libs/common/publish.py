@@ -34,6 +34,14 @@ class Hop:
     to_replica: int
 
 
+def task_msg_id(task: StageTask, to_stage: int) -> str:
+    """``Nats-Msg-Id`` of a task: ``<request>.<to_stage>.<seq>``, plus ``.<attempt>`` for the
+    receiving stage's attempts after the first (a moved request's input is new to the stream,
+    while a chunk its upstream sends again is the duplicate the stream drops)."""
+    base = f"{task.request_id}.{to_stage}.{task.seq}"
+    return base if task.attempt == 1 else f"{base}.{task.attempt}"
+
+
 async def publish_task(
     js: JetStreamContext,
     subjects: Subjects,
@@ -56,7 +64,7 @@ async def publish_task(
         h.SEQ: str(task.seq),
         h.FINAL: "true" if task.final else "false",
         h.PAYLOAD_BYTES: str(len(body)),
-        h.MSG_ID: f"{task.request_id}.{hop.to_stage}.{task.seq}",
+        h.MSG_ID: task_msg_id(task, hop.to_stage),
     }
     inject_headers(hdrs, span)
     hdrs[h.TX_START_NS] = str(tx_start)
@@ -86,7 +94,8 @@ async def publish_lifecycle(js: JetStreamContext, subjects: Subjects, event: Lif
         event.encode(),
         headers={
             h.REQUEST_ID: event.request_id,
-            h.MSG_ID: f"{event.request_id}.{event.kind}.{event.stage}",
+            h.MSG_ID: f"{event.request_id}.{event.kind}.{event.stage}"
+            + (f".{event.attempt}" if event.attempt > 1 else ""),
         },
         timeout=PUBLISH_TIMEOUT_S,
     )

@@ -21,10 +21,33 @@ class RequestStatus(StrEnum):
         return self in (RequestStatus.COMPLETED, RequestStatus.FAILED, RequestStatus.ABORTED)
 
 
+class StageAttempt(BaseModel):
+    """One run of a request in a stage: the first, or one after a move to another replica."""
+
+    attempt: int
+    replica: int
+    bound_ns: int
+    """When the request was bound to ``replica`` for this attempt (wall clock, ns)."""
+    reason: str | None = None
+    """Why the previous attempt ended (``exit``, ``stall``); None for the first."""
+    phase: str | None = None
+    """Where the previous attempt was when its replica died: ``queued`` (its engine had not
+    started it) or ``in_progress``; None for the first."""
+    resumed_tokens: int = 0
+    """Stage 0: tokens the client already had, which this attempt went on from."""
+
+
 class StageProgress(BaseModel):
     replica: int
     started_ns: int | None = None
     done_ns: int | None = None
+    attempts: list[StageAttempt] = Field(default_factory=list)
+    """Every attempt of the request in this stage, the current one last."""
+
+    @property
+    def attempt(self) -> int:
+        """The current attempt (1 before any move)."""
+        return self.attempts[-1].attempt if self.attempts else 1
 
 
 class RequestRecord(BaseModel):

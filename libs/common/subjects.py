@@ -98,6 +98,12 @@ class Subjects:
         while its event loop runs; NATS answers "no responders" once its connection is gone."""
         return f"omni.{self.pipeline}.ctl.alive.{stage}.{replica}"
 
+    def resume(self, gateway_id: str) -> str:
+        """Where a request's client stream stands (core NATS request/reply, orchestrator →
+        gateway ``gateway_id``): asked when the request moves to another replica; the question
+        also fences the stage's older attempts out of the client's stream."""
+        return f"omni.{self.pipeline}.ctl.resume.{gateway_id}"
+
     def eviction_key(self, stage: int, replica: int, started_ns: int) -> str:
         """Key in ``omni_evictions`` of one incarnation of worker (stage, replica)."""
         return f"{self.pipeline}.{stage}.{replica}.{started_ns}"

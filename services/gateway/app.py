@@ -67,12 +67,12 @@ def create_app(settings: GatewaySettings, pipeline: PipelineConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         tokenizer = await asyncio.to_thread(Tokenizer, resolve_model(pipeline.stages[0].model))
-        client = PipelineClient(settings, pipeline)
-        await client.start()
-        app.state.client = client
         stat_log = GatewayStatLogger(
             MetricSet(Exporter.GATEWAY, settings.log_stats), pipeline.served_model_name
         )
+        client = PipelineClient(settings, pipeline, stat_log.stale_event)
+        await client.start()
+        app.state.client = client
         app.state.submitter = Submitter(pipeline, client, tokenizer, stat_log)
         freeze_startup_heap()
         try:

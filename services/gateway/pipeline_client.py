@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
@@ -19,8 +19,12 @@ from libs.common.envelopes import (
     AbortNotice,
     Admission,
     ClientEvent,
+    ClientEventType,
     LifecycleEvent,
     MalformedMessage,
+    ResumePoint,
+    ResumeQuery,
+    TextDelta,
     decode,
 )
 from libs.common.jetstream import JetStream
@@ -44,7 +48,13 @@ BACKSTOP_S = 3.0
 
 
 class RequestHandle:
-    """The events of one submitted request, in arrival order, bounded by its deadline."""
+    """The events of one submitted request, in arrival order, bounded by its deadline.
+
+    It also keeps where the client's stream stands — the thinker's text deltas so far and
+    whether its ``text_done`` came — and, per stage, the oldest attempt still let through: when a
+    request moves to another replica the orchestrator asks for that position and raises the
+    fence in one step (:meth:`resume_point`), so the new attempt goes on exactly where the
+    client is and nothing the old one still sends gets through."""
 
     def __init__(self, request_id: str, deadline_ns: int) -> None:
         self.request_id = request_id
@@ -54,12 +64,32 @@ class RequestHandle:
         """The request's first event (stays here after it is taken from the queue)."""
         self.arrived = asyncio.Event()
         """Set with the first event."""
+        self._fence: dict[int, int] = {}
+        """Stage → the oldest attempt whose events are let through."""
+        self._deltas: list[TextDelta] = []
+        self._text_done = False
 
-    def put(self, event: ClientEvent) -> None:
+    def put(self, event: ClientEvent) -> bool:
+        """Take ``event`` unless it comes from a fenced-off attempt (then False)."""
+        if event.stage is not None and event.attempt < self._fence.get(event.stage, 1):
+            return False
+        if event.type == ClientEventType.TEXT:
+            self._deltas.append(TextDelta(token_ids=event.token_ids, text=event.text))
+        elif event.type == ClientEventType.TEXT_DONE:
+            self._text_done = True
         if self.first is None:
             self.first = event
             self.arrived.set()
         self.queue.put_nowait(event)
+        return True
+
+    def resume_point(self, stage: int, attempt: int) -> ResumePoint:
+        """Let only ``attempt`` and later of ``stage`` through from now on, and say where the
+        client's stream stands."""
+        self._fence[stage] = max(self._fence.get(stage, 1), attempt)
+        if stage != 0:
+            return ResumePoint(known=True)
+        return ResumePoint(known=True, deltas=list(self._deltas), text_done=self._text_done)
 
     @property
     def seconds_left(self) -> float:
@@ -87,7 +117,11 @@ def timed_out() -> APIError:
 
 
 class PipelineClient:
-    def __init__(self, settings: GatewaySettings, pipeline: PipelineConfig) -> None:
+    def __init__(
+        self, settings: GatewaySettings, pipeline: PipelineConfig, on_stale: Callable[[int], None]
+    ) -> None:
+        """``on_stale(stage)`` is told of every event dropped as coming from an old attempt."""
+        self._on_stale = on_stale
         self.settings = settings
         self.pipeline = pipeline
         self.subjects = Subjects(pipeline.name)
@@ -105,6 +139,7 @@ class PipelineClient:
             pending_msgs_limit=1_000_000,
             pending_bytes_limit=1 << 30,
         )
+        await self.nc.subscribe(self.subjects.resume(self.gateway_id), cb=self._on_resume)
         skv = await services_kv(self.js)
         self.services = LiveServices(skv, self.pipeline.name)
         await self.services.start()
@@ -139,8 +174,28 @@ class PipelineClient:
             log.error("dropping malformed event on %s: %s", msg.subject, e)
             return
         handle = self._handles.get(event.request_id)
-        if handle is not None:
-            handle.put(event)
+        if handle is not None and not handle.put(event):
+            log.info(
+                "request %s: dropped a %s event of stage %s attempt %d (the request moved on)",
+                event.request_id,
+                event.type.value,
+                event.stage,
+                event.attempt,
+            )
+            self._on_stale(event.stage or 0)
+
+    async def _on_resume(self, msg: Msg) -> None:
+        """Answer an orchestrator moving a request: where its client's stream stands."""
+        try:
+            query = decode(ResumeQuery, msg.data)
+        except MalformedMessage as e:
+            log.error("ignoring malformed resume query: %s", e)
+            return
+        handle = self._handles.get(query.request_id)
+        point = (
+            ResumePoint(known=False) if handle is None else handle.resume_point(query.stage, query.attempt)
+        )
+        await msg.respond(point.encode())
 
     async def submit(self, adm: Admission, trace_headers: dict[str, str]) -> RequestHandle:
         """Queue ``adm`` for the orchestrators; 429 when the admission queue is full, 503 when

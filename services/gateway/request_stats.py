@@ -77,6 +77,11 @@ class GatewayStatLogger:
             self._m["vllm:omni_num_requests_waiting"].labels(self._model).dec()
             self._m["vllm:omni_num_requests_running"].labels(self._model).inc()
 
+    def stale_event(self, stage: int) -> None:
+        """An event of an attempt the request had moved past was dropped."""
+        if self._m.enabled:
+            self._m["vllm:omni_stale_events_dropped"].labels(self._model, str(stage)).inc()
+
     def rejected(self, reason: str) -> None:
         """A request that could not even be queued (queue full, bus down)."""
         if self._m.enabled:

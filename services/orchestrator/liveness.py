@@ -35,7 +35,7 @@ from nats.js.kv import KeyValue
 
 from libs.common.pipeline import PipelineConfig
 from libs.common.records import RequestRecord
-from libs.common.registry import LiveServices, ServiceKind
+from libs.common.registry import LiveServices, ServiceKind, ServiceRecord
 from libs.common.runtime import cancel_and_wait
 from libs.common.subjects import Subjects
 from services.orchestrator.inflight import InflightRequests
@@ -109,6 +109,20 @@ class ReplicaWatch:
         self._grace_until = 0.0
         """No "exit" verdict before this (``time.monotonic()``): see :data:`RECONNECT_GRACE_S`."""
         self._task: asyncio.Task[None] | None = None
+        self._judged: dict[tuple[int, int], int] = {}
+        """(stage, replica) → the incarnation (``started_ns``) judged dead, until it heartbeats
+        again (a replica that resumed after a stall)."""
+        services.on_update(self._on_heartbeat)
+
+    def judged_dead(self, rec: ServiceRecord) -> bool:
+        """Whether this incarnation of a worker was judged dead and has not heartbeat since (its
+        registration lingers for up to the registry's TTL after a ``kill -9``)."""
+        judged = self._judged.get((rec.stage or 0, rec.replica or 0))
+        return judged is not None and rec.started_ns <= judged
+
+    def _on_heartbeat(self, rec: ServiceRecord) -> None:
+        if rec.service == ServiceKind.WORKER:
+            self._judged.pop((rec.stage or 0, rec.replica or 0), None)
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="replica-watch")
@@ -157,6 +171,7 @@ class ReplicaWatch:
         if reason is None:
             return
         death = Death(stage, replica, self._incarnation(stage, replica), reason, silent_s)
+        self._judged[(stage, replica)] = max(death.started_ns, self._judged.get((stage, replica), 0))
         if await self._claim(death):
             self._on_eviction(death)
         await asyncio.gather(*(self._handle(death, rec) for rec in self._inflight.bound_to(stage, replica)))

@@ -13,9 +13,13 @@ import logging
 import time
 
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import RawStreamMsg
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
-from opentelemetry.trace import SpanKind
+from opentelemetry import trace
+from opentelemetry.trace import Link, SpanKind
 
 from libs.common import headers as h
 from libs.common.bus import (
@@ -29,12 +33,15 @@ from libs.common.bus import (
 )
 from libs.common.consumer import Handler, PullConsumer
 from libs.common.envelopes import (
+    MOVED,
     AbortNotice,
     Admission,
     ClientEvent,
     ClientEventType,
     LifecycleEvent,
     MalformedMessage,
+    ResumePoint,
+    ResumeQuery,
     StageTask,
     TaskKind,
     decode,
@@ -44,7 +51,7 @@ from libs.common.metrics_catalog import Exporter, MetricSet
 from libs.common.metrics_server import start_metrics_server
 from libs.common.pipeline import PipelineConfig
 from libs.common.publish import Hop, publish_client, publish_task
-from libs.common.records import RequestRecord, RequestStatus, StageProgress
+from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
 from libs.common.registry import Heartbeat, LiveServices, ServiceKind, ServiceRecord
 from libs.common.runtime import freeze_startup_heap
 from libs.common.settings import OrchestratorSettings
@@ -58,6 +65,7 @@ from libs.common.version import VERSION
 from services.orchestrator.deadlines import DeadlineSweeper
 from services.orchestrator.inflight import InflightRequests
 from services.orchestrator.liveness import Death, DeathReason, ReplicaWatch
+from services.orchestrator.migration import Move, NoMove, Phase, apply_move, plan_move, stored_inputs
 from services.orchestrator.routing import NoLiveReplica, ReplicaPicker
 from services.orchestrator.summary import PipelineTally, format_summary, ready_to_summarize
 
@@ -80,6 +88,10 @@ the worker and its engine take the task first on a busy front-end core (A/B at c
 a side: TTFT p50 -0.2 to -0.5 ms together with the gateway's stream start on ``started``)."""
 MAX_CONCURRENT_EVENTS = 16
 """Lifecycle events one orchestrator works on at once (updates of one record are compare-and-set)."""
+NO_REPLICA_POLL_S = 0.2
+"""How often a request waiting for a live replica to move to looks again, seconds."""
+RESUME_TIMEOUT_S = 2.0
+"""How long a move waits for the request's gateway to say where the client's stream stands, seconds."""
 HEALTH_PERIOD_S = 2.0
 LOOP_LAG_PERIOD_S = 0.25
 
@@ -95,6 +107,8 @@ class Orchestrator:
         self.metrics = MetricSet(Exporter.ORCHESTRATOR, settings.log_stats)
         self._tally = PipelineTally()
         self.model = pipeline.served_model_name
+        self._moving: set[str] = set()
+        """Requests this instance is moving or failing after their replica's death."""
 
     async def start(self) -> None:
         self.nc = await connect(self.settings.nats_url, "omnirelay-orchestrator")
@@ -103,7 +117,7 @@ class Orchestrator:
         self.requests: KeyValue = await requests_kv(self.js)
         skv = await services_kv(self.js)
         self.services = LiveServices(skv, self.pipeline.name)
-        self.picker = ReplicaPicker(self.services)
+        self.picker = ReplicaPicker(self.services, lambda rec: self._watch.judged_dead(rec))
         await self.services.start()
         await asyncio.wait_for(self.services.ready.wait(), timeout=10)
         self._index = InflightRequests(self.requests, self.pipeline.name)
@@ -262,7 +276,10 @@ class Orchestrator:
             gateway_id=adm.gateway_id,
             status=RequestStatus.ADMITTED,
             route=route,
-            stages=[StageProgress(replica=r) for r in route],
+            stages=[
+                StageProgress(replica=r, attempts=[StageAttempt(attempt=1, replica=r, bound_ns=now)])
+                for r in route
+            ],
             attempt=attempt,
             trace_id=adm.trace_id,
             arrival_ns=adm.arrival_ns,
@@ -354,20 +371,169 @@ class Orchestrator:
             ).inc()
 
     async def _replica_died(self, death: Death, seen: RequestRecord) -> None:
-        """A request bound to a dead replica, queued there or in progress: it fails now, with
-        ``replica_lost`` (``no_live_replica`` when the stage has no other live replica), never by
-        waiting for its deadline or for the replica's restart. Moving it to a live replica of the
-        stage instead is the next step (docs/reliability.md)."""
+        """A request bound to a dead replica, queued there or in progress: it moves to a live
+        replica of the stage (:meth:`_move`), or fails now — ``no_live_replica`` when the stage
+        has none for its ``no_replica_wait_s``, ``migration_limit`` past its ``migration_limit``
+        — never by waiting for its deadline or for the replica's restart. Later stages (talker,
+        code2wav) fail with ``replica_lost`` until their moves are built (docs/reliability.md)."""
+        rid = seen.request_id
+        if rid in self._moving:  # the watch hands it over again every probe period meanwhile
+            return
+        self._moving.add(rid)
+        try:
+            await self._move_or_fail(death, seen)
+        finally:
+            self._moving.discard(rid)
+
+    async def _move_or_fail(self, death: Death, seen: RequestRecord) -> None:
         s, stage = death.stage, self.pipeline.stages[death.stage]
-        others = [r for r in self.services.live(ServiceKind.WORKER, s) if r.replica != death.replica]
         where = f"stage {s} ({stage.name}) replica {death.replica}"
-        if others:
-            code, message = "replica_lost", f"{where}, which had the request, died ({death.reason})"
-        else:
-            code, message = (
-                "no_live_replica",
-                f"{where} died ({death.reason}) and the stage has no live replica",
+        if s != 0:
+            await self._fail(seen, "replica_lost", f"{where}, which had the request, died ({death.reason})")
+            return
+        target = await self._live_replica(death, stage.no_replica_wait_s)
+        if target is None:
+            message = (
+                f"{where} died ({death.reason}) and the stage has no live replica to move the request to"
             )
+            await self._fail(seen, "no_live_replica", message)
+            return
+        subject = self.subjects.stage_in(s, death.replica)
+        inputs = await stored_inputs(self.js, self.subjects.stages_stream, subject, seen.request_id)
+        if not inputs:
+            return  # the replica had handled its input: the stage's own events end it
+        decision: Move | NoMove | None = None
+
+        def change(rec: RequestRecord) -> bool:
+            nonlocal decision  # as of the last try: a retried compare-and-set calls this again
+            decision = plan_move(rec, s, death.replica, target, death.reason.value, stage.migration_limit)
+            if isinstance(decision, Move):
+                apply_move(rec, decision, time.time_ns())
+            elif decision == NoMove.LIMIT:
+                rec.status, rec.error, rec.updated_ns = (
+                    RequestStatus.FAILED,
+                    "migration_limit",
+                    time.time_ns(),
+                )
+            return decision == NoMove.LIMIT or isinstance(decision, Move)
+
+        await update_record(self.requests, seen.request_id, change)
+        if decision == NoMove.LIMIT:
+            self._index.forget(seen.request_id)
+            message = f"{where} died ({death.reason}); the request had moved {stage.migration_limit} time(s) in this stage already (migration_limit)"
+            log.warning("request %s failed: %s", seen.request_id, message)
+            await self._end_everywhere(seen, 503, "migration_limit", message)
+        elif isinstance(decision, Move):
+            await self._move(decision, seen, inputs)
+
+    async def _live_replica(self, death: Death, wait_s: float) -> int | None:
+        """A live replica of the dead one's stage (the least loaded), waiting up to ``wait_s`` for
+        one to appear; None when none did."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self.picker.pick(death.stage)
+            except NoLiveReplica:
+                if time.monotonic() >= deadline:
+                    return None
+            await asyncio.sleep(NO_REPLICA_POLL_S)
+
+    async def _move(self, move: Move, seen: RequestRecord, inputs: list[RawStreamMsg]) -> None:
+        """Carry out ``move`` of stage 0: fence the old attempt off (its worker and the client's
+        stream), learn where the client's stream stands, and send the new attempt its task — the
+        stored one, going on after what the client has — then drop the stored original."""
+        rid = move.request_id
+        old = decode(StageTask, inputs[0].data)
+        await self.nc.publish(
+            self.subjects.abort,
+            AbortNotice(request_id=rid, reason=MOVED, stage=move.stage, attempt=move.attempt).encode(),
+        )
+        try:
+            reply = await self.nc.request(
+                self.subjects.resume(seen.gateway_id),
+                ResumeQuery(request_id=rid, stage=move.stage, attempt=move.attempt).encode(),
+                timeout=RESUME_TIMEOUT_S,
+            )
+            point = decode(ResumePoint, reply.data)
+        except (NoRespondersError, NatsTimeoutError) as e:
+            await self._fail(
+                seen, "replica_lost", f"the request's gateway did not answer ({type(e).__name__})"
+            )
+            return
+        if not point.known:
+            log.info("request %s: its gateway no longer holds it; not moved", rid)
+            return
+        resumed = sum(len(d.token_ids) for d in point.deltas)
+        phase = Phase.IN_PROGRESS if resumed or move.phase == Phase.IN_PROGRESS else Phase.QUEUED
+        route = [*old.route]
+        route[move.stage] = move.to_replica
+        task = old.model_copy(update={"route": route, "attempt": move.attempt, "resume": point.deltas})
+        parent = context_from_headers(inputs[0].headers)
+        span = start_span(
+            "omni.migrate",
+            parent,
+            SpanKind.PRODUCER,
+            {
+                "omnirelay.request_id": rid,
+                "omnirelay.stage": move.stage,
+                "omnirelay.from_replica": move.from_replica,
+                "omnirelay.to_replica": move.to_replica,
+                "omnirelay.attempt": move.attempt,
+            },
+            links=[Link(trace.get_current_span(parent).get_span_context(), {"omnirelay.link": "moved_from"})]
+            if parent is not None
+            else None,
+        )
+        span.add_event(
+            "request.moved",
+            {
+                "omnirelay.reason": move.reason,
+                "omnirelay.phase": phase.value,
+                "omnirelay.resumed_tokens": resumed,
+            },
+        )
+        hop = Hop(h.FROM_ORCHESTRATOR, h.FROM_ORCHESTRATOR, move.stage, move.to_replica)
+        try:
+            await publish_task(self.js, self.subjects, task, hop, span)
+        finally:
+            span.end()
+        for msg in inputs:
+            with contextlib.suppress(Exception):
+                await self.js.delete_msg(self.subjects.stages_stream, msg.seq)
+
+        def note(rec: RequestRecord) -> bool:
+            attempts = rec.stages[move.stage].attempts
+            if not attempts or attempts[-1].attempt != move.attempt:
+                return False
+            attempts[-1].phase, attempts[-1].resumed_tokens = phase.value, resumed
+            return True
+
+        with contextlib.suppress(Exception):
+            await update_record(self.requests, rid, note)
+        log.warning(
+            "request %s moved: stage %d replica %d -> %d (attempt %d, %s, %s, the client had %d token(s))",
+            rid,
+            move.stage,
+            move.from_replica,
+            move.to_replica,
+            move.attempt,
+            move.reason,
+            phase.value,
+            resumed,
+        )
+        if self.metrics.enabled:
+            self.metrics["vllm:omni_requests_migrated"].labels(
+                self.model,
+                str(move.stage),
+                str(move.from_replica),
+                str(move.to_replica),
+                move.reason,
+                phase.value,
+            ).inc()
+
+    async def _fail(self, seen: RequestRecord, code: str, message: str) -> None:
+        """Fail a request now (503 ``code``) unless it has ended meanwhile or another orchestrator
+        failed it: mark its record, abort it everywhere and answer the client."""
         failed = False
 
         def change(rec: RequestRecord) -> bool:
@@ -379,7 +545,7 @@ class Orchestrator:
 
         await update_record(self.requests, seen.request_id, change)
         if not failed:
-            return  # ended meanwhile, or another orchestrator failed it
+            return
         self._index.forget(seen.request_id)
         log.warning("request %s failed: %s", seen.request_id, message)
         await self._end_everywhere(seen, 503, code, message)
@@ -411,9 +577,18 @@ class Orchestrator:
 def apply_event(rec: RequestRecord, ev: LifecycleEvent) -> None:
     """Fold a lifecycle event into a record.
 
-    A terminal status is final: late events of a finished request only fill in timestamps.
+    A terminal status is final: late events of a finished request only fill in timestamps. An
+    attempt the stage has moved past (a replica that resumed after a stall) neither starts nor
+    fails it; its ending events still count (it may have finished the stage before the move).
     """
     s = ev.stage
+    if (
+        s is not None
+        and 0 <= s < len(rec.stages)
+        and ev.attempt < rec.stages[s].attempt
+        and ev.kind in ("started", "failed")
+    ):
+        return
     started_ns = ev.ts_ns if ev.kind == "started" else ev.started_ns
     if s is not None and 0 <= s < len(rec.stages):
         if started_ns is not None and rec.stages[s].started_ns is None:

@@ -8,6 +8,7 @@ replica). Ties go to the replica bound least recently.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 from libs.common.bus import LIMITS
 from libs.common.registry import LiveServices, ServiceKind, ServiceRecord
@@ -31,8 +32,12 @@ class NoLiveReplica(Exception):
 
 
 class ReplicaPicker:
-    def __init__(self, services: LiveServices) -> None:
+    def __init__(
+        self, services: LiveServices, dead: Callable[[ServiceRecord], bool] = lambda _: False
+    ) -> None:
+        """``dead(record)``: whether that incarnation of a replica has been judged dead."""
         self._services = services
+        self._dead = dead
         self._since_beat: dict[tuple[int, int], int] = {}
         self._last_pick: dict[tuple[int, int], int] = {}
         self._clock = itertools.count()
@@ -43,8 +48,9 @@ class ReplicaPicker:
             self._since_beat[(rec.stage, rec.replica)] = 0
 
     def pick(self, stage: int) -> int:
-        """Bind a replica of ``stage`` (raises :class:`NoLiveReplica`)."""
-        live = self._services.live(ServiceKind.WORKER, stage)
+        """Bind a replica of ``stage`` (raises :class:`NoLiveReplica`); a replica judged dead
+        whose registration has not expired yet is passed over."""
+        live = [rec for rec in self._services.live(ServiceKind.WORKER, stage) if not self._dead(rec)]
         if not live:
             heard = self._services.last_heard(ServiceKind.WORKER, stage)
             raise NoLiveReplica(stage, {rec.replica: age for rec, age in heard if rec.replica is not None})

@@ -74,6 +74,11 @@ class RequestContext:
         return self.first.request_id
 
     @property
+    def attempt(self) -> int:
+        """This stage's attempt at the request (1 unless it moved here from a dead replica)."""
+        return self.first.attempt
+
+    @property
     def is_last_stage(self) -> bool:
         """True when this stage is the last one the request runs through."""
         return self.me.stage == len(self.first.route) - 1
@@ -137,6 +142,7 @@ class RequestContext:
             kind=TaskKind.CHUNK,
             seq=self._out_seq,
             final=final,
+            from_attempt=self.attempt,
             **payload,
         )
         self._out_seq += 1
@@ -157,6 +163,7 @@ class RequestContext:
         """Send a client-visible event to the request's gateway, stamped with stage and replica."""
         self._check_aborted()
         event.stage, event.replica, event.seq = self.me.stage, self.me.replica, self._client_seq
+        event.attempt = self.attempt
         self._client_seq += 1
         await publish_client(self.bus.nc, self.bus.subjects, self.first.gateway_id, event)
 
@@ -215,6 +222,7 @@ class RequestContext:
             "ts_ns": ts_ns,
             "stage": self.me.stage,
             "replica": self.me.replica,
+            "attempt": self.attempt,
         }
 
     def _send(self, event: LifecycleEvent) -> None:

@@ -28,6 +28,7 @@ from libs.common.bus import (
 )
 from libs.common.consumer import PullConsumer
 from libs.common.envelopes import (
+    MOVED,
     AbortNotice,
     ClientEvent,
     ClientEventType,
@@ -84,7 +85,8 @@ class StageWorker:
         self.transfers = TransferStatLogger(self.metrics, pipeline.served_model_name)
         self._labels = (pipeline.served_model_name, str(settings.stage), str(settings.replica))
         self.active: dict[str, tuple[RequestContext, asyncio.Task[None]]] = {}
-        self._closed: dict[str, float] = {}
+        self._closed: dict[str, tuple[float, int]] = {}
+        """Request id → (when it ended here, monotonic s; the latest attempt that ended)."""
         self._backlog: deque[Delivery] = deque()
         self.bus: Bus | None = None
         self._heartbeat: Heartbeat | None = None
@@ -195,7 +197,7 @@ class StageWorker:
                 await msg.term()
             return
         rid = task.request_id
-        if rid in self._closed:
+        if self._is_closed(task):
             log.debug("%s: dropping late message for closed request %s", self.label, rid)
             await msg.ack()
             return
@@ -206,9 +208,18 @@ class StageWorker:
             return
         await self._accept(delivery)
 
+    def _is_closed(self, task: StageTask) -> bool:
+        """Whether ``task`` belongs to an attempt of its request that has ended here (a later
+        attempt, moved back to this replica, is new work)."""
+        closed = self._closed.get(task.request_id)
+        return closed is not None and task.attempt <= closed[1]
+
     async def _accept(self, d: Delivery) -> None:
         msg, task = d.msg, d.task
         rid = task.request_id
+        if self._is_closed(task):  # it waited in the backlog while its request ended or moved
+            await msg.ack()
+            return
         entry = self.active.get(rid)
         if entry is None:
             ctx = RequestContext(self.me, self.bus, task, span=self._request_span(msg, task))
@@ -296,7 +307,7 @@ class StageWorker:
             self.active.pop(rid, None)
             if self._heartbeat:
                 self._heartbeat.load_dropped()
-            self._close(rid)
+            self._close(rid, ctx.attempt)
             await self._ack_all(ctx)
             await self._admit_backlog()
 
@@ -324,11 +335,12 @@ class StageWorker:
             with contextlib.suppress(Exception):
                 await d.msg.ack()
 
-    def _close(self, rid: str) -> None:
+    def _close(self, rid: str, attempt: int) -> None:
+        """Remember that ``attempt`` (and older) of request ``rid`` ended here."""
         now = time.monotonic()
-        self._closed[rid] = now
+        self._closed[rid] = (now, max(attempt, self._closed.get(rid, (now, 0))[1]))
         if len(self._closed) > 10_000:
-            self._closed = {k: t for k, t in self._closed.items() if now - t < CLOSED_TTL_S}
+            self._closed = {k: v for k, v in self._closed.items() if now - v[0] < CLOSED_TTL_S}
 
     async def _keep_alive_loop(self) -> None:
         """In-progress acks for every message held by an active request."""
@@ -375,7 +387,21 @@ class StageWorker:
             log.warning("%s: ignoring malformed abort notice: %s", self.label, e)
             return
         entry = self.active.get(notice.request_id)
-        self._close(notice.request_id)
+        if notice.reason == MOVED:
+            # The request runs on as ``notice.attempt`` of ``notice.stage`` elsewhere: stop an
+            # older attempt of it here (a replica that resumed after a stall, or that the
+            # request was queued on), and drop its input if it arrives or waits in the backlog.
+            if notice.stage != self.me.stage:
+                return
+            self._close(notice.request_id, notice.attempt - 1)
+            if entry is not None and entry[0].attempt < notice.attempt:
+                log.info(
+                    "%s: request %s moved to another replica; stopping it here", self.label, notice.request_id
+                )
+                entry[0].abort(notice.reason)
+                entry[1].cancel()
+            return
+        self._close(notice.request_id, entry[0].attempt if entry else 1 << 30)
         if entry is not None:
             entry[0].abort(notice.reason)
             entry[1].cancel()

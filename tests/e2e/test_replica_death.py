@@ -1,21 +1,24 @@
-"""A thinker replica killed with SIGKILL while it streams: the orchestrator notices within a probe
-period, the streams it held end at once with a clear error (not at their deadline, not at its
-restart), the streams on the other replica complete in full, and the eviction is counted once."""
+"""A thinker replica killed (SIGKILL) or stopped (SIGSTOP) while it streams: the orchestrator
+notices, the streams it held move to the other replica and go on where each client's stream stands
+— every stream completes with exactly ``max_tokens`` tokens, none missing or repeated — and the
+eviction and the moves are counted."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import nats
 import openai
 import pytest
+from nats.js.errors import KeyNotFoundError
 from openai import AsyncOpenAI
 
 from libs.common.bus import requests_kv
@@ -26,12 +29,15 @@ from tests.procs import gone, worker_pid
 pytestmark = pytest.mark.e2e
 
 STREAMS, MAX_TOKENS = 6, 1900
-FAILED_WITHIN_S = 3.0
-"""How soon after the kill the orchestrator must have failed a request bound to the dead replica
-(its record's update time, wall clock), seconds."""
-CLIENT_LAG_S = 8.0
-"""How much later than the orchestrator's verdict the client may read the error: the test's own
-client reads six streams of ~1000 chunks a second on a two-core box and runs behind the server."""
+PROMPT = "Tell me everything."
+MIDWAY_TOKENS = 100
+"""A stream is cut mid-way when the client has at least this many of its tokens."""
+MOVED_WITHIN_S = 2.0
+"""The longest pause a moved stream may show its client beyond the fault's own (issue 10's target
+for a kill), seconds."""
+CLIENT_LAG_S = 3.0
+"""How far the test's own client may run behind the server when a stall strikes (it reads six
+streams on a two-core box), seconds: its pause is that much shorter than the stall."""
 
 
 @dataclass
@@ -39,35 +45,60 @@ class Seen:
     """What one client saw of its stream (``time.monotonic()`` readings)."""
 
     id: str = ""
-    chunks: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    at: list[float] = field(default_factory=list)
+    """When each chunk with tokens arrived."""
     tokens: int | None = None
+    finish_reason: str | None = None
     error: openai.APIError | None = None
-    error_at: float = 0.0
 
 
 async def _stream(client: AsyncOpenAI, model: str, seen: Seen) -> None:
     try:
         stream = await client.chat.completions.create(
             model=model,
-            messages=[{"role": "user", "content": "Tell me everything."}],
+            messages=[{"role": "user", "content": PROMPT}],
             max_tokens=MAX_TOKENS,
+            temperature=0,
             stream=True,
             stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
+            extra_body={"ignore_eos": True, "return_token_ids": True},
         )
         async for chunk in stream:
             seen.id = chunk.id
-            if chunk.choices and chunk.choices[0].delta.content:
-                seen.chunks += 1
+            if chunk.choices:
+                ids = (chunk.choices[0].model_extra or {}).get("token_ids") or []
+                if ids:
+                    seen.token_ids += ids
+                    seen.at.append(time.monotonic())
+                seen.finish_reason = chunk.choices[0].finish_reason or seen.finish_reason
             if chunk.usage is not None:
                 seen.tokens = chunk.usage.completion_tokens
     except openai.APIError as e:
-        seen.error, seen.error_at = e, time.monotonic()
+        seen.error = e
+
+
+async def _reference(stack, pipeline) -> list[int]:
+    """The tokens of the same request without a fault (greedy)."""
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as http:
+        r = await http.post(
+            "/v1/chat/completions",
+            json={
+                "model": pipeline.served_model_name,
+                "messages": [{"role": "user", "content": PROMPT}],
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+        )
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
 
 
 async def _streams_and_victim(stack, pipeline):
-    """Start ``STREAMS`` streams; as soon as at least two run in stage 0, pick the replica with the
-    most of them. Returns (client, what each client saw, their tasks, the victim replica)."""
+    """Start ``STREAMS`` streams; as soon as at least two run in stage 0 and have
+    ``MIDWAY_TOKENS`` tokens at the client, pick the replica with the most running streams. Returns (client, what each client saw, their tasks, the victim replica)."""
     client = AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
     seen = [Seen() for _ in range(STREAMS)]
     tasks = [asyncio.create_task(_stream(client, pipeline.served_model_name, s)) for s in seen]
@@ -76,9 +107,13 @@ async def _streams_and_victim(stack, pipeline):
         kv = await requests_kv(nc.jetstream())
         running: dict[str, int] = {}
         for _ in range(600):
-            recs = [json.loads((await kv.get(s.id)).value) for s in seen if s.id]
+            recs = []
+            for s in seen:
+                with contextlib.suppress(KeyNotFoundError):  # the record follows the stream's start
+                    recs += [json.loads((await kv.get(s.id)).value)] if s.id else []
             running = {r["request_id"]: r["route"][0] for r in recs if not r["stages"][0]["done_ns"]}
-            if len(running) >= 2:
+            midway = [s for s in seen if s.id in running and len(s.token_ids) >= MIDWAY_TOKENS]
+            if len(midway) >= 2:
                 break
             await asyncio.sleep(0.05)
     finally:
@@ -88,47 +123,56 @@ async def _streams_and_victim(stack, pipeline):
     return client, seen, tasks, max(set(running.values()), key=list(running.values()).count)
 
 
-async def _outcomes(
-    stack, seen: list[Seen], victim: int, fault_s: float, fault_ns: int, low_s: float, high_s: float
-) -> dict[str, float]:
-    """Check every stream's end against the fault of replica ``victim`` at ``fault_s`` (monotonic)
-    / ``fault_ns`` (wall). A stream bound to the victim either got ``replica_lost`` — its record
-    failed between ``low_s`` and ``high_s`` after the fault — or finished in full before the fault;
-    every other stream completed in full. Returns the streams the fault cut: id → seconds from the
-    fault to their failure (a stream cut before its first chunk has no id: keyed by position)."""
-    lost: dict[str, float] = {}
-    for i, s in enumerate(seen):
-        if s.error is not None:
-            assert s.error.code == "replica_lost", (s.id, s.error)
-            assert s.error_at - fault_s <= high_s + CLIENT_LAG_S, f"client error {s.error_at - fault_s:.2f} s"
-            failed_s = high_s
-            if s.id:
-                rec = await request_record(stack.nats_url, s.id)
-                assert rec["route"][0] == victim
-                assert rec["status"] == "failed" and rec["error"] == "replica_lost"
-                failed_s = (rec["updated_ns"] - fault_ns) / 1e9
-                assert low_s < failed_s <= high_s, f"failed {failed_s:.2f} s after the fault"
-            lost[s.id or f"#{i}"] = failed_s
-        else:
-            # On the live replica, or finished on the victim just before the fault (its
-            # stage_done event still on its way): complete, nothing missing.
-            assert s.tokens == MAX_TOKENS and s.chunks > 0, (s.id, s.tokens)
-    assert lost, "no stream was cut by the fault"
-    return lost
+async def _moved(stack, seen: list[Seen], victim: int, reason: str, reference: list[int]) -> dict[str, dict]:
+    """Check that every stream completed in full, and that those the fault hit moved once, off
+    ``victim``, for ``reason``. Returns the moved streams' records by request id."""
+    moved: dict[str, dict] = {}
+    same = 0
+    for s in seen:
+        assert s.error is None, (s.id, s.error)
+        assert s.tokens == MAX_TOKENS, (s.id, s.tokens)
+        assert len(s.token_ids) == MAX_TOKENS, (s.id, len(s.token_ids))
+        assert s.finish_reason == "length", (s.id, s.finish_reason)
+        same += s.token_ids == reference
+        for _ in range(50):  # the record hears of the end a little after the client
+            rec = await request_record(stack.nats_url, s.id)
+            if rec["status"] != "running":
+                break
+            await asyncio.sleep(0.1)
+        assert rec["status"] == "completed", rec
+        attempts = rec["stages"][0]["attempts"]
+        if len(attempts) > 1:
+            first, second = attempts
+            assert first["replica"] == victim and second["replica"] != victim, attempts
+            assert second["attempt"] == 2 and second["reason"] == reason, attempts
+            assert second["phase"] in ("queued", "in_progress"), attempts
+            moved[s.id] = rec
+    assert moved, "no stream was moved by the fault"
+    print(f"{same}/{len(seen)} streams produced exactly the fault-free greedy tokens")
+    return moved
 
 
-async def test_streams_on_a_killed_replica_fail_fast_and_the_others_complete(stack, pipeline) -> None:
+def _longest_pause(seen: list[Seen], moved: dict[str, dict]) -> float:
+    """The longest pause between two tokens of a moved stream, as the client read them, seconds
+    (the fault's pause, shortened by what the client had still to read when it struck)."""
+    return max(
+        (b - a for s in seen if s.id in moved for a, b in zip(s.at, s.at[1:], strict=False)), default=0.0
+    )
+
+
+async def test_streams_on_a_killed_replica_move_and_complete(stack, pipeline) -> None:
     services = (await snapshot(stack.nats_url, pipeline))["services"]
     incarnations = {s["key"]: s["started_ns"] for s in services}
     (orchestrator,) = [s["metrics_url"] for s in services if s["service"] == "orchestrator"]
     (gateway,) = [s["metrics_url"] for s in services if s["service"] == "gateway"]
+    reference = await _reference(stack, pipeline)
     before_o, before_g = scrape(orchestrator), scrape(gateway)
 
     client, seen, tasks, victim = await _streams_and_victim(stack, pipeline)
     try:
         pid = worker_pid(stack.proc.pid, 0, victim)
         os.kill(pid, signal.SIGKILL)
-        killed, killed_ns = time.monotonic(), time.time_ns()
+        killed = time.monotonic()
         for _ in range(50):
             if gone(pid):
                 break
@@ -137,27 +181,35 @@ async def test_streams_on_a_killed_replica_fail_fast_and_the_others_complete(sta
 
         await asyncio.wait_for(asyncio.gather(*tasks), 180)
         await client.close()
-        lost = await _outcomes(stack, seen, victim, killed, killed_ns, 0.0, FAILED_WITHIN_S)
-        lag = max(s.error_at - killed for s in seen if s.error is not None)
+        moved = await _moved(stack, seen, victim, "exit", reference)
+        waited = _resumed_within(seen, moved, killed)
         print(
-            f"{len(lost)} stream(s) on replica {victim}: failed {max(lost.values()):.2f} s after the kill, "
-            f"the client read replica_lost {lag:.2f} s after it"
+            f"{len(moved)} stream(s) moved off replica {victim}; the client's next token {waited:.2f} s after the kill"
         )
-
+        assert waited <= MOVED_WITHIN_S + CLIENT_LAG_S, waited
         after_o, after_g = scrape(orchestrator), scrape(gateway)
-        assert (
-            delta(
-                before_o,
-                after_o,
-                "vllm:omni_replica_evictions_total",
-                stage="0",
-                replica=str(victim),
-                reason="exit",
-            )
-            == 1
+        evictions = delta(
+            before_o,
+            after_o,
+            "vllm:omni_replica_evictions_total",
+            stage="0",
+            replica=str(victim),
+            reason="exit",
         )
-        assert delta(before_g, after_g, "vllm:omni_requests_failed_total", reason="replica_lost") == len(lost)
-        assert delta(before_g, after_g, "vllm:omni_requests_success_total", finished_reason="abort") == 0
+        assert evictions == 1
+        migrated = delta(
+            before_o,
+            after_o,
+            "vllm:omni_requests_migrated_total",
+            stage="0",
+            from_replica=str(victim),
+            reason="exit",
+        )
+        assert migrated == len(moved)
+        assert (
+            delta(before_g, after_g, "vllm:omni_requests_success_total", finished_reason="length") == STREAMS
+        )
+        assert delta(before_g, after_g, "vllm:omni_requests_failed_total") == 0
     finally:
         # Leave the stack whole for the tests after this one: wait for the launcher's replacement
         # (a new incarnation in the registry), not for /health alone, which still counts the dead
@@ -179,18 +231,20 @@ def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
-async def test_streams_on_a_stopped_replica_fail_after_the_stall_timeout(stack, pipeline) -> None:
-    """SIGSTOP: the process lives and holds its connection, but answers nothing. Its streams fail
-    ``stall_timeout_s`` later; after SIGCONT it stops the work it no longer owns."""
+async def test_streams_on_a_stopped_replica_move_after_the_stall_timeout(stack, pipeline) -> None:
+    """SIGSTOP: the process lives and holds its connection, but answers nothing. Its streams move
+    ``stall_timeout_s`` later and complete in full; after SIGCONT it stops the work it no longer
+    owns, and nothing it still sends reaches a client."""
     stall_s = pipeline.stages[0].stall_timeout_s
     services = (await snapshot(stack.nats_url, pipeline))["services"]
     (orchestrator,) = [s["metrics_url"] for s in services if s["service"] == "orchestrator"]
+    reference = await _reference(stack, pipeline)
     before = scrape(orchestrator)
 
     client, seen, tasks, victim = await _streams_and_victim(stack, pipeline)
     pid = worker_pid(stack.proc.pid, 0, victim)
     os.kill(pid, signal.SIGSTOP)
-    stopped, stopped_ns = time.monotonic(), time.time_ns()
+    stopped = time.monotonic()
     try:
         for _ in range(50):
             if _state(pid) == "T":
@@ -202,10 +256,12 @@ async def test_streams_on_a_stopped_replica_fail_after_the_stall_timeout(stack, 
         os.kill(pid, signal.SIGCONT)
         resumed_ns = time.time_ns()
     await client.close()
-    lost = await _outcomes(stack, seen, victim, stopped, stopped_ns, stall_s - 1.0, stall_s + 2.0)
+    moved = await _moved(stack, seen, victim, "stall", reference)
+    waited = _resumed_within(seen, moved, stopped)
     print(
-        f"{len(lost)} stream(s) on stopped replica {victim}: failed {max(lost.values()):.2f} s after SIGSTOP"
+        f"{len(moved)} stream(s) moved off stopped replica {victim}; next token {waited:.2f} s after SIGSTOP"
     )
+    assert stall_s - 1.0 < waited <= stall_s + 2.0 + CLIENT_LAG_S, waited
     after = scrape(orchestrator)
     assert (
         delta(
@@ -213,9 +269,17 @@ async def test_streams_on_a_stopped_replica_fail_after_the_stall_timeout(stack, 
         )
         == 1
     )
-    # Resumed, the worker reads the aborts that waited for it (the orchestrator's and the
-    # gateway's) and stops the requests it lost, or finishes one whose tokens its engine had made
-    # meanwhile (the gateway has closed those streams): either way it is idle again, soon.
+    assert delta(
+        before,
+        after,
+        "vllm:omni_requests_migrated_total",
+        stage="0",
+        from_replica=str(victim),
+        reason="stall",
+    ) == len(moved)
+    # Resumed, the worker reads the notices that waited for it and stops the requests that moved
+    # (or finishes one whose tokens its engine had made meanwhile: the gateway drops what it
+    # sends): either way it is idle again, soon.
     key = f"worker.{pipeline.name}.0.{victim}"
     for _ in range(60):
         rec = {s["key"]: s for s in (await snapshot(stack.nats_url, pipeline))["services"]}.get(key)

@@ -4,12 +4,17 @@ for audio requests, forwarded to the next stage in chunks."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from libs.common.envelopes import ClientEvent, ClientEventType, Usage
 from services.stage_worker.chunking import TextChunker
 from services.stage_worker.handlers.llm import LLMHandler
 from services.stage_worker.llm_engine import LLMEngineSpec
 from services.stage_worker.request_context import RequestContext
+
+if TYPE_CHECKING:
+    from vllm.outputs import RequestOutput
 
 STARTED_DELAY_S = 0.001
 """How long after handing a request to vLLM the thinker sends ``started`` (unless the first
@@ -53,6 +58,12 @@ class _StartedNotice:
             self._task.cancel()
 
 
+async def _nothing() -> AsyncIterator[RequestOutput]:
+    """No engine outputs (a moved request whose client already has every token)."""
+    return
+    yield
+
+
 class ThinkerHandler(LLMHandler):
     def __init__(self, spec: LLMEngineSpec, has_next: bool) -> None:
         super().__init__(spec)
@@ -67,8 +78,12 @@ class ThinkerHandler(LLMHandler):
         task, s = d.task, d.task.sampling
         if s is None:
             raise ValueError("start task without sampling parameters")
+        # After a move, the client already has ``task.resume``: go on after it, with what is
+        # left of max_tokens (docs/reliability.md).
+        resumed = [t for delta in task.resume for t in delta.token_ids]
+        left = s.max_tokens - len(resumed)
         params = SamplingParams(
-            max_tokens=s.max_tokens,
+            max_tokens=max(left, 1),
             temperature=s.temperature,
             top_p=s.top_p,
             seed=s.seed,
@@ -78,14 +93,21 @@ class ThinkerHandler(LLMHandler):
         )
         forward = self._has_next and len(task.route) > 1
         chunker = TextChunker(self._stage.chunking.tokens, self._stage.chunking.sentence_end)
-        generated, finish_reason = 0, None
-        prompt = tokens_input(task.prompt_token_ids)
+        if forward:
+            # The same deltas cut into the same chunks, numbered as before: those the next stage
+            # has are duplicates (Nats-Msg-Id, its inbox), a missing one is sent now.
+            for delta in task.resume:
+                for chunk in chunker.feed(delta.token_ids, delta.text):
+                    await req.downstream(token_ids=chunk.token_ids, text=chunk.text)
+        generated, finish_reason = len(resumed), None
+        prompt = tokens_input(task.prompt_token_ids + resumed)
         # The gateway and its client take the response's start while the engine computes.
         started: _StartedNotice | None = _StartedNotice(req)
+        outputs = self._outputs(prompt, params, req) if left > 0 else _nothing()
+        if left <= 0:
+            finish_reason = "length"  # the client has every token; only text_done was missing
         try:
-            async for out in self.engine.generate(
-                prompt, params, req.request_id, trace_headers=self.trace_headers(req.span)
-            ):
+            async for out in outputs:
                 if started is not None:  # out before any output
                     await started.sent()
                     started = None
@@ -103,6 +125,9 @@ class ThinkerHandler(LLMHandler):
                         await req.downstream(token_ids=chunk.token_ids, text=chunk.text)
                 if out.finished:
                     finish_reason = c.finish_reason
+            if started is not None:  # no output at all
+                await started.sent()
+                started = None
         finally:
             if started is not None:
                 started.cancel()
@@ -133,3 +158,9 @@ class ThinkerHandler(LLMHandler):
         )
         await req.ack(d)
         req.lifecycle("stage_done", finish_reason=finish_reason)
+
+    def _outputs(self, prompt, params, req: RequestContext) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for ``req`` (a later attempt has an engine request id of its own:
+        an older one may still be winding down in this engine)."""
+        engine_id = req.request_id if req.attempt == 1 else f"{req.request_id}-a{req.attempt}"
+        return self.engine.generate(prompt, params, engine_id, trace_headers=self.trace_headers(req.span))

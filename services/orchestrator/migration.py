@@ -1,0 +1,109 @@
+"""Moving a request off a dead replica: the decision (pure, on the record) and the stored input.
+
+A request's stage runs on one replica at a time. When that replica is judged dead
+(:mod:`~services.orchestrator.liveness`), the orchestrator moves the stage's work to a live replica
+of the same stage as the stage's next *attempt*. The decision is a compare-and-set on the request's
+record (:func:`plan_move` + :func:`apply_move`), so exactly one orchestrator moves it; the work
+itself is the input the dead replica had not acknowledged, which JetStream still holds
+(:func:`stored_inputs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from nats.js import JetStreamContext
+from nats.js.api import RawStreamMsg
+from nats.js.errors import NotFoundError
+
+from libs.common import headers as h
+from libs.common.records import RequestRecord, StageAttempt
+
+
+class Phase(StrEnum):
+    """Where the attempt that died was."""
+
+    QUEUED = "queued"
+    """Delivered to the replica (or waiting for it), not started by its engine yet."""
+    IN_PROGRESS = "in_progress"
+
+
+class NoMove(StrEnum):
+    """Why a request bound to a dead replica is not moved."""
+
+    ENDED = "ended"
+    """The request is terminal, or its stage finished: nothing to move."""
+    MOVED = "moved"
+    """It no longer runs on that replica (another orchestrator moved it)."""
+    LIMIT = "limit"
+    """It has moved ``migration_limit`` times in this stage already: it fails."""
+
+
+@dataclass(frozen=True)
+class Move:
+    """One request's stage moving from a dead replica to a live one, as attempt ``attempt``."""
+
+    request_id: str
+    stage: int
+    from_replica: int
+    to_replica: int
+    attempt: int
+    reason: str
+    phase: Phase
+
+
+def plan_move(
+    rec: RequestRecord, stage: int, dead_replica: int, to_replica: int, reason: str, limit: int
+) -> Move | NoMove:
+    """What to do with ``rec``, bound to ``dead_replica`` of ``stage`` when it died: move it to
+    ``to_replica`` as the stage's next attempt, or not (and why)."""
+    progress = rec.stages[stage] if stage < len(rec.stages) else None
+    if rec.status.terminal or progress is None or progress.done_ns is not None:
+        return NoMove.ENDED
+    if rec.route[stage] != dead_replica:
+        return NoMove.MOVED
+    if progress.attempt > limit:
+        return NoMove.LIMIT
+    phase = Phase.QUEUED if progress.started_ns is None else Phase.IN_PROGRESS
+    return Move(rec.request_id, stage, dead_replica, to_replica, progress.attempt + 1, reason, phase)
+
+
+def apply_move(rec: RequestRecord, move: Move, now_ns: int) -> None:
+    """Bind ``rec``'s stage to the new replica and list the new attempt (the stage has not
+    started there yet)."""
+    progress = rec.stages[move.stage]
+    if not progress.attempts:  # a record written before attempts were listed
+        progress.attempts.append(StageAttempt(attempt=1, replica=move.from_replica, bound_ns=rec.admitted_ns))
+    progress.attempts.append(
+        StageAttempt(
+            attempt=move.attempt,
+            replica=move.to_replica,
+            bound_ns=now_ns,
+            reason=move.reason,
+            phase=move.phase.value,
+        )
+    )
+    rec.route[move.stage] = move.to_replica
+    progress.replica = move.to_replica
+    progress.started_ns = None
+    rec.updated_ns = max(rec.updated_ns, now_ns)
+
+
+async def stored_inputs(
+    js: JetStreamContext, stream: str, subject: str, request_id: str
+) -> list[RawStreamMsg]:
+    """The messages of ``request_id`` still stored on ``subject`` of work-queue ``stream`` (a
+    worker acknowledges an input once it has handled it, and the stream then drops it), oldest
+    first. Reads them one by one (one request to the server each); the subject holds only what its
+    replica had not acknowledged."""
+    found: list[RawStreamMsg] = []
+    seq = 1
+    while True:
+        try:
+            msg = await js.get_msg(stream, seq=seq, subject=subject, next=True)
+        except NotFoundError:
+            return found
+        if (msg.headers or {}).get(h.REQUEST_ID) == request_id:
+            found.append(msg)
+        seq = (msg.seq or seq) + 1
