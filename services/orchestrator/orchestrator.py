@@ -386,6 +386,7 @@ class Orchestrator:
             self._moving.discard(rid)
 
     async def _move_or_fail(self, death: Death, seen: RequestRecord) -> None:
+        t0 = time.monotonic()
         s, stage = death.stage, self.pipeline.stages[death.stage]
         where = f"stage {s} ({stage.name}) replica {death.replica}"
         if s != 0:
@@ -424,7 +425,7 @@ class Orchestrator:
             log.warning("request %s failed: %s", seen.request_id, message)
             await self._end_everywhere(seen, 503, "migration_limit", message)
         elif isinstance(decision, Move):
-            await self._move(decision, seen, inputs)
+            await self._move(decision, seen, inputs, t0)
 
     async def _live_replica(self, death: Death, wait_s: float) -> int | None:
         """A live replica of the dead one's stage (the least loaded), waiting up to ``wait_s`` for
@@ -438,11 +439,12 @@ class Orchestrator:
                     return None
             await asyncio.sleep(NO_REPLICA_POLL_S)
 
-    async def _move(self, move: Move, seen: RequestRecord, inputs: list[RawStreamMsg]) -> None:
+    async def _move(self, move: Move, seen: RequestRecord, inputs: list[RawStreamMsg], t0: float) -> None:
         """Carry out ``move`` of stage 0: fence the old attempt off (its worker and the client's
         stream), learn where the client's stream stands, and send the new attempt its task — the
         stored one, going on after what the client has — then drop the stored original."""
         rid = move.request_id
+        t_claimed = time.monotonic()
         old = decode(StageTask, inputs[0].data)
         await self.nc.publish(
             self.subjects.abort,
@@ -455,6 +457,7 @@ class Orchestrator:
                 timeout=RESUME_TIMEOUT_S,
             )
             point = decode(ResumePoint, reply.data)
+            t_asked = time.monotonic()
         except (NoRespondersError, NatsTimeoutError) as e:
             await self._fail(
                 seen, "replica_lost", f"the request's gateway did not answer ({type(e).__name__})"
@@ -497,6 +500,7 @@ class Orchestrator:
             await publish_task(self.js, self.subjects, task, hop, span)
         finally:
             span.end()
+        t_sent = time.monotonic()
         for msg in inputs:
             with contextlib.suppress(Exception):
                 await self.js.delete_msg(self.subjects.stages_stream, msg.seq)
@@ -511,7 +515,8 @@ class Orchestrator:
         with contextlib.suppress(Exception):
             await update_record(self.requests, rid, note)
         log.warning(
-            "request %s moved: stage %d replica %d -> %d (attempt %d, %s, %s, the client had %d token(s))",
+            "request %s moved: stage %d replica %d -> %d (attempt %d, %s, %s, the client had %d token(s)); "
+            "sent %.0f ms after the verdict (claimed %.0f, gateway %.0f, task %.0f)",
             rid,
             move.stage,
             move.from_replica,
@@ -520,6 +525,10 @@ class Orchestrator:
             move.reason,
             phase.value,
             resumed,
+            (t_sent - t0) * 1e3,
+            (t_claimed - t0) * 1e3,
+            (t_asked - t_claimed) * 1e3,
+            (t_sent - t_asked) * 1e3,
         )
         if self.metrics.enabled:
             self.metrics["vllm:omni_requests_migrated"].labels(

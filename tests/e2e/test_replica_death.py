@@ -172,7 +172,7 @@ async def test_streams_on_a_killed_replica_move_and_complete(stack, pipeline) ->
     try:
         pid = worker_pid(stack.proc.pid, 0, victim)
         os.kill(pid, signal.SIGKILL)
-        killed = time.monotonic()
+
         for _ in range(50):
             if gone(pid):
                 break
@@ -182,11 +182,9 @@ async def test_streams_on_a_killed_replica_move_and_complete(stack, pipeline) ->
         await asyncio.wait_for(asyncio.gather(*tasks), 180)
         await client.close()
         moved = await _moved(stack, seen, victim, "exit", reference)
-        waited = _resumed_within(seen, moved, killed)
-        print(
-            f"{len(moved)} stream(s) moved off replica {victim}; the client's next token {waited:.2f} s after the kill"
-        )
-        assert waited <= MOVED_WITHIN_S + CLIENT_LAG_S, waited
+        pause = _longest_pause(seen, moved)
+        print(f"{len(moved)} stream(s) moved off replica {victim}; their longest pause {pause:.2f} s")
+        assert pause <= MOVED_WITHIN_S, pause
         after_o, after_g = scrape(orchestrator), scrape(gateway)
         evictions = delta(
             before_o,
@@ -244,7 +242,7 @@ async def test_streams_on_a_stopped_replica_move_after_the_stall_timeout(stack, 
     client, seen, tasks, victim = await _streams_and_victim(stack, pipeline)
     pid = worker_pid(stack.proc.pid, 0, victim)
     os.kill(pid, signal.SIGSTOP)
-    stopped = time.monotonic()
+
     try:
         for _ in range(50):
             if _state(pid) == "T":
@@ -257,11 +255,9 @@ async def test_streams_on_a_stopped_replica_move_after_the_stall_timeout(stack, 
         resumed_ns = time.time_ns()
     await client.close()
     moved = await _moved(stack, seen, victim, "stall", reference)
-    waited = _resumed_within(seen, moved, stopped)
-    print(
-        f"{len(moved)} stream(s) moved off stopped replica {victim}; next token {waited:.2f} s after SIGSTOP"
-    )
-    assert stall_s - 1.0 < waited <= stall_s + 2.0 + CLIENT_LAG_S, waited
+    pause = _longest_pause(seen, moved)
+    print(f"{len(moved)} stream(s) moved off stopped replica {victim}; their longest pause {pause:.2f} s")
+    assert stall_s - CLIENT_LAG_S < pause <= stall_s + MOVED_WITHIN_S, pause
     after = scrape(orchestrator)
     assert (
         delta(
