@@ -1,0 +1,141 @@
+"""Moving a request off a dead replica, the pure parts: the decision on the record, the gateway's
+fence and resume point, and how the record folds events of an attempt it has moved past."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from libs.common.envelopes import ClientEvent, ClientEventType, LifecycleEvent, StageTask, TextDelta, Usage
+from libs.common.publish import task_msg_id
+from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
+from services.gateway.pipeline_client import RequestHandle
+from services.orchestrator.migration import Move, NoMove, Phase, apply_move, plan_move
+from services.orchestrator.orchestrator import apply_event
+
+
+def _rec(route: list[int], started: bool = False) -> RequestRecord:
+    now = time.time_ns()
+    return RequestRecord(
+        request_id="r",
+        pipeline="p",
+        gateway_id="g",
+        status=RequestStatus.RUNNING if started else RequestStatus.ADMITTED,
+        route=route,
+        stages=[
+            StageProgress(
+                replica=r,
+                started_ns=now if started else None,
+                attempts=[StageAttempt(attempt=1, replica=r, bound_ns=now)],
+            )
+            for r in route
+        ],
+        arrival_ns=now,
+        admitted_ns=now,
+        deadline_ns=now + 10**10,
+        updated_ns=now,
+    )
+
+
+def test_a_started_request_moves_in_progress_and_lists_its_new_attempt() -> None:
+    rec = _rec([1, 0, 0], started=True)
+    move = plan_move(rec, 0, dead_replica=1, to_replica=0, reason="exit", limit=3)
+    assert move == Move("r", 0, 1, 0, 2, "exit", Phase.IN_PROGRESS)
+    apply_move(rec, move, time.time_ns())
+    assert rec.route == [0, 0, 0] and rec.stages[0].replica == 0
+    assert rec.stages[0].attempt == 2 and rec.stages[0].started_ns is None
+    assert [(a.attempt, a.replica, a.reason, a.phase) for a in rec.stages[0].attempts] == [
+        (1, 1, None, None),
+        (2, 0, "exit", "in_progress"),
+    ]
+
+
+def test_a_request_not_started_moves_queued() -> None:
+    move = plan_move(_rec([1]), 0, 1, 0, "stall", 3)
+    assert isinstance(move, Move) and move.phase == Phase.QUEUED and move.reason == "stall"
+
+
+def test_no_move_for_a_request_that_ended_or_moved_already() -> None:
+    done = _rec([1], started=True)
+    done.status = RequestStatus.COMPLETED
+    assert plan_move(done, 0, 1, 0, "exit", 3) == NoMove.ENDED
+    stage_done = _rec([1, 0], started=True)
+    stage_done.stages[0].done_ns = time.time_ns()
+    assert plan_move(stage_done, 0, 1, 0, "exit", 3) == NoMove.ENDED
+    assert plan_move(_rec([0]), 0, 1, 0, "exit", 3) == NoMove.MOVED
+
+
+@pytest.mark.parametrize("limit", [0, 1, 3])
+def test_the_migration_limit_counts_moves_per_stage(limit: int) -> None:
+    rec = _rec([0], started=True)
+    for n in range(limit):
+        move = plan_move(rec, 0, rec.route[0], 1 - rec.route[0], "exit", limit)
+        assert isinstance(move, Move) and move.attempt == n + 2
+        apply_move(rec, move, time.time_ns())
+    assert plan_move(rec, 0, rec.route[0], 1 - rec.route[0], "exit", limit) == NoMove.LIMIT
+
+
+def _text(attempt: int, ids: list[int], text: str) -> ClientEvent:
+    return ClientEvent(
+        request_id="r", type=ClientEventType.TEXT, stage=0, token_ids=ids, text=text, attempt=attempt
+    )
+
+
+def test_the_resume_point_is_what_the_client_got_and_older_attempts_are_fenced_off() -> None:
+    handle = RequestHandle("r", time.time_ns() + 10**10)
+    assert handle.put(_text(1, [5, 6], "ab"))
+    assert handle.put(_text(1, [7], "c"))
+    point = handle.resume_point(0, 2)
+    assert point.known and not point.text_done
+    assert point.deltas == [TextDelta(token_ids=[5, 6], text="ab"), TextDelta(token_ids=[7], text="c")]
+    assert not handle.put(_text(1, [8], "d")), "an event of the attempt that moved away got through"
+    assert handle.put(_text(2, [8], "e"))
+    done = ClientEvent(
+        request_id="r",
+        type=ClientEventType.TEXT_DONE,
+        stage=0,
+        attempt=2,
+        usage=Usage(prompt_tokens=1, completion_tokens=4),
+    )
+    assert handle.put(done)
+    assert handle.resume_point(0, 3).text_done
+    taken = [handle.queue.get_nowait() for _ in range(handle.queue.qsize())]
+    assert [e.text for e in taken if e.type == ClientEventType.TEXT] == ["ab", "c", "e"]
+
+
+def test_a_fence_of_one_stage_leaves_the_others_alone() -> None:
+    handle = RequestHandle("r", time.time_ns() + 10**10)
+    handle.resume_point(2, 2)
+    audio = ClientEvent(request_id="r", type=ClientEventType.AUDIO, stage=2, attempt=1, pcm16=b"\0\0")
+    assert not handle.put(audio)
+    assert handle.put(_text(1, [1], "x"))
+
+
+def _event(kind: str, attempt: int, **fields) -> LifecycleEvent:
+    return LifecycleEvent(
+        request_id="r", kind=kind, ts_ns=time.time_ns(), stage=0, replica=1, attempt=attempt, **fields
+    )
+
+
+def test_the_record_ignores_a_start_or_failure_of_an_attempt_it_moved_past() -> None:
+    rec = _rec([1], started=True)
+    apply_move(rec, plan_move(rec, 0, 1, 0, "stall", 3), time.time_ns())
+    apply_event(rec, _event("started", 1))
+    assert rec.stages[0].started_ns is None
+    apply_event(rec, _event("failed", 1, reason="timeout"))
+    assert rec.status == RequestStatus.RUNNING
+    apply_event(rec, _event("started", 2))
+    assert rec.stages[0].started_ns is not None
+    apply_event(rec, _event("finished", 2, finish_reason="length"))
+    assert rec.status == RequestStatus.COMPLETED
+
+
+def test_a_moved_task_is_new_to_the_stream_and_a_resent_chunk_is_not() -> None:
+    first = StageTask(
+        request_id="r", gateway_id="g", arrival_ns=1, deadline_ns=2, route=[0], kind="start", seq=0
+    )
+    moved = first.model_copy(update={"attempt": 2})
+    assert task_msg_id(first, 0) == "r.0.0" and task_msg_id(moved, 0) == "r.0.0.2"
+    chunk = first.model_copy(update={"kind": "chunk", "seq": 3, "from_attempt": 2})
+    assert task_msg_id(chunk, 1) == "r.1.3"
