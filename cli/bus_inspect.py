@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from typing import Any
@@ -17,6 +18,15 @@ def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _moves(rec: dict[str, Any]) -> str:
+    """The request's moves off dead replicas: ``<stage>:<from>→<to>`` each, oldest first."""
+    moves = []
+    for s, stage in enumerate(rec.get("stages", [])):
+        attempts = stage.get("attempts", [])
+        moves += [f"{s}:{a['replica']}→{b['replica']}" for a, b in itertools.pairwise(attempts)]
+    return " ".join(moves) or "-"
+
+
 def render(snap: dict[str, Any]) -> str:
     now = time.time_ns()
     inflight = [
@@ -25,6 +35,7 @@ def render(snap: dict[str, Any]) -> str:
             "status": r["status"],
             "stage": r["current_stage"],
             "route": ",".join(map(str, r["route"])),
+            "moves": _moves(r),
             "age_s": f"{(now - r['arrival_ns']) / 1e9:.1f}",
         }
         for r in snap["inflight"]
@@ -49,7 +60,7 @@ def render(snap: dict[str, Any]) -> str:
             "SERVICES\n"
             + _table(services, ["service", "stage", "replica", "instance", "load", "metrics_url"]),
             f"IN-FLIGHT REQUESTS ({len(inflight)})\n"
-            + _table(inflight, ["request_id", "status", "stage", "route", "age_s"]),
+            + _table(inflight, ["request_id", "status", "stage", "route", "moves", "age_s"]),
         ]
     )
 

@@ -549,6 +549,9 @@ EVENT_DRIVEN = {
     "vllm:omni_transfer_clock_skew_clamps_total",
     "vllm:omni_bus_dead_lettered_total",
     "vllm:omni_bus_messages_terminated_total",
+    "vllm:omni_replica_evictions_total",
+    "vllm:omni_requests_migrated_total",
+    "vllm:omni_stale_events_dropped_total",
 }
 """Labelled counters that have no series until their event happens (none of it in this traffic)."""
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -155,9 +156,7 @@ async def _moved(stack, seen: list[Seen], victim: int, reason: str, reference: l
 def _longest_pause(seen: list[Seen], moved: dict[str, dict]) -> float:
     """The longest pause between two tokens of a moved stream, as the client read them, seconds
     (the fault's pause, shortened by what the client had still to read when it struck)."""
-    return max(
-        (b - a for s in seen if s.id in moved for a, b in zip(s.at, s.at[1:], strict=False)), default=0.0
-    )
+    return max((b - a for s in seen if s.id in moved for a, b in itertools.pairwise(s.at)), default=0.0)
 
 
 async def test_streams_on_a_killed_replica_move_and_complete(stack, pipeline) -> None:

@@ -87,10 +87,18 @@ async def wait_record(kv, rid: str, until=lambda rec: True, timeout_s: float = 5
     return rec
 
 
+async def _answer_probe(msg) -> None:
+    await msg.respond(b"")
+
+
 @contextlib.asynccontextmanager
 async def live_workers(nc, replicas: dict[int, list[int]]):
-    """Worker entries in the registry, refreshed like heartbeats while the block runs."""
+    """Worker entries in the registry, refreshed like heartbeats, and answers to the liveness
+    probes of those replicas, while the block runs."""
     kv = await services_kv(nc.jetstream())
+    probes = [
+        await nc.subscribe(SUBJECTS.alive(s, r), cb=_answer_probe) for s, rs in replicas.items() for r in rs
+    ]
     records = [
         ServiceRecord(
             service=ServiceKind.WORKER, pipeline=PIPELINE, instance=f"fake-{s}-{r}", stage=s, replica=r
@@ -111,6 +119,8 @@ async def live_workers(nc, replicas: dict[int, list[int]]):
         yield
     finally:
         task.cancel()
+        for sub in probes:
+            await sub.unsubscribe()
         for rec in records:
             await kv.delete(rec.key)
 

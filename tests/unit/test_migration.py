@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from cli.bus_inspect import _moves
 from libs.common.envelopes import ClientEvent, ClientEventType, LifecycleEvent, StageTask, TextDelta, Usage
 from libs.common.publish import task_msg_id
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
@@ -139,3 +140,10 @@ def test_a_moved_task_is_new_to_the_stream_and_a_resent_chunk_is_not() -> None:
     assert task_msg_id(first, 0) == "r.0.0" and task_msg_id(moved, 0) == "r.0.0.2"
     chunk = first.model_copy(update={"kind": "chunk", "seq": 3, "from_attempt": 2})
     assert task_msg_id(chunk, 1) == "r.1.3"
+
+
+def test_inspect_lists_each_move_of_a_request() -> None:
+    rec = _rec([1, 0], started=True)
+    apply_move(rec, plan_move(rec, 0, 1, 0, "exit", 3), time.time_ns())
+    assert _moves(rec.model_dump(mode="json")) == "0:1→0"
+    assert _moves(_rec([0]).model_dump(mode="json")) == "-"

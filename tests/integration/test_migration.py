@@ -1,0 +1,285 @@
+"""The orchestrator moving a thinker request off a replica whose connection died, against a real
+nats-server: the stored task goes to a live replica as attempt 2 with what the client has, the
+original leaves the stream, the old attempt is told to stop, the record lists both attempts; the
+stage's ``migration_limit`` and ``no_replica_wait_s`` end a request that cannot move.
+
+No engines are needed: the test plays the gateway (publishes admissions, answers the resume
+question, listens on the out subject) and the workers — each a connection of its own that
+heartbeats in ``omni_services`` and answers its liveness probe; closing that connection is the
+fault (NATS then answers the orchestrator's probe with "no responders", as after a ``kill -9``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from functools import partial
+
+import nats
+import pytest
+from nats.js.errors import NotFoundError
+
+from libs.common.bus import requests_kv, services_kv
+from libs.common.envelopes import (
+    MOVED,
+    AbortNotice,
+    Admission,
+    ClientEvent,
+    ClientEventType,
+    ResumePoint,
+    ResumeQuery,
+    Sampling,
+    StageTask,
+    TextDelta,
+    decode,
+)
+from libs.common.records import RequestRecord
+from libs.common.registry import ServiceKind, ServiceRecord
+from libs.common.subjects import Subjects
+from tests.metrics_scrape import delta, scrape
+from tests.procs import start_service, write_pipeline
+
+pytestmark = pytest.mark.integration
+
+PIPELINE = "migtest"
+GATEWAY = "gwmig"
+SUBJECTS = Subjects(PIPELINE)
+THINKERS_YAML = """\
+  - name: thinker
+    type: llm
+    model: tiny-thinker
+    replicas: 3
+    consumes: text
+    emits: text
+    stream_to_client: true
+    migration_limit: 1
+    no_replica_wait_s: 1
+"""
+CLIENT_HAS = [TextDelta(token_ids=[7, 8], text="Hi"), TextDelta(token_ids=[9], text=" there")]
+
+
+@pytest.fixture(scope="module")
+def orchestrator(nats_server, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mig")
+    path = write_pipeline(tmp / "p.yaml", PIPELINE, THINKERS_YAML)
+    proc = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
+    proc.wait_log("ready")
+    yield proc
+    assert proc.stop() == 0
+
+
+class FakeWorker:
+    """A thinker replica's presence on the bus: registry heartbeats and probe answers, on a
+    connection of its own."""
+
+    def __init__(self, url: str, replica: int) -> None:
+        self.url, self.replica = url, replica
+        self.record = ServiceRecord(
+            service=ServiceKind.WORKER,
+            pipeline=PIPELINE,
+            instance=f"fake-{replica}-{time.time_ns()}",
+            stage=0,
+            replica=replica,
+            started_ns=time.time_ns(),
+        )
+
+    async def start(self) -> FakeWorker:
+        self.nc = await nats.connect(self.url)
+        self.kv = await services_kv(self.nc.jetstream())
+        await self.nc.subscribe(SUBJECTS.alive(0, self.replica), cb=self._answer_probe)
+        self._beat = asyncio.create_task(self._beats())
+        await asyncio.sleep(0.3)
+        return self
+
+    @staticmethod
+    async def _answer_probe(msg) -> None:
+        await msg.respond(b"")
+
+    async def _beats(self) -> None:
+        while True:
+            await self.kv.put(self.record.key, self.record.model_dump_json().encode())
+            await asyncio.sleep(1)
+
+    async def die(self) -> None:
+        """The process is gone: no more heartbeats, and its connection closes."""
+        self._beat.cancel()
+        await self.nc.close()
+        assert self.nc.is_closed
+
+    async def forget(self, nc) -> None:
+        """After a test: its registration goes (it would linger for the registry's TTL and be
+        routed to by the next test)."""
+        if not self.nc.is_closed:
+            await self.die()
+        await (await services_kv(nc.jetstream())).delete(self.record.key)
+
+
+@pytest.fixture
+async def nc(nats_server):
+    conn = await nats.connect(nats_server.url)
+    yield conn
+    await conn.close()
+
+
+async def _put(queue: asyncio.Queue, cls, msg) -> None:
+    queue.put_nowait(decode(cls, msg.data))
+
+
+@contextlib.asynccontextmanager
+async def gateway(nc, known: bool = True):
+    """The test as the request's gateway: answers the resume question with ``CLIENT_HAS``; yields
+    (resume questions, client events)."""
+    questions: asyncio.Queue[ResumeQuery] = asyncio.Queue()
+    events: asyncio.Queue[ClientEvent] = asyncio.Queue()
+
+    async def answer(msg) -> None:
+        questions.put_nowait(decode(ResumeQuery, msg.data))
+        await msg.respond(ResumePoint(known=known, deltas=CLIENT_HAS if known else []).encode())
+
+    subs = [
+        await nc.subscribe(SUBJECTS.resume(GATEWAY), cb=answer),
+        await nc.subscribe(SUBJECTS.out_wildcard(GATEWAY), cb=partial(_put, events, ClientEvent)),
+    ]
+    try:
+        yield questions, events
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+
+
+async def admit(nc) -> Admission:
+    now = time.time_ns()
+    adm = Admission(
+        request_id=f"mig-{now}",
+        gateway_id=GATEWAY,
+        arrival_ns=now,
+        deadline_ns=now + 60 * 10**9,
+        prompt_token_ids=[1, 2, 3],
+        sampling=Sampling(max_tokens=50, temperature=0),
+    )
+    await nc.jetstream().publish(SUBJECTS.requests, adm.encode())
+    return adm
+
+
+async def stored(nc, replica: int, request_id: str) -> list[StageTask]:
+    """The request's tasks stored for thinker replica ``replica`` (nobody consumes them here)."""
+    js, found, seq = nc.jetstream(), [], 1
+    while True:
+        try:
+            msg = await js.get_msg(
+                SUBJECTS.stages_stream, seq=seq, subject=SUBJECTS.stage_in(0, replica), next=True
+            )
+        except NotFoundError:
+            return [t for t in found if t.request_id == request_id]
+        found.append(decode(StageTask, msg.data))
+        seq = msg.seq + 1
+
+
+async def until(check, timeout_s: float = 5.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (value := await check()) is not None and value is not False and value != []:
+            return value
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"not within {timeout_s} s: {check.__doc__ or check}")
+
+
+async def bound_replica(nc, request_id: str) -> int:
+    """The thinker replica the request's record binds (once written)."""
+    kv = await requests_kv(nc.jetstream())
+
+    async def read() -> RequestRecord | None:
+        with contextlib.suppress(Exception):
+            return RequestRecord.model_validate_json((await kv.get(request_id)).value)
+        return None
+
+    return (await until(read)).route[0]
+
+
+async def record(nc, request_id: str) -> RequestRecord:
+    kv = await requests_kv(nc.jetstream())
+    return RequestRecord.model_validate_json((await kv.get(request_id)).value)
+
+
+async def test_a_request_on_a_dead_replica_moves_with_what_the_client_has(
+    orchestrator, nats_server, nc
+) -> None:
+    before = scrape(orchestrator.metrics_url)
+    workers = {r: await FakeWorker(nats_server.url, r).start() for r in (0, 1)}
+    aborts: asyncio.Queue[AbortNotice] = asyncio.Queue()
+    await nc.subscribe(SUBJECTS.abort, cb=partial(_put, aborts, AbortNotice))
+    async with gateway(nc) as (questions, _):
+        adm = await admit(nc)
+        victim = await bound_replica(nc, adm.request_id)
+        other = 1 - victim
+        (first,) = await until(lambda: stored(nc, victim, adm.request_id))
+        await workers[victim].die()
+        died = time.monotonic()
+
+        async def moved() -> list[StageTask]:
+            return await stored(nc, other, adm.request_id)
+
+        (task,) = await until(moved)
+        took = time.monotonic() - died
+        query = await asyncio.wait_for(questions.get(), 1)
+    assert (query.request_id, query.stage, query.attempt) == (adm.request_id, 0, 2)
+    assert took < 2.0, f"moved {took:.2f} s after the connection closed"
+    assert task.attempt == 2 and task.route == [other] and task.resume == CLIENT_HAS
+    assert task.prompt_token_ids == first.prompt_token_ids and task.sampling == first.sampling
+    assert await stored(nc, victim, adm.request_id) == [], "the original is still in the stream"
+    notice = await asyncio.wait_for(aborts.get(), 1)
+    assert (notice.request_id, notice.reason, notice.stage, notice.attempt) == (adm.request_id, MOVED, 0, 2)
+    rec = await record(nc, adm.request_id)
+    assert [(a.attempt, a.replica, a.reason, a.phase, a.resumed_tokens) for a in rec.stages[0].attempts] == [
+        (1, victim, None, None, 0),
+        (2, other, "exit", "in_progress", 3),
+    ]
+    after = scrape(orchestrator.metrics_url)
+    labels = {"stage": "0", "from_replica": str(victim), "to_replica": str(other), "reason": "exit"}
+    assert delta(before, after, "vllm:omni_requests_migrated_total", phase="in_progress", **labels) == 1
+    assert delta(before, after, "vllm:omni_replica_evictions_total", stage="0", replica=str(victim)) == 1
+    for w in workers.values():
+        await w.forget(nc)
+
+
+async def test_past_its_migration_limit_a_request_fails_fast(orchestrator, nats_server, nc) -> None:
+    """``migration_limit: 1``: the second death of its replica ends the request with 503."""
+    workers = {r: await FakeWorker(nats_server.url, r).start() for r in (0, 1, 2)}
+    async with gateway(nc) as (_, events):
+        adm = await admit(nc)
+        first = await bound_replica(nc, adm.request_id)
+        await workers[first].die()
+
+        async def second() -> int | None:
+            """the request moved"""
+            rec = await record(nc, adm.request_id)
+            return rec.route[0] if rec.route[0] != first else None
+
+        now_on = await until(second)
+        await workers[now_on].die()
+        died = time.monotonic()
+        ev = await asyncio.wait_for(events.get(), 5)
+    assert (ev.type, ev.status, ev.code) == (ClientEventType.ERROR, 503, "migration_limit")
+    assert time.monotonic() - died < 2.0
+    rec = await record(nc, adm.request_id)
+    assert (rec.status, rec.error) == ("failed", "migration_limit")
+    for w in workers.values():
+        await w.forget(nc)
+
+
+async def test_with_no_live_replica_to_move_to_a_request_fails_after_no_replica_wait_s(
+    orchestrator, nats_server, nc
+) -> None:
+    only = await FakeWorker(nats_server.url, 0).start()
+    async with gateway(nc) as (questions, events):
+        adm = await admit(nc)
+        assert await bound_replica(nc, adm.request_id) == 0
+        await only.die()
+        died = time.monotonic()
+        ev = await asyncio.wait_for(events.get(), 5)
+        took = time.monotonic() - died
+    assert (ev.type, ev.status, ev.code) == (ClientEventType.ERROR, 503, "no_live_replica")
+    assert 1.0 <= took < 3.0, f"failed {took:.2f} s after the death (no_replica_wait_s: 1)"
+    assert questions.empty(), "nothing was moved, so the gateway was not asked"
+    await only.forget(nc)
