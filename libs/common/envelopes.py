@@ -135,6 +135,9 @@ class StageTask(_Envelope):
     resume: list[TextDelta] = Field(default_factory=list)
     """Stage 0 after a move: the text deltas the client already has, in order; the new attempt
     goes on after them (its input is the prompt plus their tokens)."""
+    start_seq: int = Field(default=0, ge=0)
+    """A later stage after a move: the first chunk the new attempt takes (those before it were
+    handled by the attempt that died)."""
 
 
 class Usage(BaseModel):
@@ -178,6 +181,8 @@ class ClientEvent(_Envelope):
     attempt: int = 1
     """The sending stage's attempt; the gateway drops events of an attempt older than the one it
     was told of (the request moved on)."""
+    in_seq: int | None = None
+    """``audio``: the sequence number of the input chunk it was decoded from."""
 
 
 class EdgeSummary(BaseModel):
@@ -255,3 +260,31 @@ class ResumePoint(_Envelope):
     """Stage 0's text deltas the gateway has received, in order."""
     text_done: bool = False
     """Stage 0's ``text_done`` has arrived: nothing of the thinker is missing."""
+    audio_seq: int | None = None
+    """The asked stage's audio: the last input chunk whose audio the gateway has (None: none)."""
+    audio_done: bool = False
+    """The asked stage's ``audio_done`` has arrived."""
+
+
+class RouteChange(_Envelope):
+    """Orchestrator → the upstream worker of a stage that moved (subject ``ctl.route.<s>.<r>``).
+
+    ``hold``: stop sending the request's chunks to ``stage`` (a chunk being sent finishes first)
+    and answer with :class:`RouteHeld`. ``release``: send them on to ``replica`` as ``attempt``,
+    the new attempt taking chunks from ``start_seq``."""
+
+    request_id: str
+    stage: int
+    action: Literal["hold", "release"]
+    replica: int = 0
+    attempt: int = 1
+    start_seq: int = 0
+
+
+class RouteHeld(_Envelope):
+    """The upstream worker's answer to a ``hold``."""
+
+    held: bool
+    """False when this worker no longer works on the request (it has sent everything)."""
+    next_seq: int = 0
+    """The sequence number of the next chunk it will send to the stage."""

@@ -104,6 +104,11 @@ class Subjects:
         also fences the stage's older attempts out of the client's stream."""
         return f"omni.{self.pipeline}.ctl.resume.{gateway_id}"
 
+    def route(self, stage: int, replica: int) -> str:
+        """Re-routing of a request's output, orchestrator → worker (stage, replica) (core NATS
+        request/reply): hold the chunks for the next stage while it moves, then send them on."""
+        return f"omni.{self.pipeline}.ctl.route.{stage}.{replica}"
+
     def eviction_key(self, stage: int, replica: int, started_ns: int) -> str:
         """Key in ``omni_evictions`` of one incarnation of worker (stage, replica)."""
         return f"{self.pipeline}.{stage}.{replica}.{started_ns}"

@@ -68,6 +68,9 @@ class RequestHandle:
         """Stage → the oldest attempt whose events are let through."""
         self._deltas: list[TextDelta] = []
         self._text_done = False
+        self._audio_seq: dict[int, int] = {}
+        """Stage → the last input chunk whose audio arrived."""
+        self._audio_done: set[int] = set()
 
     def put(self, event: ClientEvent) -> bool:
         """Take ``event`` unless it comes from a fenced-off attempt (then False)."""
@@ -77,6 +80,12 @@ class RequestHandle:
             self._deltas.append(TextDelta(token_ids=event.token_ids, text=event.text))
         elif event.type == ClientEventType.TEXT_DONE:
             self._text_done = True
+        elif event.type == ClientEventType.AUDIO and event.stage is not None and event.in_seq is not None:
+            if event.in_seq <= self._audio_seq.get(event.stage, -1):
+                return False  # the attempt after a move decoded a chunk the client has
+            self._audio_seq[event.stage] = event.in_seq
+        elif event.type == ClientEventType.AUDIO_DONE and event.stage is not None:
+            self._audio_done.add(event.stage)
         if self.first is None:
             self.first = event
             self.arrived.set()
@@ -88,7 +97,9 @@ class RequestHandle:
         client's stream stands."""
         self._fence[stage] = max(self._fence.get(stage, 1), attempt)
         if stage != 0:
-            return ResumePoint(known=True)
+            return ResumePoint(
+                known=True, audio_seq=self._audio_seq.get(stage), audio_done=stage in self._audio_done
+            )
         return ResumePoint(known=True, deltas=list(self._deltas), text_done=self._text_done)
 
     @property

@@ -42,6 +42,8 @@ from libs.common.envelopes import (
     MalformedMessage,
     ResumePoint,
     ResumeQuery,
+    RouteChange,
+    RouteHeld,
     StageTask,
     TaskKind,
     decode,
@@ -49,7 +51,7 @@ from libs.common.envelopes import (
 from libs.common.jetstream import JetStream
 from libs.common.metrics_catalog import Exporter, MetricSet
 from libs.common.metrics_server import start_metrics_server
-from libs.common.pipeline import PipelineConfig
+from libs.common.pipeline import PipelineConfig, StageType
 from libs.common.publish import Hop, publish_client, publish_task
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
 from libs.common.registry import Heartbeat, LiveServices, ServiceKind, ServiceRecord
@@ -374,8 +376,8 @@ class Orchestrator:
         """A request bound to a dead replica, queued there or in progress: it moves to a live
         replica of the stage (:meth:`_move`), or fails now — ``no_live_replica`` when the stage
         has none for its ``no_replica_wait_s``, ``migration_limit`` past its ``migration_limit``
-        — never by waiting for its deadline or for the replica's restart. Later stages (talker,
-        code2wav) fail with ``replica_lost`` until their moves are built (docs/reliability.md)."""
+        — never by waiting for its deadline or for the replica's restart. Requests on a dead
+        talker fail with ``replica_lost`` until its moves are built (docs/reliability.md)."""
         rid = seen.request_id
         if rid in self._moving:  # the watch hands it over again every probe period meanwhile
             return
@@ -389,7 +391,7 @@ class Orchestrator:
         t0 = time.monotonic()
         s, stage = death.stage, self.pipeline.stages[death.stage]
         where = f"stage {s} ({stage.name}) replica {death.replica}"
-        if s != 0:
+        if s != 0 and stage.type == StageType.LLM:  # the talker: its moves are not built yet
             await self._fail(seen, "replica_lost", f"{where}, which had the request, died ({death.reason})")
             return
         target = await self._live_replica(death, stage.no_replica_wait_s)
@@ -399,10 +401,12 @@ class Orchestrator:
             )
             await self._fail(seen, "no_live_replica", message)
             return
-        subject = self.subjects.stage_in(s, death.replica)
-        inputs = await stored_inputs(self.js, self.subjects.stages_stream, subject, seen.request_id)
-        if not inputs:
-            return  # the replica had handled its input: the stage's own events end it
+        inputs: list[RawStreamMsg] = []
+        if s == 0:  # a later stage's input is read once its upstream holds it (_move)
+            subject = self.subjects.stage_in(s, death.replica)
+            inputs = await stored_inputs(self.js, self.subjects.stages_stream, subject, seen.request_id)
+            if not inputs:
+                return  # the replica had handled its input: the stage's own events end it
         decision: Move | NoMove | None = None
 
         def change(rec: RequestRecord) -> bool:
@@ -440,45 +444,40 @@ class Orchestrator:
             await asyncio.sleep(NO_REPLICA_POLL_S)
 
     async def _move(self, move: Move, seen: RequestRecord, inputs: list[RawStreamMsg], t0: float) -> None:
-        """Carry out ``move`` of stage 0: fence the old attempt off (its worker and the client's
-        stream), learn where the client's stream stands, and send the new attempt its task — the
-        stored one, going on after what the client has — then drop the stored original."""
-        rid = move.request_id
+        """Carry out ``move``: fence the old attempt off (its worker and the client's stream),
+        learn where the client's stream stands, and send the new attempt its input — stage 0 the
+        stored task going on after what the client has; a later stage the chunks the dead replica
+        had not acknowledged, its upstream holding the request's chunks meanwhile — then drop the
+        stored originals."""
+        rid, s = move.request_id, move.stage
         t_claimed = time.monotonic()
-        old = decode(StageTask, inputs[0].data)
         await self.nc.publish(
             self.subjects.abort,
-            AbortNotice(request_id=rid, reason=MOVED, stage=move.stage, attempt=move.attempt).encode(),
+            AbortNotice(request_id=rid, reason=MOVED, stage=s, attempt=move.attempt).encode(),
         )
-        try:
-            reply = await self.nc.request(
-                self.subjects.resume(seen.gateway_id),
-                ResumeQuery(request_id=rid, stage=move.stage, attempt=move.attempt).encode(),
-                timeout=RESUME_TIMEOUT_S,
-            )
-            point = decode(ResumePoint, reply.data)
-            t_asked = time.monotonic()
-        except (NoRespondersError, NatsTimeoutError) as e:
-            await self._fail(
-                seen, "replica_lost", f"the request's gateway did not answer ({type(e).__name__})"
-            )
+        point = await self._ask_gateway(seen, move)
+        if point is None:
             return
-        if not point.known:
-            log.info("request %s: its gateway no longer holds it; not moved", rid)
-            return
+        t_asked = time.monotonic()
+        held = RouteHeld(held=False)
+        upstream = self.subjects.route(s - 1, seen.route[s - 1]) if s > 0 else None
+        if upstream is not None:  # no chunk may go to the dead replica from now on
+            held = await self._reroute(upstream, RouteChange(request_id=rid, stage=s, action="hold"))
+            inputs = await stored_inputs(
+                self.js, self.subjects.stages_stream, self.subjects.stage_in(s, move.from_replica), rid
+            )
+        tasks = [decode(StageTask, m.data) for m in inputs]
+        start = min((t.seq for t in tasks), default=held.next_seq)
         resumed = sum(len(d.token_ids) for d in point.deltas)
-        phase = Phase.IN_PROGRESS if resumed or move.phase == Phase.IN_PROGRESS else Phase.QUEUED
-        route = [*old.route]
-        route[move.stage] = move.to_replica
-        task = old.model_copy(update={"route": route, "attempt": move.attempt, "resume": point.deltas})
-        parent = context_from_headers(inputs[0].headers)
+        phase = Phase.IN_PROGRESS if resumed or point.audio_seq is not None else move.phase
+        parent = context_from_headers(inputs[0].headers) if inputs else None
         span = start_span(
             "omni.migrate",
             parent,
             SpanKind.PRODUCER,
             {
                 "omnirelay.request_id": rid,
-                "omnirelay.stage": move.stage,
+                "omnirelay.stage": s,
                 "omnirelay.from_replica": move.from_replica,
                 "omnirelay.to_replica": move.to_replica,
                 "omnirelay.attempt": move.attempt,
@@ -493,20 +492,39 @@ class Orchestrator:
                 "omnirelay.reason": move.reason,
                 "omnirelay.phase": phase.value,
                 "omnirelay.resumed_tokens": resumed,
+                "omnirelay.start_seq": start,
             },
         )
-        hop = Hop(h.FROM_ORCHESTRATOR, h.FROM_ORCHESTRATOR, move.stage, move.to_replica)
         try:
-            await publish_task(self.js, self.subjects, task, hop, span)
+            for msg, task in zip(inputs, tasks, strict=True):
+                moved = _moved_task(task, move, start, point)
+                hdr = msg.headers or {}
+                hop = Hop(
+                    hdr.get(h.FROM_STAGE, h.FROM_ORCHESTRATOR),
+                    hdr.get(h.FROM_REPLICA, h.FROM_ORCHESTRATOR),
+                    s,
+                    move.to_replica,
+                )
+                await publish_task(self.js, self.subjects, moved, hop, span)
         finally:
             span.end()
         t_sent = time.monotonic()
         for msg in inputs:
             with contextlib.suppress(Exception):
                 await self.js.delete_msg(self.subjects.stages_stream, msg.seq)
+        if upstream is not None and held.held:
+            release = RouteChange(
+                request_id=rid,
+                stage=s,
+                action="release",
+                replica=move.to_replica,
+                attempt=move.attempt,
+                start_seq=start,
+            )
+            await self._reroute(upstream, release)
 
         def note(rec: RequestRecord) -> bool:
-            attempts = rec.stages[move.stage].attempts
+            attempts = rec.stages[s].attempts
             if not attempts or attempts[-1].attempt != move.attempt:
                 return False
             attempts[-1].phase, attempts[-1].resumed_tokens = phase.value, resumed
@@ -515,16 +533,20 @@ class Orchestrator:
         with contextlib.suppress(Exception):
             await update_record(self.requests, rid, note)
         log.warning(
-            "request %s moved: stage %d replica %d -> %d (attempt %d, %s, %s, the client had %d token(s)); "
-            "sent %.0f ms after the verdict (claimed %.0f, gateway %.0f, task %.0f)",
+            "request %s moved: stage %d replica %d -> %d (attempt %d, %s, %s; the client had %d token(s), "
+            "audio up to chunk %s; %d stored input(s) re-sent from seq %d); sent %.0f ms after the verdict "
+            "(claimed %.0f, gateway %.0f, inputs %.0f)",
             rid,
-            move.stage,
+            s,
             move.from_replica,
             move.to_replica,
             move.attempt,
             move.reason,
             phase.value,
             resumed,
+            point.audio_seq,
+            len(inputs),
+            start,
             (t_sent - t0) * 1e3,
             (t_claimed - t0) * 1e3,
             (t_asked - t_claimed) * 1e3,
@@ -532,13 +554,37 @@ class Orchestrator:
         )
         if self.metrics.enabled:
             self.metrics["vllm:omni_requests_migrated"].labels(
-                self.model,
-                str(move.stage),
-                str(move.from_replica),
-                str(move.to_replica),
-                move.reason,
-                phase.value,
+                self.model, str(s), str(move.from_replica), str(move.to_replica), move.reason, phase.value
             ).inc()
+
+    async def _ask_gateway(self, seen: RequestRecord, move: Move) -> ResumePoint | None:
+        """Where the client's stream of the moving stage stands (the question fences the older
+        attempts off); None when nothing is to be moved: the gateway no longer holds the request,
+        or it did not answer (the request is failed then)."""
+        query = ResumeQuery(request_id=move.request_id, stage=move.stage, attempt=move.attempt)
+        try:
+            reply = await self.nc.request(
+                self.subjects.resume(seen.gateway_id), query.encode(), timeout=RESUME_TIMEOUT_S
+            )
+        except (NoRespondersError, NatsTimeoutError) as e:
+            await self._fail(
+                seen, "replica_lost", f"the request's gateway did not answer ({type(e).__name__})"
+            )
+            return None
+        point = decode(ResumePoint, reply.data)
+        if not point.known:
+            log.info("request %s: its gateway no longer holds it; not moved", move.request_id)
+            return None
+        return point
+
+    async def _reroute(self, subject: str, change: RouteChange) -> RouteHeld:
+        """Ask the upstream worker to hold or release the request's chunks; not held when it no
+        longer works on the request (or does not answer: it died too)."""
+        try:
+            reply = await self.nc.request(subject, change.encode(), timeout=RESUME_TIMEOUT_S)
+        except (NoRespondersError, NatsTimeoutError):
+            return RouteHeld(held=False)
+        return decode(RouteHeld, reply.data)
 
     async def _fail(self, seen: RequestRecord, code: str, message: str) -> None:
         """Fail a request now (503 ``code``) unless it has ended meanwhile or another orchestrator
@@ -581,6 +627,22 @@ class Orchestrator:
         for rec in summary:  # only the writer whose update stuck gets here
             log.info("%s", format_summary(rec, self.pipeline))
             self._tally.end(rec)
+
+
+def _moved_task(task: StageTask, move: Move, start_seq: int, point: ResumePoint) -> StageTask:
+    """The stored ``task`` of the attempt that died, as input of ``move``'s new attempt: bound to
+    the new replica; stage 0's goes on after the client's text deltas, a later stage's takes chunks
+    from ``start_seq`` and carries no audio the client already has."""
+    route = [*task.route]
+    route[move.stage] = move.to_replica
+    update: dict[str, object] = {"route": route, "attempt": move.attempt}
+    if move.stage == 0:
+        update["resume"] = point.deltas
+    else:
+        update["start_seq"] = start_seq
+        if point.audio_seq is not None and task.seq <= point.audio_seq:
+            update["codes"] = None
+    return task.model_copy(update=update)
 
 
 def apply_event(rec: RequestRecord, ev: LifecycleEvent) -> None:

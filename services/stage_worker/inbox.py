@@ -30,8 +30,10 @@ class Delivery:
 class RequestInbox:
     """Reorders one request's chunks by sequence number."""
 
-    def __init__(self) -> None:
-        self._next_seq = 0
+    def __init__(self, start_seq: int = 0) -> None:
+        """``start_seq``: the first sequence number handed out (an attempt after a move starts
+        where the one that died left off)."""
+        self._next_seq = start_seq
         self._waiting: dict[int, Delivery] = {}
         self._ready = asyncio.Event()
 

@@ -68,6 +68,21 @@ class RequestContext:
     abort_reason: str | None = None
     """Why the request was aborted (set by :meth:`abort`); once set, every later inbox or bus
     step of the handler raises."""
+    route: list[int] = field(default_factory=list)
+    """Replica of each stage, as this worker sends (the first task's, until a move re-routes)."""
+    _next_attempt: int = 1
+    """The next stage's attempt that this worker's chunks go to."""
+    _next_start: int = 0
+    """``start_seq`` of that attempt."""
+    _sending: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _released: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set unless the orchestrator holds this request's chunks while the next stage moves."""
+
+    def __post_init__(self) -> None:
+        self.route = list(self.first.route)
+        self._released.set()
+        if self.first.attempt > 1:
+            self.inbox = RequestInbox(self.first.start_seq)
 
     @property
     def request_id(self) -> str:
@@ -130,34 +145,64 @@ class RequestContext:
         return [*self._in_hand.values(), *self.inbox.held()]
 
     async def downstream(self, *, final: bool = False, **payload: object) -> None:
-        """Send one chunk to the next stage's bound replica, numbered in order."""
+        """Send one chunk to the next stage's bound replica, numbered in order (it waits while
+        the orchestrator holds the request's chunks, :meth:`hold`)."""
         self._check_aborted()
-        to_stage = self.me.stage + 1
-        task = StageTask(
-            request_id=self.request_id,
-            gateway_id=self.first.gateway_id,
-            arrival_ns=self.first.arrival_ns,
-            deadline_ns=self.first.deadline_ns,
-            route=self.first.route,
-            kind=TaskKind.CHUNK,
-            seq=self._out_seq,
-            final=final,
-            from_attempt=self.attempt,
-            **payload,
-        )
-        self._out_seq += 1
-        hop = Hop(str(self.me.stage), str(self.me.replica), to_stage, self.first.route[to_stage])
-        await publish_task(self.bus.js, self.bus.subjects, task, hop, self.span)
+        while True:
+            await self._released.wait()
+            await self._sending.acquire()
+            if self._released.is_set():
+                break
+            self._sending.release()  # held while this send waited for the lock
+        try:
+            hop, task = self._chunk(final, payload)
+            await publish_task(self.bus.js, self.bus.subjects, task, hop, self.span)
+        finally:
+            self._sending.release()
         if tracing.enabled():
             self.span.add_event(
                 "chunk.sent",
                 {
                     "omni.seq": task.seq,
                     "omni.final": final,
-                    "omni.to_stage": to_stage,
+                    "omni.to_stage": hop.to_stage,
                     "omni.to_replica": hop.to_replica,
                 },
             )
+
+    def _chunk(self, final: bool, payload: dict[str, object]) -> tuple[Hop, StageTask]:
+        """The next chunk for the next stage, numbered, and where it goes."""
+        to_stage = self.me.stage + 1
+        task = StageTask(
+            request_id=self.request_id,
+            gateway_id=self.first.gateway_id,
+            arrival_ns=self.first.arrival_ns,
+            deadline_ns=self.first.deadline_ns,
+            route=self.route,
+            kind=TaskKind.CHUNK,
+            seq=self._out_seq,
+            final=final,
+            attempt=self._next_attempt,
+            from_attempt=self.attempt,
+            start_seq=self._next_start if self._next_attempt > 1 else 0,
+            **payload,
+        )
+        self._out_seq += 1
+        return Hop(str(self.me.stage), str(self.me.replica), to_stage, self.route[to_stage]), task
+
+    async def hold(self) -> int:
+        """Stop sending chunks downstream (a send under way finishes first) until
+        :meth:`release`; returns the sequence number of the next chunk."""
+        async with self._sending:
+            self._released.clear()
+            return self._out_seq
+
+    def release(self, stage: int, replica: int, attempt: int, start_seq: int) -> None:
+        """Send on to ``replica`` of ``stage``, whose attempt ``attempt`` takes chunks from
+        ``start_seq``."""
+        self.route[stage] = replica
+        self._next_attempt, self._next_start = attempt, start_seq
+        self._released.set()
 
     async def client(self, event: ClientEvent) -> None:
         """Send a client-visible event to the request's gateway, stamped with stage and replica."""

@@ -33,6 +33,8 @@ from libs.common.envelopes import (
     ClientEvent,
     ClientEventType,
     MalformedMessage,
+    RouteChange,
+    RouteHeld,
     StageTask,
     TaskKind,
     decode,
@@ -135,6 +137,7 @@ class StageWorker:
         # Orchestrators probe this while the replica has work (services/orchestrator/liveness.py);
         # it answers before the replica is routable.
         await nc.subscribe(self.subjects.alive(self.me.stage, self.me.replica), cb=self._on_alive)
+        await nc.subscribe(self.subjects.route(self.me.stage, self.me.replica), cb=self._on_route)
         self._heartbeat = Heartbeat(await services_kv(js), record, lambda: len(self.active))
         await self._heartbeat.start()
         self._tasks = [asyncio.create_task(self._keep_alive_loop(), name="keep-alive")]
@@ -308,7 +311,8 @@ class StageWorker:
             if self._heartbeat:
                 self._heartbeat.load_dropped()
             self._close(rid, ctx.attempt)
-            await self._ack_all(ctx)
+            if ctx.abort_reason != MOVED:  # a moved request's inputs are the new attempt's now
+                await self._ack_all(ctx)
             await self._admit_backlog()
 
     async def _admit_backlog(self) -> None:
@@ -379,6 +383,34 @@ class StageWorker:
     async def _on_alive(self, msg: Msg) -> None:
         """Answer a liveness probe: the answer itself says this event loop runs."""
         await msg.respond(b"")
+
+    async def _on_route(self, msg: Msg) -> None:
+        """The orchestrator moves the next stage of one of this worker's requests: hold its
+        chunks, then send them to the new replica (services/orchestrator/orchestrator.py)."""
+        try:
+            change = decode(RouteChange, msg.data)
+        except MalformedMessage as e:
+            log.warning("%s: ignoring malformed route change: %s", self.label, e)
+            return
+        entry = self.active.get(change.request_id)
+        if entry is None or entry[0].aborted:
+            await msg.respond(RouteHeld(held=False).encode())
+            return
+        ctx = entry[0]
+        if change.action == "hold":
+            next_seq = await ctx.hold()
+        else:
+            ctx.release(change.stage, change.replica, change.attempt, change.start_seq)
+            next_seq = -1
+            log.info(
+                "%s: request %s: stage %d now on replica %d (attempt %d)",
+                self.label,
+                change.request_id,
+                change.stage,
+                change.replica,
+                change.attempt,
+            )
+        await msg.respond(RouteHeld(held=True, next_seq=max(next_seq, 0)).encode())
 
     async def _on_abort(self, msg: Msg) -> None:
         try:

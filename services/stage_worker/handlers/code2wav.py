@@ -46,6 +46,7 @@ class Code2WavHandler(StageHandler):
                     ClientEvent(
                         request_id=req.request_id,
                         type=ClientEventType.AUDIO,
+                        in_seq=d.task.seq,
                         pcm16=pcm,
                         sample_rate=self.sample_rate,
                     )

@@ -1,0 +1,210 @@
+"""A code2wav replica killed (SIGKILL) with chunks of a request waiting for it: a real orchestrator
+moves the request to the other real code2wav replica, holding the talker's chunks meanwhile; the new
+replica decodes exactly the chunks whose audio the client does not have, and the talker's later
+chunks go to it. The test plays the talker (it answers the hold and the release) and the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from functools import partial
+
+import nats
+import numpy as np
+import pytest
+
+from libs.common.bus import requests_kv
+from libs.common.envelopes import (
+    ClientEvent,
+    ClientEventType,
+    NdArray,
+    ResumePoint,
+    ResumeQuery,
+    RouteChange,
+    RouteHeld,
+    StageTask,
+    TaskKind,
+    decode,
+)
+from libs.common.publish import Hop, publish_task
+from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
+from libs.common.subjects import Subjects
+from libs.models.codec import decode_to_pcm16, load_codec
+from libs.models.tiny import resolve_model
+from tests.metrics_scrape import delta, scrape
+from tests.procs import TALKER_YAML, THINKER_YAML, gone, start_service, write_pipeline
+
+pytestmark = pytest.mark.integration
+
+PIPELINE = "c2wmove"
+GATEWAY = "gwc2w"
+SUBJECTS = Subjects(PIPELINE)
+CODE2WAV_X2 = """\
+  - name: code2wav
+    type: codec
+    model: tiny-code2wav
+    replicas: 2
+    consumes: codec_codes
+    emits: audio
+    stream_to_client: true
+"""
+CODES = [[3, 1, 4, 1], [5, 9, 2, 6], [5, 3, 5, 8], [9, 7, 9, 3], [2, 3, 8]]
+"""The talker's code chunks, seq 0 to 4 (the last one final)."""
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("c2wmove")
+    path = write_pipeline(tmp / "p.yaml", PIPELINE, THINKER_YAML + TALKER_YAML + CODE2WAV_X2)
+    orch = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
+    workers = [
+        start_service(
+            ["worker"],
+            nats_server.url,
+            path,
+            tmp / f"c2w{r}.log",
+            {"OMNIRELAY_STAGE": "2", "OMNIRELAY_REPLICA": str(r)},
+        )
+        for r in (0, 1)
+    ]
+    orch.wait_log("ready")
+    for w in workers:
+        w.wait_log("serving", timeout_s=120)
+    yield orch, workers
+    for proc in [orch, *workers]:
+        proc.stop()
+
+
+@pytest.fixture
+async def nc(nats_server):
+    conn = await nats.connect(nats_server.url)
+    yield conn
+    await conn.close()
+
+
+async def _put(queue: asyncio.Queue, cls, msg) -> None:
+    queue.put_nowait(decode(cls, msg.data))
+
+
+def chunk(rid: str, seq: int, route: list[int], attempt: int = 1, start_seq: int = 0) -> StageTask:
+    now = time.time_ns()
+    return StageTask(
+        request_id=rid,
+        gateway_id=GATEWAY,
+        arrival_ns=now,
+        deadline_ns=now + 60 * 10**9,
+        route=route,
+        kind=TaskKind.CHUNK,
+        seq=seq,
+        final=seq == len(CODES) - 1,
+        codes=NdArray.of(np.asarray(CODES[seq], dtype=np.int32)),
+        attempt=attempt,
+        start_seq=start_seq,
+    )
+
+
+async def test_a_killed_code2wav_replica_moves_its_chunks_and_no_audio_is_lost_or_repeated(stack, nc) -> None:
+    orch, workers = stack
+    before = scrape(orch.metrics_url)
+    rid = f"c2w-{time.time_ns()}"
+    now = time.time_ns()
+    record = RequestRecord(
+        request_id=rid,
+        pipeline=PIPELINE,
+        gateway_id=GATEWAY,
+        status=RequestStatus.RUNNING,
+        route=[0, 0, 0],
+        stages=[
+            StageProgress(replica=0, started_ns=now, done_ns=now),  # thinker done
+            StageProgress(replica=0, started_ns=now, done_ns=now),  # the test is the talker
+            StageProgress(
+                replica=0, started_ns=now, attempts=[StageAttempt(attempt=1, replica=0, bound_ns=now)]
+            ),
+        ],
+        arrival_ns=now,
+        admitted_ns=now,
+        deadline_ns=now + 60 * 10**9,
+        updated_ns=now,
+    )
+    await (await requests_kv(nc.jetstream())).put(rid, record.model_dump_json().encode())
+
+    audio: asyncio.Queue[ClientEvent] = asyncio.Queue()
+    await nc.subscribe(SUBJECTS.out(GATEWAY, rid), cb=partial(_put, audio, ClientEvent))
+    client_has = {"audio_seq": None}
+    questions: list[ResumeQuery] = []
+
+    async def gateway(msg) -> None:
+        questions.append(decode(ResumeQuery, msg.data))
+        await msg.respond(ResumePoint(known=True, audio_seq=client_has["audio_seq"]).encode())
+
+    route_changes: asyncio.Queue[RouteChange] = asyncio.Queue()
+
+    async def talker(msg) -> None:
+        change = decode(RouteChange, msg.data)
+        route_changes.put_nowait(change)
+        await msg.respond(RouteHeld(held=True, next_seq=4).encode())
+
+    await nc.subscribe(SUBJECTS.resume(GATEWAY), cb=gateway)
+    await nc.subscribe(SUBJECTS.route(1, 0), cb=talker)
+    js = nc.jetstream()
+
+    # Chunks 0 and 1 are decoded by replica 0 and reach the client.
+    for seq in (0, 1):
+        await publish_task(js, SUBJECTS, chunk(rid, seq, [0, 0, 0]), Hop("1", "0", 2, 0))
+    got = [await asyncio.wait_for(audio.get(), 10) for _ in range(2)]
+    assert [(e.type, e.in_seq, e.replica) for e in got] == [
+        (ClientEventType.AUDIO, 0, 0),
+        (ClientEventType.AUDIO, 1, 0),
+    ]
+
+    pid = workers[0].proc.pid
+    os.kill(pid, signal.SIGKILL)
+    for _ in range(50):
+        if gone(pid):
+            break
+        await asyncio.sleep(0.1)
+    assert gone(pid), "code2wav replica 0 still runs after SIGKILL"
+    # Chunks 2 and 3 wait for the dead replica; the client, say, already has chunk 2's audio.
+    client_has["audio_seq"] = 2
+    for seq in (2, 3):
+        await publish_task(js, SUBJECTS, chunk(rid, seq, [0, 0, 0]), Hop("1", "0", 2, 0))
+
+    hold = await asyncio.wait_for(route_changes.get(), 10)
+    assert (hold.request_id, hold.stage, hold.action) == (rid, 2, "hold")
+    release = await asyncio.wait_for(route_changes.get(), 5)
+    assert (release.action, release.replica, release.attempt, release.start_seq) == ("release", 1, 2, 2)
+    assert [(q.stage, q.attempt) for q in questions] == [(2, 2)]
+    # The talker sends on as told: its last chunk to replica 1, attempt 2.
+    await publish_task(js, SUBJECTS, chunk(rid, 4, [0, 0, 1], attempt=2, start_seq=2), Hop("1", "0", 2, 1))
+
+    rest = []
+    while not rest or rest[-1].type != ClientEventType.AUDIO_DONE:
+        rest.append(await asyncio.wait_for(audio.get(), 10))
+    assert [(e.type, e.in_seq, e.replica, e.attempt) for e in rest] == [
+        (ClientEventType.AUDIO, 3, 1, 2),
+        (ClientEventType.AUDIO, 4, 1, 2),
+        (ClientEventType.AUDIO_DONE, None, 1, 2),
+    ], "chunk 2's audio repeated, or a chunk's audio is missing"
+    codec = load_codec(resolve_model("tiny-code2wav"))
+    for e in rest[:2]:
+        assert e.pcm16 == decode_to_pcm16(codec, np.asarray(CODES[e.in_seq], dtype=np.int32))
+
+    kv = await requests_kv(js)
+    for _ in range(50):
+        rec = RequestRecord.model_validate_json((await kv.get(rid)).value)
+        if rec.status.terminal:
+            break
+        await asyncio.sleep(0.1)
+    assert rec.status == RequestStatus.COMPLETED, rec
+    assert [(a.attempt, a.replica, a.reason) for a in rec.stages[2].attempts] == [
+        (1, 0, None),
+        (2, 1, "exit"),
+    ]
+    after = scrape(orch.metrics_url)
+    assert (
+        delta(before, after, "vllm:omni_requests_migrated_total", stage="2", from_replica="0", to_replica="1")
+        == 1
+    )
