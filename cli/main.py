@@ -360,5 +360,16 @@ def bench_bus(
     typer.echo(render(run_bus_bench(messages, interval_ms / 1e3, warmup)))
 
 
+@app.command("bench-faults")
+def bench_faults(
+    only: Annotated[str | None, typer.Option(help="run only the faults whose name contains this")] = None,
+) -> None:
+    """The fault suite: a stack with two replicas of every stage serves streams while one fault at a
+    time is injected and verified; prints a row per fault (see docs/reliability.md)."""
+    from benchmarks.fault_suite import run_fault_suite
+
+    raise typer.Exit(run_fault_suite(only))
+
+
 def main() -> None:
     app()

@@ -1,0 +1,334 @@
+"""``omnirelay bench-faults``: the fault suite. One ``omnirelay up`` stack (a pipeline with two
+replicas of every stage, a NATS server of the suite's own) serves streaming requests while one fault
+at a time is injected; each injection is verified (the process is gone, or its state is ``T``),
+and each fault gets a row: requests in flight, completed in full, failed with a clear error, hung,
+missing or repeated tokens, and how long the streams paused.
+
+Clocks: ``time.monotonic()`` of this process, seconds. The accounting (:func:`row_of`) is a pure
+function of what the clients saw (tested in ``tests/unit/test_fault_suite.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.harness import Processes, Stack, descendants, log, run_with_stacks, start_stack, wait_port
+from libs.common.bus_state import snapshot
+from libs.common.pipeline import PipelineConfig, load_pipeline
+
+PIPELINE_YAML = """\
+name: faults
+served_model_name: faults-model
+request_timeout_s: 120
+stages:
+  - {name: thinker, type: llm, model: tiny-thinker, replicas: 2, consumes: text, emits: text,
+     stream_to_client: true, engine: {max_model_len: 2048, enforce_eager: true, dtype: float32}}
+  - {name: talker, type: llm, model: tiny-talker, replicas: 2, consumes: text, emits: codec_codes,
+     engine: {max_model_len: 2048, enforce_eager: true, dtype: float32}}
+  - {name: code2wav, type: codec, model: tiny-code2wav, replicas: 2, consumes: codec_codes,
+     emits: audio, stream_to_client: true}
+"""
+PROMPT = "Tell me everything about the sea."
+SAMPLE_RATE = 24_000
+"""The tiny code2wav's output rate, Hz."""
+HUNG_AFTER_S = 150.0
+"""A stream not ended this long after the fault counts as hung (the deadline is 120 s), seconds."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    target: str
+    """``worker``, ``engine_core`` (the worker's EngineCore process), ``orchestrator`` or ``nats``."""
+    stage: int = 0
+    sig: int = signal.SIGKILL
+    hold_s: float = 0.0
+    """SIGSTOP: how long the process stays stopped before SIGCONT."""
+    streams: int = 8
+    audio: bool = False
+    max_tokens: int = 400
+
+
+FAULTS = (
+    Fault("kill -9 a thinker replica", "worker", 0),
+    Fault("kill -9 a talker replica", "worker", 1, streams=4, audio=True, max_tokens=120),
+    Fault("kill -9 a code2wav replica", "worker", 2, streams=4, audio=True, max_tokens=120),
+    Fault("kill -9 a thinker's EngineCore only", "engine_core", 0),
+    Fault("SIGSTOP a thinker replica 30 s", "worker", 0, signal.SIGSTOP, hold_s=30.0),
+    Fault("kill -9 the orchestrator", "orchestrator"),
+    Fault("kill -9 nats-server, back 2 s later", "nats"),
+)
+
+
+@dataclass
+class Seen:
+    """One client's stream (``time.monotonic()`` readings)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    at: list[float] = field(default_factory=list)
+    """When each chunk with tokens or audio arrived."""
+    usage_tokens: int | None = None
+    audio_bytes: int = 0
+    error: str | None = None
+    ended_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Row:
+    fault: str
+    verified: str
+    in_flight: int
+    completed: int
+    failed: dict[str, int]
+    hung: int
+    wrong_count: int
+    """Completed text streams whose token count is not ``max_tokens`` (missing or repeated)."""
+    pause_s: float
+    """The longest pause of a stream that went on after the fault, seconds."""
+    audio_s: tuple[float, float] | None = None
+    """Audio faults: the shortest and longest audio of a completed stream, seconds (24 kHz PCM16)."""
+
+
+def row_of(fault: Fault, verified: str, fault_s: float, seen: list[Seen]) -> Row:
+    """The row of one fault from what its clients saw (pure)."""
+    failed: dict[str, int] = {}
+    completed = hung = wrong = 0
+    pause = 0.0
+    for s in seen:
+        if s.ended_s is None:
+            hung += 1
+            continue
+        if s.error is not None:
+            failed[s.error] = failed.get(s.error, 0) + 1
+            continue
+        completed += 1
+        if len(s.token_ids) != fault.max_tokens or s.usage_tokens != fault.max_tokens:
+            wrong += 1
+        after = [t for t in s.at if t > fault_s]
+        if after and len(after) < len(s.at):
+            gaps = [b - a for a, b in zip(s.at, s.at[1:], strict=False) if b > fault_s]
+            pause = max(pause, *gaps)
+    lengths = [s.audio_bytes / 2 / SAMPLE_RATE for s in seen if s.ended_s is not None and s.error is None]
+    audio = (min(lengths), max(lengths)) if fault.audio and lengths else None
+    return Row(fault.name, verified, len(seen), completed, failed, hung, wrong, pause, audio)
+
+
+async def _stream(client, model: str, fault: Fault, seen: Seen) -> None:
+    import openai
+
+    extra: dict[str, object] = {"ignore_eos": True, "return_token_ids": True}
+    kwargs: dict[str, object] = {}
+    if fault.audio:
+        kwargs = {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "pcm16"}}
+    try:
+        stream = await client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=fault.max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+            **kwargs,
+        )
+        async for chunk in stream:
+            if chunk.choices:
+                extra_fields = chunk.choices[0].delta.model_extra or {}
+                ids = (chunk.choices[0].model_extra or {}).get("token_ids") or []
+                audio = extra_fields.get("audio") or {}
+                if ids or audio.get("data"):
+                    seen.at.append(time.monotonic())
+                seen.token_ids += ids
+                if audio.get("data"):
+                    seen.audio_bytes += len(audio["data"]) * 3 // 4
+            if chunk.usage is not None:
+                seen.usage_tokens = chunk.usage.completion_tokens
+    except openai.APIError as e:
+        seen.error = str(getattr(e, "code", None) or type(e).__name__)
+    seen.ended_s = time.monotonic()
+
+
+def _pids(root: int, *words: str) -> list[int]:
+    """Descendants of ``root`` whose command line contains every one of ``words``."""
+    found = []
+    for pid in descendants(root):
+        with contextlib.suppress(OSError):
+            cmd = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+            env = Path(f"/proc/{pid}/environ").read_text().split("\0")
+            if all(w in cmd or w in env for w in words):
+                found.append(pid)
+    return found
+
+
+def _state(pid: int) -> str:
+    """The process state letter (``T`` stopped, ``Z`` zombie), ``gone`` when it does not exist."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+async def _busiest_replica(stack: Stack, stage: int, ids: list[str]) -> int:
+    """The replica of ``stage`` that the most of ``ids`` run on (from their records)."""
+    import nats
+
+    from libs.common.bus import requests_kv
+
+    nc = await nats.connect(stack.nats_url)
+    try:
+        kv = await requests_kv(nc.jetstream())
+        counts: dict[int, int] = {}
+        for rid in ids:
+            with contextlib.suppress(Exception):
+                rec = json.loads((await kv.get(rid)).value)
+                if len(rec["route"]) > stage:
+                    counts[rec["route"][stage]] = counts.get(rec["route"][stage], 0) + 1
+        return max(counts, key=counts.get) if counts else 0
+    finally:
+        await nc.close()
+
+
+class Injector:
+    """Finds a fault's process in the stack and injects the fault, verifying that it took."""
+
+    def __init__(
+        self, procs: Processes, stack: Stack, nats_argv: list[str], pipeline: PipelineConfig
+    ) -> None:
+        self.procs, self.stack, self.nats_argv, self.pipeline = procs, stack, nats_argv, pipeline
+
+    def target_pid(self, fault: Fault, replica: int) -> int:
+        root = self.stack.process.proc.pid
+        if fault.target == "orchestrator":
+            (pid,) = _pids(root, "-m cli orchestrator")
+            return pid
+        (worker,) = _pids(
+            root, "-m cli worker", f"OMNIRELAY_STAGE={fault.stage}", f"OMNIRELAY_REPLICA={replica}"
+        )
+        if fault.target == "worker":
+            return worker
+        (core,) = [p for p in descendants(worker) if "EngineCore" in Path(f"/proc/{p}/cmdline").read_text()]
+        return core
+
+    async def inject(self, fault: Fault, replica: int) -> str:
+        """Inject ``fault``; what was verified."""
+        if fault.target == "nats":
+            nats = next(m for m in self.procs.items if m.name.startswith("nats"))
+            pid = nats.proc.pid
+            os.kill(pid, signal.SIGKILL)
+            nats.proc.wait(5)
+            verified = f"pid {pid} {_state(pid)}"
+            await asyncio.sleep(2.0)
+            port = int(self.nats_argv[self.nats_argv.index("-p") + 1])
+            wait_port(self.procs.start("nats (restarted)", self.nats_argv, {}), port, 30)
+            return verified
+        pid = self.target_pid(fault, replica)
+        os.kill(pid, fault.sig)
+        for _ in range(50):
+            state = _state(pid)
+            if state in ("gone", "Z") or (fault.sig == signal.SIGSTOP and state == "T"):
+                break
+            await asyncio.sleep(0.05)
+        verified = f"pid {pid} {_state(pid)}"
+        if fault.sig == signal.SIGSTOP:
+            await asyncio.sleep(fault.hold_s)
+            os.kill(pid, signal.SIGCONT)
+        return verified
+
+
+async def _healthy(stack: Stack, timeout_s: float = 300.0) -> None:
+    """Wait until every declared replica is live again (``/health`` status ``ok``)."""
+    import httpx
+
+    url = stack.base_url.removesuffix("/v1") + "/health"
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=5) as http:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if (await http.get(url)).json().get("status") == "ok":
+                    return
+            await asyncio.sleep(1.0)
+    raise RuntimeError(f"the stack did not heal within {timeout_s:.0f} s")
+
+
+async def run_fault(injector: Injector, fault: Fault, model: str) -> Row:
+    from openai import AsyncOpenAI
+
+    await _healthy(injector.stack)
+    client = AsyncOpenAI(
+        base_url=injector.stack.base_url, api_key="unused", max_retries=0, timeout=HUNG_AFTER_S
+    )
+    seen = [Seen() for _ in range(fault.streams)]
+    tasks = [asyncio.create_task(_stream(client, model, fault, s)) for s in seen]
+    while sum(len(s.at) >= 20 for s in seen) < max(2, fault.streams // 2):
+        if all(t.done() for t in tasks):
+            raise RuntimeError(f"{fault.name}: the streams ended before the fault")
+        await asyncio.sleep(0.05)
+    ids = [r["request_id"] for r in (await snapshot(injector.stack.nats_url, injector.pipeline))["inflight"]]
+    replica = await _busiest_replica(injector.stack, fault.stage, ids)
+    fault_s = time.monotonic()
+    verified = await injector.inject(fault, replica)
+    log(f"{fault.name}: injected ({verified})")
+    await asyncio.wait(tasks, timeout=HUNG_AFTER_S)
+    for t in tasks:
+        t.cancel()
+    await client.close()
+    return row_of(fault, verified, fault_s, seen)
+
+
+def render(rows: list[Row]) -> str:
+    head = (
+        "fault",
+        "verified",
+        "in flight",
+        "completed",
+        "failed (code)",
+        "hung",
+        "wrong token count",
+        "longest pause s",
+        "audio s (min–max)",
+    )
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for r in rows:
+        failed = ", ".join(f"{n} {c}" for c, n in sorted(r.failed.items())) or "0"
+        audio = f"{r.audio_s[0]:.2f}–{r.audio_s[1]:.2f}" if r.audio_s else "-"
+        cells = (
+            r.fault,
+            r.verified,
+            r.in_flight,
+            r.completed,
+            failed,
+            r.hung,
+            r.wrong_count,
+            f"{r.pause_s:.2f}",
+            audio,
+        )
+        lines.append(" | ".join(str(c) for c in cells))
+    return "\n".join(f"| {line} |" for line in lines)
+
+
+def run_fault_suite(only: str | None = None) -> int:
+    """Start the stack, run every fault (or those whose name contains ``only``), print the table."""
+    rows: list[Row] = []
+
+    def work(procs: Processes, data_dir: Path) -> None:
+        pipeline = data_dir / "faults.yaml"
+        pipeline.write_text(PIPELINE_YAML)
+        stack = start_stack(procs, "faults", pipeline, {}, data_dir, ["--log-stats"])
+        nats = next(m for m in procs.items if m.name.startswith("nats"))
+        injector = Injector(procs, stack, list(nats.proc.args), load_pipeline(pipeline))
+        for fault in FAULTS:
+            if only and only not in fault.name:
+                continue
+            rows.append(asyncio.run(run_fault(injector, fault, "faults-model")))
+            log(render(rows[-1:]).splitlines()[-1])
+
+    code = run_with_stacks("omnirelay-faults-", work)
+    print(render(rows))
+    return code

@@ -1,0 +1,32 @@
+"""The fault suite's accounting: a row from what the clients saw (pure)."""
+
+from __future__ import annotations
+
+from benchmarks.fault_suite import Fault, Seen, render, row_of
+
+
+def test_a_row_counts_completed_failed_hung_and_wrong_counts_and_the_longest_pause() -> None:
+    fault = Fault("kill -9 a thinker replica", "worker", 0, streams=5, max_tokens=3)
+    full = Seen(token_ids=[1, 2, 3], at=[1.0, 2.0, 5.5], usage_tokens=3, ended_s=6.0)
+    before_only = Seen(token_ids=[1, 2, 3], at=[0.5, 1.0, 1.5], usage_tokens=3, ended_s=1.6)
+    repeated = Seen(token_ids=[1, 2, 2, 3], at=[1.0, 4.0], usage_tokens=4, ended_s=4.5)
+    failed = Seen(error="replica_lost", ended_s=3.0)
+    hung = Seen(token_ids=[1], at=[1.0])
+    row = row_of(fault, "pid 7 gone", 3.0, [full, before_only, repeated, failed, hung])
+    assert (row.in_flight, row.completed, row.failed, row.hung, row.wrong_count) == (
+        5,
+        3,
+        {"replica_lost": 1},
+        1,
+        1,
+    )
+    assert row.pause_s == 3.5  # full: 2.0 -> 5.5 spans the fault; before_only never paused after it
+    table = render([row])
+    assert "| kill -9 a thinker replica | pid 7 gone | 5 | 3 | 1 replica_lost | 1 | 1 | 3.50 | - |" in table
+
+
+def test_audio_faults_report_the_audio_lengths() -> None:
+    fault = Fault("kill -9 a code2wav replica", "worker", 2, streams=2, audio=True, max_tokens=1)
+    a = Seen(token_ids=[1], at=[1.0], usage_tokens=1, audio_bytes=48_000, ended_s=2.0)
+    b = Seen(token_ids=[1], at=[1.0], usage_tokens=1, audio_bytes=96_000, ended_s=2.0)
+    assert row_of(fault, "pid 9 gone", 0.5, [a, b]).audio_s == (1.0, 2.0)
