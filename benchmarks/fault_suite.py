@@ -11,6 +11,7 @@ function of what the clients saw (tested in ``tests/unit/test_fault_suite.py``).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -140,14 +141,14 @@ async def _stream(client, model: str, fault: Fault, seen: Seen) -> None:
         )
         async for chunk in stream:
             if chunk.choices:
-                extra_fields = chunk.choices[0].delta.model_extra or {}
                 ids = (chunk.choices[0].model_extra or {}).get("token_ids") or []
-                audio = extra_fields.get("audio") or {}
-                if ids or audio.get("data"):
+                audio = chunk.choices[0].delta.audio
+                data = audio.data if audio is not None else None
+                if ids or data:
                     seen.at.append(time.monotonic())
                 seen.token_ids += ids
-                if audio.get("data"):
-                    seen.audio_bytes += len(audio["data"]) * 3 // 4
+                if data:
+                    seen.audio_bytes += len(base64.b64decode(data))
             if chunk.usage is not None:
                 seen.usage_tokens = chunk.usage.completion_tokens
     except openai.APIError as e:
@@ -267,8 +268,9 @@ async def run_fault(injector: Injector, fault: Fault, model: str) -> Row:
     seen = [Seen() for _ in range(fault.streams)]
     tasks = [asyncio.create_task(_stream(client, model, fault, s)) for s in seen]
     while sum(len(s.at) >= 20 for s in seen) < max(2, fault.streams // 2):
-        if all(t.done() for t in tasks):
-            raise RuntimeError(f"{fault.name}: the streams ended before the fault")
+        if all(t.done() for t in tasks):  # the stack is broken: say so, and go on
+            await client.close()
+            return row_of(fault, "not injected: the streams ended first", time.monotonic(), seen)
         await asyncio.sleep(0.05)
     ids = [r["request_id"] for r in (await snapshot(injector.stack.nats_url, injector.pipeline))["inflight"]]
     replica = await _busiest_replica(injector.stack, fault.stage, ids)

@@ -227,6 +227,8 @@ class LifecycleEvent(_Envelope):
 
 MOVED = "moved"
 """``AbortNotice.reason`` of a request that moved to another replica of ``stage``."""
+ENGINE_DEAD = "engine_dead"
+"""A worker's answer to its liveness probe once its engine has died (it exits soon after)."""
 
 
 class AbortNotice(_Envelope):

@@ -166,12 +166,13 @@ FAMILIES: tuple[Family, ...] = (
            Exporter.ORCHESTRATOR, SECONDS_FAST_BUCKETS, spec=False),
     Family("vllm:omni_replica_evictions", Kind.COUNTER,
            "Stage replicas declared dead while they had work, by reason (exit: its connection is gone; "
-           "stall: it left its liveness probe unanswered for the stage's stall_timeout_s). Counted once "
-           "per replica incarnation across orchestrators.", (*PIPELINE, "stage", "replica", "reason"),
+           "stall: it left its liveness probe unanswered for the stage's stall_timeout_s; engine_dead: "
+           "its worker answered that its engine died). Counted once per replica incarnation across "
+           "orchestrators.", (*PIPELINE, "stage", "replica", "reason"),
            Exporter.ORCHESTRATOR, spec=False),
     Family("vllm:omni_requests_migrated", Kind.COUNTER,
            "Requests moved to another replica of a stage because the one they ran on died, by reason "
-           "(exit, stall) and phase (queued: its engine had not started it; in_progress). Counted by "
+           "(exit, stall, engine_dead) and phase (queued: its engine had not started it; in_progress). Counted by "
            "the orchestrator that moved the request.",
            (*PIPELINE, "stage", "from_replica", "to_replica", "reason", "phase"), Exporter.ORCHESTRATOR, spec=False),
     Family("vllm:omni_orchestrator_admissions", Kind.COUNTER,

@@ -11,6 +11,8 @@ loop. Two verdicts:
   restart: the workers are reconnecting too).
 - ``stall`` — no answer at all for the stage's ``stall_timeout_s`` (pipeline YAML): the process is
   stopped, or its event loop is blocked.
+- ``engine_dead`` — the worker answers that its engine died (it exits right after, and is
+  started anew by the launcher or compose).
 
 A verdict is about one incarnation of the replica (its ``started_ns`` in ``omni_services``): the
 first orchestrator to create its key in ``omni_evictions`` counts and logs it; every orchestrator
@@ -33,6 +35,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from libs.common.envelopes import ENGINE_DEAD
 from libs.common.pipeline import PipelineConfig
 from libs.common.records import RequestRecord
 from libs.common.registry import LiveServices, ServiceKind, ServiceRecord
@@ -55,6 +58,7 @@ subscription is missing although it lives. Silence still counts towards a stall 
 class DeathReason(StrEnum):
     EXIT = "exit"
     STALL = "stall"
+    ENGINE_DEAD = "engine_dead"
 
 
 @dataclass(frozen=True)
@@ -71,11 +75,14 @@ class Death:
 
 
 def verdict(answer: str, silent_s: float, stall_timeout_s: float, reconnecting: bool) -> DeathReason | None:
-    """The verdict on one probe: ``answer`` is ``ok``, ``no_responders`` or ``timeout``;
+    """The verdict on one probe: ``answer`` is ``ok``, ``engine_dead`` (the worker lives, its
+    engine does not), ``no_responders`` or ``timeout``;
     ``silent_s`` is how long the replica has not answered (0 after an answer); ``reconnecting``:
     this orchestrator reconnected less than :data:`RECONNECT_GRACE_S` ago."""
     if answer == "ok":
         return None
+    if answer == ENGINE_DEAD:
+        return DeathReason.ENGINE_DEAD
     if answer == "no_responders" and not reconnecting:
         return DeathReason.EXIT
     if silent_s >= stall_timeout_s:
@@ -152,12 +159,12 @@ class ReplicaWatch:
 
     async def _probe(self, stage: int, replica: int) -> str:
         try:
-            await self._nc.request(self._subjects.alive(stage, replica), b"", timeout=PROBE_TIMEOUT_S)
+            reply = await self._nc.request(self._subjects.alive(stage, replica), b"", timeout=PROBE_TIMEOUT_S)
         except NoRespondersError:
             return "no_responders"
         except (NatsTimeoutError, TimeoutError, ConnectionClosedError):
             return "timeout"  # ours is down too: no answer, and no proof of death
-        return "ok"
+        return ENGINE_DEAD if reply.data == ENGINE_DEAD.encode() else "ok"
 
     async def _check(self, stage: int, replica: int) -> None:
         now = time.monotonic()

@@ -363,7 +363,11 @@ class Orchestrator:
             stage.name,
             death.replica,
             death.reason,
-            "its connection is gone" if death.reason == DeathReason.EXIT else "no answer to its probe",
+            {
+                DeathReason.EXIT: "its connection is gone",
+                DeathReason.STALL: "no answer to its probe",
+                DeathReason.ENGINE_DEAD: "its engine died",
+            }[death.reason],
             death.silent_s,
             len(self._index.bound_to(death.stage, death.replica)),
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections import deque
 
@@ -28,6 +29,7 @@ from libs.common.bus import (
 )
 from libs.common.consumer import PullConsumer
 from libs.common.envelopes import (
+    ENGINE_DEAD,
     MOVED,
     AbortNotice,
     ClientEvent,
@@ -60,6 +62,13 @@ CONSUMER_STATE_PERIOD_S = 2.0
 PULL_BATCH = 64
 """Messages asked of the stage consumer at a time (those beyond ``max_inflight`` requests wait
 in the backlog, kept alive by in-progress acks)."""
+ENGINE_CHECK_PERIOD_S = 0.5
+"""How often an idle worker checks that its engine lives, seconds."""
+ENGINE_DEAD_EXIT_AFTER_S = 1.5
+"""A worker whose engine died exits this long after noticing, seconds: every orchestrator probes a
+busy replica every 0.5 s, so each sees the ``engine_dead`` answer first."""
+ENGINE_DEAD_EXIT_STATUS = 3
+"""Exit status of a worker whose engine died."""
 CLOSED_TTL_S = 600.0
 """How long a finished/aborted request id is remembered so late chunks are dropped, seconds."""
 
@@ -94,6 +103,8 @@ class StageWorker:
         self._heartbeat: Heartbeat | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._consumer: PullConsumer | None = None
+        self._engine_dead_since: float | None = None
+        """When the engine was found dead (monotonic s); the worker exits soon after."""
 
     @property
     def label(self) -> str:
@@ -140,7 +151,10 @@ class StageWorker:
         await nc.subscribe(self.subjects.route(self.me.stage, self.me.replica), cb=self._on_route)
         self._heartbeat = Heartbeat(await services_kv(js), record, lambda: len(self.active))
         await self._heartbeat.start()
-        self._tasks = [asyncio.create_task(self._keep_alive_loop(), name="keep-alive")]
+        self._tasks = [
+            asyncio.create_task(self._keep_alive_loop(), name="keep-alive"),
+            asyncio.create_task(self._engine_watch_loop(), name="engine-watch"),
+        ]
         if self.metrics.enabled:
             self._tasks.append(asyncio.create_task(self._consumer_state_loop(), name="consumer-state"))
         consumer = consumer_name(self.me.stage, self.me.replica)
@@ -299,6 +313,10 @@ class StageWorker:
             log.error("%s: request %s failed: %s", self.label, rid, e)
             await self._report_failure(ctx, e.status, e.code, str(e))
         except Exception as e:
+            if self._engine_died():  # not the request's fault: it moves with the replica's death
+                ctx.abort(ENGINE_DEAD)
+                log.error("%s: request %s stopped: the engine died", self.label, rid)
+                return
             log.exception("%s: request %s failed", self.label, rid)
             status, code = (400, "invalid_request") if isinstance(e, ValueError) else (500, "stage_error")
             await self._report_failure(
@@ -311,7 +329,7 @@ class StageWorker:
             if self._heartbeat:
                 self._heartbeat.load_dropped()
             self._close(rid, ctx.attempt)
-            if ctx.abort_reason != MOVED:  # a moved request's inputs are the new attempt's now
+            if ctx.abort_reason not in (MOVED, ENGINE_DEAD):  # else the inputs move with the request
                 await self._ack_all(ctx)
             await self._admit_backlog()
 
@@ -381,8 +399,32 @@ class StageWorker:
             self.metrics["vllm:omni_bus_dead_lettered"].labels(*self._labels).inc()
 
     async def _on_alive(self, msg: Msg) -> None:
-        """Answer a liveness probe: the answer itself says this event loop runs."""
-        await msg.respond(b"")
+        """Answer a liveness probe: the answer itself says this event loop runs; once the engine
+        has died it says so, and the orchestrators move this replica's requests at once."""
+        await msg.respond(ENGINE_DEAD.encode() if self._engine_dead_since is not None else b"")
+
+    def _engine_died(self) -> bool:
+        """Whether the engine has died under this worker; the first time, say so in the log and
+        exit ``ENGINE_DEAD_EXIT_AFTER_S`` later (probes answer ``engine_dead`` meanwhile, the
+        launcher or compose starts the replica anew)."""
+        if self._engine_dead_since is not None:
+            return True
+        if not self.handler.engine_dead():
+            return False
+        self._engine_dead_since = time.monotonic()
+        log.critical(
+            "%s: the engine died; exiting in %.1f s (exit status %d) so that this replica is started anew",
+            self.label,
+            ENGINE_DEAD_EXIT_AFTER_S,
+            ENGINE_DEAD_EXIT_STATUS,
+        )
+        asyncio.get_running_loop().call_later(ENGINE_DEAD_EXIT_AFTER_S, os._exit, ENGINE_DEAD_EXIT_STATUS)
+        return True
+
+    async def _engine_watch_loop(self) -> None:
+        """Notice an engine that died while nothing ran on it."""
+        while not self._engine_died():
+            await asyncio.sleep(ENGINE_CHECK_PERIOD_S)
 
     async def _on_route(self, msg: Msg) -> None:
         """The orchestrator moves the next stage of one of this worker's requests: hold its

@@ -50,3 +50,8 @@ def test_bound_to_lists_requests_whose_stage_still_runs_on_the_replica() -> None
     assert index.busy() == {(0, 1), (0, 0), (1, 0)}
     index.forget("a")
     assert index.bound_to(0, 1) == []
+
+
+def test_a_worker_whose_engine_died_is_dead_at_once_even_while_reconnecting() -> None:
+    assert verdict("engine_dead", 0.0, 10.0, reconnecting=False) == DeathReason.ENGINE_DEAD
+    assert verdict("engine_dead", 0.0, 10.0, reconnecting=True) == DeathReason.ENGINE_DEAD

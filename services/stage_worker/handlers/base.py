@@ -27,3 +27,7 @@ class StageHandler(ABC):
 
     @abstractmethod
     async def stop(self) -> None: ...
+
+    def engine_dead(self) -> bool:
+        """Whether the engine died under this live worker (it can serve nothing more)."""
+        return False

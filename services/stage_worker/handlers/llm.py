@@ -60,6 +60,10 @@ class LLMHandler(StageHandler):
                 name="vllm-log-stats",
             )
 
+    def engine_dead(self) -> bool:
+        """vLLM's engine processes are gone (``AsyncLLM.errored``: its EngineCore died)."""
+        return self.engine is not None and self.engine.errored
+
     async def stop(self) -> None:
         await cancel_and_wait(self._log_task)
         self._log_task = None
