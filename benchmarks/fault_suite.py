@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.harness import Processes, Stack, descendants, log, run_with_stacks, start_stack, wait_port
-from libs.common.bus_state import snapshot
-from libs.common.pipeline import PipelineConfig, load_pipeline
 
 PIPELINE_YAML = """\
 name: faults
@@ -72,6 +70,7 @@ FAULTS = (
 class Seen:
     """One client's stream (``time.monotonic()`` readings)."""
 
+    id: str = ""
     token_ids: list[int] = field(default_factory=list)
     at: list[float] = field(default_factory=list)
     """When each chunk with tokens or audio arrived."""
@@ -140,6 +139,7 @@ async def _stream(client, model: str, fault: Fault, seen: Seen) -> None:
             **kwargs,
         )
         async for chunk in stream:
+            seen.id = chunk.id
             if chunk.choices:
                 ids = (chunk.choices[0].model_extra or {}).get("token_ids") or []
                 audio = chunk.choices[0].delta.audio
@@ -199,10 +199,8 @@ async def _busiest_replica(stack: Stack, stage: int, ids: list[str]) -> int:
 class Injector:
     """Finds a fault's process in the stack and injects the fault, verifying that it took."""
 
-    def __init__(
-        self, procs: Processes, stack: Stack, nats_argv: list[str], pipeline: PipelineConfig
-    ) -> None:
-        self.procs, self.stack, self.nats_argv, self.pipeline = procs, stack, nats_argv, pipeline
+    def __init__(self, procs: Processes, stack: Stack, nats_argv: list[str]) -> None:
+        self.procs, self.stack, self.nats_argv = procs, stack, nats_argv
 
     def target_pid(self, fault: Fault, replica: int) -> int:
         root = self.stack.process.proc.pid
@@ -258,6 +256,32 @@ async def _healthy(stack: Stack, timeout_s: float = 300.0) -> None:
     raise RuntimeError(f"the stack did not heal within {timeout_s:.0f} s")
 
 
+async def _incarnation(stack: Stack, stage: int, replica: int) -> int:
+    """``started_ns`` of the worker (stage, replica) in the registry (0 when it is not there)."""
+    import nats
+
+    from libs.common.bus import services_kv
+
+    nc = await nats.connect(stack.nats_url)
+    try:
+        kv = await services_kv(nc.jetstream())
+        with contextlib.suppress(Exception):
+            return json.loads((await kv.get(f"worker.faults.{stage}.{replica}")).value)["started_ns"]
+        return 0
+    finally:
+        await nc.close()
+
+
+async def _replaced(stack: Stack, stage: int, replica: int, before_ns: int, timeout_s: float = 300.0) -> None:
+    """Wait until a new incarnation of the worker (stage, replica) has registered (its engine is
+    up: a worker registers after its engine has started)."""
+    deadline = time.monotonic() + timeout_s
+    while await _incarnation(stack, stage, replica) <= before_ns:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"worker {stage}/{replica} was not replaced within {timeout_s:.0f} s")
+        await asyncio.sleep(1.0)
+
+
 async def run_fault(injector: Injector, fault: Fault, model: str) -> Row:
     from openai import AsyncOpenAI
 
@@ -272,8 +296,9 @@ async def run_fault(injector: Injector, fault: Fault, model: str) -> Row:
             await client.close()
             return row_of(fault, "not injected: the streams ended first", time.monotonic(), seen)
         await asyncio.sleep(0.05)
-    ids = [r["request_id"] for r in (await snapshot(injector.stack.nats_url, injector.pipeline))["inflight"]]
-    replica = await _busiest_replica(injector.stack, fault.stage, ids)
+    # The victim: the replica of the stage that most of the streams already under way run on.
+    replica = await _busiest_replica(injector.stack, fault.stage, [s.id for s in seen if len(s.at) >= 20])
+    before_ns = await _incarnation(injector.stack, fault.stage, replica)
     fault_s = time.monotonic()
     verified = await injector.inject(fault, replica)
     log(f"{fault.name}: injected ({verified})")
@@ -281,7 +306,10 @@ async def run_fault(injector: Injector, fault: Fault, model: str) -> Row:
     for t in tasks:
         t.cancel()
     await client.close()
-    return row_of(fault, verified, fault_s, seen)
+    row = row_of(fault, verified, fault_s, seen)
+    if fault.target in ("worker", "engine_core") and fault.sig == signal.SIGKILL:
+        await _replaced(injector.stack, fault.stage, replica, before_ns)  # the next fault meets a whole stack
+    return row
 
 
 def render(rows: list[Row]) -> str:
@@ -324,7 +352,7 @@ def run_fault_suite(only: str | None = None) -> int:
         pipeline.write_text(PIPELINE_YAML)
         stack = start_stack(procs, "faults", pipeline, {}, data_dir, ["--log-stats"])
         nats = next(m for m in procs.items if m.name.startswith("nats"))
-        injector = Injector(procs, stack, list(nats.proc.args), load_pipeline(pipeline))
+        injector = Injector(procs, stack, list(nats.proc.args))
         for fault in FAULTS:
             if only and only not in fault.name:
                 continue

@@ -18,7 +18,6 @@ from functools import partial
 
 import nats
 import pytest
-from nats.js.errors import NotFoundError
 
 from libs.common.bus import requests_kv, services_kv
 from libs.common.envelopes import (
@@ -37,6 +36,7 @@ from libs.common.envelopes import (
 from libs.common.records import RequestRecord
 from libs.common.registry import ServiceKind, ServiceRecord
 from libs.common.subjects import Subjects
+from services.orchestrator.migration import stored_inputs
 from tests.metrics_scrape import delta, scrape
 from tests.procs import start_service, write_pipeline
 
@@ -164,16 +164,11 @@ async def admit(nc) -> Admission:
 
 async def stored(nc, replica: int, request_id: str) -> list[StageTask]:
     """The request's tasks stored for thinker replica ``replica`` (nobody consumes them here)."""
-    js, found, seq = nc.jetstream(), [], 1
-    while True:
-        try:
-            msg = await js.get_msg(
-                SUBJECTS.stages_stream, seq=seq, subject=SUBJECTS.stage_in(0, replica), next=True
-            )
-        except NotFoundError:
-            return [t for t in found if t.request_id == request_id]
-        found.append(decode(StageTask, msg.data))
-        seq = msg.seq + 1
+    subject = SUBJECTS.stage_in(0, replica)
+    return [
+        decode(StageTask, m.data)
+        for m in await stored_inputs(nc.jetstream(), SUBJECTS.stages_stream, subject, request_id)
+    ]
 
 
 async def until(check, timeout_s: float = 5.0):

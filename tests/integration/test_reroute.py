@@ -10,12 +10,12 @@ import time
 import nats
 import numpy as np
 import pytest
-from nats.js.errors import NotFoundError
 
 from libs.common.bus import ensure_topology
 from libs.common.envelopes import NdArray, StageTask, TaskKind, decode
 from libs.common.jetstream import JetStream
 from libs.common.subjects import Subjects
+from services.orchestrator.migration import stored_inputs
 from services.stage_worker.request_context import Bus, Identity, RequestContext
 
 pytestmark = pytest.mark.integration
@@ -23,17 +23,12 @@ pytestmark = pytest.mark.integration
 SUBJECTS = Subjects("reroutetest")
 
 
-async def _stored(js, replica: int) -> list[StageTask]:
-    found, seq = [], 1
-    while True:
-        try:
-            msg = await js.get_msg(
-                SUBJECTS.stages_stream, seq=seq, subject=SUBJECTS.stage_in(2, replica), next=True
-            )
-        except NotFoundError:
-            return found
-        found.append(decode(StageTask, msg.data))
-        seq = msg.seq + 1
+async def _stored(js, replica: int, request_id: str) -> list[StageTask]:
+    subject = SUBJECTS.stage_in(2, replica)
+    return [
+        decode(StageTask, m.data)
+        for m in await stored_inputs(js, SUBJECTS.stages_stream, subject, request_id)
+    ]
 
 
 async def test_held_chunks_wait_and_then_go_to_the_new_replica(nats_server) -> None:
@@ -58,13 +53,15 @@ async def test_held_chunks_wait_and_then_go_to_the_new_replica(nats_server) -> N
         waiting = asyncio.create_task(ctx.downstream(codes=codes))
         await asyncio.sleep(0.3)
         assert not waiting.done(), "a chunk was sent while the request was held"
-        assert [t.seq for t in await _stored(js, 0)] == [0] and await _stored(js, 1) == []
+        assert [t.seq for t in await _stored(js, 0, first.request_id)] == [0] and await _stored(
+            js, 1, first.request_id
+        ) == []
 
         ctx.release(2, 1, attempt=2, start_seq=1)
         await asyncio.wait_for(waiting, 5)
         await ctx.downstream(final=True, codes=codes)
-        assert [t.seq for t in await _stored(js, 0)] == [0]
-        moved = await _stored(js, 1)
+        assert [t.seq for t in await _stored(js, 0, first.request_id)] == [0]
+        moved = await _stored(js, 1, first.request_id)
         assert [(t.seq, t.attempt, t.start_seq, t.route, t.final) for t in moved] == [
             (1, 2, 1, [0, 0, 1], False),
             (2, 2, 1, [0, 0, 1], True),
