@@ -89,17 +89,23 @@ class Row:
     failed: dict[str, int]
     hung: int
     wrong_count: int
-    """Completed text streams whose token count is not ``max_tokens`` (missing or repeated)."""
+    """Completed streams whose token count is not ``max_tokens`` (missing or repeated)."""
+    unlike_reference: int | None
+    """Completed streams whose tokens differ from the same request's without a fault (greedy);
+    None when no reference was given."""
     pause_s: float
     """The longest pause of a stream that went on after the fault, seconds."""
     audio_s: tuple[float, float] | None = None
     """Audio faults: the shortest and longest audio of a completed stream, seconds (24 kHz PCM16)."""
 
 
-def row_of(fault: Fault, verified: str, fault_s: float, seen: list[Seen]) -> Row:
-    """The row of one fault from what its clients saw (pure)."""
+def row_of(
+    fault: Fault, verified: str, fault_s: float, seen: list[Seen], reference: list[int] | None = None
+) -> Row:
+    """The row of one fault from what its clients saw (pure); ``reference``: the tokens of the
+    same request without a fault."""
     failed: dict[str, int] = {}
-    completed = hung = wrong = 0
+    completed = hung = wrong = unlike = 0
     pause = 0.0
     for s in seen:
         if s.ended_s is None:
@@ -111,13 +117,25 @@ def row_of(fault: Fault, verified: str, fault_s: float, seen: list[Seen]) -> Row
         completed += 1
         if len(s.token_ids) != fault.max_tokens or s.usage_tokens != fault.max_tokens:
             wrong += 1
+        unlike += reference is not None and s.token_ids != reference
         after = [t for t in s.at if t > fault_s]
         if after and len(after) < len(s.at):
             gaps = [b - a for a, b in zip(s.at, s.at[1:], strict=False) if b > fault_s]
             pause = max(pause, *gaps)
     lengths = [s.audio_bytes / 2 / SAMPLE_RATE for s in seen if s.ended_s is not None and s.error is None]
     audio = (min(lengths), max(lengths)) if fault.audio and lengths else None
-    return Row(fault.name, verified, len(seen), completed, failed, hung, wrong, pause, audio)
+    return Row(
+        fault.name,
+        verified,
+        len(seen),
+        completed,
+        failed,
+        hung,
+        wrong,
+        None if reference is None else unlike,
+        pause,
+        audio,
+    )
 
 
 async def _stream(client, model: str, fault: Fault, seen: Seen) -> None:
@@ -154,6 +172,18 @@ async def _stream(client, model: str, fault: Fault, seen: Seen) -> None:
     except openai.APIError as e:
         seen.error = str(getattr(e, "code", None) or type(e).__name__)
     seen.ended_s = time.monotonic()
+
+
+async def _reference(client, model: str, fault: Fault) -> list[int]:
+    """The thinker's tokens for the suite's request without a fault (greedy, text only)."""
+    r = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=fault.max_tokens,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    return (r.choices[0].model_extra or {}).get("token_ids") or []
 
 
 def _pids(root: int, *words: str) -> list[int]:
@@ -289,15 +319,17 @@ async def run_fault(injector: Injector, fault: Fault, model: str) -> Row:
     client = AsyncOpenAI(
         base_url=injector.stack.base_url, api_key="unused", max_retries=0, timeout=HUNG_AFTER_S
     )
+    reference = await _reference(client, model, fault)
     seen = [Seen() for _ in range(fault.streams)]
     tasks = [asyncio.create_task(_stream(client, model, fault, s)) for s in seen]
-    while sum(len(s.at) >= 20 for s in seen) < max(2, fault.streams // 2):
+    while sum(len(s.at) >= 20 and s.ended_s is None for s in seen) < max(2, fault.streams // 2):
         if all(t.done() for t in tasks):  # the stack is broken: say so, and go on
             await client.close()
-            return row_of(fault, "not injected: the streams ended first", time.monotonic(), seen)
+            return row_of(fault, "not injected: the streams ended first", time.monotonic(), seen, reference)
         await asyncio.sleep(0.05)
     # The victim: the replica of the stage that most of the streams already under way run on.
-    replica = await _busiest_replica(injector.stack, fault.stage, [s.id for s in seen if len(s.at) >= 20])
+    under_way = [s.id for s in seen if len(s.at) >= 20 and s.ended_s is None]
+    replica = await _busiest_replica(injector.stack, fault.stage, under_way)
     before_ns = await _incarnation(injector.stack, fault.stage, replica)
     fault_s = time.monotonic()
     verified = await injector.inject(fault, replica)
@@ -306,7 +338,7 @@ async def run_fault(injector: Injector, fault: Fault, model: str) -> Row:
     for t in tasks:
         t.cancel()
     await client.close()
-    row = row_of(fault, verified, fault_s, seen)
+    row = row_of(fault, verified, fault_s, seen, reference)
     if fault.target in ("worker", "engine_core") and fault.sig == signal.SIGKILL:
         await _replaced(injector.stack, fault.stage, replica, before_ns)  # the next fault meets a whole stack
     return row
@@ -321,6 +353,7 @@ def render(rows: list[Row]) -> str:
         "failed (code)",
         "hung",
         "wrong token count",
+        "unlike fault-free",
         "longest pause s",
         "audio s (min–max)",
     )
@@ -328,6 +361,7 @@ def render(rows: list[Row]) -> str:
     for r in rows:
         failed = ", ".join(f"{n} {c}" for c, n in sorted(r.failed.items())) or "0"
         audio = f"{r.audio_s[0]:.2f}–{r.audio_s[1]:.2f}" if r.audio_s else "-"
+        unlike = "-" if r.unlike_reference is None else r.unlike_reference
         cells = (
             r.fault,
             r.verified,
@@ -336,6 +370,7 @@ def render(rows: list[Row]) -> str:
             failed,
             r.hung,
             r.wrong_count,
+            unlike,
             f"{r.pause_s:.2f}",
             audio,
         )

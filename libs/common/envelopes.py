@@ -268,6 +268,17 @@ class ResumePoint(_Envelope):
     """The asked stage's ``audio_done`` has arrived."""
 
 
+class Resync(_Envelope):
+    """Gateway → one orchestrator (subject ``ctl.resync``, a queue group): events of the request's
+    ``stage`` attempt ``attempt`` were lost on their way to the gateway (a broker restart drops what
+    it held); the gateway has fenced that attempt off, and the request should go on as a new attempt
+    from what the client has."""
+
+    request_id: str
+    stage: int
+    attempt: int
+
+
 class RouteChange(_Envelope):
     """Orchestrator → the upstream worker of a stage that moved (subject ``ctl.route.<s>.<r>``).
 

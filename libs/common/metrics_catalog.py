@@ -92,6 +92,10 @@ FAMILIES: tuple[Family, ...] = (
            "Client events dropped by the gateway because they came from an attempt of the stage the "
            "request had moved past (a replica that resumed after a stall, or one still sending as it "
            "died).", ("model_name", "stage"), Exporter.GATEWAY, spec=False),
+    Family("vllm:omni_client_event_gaps", Kind.COUNTER,
+           "Gaps found in the events a stage sent to the gateway (events lost on the way, e.g. held by "
+           "a broker that was killed). A thinker's gap is repaired: the request goes on as a new "
+           "attempt from what the client has.", ("model_name", "stage"), Exporter.GATEWAY, spec=False),
     Family("vllm:omni_audio_ttfp_s", Kind.HISTOGRAM,
            "Time from HTTP arrival to the first audio bytes written to the client, seconds.",
            AUDIO, Exporter.GATEWAY, SECONDS_BUCKETS),

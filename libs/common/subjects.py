@@ -20,6 +20,9 @@ ORCHESTRATOR_ADMISSION_CONSUMER = "orchestrator"
 """Durable pull consumer on the requests stream, shared by every orchestrator instance."""
 ORCHESTRATOR_EVENTS_CONSUMER = "orchestrator-events"
 """Durable pull consumer on the events stream, shared by every orchestrator instance."""
+ORCHESTRATOR_QUEUE = "orchestrators"
+"""Queue group of the orchestrators' core-NATS subscriptions that one instance should handle."""
+
 
 EVENT_KINDS = ("started", "stage_done", "finished", "failed", "aborted")
 """Lifecycle event kinds published on ``omni.<pipeline>.events.<kind>``."""
@@ -103,6 +106,12 @@ class Subjects:
         gateway ``gateway_id``): asked when the request moves to another replica; the question
         also fences the stage's older attempts out of the client's stream."""
         return f"omni.{self.pipeline}.ctl.resume.{gateway_id}"
+
+    @property
+    def resync(self) -> str:
+        """A client stream with lost events, gateway → one orchestrator (core NATS, queue group
+        ``orchestrators``)."""
+        return f"omni.{self.pipeline}.ctl.resync"
 
     def route(self, stage: int, replica: int) -> str:
         """Re-routing of a request's output, orchestrator → worker (stage, replica) (core NATS

@@ -70,7 +70,7 @@ def create_app(settings: GatewaySettings, pipeline: PipelineConfig) -> FastAPI:
         stat_log = GatewayStatLogger(
             MetricSet(Exporter.GATEWAY, settings.log_stats), pipeline.served_model_name
         )
-        client = PipelineClient(settings, pipeline, stat_log.stale_event)
+        client = PipelineClient(settings, pipeline, stat_log.stale_event, stat_log.event_gap)
         await client.start()
         app.state.client = client
         app.state.submitter = Submitter(pipeline, client, tokenizer, stat_log)

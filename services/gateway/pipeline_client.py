@@ -24,6 +24,7 @@ from libs.common.envelopes import (
     MalformedMessage,
     ResumePoint,
     ResumeQuery,
+    Resync,
     TextDelta,
     decode,
 )
@@ -68,14 +69,33 @@ class RequestHandle:
         """Stage → the oldest attempt whose events are let through."""
         self._deltas: list[TextDelta] = []
         self._text_done = False
+        self._next_seq: dict[tuple[int, int], int] = {}
+        """(stage, attempt) → the ``seq`` of the next event expected from it."""
+        self.gaps = 0
+        """Events found missing (each gap once)."""
+        self.gap: tuple[int, int] | None = None
+        """(stage, attempt) of the thinker attempt fenced off for a gap, until it is resynced."""
         self._audio_seq: dict[int, int] = {}
         """Stage → the last input chunk whose audio arrived."""
         self._audio_done: set[int] = set()
 
     def put(self, event: ClientEvent) -> bool:
-        """Take ``event`` unless it comes from a fenced-off attempt (then False)."""
+        """Take ``event`` unless it comes from a fenced-off attempt (then False). An event of the
+        thinker that is not the next one its attempt sent (``seq``) means events were lost on the
+        way (a broker restart drops what it held): that attempt is fenced off at once, so the
+        resume point stays exactly what the client has, and :attr:`gap` says so."""
         if event.stage is not None and event.attempt < self._fence.get(event.stage, 1):
             return False
+        if event.stage is not None:
+            key = (event.stage, event.attempt)
+            expected = self._next_seq.get(key, 0)
+            self._next_seq[key] = max(expected, event.seq + 1)
+            if event.seq != expected:
+                self.gaps += 1
+                if event.stage == 0:
+                    self._fence[0] = event.attempt + 1
+                    self.gap = (0, event.attempt)
+                    return False
         if event.type == ClientEventType.TEXT:
             self._deltas.append(TextDelta(token_ids=event.token_ids, text=event.text))
         elif event.type == ClientEventType.TEXT_DONE:
@@ -129,10 +149,16 @@ def timed_out() -> APIError:
 
 class PipelineClient:
     def __init__(
-        self, settings: GatewaySettings, pipeline: PipelineConfig, on_stale: Callable[[int], None]
+        self,
+        settings: GatewaySettings,
+        pipeline: PipelineConfig,
+        on_stale: Callable[[int], None],
+        on_gap: Callable[[int], None],
     ) -> None:
-        """``on_stale(stage)`` is told of every event dropped as coming from an old attempt."""
+        """``on_stale(stage)`` is told of every event dropped as coming from an old attempt,
+        ``on_gap(stage)`` of every gap found in a stage's events (events lost on the way)."""
         self._on_stale = on_stale
+        self._on_gap = on_gap
         self.settings = settings
         self.pipeline = pipeline
         self.subjects = Subjects(pipeline.name)
@@ -185,7 +211,26 @@ class PipelineClient:
             log.error("dropping malformed event on %s: %s", msg.subject, e)
             return
         handle = self._handles.get(event.request_id)
-        if handle is not None and not handle.put(event):
+        if handle is None:
+            return
+        gaps = handle.gaps
+        taken = handle.put(event)
+        if handle.gaps > gaps:
+            self._on_gap(event.stage or 0)
+            log.warning(
+                "request %s: events of stage %s attempt %d were lost on the way (got seq %d)%s",
+                event.request_id,
+                event.stage,
+                event.attempt,
+                event.seq,
+                "; resyncing it" if event.stage == 0 else "",
+            )
+            if event.stage == 0:
+                await self.nc.publish(
+                    self.subjects.resync,
+                    Resync(request_id=event.request_id, stage=0, attempt=event.attempt).encode(),
+                )
+        elif not taken:
             log.info(
                 "request %s: dropped a %s event of stage %s attempt %d (the request moved on)",
                 event.request_id,

@@ -82,6 +82,11 @@ class GatewayStatLogger:
         if self._m.enabled:
             self._m["vllm:omni_stale_events_dropped"].labels(self._model, str(stage)).inc()
 
+    def event_gap(self, stage: int) -> None:
+        """Events of a stage were found missing (lost on the way to the gateway)."""
+        if self._m.enabled:
+            self._m["vllm:omni_client_event_gaps"].labels(self._model, str(stage)).inc()
+
     def rejected(self, reason: str) -> None:
         """A request that could not even be queued (queue full, bus down)."""
         if self._m.enabled:

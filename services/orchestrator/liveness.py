@@ -59,6 +59,8 @@ class DeathReason(StrEnum):
     EXIT = "exit"
     STALL = "stall"
     ENGINE_DEAD = "engine_dead"
+    LOST_EVENTS = "lost_events"
+    """Not a death: the gateway lost events of the replica's attempt and asked for a new one."""
 
 
 @dataclass(frozen=True)

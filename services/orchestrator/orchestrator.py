@@ -42,6 +42,7 @@ from libs.common.envelopes import (
     MalformedMessage,
     ResumePoint,
     ResumeQuery,
+    Resync,
     RouteChange,
     RouteHeld,
     StageTask,
@@ -60,6 +61,7 @@ from libs.common.settings import OrchestratorSettings
 from libs.common.subjects import (
     ORCHESTRATOR_ADMISSION_CONSUMER,
     ORCHESTRATOR_EVENTS_CONSUMER,
+    ORCHESTRATOR_QUEUE,
     Subjects,
 )
 from libs.common.tracing import context_from_headers, setup_tracing, shutdown_tracing, start_span
@@ -137,6 +139,7 @@ class Orchestrator:
             self._replica_died,
         )
         await self._watch.start()
+        await self.nc.subscribe(self.subjects.resync, queue=ORCHESTRATOR_QUEUE, cb=self._on_resync)
         port = start_metrics_server(self.settings.metrics_port)
         record = ServiceRecord(
             service=ServiceKind.ORCHESTRATOR,
@@ -367,6 +370,7 @@ class Orchestrator:
                 DeathReason.EXIT: "its connection is gone",
                 DeathReason.STALL: "no answer to its probe",
                 DeathReason.ENGINE_DEAD: "its engine died",
+                DeathReason.LOST_EVENTS: "events to the client were lost",
             }[death.reason],
             death.silent_s,
             len(self._index.bound_to(death.stage, death.replica)),
@@ -608,6 +612,22 @@ class Orchestrator:
         self._index.forget(seen.request_id)
         log.warning("request %s failed: %s", seen.request_id, message)
         await self._end_everywhere(seen, 503, code, message)
+
+    async def _on_resync(self, msg: Msg) -> None:
+        """A gateway lost events of a thinker attempt (a broker restart): the request goes on as
+        a new attempt from what the client has, on the least loaded live replica (the same one
+        may take it), exactly as if its replica had died."""
+        try:
+            ask = decode(Resync, msg.data)
+            entry = await self.requests.get(ask.request_id)
+        except (MalformedMessage, NotFoundError, KeyError) as e:
+            log.warning("ignoring a resync: %s", e)
+            return
+        rec = RequestRecord.model_validate_json(entry.value)
+        if ask.stage != 0 or rec.status.terminal or rec.stages[0].attempt != ask.attempt:
+            return
+        lost = Death(0, rec.route[0], 0, DeathReason.LOST_EVENTS, 0.0)
+        await self._replica_died(lost, rec)
 
     # --- lifecycle ---------------------------------------------------------------------
     async def _on_event(self, msg: Msg) -> None:

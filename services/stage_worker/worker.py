@@ -238,6 +238,13 @@ class StageWorker:
             await msg.ack()
             return
         entry = self.active.get(rid)
+        if entry is not None and entry[0].attempt < task.attempt:
+            # The request moved here while its older attempt still winds down here (a resync
+            # picks the same replica): that attempt ends first, then the new one starts.
+            entry[0].abort(MOVED)
+            entry[1].cancel()
+            await asyncio.wait([entry[1]])
+            entry = self.active.get(rid)
         if entry is None:
             ctx = RequestContext(self.me, self.bus, task, span=self._request_span(msg, task))
             task_ = asyncio.create_task(self._run_request(ctx), name=f"request:{rid}")

@@ -12,7 +12,7 @@ def test_a_row_counts_completed_failed_hung_and_wrong_counts_and_the_longest_pau
     repeated = Seen(token_ids=[1, 2, 2, 3], at=[1.0, 4.0], usage_tokens=4, ended_s=4.5)
     failed = Seen(error="replica_lost", ended_s=3.0)
     hung = Seen(token_ids=[1], at=[1.0])
-    row = row_of(fault, "pid 7 gone", 3.0, [full, before_only, repeated, failed, hung])
+    row = row_of(fault, "pid 7 gone", 3.0, [full, before_only, repeated, failed, hung], reference=[1, 2, 4])
     assert (row.in_flight, row.completed, row.failed, row.hung, row.wrong_count) == (
         5,
         3,
@@ -21,8 +21,11 @@ def test_a_row_counts_completed_failed_hung_and_wrong_counts_and_the_longest_pau
         1,
     )
     assert row.pause_s == 3.5  # full: 2.0 -> 5.5 spans the fault; before_only never paused after it
+    assert row.unlike_reference == 3
     table = render([row])
-    assert "| kill -9 a thinker replica | pid 7 gone | 5 | 3 | 1 replica_lost | 1 | 1 | 3.50 | - |" in table
+    assert (
+        "| kill -9 a thinker replica | pid 7 gone | 5 | 3 | 1 replica_lost | 1 | 1 | 3 | 3.50 | - |" in table
+    )
 
 
 def test_audio_faults_report_the_audio_lengths() -> None:

@@ -77,26 +77,27 @@ def test_the_migration_limit_counts_moves_per_stage(limit: int) -> None:
     assert plan_move(rec, 0, rec.route[0], 1 - rec.route[0], "exit", limit) == NoMove.LIMIT
 
 
-def _text(attempt: int, ids: list[int], text: str) -> ClientEvent:
+def _text(attempt: int, ids: list[int], text: str, seq: int = 0) -> ClientEvent:
     return ClientEvent(
-        request_id="r", type=ClientEventType.TEXT, stage=0, token_ids=ids, text=text, attempt=attempt
+        request_id="r", type=ClientEventType.TEXT, stage=0, token_ids=ids, text=text, attempt=attempt, seq=seq
     )
 
 
 def test_the_resume_point_is_what_the_client_got_and_older_attempts_are_fenced_off() -> None:
     handle = RequestHandle("r", time.time_ns() + 10**10)
-    assert handle.put(_text(1, [5, 6], "ab"))
-    assert handle.put(_text(1, [7], "c"))
+    assert handle.put(_text(1, [5, 6], "ab", 0))
+    assert handle.put(_text(1, [7], "c", 1))
     point = handle.resume_point(0, 2)
     assert point.known and not point.text_done
     assert point.deltas == [TextDelta(token_ids=[5, 6], text="ab"), TextDelta(token_ids=[7], text="c")]
-    assert not handle.put(_text(1, [8], "d")), "an event of the attempt that moved away got through"
-    assert handle.put(_text(2, [8], "e"))
+    assert not handle.put(_text(1, [8], "d", 2)), "an event of the attempt that moved away got through"
+    assert handle.put(_text(2, [8], "e", 0))
     done = ClientEvent(
         request_id="r",
         type=ClientEventType.TEXT_DONE,
         stage=0,
         attempt=2,
+        seq=1,
         usage=Usage(prompt_tokens=1, completion_tokens=4),
     )
     assert handle.put(done)
@@ -147,3 +148,29 @@ def test_inspect_lists_each_move_of_a_request() -> None:
     apply_move(rec, plan_move(rec, 0, 1, 0, "exit", 3), time.time_ns())
     assert _moves(rec.model_dump(mode="json")) == "0:1→0"
     assert _moves(_rec([0]).model_dump(mode="json")) == "-"
+
+
+def test_a_gap_in_the_thinkers_events_fences_its_attempt_off_at_the_last_event_the_client_has() -> None:
+    """Events 0..1 arrive, 2 is lost (a broker restart), 3 arrives: the client keeps 0..1, the
+    attempt is fenced off, and the resume point is exactly those deltas."""
+    handle = RequestHandle("r", time.time_ns() + 10**10)
+    started = ClientEvent(request_id="r", type=ClientEventType.STARTED, stage=0, seq=0)
+    assert handle.put(started)
+    assert handle.put(_text(1, [5], "a", 1))
+    assert handle.gap is None
+    assert not handle.put(_text(1, [7], "c", 3))
+    assert (handle.gaps, handle.gap) == (1, (0, 1))
+    assert not handle.put(_text(1, [8], "d").model_copy(update={"seq": 4})), (
+        "the gapped attempt still gets through"
+    )
+    assert handle.gaps == 1
+    assert handle.resume_point(0, 2).deltas == [TextDelta(token_ids=[5], text="a")]
+    assert handle.put(_text(2, [6], "b", 0))
+
+
+def test_a_gap_in_audio_is_counted_and_the_stream_goes_on() -> None:
+    handle = RequestHandle("r", time.time_ns() + 10**10)
+    chunk = ClientEvent(request_id="r", type=ClientEventType.AUDIO, stage=2, pcm16=b"\0\0", in_seq=0, seq=0)
+    assert handle.put(chunk)
+    assert handle.put(chunk.model_copy(update={"seq": 2, "in_seq": 2}))
+    assert (handle.gaps, handle.gap) == (1, None)
