@@ -37,6 +37,8 @@ stages:
 PROMPT = "Tell me everything about the sea."
 SAMPLE_RATE = 24_000
 """The tiny code2wav's output rate, Hz."""
+MIDWAY_CHUNKS = 10
+"""A stream is under way once it has this many chunks; the fault strikes when two are."""
 HUNG_AFTER_S = 150.0
 """A stream not ended this long after the fault counts as hung (the deadline is 120 s), seconds."""
 
@@ -322,13 +324,13 @@ async def run_fault(injector: Injector, fault: Fault, model: str) -> Row:
     reference = await _reference(client, model, fault)
     seen = [Seen() for _ in range(fault.streams)]
     tasks = [asyncio.create_task(_stream(client, model, fault, s)) for s in seen]
-    while sum(len(s.at) >= 20 and s.ended_s is None for s in seen) < max(2, fault.streams // 2):
+    while sum(len(s.at) >= MIDWAY_CHUNKS and s.ended_s is None for s in seen) < 2:
         if all(t.done() for t in tasks):  # the stack is broken: say so, and go on
             await client.close()
             return row_of(fault, "not injected: the streams ended first", time.monotonic(), seen, reference)
         await asyncio.sleep(0.05)
     # The victim: the replica of the stage that most of the streams already under way run on.
-    under_way = [s.id for s in seen if len(s.at) >= 20 and s.ended_s is None]
+    under_way = [s.id for s in seen if len(s.at) >= MIDWAY_CHUNKS and s.ended_s is None]
     replica = await _busiest_replica(injector.stack, fault.stage, under_way)
     before_ns = await _incarnation(injector.stack, fault.stage, replica)
     fault_s = time.monotonic()

@@ -44,6 +44,10 @@ JS_STREAM_FULL = 10077
 """JetStream error code: maximum messages exceeded (the admission queue is full)."""
 
 
+RESYNC_TIMEOUT_S = 2.0
+"""How long the gateway waits for an orchestrator to take a resync, seconds."""
+RESYNC_RETRY_S = 0.5
+"""Pause before a resync not taken is asked again, seconds."""
 BACKSTOP_S = 3.0
 """The gateway's own timeout fires this long after a request's deadline, seconds."""
 
@@ -226,10 +230,10 @@ class PipelineClient:
                 "; resyncing it" if event.stage == 0 else "",
             )
             if event.stage == 0:
-                await self.nc.publish(
-                    self.subjects.resync,
-                    Resync(request_id=event.request_id, stage=0, attempt=event.attempt).encode(),
-                )
+                ask = Resync(request_id=event.request_id, stage=0, attempt=event.attempt)
+                task = asyncio.create_task(self._resync(ask))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
         elif not taken:
             log.info(
                 "request %s: dropped a %s event of stage %s attempt %d (the request moved on)",
@@ -239,6 +243,20 @@ class PipelineClient:
                 event.attempt,
             )
             self._on_stale(event.stage or 0)
+
+    async def _resync(self, ask: Resync) -> None:
+        """Ask an orchestrator to resync a request until one takes it (the gap is usually found
+        right after a broker restart, when the orchestrators may not have resubscribed yet), or
+        the request has ended here."""
+        while ask.request_id in self._handles:
+            try:
+                await self.nc.request(self.subjects.resync, ask.encode(), timeout=RESYNC_TIMEOUT_S)
+                return
+            except Exception as e:  # no responders, timeout, reconnecting: ask again
+                log.info(
+                    "request %s: resync not taken yet (%s); asking again", ask.request_id, type(e).__name__
+                )
+                await asyncio.sleep(RESYNC_RETRY_S)
 
     async def _on_resume(self, msg: Msg) -> None:
         """Answer an orchestrator moving a request: where its client's stream stands."""

@@ -619,9 +619,13 @@ class Orchestrator:
         may take it), exactly as if its replica had died."""
         try:
             ask = decode(Resync, msg.data)
+        except MalformedMessage as e:
+            log.warning("ignoring a malformed resync: %s", e)
+            return
+        await msg.respond(b"")  # taken: the gateway stops asking
+        try:
             entry = await self.requests.get(ask.request_id)
-        except (MalformedMessage, NotFoundError, KeyError) as e:
-            log.warning("ignoring a resync: %s", e)
+        except (NotFoundError, KeyError):
             return
         rec = RequestRecord.model_validate_json(entry.value)
         if ask.stage != 0 or rec.status.terminal or rec.stages[0].attempt != ask.attempt:
