@@ -171,6 +171,7 @@ async def _stream(client, model: str, fault: Fault, seen: Seen) -> None:
                     seen.audio_bytes += len(base64.b64decode(data))
             if chunk.usage is not None:
                 seen.usage_tokens = chunk.usage.completion_tokens
+            await asyncio.sleep(0)  # a whole response already read would otherwise end unseen
     except openai.APIError as e:
         seen.error = str(getattr(e, "code", None) or type(e).__name__)
     seen.ended_s = time.monotonic()
