@@ -209,8 +209,9 @@ def _state(pid: int) -> str:
         return "gone"
 
 
-async def _busiest_replica(stack: Stack, stage: int, ids: list[str]) -> int:
-    """The replica of ``stage`` that the most of ``ids`` run on (from their records)."""
+async def _busiest_replica(stack: Stack, stage: int, ids: list[str]) -> tuple[int, int]:
+    """The replica of ``stage`` that the most of ``ids`` run on (from their records), and how
+    many of them do."""
     import nats
 
     from libs.common.bus import requests_kv
@@ -224,7 +225,8 @@ async def _busiest_replica(stack: Stack, stage: int, ids: list[str]) -> int:
                 rec = json.loads((await kv.get(rid)).value)
                 if len(rec["route"]) > stage:
                     counts[rec["route"][stage]] = counts.get(rec["route"][stage], 0) + 1
-        return max(counts, key=counts.get) if counts else 0
+        replica = max(counts, key=counts.__getitem__) if counts else 0
+        return replica, counts.get(replica, 0)
     finally:
         await nc.close()
 
@@ -332,10 +334,12 @@ async def run_fault(injector: Injector, fault: Fault, model: str) -> Row:
         await asyncio.sleep(0.05)
     # The victim: the replica of the stage that most of the streams already under way run on.
     under_way = [s.id for s in seen if len(s.at) >= MIDWAY_CHUNKS and s.ended_s is None]
-    replica = await _busiest_replica(injector.stack, fault.stage, under_way)
+    replica, on_it = await _busiest_replica(injector.stack, fault.stage, under_way)
     before_ns = await _incarnation(injector.stack, fault.stage, replica)
     fault_s = time.monotonic()
     verified = await injector.inject(fault, replica)
+    if fault.target in ("worker", "engine_core"):
+        verified += f"; {on_it} of {len(under_way)} streams under way on it"
     log(f"{fault.name}: injected ({verified})")
     await asyncio.wait(tasks, timeout=HUNG_AFTER_S)
     for t in tasks:
