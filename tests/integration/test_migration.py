@@ -55,6 +55,7 @@ THINKERS_YAML = """\
     stream_to_client: true
     migration_limit: 1
     no_replica_wait_s: 1
+    stall_timeout_s: 1
 """
 CLIENT_HAS = [TextDelta(token_ids=[7, 8], text="Hi"), TextDelta(token_ids=[9], text=" there")]
 
@@ -87,14 +88,15 @@ class FakeWorker:
     async def start(self) -> FakeWorker:
         self.nc = await nats.connect(self.url)
         self.kv = await services_kv(self.nc.jetstream())
+        self.stalled = False
         await self.nc.subscribe(SUBJECTS.alive(0, self.replica), cb=self._answer_probe)
         self._beat = asyncio.create_task(self._beats())
         await asyncio.sleep(0.3)
         return self
 
-    @staticmethod
-    async def _answer_probe(msg) -> None:
-        await msg.respond(b"")
+    async def _answer_probe(self, msg) -> None:
+        if not self.stalled:
+            await msg.respond(b"")
 
     async def _beats(self) -> None:
         while True:
@@ -106,6 +108,12 @@ class FakeWorker:
         self._beat.cancel()
         await self.nc.close()
         assert self.nc.is_closed
+
+    async def stall(self) -> None:
+        """The process is stopped: it holds its connection and subscriptions but answers nothing
+        and beats no more."""
+        self._beat.cancel()
+        self.stalled = True
 
     async def forget(self, nc) -> None:
         """After a test: its registration goes (it would linger for the registry's TTL and be
@@ -278,3 +286,26 @@ async def test_with_no_live_replica_to_move_to_a_request_fails_after_no_replica_
     assert 1.0 <= took < 3.0, f"failed {took:.2f} s after the death (no_replica_wait_s: 1)"
     assert questions.empty(), "nothing was moved, so the gateway was not asked"
     await only.forget(nc)
+
+
+async def test_a_request_on_a_stalled_replica_moves_after_the_stall_timeout(
+    orchestrator, nats_server, nc
+) -> None:
+    """``stall_timeout_s: 1``: a replica that holds its connection but answers no probe."""
+    workers = {r: await FakeWorker(nats_server.url, r).start() for r in (0, 1)}
+    async with gateway(nc) as (questions, _):
+        adm = await admit(nc)
+        victim = await bound_replica(nc, adm.request_id)
+        await until(lambda: stored(nc, victim, adm.request_id))
+        await workers[victim].stall()
+        stalled = time.monotonic()
+        (task,) = await until(lambda: stored(nc, 1 - victim, adm.request_id), timeout_s=10)
+        took = time.monotonic() - stalled
+        await asyncio.wait_for(questions.get(), 1)
+    # Judged by silence (reason stall, below) 1 s after the last answer, which may precede the stall.
+    assert took < 4.0, f"moved {took:.2f} s after the stall (stall_timeout_s: 1)"
+    assert task.attempt == 2 and task.resume == CLIENT_HAS
+    rec = await record(nc, adm.request_id)
+    assert [(a.replica, a.reason) for a in rec.stages[0].attempts] == [(victim, None), (1 - victim, "stall")]
+    for w in workers.values():
+        await w.forget(nc)
