@@ -420,22 +420,15 @@ class Orchestrator:
         def change(rec: RequestRecord) -> bool:
             nonlocal decision  # as of the last try: a retried compare-and-set calls this again
             decision = plan_move(rec, s, death.replica, target, death.reason.value, stage.migration_limit)
-            if isinstance(decision, Move):
-                apply_move(rec, decision, time.time_ns())
-            elif decision == NoMove.LIMIT:
-                rec.status, rec.error, rec.updated_ns = (
-                    RequestStatus.FAILED,
-                    "migration_limit",
-                    time.time_ns(),
-                )
-            return decision == NoMove.LIMIT or isinstance(decision, Move)
+            if not isinstance(decision, Move):
+                return False
+            apply_move(rec, decision, time.time_ns())
+            return True
 
         await update_record(self.requests, seen.request_id, change)
         if decision == NoMove.LIMIT:
-            self._index.forget(seen.request_id)
             message = f"{where} died ({death.reason}); the request had moved {stage.migration_limit} time(s) in this stage already (migration_limit)"
-            log.warning("request %s failed: %s", seen.request_id, message)
-            await self._end_everywhere(seen, 503, "migration_limit", message)
+            await self._fail(seen, "migration_limit", message)
         elif isinstance(decision, Move):
             await self._move(decision, seen, inputs, t0)
 
