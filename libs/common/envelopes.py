@@ -228,7 +228,24 @@ class LifecycleEvent(_Envelope):
 MOVED = "moved"
 """``AbortNotice.reason`` of a request that moved to another replica of ``stage``."""
 ENGINE_DEAD = "engine_dead"
-"""A worker's answer to its liveness probe once its engine has died (it exits soon after)."""
+"""``AbortNotice``-style reason of a request stopped because its worker's engine died."""
+
+
+class Liveness(_Envelope):
+    """A worker's answer to its liveness probe (subject ``ctl.alive.<s>.<r>``); also the progress
+    fields of its heartbeat. The answer itself says the worker's event loop runs; the fields say
+    whether its engine does."""
+
+    engine_dead: bool = False
+    """The engine died under the live worker (it exits soon after)."""
+    in_flight: int = 0
+    """Requests this worker holds (running or waiting for their next input)."""
+    busy: int = 0
+    """Engine operations under way right now: generations waiting for their next engine output,
+    chunks being decoded."""
+    progress: int = 0
+    """Outputs the engine has produced since the worker started (engine outputs of generations,
+    decoded chunks): a counter that is flat while ``busy`` > 0 only when the engine is stuck."""
 
 
 class AbortNotice(_Envelope):

@@ -18,6 +18,7 @@ from nats.js.kv import KeyValue
 from pydantic import BaseModel, ValidationError
 
 from libs.common.bus import LIMITS
+from libs.common.envelopes import Liveness
 from libs.common.runtime import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,10 @@ class ServiceRecord(BaseModel):
     metrics_url: str = ""
     load: int = 0
     """Requests in flight in this instance right now."""
+    busy: int = 0
+    """Workers: engine operations under way at the last heartbeat (:class:`Liveness`)."""
+    progress: int = 0
+    """Workers: outputs their engine has produced since it started (:class:`Liveness`)."""
     version: str = ""
     started_ns: int = 0
     heartbeat_ns: int = 0
@@ -59,18 +64,29 @@ class ServiceRecord(BaseModel):
 
 
 class Heartbeat:
-    """Keeps a :class:`ServiceRecord` alive in the registry; ``load`` is read on every beat."""
+    """Keeps a :class:`ServiceRecord` alive in the registry; ``load`` (and a worker's
+    ``liveness``) is read on every beat."""
 
-    def __init__(self, kv: KeyValue, record: ServiceRecord, load: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        kv: KeyValue,
+        record: ServiceRecord,
+        load: Callable[[], int],
+        liveness: Callable[[], Liveness] | None = None,
+    ) -> None:
         self._kv = kv
         self._record = record
         self._load = load
+        self._liveness = liveness
         self._task: asyncio.Task[None] | None = None
         self._early = asyncio.Event()
 
     async def beat(self) -> None:
         """Write the record now."""
         self._record.load = self._load()
+        if self._liveness is not None:
+            now = self._liveness()
+            self._record.busy, self._record.progress = now.busy, now.progress
         self._record.heartbeat_ns = time.time_ns()
         await self._kv.put(self._record.key, self._record.model_dump_json().encode())
 

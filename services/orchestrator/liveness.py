@@ -3,14 +3,18 @@
 Every ``PROBE_PERIOD_S`` each orchestrator sends a core-NATS request to the liveness subject
 (``omni.<p>.ctl.alive.<s>.<r>``) of every replica that has a request bound to it and not finished
 there (:class:`~services.orchestrator.inflight.InflightRequests`). The worker answers from its event
-loop. Two verdicts:
+loop with :class:`~libs.common.envelopes.Liveness`: whether its engine lives, how many engine
+operations are under way (``busy``) and how many outputs its engine has produced (``progress``).
+The verdicts:
 
 - ``exit`` — NATS answers "no responders": no connection holds the subscription any more (the
   process is gone; the server notices a closed TCP connection at once). Seen within one probe period
   of a ``kill -9``. Not for :data:`RECONNECT_GRACE_S` after this orchestrator reconnected (a broker
-  restart: the workers are reconnecting too).
+  restart: the workers are reconnecting too). Against a NATS cluster, only once "no responders" has
+  lasted :data:`CLUSTER_EXIT_CONFIRM_S` (a worker whose node died is reconnecting to another).
 - ``stall`` — no answer at all for the stage's ``stall_timeout_s`` (pipeline YAML): the process is
-  stopped, or its event loop is blocked.
+  stopped, or its event loop is blocked; or answers whose ``progress`` stays flat while ``busy`` > 0
+  for as long: the event loop runs, the engine does not (a hung engine).
 - ``engine_dead`` — the worker answers that its engine died (it exits right after, and is
   started anew by the launcher or compose).
 
@@ -35,7 +39,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from libs.common.envelopes import ENGINE_DEAD
+from libs.common.envelopes import Liveness, MalformedMessage, decode
 from libs.common.pipeline import PipelineConfig
 from libs.common.records import RequestRecord
 from libs.common.registry import LiveServices, ServiceKind, ServiceRecord
@@ -53,6 +57,10 @@ RECONNECT_GRACE_S = 5.0
 """After this orchestrator reconnects to NATS (a broker restart), "no responders" is no verdict for
 this long, seconds: the workers are reconnecting too (every 0.5 s), and until one has, its
 subscription is missing although it lives. Silence still counts towards a stall meanwhile."""
+CLUSTER_EXIT_CONFIRM_S = 1.0
+"""Against a NATS cluster (more than one server known to this connection), "no responders" is an
+``exit`` only after it has lasted this long, seconds: when the node a worker is connected to dies,
+the worker reconnects to another one and its subscription is missing meanwhile."""
 
 
 class DeathReason(StrEnum):
@@ -73,23 +81,62 @@ class Death:
     """The incarnation (``started_ns`` of its registry record; 0 when none was ever seen)."""
     reason: DeathReason
     silent_s: float
-    """Seconds since its last answer to a probe (or since probing began)."""
+    """Seconds since its last answer to a probe (or since probing began); for a hung engine,
+    seconds its progress has been flat while it had work."""
+    progress: int | None = None
+    """A hung engine's flat progress counter (None: the verdict came from silence or an exit)."""
+
+    @property
+    def cause(self) -> str:
+        """What was seen, for the operator's log line."""
+        if self.progress is not None:
+            return f"its engine produced nothing while it had work (progress {self.progress})"
+        return {
+            DeathReason.EXIT: "its connection is gone",
+            DeathReason.STALL: "no answer to its probe",
+            DeathReason.ENGINE_DEAD: "its engine died",
+            DeathReason.LOST_EVENTS: "events to the client were lost",
+        }[self.reason]
 
 
-def verdict(answer: str, silent_s: float, stall_timeout_s: float, reconnecting: bool) -> DeathReason | None:
+def verdict(
+    answer: str,
+    silent_s: float,
+    stall_timeout_s: float,
+    reconnecting: bool,
+    flat_s: float = 0.0,
+    exit_confirm_s: float = 0.0,
+) -> DeathReason | None:
     """The verdict on one probe: ``answer`` is ``ok``, ``engine_dead`` (the worker lives, its
     engine does not), ``no_responders`` or ``timeout``;
-    ``silent_s`` is how long the replica has not answered (0 after an answer); ``reconnecting``:
-    this orchestrator reconnected less than :data:`RECONNECT_GRACE_S` ago."""
+    ``silent_s`` is how long the replica has not answered (0 after an answer); ``flat_s`` how long
+    its answers have shown work under way and no progress; ``reconnecting``: this orchestrator
+    reconnected less than :data:`RECONNECT_GRACE_S` ago; ``exit_confirm_s``: how long "no
+    responders" must have lasted (``silent_s``) to be an exit."""
     if answer == "ok":
-        return None
-    if answer == ENGINE_DEAD:
+        return DeathReason.STALL if flat_s >= stall_timeout_s else None
+    if answer == "engine_dead":
         return DeathReason.ENGINE_DEAD
-    if answer == "no_responders" and not reconnecting:
+    if answer == "no_responders" and not reconnecting and silent_s >= exit_confirm_s:
         return DeathReason.EXIT
     if silent_s >= stall_timeout_s:
         return DeathReason.STALL
     return None
+
+
+@dataclass
+class ProgressSeen:
+    """What the answers of one replica have shown about its engine (``time.monotonic()``)."""
+
+    value: int
+    flat_since: float
+    """Since when ``value`` has not changed while the replica had work."""
+
+    def update(self, answer: Liveness, now: float) -> float:
+        """Take ``answer`` in; returns how long progress has been flat with work, seconds."""
+        if answer.progress != self.value or answer.busy == 0:
+            self.value, self.flat_since = answer.progress, now
+        return now - self.flat_since
 
 
 class ReplicaWatch:
@@ -114,24 +161,33 @@ class ReplicaWatch:
         self._on_dead = on_dead
         self._last_answer: dict[tuple[int, int], float] = {}
         """(stage, replica) → when it last answered, or when probing it began."""
+        self._progress: dict[tuple[int, int], ProgressSeen] = {}
+        """(stage, replica) → what its answers showed of its engine's progress."""
         self._reconnects = 0
         self._grace_until = 0.0
         """No "exit" verdict before this (``time.monotonic()``): see :data:`RECONNECT_GRACE_S`."""
         self._task: asyncio.Task[None] | None = None
-        self._judged: dict[tuple[int, int], int] = {}
-        """(stage, replica) → the incarnation (``started_ns``) judged dead, until it heartbeats
-        again (a replica that resumed after a stall)."""
+        self._judged: dict[tuple[int, int], Death] = {}
+        """(stage, replica) → its death, until it heartbeats again (a replica that resumed after a
+        stall) or, for a hung engine, until a heartbeat shows progress or a new incarnation."""
         services.on_update(self._on_heartbeat)
 
     def judged_dead(self, rec: ServiceRecord) -> bool:
         """Whether this incarnation of a worker was judged dead and has not heartbeat since (its
-        registration lingers for up to the registry's TTL after a ``kill -9``)."""
+        registration lingers for up to the registry's TTL after a ``kill -9``; a worker with a hung
+        engine keeps heartbeating and stays judged until its engine moves again)."""
         judged = self._judged.get((rec.stage or 0, rec.replica or 0))
-        return judged is not None and rec.started_ns <= judged
+        return judged is not None and rec.started_ns <= judged.started_ns
 
     def _on_heartbeat(self, rec: ServiceRecord) -> None:
-        if rec.service == ServiceKind.WORKER:
-            self._judged.pop((rec.stage or 0, rec.replica or 0), None)
+        if rec.service != ServiceKind.WORKER:
+            return
+        key = (rec.stage or 0, rec.replica or 0)
+        judged = self._judged.get(key)
+        if judged is None:
+            return
+        if judged.progress is None or rec.progress != judged.progress or rec.started_ns > judged.started_ns:
+            del self._judged[key]
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="replica-watch")
@@ -150,6 +206,7 @@ class ReplicaWatch:
                 busy = self._inflight.busy()
                 for key in set(self._last_answer) - busy:  # idle again: judged afresh next time
                     del self._last_answer[key]
+                    self._progress.pop(key, None)
                 for key in busy:
                     tasks = probing.setdefault(key, set())
                     tasks -= {t for t in tasks if t.done()}
@@ -159,28 +216,50 @@ class ReplicaWatch:
                 for task in tasks:
                     task.cancel()
 
-    async def _probe(self, stage: int, replica: int) -> str:
+    async def _probe(self, stage: int, replica: int) -> tuple[str, Liveness | None]:
         try:
             reply = await self._nc.request(self._subjects.alive(stage, replica), b"", timeout=PROBE_TIMEOUT_S)
         except NoRespondersError:
-            return "no_responders"
+            return "no_responders", None
         except (NatsTimeoutError, TimeoutError, ConnectionClosedError):
-            return "timeout"  # ours is down too: no answer, and no proof of death
-        return ENGINE_DEAD if reply.data == ENGINE_DEAD.encode() else "ok"
+            return "timeout", None  # ours is down too: no answer, and no proof of death
+        try:
+            answer = decode(Liveness, reply.data)
+        except MalformedMessage as e:  # it answered, so its loop runs; nothing more is known
+            log.warning("stage %d replica %d: malformed liveness answer: %s", stage, replica, e)
+            return "ok", None
+        return ("engine_dead" if answer.engine_dead else "ok"), answer
 
     async def _check(self, stage: int, replica: int) -> None:
+        key = (stage, replica)
+        since = self._last_answer.setdefault(key, time.monotonic())
+        answer, liveness = await self._probe(stage, replica)
         now = time.monotonic()
-        since = self._last_answer.setdefault((stage, replica), now)
-        answer = await self._probe(stage, replica)
+        flat_s, progress = 0.0, None
         if answer == "ok":
-            self._last_answer[(stage, replica)] = time.monotonic()
-            return
-        silent_s = time.monotonic() - since
-        reason = verdict(answer, silent_s, self._pipeline.stages[stage].stall_timeout_s, self._reconnecting())
+            self._last_answer[key] = now
+            if liveness is not None:
+                flat_s = self._progress.setdefault(key, ProgressSeen(liveness.progress, now)).update(
+                    liveness, now
+                )
+                progress = liveness.progress
+        silent_s = now - since
+        stall_timeout_s = self._pipeline.stages[stage].stall_timeout_s
+        exit_confirm_s = CLUSTER_EXIT_CONFIRM_S if len(self._nc.servers) > 1 else 0.0
+        reason = verdict(answer, silent_s, stall_timeout_s, self._reconnecting(), flat_s, exit_confirm_s)
         if reason is None:
             return
-        death = Death(stage, replica, self._incarnation(stage, replica), reason, silent_s)
-        self._judged[(stage, replica)] = max(death.started_ns, self._judged.get((stage, replica), 0))
+        hung = answer == "ok"
+        death = Death(
+            stage,
+            replica,
+            self._incarnation(stage, replica),
+            reason,
+            flat_s if hung else silent_s,
+            progress if hung else None,
+        )
+        if death.started_ns >= getattr(self._judged.get(key), "started_ns", 0):
+            self._judged[key] = death
         if await self._claim(death):
             self._on_eviction(death)
         await asyncio.gather(*(self._handle(death, rec) for rec in self._inflight.bound_to(stage, replica)))

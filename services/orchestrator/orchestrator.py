@@ -366,12 +366,7 @@ class Orchestrator:
             stage.name,
             death.replica,
             death.reason,
-            {
-                DeathReason.EXIT: "its connection is gone",
-                DeathReason.STALL: "no answer to its probe",
-                DeathReason.ENGINE_DEAD: "its engine died",
-                DeathReason.LOST_EVENTS: "events to the client were lost",
-            }[death.reason],
+            death.cause,
             death.silent_s,
             len(self._index.bound_to(death.stage, death.replica)),
         )

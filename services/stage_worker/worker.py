@@ -14,6 +14,7 @@ import os
 import time
 from collections import deque
 
+import psutil
 from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.trace import INVALID_SPAN, Link, Span, SpanKind, Status, StatusCode
@@ -34,6 +35,7 @@ from libs.common.envelopes import (
     AbortNotice,
     ClientEvent,
     ClientEventType,
+    Liveness,
     MalformedMessage,
     RouteChange,
     RouteHeld,
@@ -53,6 +55,7 @@ from libs.common.version import VERSION
 from services.stage_worker.handlers import make_handler
 from services.stage_worker.handlers.base import StageError, StageHandler
 from services.stage_worker.inbox import Delivery
+from services.stage_worker.progress import HungEngineWatch
 from services.stage_worker.request_context import Bus, Identity, RequestContext
 from services.stage_worker.transfer_stats import TransferStatLogger, transfer_stats
 
@@ -63,12 +66,15 @@ PULL_BATCH = 64
 """Messages asked of the stage consumer at a time (those beyond ``max_inflight`` requests wait
 in the backlog, kept alive by in-progress acks)."""
 ENGINE_CHECK_PERIOD_S = 0.5
-"""How often an idle worker checks that its engine lives, seconds."""
+"""How often the worker checks that its engine lives and makes progress, seconds."""
 ENGINE_DEAD_EXIT_AFTER_S = 1.5
 """A worker whose engine died exits this long after noticing, seconds: every orchestrator probes a
 busy replica every 0.5 s, so each sees the ``engine_dead`` answer first."""
 ENGINE_DEAD_EXIT_STATUS = 3
 """Exit status of a worker whose engine died."""
+ENGINE_HUNG_EXIT_STATUS = 4
+"""Exit status of a worker whose engine made no progress with work for
+``HUNG_AFTER_STALLS × stall_timeout_s`` (:class:`~services.stage_worker.progress.HungEngineWatch`)."""
 CLOSED_TTL_S = 600.0
 """How long a finished/aborted request id is remembered so late chunks are dropped, seconds."""
 
@@ -149,7 +155,7 @@ class StageWorker:
         # it answers before the replica is routable.
         await nc.subscribe(self.subjects.alive(self.me.stage, self.me.replica), cb=self._on_alive)
         await nc.subscribe(self.subjects.route(self.me.stage, self.me.replica), cb=self._on_route)
-        self._heartbeat = Heartbeat(await services_kv(js), record, lambda: len(self.active))
+        self._heartbeat = Heartbeat(await services_kv(js), record, lambda: len(self.active), self._liveness)
         await self._heartbeat.start()
         self._tasks = [
             asyncio.create_task(self._keep_alive_loop(), name="keep-alive"),
@@ -405,10 +411,20 @@ class StageWorker:
         if self.metrics.enabled:
             self.metrics["vllm:omni_bus_dead_lettered"].labels(*self._labels).inc()
 
+    def _liveness(self) -> Liveness:
+        """What this worker's probe answer and heartbeat say about it now."""
+        p = self.handler.progress
+        return Liveness(
+            engine_dead=self._engine_dead_since is not None,
+            in_flight=len(self.active),
+            busy=p.busy,
+            progress=p.outputs,
+        )
+
     async def _on_alive(self, msg: Msg) -> None:
-        """Answer a liveness probe: the answer itself says this event loop runs; once the engine
-        has died it says so, and the orchestrators move this replica's requests at once."""
-        await msg.respond(ENGINE_DEAD.encode() if self._engine_dead_since is not None else b"")
+        """Answer a liveness probe: the answer itself says this event loop runs; its fields say
+        whether the engine lives and makes progress (services/orchestrator/liveness.py)."""
+        await msg.respond(self._liveness().encode())
 
     def _engine_died(self) -> bool:
         """Whether the engine has died under this worker; the first time, say so in the log and
@@ -418,20 +434,40 @@ class StageWorker:
             return True
         if not self.handler.engine_dead():
             return False
-        self._engine_dead_since = time.monotonic()
-        log.critical(
-            "%s: the engine died; exiting in %.1f s (exit status %d) so that this replica is started anew",
-            self.label,
-            ENGINE_DEAD_EXIT_AFTER_S,
-            ENGINE_DEAD_EXIT_STATUS,
-        )
-        asyncio.get_running_loop().call_later(ENGINE_DEAD_EXIT_AFTER_S, os._exit, ENGINE_DEAD_EXIT_STATUS)
+        self._exit_soon("the engine died", ENGINE_DEAD_EXIT_STATUS)
         return True
 
+    def _exit_soon(self, why: str, status: int) -> None:
+        """Leave ``ENGINE_DEAD_EXIT_AFTER_S`` from now with ``status``, taking the engine's
+        processes along (a hung one would outlive this process); probes answer ``engine_dead``
+        meanwhile, so the orchestrators move what this replica holds at once."""
+        self._engine_dead_since = time.monotonic()
+        log.critical(
+            "%s: %s; exiting in %.1f s (exit status %d) so that this replica is started anew",
+            self.label,
+            why,
+            ENGINE_DEAD_EXIT_AFTER_S,
+            status,
+        )
+        asyncio.get_running_loop().call_later(ENGINE_DEAD_EXIT_AFTER_S, _exit_with_children, status)
+
     async def _engine_watch_loop(self) -> None:
-        """Notice an engine that died while nothing ran on it."""
+        """Notice an engine that died while nothing ran on it, or that hangs: no output while it
+        has work for ``HUNG_AFTER_STALLS × stall_timeout_s`` (the orchestrators have moved its
+        requests after one ``stall_timeout_s``; this replica then starts anew)."""
+        watch = HungEngineWatch(self.stage_cfg.stall_timeout_s, max_step_s=2 * ENGINE_CHECK_PERIOD_S)
+        last = time.monotonic()
         while not self._engine_died():
             await asyncio.sleep(ENGINE_CHECK_PERIOD_S)
+            now = time.monotonic()
+            watch.observe(self.handler.progress, now - last)
+            last = now
+            if watch.hung:
+                self._exit_soon(
+                    f"the engine produced nothing for {watch.flat_s:.1f} s while it had work",
+                    ENGINE_HUNG_EXIT_STATUS,
+                )
+                return
 
     async def _on_route(self, msg: Msg) -> None:
         """The orchestrator moves the next stage of one of this worker's requests: hold its
@@ -486,6 +522,14 @@ class StageWorker:
         if entry is not None:
             entry[0].abort(notice.reason)
             entry[1].cancel()
+
+
+def _exit_with_children(status: int) -> None:
+    """Kill this process's descendants (``SIGKILL`` ends a stopped one too), then exit."""
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    os._exit(status)
 
 
 def _stored_ns(msg: Msg) -> int | None:

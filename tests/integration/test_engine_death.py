@@ -1,10 +1,16 @@
-"""A real thinker worker whose vLLM EngineCore process is killed (SIGKILL): the worker lives on
-just long enough to answer its liveness probe with ``engine_dead`` (the orchestrators move its
-requests at once), then exits with status 3 so that the launcher or compose starts it anew."""
+"""A real thinker worker whose vLLM EngineCore process dies (SIGKILL) or hangs (SIGSTOP) under it.
+
+Killed: the worker lives on just long enough to answer its liveness probe with ``engine_dead``
+(the orchestrators move its requests at once), then exits with status 3 so that the launcher or
+compose starts it anew. Stopped: the worker's event loop runs on and answers every probe, but its
+answers show work under way and a progress counter that no longer moves (the orchestrators judge
+that a stall); after ``HUNG_AFTER_STALLS × stall_timeout_s`` the worker gives up on its engine and
+exits with status 4."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -14,9 +20,11 @@ import nats
 import pytest
 
 from benchmarks.harness import descendants
-from libs.common.envelopes import ENGINE_DEAD
+from libs.common.envelopes import Liveness, Sampling, StageTask, TaskKind, decode
+from libs.common.publish import Hop, publish_task
 from libs.common.subjects import Subjects
-from services.stage_worker.worker import ENGINE_DEAD_EXIT_STATUS
+from services.stage_worker.progress import HUNG_AFTER_STALLS
+from services.stage_worker.worker import ENGINE_DEAD_EXIT_STATUS, ENGINE_HUNG_EXIT_STATUS
 from tests.procs import THINKER_YAML, gone, start_service, write_pipeline
 
 pytestmark = pytest.mark.integration
@@ -35,7 +43,8 @@ async def test_a_worker_whose_engine_core_is_killed_says_so_and_exits(nats_serve
         nc = await nats.connect(nats_server.url)
         try:
             alive = Subjects(PIPELINE).alive(0, 0)
-            assert (await nc.request(alive, b"", timeout=5)).data == b"", "a healthy worker answers empty"
+            healthy = decode(Liveness, (await nc.request(alive, b"", timeout=5)).data)
+            assert not healthy.engine_dead and healthy.busy == 0
             os.kill(core, signal.SIGKILL)
             killed = time.monotonic()
             for _ in range(50):
@@ -43,11 +52,11 @@ async def test_a_worker_whose_engine_core_is_killed_says_so_and_exits(nats_serve
                     break
                 await asyncio.sleep(0.1)
             assert gone(core), f"EngineCore {core} still runs after SIGKILL"
-            answer = b""
-            while time.monotonic() - killed < 5 and answer != ENGINE_DEAD.encode():
-                answer = (await nc.request(alive, b"", timeout=5)).data
+            answer = healthy
+            while time.monotonic() - killed < 5 and not answer.engine_dead:
+                answer = decode(Liveness, (await nc.request(alive, b"", timeout=5)).data)
                 await asyncio.sleep(0.1)
-            assert answer == ENGINE_DEAD.encode(), "the worker never said its engine died"
+            assert answer.engine_dead, "the worker never said its engine died"
             said = time.monotonic() - killed
         finally:
             await nc.close()
@@ -55,4 +64,78 @@ async def test_a_worker_whose_engine_core_is_killed_says_so_and_exits(nats_serve
         assert code == ENGINE_DEAD_EXIT_STATUS
         print(f"engine_dead answered {said:.2f} s after the kill; exit {code}")
     finally:
+        worker.stop()
+
+
+STALL_TIMEOUT_S = 2.0
+
+
+def _state(pid: int) -> str:
+    """The process state letter of ``pid`` (``T``: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+async def test_a_worker_whose_engine_core_hangs_shows_flat_progress_then_exits(nats_server, tmp_path) -> None:
+    yaml = THINKER_YAML + f"    stall_timeout_s: {STALL_TIMEOUT_S}\n"
+    path = write_pipeline(tmp_path / "p.yaml", PIPELINE, yaml)
+    worker = start_service(["worker"], nats_server.url, path, tmp_path / "worker.log")
+    subjects = Subjects(PIPELINE)
+    try:
+        await worker.await_log("serving omni.", timeout_s=240)
+        (core,) = [
+            p for p in descendants(worker.proc.pid) if "EngineCore" in Path(f"/proc/{p}/cmdline").read_text()
+        ]
+        nc = await nats.connect(nats_server.url)
+        try:
+            now = time.time_ns()
+            task = StageTask(
+                request_id=f"hang-{now}",
+                gateway_id="nobody",
+                arrival_ns=now,
+                deadline_ns=now + 120 * 10**9,
+                route=[0],
+                kind=TaskKind.START,
+                seq=0,
+                final=True,
+                prompt_token_ids=[1, 2, 3, 4],
+                sampling=Sampling(max_tokens=1500, temperature=0, ignore_eos=True),
+            )
+            await publish_task(nc.jetstream(), subjects, task, Hop("orchestrator", "0", 0, 0))
+
+            async def probe() -> Liveness:
+                return decode(Liveness, (await nc.request(subjects.alive(0, 0), b"", timeout=5)).data)
+
+            first = await probe()
+            while first.progress < 5:  # generating
+                await asyncio.sleep(0.05)
+                first = await probe()
+            assert first.busy == 1 and first.in_flight == 1
+            os.kill(core, signal.SIGSTOP)
+            stopped = time.monotonic()
+            await asyncio.sleep(0.3)
+            assert _state(core) == "T", f"EngineCore {core} is not stopped"
+            flat = await probe()
+            answers = []
+            while time.monotonic() - stopped < STALL_TIMEOUT_S + 0.5:
+                answers.append(await probe())
+                await asyncio.sleep(0.25)
+            assert all(a.busy == 1 and a.progress == flat.progress for a in answers), "progress moved"
+            code = await asyncio.to_thread(worker.proc.wait, HUNG_AFTER_STALLS * STALL_TIMEOUT_S + 10)
+            took = time.monotonic() - stopped
+        finally:
+            await nc.close()
+        assert code == ENGINE_HUNG_EXIT_STATUS
+        for _ in range(20):
+            if gone(core):
+                break
+            await asyncio.sleep(0.1)
+        assert gone(core), "the hung EngineCore outlived its worker"
+        assert HUNG_AFTER_STALLS * STALL_TIMEOUT_S <= took < HUNG_AFTER_STALLS * STALL_TIMEOUT_S + 4
+        assert "the engine produced nothing for" in worker.text()
+        print(
+            f"{len(answers)} answers with flat progress {flat.progress}; exit {code} {took:.1f} s after SIGSTOP"
+        )
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(core, signal.SIGCONT)
         worker.stop()

@@ -26,6 +26,7 @@ from libs.common.envelopes import (
     Admission,
     ClientEvent,
     ClientEventType,
+    Liveness,
     ResumePoint,
     ResumeQuery,
     Sampling,
@@ -72,7 +73,8 @@ def orchestrator(nats_server, tmp_path_factory):
 
 class FakeWorker:
     """A thinker replica's presence on the bus: registry heartbeats and probe answers, on a
-    connection of its own."""
+    connection of its own. Its engine is busy and makes progress (one output per answer) until
+    :meth:`hang`."""
 
     def __init__(self, url: str, replica: int) -> None:
         self.url, self.replica = url, replica
@@ -89,6 +91,8 @@ class FakeWorker:
         self.nc = await nats.connect(self.url)
         self.kv = await services_kv(self.nc.jetstream())
         self.stalled = False
+        self.hung = False
+        self.answers = 0
         await self.nc.subscribe(SUBJECTS.alive(0, self.replica), cb=self._answer_probe)
         self._beat = asyncio.create_task(self._beats())
         await asyncio.sleep(0.3)
@@ -96,12 +100,20 @@ class FakeWorker:
 
     async def _answer_probe(self, msg) -> None:
         if not self.stalled:
-            await msg.respond(b"")
+            if not self.hung:
+                self.record.progress += 1
+            self.answers += 1
+            await msg.respond(Liveness(in_flight=1, busy=1, progress=self.record.progress).encode())
 
     async def _beats(self) -> None:
         while True:
             await self.kv.put(self.record.key, self.record.model_dump_json().encode())
             await asyncio.sleep(1)
+
+    def hang(self) -> None:
+        """Its engine hangs: the worker answers every probe and heartbeats, with work under way
+        and its progress counter flat."""
+        self.hung = True
 
     async def die(self) -> None:
         """The process is gone: no more heartbeats, and its connection closes."""
@@ -307,5 +319,33 @@ async def test_a_request_on_a_stalled_replica_moves_after_the_stall_timeout(
     assert task.attempt == 2 and task.resume == CLIENT_HAS
     rec = await record(nc, adm.request_id)
     assert [(a.replica, a.reason) for a in rec.stages[0].attempts] == [(victim, None), (1 - victim, "stall")]
+    for w in workers.values():
+        await w.forget(nc)
+
+
+async def test_a_request_on_a_replica_whose_engine_hangs_moves_and_the_replica_is_passed_over(
+    orchestrator, nats_server, nc
+) -> None:
+    """``stall_timeout_s: 1``: a replica that answers every probe, busy, with a flat progress
+    counter is stalled; while its heartbeats show the same counter no new request goes to it."""
+    workers = {r: await FakeWorker(nats_server.url, r).start() for r in (0, 1)}
+    async with gateway(nc) as (questions, _):
+        adm = await admit(nc)
+        victim = await bound_replica(nc, adm.request_id)
+        other = 1 - victim
+        await until(lambda: stored(nc, victim, adm.request_id))
+        workers[victim].hang()
+        hung, answered = time.monotonic(), workers[victim].answers
+        (task,) = await until(lambda: stored(nc, other, adm.request_id), timeout_s=10)
+        took = time.monotonic() - hung
+        await asyncio.wait_for(questions.get(), 1)
+        assert workers[victim].answers > answered, "the hung replica answered no probe: not a hang"
+        later = [await admit(nc) for _ in range(2)]
+        routed = [await bound_replica(nc, a.request_id) for a in later]
+    assert 1.0 <= took < 4.0, f"moved {took:.2f} s after the engine hung (stall_timeout_s: 1)"
+    assert task.attempt == 2 and task.resume == CLIENT_HAS
+    rec = await record(nc, adm.request_id)
+    assert [(a.replica, a.reason) for a in rec.stages[0].attempts] == [(victim, None), (other, "stall")]
+    assert routed == [other, other], "a replica with a hung engine was routed to"
     for w in workers.values():
         await w.forget(nc)

@@ -23,6 +23,7 @@ from libs.common.envelopes import (
     ClientEvent,
     ClientEventType,
     LifecycleEvent,
+    Liveness,
     Sampling,
     StageTask,
     TaskKind,
@@ -88,7 +89,7 @@ async def wait_record(kv, rid: str, until=lambda rec: True, timeout_s: float = 5
 
 
 async def _answer_probe(msg) -> None:
-    await msg.respond(b"")
+    await msg.respond(Liveness().encode())
 
 
 @contextlib.asynccontextmanager

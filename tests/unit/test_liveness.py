@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from libs.common.envelopes import Liveness
 from libs.common.records import RequestRecord, RequestStatus, StageProgress
 from services.orchestrator.inflight import InflightRequests
-from services.orchestrator.liveness import DeathReason, verdict
+from services.orchestrator.liveness import DeathReason, ProgressSeen, verdict
+from services.stage_worker.progress import HUNG_AFTER_STALLS, EngineProgress, HungEngineWatch
 
 
 def test_no_responders_is_an_exit_at_once() -> None:
@@ -55,3 +57,64 @@ def test_bound_to_lists_requests_whose_stage_still_runs_on_the_replica() -> None
 def test_a_worker_whose_engine_died_is_dead_at_once_even_while_reconnecting() -> None:
     assert verdict("engine_dead", 0.0, 10.0, reconnecting=False) == DeathReason.ENGINE_DEAD
     assert verdict("engine_dead", 0.0, 10.0, reconnecting=True) == DeathReason.ENGINE_DEAD
+
+
+def test_answers_with_flat_progress_and_work_under_way_are_a_stall_after_the_stall_timeout() -> None:
+    assert verdict("ok", 0.0, 10.0, reconnecting=False, flat_s=9.9) is None
+    assert verdict("ok", 0.0, 10.0, reconnecting=False, flat_s=10.0) == DeathReason.STALL
+
+
+def test_progress_is_flat_only_while_the_counter_stands_and_work_is_under_way() -> None:
+    seen = ProgressSeen(value=5, flat_since=0.0)
+    assert seen.update(Liveness(busy=1, progress=5), 4.0) == 4.0
+    assert seen.update(Liveness(busy=1, progress=6), 5.0) == 0.0  # an output: the clock restarts
+    assert seen.update(Liveness(busy=1, progress=6), 7.5) == 2.5
+    assert seen.update(Liveness(busy=0, progress=6), 8.0) == 0.0  # idle: nothing to make progress on
+    assert seen.update(Liveness(busy=2, progress=6), 9.0) == 1.0
+
+
+def test_against_a_cluster_no_responders_is_an_exit_only_once_it_lasted() -> None:
+    """A worker whose NATS node died is reconnecting to another node meanwhile."""
+    assert verdict("no_responders", 0.4, 10.0, reconnecting=False, exit_confirm_s=1.0) is None
+    assert verdict("no_responders", 1.0, 10.0, reconnecting=False, exit_confirm_s=1.0) == DeathReason.EXIT
+
+
+def test_engine_progress_counts_operations_under_way_however_they_end() -> None:
+    p = EngineProgress()
+    with p.working():
+        assert p.busy == 1
+        p.advanced()
+        p.advanced()
+    try:
+        with p.working():
+            raise RuntimeError("cancelled")
+    except RuntimeError:
+        pass
+    assert (p.busy, p.outputs) == (0, 2)
+
+
+def test_an_engine_is_hung_after_flat_outputs_with_work_for_two_stall_timeouts() -> None:
+    p, watch = EngineProgress(busy=1, outputs=3), HungEngineWatch(stall_timeout_s=2.0, max_step_s=1.0)
+    watch.observe(p, 0.5)  # outputs seen for the first time: the clock starts
+    for _ in range(7):
+        watch.observe(p, 0.5)
+    assert watch.flat_s == 3.5 and not watch.hung
+    p.busy = 0  # its requests were moved away after one stall timeout: the suspicion stays
+    watch.observe(p, 0.5)
+    assert watch.flat_s == HUNG_AFTER_STALLS * 2.0 and watch.hung
+
+
+def test_an_idle_or_progressing_engine_is_not_hung_and_a_stopped_process_does_not_count() -> None:
+    p, watch = EngineProgress(busy=0, outputs=3), HungEngineWatch(stall_timeout_s=2.0, max_step_s=1.0)
+    for _ in range(21):
+        watch.observe(p, 0.5)  # idle
+    assert watch.flat_s == 0.0
+    p.busy = 1
+    watch.observe(p, 30.0)  # the whole process was stopped for 30 s: counted as one step
+    assert watch.flat_s == 1.0
+    p.busy = 0
+    watch.observe(p, 0.5)  # short of one stall timeout: a slow step, not a hang
+    assert watch.flat_s == 0.0
+    p.busy, p.outputs = 1, 4
+    watch.observe(p, 0.5)
+    assert watch.flat_s == 0.0 and not watch.hung

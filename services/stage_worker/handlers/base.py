@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from services.stage_worker.progress import EngineProgress
 from services.stage_worker.request_context import RequestContext
 
 
@@ -17,7 +18,11 @@ class StageError(Exception):
 
 class StageHandler(ABC):
     """Runs one stage's engine in the worker process. ``start`` once before the first request,
-    ``run`` once per request (from its first to its final input), ``stop`` once at shutdown."""
+    ``run`` once per request (from its first to its final input), ``stop`` once at shutdown.
+    ``progress`` counts its engine's work (the worker reports it for liveness)."""
+
+    def __init__(self) -> None:
+        self.progress = EngineProgress()
 
     @abstractmethod
     async def start(self) -> None: ...

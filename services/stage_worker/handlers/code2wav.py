@@ -15,6 +15,7 @@ from services.stage_worker.request_context import RequestContext
 
 class Code2WavHandler(StageHandler):
     def __init__(self, stage: StageConfig) -> None:
+        super().__init__()
         self._stage = stage
         self._model = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="code2wav")
@@ -37,7 +38,9 @@ class Code2WavHandler(StageHandler):
             codes = d.task.codes.to_numpy() if d.task.codes is not None else None
             if codes is not None and codes.size:
                 try:
-                    pcm = await loop.run_in_executor(self._pool, decode_to_pcm16, self._model, codes)
+                    with self.progress.working():
+                        pcm = await loop.run_in_executor(self._pool, decode_to_pcm16, self._model, codes)
+                    self.progress.advanced()
                 except ValueError as e:
                     raise StageError(
                         500, "codec_input_rejected", f"code2wav rejected chunk {d.task.seq}: {e}"

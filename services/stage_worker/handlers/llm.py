@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+import contextlib
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from libs.common import tracing
 from libs.common.runtime import cancel_and_wait
@@ -20,6 +22,8 @@ from services.stage_worker.llm_engine import (
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
+    from vllm.outputs import RequestOutput
+    from vllm.sampling_params import SamplingParams
 
 
 class LLMHandler(StageHandler):
@@ -27,6 +31,7 @@ class LLMHandler(StageHandler):
     ``log_stats``, the periodic stats log line)."""
 
     def __init__(self, spec: LLMEngineSpec) -> None:
+        super().__init__()
         self._spec = spec
         self._stage = spec.stage
         self.engine = None
@@ -41,6 +46,23 @@ class LLMHandler(StageHandler):
         headers: dict[str, str] = {}
         tracing.inject_headers(headers, span)
         return headers or None
+
+    async def generate(
+        self, prompt: Any, params: SamplingParams, engine_id: str, span: Span
+    ) -> AsyncIterator[RequestOutput]:
+        """``AsyncLLM.generate`` of one engine request, traced under ``span``, counted in
+        ``progress``: busy while waiting for the engine's next output (not while the caller works
+        on the last one: a publish held up by the broker is no engine hang), one output each."""
+        outputs = self.engine.generate(prompt, params, engine_id, trace_headers=self.trace_headers(span))
+        async with contextlib.aclosing(outputs):
+            while True:
+                with self.progress.working():
+                    try:
+                        out = await anext(outputs)
+                    except StopAsyncIteration:
+                        return
+                self.progress.advanced()
+                yield out
 
     @property
     def model_path(self) -> str:

@@ -57,9 +57,7 @@ class TalkerHandler(LLMHandler):
                 )
                 prompt = tokens_input(d.task.token_ids)
                 sub_id = f"{req.request_id}-{d.task.seq}"
-                async for out in self.engine.generate(
-                    prompt, params, sub_id, trace_headers=self.trace_headers(req.span)
-                ):
+                async for out in self.generate(prompt, params, sub_id, req.span):
                     codes = [t - self._offset for t in out.outputs[0].token_ids]
                     for chunk in chunker.feed(codes):
                         await req.downstream(codes=NdArray.of(np.asarray(chunk, dtype=np.int32)))

@@ -163,4 +163,4 @@ class ThinkerHandler(LLMHandler):
         """The engine's outputs for ``req`` (a later attempt has an engine request id of its own:
         an older one may still be winding down in this engine)."""
         engine_id = req.request_id if req.attempt == 1 else f"{req.request_id}-a{req.attempt}"
-        return self.engine.generate(prompt, params, engine_id, trace_headers=self.trace_headers(req.span))
+        return self.generate(prompt, params, engine_id, req.span)
