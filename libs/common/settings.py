@@ -13,10 +13,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from libs.common.bus import LIMITS, BusLimits
+from libs.common.bus import LIMITS, BusLimits, server_urls
 from libs.common.pipeline import DEFAULT_PIPELINE_PATH
 
 SchedBatch = Annotated[
@@ -40,7 +40,10 @@ class ServiceSettings(BaseSettings):
     nats_url: str = Field(
         default="nats://127.0.0.1:4222",
         validation_alias=AliasChoices("NATS_URL", "OMNIRELAY_NATS_URL"),
-        description="NATS server with JetStream",
+        description=(
+            "NATS server with JetStream, or every server of a JetStream cluster, comma-separated "
+            "(streams and KV buckets then get one replica per server, at most 5)"
+        ),
     )
     pipeline: Path = Field(default=DEFAULT_PIPELINE_PATH, description="pipeline YAML file")
     log_stats: bool = Field(default=False, description="record metrics and stats log lines")
@@ -52,6 +55,12 @@ class ServiceSettings(BaseSettings):
     ack_wait_s: float = Field(
         default=30.0, gt=0, description="JetStream redelivery timer of this service's consumers, seconds"
     )
+
+    @field_validator("nats_url")
+    @classmethod
+    def _has_a_server(cls, value: str) -> str:
+        server_urls(value)
+        return value
 
     @property
     def bus_limits(self) -> BusLimits:

@@ -1,0 +1,237 @@
+"""A 3-node JetStream cluster of real nats-servers (``libs.common.local_nats``, ``sync_interval``
+``always``): the pipeline's streams and KV buckets get 3 replicas, and ``kill -9`` of the leader of
+a work-queue stream while messages are published and consumed loses no acknowledged message and
+delivers none twice; clients given every server URL go on, KV included.
+
+Clocks: ``time.monotonic()`` of this process, seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+
+from libs.common.bus import connect, ensure_topology, requests_kv
+from libs.common.local_nats import ClusterNode, client_urls, cluster_argvs, cluster_nodes
+from libs.common.subjects import EVICTIONS_BUCKET, REQUESTS_BUCKET, SERVICES_BUCKET, Subjects
+from tests.procs import gone
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+
+HEALTHY_TIMEOUT_S = 20.0
+LOAD_BEFORE_KILL_S = 1.5
+"""Publishing and consuming run this long before the kill, seconds."""
+LOAD_AFTER_KILL_S = 8.0
+"""... and this long after it."""
+DRAIN_TIMEOUT_S = 30.0
+"""Every acknowledged message must be consumed this long after publishing stops, seconds."""
+PUBLISHERS = 4
+
+
+@dataclass
+class Node:
+    spec: ClusterNode
+    proc: subprocess.Popen[bytes]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[list[Node]]:
+    """Three nats-servers forming cluster ``omnirelay`` on free loopback ports, each JetStream
+    healthy (``/healthz`` 200) before the test starts."""
+    specs = cluster_nodes(tmp_path, 3)
+    nodes = []
+    for spec, argv in zip(specs, cluster_argvs(specs, "always"), strict=True):
+        with (tmp_path / f"{spec.name}.log").open("wb") as out:
+            nodes.append(Node(spec, subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)))
+    try:
+        deadline = time.monotonic() + HEALTHY_TIMEOUT_S
+        for node in nodes:
+            while not _healthy(node.spec):
+                assert node.proc.poll() is None, (tmp_path / f"{node.spec.name}.log").read_text()
+                assert time.monotonic() < deadline, f"{node.spec.name} not healthy"
+                time.sleep(0.1)
+        yield nodes
+    finally:
+        for node in nodes:
+            if node.proc.poll() is None:
+                node.proc.terminate()
+                node.proc.wait(10)
+
+
+def _healthy(node: ClusterNode) -> bool:
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(f"{node.monitor_url}/healthz", timeout=1).status_code == 200
+    return False
+
+
+async def test_topology_gets_a_replica_on_every_server_and_scales_what_exists(cluster: list[Node]) -> None:
+    subjects = Subjects("clustered")
+    # A client given one server declares single-replica streams and buckets (as on one server)...
+    one = await connect(cluster[0].spec.url, "one-url")
+    await ensure_topology(one.jetstream(), subjects)
+    assert (await one.jetstream().stream_info(subjects.stages_stream)).config.num_replicas == 1
+    await one.close()
+    # ... a client given every server scales them to 3.
+    nc = await connect(client_urls([n.spec for n in cluster]), "all-urls")
+    try:
+        js = nc.jetstream()
+        await ensure_topology(js, subjects)
+        names = [subjects.requests_stream, subjects.stages_stream, subjects.events_stream]
+        names += [f"KV_{b}" for b in (SERVICES_BUCKET, REQUESTS_BUCKET, EVICTIONS_BUCKET)]
+        deadline = time.monotonic() + 10.0  # the servers add the new peers after the update returns
+        for name in names:
+            info = await js.stream_info(name)
+            assert info.config.num_replicas == 3, name
+            while len(info.cluster.replicas or []) < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+                info = await js.stream_info(name)
+            assert info.cluster.leader and len(info.cluster.replicas or []) == 2, f"{name}: {info.cluster}"
+    finally:
+        await nc.close()
+
+
+@dataclass
+class Load:
+    """What the clients saw: ids acknowledged by the stream, ids consumed (in order, repeats kept)."""
+
+    acked: set[str] = field(default_factory=set)
+    acked_after_kill: int = 0
+    first_ack_after_kill_s: float | None = None
+    """``time.monotonic()`` of the first acknowledgement of a publish sent after the kill."""
+    publish_retries: int = 0
+    consumed: list[str] = field(default_factory=list)
+    unconfirmed_acks: set[str] = field(default_factory=set)
+    """Consumed ids whose ``ack_sync`` got no confirmation (the server may deliver them again)."""
+
+
+async def _publish(
+    js: JetStreamContext, subject: str, prefix: str, load: Load, stop: asyncio.Event, kill: asyncio.Event
+) -> None:
+    """Publish ``<prefix>-<n>`` one after another until ``stop``; a publish with no
+    acknowledgement (the leader is gone, an election is under way) is sent again with the same
+    ``Nats-Msg-Id``, so the stream keeps one copy."""
+    n = 0
+    while not stop.is_set():
+        msg_id, sent_after_kill = f"{prefix}-{n}", kill.is_set()
+        while True:
+            try:
+                await js.publish(subject, msg_id.encode(), timeout=2.0, headers={"Nats-Msg-Id": msg_id})
+                break
+            except Exception:  # no responders, timeout, cluster error: all mean "not stored yet"
+                load.publish_retries += 1
+                await asyncio.sleep(0.1)
+        load.acked.add(msg_id)
+        if sent_after_kill:
+            load.acked_after_kill += 1
+            load.first_ack_after_kill_s = load.first_ack_after_kill_s or time.monotonic()
+        n += 1
+
+
+async def _consume(js: JetStreamContext, stream: str, subject: str, load: Load, done: asyncio.Event) -> None:
+    """Fetch and ``ack_sync`` until ``done``."""
+    sub = await js.pull_subscribe(subject, durable="cluster-test", stream=stream)
+    while not done.is_set():
+        try:
+            msgs = await sub.fetch(64, timeout=0.5)
+        except Exception:  # nothing waiting, or the consumer's leader is moving
+            continue
+        for msg in msgs:
+            load.consumed.append(msg.data.decode())
+            try:
+                await msg.ack_sync(timeout=2.0)
+            except Exception:
+                load.unconfirmed_acks.add(msg.data.decode())
+
+
+def _node_of(cluster: list[Node], name: str) -> Node:
+    (node,) = [n for n in cluster if n.spec.name == name]
+    return node
+
+
+async def test_kill_9_of_the_stream_leader_under_load_loses_nothing(cluster: list[Node]) -> None:
+    subjects = Subjects("clustered")
+    urls = client_urls([n.spec for n in cluster])
+    nc = await connect(urls, "consumer")  # the services' way: every URL, any server
+    js = nc.jetstream()
+    await ensure_topology(js, subjects)
+    stream, subject = subjects.stages_stream, subjects.stage_in(0, 0)
+    leader = (await js.stream_info(stream)).cluster.leader
+    victim = _node_of(cluster, leader)
+    # The publisher is connected to the leader itself (listed first, no shuffling), so its
+    # connection dies with it and it must go on through another server.
+    others = [n.spec.url for n in cluster if n is not victim]
+    pub_nc: NATS = await nats.connect(
+        servers=[victim.spec.url, *others],
+        dont_randomize=True,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.2,
+    )
+    assert pub_nc.connected_url.port == victim.spec.port
+    kv = await requests_kv(js)
+    await kv.put("before", b"1")
+
+    load, stop, kill, done = Load(), asyncio.Event(), asyncio.Event(), asyncio.Event()
+    pub_js = pub_nc.jetstream()
+    publishers = [
+        asyncio.create_task(_publish(pub_js, subject, f"p{i}", load, stop, kill)) for i in range(PUBLISHERS)
+    ]
+    consumer = asyncio.create_task(_consume(js, stream, subject, load, done))
+    try:
+        await asyncio.sleep(LOAD_BEFORE_KILL_S)
+        acked_before = len(load.acked)
+        t_kill = time.monotonic()
+        victim.proc.send_signal(signal.SIGKILL)
+        kill.set()
+        assert victim.proc.wait(5) == -signal.SIGKILL
+        assert gone(victim.proc.pid)
+        await asyncio.sleep(LOAD_AFTER_KILL_S)
+        stop.set()
+        await asyncio.gather(*publishers)
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while not load.acked <= set(load.consumed) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        done.set()
+        await consumer
+
+        # The fault happened where it should: the leader died, another took over, and the
+        # publisher's connection moved to a survivor.
+        new_leader = (await js.stream_info(stream)).cluster.leader
+        assert new_leader and new_leader != leader, new_leader
+        assert pub_nc.connected_url.port != victim.spec.port
+        assert acked_before > 0 and load.acked_after_kill > 0, (acked_before, load.acked_after_kill)
+        # Nothing lost, nothing twice (but an id whose ack was never confirmed may come again).
+        missing = load.acked - set(load.consumed)
+        assert not missing, f"{len(missing)} acknowledged messages never consumed: {sorted(missing)[:5]}"
+        repeated = {m for m in load.consumed if load.consumed.count(m) > 1}
+        assert repeated <= load.unconfirmed_acks, sorted(repeated - load.unconfirmed_acks)[:5]
+        assert (await js.stream_info(stream)).state.messages == 0  # work queue: every message acked
+        # KV through the same client: the record written before the kill, and a new one.
+        assert (await kv.get("before")).value == b"1"
+        await kv.put("after", b"2")
+        assert (await kv.get("after")).value == b"2"
+        print(
+            f"\nkilled {leader} (pid {victim.proc.pid}); new leader {new_leader}; "
+            f"{len(load.acked)} acked ({load.acked_after_kill} after the kill), "
+            f"{len(load.consumed)} consumed, {len(repeated)} repeated, "
+            f"{load.publish_retries} publish retries; first publish acked "
+            f"{load.first_ack_after_kill_s - t_kill:.2f} s after the kill"
+        )
+    finally:
+        stop.set()
+        done.set()
+        for t in [*publishers, consumer]:
+            t.cancel()
+        await pub_nc.close()
+        await nc.close()
