@@ -38,7 +38,8 @@ import pytest
 import yaml
 
 from cli.launcher import plan_services
-from libs.common.local_nats import free_port, nats_server_argv
+from libs.common.bus import replicas_for, server_urls
+from libs.common.local_nats import SYNC_INTERVAL, free_port, nats_server_argv, nats_server_binary
 from libs.common.pipeline import StageType, load_pipeline
 from libs.common.settings import ServiceSettings
 
@@ -200,6 +201,7 @@ def schema_errors(schema: dict[str, Any], document: Any) -> list[str]:
         ),
         pytest.param(lambda: read_yaml(GPU_FILE), id="gpu-override-as-written"),
         pytest.param(lambda: load_compose(COMPOSE_FILE, GPU_FILE), id="compose+gpu-merged"),
+        pytest.param(lambda: load_compose(COMPOSE_FILE, env={"NATS_CLUSTER": "true"}), id="nats-cluster"),
     ],
 )
 def test_compose_files_validate_against_compose_spec(compose_schema: dict[str, Any], documents) -> None:
@@ -418,15 +420,81 @@ def test_dockerignore_keeps_what_the_image_copies(dockerfile: str) -> None:
     assert copied <= kept, copied - kept
 
 
+def test_nats_cluster_profile() -> None:
+    """``NATS_CLUSTER=true docker compose --profile cluster up``: nodes nats, nats-2 and nats-3
+    route to each other, each with its own name and data volume, and every service is given all
+    three (so it declares streams and buckets with 3 replicas); unset, one server as before."""
+    single = load_compose(COMPOSE_FILE)
+    assert [n for n, svc in single["services"].items() if "cluster" in svc.get("profiles", [])] == [
+        "nats-2",
+        "nats-3",
+    ]
+    assert "profiles" not in single["services"]["nats"]
+    assert single["services"]["nats"]["configs"][0]["source"] == "nats"
+    model = load_compose(COMPOSE_FILE, env={"NATS_CLUSTER": "true"})
+    nodes = ["nats", "nats-2", "nats-3"]
+    volumes = set()
+    for name in nodes:
+        svc = model["services"][name]
+        cmd = svc["command"]
+        assert cmd[cmd.index("-n") + 1] == name, "a fixed server name: the cluster knows a node by it"
+        (config,) = svc["configs"]
+        assert config == {"source": "nats-cluster", "target": cmd[cmd.index("-c") + 1]}, name
+        volume, target = svc["volumes"][0].split(":")[:2]
+        assert target == "/data" and volume in model["volumes"]
+        volumes.add(volume)
+        assert svc["healthcheck"] == single["services"]["nats"]["healthcheck"]
+    assert len(volumes) == 3, "one JetStream store per node"
+    cluster_conf = model["configs"]["nats-cluster"]["content"]
+    routes = re.search(r"routes: \[(.*)\]", cluster_conf)[1].split(", ")
+    assert routes == [f"nats-route://{n}:6222" for n in nodes]
+    assert "listen: 0.0.0.0:6222" in cluster_conf and "name: omnirelay" in cluster_conf
+    urls = ",".join(f"nats://{n}:4222" for n in nodes)
+    for name, svc in omnirelay_services(model).items():
+        assert as_env(svc["environment"])["NATS_URL"] == urls, name
+    assert replicas_for(server_urls(urls)) == 3
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["single", "cluster"])
+def test_nats_sync_interval_is_explicit_and_nats_server_accepts_the_config(
+    cluster: bool, tmp_path: Path
+) -> None:
+    """Every NATS node's configuration sets ``sync_interval`` (default ``always``,
+    ``NATS_SYNC_INTERVAL`` changes it), and ``nats-server -t`` accepts it with the node's flags."""
+    for shell, expected in (({}, "always"), ({"NATS_SYNC_INTERVAL": "1s"}, "1s")):
+        model = load_compose(COMPOSE_FILE, env=shell | ({"NATS_CLUSTER": "true"} if cluster else {}))
+        for name in ("nats", "nats-2", "nats-3") if cluster else ("nats",):
+            svc = model["services"][name]
+            content = model["configs"][svc["configs"][0]["source"]]["content"]
+            assert re.findall(r"sync_interval: (\S+)", content) == [expected], name
+            conf = tmp_path / f"{name}.conf"
+            conf.write_text(content)
+            argv = [
+                nats_server_binary() if a == "nats-server" else str(tmp_path) if a == "/data" else a
+                for a in svc["command"]
+            ]
+            argv[argv.index("-c") + 1] = str(conf)
+            done = subprocess.run([*argv, "-t"], capture_output=True, text=True, timeout=30)
+            assert done.returncode == 0, done.stderr
+
+
 # --- 2. equivalence with the launcher's plan ----------------------------------------------------
-@pytest.mark.parametrize("log_stats", [False, True])
-def test_compose_services_equal_the_launcher_plan(log_stats: bool) -> None:
-    shell = {"OMNIRELAY_LOG_STATS": "true"} if log_stats else {}
+@pytest.mark.parametrize(
+    ("log_stats", "shell_nats", "nats_url"),
+    [
+        (False, {}, COMPOSE_NATS_URL),
+        (True, {}, COMPOSE_NATS_URL),
+        (False, {"NATS_CLUSTER": "true"}, "nats://nats:4222,nats://nats-2:4222,nats://nats-3:4222"),
+    ],
+    ids=["default", "log-stats", "nats-cluster"],
+)
+def test_compose_services_equal_the_launcher_plan(
+    log_stats: bool, shell_nats: dict[str, str], nats_url: str
+) -> None:
+    shell = ({"OMNIRELAY_LOG_STATS": "true"} if log_stats else {}) | shell_nats
     services = omnirelay_services(load_compose(COMPOSE_FILE, env=shell))
     image_pipeline = Path(IMAGE_PIPELINES_DIR) / DEFAULT_PIPELINE.name
-    plan = plan_services(
-        load_pipeline(DEFAULT_PIPELINE), image_pipeline, COMPOSE_NATS_URL, GATEWAY_PORT, log_stats
-    )
+    plan = plan_services(load_pipeline(DEFAULT_PIPELINE), image_pipeline, nats_url, GATEWAY_PORT, log_stats)
     assert [s.name for s in plan if s.name not in services] == []
     for spec in plan:
         svc = services[spec.name]
@@ -575,7 +643,7 @@ def test_compose_services_start_natively_and_serve_audio(
     nport, mport = free_port(), free_port()
     store = tmp_path / "jetstream"
     store.mkdir()
-    argv = nats_server_argv(store, nport, mport)
+    argv = nats_server_argv(store, nport, mport, SYNC_INTERVAL)
     procs.start("nats", argv, os.environ)
     _wait_http_ok(f"http://127.0.0.1:{mport}/healthz", procs, 30)
     nats_url = f"nats://127.0.0.1:{nport}"
