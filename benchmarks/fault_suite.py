@@ -1,8 +1,9 @@
-"""``omnirelay bench-faults``: the fault suite. One ``omnirelay up`` stack (a pipeline with two
-replicas of every stage, a NATS server of the suite's own) serves streaming requests while one fault
-at a time is injected; each injection is verified (the process is gone, or its state is ``T``),
-and each fault gets a row: requests in flight, completed in full, failed with a clear error, hung,
-missing or repeated tokens, and how long the streams paused.
+"""``omnirelay bench-faults``: the fault suite. An ``omnirelay up`` stack (a pipeline with two
+replicas of every stage, a NATS server of the suite's own; for the cluster's fault, a second stack on
+a 3-node NATS cluster) serves streaming requests while one fault at a time is injected; each
+injection is verified (the process is gone, or its state is ``T``), and each fault gets a row:
+requests in flight, completed in full, failed with a clear error, hung, missing or repeated tokens,
+and how long the streams paused.
 
 Clocks: ``time.monotonic()`` of this process, seconds. The accounting (:func:`row_of`) is a pure
 function of what the clients saw (tested in ``tests/unit/test_fault_suite.py``).
@@ -20,7 +21,19 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.harness import Processes, Stack, descendants, log, run_with_stacks, start_stack, wait_port
+from benchmarks.harness import (
+    Managed,
+    Processes,
+    Stack,
+    descendants,
+    log,
+    run_with_stacks,
+    start_stack,
+    wait_http_ok,
+    wait_port,
+)
+from libs.common.bus import server_urls
+from libs.common.subjects import EVICTIONS_BUCKET, REQUESTS_BUCKET, SERVICES_BUCKET, Subjects
 
 PIPELINE_YAML = """\
 name: faults
@@ -41,13 +54,16 @@ MIDWAY_CHUNKS = 10
 """A stream is under way once it has this many chunks; the fault strikes when two are."""
 HUNG_AFTER_S = 150.0
 """A stream not ended this long after the fault counts as hung (the deadline is 120 s), seconds."""
+PIPELINE_NAME = "faults"
+"""The ``name`` in :data:`PIPELINE_YAML`."""
 
 
 @dataclass(frozen=True)
 class Fault:
     name: str
     target: str
-    """``worker``, ``engine_core`` (the worker's EngineCore process), ``orchestrator`` or ``nats``."""
+    """``worker``, ``engine_core`` (the worker's EngineCore process), ``orchestrator``, ``nats``
+    (the only server) or ``nats_node`` (the node of a NATS cluster that leads the stages stream)."""
     stage: int = 0
     sig: int = signal.SIGKILL
     hold_s: float = 0.0
@@ -55,6 +71,8 @@ class Fault:
     streams: int = 8
     audio: bool = False
     max_tokens: int = 400
+    nats_nodes: int = 1
+    """NATS servers of the stack the fault is injected in (1, or a cluster of 3)."""
 
 
 FAULTS = (
@@ -65,6 +83,7 @@ FAULTS = (
     Fault("SIGSTOP a thinker replica 30 s", "worker", 0, signal.SIGSTOP, hold_s=30.0),
     Fault("kill -9 the orchestrator", "orchestrator"),
     Fault("kill -9 nats-server, back 2 s later", "nats"),
+    Fault("kill -9 one node of a 3-node NATS cluster, the streams' leader", "nats_node", nats_nodes=3),
 )
 
 
@@ -216,7 +235,7 @@ async def _busiest_replica(stack: Stack, stage: int, ids: list[str]) -> tuple[in
 
     from libs.common.bus import requests_kv
 
-    nc = await nats.connect(stack.nats_url)
+    nc = await nats.connect(servers=server_urls(stack.nats_url))
     try:
         kv = await requests_kv(nc.jetstream())
         counts: dict[int, int] = {}
@@ -231,11 +250,42 @@ async def _busiest_replica(stack: Stack, stage: int, ids: list[str]) -> tuple[in
         await nc.close()
 
 
+async def _leaders(stack: Stack) -> dict[str, str]:
+    """The server that leads each stream and KV bucket of the pipeline: name → ``server_name``."""
+    import nats
+
+    subjects = Subjects(PIPELINE_NAME)
+    names = [subjects.requests_stream, subjects.stages_stream, subjects.events_stream]
+    names += [f"KV_{b}" for b in (SERVICES_BUCKET, REQUESTS_BUCKET, EVICTIONS_BUCKET)]
+    nc = await nats.connect(servers=server_urls(stack.nats_url))
+    try:
+        js = nc.jetstream()
+        return {name: (await js.stream_info(name)).cluster.leader for name in names}
+    finally:
+        await nc.close()
+
+
+def _log_size(m: Managed) -> int:
+    """Bytes in ``m``'s log so far."""
+    return m.log_path.stat().st_size
+
+
+def verdicts_since(log_path: Path, offset: int) -> tuple[int, int]:
+    """(replicas judged dead, requests moved) in a stack's log after byte ``offset`` (the
+    orchestrators' "stage ... replica ... is dead (" and "request ... moved: stage" lines)."""
+    with log_path.open("rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    return text.count(" is dead ("), sum(" moved: stage " in line for line in text.splitlines())
+
+
 class Injector:
     """Finds a fault's process in the stack and injects the fault, verifying that it took."""
 
     def __init__(self, procs: Processes, stack: Stack, nats_argv: list[str]) -> None:
         self.procs, self.stack, self.nats_argv = procs, stack, nats_argv
+        self.killed_node: tuple[Managed, str] | None = None
+        """The cluster node killed by the last ``nats_node`` fault, with its monitoring URL."""
 
     def target_pid(self, fault: Fault, replica: int) -> int:
         root = self.stack.process.proc.pid
@@ -252,6 +302,8 @@ class Injector:
 
     async def inject(self, fault: Fault, replica: int) -> str:
         """Inject ``fault``; what was verified."""
+        if fault.target == "nats_node":
+            return await self._kill_leader_node()
         if fault.target == "nats":
             nats = next(m for m in self.procs.items if m.name.startswith("nats"))
             pid = nats.proc.pid
@@ -275,6 +327,32 @@ class Injector:
             os.kill(pid, signal.SIGCONT)
         return verified
 
+    async def _kill_leader_node(self) -> str:
+        """``kill -9`` the cluster node that leads the stages stream (it stays down until
+        :meth:`restore`); says which of the pipeline's streams and buckets it led."""
+        leaders = await _leaders(self.stack)
+        victim = leaders[Subjects(PIPELINE_NAME).stages_stream]
+        (node,) = [n for n in self.stack.nats_nodes if n.name == victim]
+        (managed,) = [m for m in self.procs.items if m.name == f"{victim} ({self.stack.name})"]
+        pid = managed.proc.pid
+        os.kill(pid, signal.SIGKILL)
+        managed.proc.wait(5)
+        self.killed_node = (managed, node.monitor_url)
+        led = sum(leader == victim for leader in leaders.values())
+        return (
+            f"pid {pid} {_state(pid)} ({victim}, leader of {led} of the {len(leaders)} streams and buckets)"
+        )
+
+    def restore(self) -> None:
+        """Start the killed cluster node again (same configuration and store) and wait until its
+        JetStream is healthy, so the next fault meets a whole cluster."""
+        if self.killed_node is None:
+            return
+        managed, monitor = self.killed_node
+        name = managed.name.replace(" (", " (restarted, ", 1)
+        wait_http_ok(self.procs.start(name, list(managed.proc.args), {}), f"{monitor}/healthz", 60)
+        self.killed_node = None
+
 
 async def _healthy(stack: Stack, timeout_s: float = 300.0) -> None:
     """Wait until every declared replica is live again (``/health`` status ``ok``)."""
@@ -297,7 +375,7 @@ async def _incarnation(stack: Stack, stage: int, replica: int) -> int:
 
     from libs.common.bus import services_kv
 
-    nc = await nats.connect(stack.nats_url)
+    nc = await nats.connect(servers=server_urls(stack.nats_url))
     try:
         kv = await services_kv(nc.jetstream())
         with contextlib.suppress(Exception):
@@ -336,6 +414,7 @@ async def run_fault(injector: Injector, fault: Fault, model: str) -> Row:
     under_way = [s.id for s in seen if len(s.at) >= MIDWAY_CHUNKS and s.ended_s is None]
     replica, on_it = await _busiest_replica(injector.stack, fault.stage, under_way)
     before_ns = await _incarnation(injector.stack, fault.stage, replica)
+    log_offset = _log_size(injector.stack.process)
     fault_s = time.monotonic()
     verified = await injector.inject(fault, replica)
     if fault.target in ("worker", "engine_core"):
@@ -345,6 +424,10 @@ async def run_fault(injector: Injector, fault: Fault, model: str) -> Row:
     for t in tasks:
         t.cancel()
     await client.close()
+    if fault.target == "nats_node":  # what the orchestrators made of the node's death
+        dead, moved = verdicts_since(injector.stack.process.log_path, log_offset)
+        verified += f"; then {dead} replica(s) judged dead, {moved} request(s) moved"
+        await asyncio.to_thread(injector.restore)
     row = row_of(fault, verified, fault_s, seen, reference)
     if fault.target in ("worker", "engine_core") and fault.sig == signal.SIGKILL:
         await _replaced(injector.stack, fault.stage, replica, before_ns)  # the next fault meets a whole stack
@@ -386,20 +469,23 @@ def render(rows: list[Row]) -> str:
 
 
 def run_fault_suite(only: str | None = None) -> int:
-    """Start the stack, run every fault (or those whose name contains ``only``), print the table."""
+    """Start the stacks the selected faults need (every fault, or those whose name contains
+    ``only``), run the faults in order, print the table."""
     rows: list[Row] = []
+    selected = [f for f in FAULTS if not only or only in f.name]
 
     def work(procs: Processes, data_dir: Path) -> None:
         pipeline = data_dir / "faults.yaml"
         pipeline.write_text(PIPELINE_YAML)
-        stack = start_stack(procs, "faults", pipeline, {}, data_dir, ["--log-stats"])
-        nats = next(m for m in procs.items if m.name.startswith("nats"))
-        injector = Injector(procs, stack, list(nats.proc.args))
-        for fault in FAULTS:
-            if only and only not in fault.name:
-                continue
-            rows.append(asyncio.run(run_fault(injector, fault, "faults-model")))
-            log(render(rows[-1:]).splitlines()[-1])
+        for nodes in sorted({f.nats_nodes for f in selected}):
+            name = "faults" if nodes == 1 else f"faults-{nodes}-node-nats"
+            stack = start_stack(procs, name, pipeline, {}, data_dir, ["--log-stats"], nats_nodes=nodes)
+            nats = next(m for m in procs.items if m.name.startswith("nats") and m.name.endswith(f"({name})"))
+            injector = Injector(procs, stack, list(nats.proc.args))
+            for fault in (f for f in selected if f.nats_nodes == nodes):
+                rows.append(asyncio.run(run_fault(injector, fault, "faults-model")))
+                log(render(rows[-1:]).splitlines()[-1])
+            stack.process.stop()  # the next stack gets the machine to itself
 
     code = run_with_stacks("omnirelay-faults-", work)
     print(render(rows))

@@ -61,6 +61,7 @@ from benchmarks.harness import (
     wait_port,
     while_active,
 )
+from libs.common.local_nats import SYNC_INTERVAL
 from libs.common.pipeline import PipelineConfig, load_pipeline
 
 GATEWAY, DIRECT = "omnirelay", "vllm"
@@ -323,6 +324,8 @@ class BenchOptions:
     """Unmeasured sequential requests after each resume."""
     isolate_engines: bool = True
     """Engines on the engine core, everything else on the other cores (see :func:`isolate_engines`)."""
+    nats_sync_interval: str = SYNC_INTERVAL
+    """JetStream ``sync_interval`` of the stack's NATS server."""
 
 
 async def _warm_up(target: Target, client, opts: BenchOptions) -> None:
@@ -398,13 +401,12 @@ def _start_targets(
     procs: Processes, pipeline: PipelineConfig, opts: BenchOptions, data_dir: Path, core: int
 ) -> dict[str, Target]:
     """NATS, the omnirelay stack and the vLLM api_server; returns both targets once ready."""
-    from libs.common.local_nats import free_port, nats_server_binary
+    from libs.common.local_nats import free_port, nats_server_argv
 
     nport, mport = free_port(), free_port()
     store = data_dir / "jetstream"
     store.mkdir(parents=True, exist_ok=True)
-    nats_argv = [nats_server_binary(), "-js", "-sd", str(store), "-a", "127.0.0.1"]
-    nats = procs.start("nats", [*nats_argv, "-p", str(nport), "-m", str(mport)], {})
+    nats = procs.start("nats", nats_server_argv(store, nport, mport, opts.nats_sync_interval), {})
     log(f"nats ready in {wait_port(nats, nport, 30):.1f} s")
     env = engine_env(pipeline, core)
     gw_port, vllm_port = free_port(), free_port()

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from libs.common.local_nats import SYNC_INTERVAL, ClusterNode
 from libs.common.pipeline import PipelineConfig
 
 DEFAULT_PIPELINE = Path(__file__).resolve().parents[1] / "compose" / "pipelines" / "text-only.yaml"
@@ -353,12 +354,15 @@ def wait_port(m: Managed, port: int, timeout_s: float) -> float:
 
 @dataclass(frozen=True)
 class Stack:
-    """An ``omnirelay up`` stack with a NATS server of its own, started by a bench."""
+    """An ``omnirelay up`` stack with NATS of its own (one server or a cluster), started by a bench."""
 
     name: str
     base_url: str
     nats_url: str
+    """Every NATS server's client URL, comma-separated."""
     process: Managed
+    nats_nodes: tuple[ClusterNode, ...] = ()
+    """The cluster's nodes (empty for one server); node ``n`` runs as process ``"<n.name> (<stack name>)"``."""
 
 
 def start_stack(
@@ -369,25 +373,41 @@ def start_stack(
     data_dir: Path,
     up_args: Sequence[str] = (),
     tree: Path | None = None,
+    nats_nodes: int = 1,
+    sync_interval: str = SYNC_INTERVAL,
 ) -> Stack:
-    """Start a NATS server and ``omnirelay up`` (from checkout ``tree``, default this one) with
-    ``up_args``; their files go under ``data_dir/name``. Returns once the stack is up."""
-    from libs.common.local_nats import free_port, nats_server_argv
+    """Start NATS (one server, or a cluster of ``nats_nodes``, with JetStream's ``sync_interval``)
+    and ``omnirelay up`` (from checkout ``tree``, default this one) with ``up_args``; their files
+    go under ``data_dir/name``. Returns once the stack is up."""
+    from libs.common.local_nats import client_urls, cluster_argvs, cluster_nodes, free_port, nats_server_argv
 
-    nport, mport = free_port(), free_port()
-    store = data_dir / name.replace(" ", "-") / "jetstream"
-    store.mkdir(parents=True)
-    nats = procs.start(f"nats ({name})", nats_server_argv(store, nport, mport), {})
-    wait_port(nats, nport, 30)
+    root = data_dir / name.replace(" ", "-")
+    nodes: tuple[ClusterNode, ...] = ()
+    if nats_nodes == 1:
+        nport, mport = free_port(), free_port()
+        store = root / "jetstream"
+        store.mkdir(parents=True)
+        nats = procs.start(f"nats ({name})", nats_server_argv(store, nport, mport, sync_interval), {})
+        wait_port(nats, nport, 30)
+        nats_url = f"nats://127.0.0.1:{nport}"
+    else:
+        nodes = tuple(cluster_nodes(root / "cluster", nats_nodes))
+        started = [
+            procs.start(f"{node.name} ({name})", argv, {})
+            for node, argv in zip(nodes, cluster_argvs(list(nodes), sync_interval), strict=True)
+        ]
+        for node, m in zip(nodes, started, strict=True):
+            wait_http_ok(m, f"{node.monitor_url}/healthz", 30)
+        nats_url = client_urls(list(nodes))
     port = free_port()
     argv = [sys.executable, "-m", "cli", "up", "--pipeline", str(pipeline_path), "--port", str(port)]
-    argv += ["--data-dir", str(store.parent), *up_args]
-    stack_env = {**env, "NATS_URL": f"nats://127.0.0.1:{nport}"}
+    argv += ["--data-dir", str(root), *up_args]
+    stack_env = {**env, "NATS_URL": nats_url}
     if tree is not None:  # `python -m` looks in the working directory first
         stack_env["PYTHONPATH"] = str(tree)
     stack = procs.start(name, argv, stack_env, signal.SIGINT, 90.0, cwd=tree)
     log(f"{name} ready in {wait_log(stack, 'omnirelay is up', 600):.1f} s")
-    return Stack(name, f"http://127.0.0.1:{port}/v1", f"nats://127.0.0.1:{nport}", stack)
+    return Stack(name, f"http://127.0.0.1:{port}/v1", nats_url, stack, nodes)
 
 
 def run_with_stacks(prefix: str, work: Callable[[Processes, Path], None]) -> int:

@@ -311,6 +311,9 @@ def bench(
             help="vLLM engine processes on --core, every other process (and this client) on the other cores",
         ),
     ] = True,
+    nats_sync_interval: Annotated[
+        str, typer.Option(help="JetStream sync_interval of the stack's NATS server ('always', 1s, 2m, ...)")
+    ] = SYNC_INTERVAL,
 ) -> None:
     """Benchmark the gateway against vLLM's own OpenAI server on the same thinker (prints a table)."""
     import os
@@ -325,6 +328,11 @@ def bench(
     if min(max_tokens, rounds) < 1 or (requests is not None and requests < 1) or warmup < 0:
         typer.echo("error: --max-tokens, --requests and --rounds must be ≥ 1, --warmup ≥ 0", err=True)
         raise typer.Exit(2)
+    try:
+        check_sync_interval(nats_sync_interval)
+    except ValueError as e:
+        typer.echo(f"error: --nats-sync-interval: {e}", err=True)
+        raise typer.Exit(2) from None
     usable = sorted(os.sched_getaffinity(0))
     if core is not None and core not in usable:
         typer.echo(f"error: --core {core}: this process may use cores {usable}", err=True)
@@ -347,6 +355,7 @@ def bench(
         log_dir=log_dir.resolve() if log_dir else None,
         pause_idle=pause_idle,
         isolate_engines=isolate_engines,
+        nats_sync_interval=nats_sync_interval,
     )
     raise typer.Exit(run_bench(opts))
 
@@ -361,6 +370,21 @@ def bench_log_stats(
     from benchmarks.log_stats_cost import run_log_stats_bench
 
     raise typer.Exit(run_log_stats_bench(rounds, per_round, max_tokens))
+
+
+@app.command("bench-sync")
+def bench_sync(
+    rounds: Annotated[int, typer.Option(min=2, help="alternating rounds (A B C, C B A, ...)")] = 6,
+    per_round: Annotated[int, typer.Option(min=2, help="sequential requests per setup and round")] = 20,
+    max_tokens: Annotated[int, typer.Option(min=1, help="output tokens per request (ignore_eos)")] = 64,
+    publishes: Annotated[int, typer.Option(min=10, help="sequential JetStream publishes per setup")] = 2000,
+) -> None:
+    """What JetStream's sync_interval and a 3-node NATS cluster cost: publish latency and end-to-end
+    latency on one server with 2m (nats-server's default) and always, and on 3 nodes with always
+    (prints two tables)."""
+    from benchmarks.sync_interval_cost import run_sync_bench
+
+    raise typer.Exit(run_sync_bench(rounds, per_round, max_tokens, publishes))
 
 
 @app.command("bench-ab")

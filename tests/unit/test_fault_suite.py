@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from benchmarks.fault_suite import Fault, Seen, render, row_of
+from pathlib import Path
+
+from benchmarks.fault_suite import Fault, Seen, render, row_of, verdicts_since
 
 
 def test_a_row_counts_completed_failed_hung_and_wrong_counts_and_the_longest_pause() -> None:
@@ -33,3 +35,19 @@ def test_audio_faults_report_the_audio_lengths() -> None:
     a = Seen(token_ids=[1], at=[1.0], usage_tokens=1, audio_bytes=48_000, ended_s=2.0)
     b = Seen(token_ids=[1], at=[1.0], usage_tokens=1, audio_bytes=96_000, ended_s=2.0)
     assert row_of(fault, "pid 9 gone", 0.5, [a, b]).audio_s == (1.0, 2.0)
+
+
+def test_verdicts_are_counted_from_the_orchestrators_log_lines_after_the_fault(tmp_path: Path) -> None:
+    log = tmp_path / "stack.log"
+    before = (
+        "orchestrator | stage 0 (thinker) replica 1 is dead (exit: no responders for 0.0 s); 2 request(s)\n"
+    )
+    after = (
+        "orchestrator | stage 0 (thinker) replica 0 is dead (exit: no responders for 1.0 s); 3 request(s)\n"
+        "orchestrator | request r1 moved: stage 0 replica 0 -> 1 (attempt 2, exit, decode; ...)\n"
+        "thinker-1    | request r2 moved to another replica; stopping it here\n"
+        "orchestrator | request r2 moved: stage 0 replica 0 -> 1 (attempt 2, exit, decode; ...)\n"
+    )
+    log.write_text(before + after)
+    assert verdicts_since(log, len(before.encode())) == (1, 2)
+    assert verdicts_since(log, 0) == (2, 2)
