@@ -138,6 +138,14 @@ class StageTask(_Envelope):
     start_seq: int = Field(default=0, ge=0)
     """A later stage after a move: the first chunk the new attempt takes (those before it were
     handled by the attempt that died)."""
+    offset: int = Field(default=0, ge=0)
+    """A chunk: the position of its first item (token of a text chunk, code of a code chunk) in
+    what its sender produced for the request; a talker that takes a request over starts its
+    code numbering from the offset of its first text chunk."""
+    next_attempt: int = Field(default=1, ge=1)
+    next_start_seq: int = Field(default=0, ge=0)
+    """A moved task: the next stage's current attempt and its ``start_seq`` (that stage may have
+    moved before), which the new attempt's chunks go to."""
 
 
 class Usage(BaseModel):

@@ -91,7 +91,7 @@ class StageConfig(_Strict):
     stream_to_client: bool = False
     chunking: Chunking = Chunking()
     codes_per_token: int = Field(
-        default=4, ge=1, le=64, description="talker cap: codec codes per input text token"
+        default=4, ge=1, le=64, description="talker: codec codes generated per input text token (exactly)"
     )
     engine: EngineArgs = EngineArgs()
     stall_timeout_s: float = Field(

@@ -35,6 +35,9 @@ class StageAttempt(BaseModel):
     started it) or ``in_progress``; None for the first."""
     resumed_tokens: int = 0
     """Stage 0: tokens the client already had, which this attempt went on from."""
+    start_seq: int = 0
+    """A later stage: the first input chunk this attempt took (those before it were handled by
+    the attempts before)."""
 
 
 class StageProgress(BaseModel):

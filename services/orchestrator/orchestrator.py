@@ -52,7 +52,7 @@ from libs.common.envelopes import (
 from libs.common.jetstream import JetStream
 from libs.common.metrics_catalog import Exporter, MetricSet
 from libs.common.metrics_server import start_metrics_server
-from libs.common.pipeline import PipelineConfig, StageType
+from libs.common.pipeline import PipelineConfig
 from libs.common.publish import Hop, publish_client, publish_task
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
 from libs.common.registry import Heartbeat, LiveServices, ServiceKind, ServiceRecord
@@ -379,8 +379,7 @@ class Orchestrator:
         """A request bound to a dead replica, queued there or in progress: it moves to a live
         replica of the stage (:meth:`_move`), or fails now — ``no_live_replica`` when the stage
         has none for its ``no_replica_wait_s``, ``migration_limit`` past its ``migration_limit``
-        — never by waiting for its deadline or for the replica's restart. Requests on a dead
-        talker fail with ``replica_lost`` until its moves are built (docs/reliability.md)."""
+        — never by waiting for its deadline or for the replica's restart (docs/reliability.md)."""
         rid = seen.request_id
         if rid in self._moving:  # the watch hands it over again every probe period meanwhile
             return
@@ -394,9 +393,6 @@ class Orchestrator:
         t0 = time.monotonic()
         s, stage = death.stage, self.pipeline.stages[death.stage]
         where = f"stage {s} ({stage.name}) replica {death.replica}"
-        if s != 0 and stage.type == StageType.LLM:  # the talker: its moves are not built yet
-            await self._fail(seen, "replica_lost", f"{where}, which had the request, died ({death.reason})")
-            return
         target = await self._live_replica(death, stage.no_replica_wait_s)
         if target is None:
             message = (
@@ -493,7 +489,7 @@ class Orchestrator:
         )
         try:
             for msg, task in zip(inputs, tasks, strict=True):
-                moved = _moved_task(task, move, start, point)
+                moved = _moved_task(task, move, start, point, seen)
                 hdr = msg.headers or {}
                 hop = Hop(
                     hdr.get(h.FROM_STAGE, h.FROM_ORCHESTRATOR),
@@ -524,6 +520,7 @@ class Orchestrator:
             if not attempts or attempts[-1].attempt != move.attempt:
                 return False
             attempts[-1].phase, attempts[-1].resumed_tokens = phase.value, resumed
+            attempts[-1].start_seq = start if s > 0 else 0
             return True
 
         with contextlib.suppress(Exception):
@@ -645,13 +642,20 @@ class Orchestrator:
             self._tally.end(rec)
 
 
-def _moved_task(task: StageTask, move: Move, start_seq: int, point: ResumePoint) -> StageTask:
+def _moved_task(
+    task: StageTask, move: Move, start_seq: int, point: ResumePoint, seen: RequestRecord
+) -> StageTask:
     """The stored ``task`` of the attempt that died, as input of ``move``'s new attempt: bound to
-    the new replica; stage 0's goes on after the client's text deltas, a later stage's takes chunks
-    from ``start_seq`` and carries no audio the client already has."""
-    route = [*task.route]
-    route[move.stage] = move.to_replica
+    the new replica and, for the stages after it, to where the record binds them now (the stored
+    task has the route of when it was sent; a later stage may have moved since), sending to the
+    next stage's current attempt; stage 0's goes on after the client's text deltas, a later
+    stage's takes chunks from ``start_seq`` and carries no audio the client already has."""
+    s = move.stage
+    route = [*task.route[:s], move.to_replica, *seen.route[s + 1 :]]
     update: dict[str, object] = {"route": route, "attempt": move.attempt}
+    if s + 1 < len(seen.stages) and seen.stages[s + 1].attempts:
+        current = seen.stages[s + 1].attempts[-1]
+        update["next_attempt"], update["next_start_seq"] = current.attempt, current.start_seq
     if move.stage == 0:
         update["resume"] = point.deltas
     else:

@@ -81,6 +81,7 @@ class RequestContext:
     def __post_init__(self) -> None:
         self.route = list(self.first.route)
         self._released.set()
+        self._next_attempt, self._next_start = self.first.next_attempt, self.first.next_start_seq
         if self.first.attempt > 1:
             self.inbox = RequestInbox(self.first.start_seq)
 
@@ -189,6 +190,11 @@ class RequestContext:
         )
         self._out_seq += 1
         return Hop(str(self.me.stage), str(self.me.replica), to_stage, self.route[to_stage]), task
+
+    def continue_from(self, seq: int) -> None:
+        """Number the next chunk sent downstream ``seq``: an attempt that took the request over
+        goes on where the chunks of the one before it stand."""
+        self._out_seq = seq
 
     async def hold(self) -> int:
         """Stop sending chunks downstream (a send under way finishes first) until

@@ -590,7 +590,7 @@ def test_a_replica_that_joins_is_scraped_and_one_that_leaves_goes_stale(prom, st
     }
     worker = ServiceProcess(["worker", "--log-stats"], env, tmp_path / "worker.log").start()
     try:
-        worker.wait_log("serving", timeout_s=120)
+        worker.wait_log("serving omni.", timeout_s=120)
         t_join = time.monotonic()
         info = (
             f'vllm:omni_stage_info{{instance="{instance}", service="worker", pipeline="{DYN_PIPELINE}", '

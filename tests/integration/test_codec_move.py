@@ -72,7 +72,7 @@ def stack(nats_server, tmp_path_factory):
     ]
     orch.wait_log("ready")
     for w in workers:
-        w.wait_log("serving", timeout_s=120)
+        w.wait_log("serving omni.", timeout_s=120)
     yield orch, workers
     for proc in [orch, *workers]:
         proc.stop()

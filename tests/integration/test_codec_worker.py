@@ -40,7 +40,7 @@ def worker(nats_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("c2w")
     path = write_pipeline(tmp / "p.yaml", PIPELINE, THINKER_YAML + TALKER_YAML + CODE2WAV_YAML)
     proc = start_service(["worker"], nats_server.url, path, tmp / "worker.log", {"OMNIRELAY_STAGE": "2"})
-    proc.wait_log("serving", timeout_s=120)
+    proc.wait_log("serving omni.", timeout_s=120)
     yield proc
     assert proc.stop() == 0
     proc.wait_log("shutting down")

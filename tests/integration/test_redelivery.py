@@ -77,7 +77,7 @@ async def test_redelivered_message_is_finished_by_the_next_worker_with_a_linked_
     second = ServiceProcess(["worker"], env, tmp_path / "second.log")
     nc = await nats.connect(nats_server.url)
     try:
-        await first.await_log("serving", timeout_s=120)
+        await first.await_log("serving omni.", timeout_s=120)
         rid = f"redeliver-{time.time_ns()}"
         events: asyncio.Queue = asyncio.Queue()
         await nc.subscribe(SUBJECTS.out("gw3", rid), cb=events.put)
@@ -87,7 +87,7 @@ async def test_redelivered_message_is_finished_by_the_next_worker_with_a_linked_
         os.killpg(first.proc.pid, signal.SIGKILL)  # dies holding seq 1, un-acked
         first.proc.wait()
         second.start()
-        await second.await_log("serving", timeout_s=120)
+        await second.await_log("serving omni.", timeout_s=120)
         await publish_task(nc.jetstream(), SUBJECTS, _chunk(rid, 0, final=False), HOP, sender)
         got = []
         while not got or got[-1].type != ClientEventType.AUDIO_DONE:

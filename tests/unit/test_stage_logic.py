@@ -34,11 +34,33 @@ def test_text_chunker_without_sentence_ends_and_flush() -> None:
     assert (rest.token_ids, rest.text) == ([1, 2], "a.")
 
 
-def test_code_chunker_emits_fixed_size_chunks() -> None:
+def test_code_chunker_emits_fixed_size_chunks_numbered_by_position() -> None:
     c = CodeChunker(size=3)
-    assert c.feed([1, 2]) == []
-    assert c.feed([3, 4, 5, 6, 7]) == [[1, 2, 3], [4, 5, 6]]
-    assert c.flush() == [7] and c.flush() == []
+    assert c.feed([1, 2]) == [] and c.sent_upto == 0
+    assert c.feed([3, 4, 5, 6, 7]) == [(0, [1, 2, 3]), (1, [4, 5, 6])]
+    assert c.sent_upto == 6
+    assert c.flush() == (2, [7])
+
+
+def test_text_chunks_know_where_they_start() -> None:
+    c = TextChunker(max_tokens=2, sentence_end=False)
+    chunks = [*c.feed([1, 2, 3], "abc"), c.flush()]
+    assert [(ch.token_ids, ch.offset) for ch in chunks] == [([1, 2], 0), ([3], 2)]
+
+
+def test_a_code_chunker_taking_over_mid_stream_cuts_the_same_chunks_with_the_same_numbers() -> None:
+    """A talker that dies after acknowledging text chunks whose codes are all sent: its successor
+    starts at the oldest unacknowledged text chunk's first code (position 7 here) and reproduces
+    the rest of the chunks exactly, dropping the codes of the chunk already sent across the seam."""
+    codes = list(range(100, 120))
+    whole = CodeChunker(size=3)
+    reference = whole.feed(codes[:7]) + whole.feed(codes[7:]) + [whole.flush()]
+    successor = CodeChunker(size=3, start=7)
+    assert successor.next_seq == 3 and successor.sent_upto == 9  # chunk 2 (codes 6-8) went out
+    resumed = successor.feed(codes[7:8]) + successor.feed(codes[8:]) + [successor.flush()]
+    assert resumed == reference[3:]
+    aligned = CodeChunker(size=3, start=6)
+    assert [*aligned.feed(codes[6:]), aligned.flush()] == reference[2:]
 
 
 def _delivery(seq: int) -> Delivery:

@@ -4,13 +4,16 @@ restricted to the codec-code token range) and forwards them in chunks of ``chunk
 from __future__ import annotations
 
 import json
+import zlib
+from collections import deque
 from pathlib import Path
 
 import numpy as np
 
-from libs.common.envelopes import NdArray
+from libs.common.envelopes import NdArray, StageTask
 from services.stage_worker.chunking import CodeChunker
 from services.stage_worker.handlers.llm import LLMHandler
+from services.stage_worker.inbox import Delivery
 from services.stage_worker.llm_engine import LLMEngineSpec
 from services.stage_worker.request_context import RequestContext
 
@@ -28,6 +31,13 @@ def load_code_range(model_dir: str) -> tuple[int, int]:
         raise SystemExit(f"talker model {model_dir}: cannot read {TALKER_VOCAB_FILE}: {e}") from None
 
 
+def chunk_seed(task: StageTask) -> int:
+    """The sampling seed of a text chunk's codes: a function of the chunk alone (its position and
+    tokens), so a talker that redoes the chunk after a move generates the very codes the one that
+    died did, and the code chunks it re-sends are the same (docs/reliability.md)."""
+    return zlib.crc32(f"{task.offset}:{task.token_ids}".encode())
+
+
 class TalkerHandler(LLMHandler):
     def __init__(self, spec: LLMEngineSpec) -> None:
         super().__init__(spec)
@@ -40,31 +50,54 @@ class TalkerHandler(LLMHandler):
         await super().start()
 
     async def run(self, req: RequestContext) -> None:
+        """Each text chunk becomes ``codes_per_token`` codes per token, sent on in chunks of
+        ``chunking.codes`` numbered by position (:class:`CodeChunker`). A text chunk is
+        acknowledged only once every code made from it has been sent: the text chunks left in the
+        stream when this replica dies are exactly those a successor must redo, and it can tell
+        from the first one's ``offset`` where the code chunks stand."""
         from vllm import SamplingParams
         from vllm.inputs import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
-        chunker = CodeChunker(self._stage.chunking.codes)
+        chunker: CodeChunker | None = None
+        unsent: deque[tuple[Delivery, int]] = deque()
+        """Text chunks not yet acknowledged, with the position after their last code."""
         while True:
             d = await req.next()
-            if d.task.token_ids:
-                n = len(d.task.token_ids) * self._stage.codes_per_token
+            if chunker is None:  # the first text chunk of this attempt
+                chunker = CodeChunker(
+                    self._stage.chunking.codes, start=d.task.offset * self._stage.codes_per_token
+                )
+                req.continue_from(chunker.next_seq)
+            n = len(d.task.token_ids) * self._stage.codes_per_token
+            unsent.append((d, (d.task.offset * self._stage.codes_per_token) + n))
+            if n:
                 params = SamplingParams(
                     max_tokens=n,
+                    min_tokens=n,
+                    seed=chunk_seed(d.task),
                     allowed_token_ids=self._allowed,
                     detokenize=False,
                     output_kind=RequestOutputKind.DELTA,
                 )
                 prompt = tokens_input(d.task.token_ids)
-                sub_id = f"{req.request_id}-{d.task.seq}"
+                sub_id = f"{req.request_id}-{d.task.seq}" + (f"-a{req.attempt}" if req.attempt > 1 else "")
                 async for out in self.generate(prompt, params, sub_id, req.span):
                     codes = [t - self._offset for t in out.outputs[0].token_ids]
-                    for chunk in chunker.feed(codes):
-                        await req.downstream(codes=NdArray.of(np.asarray(chunk, dtype=np.int32)))
+                    for seq, chunk in chunker.feed(codes):
+                        await req.downstream(
+                            codes=NdArray.of(np.asarray(chunk, dtype=np.int32)), offset=seq * chunker.size
+                        )
+                        while unsent and unsent[0][1] <= chunker.sent_upto:
+                            await req.ack(unsent.popleft()[0])
             if d.task.final:
-                rest = np.asarray(chunker.flush(), dtype=np.int32)
-                await req.downstream(final=True, codes=NdArray.of(rest))
-                await req.ack(d)
+                seq, rest = chunker.flush()
+                await req.downstream(
+                    final=True, codes=NdArray.of(np.asarray(rest, dtype=np.int32)), offset=seq * chunker.size
+                )
+                for sent, _ in unsent:
+                    await req.ack(sent)
                 req.lifecycle("stage_done")
                 return
-            await req.ack(d)
+            while unsent and unsent[0][1] <= chunker.sent_upto:  # no codes, or all of them sent
+                await req.ack(unsent.popleft()[0])

@@ -98,7 +98,7 @@ class ThinkerHandler(LLMHandler):
             # has are duplicates (Nats-Msg-Id, its inbox), a missing one is sent now.
             for delta in task.resume:
                 for chunk in chunker.feed(delta.token_ids, delta.text):
-                    await req.downstream(token_ids=chunk.token_ids, text=chunk.text)
+                    await req.downstream(token_ids=chunk.token_ids, text=chunk.text, offset=chunk.offset)
         generated, finish_reason = len(resumed), None
         prompt = tokens_input(task.prompt_token_ids + resumed)
         # The gateway and its client take the response's start while the engine computes.
@@ -122,7 +122,7 @@ class ThinkerHandler(LLMHandler):
                     )
                 if forward:
                     for chunk in chunker.feed(ids, c.text):
-                        await req.downstream(token_ids=chunk.token_ids, text=chunk.text)
+                        await req.downstream(token_ids=chunk.token_ids, text=chunk.text, offset=chunk.offset)
                 if out.finished:
                     finish_reason = c.finish_reason
             if started is not None:  # no output at all
@@ -133,7 +133,7 @@ class ThinkerHandler(LLMHandler):
                 started.cancel()
         if forward:
             rest = chunker.flush()
-            await req.downstream(final=True, token_ids=rest.token_ids, text=rest.text)
+            await req.downstream(final=True, token_ids=rest.token_ids, text=rest.text, offset=rest.offset)
         usage = Usage(prompt_tokens=len(task.prompt_token_ids), completion_tokens=generated)
         req.span.set_attributes(
             {

@@ -1,0 +1,225 @@
+"""A talker replica killed (SIGKILL) in the middle of a request: a real orchestrator moves the
+request to the other real talker replica, holding the thinker's text chunks meanwhile. The new
+replica redoes the one text chunk whose codes the dead one had not all sent, and the real code2wav
+replica receives every code chunk exactly once: the client's audio is, chunk for chunk, the audio
+of the same request without the fault. The test plays the thinker (it sends the text chunks and
+answers the hold and the release) and the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from functools import partial
+
+import nats
+import pytest
+
+from libs.common.bus import requests_kv
+from libs.common.envelopes import (
+    ClientEvent,
+    ClientEventType,
+    Liveness,
+    ResumePoint,
+    RouteChange,
+    RouteHeld,
+    StageTask,
+    TaskKind,
+    decode,
+)
+from libs.common.publish import Hop, publish_task
+from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
+from libs.common.subjects import Subjects
+from tests.metrics_scrape import delta, scrape
+from tests.procs import CODE2WAV_YAML, THINKER_YAML, gone, start_service, write_pipeline
+
+pytestmark = pytest.mark.integration
+
+PIPELINE = "talkmove"
+GATEWAY = "gwtalk"
+SUBJECTS = Subjects(PIPELINE)
+TALKER_X2 = """\
+  - name: talker
+    type: llm
+    model: tiny-talker
+    replicas: 2
+    consumes: text
+    emits: codec_codes
+    chunking: {codes: 25}
+    codes_per_token: 4
+    engine: {max_model_len: 2048, enforce_eager: true, dtype: float32}
+"""
+TEXT = [[10 + 11 * k + i for i in range(11)] for k in range(5)]
+"""The thinker's text chunks, seq 0 to 4 (the last one final): 11 tokens each, 44 codes each, so
+code chunks (25 codes) straddle text chunks: 220 codes in code chunks 0 to 8."""
+CODES = 4 * sum(len(t) for t in TEXT)
+SAMPLES_PER_CODE = 480
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("talkmove")
+    path = write_pipeline(tmp / "p.yaml", PIPELINE, THINKER_YAML + TALKER_X2 + CODE2WAV_YAML)
+    orch = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
+    workers = [
+        start_service(
+            ["worker"],
+            nats_server.url,
+            path,
+            tmp / f"{name}.log",
+            {"OMNIRELAY_STAGE": str(stage), "OMNIRELAY_REPLICA": str(replica)},
+        )
+        for name, stage, replica in (("talker0", 1, 0), ("talker1", 1, 1), ("code2wav", 2, 0))
+    ]
+    orch.wait_log("ready")
+    for w in workers:
+        w.wait_log("serving omni.", timeout_s=300)
+    yield orch, workers
+    for proc in [orch, *workers]:
+        proc.stop()
+
+
+@pytest.fixture
+async def nc(nats_server):
+    conn = await nats.connect(nats_server.url)
+    yield conn
+    await conn.close()
+
+
+async def _put(queue: asyncio.Queue, cls, msg) -> None:
+    queue.put_nowait(decode(cls, msg.data))
+
+
+def text_chunk(rid: str, seq: int, talker: int, attempt: int = 1, start_seq: int = 0) -> StageTask:
+    now = time.time_ns()
+    return StageTask(
+        request_id=rid,
+        gateway_id=GATEWAY,
+        arrival_ns=now,
+        deadline_ns=now + 60 * 10**9,
+        route=[0, talker, 0],
+        kind=TaskKind.CHUNK,
+        seq=seq,
+        final=seq == len(TEXT) - 1,
+        token_ids=TEXT[seq],
+        offset=sum(len(t) for t in TEXT[:seq]),
+        attempt=attempt,
+        start_seq=start_seq,
+    )
+
+
+async def running(nc, rid: str, talker: int) -> None:
+    """The request's record: the thinker (the test) still running, the talker ``talker`` bound."""
+    now = time.time_ns()
+    first = [StageAttempt(attempt=1, replica=r, bound_ns=now) for r in (0, talker, 0)]
+    record = RequestRecord(
+        request_id=rid,
+        pipeline=PIPELINE,
+        gateway_id=GATEWAY,
+        status=RequestStatus.RUNNING,
+        route=[0, talker, 0],
+        stages=[StageProgress(replica=a.replica, started_ns=now, attempts=[a]) for a in first],
+        arrival_ns=now,
+        admitted_ns=now,
+        deadline_ns=now + 60 * 10**9,
+        updated_ns=now,
+    )
+    await (await requests_kv(nc.jetstream())).put(rid, record.model_dump_json().encode())
+
+
+async def audio_until_done(events: asyncio.Queue[ClientEvent]) -> list[ClientEvent]:
+    got: list[ClientEvent] = []
+    while not got or got[-1].type != ClientEventType.AUDIO_DONE:
+        got.append(await asyncio.wait_for(events.get(), 30))
+    return got
+
+
+async def test_a_killed_talker_replica_moves_its_request_and_the_audio_is_as_without_the_fault(
+    stack, nc
+) -> None:
+    orch, workers = stack
+    js = nc.jetstream()
+
+    async def thinker_alive(msg) -> None:  # the test is thinker replica 0, and it lives
+        await msg.respond(Liveness().encode())
+
+    async def gateway(msg) -> None:
+        await msg.respond(ResumePoint(known=True).encode())
+
+    route_changes: asyncio.Queue[RouteChange] = asyncio.Queue()
+
+    async def thinker_route(msg) -> None:
+        route_changes.put_nowait(decode(RouteChange, msg.data))
+        await msg.respond(RouteHeld(held=True, next_seq=3).encode())
+
+    await nc.subscribe(SUBJECTS.alive(0, 0), cb=thinker_alive)
+    await nc.subscribe(SUBJECTS.resume(GATEWAY), cb=gateway)
+    await nc.subscribe(SUBJECTS.route(0, 0), cb=thinker_route)
+
+    # The reference: the same text through talker replica 1, no fault.
+    ref_id = f"talk-ref-{time.time_ns()}"
+    ref_events: asyncio.Queue[ClientEvent] = asyncio.Queue()
+    await nc.subscribe(SUBJECTS.out(GATEWAY, ref_id), cb=partial(_put, ref_events, ClientEvent))
+    await running(nc, ref_id, talker=1)
+    for seq in range(len(TEXT)):
+        await publish_task(js, SUBJECTS, text_chunk(ref_id, seq, 1), Hop("0", "0", 1, 1))
+    reference = await audio_until_done(ref_events)
+    assert [e.in_seq for e in reference[:-1]] == list(range(9))
+
+    before = scrape(orch.metrics_url)
+    rid = f"talk-{time.time_ns()}"
+    events: asyncio.Queue[ClientEvent] = asyncio.Queue()
+    await nc.subscribe(SUBJECTS.out(GATEWAY, rid), cb=partial(_put, events, ClientEvent))
+    await running(nc, rid, talker=0)
+    for seq in range(3):
+        await publish_task(js, SUBJECTS, text_chunk(rid, seq, 0), Hop("0", "0", 1, 0))
+    # Text chunks 0-2 make codes 0-131: code chunks 0-4 (codes 0-124) go out; codes 125-131 wait
+    # for text chunk 3, so text chunk 2 is not acknowledged.
+    early = [await asyncio.wait_for(events.get(), 30) for _ in range(5)]
+    assert [e.in_seq for e in early] == [0, 1, 2, 3, 4]
+
+    pid = workers[0].proc.pid
+    os.kill(pid, signal.SIGKILL)
+    for _ in range(50):
+        if gone(pid):
+            break
+        await asyncio.sleep(0.1)
+    assert gone(pid), "talker replica 0 still runs after SIGKILL"
+    killed = time.monotonic()
+
+    hold = await asyncio.wait_for(route_changes.get(), 10)
+    assert (hold.request_id, hold.stage, hold.action) == (rid, 1, "hold")
+    release = await asyncio.wait_for(route_changes.get(), 5)
+    moved_s = time.monotonic() - killed
+    assert (release.action, release.replica, release.attempt, release.start_seq) == ("release", 1, 2, 2)
+    # The thinker sends on as told: text chunks 3 and 4 to replica 1, attempt 2.
+    for seq in (3, 4):
+        chunk = text_chunk(rid, seq, 1, attempt=2, start_seq=2)
+        await publish_task(js, SUBJECTS, chunk, Hop("0", "0", 1, 1))
+    rest = await audio_until_done(events)
+
+    got = early + rest
+    assert [e.in_seq for e in got[:-1]] == list(range(9)), "a code chunk's audio is missing or repeated"
+    assert [e.pcm16 for e in got[:-1]] == [e.pcm16 for e in reference[:-1]], "audio unlike the fault-free run"
+    assert sum(len(e.pcm16) // 2 for e in got[:-1]) == CODES * SAMPLES_PER_CODE
+
+    kv = await requests_kv(js)
+    for _ in range(50):
+        rec = RequestRecord.model_validate_json((await kv.get(rid)).value)
+        if rec.stages[1].done_ns is not None:
+            break
+        await asyncio.sleep(0.1)
+    assert [(a.attempt, a.replica, a.reason, a.start_seq) for a in rec.stages[1].attempts] == [
+        (1, 0, None, 0),
+        (2, 1, "exit", 2),
+    ]
+    after = scrape(orch.metrics_url)
+    moves = delta(
+        before, after, "vllm:omni_requests_migrated_total", stage="1", from_replica="0", to_replica="1"
+    )
+    assert moves == 1
+    print(
+        f"talker move: released {moved_s:.2f} s after the kill; 9 code chunks, each once, as without the fault"
+    )
