@@ -231,6 +231,12 @@ class LifecycleEvent(_Envelope):
     ``finished``, with --log-stats)."""
     attempt: int = 1
     """The reporting stage's attempt; the record ignores events of an attempt it has moved past."""
+    client_events: int | None = None
+    """An ending event (``stage_done``, ``finished``) of a stage that streams to the client: how
+    many client events this attempt sent (``seq`` 0 to n − 1), the last one its ``text_done`` or
+    ``audio_done``."""
+    usage: Usage | None = None
+    """The thinker's ``stage_done``: the usage its ``text_done`` reported."""
 
 
 MOVED = "moved"
@@ -291,6 +297,22 @@ class ResumePoint(_Envelope):
     """The asked stage's audio: the last input chunk whose audio the gateway has (None: none)."""
     audio_done: bool = False
     """The asked stage's ``audio_done`` has arrived."""
+
+
+class StageEnded(_Envelope):
+    """Orchestrator → the request's gateway (subject ``ctl.ended.<gateway>``): a stage that streams
+    to the client ended its part of the request (its ending lifecycle event, durable in JetStream,
+    has reached the orchestrator). Client events travel over core NATS and a broker restart may
+    drop the last of them, which no later event would reveal as a gap; with this the gateway
+    notices, and ends the client's stream instead of letting it wait for the deadline."""
+
+    request_id: str
+    stage: int
+    attempt: int
+    client_events: int
+    """How many client events the attempt sent."""
+    finish_reason: str | None = None
+    usage: Usage | None = None
 
 
 class Resync(_Envelope):

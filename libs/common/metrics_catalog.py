@@ -94,8 +94,10 @@ FAMILIES: tuple[Family, ...] = (
            "died).", ("model_name", "stage"), Exporter.GATEWAY, spec=False),
     Family("vllm:omni_client_event_gaps", Kind.COUNTER,
            "Gaps found in the events a stage sent to the gateway (events lost on the way, e.g. held by "
-           "a broker that was killed). A thinker's gap is repaired: the request goes on as a new "
-           "attempt from what the client has.", ("model_name", "stage"), Exporter.GATEWAY, spec=False),
+           "a broker that was killed), and streams whose last events never came (told by the stage's "
+           "end notice). A thinker's gap is repaired: the request goes on as a new attempt from what "
+           "the client has; a lost last event is made from the notice; lost content at the end is a "
+           "502 events_lost.", ("model_name", "stage"), Exporter.GATEWAY, spec=False),
     Family("vllm:omni_audio_ttfp_s", Kind.HISTOGRAM,
            "Time from HTTP arrival to the first audio bytes written to the client, seconds.",
            AUDIO, Exporter.GATEWAY, SECONDS_BUCKETS),

@@ -107,6 +107,12 @@ class Subjects:
         also fences the stage's older attempts out of the client's stream."""
         return f"omni.{self.pipeline}.ctl.resume.{gateway_id}"
 
+    def ended(self, gateway_id: str) -> str:
+        """A stage's part of a request ended, with how many client events it sent (core NATS,
+        orchestrator → the request's gateway ``gateway_id``): the gateway finds out whether the
+        last of them were lost on the way."""
+        return f"omni.{self.pipeline}.ctl.ended.{gateway_id}"
+
     @property
     def resync(self) -> str:
         """A client stream with lost events, gateway → one orchestrator (core NATS, queue group

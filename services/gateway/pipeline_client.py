@@ -25,11 +25,12 @@ from libs.common.envelopes import (
     ResumePoint,
     ResumeQuery,
     Resync,
+    StageEnded,
     TextDelta,
     decode,
 )
 from libs.common.jetstream import JetStream
-from libs.common.pipeline import PipelineConfig
+from libs.common.pipeline import Payload, PipelineConfig
 from libs.common.publish import PUBLISH_TIMEOUT_S, publish_lifecycle
 from libs.common.registry import Heartbeat, LiveServices, ServiceKind, ServiceRecord
 from libs.common.settings import GatewaySettings
@@ -50,6 +51,9 @@ RESYNC_RETRY_S = 0.5
 """Pause before a resync not taken is asked again, seconds."""
 BACKSTOP_S = 3.0
 """The gateway's own timeout fires this long after a request's deadline, seconds."""
+TAIL_GRACE_S = 1.0
+"""After a stage's end notice, how long its missing last events may still be on their way before
+they count as lost, seconds (they left before the notice, which took a longer path)."""
 
 
 class RequestHandle:
@@ -82,6 +86,8 @@ class RequestHandle:
         self._audio_seq: dict[int, int] = {}
         """Stage → the last input chunk whose audio arrived."""
         self._audio_done: set[int] = set()
+        self._sample_rate = 0
+        """Of the last audio event."""
 
     def put(self, event: ClientEvent) -> bool:
         """Take ``event`` unless it comes from a fenced-off attempt (then False). An event of the
@@ -108,6 +114,7 @@ class RequestHandle:
             if event.in_seq <= self._audio_seq.get(event.stage, -1):
                 return False  # the attempt after a move decoded a chunk the client has
             self._audio_seq[event.stage] = event.in_seq
+            self._sample_rate = event.sample_rate or self._sample_rate
         elif event.type == ClientEventType.AUDIO_DONE and event.stage is not None:
             self._audio_done.add(event.stage)
         if self.first is None:
@@ -125,6 +132,38 @@ class RequestHandle:
                 known=True, audio_seq=self._audio_seq.get(stage), audio_done=stage in self._audio_done
             )
         return ResumePoint(known=True, deltas=list(self._deltas), text_done=self._text_done)
+
+    def missing(self, ended: StageEnded) -> int:
+        """How many of the events that ``ended``'s stage attempt sent have not arrived here."""
+        return max(ended.client_events - self._next_seq.get((ended.stage, ended.attempt), 0), 0)
+
+    def end_tail(self, ended: StageEnded, audio: bool) -> ClientEvent:
+        """End the stage's part of the stream whose last events were lost (:meth:`missing` > 0):
+        the last event alone (``text_done``, ``audio_done``) is made from what ``ended`` says;
+        more is an ``events_lost`` error. Returns the event put in the stream."""
+        missing = self.missing(ended)
+        if missing == 1:
+            last = ClientEvent(
+                request_id=self.request_id,
+                type=ClientEventType.AUDIO_DONE if audio else ClientEventType.TEXT_DONE,
+                stage=ended.stage,
+                attempt=ended.attempt,
+                seq=ended.client_events - 1,
+                finish_reason=None if audio else ended.finish_reason,
+                usage=None if audio else ended.usage,
+                sample_rate=self._sample_rate if audio else 0,
+            )
+        else:
+            last = ClientEvent(
+                request_id=self.request_id,
+                type=ClientEventType.ERROR,
+                status=502,
+                code="events_lost",
+                message=f"the last {missing} events of stage {ended.stage} were lost on their way to the "
+                "gateway (a broker restart drops what it holds); the response is incomplete",
+            )
+        self.put(last)
+        return last
 
     @property
     def seconds_left(self) -> float:
@@ -181,6 +220,7 @@ class PipelineClient:
             pending_bytes_limit=1 << 30,
         )
         await self.nc.subscribe(self.subjects.resume(self.gateway_id), cb=self._on_resume)
+        await self.nc.subscribe(self.subjects.ended(self.gateway_id), cb=self._on_ended)
         skv = await services_kv(self.js)
         self.services = LiveServices(skv, self.pipeline.name)
         await self.services.start()
@@ -243,6 +283,38 @@ class PipelineClient:
                 event.attempt,
             )
             self._on_stale(event.stage or 0)
+
+    async def _on_ended(self, msg: Msg) -> None:
+        """A stage that streams to the client ended its part of a request: if some of its events
+        have not arrived ``TAIL_GRACE_S`` later, they were lost, and the stream is ended here."""
+        try:
+            ended = decode(StageEnded, msg.data)
+        except MalformedMessage as e:
+            log.warning("ignoring malformed end notice: %s", e)
+            return
+        handle = self._handles.get(ended.request_id)
+        if handle is None or not handle.missing(ended):
+            return
+        task = asyncio.create_task(self._end_tail(handle, ended))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _end_tail(self, handle: RequestHandle, ended: StageEnded) -> None:
+        await asyncio.sleep(TAIL_GRACE_S)  # the events may still be on their way
+        missing = handle.missing(ended)
+        if not missing or self._handles.get(ended.request_id) is not handle:
+            return
+        self._on_gap(ended.stage)
+        audio = self.pipeline.stages[ended.stage].emits == Payload.AUDIO
+        last = handle.end_tail(ended, audio)
+        log.warning(
+            "request %s: the last %d event(s) of stage %d attempt %d never arrived; the stream ends with %s",
+            ended.request_id,
+            missing,
+            ended.stage,
+            ended.attempt,
+            last.code or last.type.value,
+        )
 
     async def _resync(self, ask: Resync) -> None:
         """Ask an orchestrator to resync a request until one takes it (the gap is usually found

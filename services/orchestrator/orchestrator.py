@@ -45,6 +45,7 @@ from libs.common.envelopes import (
     Resync,
     RouteChange,
     RouteHeld,
+    StageEnded,
     StageTask,
     TaskKind,
     decode,
@@ -623,12 +624,14 @@ class Orchestrator:
         ev = decode(LifecycleEvent, msg.data)
         await asyncio.sleep(EVENT_DEFER_S)
         summary: list[RequestRecord] = []
+        gateway: list[str] = []
 
         def change(rec: RequestRecord) -> None:
             apply_event(rec, ev)
             if self.settings.log_stats and ready_to_summarize(rec):
                 rec.summary_logged = True
                 summary[:] = [rec]
+            gateway[:] = [rec.gateway_id] if ends_client_stream(rec, ev) else []
 
         if not await update_record(self.requests, ev.request_id, change):
             attempt = msg.metadata.num_delivered if msg.metadata else 1
@@ -637,6 +640,17 @@ class Orchestrator:
                 return
             log.debug("event %s for unknown request %s dropped", ev.kind, ev.request_id)
         await msg.ack()
+        for gateway_id in gateway:  # the gateway checks that the stream's last events came
+            ended = StageEnded(
+                request_id=ev.request_id,
+                stage=ev.stage or 0,
+                attempt=ev.attempt,
+                client_events=ev.client_events or 0,
+                finish_reason=ev.finish_reason,
+                usage=ev.usage,
+            )
+            with contextlib.suppress(Exception):
+                await self.nc.publish(self.subjects.ended(gateway_id), ended.encode())
         for rec in summary:  # only the writer whose update stuck gets here
             log.info("%s", format_summary(rec, self.pipeline))
             self._tally.end(rec)
@@ -701,6 +715,19 @@ def apply_event(rec: RequestRecord, ev: LifecycleEvent) -> None:
             rec.status, rec.error = RequestStatus.ABORTED, ev.reason
             rec.finish_reason = "abort"
     rec.updated_ns = max(rec.updated_ns, ev.ts_ns)
+
+
+def ends_client_stream(rec: RequestRecord, ev: LifecycleEvent) -> bool:
+    """Whether ``ev`` ends the part of the client's stream that a stage's current attempt sends
+    (the gateway is then told how many events that was)."""
+    s = ev.stage
+    return (
+        ev.kind in ("stage_done", "finished")
+        and ev.client_events is not None
+        and s is not None
+        and 0 <= s < len(rec.stages)
+        and ev.attempt == rec.stages[s].attempt
+    )
 
 
 async def update_record(kv: KeyValue, key: str, change) -> bool:

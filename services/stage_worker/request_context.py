@@ -257,6 +257,8 @@ class RequestContext:
         if not self._started_sent and self._started_ns is not None:
             fields = {**fields, "started_ns": self._started_ns}
             self.close()
+        if kind in ("stage_done", "finished") and self._client_seq:
+            fields = {**fields, "client_events": self._client_seq}
         if kind == "stage_done":
             fields = {**fields, "edges": list(self._edges.values())}
             if self.is_last_stage:

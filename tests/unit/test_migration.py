@@ -8,12 +8,20 @@ import time
 import pytest
 
 from cli.bus_inspect import _moves
-from libs.common.envelopes import ClientEvent, ClientEventType, LifecycleEvent, StageTask, TextDelta, Usage
+from libs.common.envelopes import (
+    ClientEvent,
+    ClientEventType,
+    LifecycleEvent,
+    StageEnded,
+    StageTask,
+    TextDelta,
+    Usage,
+)
 from libs.common.publish import task_msg_id
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
 from services.gateway.pipeline_client import RequestHandle
 from services.orchestrator.migration import Move, NoMove, Phase, apply_move, plan_move
-from services.orchestrator.orchestrator import apply_event
+from services.orchestrator.orchestrator import apply_event, ends_client_stream
 
 
 def _rec(route: list[int], started: bool = False) -> RequestRecord:
@@ -174,3 +182,64 @@ def test_a_gap_in_audio_is_counted_and_the_stream_goes_on() -> None:
     assert handle.put(chunk)
     assert handle.put(chunk.model_copy(update={"seq": 2, "in_seq": 2}))
     assert (handle.gaps, handle.gap) == (1, None)
+
+
+def _thinker_stream(handle: RequestHandle, deltas: int) -> None:
+    assert handle.put(ClientEvent(request_id="r", type=ClientEventType.STARTED, stage=0, seq=0))
+    for i in range(deltas):
+        assert handle.put(_text(1, [i], "x", i + 1))
+
+
+def test_a_lost_text_done_alone_is_made_from_the_end_notice() -> None:
+    """started, 3 deltas, text_done: 5 events; the text_done (seq 4) never came."""
+    handle = RequestHandle("r", time.time_ns() + 10**10)
+    _thinker_stream(handle, 3)
+    usage = Usage(prompt_tokens=4, completion_tokens=3)
+    ended = StageEnded(
+        request_id="r", stage=0, attempt=1, client_events=5, finish_reason="length", usage=usage
+    )
+    assert handle.missing(ended) == 1
+    last = handle.end_tail(ended, audio=False)
+    assert (last.type, last.finish_reason, last.usage, last.seq) == (
+        ClientEventType.TEXT_DONE,
+        "length",
+        usage,
+        4,
+    )
+    assert handle.missing(ended) == 0
+    assert handle.queue.qsize() == 5 and handle.resume_point(0, 1).text_done
+
+
+def test_lost_content_at_the_end_is_an_error_not_a_made_up_ending() -> None:
+    handle = RequestHandle("r", time.time_ns() + 10**10)
+    _thinker_stream(handle, 2)  # the third delta and the text_done never came
+    ended = StageEnded(request_id="r", stage=0, attempt=1, client_events=5, finish_reason="length")
+    assert handle.missing(ended) == 2
+    last = handle.end_tail(ended, audio=False)
+    assert (last.type, last.status, last.code) == (ClientEventType.ERROR, 502, "events_lost")
+    assert "last 2 events of stage 0" in last.message
+
+
+def test_a_lost_audio_done_is_made_with_the_streams_sample_rate() -> None:
+    handle = RequestHandle("r", time.time_ns() + 10**10)
+    chunk = ClientEvent(
+        request_id="r", type=ClientEventType.AUDIO, stage=2, pcm16=b"\0\0", sample_rate=24000, in_seq=0, seq=0
+    )
+    assert handle.put(chunk)
+    ended = StageEnded(request_id="r", stage=2, attempt=1, client_events=2)
+    last = handle.end_tail(ended, audio=True)
+    assert (last.type, last.sample_rate, last.seq) == (ClientEventType.AUDIO_DONE, 24000, 1)
+
+
+def test_only_the_current_attempts_ending_event_is_announced_to_the_gateway() -> None:
+    rec = _rec([0], started=True)
+    done = LifecycleEvent(request_id="r", kind="stage_done", ts_ns=1, stage=0, client_events=5)
+    assert ends_client_stream(rec, done)
+    assert not ends_client_stream(rec, done.model_copy(update={"client_events": None}))
+    assert not ends_client_stream(rec, done.model_copy(update={"kind": "started"}))
+    rec.stages[0].attempts = [
+        StageAttempt(attempt=1, replica=0, bound_ns=1),
+        StageAttempt(attempt=2, replica=1, bound_ns=2),
+    ]
+    assert not ends_client_stream(rec, done), "an attempt the stage moved past"
+    assert ends_client_stream(rec, done.model_copy(update={"attempt": 2}))

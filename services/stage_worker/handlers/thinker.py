@@ -157,7 +157,7 @@ class ThinkerHandler(LLMHandler):
             )
         )
         await req.ack(d)
-        req.lifecycle("stage_done", finish_reason=finish_reason)
+        req.lifecycle("stage_done", finish_reason=finish_reason, usage=usage)
 
     def _outputs(self, prompt, params, req: RequestContext) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for ``req`` (a later attempt has an engine request id of its own:

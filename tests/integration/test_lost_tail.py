@@ -1,0 +1,179 @@
+"""The last client events of a stream lost on their way to the gateway (core NATS is at most once:
+a broker killed while it holds them drops them, and no later event reveals the gap). A real
+gateway and a real orchestrator; the test plays the thinker replica and, as the fault, does not
+send the last events. The thinker's ending lifecycle event (JetStream, durable) says how many
+events it sent; the orchestrator passes that on to the gateway, which ends the stream at once —
+with the ``text_done`` made from the notice when only that was lost, with a 502 ``events_lost``
+error when content was — instead of letting the client wait for the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+
+import nats
+import openai
+import pytest
+
+from libs.common.bus import services_kv
+from libs.common.envelopes import (
+    ClientEvent,
+    ClientEventType,
+    LifecycleEvent,
+    Liveness,
+    StageTask,
+    Usage,
+    decode,
+)
+from libs.common.local_nats import free_port
+from libs.common.publish import publish_lifecycle
+from libs.common.registry import ServiceKind, ServiceRecord
+from libs.common.subjects import Subjects
+from tests.procs import THINKER_YAML, start_service, write_pipeline
+
+pytestmark = pytest.mark.integration
+
+PIPELINE = "losttail"
+SUBJECTS = Subjects(PIPELINE)
+TIMEOUT_S = 60.0
+"""The request timeout: a stream that waited for it would fail the test's bounds by far."""
+TOKENS = ["Hello", ",", " there", "!"]
+
+
+@pytest.fixture(scope="module")
+def services(nats_server, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("losttail")
+    path = write_pipeline(tmp / "p.yaml", PIPELINE, THINKER_YAML, timeout_s=TIMEOUT_S)
+    port = free_port()
+    orch = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
+    gateway = start_service(["gateway", "--port", str(port)], nats_server.url, path, tmp / "gw.log")
+    orch.wait_log("ready")
+    gateway.wait_log("Uvicorn running")
+    yield f"http://127.0.0.1:{port}", gateway
+    orch.stop()
+    assert gateway.stop() in (0, -signal.SIGTERM)
+
+
+@contextlib.asynccontextmanager
+async def thinker(url: str):
+    """The test as thinker replica 0: registered, answering its probes; yields the START tasks
+    routed to it."""
+    nc = await nats.connect(url)
+    kv = await services_kv(nc.jetstream())
+    record = ServiceRecord(
+        service=ServiceKind.WORKER,
+        pipeline=PIPELINE,
+        instance="test-thinker",
+        stage=0,
+        replica=0,
+        started_ns=time.time_ns(),
+    )
+    tasks: asyncio.Queue[StageTask] = asyncio.Queue()
+
+    async def on_task(msg) -> None:
+        tasks.put_nowait(decode(StageTask, msg.data))
+
+    async def on_probe(msg) -> None:
+        await msg.respond(Liveness().encode())
+
+    async def beats() -> None:
+        while True:
+            await kv.put(record.key, record.model_dump_json().encode())
+            await asyncio.sleep(1)
+
+    await nc.subscribe(SUBJECTS.stage_in(0, 0), cb=on_task)
+    await nc.subscribe(SUBJECTS.alive(0, 0), cb=on_probe)
+    beat = asyncio.create_task(beats())
+    await asyncio.sleep(1.5)  # the orchestrator has seen the registration
+    try:
+        yield nc, tasks
+    finally:
+        beat.cancel()
+        await kv.delete(record.key)
+        await nc.close()
+
+
+async def play(nc, task: StageTask, lose: int) -> Usage:
+    """Stream the reply as the thinker would (started, a delta per token, text_done), leaving out
+    the last ``lose`` events, then report the stage's end as the worker does."""
+    events = [ClientEvent(request_id=task.request_id, type=ClientEventType.STARTED)]
+    events += [
+        ClientEvent(request_id=task.request_id, type=ClientEventType.TEXT, text=t, token_ids=[i])
+        for i, t in enumerate(TOKENS)
+    ]
+    usage = Usage(prompt_tokens=len(task.prompt_token_ids), completion_tokens=len(TOKENS))
+    events.append(
+        ClientEvent(
+            request_id=task.request_id, type=ClientEventType.TEXT_DONE, finish_reason="length", usage=usage
+        )
+    )
+    out = SUBJECTS.out(task.gateway_id, task.request_id)
+    for seq, ev in enumerate(events[: len(events) - lose]):
+        await nc.publish(out, ev.model_copy(update={"stage": 0, "replica": 0, "seq": seq}).encode())
+    ended = LifecycleEvent(
+        request_id=task.request_id,
+        kind="finished",
+        ts_ns=time.time_ns(),
+        stage=0,
+        replica=0,
+        started_ns=time.time_ns(),
+        finish_reason="length",
+        usage=usage,
+        client_events=len(events),
+    )
+    await publish_lifecycle(nc.jetstream(), SUBJECTS, ended)
+    return usage
+
+
+async def test_a_lost_text_done_is_made_from_the_stages_end_notice(services, nats_server) -> None:
+    base_url, gateway = services
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    async with thinker(nats_server.url) as (nc, tasks):
+        stream = await_stream(client)
+        task = await asyncio.wait_for(tasks.get(), 10)
+        usage = await play(nc, task, lose=1)
+        sent = time.monotonic()
+        chunks = await asyncio.wait_for(stream, 10)
+        took = time.monotonic() - sent
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "".join(TOKENS)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == usage.completion_tokens
+    assert took < 5, f"the stream ended {took:.1f} s after the stage did"
+    assert "never arrived; the stream ends with text_done" in gateway.text()
+    await client.close()
+
+
+async def test_lost_content_at_the_end_is_a_clear_error(services, nats_server) -> None:
+    base_url, gateway = services
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    async with thinker(nats_server.url) as (nc, tasks):
+        stream = await_stream(client)
+        task = await asyncio.wait_for(tasks.get(), 10)
+        await play(nc, task, lose=2)  # the last delta and the text_done
+        sent = time.monotonic()
+        with pytest.raises(openai.APIError) as e:
+            await asyncio.wait_for(stream, 10)
+        took = time.monotonic() - sent
+    assert "events_lost" in str(e.value.body or e.value.message)
+    assert took < 5, f"the stream ended {took:.1f} s after the stage did"
+    assert "never arrived; the stream ends with events_lost" in gateway.text()
+    await client.close()
+
+
+def await_stream(client: openai.AsyncOpenAI) -> asyncio.Task[list]:
+    """A streamed chat completion read to its end, in the background."""
+
+    async def read() -> list:
+        stream = await client.chat.completions.create(
+            model=f"{PIPELINE}-model",
+            messages=[{"role": "user", "content": "hello"}],
+            max_tokens=len(TOKENS),
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        return [chunk async for chunk in stream]
+
+    return asyncio.create_task(read())
