@@ -54,6 +54,8 @@ MIDWAY_CHUNKS = 10
 """A stream is under way once it has this many chunks; the fault strikes when two are."""
 HUNG_AFTER_S = 150.0
 """A stream not ended this long after the fault counts as hung (the deadline is 120 s), seconds."""
+REFERENCE_RETRY_S = 30.0
+"""How long the fault-free reference request is retried while the stack answers 503, seconds."""
 PIPELINE_NAME = "faults"
 """The ``name`` in :data:`PIPELINE_YAML`."""
 
@@ -63,7 +65,8 @@ class Fault:
     name: str
     target: str
     """``worker``, ``engine_core`` (the worker's EngineCore process), ``orchestrator``, ``nats``
-    (the only server) or ``nats_node`` (the node of a NATS cluster that leads the stages stream)."""
+    (the only server), ``nats_leader`` (the node of a NATS cluster that leads the stages stream) or
+    ``nats_node_of_worker`` (the node the busiest replica of ``stage`` is connected to)."""
     stage: int = 0
     sig: int = signal.SIGKILL
     hold_s: float = 0.0
@@ -83,7 +86,10 @@ FAULTS = (
     Fault("SIGSTOP a thinker replica 30 s", "worker", 0, signal.SIGSTOP, hold_s=30.0),
     Fault("kill -9 the orchestrator", "orchestrator"),
     Fault("kill -9 nats-server, back 2 s later", "nats"),
-    Fault("kill -9 one node of a 3-node NATS cluster, the streams' leader", "nats_node", nats_nodes=3),
+    Fault("kill -9 one node of a 3-node NATS cluster, the streams' leader", "nats_leader", nats_nodes=3),
+    Fault(
+        "kill -9 the node of a 3-node NATS cluster a busy thinker is on", "nats_node_of_worker", nats_nodes=3
+    ),
 )
 
 
@@ -197,15 +203,27 @@ async def _stream(client, model: str, fault: Fault, seen: Seen) -> None:
 
 
 async def _reference(client, model: str, fault: Fault) -> list[int]:
-    """The thinker's tokens for the suite's request without a fault (greedy, text only)."""
-    r = await client.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": PROMPT}],
-        max_tokens=fault.max_tokens,
-        temperature=0,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
-    )
-    return (r.choices[0].model_extra or {}).get("token_ids") or []
+    """The thinker's tokens for the suite's request without a fault (greedy, text only). A 503
+    (no live replica: the registry has not caught up with the last fault yet) is asked again, for
+    at most :data:`REFERENCE_RETRY_S`."""
+    import openai
+
+    deadline = time.monotonic() + REFERENCE_RETRY_S
+    while True:
+        try:
+            r = await client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": PROMPT}],
+                max_tokens=fault.max_tokens,
+                temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
+            return (r.choices[0].model_extra or {}).get("token_ids") or []
+        except openai.InternalServerError as e:
+            if e.status_code != 503 or time.monotonic() > deadline:
+                raise
+            log(f"reference request: {e}; asking again")
+            await asyncio.sleep(1.0)
 
 
 def _pids(root: int, *words: str) -> list[int]:
@@ -265,6 +283,18 @@ async def _leaders(stack: Stack) -> dict[str, str]:
         await nc.close()
 
 
+CLUSTER_NODE_TARGETS = ("nats_leader", "nats_node_of_worker")
+
+
+def _client_names(monitor_url: str) -> list[str]:
+    """The omnirelay services connected to a server, from its ``/connz`` (names without the
+    ``omnirelay-`` prefix: ``gateway-<id>``, ``orchestrator``, ``worker-<stage>-<replica>``)."""
+    import httpx
+
+    conns = httpx.get(f"{monitor_url}/connz", params={"limit": 1024}, timeout=5).json()["connections"] or []
+    return [c["name"].removeprefix("omnirelay-") for c in conns if c.get("name", "").startswith("omnirelay-")]
+
+
 def _log_size(m: Managed) -> int:
     """Bytes in ``m``'s log so far."""
     return m.log_path.stat().st_size
@@ -285,7 +315,7 @@ class Injector:
     def __init__(self, procs: Processes, stack: Stack, nats_argv: list[str]) -> None:
         self.procs, self.stack, self.nats_argv = procs, stack, nats_argv
         self.killed_node: tuple[Managed, str] | None = None
-        """The cluster node killed by the last ``nats_node`` fault, with its monitoring URL."""
+        """The cluster node killed by the last fault of a cluster node, with its monitoring URL."""
 
     def target_pid(self, fault: Fault, replica: int) -> int:
         root = self.stack.process.proc.pid
@@ -302,8 +332,8 @@ class Injector:
 
     async def inject(self, fault: Fault, replica: int) -> str:
         """Inject ``fault``; what was verified."""
-        if fault.target == "nats_node":
-            return await self._kill_leader_node()
+        if fault.target in CLUSTER_NODE_TARGETS:
+            return await self._kill_node(fault, replica)
         if fault.target == "nats":
             nats = next(m for m in self.procs.items if m.name.startswith("nats"))
             pid = nats.proc.pid
@@ -327,11 +357,19 @@ class Injector:
             os.kill(pid, signal.SIGCONT)
         return verified
 
-    async def _kill_leader_node(self) -> str:
-        """``kill -9`` the cluster node that leads the stages stream (it stays down until
-        :meth:`restore`); says which of the pipeline's streams and buckets it led."""
+    async def _kill_node(self, fault: Fault, replica: int) -> str:
+        """``kill -9`` a cluster node (it stays down until :meth:`restore`): the stages stream's
+        leader, or the node worker (``fault.stage``, ``replica``) is connected to; says which of
+        the pipeline's streams and buckets it led and which services were connected to it."""
         leaders = await _leaders(self.stack)
-        victim = leaders[Subjects(PIPELINE_NAME).stages_stream]
+        clients = {
+            n.name: await asyncio.to_thread(_client_names, n.monitor_url) for n in self.stack.nats_nodes
+        }
+        if fault.target == "nats_leader":
+            victim = leaders[Subjects(PIPELINE_NAME).stages_stream]
+        else:
+            worker = f"worker-{fault.stage}-{replica}"
+            (victim,) = [name for name, on_it in clients.items() if worker in on_it]
         (node,) = [n for n in self.stack.nats_nodes if n.name == victim]
         (managed,) = [m for m in self.procs.items if m.name == f"{victim} ({self.stack.name})"]
         pid = managed.proc.pid
@@ -339,8 +377,10 @@ class Injector:
         managed.proc.wait(5)
         self.killed_node = (managed, node.monitor_url)
         led = sum(leader == victim for leader in leaders.values())
+        on_it = ", ".join(sorted(clients[victim])) or "none"
         return (
-            f"pid {pid} {_state(pid)} ({victim}, leader of {led} of the {len(leaders)} streams and buckets)"
+            f"pid {pid} {_state(pid)} ({victim}: leader of {led} of the {len(leaders)} streams and buckets; "
+            f"clients on it: {on_it})"
         )
 
     def restore(self) -> None:
@@ -424,7 +464,7 @@ async def run_fault(injector: Injector, fault: Fault, model: str) -> Row:
     for t in tasks:
         t.cancel()
     await client.close()
-    if fault.target == "nats_node":  # what the orchestrators made of the node's death
+    if fault.target in CLUSTER_NODE_TARGETS:  # what the orchestrators made of the node's death
         dead, moved = verdicts_since(injector.stack.process.log_path, log_offset)
         verified += f"; then {dead} replica(s) judged dead, {moved} request(s) moved"
         await asyncio.to_thread(injector.restore)
