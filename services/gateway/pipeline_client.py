@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
@@ -271,9 +271,7 @@ class PipelineClient:
             )
             if event.stage == 0:
                 ask = Resync(request_id=event.request_id, stage=0, attempt=event.attempt)
-                task = asyncio.create_task(self._resync(ask))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._spawn(self._resync(ask))
         elif not taken:
             log.info(
                 "request %s: dropped a %s event of stage %s attempt %d (the request moved on)",
@@ -283,6 +281,12 @@ class PipelineClient:
                 event.attempt,
             )
             self._on_stale(event.stage or 0)
+
+    def _spawn(self, work: Coroutine[None, None, None]) -> None:
+        """Run ``work`` in the background (kept referenced until it ends)."""
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _on_ended(self, msg: Msg) -> None:
         """A stage that streams to the client ended its part of a request: if some of its events
@@ -295,9 +299,7 @@ class PipelineClient:
         handle = self._handles.get(ended.request_id)
         if handle is None or not handle.missing(ended):
             return
-        task = asyncio.create_task(self._end_tail(handle, ended))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._spawn(self._end_tail(handle, ended))
 
     async def _end_tail(self, handle: RequestHandle, ended: StageEnded) -> None:
         await asyncio.sleep(TAIL_GRACE_S)  # the events may still be on their way
@@ -374,9 +376,7 @@ class PipelineClient:
     def abort(self, request_id: str, reason: str) -> None:
         """Cancel a request in every worker and record it (does not wait)."""
         self.release(request_id)
-        task = asyncio.create_task(self._abort(request_id, reason))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._spawn(self._abort(request_id, reason))
 
     async def _abort(self, request_id: str, reason: str) -> None:
         try:

@@ -10,9 +10,7 @@ import asyncio
 import os
 import signal
 import time
-from functools import partial
 
-import nats
 import numpy as np
 import pytest
 
@@ -34,6 +32,7 @@ from libs.common.records import RequestRecord, RequestStatus, StageAttempt, Stag
 from libs.common.subjects import Subjects
 from libs.models.codec import decode_to_pcm16, load_codec
 from libs.models.tiny import resolve_model
+from tests.bus import collect
 from tests.metrics_scrape import delta, scrape
 from tests.procs import TALKER_YAML, THINKER_YAML, gone, start_service, write_pipeline
 
@@ -76,17 +75,6 @@ def stack(nats_server, tmp_path_factory):
     yield orch, workers
     for proc in [orch, *workers]:
         proc.stop()
-
-
-@pytest.fixture
-async def nc(nats_server):
-    conn = await nats.connect(nats_server.url)
-    yield conn
-    await conn.close()
-
-
-async def _put(queue: asyncio.Queue, cls, msg) -> None:
-    queue.put_nowait(decode(cls, msg.data))
 
 
 def chunk(rid: str, seq: int, route: list[int], attempt: int = 1, start_seq: int = 0) -> StageTask:
@@ -132,7 +120,7 @@ async def test_a_killed_code2wav_replica_moves_its_chunks_and_no_audio_is_lost_o
     await (await requests_kv(nc.jetstream())).put(rid, record.model_dump_json().encode())
 
     audio: asyncio.Queue[ClientEvent] = asyncio.Queue()
-    await nc.subscribe(SUBJECTS.out(GATEWAY, rid), cb=partial(_put, audio, ClientEvent))
+    await nc.subscribe(SUBJECTS.out(GATEWAY, rid), cb=collect(audio, ClientEvent))
     client_has = {"audio_seq": None}
     questions: list[ResumeQuery] = []
 

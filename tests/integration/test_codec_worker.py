@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import nats
 import numpy as np
 import pytest
 
@@ -44,13 +43,6 @@ def worker(nats_server, tmp_path_factory):
     yield proc
     assert proc.stop() == 0
     proc.wait_log("shutting down")
-
-
-@pytest.fixture
-async def nc(nats_server):
-    conn = await nats.connect(nats_server.url)
-    yield conn
-    await conn.close()
 
 
 @pytest.fixture(scope="module")

@@ -25,9 +25,19 @@ from libs.common.publish import Hop, publish_task
 from libs.common.subjects import Subjects
 from services.stage_worker.progress import HUNG_AFTER_STALLS
 from services.stage_worker.worker import ENGINE_DEAD_EXIT_STATUS, ENGINE_HUNG_EXIT_STATUS
-from tests.procs import THINKER_YAML, gone, start_service, write_pipeline
+from tests.procs import THINKER_YAML, ServiceProcess, gone, start_service, write_pipeline
 
 pytestmark = pytest.mark.integration
+
+
+async def engine_core_of(worker: ServiceProcess) -> int:
+    """The pid of a thinker worker's EngineCore process, once the worker serves."""
+    await worker.await_log("serving omni.", timeout_s=240)
+    (core,) = [
+        p for p in descendants(worker.proc.pid) if "EngineCore" in Path(f"/proc/{p}/cmdline").read_text()
+    ]
+    return core
+
 
 PIPELINE = "enginedeath"
 
@@ -36,10 +46,7 @@ async def test_a_worker_whose_engine_core_is_killed_says_so_and_exits(nats_serve
     path = write_pipeline(tmp_path / "p.yaml", PIPELINE, THINKER_YAML)
     worker = start_service(["worker"], nats_server.url, path, tmp_path / "worker.log")
     try:
-        await worker.await_log("serving omni.", timeout_s=240)
-        (core,) = [
-            p for p in descendants(worker.proc.pid) if "EngineCore" in Path(f"/proc/{p}/cmdline").read_text()
-        ]
+        core = await engine_core_of(worker)
         nc = await nats.connect(nats_server.url)
         try:
             alive = Subjects(PIPELINE).alive(0, 0)
@@ -81,10 +88,7 @@ async def test_a_worker_whose_engine_core_hangs_shows_flat_progress_then_exits(n
     worker = start_service(["worker"], nats_server.url, path, tmp_path / "worker.log")
     subjects = Subjects(PIPELINE)
     try:
-        await worker.await_log("serving omni.", timeout_s=240)
-        (core,) = [
-            p for p in descendants(worker.proc.pid) if "EngineCore" in Path(f"/proc/{p}/cmdline").read_text()
-        ]
+        core = await engine_core_of(worker)
         nc = await nats.connect(nats_server.url)
         try:
             now = time.time_ns()

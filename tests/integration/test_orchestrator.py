@@ -11,7 +11,6 @@ import contextlib
 import time
 from collections import Counter
 
-import nats
 import pytest
 from nats.js.errors import KeyNotFoundError
 
@@ -51,13 +50,6 @@ def orchestrator(nats_server, tmp_path_factory):
     proc.wait_log("ready")
     yield proc
     assert proc.stop() == 0
-
-
-@pytest.fixture
-async def nc(nats_server):
-    conn = await nats.connect(nats_server.url)
-    yield conn
-    await conn.close()
 
 
 def admission(audio: bool = False, deadline_s: float = 60.0) -> Admission:

@@ -12,9 +12,7 @@ import asyncio
 import os
 import signal
 import time
-from functools import partial
 
-import nats
 import pytest
 
 from libs.common.bus import requests_kv
@@ -32,6 +30,7 @@ from libs.common.envelopes import (
 from libs.common.publish import Hop, publish_task
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
 from libs.common.subjects import Subjects
+from tests.bus import collect
 from tests.metrics_scrape import delta, scrape
 from tests.procs import CODE2WAV_YAML, THINKER_YAML, gone, start_service, write_pipeline
 
@@ -79,17 +78,6 @@ def stack(nats_server, tmp_path_factory):
     yield orch, workers
     for proc in [orch, *workers]:
         proc.stop()
-
-
-@pytest.fixture
-async def nc(nats_server):
-    conn = await nats.connect(nats_server.url)
-    yield conn
-    await conn.close()
-
-
-async def _put(queue: asyncio.Queue, cls, msg) -> None:
-    queue.put_nowait(decode(cls, msg.data))
 
 
 def text_chunk(rid: str, seq: int, talker: int, attempt: int = 1, start_seq: int = 0) -> StageTask:
@@ -161,7 +149,7 @@ async def test_a_killed_talker_replica_moves_its_request_and_the_audio_is_as_wit
     # The reference: the same text through talker replica 1, no fault.
     ref_id = f"talk-ref-{time.time_ns()}"
     ref_events: asyncio.Queue[ClientEvent] = asyncio.Queue()
-    await nc.subscribe(SUBJECTS.out(GATEWAY, ref_id), cb=partial(_put, ref_events, ClientEvent))
+    await nc.subscribe(SUBJECTS.out(GATEWAY, ref_id), cb=collect(ref_events, ClientEvent))
     await running(nc, ref_id, talker=1)
     for seq in range(len(TEXT)):
         await publish_task(js, SUBJECTS, text_chunk(ref_id, seq, 1), Hop("0", "0", 1, 1))
@@ -171,7 +159,7 @@ async def test_a_killed_talker_replica_moves_its_request_and_the_audio_is_as_wit
     before = scrape(orch.metrics_url)
     rid = f"talk-{time.time_ns()}"
     events: asyncio.Queue[ClientEvent] = asyncio.Queue()
-    await nc.subscribe(SUBJECTS.out(GATEWAY, rid), cb=partial(_put, events, ClientEvent))
+    await nc.subscribe(SUBJECTS.out(GATEWAY, rid), cb=collect(events, ClientEvent))
     await running(nc, rid, talker=0)
     for seq in range(3):
         await publish_task(js, SUBJECTS, text_chunk(rid, seq, 0), Hop("0", "0", 1, 0))
