@@ -200,8 +200,12 @@ class RequestContext:
         """Stop sending chunks downstream (a send under way finishes first) until
         :meth:`release`; returns the sequence number of the next chunk."""
         async with self._sending:
-            self._released.clear()
+            self.hold_now()
             return self._out_seq
+
+    def hold_now(self) -> None:
+        """:meth:`hold` for a request that has sent nothing yet (no send can be under way)."""
+        self._released.clear()
 
     def release(self, stage: int, replica: int, attempt: int, start_seq: int) -> None:
         """Send on to ``replica`` of ``stage``, whose attempt ``attempt`` takes chunks from

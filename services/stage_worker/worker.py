@@ -105,6 +105,8 @@ class StageWorker:
         self._closed: dict[str, tuple[float, int]] = {}
         """Request id → (when it ended here, monotonic s; the latest attempt that ended)."""
         self._backlog: deque[Delivery] = deque()
+        self._early_routes: dict[str, RouteChange] = {}
+        """Route changes for requests still in the backlog, applied when they start there."""
         self.bus: Bus | None = None
         self._heartbeat: Heartbeat | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -253,6 +255,9 @@ class StageWorker:
             entry = self.active.get(rid)
         if entry is None:
             ctx = RequestContext(self.me, self.bus, task, span=self._request_span(msg, task))
+            early = self._early_routes.pop(rid, None)
+            if early is not None:  # its next stage moved while it waited in the backlog
+                reroute(ctx, early)
             task_ = asyncio.create_task(self._run_request(ctx), name=f"request:{rid}")
             self.active[rid] = (ctx, task_)
         else:
@@ -478,6 +483,10 @@ class StageWorker:
             log.warning("%s: ignoring malformed route change: %s", self.label, e)
             return
         entry = self.active.get(change.request_id)
+        if entry is None and any(d.task.request_id == change.request_id for d in self._backlog):
+            self._early_routes[change.request_id] = change  # it has sent nothing yet
+            await msg.respond(RouteHeld(held=True, next_seq=0).encode())
+            return
         if entry is None or entry[0].aborted:
             await msg.respond(RouteHeld(held=False).encode())
             return
@@ -485,7 +494,7 @@ class StageWorker:
         if change.action == "hold":
             next_seq = await ctx.hold()
         else:
-            ctx.release(change.stage, change.replica, change.attempt, change.start_seq)
+            reroute(ctx, change)
             next_seq = -1
             log.info(
                 "%s: request %s: stage %d now on replica %d (attempt %d)",
@@ -522,6 +531,15 @@ class StageWorker:
         if entry is not None:
             entry[0].abort(notice.reason)
             entry[1].cancel()
+
+
+def reroute(ctx: RequestContext, change: RouteChange) -> None:
+    """Apply a route change to a request that has not seen it (one that was in the backlog
+    takes the latest: held, or released to the new replica)."""
+    if change.action == "hold":
+        ctx.hold_now()
+    else:
+        ctx.release(change.stage, change.replica, change.attempt, change.start_seq)
 
 
 def _exit_with_children(status: int) -> None:

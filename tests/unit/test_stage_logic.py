@@ -7,15 +7,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from libs.common.envelopes import LifecycleEvent, StageTask, TaskKind
+from libs.common.envelopes import LifecycleEvent, RouteChange, RouteHeld, StageTask, TaskKind, decode
+from libs.common.pipeline import load_pipeline
 from libs.common.records import RequestRecord, RequestStatus, StageProgress
 from libs.common.registry import ServiceKind, ServiceRecord
+from libs.common.settings import WorkerSettings
 from services.orchestrator.orchestrator import apply_event
 from services.orchestrator.routing import NoLiveReplica, ReplicaPicker
 from services.stage_worker import request_context
 from services.stage_worker.chunking import CodeChunker, TextChunker
 from services.stage_worker.inbox import Delivery, RequestInbox
 from services.stage_worker.request_context import Identity, RequestContext
+from services.stage_worker.worker import StageWorker, reroute
 
 
 def test_text_chunker_cuts_by_count_and_at_sentence_ends() -> None:
@@ -228,3 +231,34 @@ def test_abort_sets_finish_reason_abort() -> None:
         "abort",
         "client disconnected",
     )
+
+
+class _Reply:
+    """A route-change message as the worker's subscription sees it (data, and where the answer goes)."""
+
+    def __init__(self, change: RouteChange) -> None:
+        self.data = change.encode()
+        self.answer: RouteHeld | None = None
+
+    async def respond(self, data: bytes) -> None:
+        self.answer = decode(RouteHeld, data)
+
+
+async def test_a_route_change_for_a_request_still_in_the_backlog_applies_when_it_starts() -> None:
+    """The talker has a request in its backlog (``max_inflight`` reached) when code2wav moves: the
+    hold and the release are kept and applied when the request starts, so its chunks go to the new
+    replica as the new attempt."""
+    worker = StageWorker(WorkerSettings(stage=1, replica=0, max_inflight=1), load_pipeline())
+    first = _delivery(0).task.model_copy(update={"request_id": "waiting", "route": [0, 0, 0]})
+    worker._backlog.append(Delivery(msg=None, task=first, received_ns=0))
+    hold = _Reply(RouteChange(request_id="waiting", stage=2, action="hold"))
+    await worker._on_route(hold)
+    assert hold.answer == RouteHeld(held=True, next_seq=0)
+    release = _Reply(RouteChange(request_id="waiting", stage=2, action="release", replica=1, attempt=2))
+    await worker._on_route(release)
+    ctx = RequestContext(Identity(1, 0, 3), bus=None, first=first)
+    reroute(ctx, worker._early_routes.pop("waiting"))
+    assert ctx.route[2] == 1 and ctx._next_attempt == 2 and ctx._released.is_set()
+    unknown = _Reply(RouteChange(request_id="gone", stage=2, action="hold"))
+    await worker._on_route(unknown)
+    assert unknown.answer == RouteHeld(held=False)
