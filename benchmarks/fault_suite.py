@@ -18,7 +18,7 @@ import json
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from benchmarks.harness import (
@@ -56,6 +56,8 @@ HUNG_AFTER_S = 150.0
 """A stream not ended this long after the fault counts as hung (the deadline is 120 s), seconds."""
 REFERENCE_RETRY_S = 30.0
 """How long the fault-free reference request is retried while the stack answers 503, seconds."""
+REPLICAS = 2
+"""Replicas of every stage in :data:`PIPELINE_YAML`."""
 PIPELINE_NAME = "faults"
 """The ``name`` in :data:`PIPELINE_YAML`."""
 
@@ -64,7 +66,8 @@ PIPELINE_NAME = "faults"
 class Fault:
     name: str
     target: str
-    """``worker``, ``engine_core`` (the worker's EngineCore process), ``orchestrator``, ``nats``
+    """``worker``, ``engine_core`` (the worker's EngineCore process), ``all_replicas`` (every
+    replica of ``stage``: they stay down while their engines start), ``orchestrator``, ``nats``
     (the only server), ``nats_leader`` (the node of a NATS cluster that leads the stages stream) or
     ``nats_node_of_worker`` (the node the busiest replica of ``stage`` is connected to)."""
     stage: int = 0
@@ -84,6 +87,10 @@ FAULTS = (
     Fault("kill -9 a code2wav replica", "worker", 2, streams=4, audio=True, max_tokens=120),
     Fault("kill -9 a thinker's EngineCore only", "engine_core", 0),
     Fault("SIGSTOP a thinker replica 30 s", "worker", 0, signal.SIGSTOP, hold_s=30.0),
+    Fault(
+        "SIGSTOP a thinker's EngineCore 30 s (a hung engine)", "engine_core", 0, signal.SIGSTOP, hold_s=30.0
+    ),
+    Fault("kill -9 every thinker replica (down while their engines start)", "all_replicas", 0),
     Fault("kill -9 the orchestrator", "orchestrator"),
     Fault("kill -9 nats-server, back 2 s later", "nats"),
     Fault("kill -9 one node of a 3-node NATS cluster, the streams' leader", "nats_leader", nats_nodes=3),
@@ -124,6 +131,11 @@ class Row:
     """The longest pause of a stream that went on after the fault, seconds."""
     audio_s: tuple[float, float] | None = None
     """Audio faults: the shortest and longest audio of a completed stream, seconds (24 kHz PCM16)."""
+    error_s: float | None = None
+    """The longest time from the fault to a failed stream's error, seconds (None: none failed)."""
+    replaced_s: float | None = None
+    """A worker killed (or one that gave up on its engine): seconds from the fault until its
+    replacement registered, its engine started (None: not measured)."""
 
 
 def row_of(
@@ -134,12 +146,14 @@ def row_of(
     failed: dict[str, int] = {}
     completed = hung = wrong = unlike = 0
     pause = 0.0
+    to_error: list[float] = []
     for s in seen:
         if s.ended_s is None:
             hung += 1
             continue
         if s.error is not None:
             failed[s.error] = failed.get(s.error, 0) + 1
+            to_error.append(s.ended_s - fault_s)
             continue
         completed += 1
         if len(s.token_ids) != fault.max_tokens or s.usage_tokens != fault.max_tokens:
@@ -162,6 +176,7 @@ def row_of(
         None if reference is None else unlike,
         pause,
         audio,
+        max(to_error) if to_error else None,
     )
 
 
@@ -322,13 +337,32 @@ class Injector:
         if fault.target == "orchestrator":
             (pid,) = _pids(root, "-m cli orchestrator")
             return pid
-        (worker,) = _pids(
-            root, "-m cli worker", f"OMNIRELAY_STAGE={fault.stage}", f"OMNIRELAY_REPLICA={replica}"
-        )
+        worker = self.worker_pid(fault.stage, replica)
         if fault.target == "worker":
             return worker
         (core,) = [p for p in descendants(worker) if "EngineCore" in Path(f"/proc/{p}/cmdline").read_text()]
         return core
+
+    def worker_pid(self, stage: int, replica: int) -> int:
+        (pid,) = _pids(
+            self.stack.process.proc.pid,
+            "-m cli worker",
+            f"OMNIRELAY_STAGE={stage}",
+            f"OMNIRELAY_REPLICA={replica}",
+        )
+        return pid
+
+    async def _kill_all_replicas(self, stage: int) -> str:
+        """``kill -9`` every replica of ``stage`` at once; they stay down while the launcher
+        restarts them and their engines start."""
+        pids = [self.worker_pid(stage, r) for r in range(REPLICAS)]
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        for _ in range(50):
+            if all(_state(pid) in ("gone", "Z") for pid in pids):
+                break
+            await asyncio.sleep(0.05)
+        return ", ".join(f"pid {pid} {_state(pid)}" for pid in pids)
 
     async def inject(self, fault: Fault, replica: int) -> str:
         """Inject ``fault``; what was verified."""
@@ -344,6 +378,8 @@ class Injector:
             port = int(self.nats_argv[self.nats_argv.index("-p") + 1])
             wait_port(self.procs.start("nats (restarted)", self.nats_argv, {}), port, 30)
             return verified
+        if fault.target == "all_replicas":
+            return await self._kill_all_replicas(fault.stage)
         pid = self.target_pid(fault, replica)
         os.kill(pid, fault.sig)
         for _ in range(50):
@@ -354,7 +390,10 @@ class Injector:
         verified = f"pid {pid} {_state(pid)}"
         if fault.sig == signal.SIGSTOP:
             await asyncio.sleep(fault.hold_s)
-            os.kill(pid, signal.SIGCONT)
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:  # a stopped EngineCore: its worker gave up on it and killed it
+                verified += f"; gone before SIGCONT at {fault.hold_s:g} s"
         return verified
 
     async def _kill_node(self, fault: Fault, replica: int) -> str:
@@ -453,7 +492,8 @@ async def run_fault(injector: Injector, fault: Fault, model: str) -> Row:
     # The victim: the replica of the stage that most of the streams already under way run on.
     under_way = [s.id for s in seen if len(s.at) >= MIDWAY_CHUNKS and s.ended_s is None]
     replica, on_it = await _busiest_replica(injector.stack, fault.stage, under_way)
-    before_ns = await _incarnation(injector.stack, fault.stage, replica)
+    befores = [await _incarnation(injector.stack, fault.stage, r) for r in range(REPLICAS)]
+    before_ns = befores[replica]
     log_offset = _log_size(injector.stack.process)
     fault_s = time.monotonic()
     verified = await injector.inject(fault, replica)
@@ -469,8 +509,15 @@ async def run_fault(injector: Injector, fault: Fault, model: str) -> Row:
         verified += f"; then {dead} replica(s) judged dead, {moved} request(s) moved"
         await asyncio.to_thread(injector.restore)
     row = row_of(fault, verified, fault_s, seen, reference)
-    if fault.target in ("worker", "engine_core") and fault.sig == signal.SIGKILL:
-        await _replaced(injector.stack, fault.stage, replica, before_ns)  # the next fault meets a whole stack
+    # The next fault meets a whole stack: a killed worker (or one that gave up on its hung engine)
+    # is replaced by the launcher; the column says when its engine was up again.
+    if fault.target == "all_replicas":
+        for r in range(REPLICAS):
+            await _replaced(injector.stack, fault.stage, r, befores[r])
+        row = replace(row, replaced_s=time.monotonic() - fault_s)
+    elif fault.target == "engine_core" or (fault.target == "worker" and fault.sig == signal.SIGKILL):
+        await _replaced(injector.stack, fault.stage, replica, before_ns)
+        row = replace(row, replaced_s=time.monotonic() - fault_s)
     return row
 
 
@@ -486,6 +533,8 @@ def render(rows: list[Row]) -> str:
         "unlike fault-free",
         "longest pause s",
         "audio s (min–max)",
+        "to error s",
+        "replaced s",
     )
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
@@ -503,6 +552,8 @@ def render(rows: list[Row]) -> str:
             unlike,
             f"{r.pause_s:.2f}",
             audio,
+            "-" if r.error_s is None else f"{r.error_s:.2f}",
+            "-" if r.replaced_s is None else f"{r.replaced_s:.1f}",
         )
         lines.append(" | ".join(str(c) for c in cells))
     return "\n".join(f"| {line} |" for line in lines)

@@ -25,9 +25,20 @@ def test_a_row_counts_completed_failed_hung_and_wrong_counts_and_the_longest_pau
     assert row.pause_s == 3.5  # full: 2.0 -> 5.5 spans the fault; before_only never paused after it
     assert row.unlike_reference == 3
     table = render([row])
+    assert row.error_s == 0.0  # the failed stream ended at the fault
     assert (
-        "| kill -9 a thinker replica | pid 7 gone | 5 | 3 | 1 replica_lost | 1 | 1 | 3 | 3.50 | - |" in table
+        "| kill -9 a thinker replica | pid 7 gone | 5 | 3 | 1 replica_lost | 1 | 1 | 3 | 3.50 | - | 0.00 | - |"
+        in table
     )
+
+
+def test_the_time_to_an_error_is_the_longest_from_the_fault_to_a_failed_streams_end() -> None:
+    fault = Fault("kill -9 every thinker replica", "all_replicas", 0, streams=3, max_tokens=3)
+    early = Seen(error="no_live_replica", ended_s=12.5)
+    late = Seen(error="no_live_replica", ended_s=14.0)
+    done = Seen(token_ids=[1, 2, 3], at=[9.0], usage_tokens=3, ended_s=10.5)
+    row = row_of(fault, "pids gone", 10.0, [early, late, done])
+    assert (row.failed, row.error_s, row.replaced_s) == ({"no_live_replica": 2}, 4.0, None)
 
 
 def test_audio_faults_report_the_audio_lengths() -> None:
