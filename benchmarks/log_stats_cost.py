@@ -68,8 +68,7 @@ def t_critical_95(df: float) -> float:
     return table[max(k for k in table if k <= max(df, 1))]
 
 
-async def sequential_round(side: Stack, model: str, n: int, max_tokens: int) -> list[RequestTiming]:
-    """Resume ``side``, send it ``n`` sequential streamed requests, pause it again."""
+async def _round(side: Stack, model: str, n: int, max_tokens: int) -> list[RequestTiming]:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=side.base_url, api_key="bench", timeout=120.0, max_retries=0)
@@ -116,11 +115,11 @@ def run_log_stats_bench(
             s.process.pause()
         model = pipeline.served_model_name
         for s in sides.values():  # warm-up
-            asyncio.run(sequential_round(s, model, 8, max_tokens))
+            asyncio.run(_round(s, model, 8, max_tokens))
         e2e: dict[str, list[float]] = {OFF: [], ON: []}
         for r in range(rounds):
             for name in (OFF, ON) if r % 2 == 0 else (ON, OFF):
-                timings = asyncio.run(sequential_round(sides[name], model, per_round, max_tokens))
+                timings = asyncio.run(_round(sides[name], model, per_round, max_tokens))
                 failed = [t.error for t in timings if not t.ok]
                 if failed:
                     raise RuntimeError(f"{name}: {failed[0]}")

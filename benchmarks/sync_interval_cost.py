@@ -1,9 +1,10 @@
 """``omnirelay bench-sync``: what JetStream's ``sync_interval`` and a 3-node cluster cost.
 
-Three NATS setups, each serving an identical thinker-only stack (engines bound to the same core;
+Four NATS setups, each serving an identical thinker-only stack (engines bound to the same core;
 the stacks not being measured are paused with SIGSTOP):
 
 - ``1 server, 2m``: nats-server's default (fsync every 2 minutes);
+- ``1 server, 1s``: fsync every second;
 - ``1 server, always``: fsync after every write, before the acknowledgement;
 - ``3 nodes, always``: a JetStream cluster, streams and KV buckets with 3 replicas.
 
@@ -13,8 +14,8 @@ Two measurements per setup:
    each waiting for its acknowledgement (what the gateway, orchestrator and workers do) —
    milliseconds per publish, p50 / p90 / p99, ``time.perf_counter()`` of this process.
 2. **End to end**: rounds of sequential streamed chat requests through the gateway, alternating
-   between the setups (A B C, C B A, ...): mean / p50 / p99 latency, and the mean difference to
-   ``1 server, 2m`` with Welch's t.
+   between the setups (A B C D, D C B A, ...): mean / p50 / p99 latency and p50 time to first
+   token, and the mean difference to ``1 server, 2m`` with Welch's t.
 """
 
 from __future__ import annotations
@@ -27,19 +28,28 @@ from pathlib import Path
 
 from benchmarks.harness import (
     DEFAULT_PIPELINE,
+    PROMPTS,
     Processes,
+    RequestTiming,
     Stack,
     engine_env,
     log,
     percentile,
     run_with_stacks,
+    settle,
     start_stack,
+    timed_request,
 )
-from benchmarks.log_stats_cost import sequential_round, t_critical_95, welch_t
+from benchmarks.log_stats_cost import t_critical_95, welch_t
 from libs.common.bus import server_urls
 from libs.common.pipeline import load_pipeline
 
-SETUPS = {"1 server, 2m": (1, "2m"), "1 server, always": (1, "always"), "3 nodes, always": (3, "always")}
+SETUPS = {
+    "1 server, 2m": (1, "2m"),
+    "1 server, 1s": (1, "1s"),
+    "1 server, always": (1, "always"),
+    "3 nodes, always": (3, "always"),
+}
 """Name → (NATS servers, ``sync_interval``); the first is the baseline."""
 PAYLOAD = b"x" * 1024
 
@@ -74,6 +84,22 @@ async def publish_latencies_ms(nats_url: str, count: int) -> list[float]:
         await nc.close()
 
 
+async def _round(side: Stack, model: str, n: int, max_tokens: int) -> list[RequestTiming]:
+    """Resume ``side``, wait until two requests in a row succeed (a paused stack's registrations
+    expire; they come back with the next heartbeat), time ``n`` sequential streamed requests,
+    pause it again."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=side.base_url, api_key="bench", timeout=120.0, max_retries=0)
+    side.process.resume()
+    try:
+        await settle(side.name, model, client, 2, max_tokens)
+        return [await timed_request(client, model, PROMPTS[0], max_tokens) for _ in range(n)]
+    finally:
+        side.process.pause()
+        await client.close()
+
+
 def run_sync_bench(rounds: int, per_round: int, max_tokens: int, publishes: int) -> int:
     """Start the three stacks, measure, print both tables."""
     pipeline = load_pipeline(DEFAULT_PIPELINE)
@@ -99,23 +125,28 @@ def run_sync_bench(rounds: int, per_round: int, max_tokens: int, publishes: int)
             log(f"{name}: {publishes} publishes, p50 {percentile(publish[name], 50):.2f} ms")
         model = pipeline.served_model_name
         for side in sides.values():  # warm-up
-            asyncio.run(sequential_round(side, model, 8, max_tokens))
+            asyncio.run(_round(side, model, 8, max_tokens))
         e2e: dict[str, list[float]] = {name: [] for name in sides}
+        ttft: dict[str, list[float]] = {name: [] for name in sides}
         order = list(sides)
         for r in range(rounds):
             for name in order if r % 2 == 0 else order[::-1]:
-                timings = asyncio.run(sequential_round(sides[name], model, per_round, max_tokens))
+                timings = asyncio.run(_round(sides[name], model, per_round, max_tokens))
                 if failed := [t.error for t in timings if not t.ok]:
                     raise RuntimeError(f"{name}: {failed[0]}")
                 e2e[name] += [t.e2e_s for t in timings]
+                ttft[name] += [t.ttft_s for t in timings]
             log(f"round {r + 1}/{rounds} done")
-        print(report(publish, e2e), flush=True)
+        print(report(publish, e2e, ttft), flush=True)
 
     return run_with_stacks("omnirelay-bench-sync-", work)
 
 
-def report(publish_ms: dict[str, list[float]], e2e_s: dict[str, list[float]]) -> str:
-    """Both tables (publish in ms, end-to-end in ms) and the differences to the first setup."""
+def report(
+    publish_ms: dict[str, list[float]], e2e_s: dict[str, list[float]], ttft_s: dict[str, list[float]]
+) -> str:
+    """Both tables (publish in ms; end-to-end and time to first token in ms) and the differences
+    to the first setup."""
     rows = [
         "JetStream publish + ack, 1 KiB, sequential",
         f"{'setup':<18}{'n':>6}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}",
@@ -127,13 +158,13 @@ def report(publish_ms: dict[str, list[float]], e2e_s: dict[str, list[float]]) ->
     rows += [
         "",
         "end to end, sequential streamed requests",
-        f"{'setup':<18}{'n':>6}{'mean ms':>10}{'p50 ms':>10}{'p99 ms':>10}   vs {next(iter(e2e_s))}",
+        f"{'setup':<18}{'n':>6}{'mean ms':>10}{'p50 ms':>10}{'p99 ms':>10}{'TTFT p50':>10}   vs {next(iter(e2e_s))}",
     ]
     base = next(iter(e2e_s.values()))
     for name, xs in e2e_s.items():
         line = (
             f"{name:<18}{len(xs):>6}{statistics.fmean(xs) * 1e3:>10.2f}{percentile(xs, 50) * 1e3:>10.2f}"
-            f"{percentile(xs, 99) * 1e3:>10.2f}"
+            f"{percentile(xs, 99) * 1e3:>10.2f}{percentile(ttft_s[name], 50) * 1e3:>10.2f}"
         )
         if xs is not base:
             t, df = welch_t(base, xs)

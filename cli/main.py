@@ -374,14 +374,14 @@ def bench_log_stats(
 
 @app.command("bench-sync")
 def bench_sync(
-    rounds: Annotated[int, typer.Option(min=2, help="alternating rounds (A B C, C B A, ...)")] = 6,
+    rounds: Annotated[int, typer.Option(min=2, help="alternating rounds (A B C D, D C B A, ...)")] = 8,
     per_round: Annotated[int, typer.Option(min=2, help="sequential requests per setup and round")] = 20,
     max_tokens: Annotated[int, typer.Option(min=1, help="output tokens per request (ignore_eos)")] = 64,
     publishes: Annotated[int, typer.Option(min=10, help="sequential JetStream publishes per setup")] = 2000,
 ) -> None:
     """What JetStream's sync_interval and a 3-node NATS cluster cost: publish latency and end-to-end
-    latency on one server with 2m (nats-server's default) and always, and on 3 nodes with always
-    (prints two tables)."""
+    latency on one server with 2m (nats-server's default), 1s and always, and on 3 nodes with
+    always (prints two tables)."""
     from benchmarks.sync_interval_cost import run_sync_bench
 
     raise typer.Exit(run_sync_bench(rounds, per_round, max_tokens, publishes))
