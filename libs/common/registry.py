@@ -23,6 +23,9 @@ from libs.common.runtime import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
+WATCH_SILENCE_S = 2 * LIMITS.heartbeat_s
+"""A registry watch that has delivered nothing for this long is cut off from the bucket, seconds
+(:meth:`LiveServices.live`)."""
 MIN_BEAT_GAP_S = 0.25
 """An early beat (see :meth:`Heartbeat.load_dropped`) comes at least this long after the last
 one, seconds."""
@@ -138,6 +141,8 @@ class LiveServices:
         self._pipeline = pipeline
         self._ttl_s = ttl_s
         self._entries: dict[str, tuple[ServiceRecord, float]] = {}
+        self._last_update = time.monotonic()
+        """When the watch last delivered anything (this process's monotonic clock)."""
         self._task: asyncio.Task[None] | None = None
         self._listeners: list[Callable[[ServiceRecord], None]] = []
         self.ready = asyncio.Event()
@@ -156,6 +161,7 @@ class LiveServices:
                 if entry is None:
                     self.ready.set()
                     continue
+                self._last_update = time.monotonic()
                 if entry.operation in ("DEL", "PURGE") or not entry.value:
                     self._entries.pop(entry.key, None)
                     continue
@@ -185,8 +191,14 @@ class LiveServices:
         ]
 
     def live(self, service: ServiceKind | None = None, stage: int | None = None) -> list[ServiceRecord]:
-        """Records updated within the TTL, filtered by service kind and stage."""
-        now = time.monotonic()
+        """Records updated within the TTL, filtered by service kind and stage.
+
+        Age counts only while the registry itself is heard: every service heartbeats every
+        ``heartbeat_s``, this one included, so a watch silent for longer than
+        :data:`WATCH_SILENCE_S` means the bucket is unreachable (a broker restart, a cluster
+        electing a leader), not that every service died. Its clock stops there, and the view
+        stays as it was until updates flow again (the liveness probes judge real deaths)."""
+        now = min(time.monotonic(), self._last_update + WATCH_SILENCE_S)
         return [
             rec
             for rec, seen in self._entries.values()

@@ -20,6 +20,10 @@ from services.stage_worker.transfer_stats import TransferStats
 
 log = logging.getLogger(__name__)
 
+LIFECYCLE_RETRY_S = 0.25
+LIFECYCLE_RETRY_MAX_S = 2.0
+"""A lifecycle event the stream did not take is published again after ``LIFECYCLE_RETRY_S``,
+doubling up to ``LIFECYCLE_RETRY_MAX_S``, seconds."""
 STARTED_REPORT_DELAY_S = 0.25
 """A stage still working this long after taking a request's first input reports ``started``;
 one that ends sooner reports its start in its ending event, seconds."""
@@ -288,10 +292,33 @@ class RequestContext:
         task.add_done_callback(self._background.discard)
 
     async def _send_lifecycle(self, event: LifecycleEvent) -> None:
-        try:
-            await publish_lifecycle(self.bus.js, self.bus.subjects, event)
-        except Exception as e:  # bookkeeping only: the request itself is unaffected
-            log.warning("request %s: lifecycle event %s not recorded: %s", self.request_id, event.kind, e)
+        """Publish ``event``, again and again while the stream does not take it (a broker
+        restart, a cluster electing a new leader) until the request's deadline: the record, and
+        with it the client's end notice, depends on it. ``Nats-Msg-Id`` makes a retry of an event
+        that was stored after all a duplicate."""
+        pause_s = LIFECYCLE_RETRY_S
+        while True:
+            try:
+                await publish_lifecycle(self.bus.js, self.bus.subjects, event)
+                return
+            except Exception as e:
+                if self.seconds_left <= 0:
+                    log.warning(
+                        "request %s: lifecycle event %s not recorded by the deadline: %s",
+                        self.request_id,
+                        event.kind,
+                        e,
+                    )
+                    return
+                log.info(
+                    "request %s: lifecycle event %s not recorded yet (%s); again in %.1f s",
+                    self.request_id,
+                    event.kind,
+                    type(e).__name__,
+                    pause_s,
+                )
+            await asyncio.sleep(pause_s)
+            pause_s = min(2 * pause_s, LIFECYCLE_RETRY_MAX_S)
 
 
 def _chunk_attributes(d: Delivery) -> dict[str, object]:

@@ -1,5 +1,5 @@
-"""``omnirelay up`` heals itself: a worker killed with SIGKILL is restarted with its identity, the
-stack stays up, ``/health`` names the degraded stage meanwhile and requests go to the live replica,
+"""``omnirelay up`` heals itself: a worker killed with SIGKILL is restarted with its identity (its
+engine processes die with it), the stack stays up, ``/health`` names the degraded stage meanwhile and requests go to the live replica,
 and requests complete on the whole stack again afterwards."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from benchmarks.harness import descendants
 from libs.common.bus_state import snapshot
 from tests.procs import gone, worker_pid
 
@@ -34,13 +35,16 @@ async def test_a_killed_worker_is_restarted_and_requests_keep_completing(stack, 
         "max_tokens": 8,
     }
     pid = worker_pid(stack.proc.pid, STAGE, REPLICA)
+    engine = descendants(pid)  # its EngineCore and the EngineCore's model runner
+    assert engine, f"worker {pid} has no engine processes"
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
     for _ in range(50):
-        if gone(pid):
+        if gone(pid) and all(gone(p) for p in engine):
             break
         await asyncio.sleep(0.1)
     assert gone(pid), f"worker {pid} still running after SIGKILL"
+    assert [p for p in engine if not gone(p)] == [], "the killed worker's engine processes outlived it"
 
     seen_degraded = False
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as http:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from libs.common.envelopes import LifecycleEvent, RouteChange, RouteHeld, StageTask, TaskKind, decode
 from libs.common.pipeline import load_pipeline
 from libs.common.records import RequestRecord, RequestStatus, StageProgress
-from libs.common.registry import ServiceKind, ServiceRecord
+from libs.common.registry import LiveServices, ServiceKind, ServiceRecord
 from libs.common.settings import WorkerSettings
 from services.orchestrator.orchestrator import apply_event
 from services.orchestrator.routing import NoLiveReplica, ReplicaPicker
@@ -262,3 +263,18 @@ async def test_a_route_change_for_a_request_still_in_the_backlog_applies_when_it
     unknown = _Reply(RouteChange(request_id="gone", stage=2, action="hold"))
     await worker._on_route(unknown)
     assert unknown.answer == RouteHeld(held=False)
+
+
+def test_the_registry_ages_its_entries_only_while_it_hears_updates() -> None:
+    """A worker last heard 7 s ago has expired (TTL 6 s) while the registry hears other services;
+    when the watch has heard nothing at all for those 7 s (the bucket unreachable), its clock stopped
+    4 s after the last update and the worker is still live."""
+    views = LiveServices(kv=None, pipeline="p", ttl_s=6.0)  # type: ignore[arg-type]
+    worker = ServiceRecord(service=ServiceKind.WORKER, pipeline="p", instance="w", stage=0, replica=0)
+    now = time.monotonic()
+    views._entries = {worker.key: (worker, now - 7.0)}
+    views._last_update = now - 0.5
+    assert views.live(ServiceKind.WORKER) == []
+    views._last_update = now - 7.0
+    assert views.live(ServiceKind.WORKER) == [worker]
+    assert views.last_heard(ServiceKind.WORKER)[0][1] >= 7.0  # the real age stays known
