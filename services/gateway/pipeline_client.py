@@ -49,6 +49,9 @@ RESYNC_TIMEOUT_S = 2.0
 """How long the gateway waits for an orchestrator to take a resync, seconds."""
 RESYNC_RETRY_S = 0.5
 """Pause before a resync not taken is asked again, seconds."""
+RESYNC_CONFIRM_S = 2.0
+"""A resync taken is asked again when no new attempt has asked where the client stands this long
+after, seconds."""
 BACKSTOP_S = 3.0
 """The gateway's own timeout fires this long after a request's deadline, seconds."""
 TAIL_GRACE_S = 1.0
@@ -125,8 +128,10 @@ class RequestHandle:
 
     def resume_point(self, stage: int, attempt: int) -> ResumePoint:
         """Let only ``attempt`` and later of ``stage`` through from now on, and say where the
-        client's stream stands."""
+        client's stream stands (a gap of an older attempt is resynced by this)."""
         self._fence[stage] = max(self._fence.get(stage, 1), attempt)
+        if self.gap is not None and self.gap[0] == stage and self.gap[1] < attempt:
+            self.gap = None
         if stage != 0:
             return ResumePoint(
                 known=True, audio_seq=self._audio_seq.get(stage), audio_done=stage in self._audio_done
@@ -134,7 +139,15 @@ class RequestHandle:
         return ResumePoint(known=True, deltas=list(self._deltas), text_done=self._text_done)
 
     def missing(self, ended: StageEnded) -> int:
-        """How many of the events that ``ended``'s stage attempt sent have not arrived here."""
+        """How many of the events that ``ended``'s stage attempt sent have not arrived here, when
+        it is still the attempt the client's stream depends on (0 once a later attempt took over:
+        that one ends the stream)."""
+        superseded = ended.attempt < self._fence.get(ended.stage, 1) and self.gap != (
+            ended.stage,
+            ended.attempt,
+        )
+        if superseded:
+            return 0
         return max(ended.client_events - self._next_seq.get((ended.stage, ended.attempt), 0), 0)
 
     def end_tail(self, ended: StageEnded, audio: bool) -> ClientEvent:
@@ -319,18 +332,25 @@ class PipelineClient:
         )
 
     async def _resync(self, ask: Resync) -> None:
-        """Ask an orchestrator to resync a request until one takes it (the gap is usually found
-        right after a broker restart, when the orchestrators may not have resubscribed yet), or
-        the request has ended here."""
-        while ask.request_id in self._handles:
+        """Ask an orchestrator to resync a request until the new attempt has asked where the
+        client stands (:meth:`RequestHandle.resume_point` clears the gap), or the request has
+        ended here. The gap is usually found right after a broker restart, when the orchestrators
+        may not have resubscribed yet, or may take it while JetStream is still recovering and
+        find nothing to move: asking again is safe (a request that moved is not moved twice)."""
+        while (handle := self._handles.get(ask.request_id)) is not None and handle.gap == (0, ask.attempt):
             try:
                 await self.nc.request(self.subjects.resync, ask.encode(), timeout=RESYNC_TIMEOUT_S)
-                return
             except Exception as e:  # no responders, timeout, reconnecting: ask again
                 log.info(
                     "request %s: resync not taken yet (%s); asking again", ask.request_id, type(e).__name__
                 )
                 await asyncio.sleep(RESYNC_RETRY_S)
+                continue
+            deadline = time.monotonic() + RESYNC_CONFIRM_S
+            while handle.gap == (0, ask.attempt) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if handle.gap == (0, ask.attempt) and ask.request_id in self._handles:
+                log.info("request %s: resync taken but nothing moved yet; asking again", ask.request_id)
 
     async def _on_resume(self, msg: Msg) -> None:
         """Answer an orchestrator moving a request: where its client's stream stands."""

@@ -405,8 +405,9 @@ class Orchestrator:
         if s == 0:  # a later stage's input is read once its upstream holds it (_move)
             subject = self.subjects.stage_in(s, death.replica)
             inputs = await stored_inputs(self.js, self.subjects.stages_stream, subject, seen.request_id)
-            if not inputs:
-                return  # the replica had handled its input: the stage's own events end it
+            if not inputs:  # the replica had handled its input: the stage's own events end it
+                log.info("request %s: no stored input on %s; nothing to move", seen.request_id, subject)
+                return
         decision: Move | NoMove | None = None
 
         def change(rec: RequestRecord) -> bool:
@@ -615,6 +616,14 @@ class Orchestrator:
             return
         rec = RequestRecord.model_validate_json(entry.value)
         if ask.stage != 0 or rec.status.terminal or rec.stages[0].attempt != ask.attempt:
+            log.info(
+                "request %s: resync of stage %d attempt %d not needed (record: %s, attempt %d)",
+                ask.request_id,
+                ask.stage,
+                ask.attempt,
+                rec.status.value,
+                rec.stages[0].attempt,
+            )
             return
         lost = Death(0, rec.route[0], 0, DeathReason.LOST_EVENTS, 0.0)
         await self._replica_died(lost, rec)

@@ -243,3 +243,16 @@ def test_only_the_current_attempts_ending_event_is_announced_to_the_gateway() ->
     ]
     assert not ends_client_stream(rec, done), "an attempt the stage moved past"
     assert ends_client_stream(rec, done.model_copy(update={"attempt": 2}))
+
+
+def test_an_attempt_a_move_took_over_from_is_not_the_one_that_ends_the_stream() -> None:
+    """The end notice of attempt 1 comes after the request moved on to attempt 2 (its gap was
+    resynced): attempt 2 ends the stream, whatever attempt 1 sent. Until the resync, the gapped
+    attempt is still the one the stream depends on."""
+    handle = RequestHandle("r", time.time_ns() + 10**10)
+    _thinker_stream(handle, 1)
+    assert not handle.put(_text(1, [7], "c", 3))  # seq 2 lost: gap, fenced
+    ended = StageEnded(request_id="r", stage=0, attempt=1, client_events=6)
+    assert handle.gap == (0, 1) and handle.missing(ended) == 2  # seq 4 and 5 never came
+    handle.resume_point(0, 2)  # the new attempt asks where the client stands
+    assert handle.gap is None and handle.missing(ended) == 0
