@@ -559,9 +559,10 @@ def render(rows: list[Row]) -> str:
     return "\n".join(f"| {line} |" for line in lines)
 
 
-def run_fault_suite(only: str | None = None) -> int:
+def run_fault_suite(only: str | None = None, keep_logs: bool = False) -> int:
     """Start the stacks the selected faults need (every fault, or those whose name contains
-    ``only``), run the faults in order, print the table."""
+    ``only``), run the faults in order, print the table (and, with ``keep_logs``, where the
+    stacks' logs are)."""
     rows: list[Row] = []
     selected = [f for f in FAULTS if not only or only in f.name]
 
@@ -578,6 +579,6 @@ def run_fault_suite(only: str | None = None) -> int:
                 log(render(rows[-1:]).splitlines()[-1])
             stack.process.stop()  # the next stack gets the machine to itself
 
-    code = run_with_stacks("omnirelay-faults-", work)
+    code = run_with_stacks("omnirelay-faults-", work, keep=keep_logs)
     print(render(rows))
     return code

@@ -410,10 +410,10 @@ def start_stack(
     return Stack(name, f"http://127.0.0.1:{port}/v1", nats_url, stack, nodes)
 
 
-def run_with_stacks(prefix: str, work: Callable[[Processes, Path], None]) -> int:
+def run_with_stacks(prefix: str, work: Callable[[Processes, Path], None], keep: bool = False) -> int:
     """Run ``work(procs, data_dir)`` in a fresh temporary directory named ``prefix...``; every
-    process it started is stopped afterwards. The directory is removed after a success and kept
-    (and named) after a failure. Returns 0 or 1."""
+    process it started is stopped afterwards. The directory is removed after a success (unless
+    ``keep``) and kept (and named) after a failure. Returns 0 or 1."""
     data_dir = Path(tempfile.mkdtemp(prefix=prefix))
     procs = Processes(data_dir)
     try:
@@ -423,7 +423,10 @@ def run_with_stacks(prefix: str, work: Callable[[Processes, Path], None]) -> int
         return 1
     finally:
         procs.stop_all()
-    shutil.rmtree(data_dir, ignore_errors=True)
+    if keep:
+        log(f"logs kept in {data_dir}")
+    else:
+        shutil.rmtree(data_dir, ignore_errors=True)
     return 0
 
 

@@ -419,12 +419,15 @@ def bench_bus(
 @app.command("bench-faults")
 def bench_faults(
     only: Annotated[str | None, typer.Option(help="run only the faults whose name contains this")] = None,
+    keep_logs: Annotated[
+        bool, typer.Option(help="keep the stacks' logs (their directory is printed)")
+    ] = False,
 ) -> None:
     """The fault suite: a stack with two replicas of every stage serves streams while one fault at a
     time is injected and verified; prints a row per fault (see docs/reliability.md)."""
     from benchmarks.fault_suite import run_fault_suite
 
-    raise typer.Exit(run_fault_suite(only))
+    raise typer.Exit(run_fault_suite(only, keep_logs))
 
 
 def main() -> None:
