@@ -315,6 +315,26 @@ class StageEnded(_Envelope):
     usage: Usage | None = None
 
 
+class ReplayAsk(_Envelope):
+    """Gateway → the worker that sent a request's client events (subject ``ctl.replay.<s>.<r>``):
+    events ``from_seq`` to ``to_seq - 1`` of attempt ``attempt`` never arrived (a broker restart or
+    a cluster node's death drops what it held); send them again."""
+
+    request_id: str
+    attempt: int
+    from_seq: int
+    to_seq: int
+
+
+class Replay(_Envelope):
+    """The worker's answer to :class:`ReplayAsk`: the events it still holds, oldest first, as
+    they were sent (encoded :class:`ClientEvent` s; a first part when they are many)."""
+
+    known: bool
+    """False when the worker no longer holds that attempt's events."""
+    events: list[bytes] = Field(default_factory=list)
+
+
 class Resync(_Envelope):
     """Gateway → one orchestrator (subject ``ctl.resync``, a queue group): events of the request's
     ``stage`` attempt ``attempt`` were lost on their way to the gateway (a broker restart drops what

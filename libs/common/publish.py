@@ -77,14 +77,16 @@ async def publish_task(
     )
 
 
-async def publish_client(nc: NATS, subjects: Subjects, gateway_id: str, event: ClientEvent) -> None:
+async def publish_client(nc: NATS, subjects: Subjects, gateway_id: str, event: ClientEvent) -> bytes:
     """Send a client-visible event of one request to its gateway (core NATS, fire and forget).
 
     No headers: the subject names the gateway and the request, and the body says the rest. A
     request streams one of these per token, and headers cost both ends (nats-py builds and parses
     them in Python): without them the worker and the gateway spend ~12 % less CPU per request at
-    concurrency 16."""
-    await nc.publish(subjects.out(gateway_id, event.request_id), event.encode())
+    concurrency 16. Returns the body sent (the worker keeps it for a replay)."""
+    data = event.encode()
+    await nc.publish(subjects.out(gateway_id, event.request_id), data)
+    return data
 
 
 async def publish_lifecycle(js: JetStreamContext, subjects: Subjects, event: LifecycleEvent) -> None:

@@ -113,6 +113,11 @@ class Subjects:
         last of them were lost on the way."""
         return f"omni.{self.pipeline}.ctl.ended.{gateway_id}"
 
+    def replay(self, stage: int, replica: int) -> str:
+        """Client events lost on their way, gateway → the worker (stage, replica) that sent them
+        (core NATS request/reply): it sends them again from what it keeps."""
+        return f"omni.{self.pipeline}.ctl.replay.{stage}.{replica}"
+
     @property
     def resync(self) -> str:
         """A client stream with lost events, gateway → one orchestrator (core NATS, queue group

@@ -22,6 +22,8 @@ from libs.common.envelopes import (
     ClientEventType,
     LifecycleEvent,
     MalformedMessage,
+    Replay,
+    ReplayAsk,
     ResumePoint,
     ResumeQuery,
     Resync,
@@ -49,6 +51,12 @@ RESYNC_TIMEOUT_S = 2.0
 """How long the gateway waits for an orchestrator to take a resync, seconds."""
 RESYNC_RETRY_S = 0.5
 """Pause before a resync not taken is asked again, seconds."""
+REPLAY_TIMEOUT_S = 1.0
+"""How long the gateway waits for a worker to send lost events again, seconds."""
+REPLAY_RETRY_S = 0.2
+"""Pause before a replay that got no answer is asked again, seconds."""
+REPAIR_S = 2.0
+"""A gap not filled by replays this long after it was found is given up, seconds."""
 RESYNC_CONFIRM_S = 2.0
 """A resync taken is asked again when no new attempt has asked where the client stands this long
 after, seconds."""
@@ -86,6 +94,10 @@ class RequestHandle:
         """Events found missing (each gap once)."""
         self.gap: tuple[int, int] | None = None
         """(stage, attempt) of the thinker attempt fenced off for a gap, until it is resynced."""
+        self.gapped: dict[tuple[int, int], int] = {}
+        """(stage, attempt) with events missing and later ones waiting → the replica that sent them."""
+        self._held: dict[tuple[int, int], dict[int, ClientEvent]] = {}
+        """Events that came after a gap, by ``seq``, until the gap is filled or given up."""
         self._audio_seq: dict[int, int] = {}
         """Stage → the last input chunk whose audio arrived."""
         self._audio_done: set[int] = set()
@@ -93,22 +105,66 @@ class RequestHandle:
         """Of the last audio event."""
 
     def put(self, event: ClientEvent) -> bool:
-        """Take ``event`` unless it comes from a fenced-off attempt (then False). An event of the
-        thinker that is not the next one its attempt sent (``seq``) means events were lost on the
-        way (a broker restart drops what it held): that attempt is fenced off at once, so the
-        resume point stays exactly what the client has, and :attr:`gap` says so."""
-        if event.stage is not None and event.attempt < self._fence.get(event.stage, 1):
+        """Take ``event`` unless it comes from a fenced-off attempt or was taken already (then
+        False). Events of a stage attempt reach the client in ``seq`` order: one that comes after
+        a gap (events lost on the way: a broker restart drops what it held) waits here, and the
+        gap is named in :attr:`gapped` for the gateway to have the sender replay it
+        (:meth:`PipelineClient._repair`); a gap that cannot be filled is given up
+        (:meth:`give_up`)."""
+        if self.fenced(event):
             return False
-        if event.stage is not None:
-            key = (event.stage, event.attempt)
-            expected = self._next_seq.get(key, 0)
-            self._next_seq[key] = max(expected, event.seq + 1)
-            if event.seq != expected:
+        if event.stage is None:
+            return self._take(event)
+        key = (event.stage, event.attempt)
+        expected = self._next_seq.get(key, 0)
+        if event.seq < expected:
+            return False  # sent again (a replay) and also arrived the usual way
+        if event.seq > expected:
+            held = self._held.setdefault(key, {})
+            if event.seq in held:
+                return False
+            held[event.seq] = event
+            if key not in self.gapped:
+                self.gapped[key] = event.replica or 0
                 self.gaps += 1
-                if event.stage == 0:
-                    self._fence[0] = event.attempt + 1
-                    self.gap = (0, event.attempt)
-                    return False
+            return True
+        self._next_seq[key] = expected + 1
+        taken = self._take(event)
+        held = self._held.get(key, {})
+        while self._next_seq[key] in held:
+            self._take(held.pop(self._next_seq[key]))
+            self._next_seq[key] += 1
+        if not held:
+            self._held.pop(key, None)
+            self.gapped.pop(key, None)
+        return taken
+
+    def fenced(self, event: ClientEvent) -> bool:
+        """Whether ``event`` comes from an attempt older than the client's stream now takes."""
+        return event.stage is not None and event.attempt < self._fence.get(event.stage, 1)
+
+    def hole(self, key: tuple[int, int]) -> tuple[int, int]:
+        """The first gap of a stage attempt: the ``seq`` of its first missing event and of the
+        first event waiting after it."""
+        return self._next_seq.get(key, 0), min(self._held[key])
+
+    def give_up(self, key: tuple[int, int]) -> None:
+        """The gap of ``key`` cannot be filled. The thinker's attempt is fenced off at the last
+        event the client has (:attr:`gap`; the request goes on as a new attempt from there); a
+        later stage's stream skips the lost events."""
+        stage, attempt = key
+        held = self._held.pop(key, {})
+        self.gapped.pop(key, None)
+        if stage == 0:
+            self._fence[0] = attempt + 1
+            self.gap = (0, attempt)
+            return
+        for seq in sorted(held):
+            self._next_seq[key] = seq + 1
+            self._take(held[seq])
+
+    def _take(self, event: ClientEvent) -> bool:
+        """Let ``event`` through to the client (False: an audio chunk the client has)."""
         if event.type == ClientEventType.TEXT:
             self._deltas.append(TextDelta(token_ids=event.token_ids, text=event.text))
         elif event.type == ClientEventType.TEXT_DONE:
@@ -271,21 +327,21 @@ class PipelineClient:
         if handle is None:
             return
         gaps = handle.gaps
-        taken = handle.put(event)
-        if handle.gaps > gaps:
-            self._on_gap(event.stage or 0)
+        fenced = handle.fenced(event)
+        handle.put(event)
+        if handle.gaps > gaps and event.stage is not None:
+            self._on_gap(event.stage)
             log.warning(
-                "request %s: events of stage %s attempt %d were lost on the way (got seq %d)%s",
+                "request %s: events of stage %s attempt %d were lost on the way (got seq %d); asking "
+                "replica %s to send them again",
                 event.request_id,
                 event.stage,
                 event.attempt,
                 event.seq,
-                "; resyncing it" if event.stage == 0 else "",
+                event.replica,
             )
-            if event.stage == 0:
-                ask = Resync(request_id=event.request_id, stage=0, attempt=event.attempt)
-                self._spawn(self._resync(ask))
-        elif not taken:
+            self._spawn(self._repair(handle, (event.stage, event.attempt)))
+        elif fenced:
             log.info(
                 "request %s: dropped a %s event of stage %s attempt %d (the request moved on)",
                 event.request_id,
@@ -316,6 +372,9 @@ class PipelineClient:
 
     async def _end_tail(self, handle: RequestHandle, ended: StageEnded) -> None:
         await asyncio.sleep(TAIL_GRACE_S)  # the events may still be on their way
+        deadline = time.monotonic() + REPAIR_S + REPLAY_TIMEOUT_S
+        while (ended.stage, ended.attempt) in handle.gapped and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # a replay is filling a gap
         missing = handle.missing(ended)
         if not missing or self._handles.get(ended.request_id) is not handle:
             return
@@ -330,6 +389,54 @@ class PipelineClient:
             ended.attempt,
             last.code or last.type.value,
         )
+
+    async def _repair(self, handle: RequestHandle, key: tuple[int, int]) -> None:
+        """Have the worker that sent a stage attempt's events send the lost ones again (it keeps
+        what it sent: services/stage_worker/sent_events.py), until the gap is filled; when it
+        cannot be within ``REPAIR_S`` (the worker is gone, or forgot them), give the gap up: the
+        thinker's request then goes on as a new attempt (:meth:`_resync`), a later stage's stream
+        skips what was lost."""
+        stage, attempt = key
+        replica, rid = handle.gapped.get(key, 0), handle.request_id
+        deadline = time.monotonic() + REPAIR_S
+        replayed = 0
+        while key in handle.gapped and self._handles.get(rid) is handle:
+            first, upto = handle.hole(key)
+            ask = ReplayAsk(request_id=rid, attempt=attempt, from_seq=first, to_seq=upto)
+            try:
+                msg = await self.nc.request(
+                    self.subjects.replay(stage, replica), ask.encode(), timeout=REPLAY_TIMEOUT_S
+                )
+                reply: Replay | None = decode(Replay, msg.data)
+            except Exception:  # no responders (gone, or not reconnected yet), timeout
+                reply = None
+            if reply is not None and reply.events:
+                replayed += len(reply.events)
+                for raw in reply.events:
+                    handle.put(decode(ClientEvent, raw))
+                continue
+            if (reply is not None and not reply.known) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(REPLAY_RETRY_S)
+        if key not in handle.gapped or self._handles.get(rid) is not handle:
+            log.info(
+                "request %s: %d lost event(s) of stage %d attempt %d sent again",
+                rid,
+                replayed,
+                stage,
+                attempt,
+            )
+            return
+        handle.give_up(key)
+        log.warning(
+            "request %s: the lost events of stage %d attempt %d could not be sent again%s",
+            rid,
+            stage,
+            attempt,
+            "; resyncing it" if stage == 0 else "; the audio skips them",
+        )
+        if stage == 0:
+            self._spawn(self._resync(Resync(request_id=rid, stage=0, attempt=attempt)))
 
     async def _resync(self, ask: Resync) -> None:
         """Ask an orchestrator to resync a request until the new attempt has asked where the

@@ -16,6 +16,7 @@ from libs.common.envelopes import ClientEvent, EdgeSummary, LifecycleEvent, Stag
 from libs.common.publish import Hop, publish_client, publish_lifecycle, publish_task
 from libs.common.subjects import Subjects
 from services.stage_worker.inbox import Delivery, RequestInbox
+from services.stage_worker.sent_events import SentEvents
 from services.stage_worker.transfer_stats import TransferStats
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ class RequestContext:
     inbox: RequestInbox = field(default_factory=RequestInbox)
     span: Span = INVALID_SPAN
     """This request's span in this stage (non-recording when tracing is off)."""
+    sent: SentEvents | None = None
+    """Where the worker keeps the client events it sent, for a replay of lost ones."""
     _out_seq: int = 0
     _client_seq: int = 0
     _started_ns: int | None = None
@@ -224,7 +227,9 @@ class RequestContext:
         event.stage, event.replica, event.seq = self.me.stage, self.me.replica, self._client_seq
         event.attempt = self.attempt
         self._client_seq += 1
-        await publish_client(self.bus.nc, self.bus.subjects, self.first.gateway_id, event)
+        data = await publish_client(self.bus.nc, self.bus.subjects, self.first.gateway_id, event)
+        if self.sent is not None:
+            self.sent.add(self.request_id, self.attempt, event.seq, data)
 
     def _add_transfer(self, t: TransferStats) -> None:
         e = self._edges.get((t.from_stage, t.from_replica))

@@ -37,6 +37,8 @@ from libs.common.envelopes import (
     ClientEventType,
     Liveness,
     MalformedMessage,
+    Replay,
+    ReplayAsk,
     RouteChange,
     RouteHeld,
     StageTask,
@@ -57,6 +59,7 @@ from services.stage_worker.handlers.base import StageError, StageHandler
 from services.stage_worker.inbox import Delivery
 from services.stage_worker.progress import HungEngineWatch
 from services.stage_worker.request_context import Bus, Identity, RequestContext
+from services.stage_worker.sent_events import SentEvents
 from services.stage_worker.transfer_stats import TransferStatLogger, transfer_stats
 
 log = logging.getLogger(__name__)
@@ -105,6 +108,8 @@ class StageWorker:
         self._closed: dict[str, tuple[float, int]] = {}
         """Request id → (when it ended here, monotonic s; the latest attempt that ended)."""
         self._backlog: deque[Delivery] = deque()
+        self.sent = SentEvents()
+        """The client events this worker sent, kept for a replay of lost ones."""
         self._early_routes: dict[str, RouteChange] = {}
         """Route changes for requests still in the backlog, applied when they start there."""
         self.bus: Bus | None = None
@@ -157,6 +162,7 @@ class StageWorker:
         # it answers before the replica is routable.
         await nc.subscribe(self.subjects.alive(self.me.stage, self.me.replica), cb=self._on_alive)
         await nc.subscribe(self.subjects.route(self.me.stage, self.me.replica), cb=self._on_route)
+        await nc.subscribe(self.subjects.replay(self.me.stage, self.me.replica), cb=self._on_replay)
         self._heartbeat = Heartbeat(await services_kv(js), record, lambda: len(self.active), self._liveness)
         await self._heartbeat.start()
         self._tasks = [
@@ -254,7 +260,7 @@ class StageWorker:
             await asyncio.wait([entry[1]])
             entry = self.active.get(rid)
         if entry is None:
-            ctx = RequestContext(self.me, self.bus, task, span=self._request_span(msg, task))
+            ctx = RequestContext(self.me, self.bus, task, span=self._request_span(msg, task), sent=self.sent)
             early = self._early_routes.pop(rid, None)
             if early is not None:  # its next stage moved while it waited in the backlog
                 reroute(ctx, early)
@@ -347,6 +353,7 @@ class StageWorker:
             if self._heartbeat:
                 self._heartbeat.load_dropped()
             self._close(rid, ctx.attempt)
+            self.sent.end(rid, ctx.attempt)
             if ctx.abort_reason not in (MOVED, ENGINE_DEAD):  # else the inputs move with the request
                 await self._ack_all(ctx)
             await self._admit_backlog()
@@ -473,6 +480,24 @@ class StageWorker:
                     ENGINE_HUNG_EXIT_STATUS,
                 )
                 return
+
+    async def _on_replay(self, msg: Msg) -> None:
+        """A gateway lost some of the client events this worker sent: send them again."""
+        try:
+            ask = decode(ReplayAsk, msg.data)
+        except MalformedMessage as e:
+            log.warning("%s: ignoring malformed replay request: %s", self.label, e)
+            return
+        events = self.sent.get(ask.request_id, ask.attempt, ask.from_seq, ask.to_seq)
+        await msg.respond(Replay(known=events is not None, events=events or []).encode())
+        log.info(
+            "%s: request %s: %s client events %d-%d again",
+            self.label,
+            ask.request_id,
+            f"sent {len(events)}" if events is not None else "no longer holds",
+            ask.from_seq,
+            ask.to_seq - 1,
+        )
 
     async def _on_route(self, msg: Msg) -> None:
         """The orchestrator moves the next stage of one of this worker's requests: hold its

@@ -24,6 +24,8 @@ from libs.common.envelopes import (
     ClientEventType,
     LifecycleEvent,
     Liveness,
+    Replay,
+    ReplayAsk,
     StageTask,
     Usage,
     decode,
@@ -96,9 +98,10 @@ async def thinker(url: str):
         await nc.close()
 
 
-async def play(nc, task: StageTask, lose: int) -> Usage:
+async def play(nc, task: StageTask, lose: int, lose_seq: int | None = None) -> Usage:
     """Stream the reply as the thinker would (started, a delta per token, text_done), leaving out
-    the last ``lose`` events, then report the stage's end as the worker does."""
+    the last ``lose`` events (and event ``lose_seq``, which it sends again when asked for it, as a
+    worker does), then report the stage's end as the worker does."""
     events = [ClientEvent(request_id=task.request_id, type=ClientEventType.STARTED)]
     events += [
         ClientEvent(request_id=task.request_id, type=ClientEventType.TEXT, text=t, token_ids=[i])
@@ -111,8 +114,18 @@ async def play(nc, task: StageTask, lose: int) -> Usage:
         )
     )
     out = SUBJECTS.out(task.gateway_id, task.request_id)
-    for seq, ev in enumerate(events[: len(events) - lose]):
-        await nc.publish(out, ev.model_copy(update={"stage": 0, "replica": 0, "seq": seq}).encode())
+    sent = [
+        ev.model_copy(update={"stage": 0, "replica": 0, "seq": seq}).encode() for seq, ev in enumerate(events)
+    ]
+
+    async def replay(msg) -> None:
+        ask = decode(ReplayAsk, msg.data)
+        await msg.respond(Replay(known=True, events=sent[ask.from_seq : ask.to_seq]).encode())
+
+    await nc.subscribe(SUBJECTS.replay(0, 0), cb=replay)
+    for seq, data in enumerate(sent[: len(events) - lose]):
+        if seq != lose_seq:
+            await nc.publish(out, data)
     ended = LifecycleEvent(
         request_id=task.request_id,
         kind="finished",
@@ -177,3 +190,18 @@ def await_stream(client: openai.AsyncOpenAI) -> asyncio.Task[list]:
         return [chunk async for chunk in stream]
 
     return asyncio.create_task(read())
+
+
+async def test_an_event_lost_in_the_middle_is_sent_again_by_its_sender(services, nats_server) -> None:
+    """The second delta never arrives; the gateway holds the later events, asks the thinker to
+    send it again, and the client gets the whole reply in order."""
+    base_url, gateway = services
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    async with thinker(nats_server.url) as (nc, tasks):
+        stream = await_stream(client)
+        task = await asyncio.wait_for(tasks.get(), 10)
+        await play(nc, task, lose=0, lose_seq=2)
+        chunks = await asyncio.wait_for(stream, 10)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "".join(TOKENS)
+    assert "lost event(s) of stage 0 attempt 1 sent again" in gateway.text()
+    await client.close()

@@ -158,30 +158,42 @@ def test_inspect_lists_each_move_of_a_request() -> None:
     assert _moves(_rec([0]).model_dump(mode="json")) == "-"
 
 
-def test_a_gap_in_the_thinkers_events_fences_its_attempt_off_at_the_last_event_the_client_has() -> None:
-    """Events 0..1 arrive, 2 is lost (a broker restart), 3 arrives: the client keeps 0..1, the
-    attempt is fenced off, and the resume point is exactly those deltas."""
+def test_events_after_a_gap_wait_until_a_replay_fills_it_then_reach_the_client_in_order() -> None:
+    """Events 0..1 arrive, 2 is lost (a broker restart), 3 and 4 arrive: they wait; the sender's
+    replay of 2 lets all three through in order."""
     handle = RequestHandle("r", time.time_ns() + 10**10)
-    started = ClientEvent(request_id="r", type=ClientEventType.STARTED, stage=0, seq=0)
-    assert handle.put(started)
-    assert handle.put(_text(1, [5], "a", 1))
-    assert handle.gap is None
-    assert not handle.put(_text(1, [7], "c", 3))
-    assert (handle.gaps, handle.gap) == (1, (0, 1))
-    assert not handle.put(_text(1, [8], "d").model_copy(update={"seq": 4})), (
-        "the gapped attempt still gets through"
-    )
-    assert handle.gaps == 1
-    assert handle.resume_point(0, 2).deltas == [TextDelta(token_ids=[5], text="a")]
+    _thinker_stream(handle, 1)
+    assert handle.put(_text(1, [7], "c", 3)) and handle.put(_text(1, [8], "d", 4))
+    assert (handle.gaps, handle.gapped, handle.hole((0, 1))) == (1, {(0, 1): 0}, (2, 3))
+    assert handle.queue.qsize() == 2, "an event after the gap reached the client"
+    assert handle.put(_text(1, [6], "b", 2))  # the replay
+    assert not handle.put(_text(1, [7], "c", 3)), "an event taken twice"
+    assert handle.gapped == {} and handle.gap is None
+    got = [handle.queue.get_nowait() for _ in range(handle.queue.qsize())]
+    assert [e.seq for e in got] == [0, 1, 2, 3, 4]
+
+
+def test_a_thinker_gap_that_cannot_be_filled_fences_its_attempt_off_at_the_last_event_the_client_has() -> (
+    None
+):
+    handle = RequestHandle("r", time.time_ns() + 10**10)
+    _thinker_stream(handle, 1)
+    assert handle.put(_text(1, [7], "c", 3))
+    handle.give_up((0, 1))
+    assert (handle.gaps, handle.gap, handle.gapped) == (1, (0, 1), {})
+    assert not handle.put(_text(1, [8], "d", 4)), "the gapped attempt still gets through"
+    assert handle.resume_point(0, 2).deltas == [TextDelta(token_ids=[0], text="x")]
     assert handle.put(_text(2, [6], "b", 0))
 
 
-def test_a_gap_in_audio_is_counted_and_the_stream_goes_on() -> None:
+def test_an_audio_gap_that_cannot_be_filled_is_skipped() -> None:
     handle = RequestHandle("r", time.time_ns() + 10**10)
     chunk = ClientEvent(request_id="r", type=ClientEventType.AUDIO, stage=2, pcm16=b"\0\0", in_seq=0, seq=0)
     assert handle.put(chunk)
     assert handle.put(chunk.model_copy(update={"seq": 2, "in_seq": 2}))
-    assert (handle.gaps, handle.gap) == (1, None)
+    assert handle.queue.qsize() == 1
+    handle.give_up((2, 1))
+    assert (handle.gaps, handle.gap, handle.queue.qsize()) == (1, None, 2)
 
 
 def _thinker_stream(handle: RequestHandle, deltas: int) -> None:
@@ -251,8 +263,9 @@ def test_an_attempt_a_move_took_over_from_is_not_the_one_that_ends_the_stream() 
     attempt is still the one the stream depends on."""
     handle = RequestHandle("r", time.time_ns() + 10**10)
     _thinker_stream(handle, 1)
-    assert not handle.put(_text(1, [7], "c", 3))  # seq 2 lost: gap, fenced
+    assert handle.put(_text(1, [7], "c", 3))  # seq 2 lost, and no replay came: fenced
+    handle.give_up((0, 1))
     ended = StageEnded(request_id="r", stage=0, attempt=1, client_events=6)
-    assert handle.gap == (0, 1) and handle.missing(ended) == 2  # seq 4 and 5 never came
+    assert handle.gap == (0, 1) and handle.missing(ended) == 4  # 2..5 never reached the client
     handle.resume_point(0, 2)  # the new attempt asks where the client stands
     assert handle.gap is None and handle.missing(ended) == 0

@@ -8,17 +8,27 @@ from types import SimpleNamespace
 
 import pytest
 
-from libs.common.envelopes import LifecycleEvent, RouteChange, RouteHeld, StageTask, TaskKind, decode
+from libs.common.envelopes import (
+    LifecycleEvent,
+    Replay,
+    ReplayAsk,
+    RouteChange,
+    RouteHeld,
+    StageTask,
+    TaskKind,
+    decode,
+)
 from libs.common.pipeline import load_pipeline
 from libs.common.records import RequestRecord, RequestStatus, StageProgress
 from libs.common.registry import LiveServices, ServiceKind, ServiceRecord
 from libs.common.settings import WorkerSettings
 from services.orchestrator.orchestrator import apply_event
 from services.orchestrator.routing import NoLiveReplica, ReplicaPicker
-from services.stage_worker import request_context
+from services.stage_worker import request_context, sent_events
 from services.stage_worker.chunking import CodeChunker, TextChunker
 from services.stage_worker.inbox import Delivery, RequestInbox
 from services.stage_worker.request_context import Identity, RequestContext
+from services.stage_worker.sent_events import SentEvents
 from services.stage_worker.worker import StageWorker, reroute
 
 
@@ -278,3 +288,46 @@ def test_the_registry_ages_its_entries_only_while_it_hears_updates() -> None:
     views._last_update = now - 7.0
     assert views.live(ServiceKind.WORKER) == [worker]
     assert views.last_heard(ServiceKind.WORKER)[0][1] >= 7.0  # the real age stays known
+
+
+def test_sent_events_are_kept_while_an_attempt_runs_and_for_a_while_after() -> None:
+    sent = SentEvents()
+    for seq in range(4):
+        sent.add("a", 1, seq, f"event {seq}".encode())
+    assert sent.get("a", 1, 1, 3) == [b"event 1", b"event 2"]
+    assert sent.get("a", 2, 0, 1) is None, "another attempt's events"
+    sent.end("a", 1, now=100.0)
+    assert sent.get("a", 1, 3, 4) == [b"event 3"]  # the last ones may be the lost ones
+    sent.end("b", 1, now=100.0 + sent_events.KEEP_S)  # any later end sweeps what is past its time
+    assert sent.get("a", 1, 0, 4) is None
+
+
+def test_a_replay_answer_stays_under_the_payload_limit() -> None:
+    sent = SentEvents()
+    big = b"x" * (sent_events.MAX_REPLAY_BYTES // 2 + 1)
+    for seq in range(3):
+        sent.add("a", 1, seq, big)
+    assert len(sent.get("a", 1, 0, 3)) == 1  # the gateway asks again from the next one
+
+
+class _Asked:
+    """A replay request as the worker's subscription sees it."""
+
+    def __init__(self, ask: ReplayAsk) -> None:
+        self.data = ask.encode()
+        self.answer: Replay | None = None
+
+    async def respond(self, data: bytes) -> None:
+        self.answer = decode(Replay, data)
+
+
+async def test_a_worker_sends_lost_client_events_again_from_what_it_kept() -> None:
+    worker = StageWorker(WorkerSettings(stage=0, replica=0), load_pipeline())
+    for seq in range(3):
+        worker.sent.add("r", 1, seq, f"event {seq}".encode())
+    asked = _Asked(ReplayAsk(request_id="r", attempt=1, from_seq=1, to_seq=3))
+    await worker._on_replay(asked)
+    assert asked.answer == Replay(known=True, events=[b"event 1", b"event 2"])
+    unknown = _Asked(ReplayAsk(request_id="gone", attempt=1, from_seq=0, to_seq=1))
+    await worker._on_replay(unknown)
+    assert unknown.answer == Replay(known=False)
