@@ -309,6 +309,8 @@ class StageEnded(_Envelope):
     request_id: str
     stage: int
     attempt: int
+    replica: int = 0
+    """The replica that ran the attempt (it keeps the events it sent, for a replay)."""
     client_events: int
     """How many client events the attempt sent."""
     finish_reason: str | None = None

@@ -143,10 +143,14 @@ class RequestHandle:
         """Whether ``event`` comes from an attempt older than the client's stream now takes."""
         return event.stage is not None and event.attempt < self._fence.get(event.stage, 1)
 
+    def next_seq(self, key: tuple[int, int]) -> int:
+        """The ``seq`` of the next event the client's stream takes from stage attempt ``key``."""
+        return self._next_seq.get(key, 0)
+
     def hole(self, key: tuple[int, int]) -> tuple[int, int]:
         """The first gap of a stage attempt: the ``seq`` of its first missing event and of the
         first event waiting after it."""
-        return self._next_seq.get(key, 0), min(self._held[key])
+        return self.next_seq(key), min(self._held[key])
 
     def give_up(self, key: tuple[int, int]) -> None:
         """The gap of ``key`` cannot be filled. The thinker's attempt is fenced off at the last
@@ -372,9 +376,25 @@ class PipelineClient:
 
     async def _end_tail(self, handle: RequestHandle, ended: StageEnded) -> None:
         await asyncio.sleep(TAIL_GRACE_S)  # the events may still be on their way
+        key = (ended.stage, ended.attempt)
         deadline = time.monotonic() + REPAIR_S + REPLAY_TIMEOUT_S
-        while (ended.stage, ended.attempt) in handle.gapped and time.monotonic() < deadline:
+        while key in handle.gapped and time.monotonic() < deadline:
             await asyncio.sleep(0.05)  # a replay is filling a gap
+        deadline = time.monotonic() + REPAIR_S  # the last events: the worker may still have them
+        replayed = 0
+        while handle.missing(ended) and key not in handle.gapped and time.monotonic() < deadline:
+            got = await self._replay(handle, key, ended.replica, handle.next_seq(key), ended.client_events)
+            replayed += got
+            if not got:
+                await asyncio.sleep(REPLAY_RETRY_S)
+        if replayed:
+            log.info(
+                "request %s: the last %d event(s) of stage %d attempt %d were sent again",
+                ended.request_id,
+                replayed,
+                ended.stage,
+                ended.attempt,
+            )
         missing = handle.missing(ended)
         if not missing or self._handles.get(ended.request_id) is not handle:
             return
@@ -400,24 +420,11 @@ class PipelineClient:
         replica, rid = handle.gapped.get(key, 0), handle.request_id
         deadline = time.monotonic() + REPAIR_S
         replayed = 0
-        while key in handle.gapped and self._handles.get(rid) is handle:
-            first, upto = handle.hole(key)
-            ask = ReplayAsk(request_id=rid, attempt=attempt, from_seq=first, to_seq=upto)
-            try:
-                msg = await self.nc.request(
-                    self.subjects.replay(stage, replica), ask.encode(), timeout=REPLAY_TIMEOUT_S
-                )
-                reply: Replay | None = decode(Replay, msg.data)
-            except Exception:  # no responders (gone, or not reconnected yet), timeout
-                reply = None
-            if reply is not None and reply.events:
-                replayed += len(reply.events)
-                for raw in reply.events:
-                    handle.put(decode(ClientEvent, raw))
-                continue
-            if (reply is not None and not reply.known) or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(REPLAY_RETRY_S)
+        while key in handle.gapped and self._handles.get(rid) is handle and time.monotonic() < deadline:
+            got = await self._replay(handle, key, replica, *handle.hole(key))
+            replayed += got
+            if not got:
+                await asyncio.sleep(REPLAY_RETRY_S)
         if key not in handle.gapped or self._handles.get(rid) is not handle:
             log.info(
                 "request %s: %d lost event(s) of stage %d attempt %d sent again",
@@ -437,6 +444,24 @@ class PipelineClient:
         )
         if stage == 0:
             self._spawn(self._resync(Resync(request_id=rid, stage=0, attempt=attempt)))
+
+    async def _replay(
+        self, handle: RequestHandle, key: tuple[int, int], replica: int, first: int, upto: int
+    ) -> int:
+        """Ask worker (stage, ``replica``) for events ``first`` to ``upto - 1`` of the attempt
+        ``key`` and put those it sends in the stream; how many it sent."""
+        stage, attempt = key
+        ask = ReplayAsk(request_id=handle.request_id, attempt=attempt, from_seq=first, to_seq=upto)
+        try:
+            msg = await self.nc.request(
+                self.subjects.replay(stage, replica), ask.encode(), timeout=REPLAY_TIMEOUT_S
+            )
+            reply = decode(Replay, msg.data)
+        except Exception:  # no responders (gone, or not reconnected yet), timeout, malformed
+            return 0
+        for raw in reply.events:
+            handle.put(decode(ClientEvent, raw))
+        return len(reply.events)
 
     async def _resync(self, ask: Resync) -> None:
         """Ask an orchestrator to resync a request until the new attempt has asked where the

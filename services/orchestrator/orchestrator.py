@@ -654,6 +654,7 @@ class Orchestrator:
                 request_id=ev.request_id,
                 stage=ev.stage or 0,
                 attempt=ev.attempt,
+                replica=ev.replica or 0,
                 client_events=ev.client_events or 0,
                 finish_reason=ev.finish_reason,
                 usage=ev.usage,

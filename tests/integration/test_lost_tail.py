@@ -1,10 +1,11 @@
-"""The last client events of a stream lost on their way to the gateway (core NATS is at most once:
-a broker killed while it holds them drops them, and no later event reveals the gap). A real
-gateway and a real orchestrator; the test plays the thinker replica and, as the fault, does not
-send the last events. The thinker's ending lifecycle event (JetStream, durable) says how many
-events it sent; the orchestrator passes that on to the gateway, which ends the stream at once —
-with the ``text_done`` made from the notice when only that was lost, with a 502 ``events_lost``
-error when content was — instead of letting the client wait for the deadline.
+"""Client events lost on their way to the gateway (core NATS is at most once: a broker killed
+while it holds them drops them). A real gateway and a real orchestrator; the test plays the thinker
+replica and, as the fault, does not send some events. A gap is filled by the sender's replay. The
+last events show no gap: the thinker's ending lifecycle event (JetStream, durable) says how many
+events it sent, the orchestrator passes that on to the gateway, which has them sent again — or,
+when the sender cannot (it died), ends the stream at once: with the ``text_done`` made from the
+notice when only that was lost, with a 502 ``events_lost`` error when content was — instead of
+letting the client wait for the deadline.
 """
 
 from __future__ import annotations
@@ -98,10 +99,11 @@ async def thinker(url: str):
         await nc.close()
 
 
-async def play(nc, task: StageTask, lose: int, lose_seq: int | None = None) -> Usage:
+async def play(nc, task: StageTask, lose: int, lose_seq: int | None = None, replays: bool = True) -> Usage:
     """Stream the reply as the thinker would (started, a delta per token, text_done), leaving out
-    the last ``lose`` events (and event ``lose_seq``, which it sends again when asked for it, as a
-    worker does), then report the stage's end as the worker does."""
+    the last ``lose`` events and event ``lose_seq``, then report the stage's end as the worker
+    does. With ``replays`` it sends events again when the gateway asks, as a worker does; without,
+    it is as if the worker had died meanwhile."""
     events = [ClientEvent(request_id=task.request_id, type=ClientEventType.STARTED)]
     events += [
         ClientEvent(request_id=task.request_id, type=ClientEventType.TEXT, text=t, token_ids=[i])
@@ -122,7 +124,8 @@ async def play(nc, task: StageTask, lose: int, lose_seq: int | None = None) -> U
         ask = decode(ReplayAsk, msg.data)
         await msg.respond(Replay(known=True, events=sent[ask.from_seq : ask.to_seq]).encode())
 
-    await nc.subscribe(SUBJECTS.replay(0, 0), cb=replay)
+    if replays:
+        await nc.subscribe(SUBJECTS.replay(0, 0), cb=replay)
     for seq, data in enumerate(sent[: len(events) - lose]):
         if seq != lose_seq:
             await nc.publish(out, data)
@@ -147,7 +150,7 @@ async def test_a_lost_text_done_is_made_from_the_stages_end_notice(services, nat
     async with thinker(nats_server.url) as (nc, tasks):
         stream = await_stream(client)
         task = await asyncio.wait_for(tasks.get(), 10)
-        usage = await play(nc, task, lose=1)
+        usage = await play(nc, task, lose=1, replays=False)
         sent = time.monotonic()
         chunks = await asyncio.wait_for(stream, 10)
         took = time.monotonic() - sent
@@ -165,7 +168,7 @@ async def test_lost_content_at_the_end_is_a_clear_error(services, nats_server) -
     async with thinker(nats_server.url) as (nc, tasks):
         stream = await_stream(client)
         task = await asyncio.wait_for(tasks.get(), 10)
-        await play(nc, task, lose=2)  # the last delta and the text_done
+        await play(nc, task, lose=2, replays=False)  # the last delta and the text_done
         sent = time.monotonic()
         with pytest.raises(openai.APIError) as e:
             await asyncio.wait_for(stream, 10)
@@ -204,4 +207,18 @@ async def test_an_event_lost_in_the_middle_is_sent_again_by_its_sender(services,
         chunks = await asyncio.wait_for(stream, 10)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "".join(TOKENS)
     assert "lost event(s) of stage 0 attempt 1 sent again" in gateway.text()
+    await client.close()
+
+
+async def test_lost_last_events_are_sent_again_by_their_sender(services, nats_server) -> None:
+    base_url, gateway = services
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    async with thinker(nats_server.url) as (nc, tasks):
+        stream = await_stream(client)
+        task = await asyncio.wait_for(tasks.get(), 10)
+        usage = await play(nc, task, lose=2)  # the last delta and the text_done
+        chunks = await asyncio.wait_for(stream, 10)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "".join(TOKENS)
+    assert chunks[-1].usage.completion_tokens == usage.completion_tokens
+    assert "the last 2 event(s) of stage 0 attempt 1 were sent again" in gateway.text()
     await client.close()
