@@ -62,15 +62,24 @@ class HungEngineWatch:
     max_step_s: float
     flat_s: float = 0.0
     """Seconds of flat outputs counted so far."""
+    suspect: bool = False
+    """Requests were moved away while the engine was flat with work: only new outputs clear it."""
     _last: int = 0
 
     def observe(self, progress: EngineProgress, dt_s: float) -> None:
         if progress.outputs != self._last:
-            self._last, self.flat_s = progress.outputs, 0.0
-        elif progress.busy > 0 or self.flat_s >= self.stall_timeout_s:
+            self._last, self.flat_s, self.suspect = progress.outputs, 0.0, False
+        elif progress.busy > 0 or self.suspect or self.flat_s >= self.stall_timeout_s:
             self.flat_s += min(dt_s, self.max_step_s)
         else:
             self.flat_s = 0.0
+
+    def moved_away(self) -> None:
+        """A request of this worker was moved to another replica. If the engine had been flat
+        with work for half a stall timeout, the orchestrators judged it stalled (their clock may
+        run ahead of this one by a probe period): keep counting though it now has no work."""
+        if self.flat_s >= self.stall_timeout_s / 2:
+            self.suspect = True
 
     @property
     def hung(self) -> bool:

@@ -116,6 +116,9 @@ class StageWorker:
         self._heartbeat: Heartbeat | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._consumer: PullConsumer | None = None
+        self._hang_watch = HungEngineWatch(
+            self.stage_cfg.stall_timeout_s, max_step_s=2 * ENGINE_CHECK_PERIOD_S
+        )
         self._engine_dead_since: float | None = None
         """When the engine was found dead (monotonic s); the worker exits soon after."""
 
@@ -467,7 +470,7 @@ class StageWorker:
         """Notice an engine that died while nothing ran on it, or that hangs: no output while it
         has work for ``HUNG_AFTER_STALLS × stall_timeout_s`` (the orchestrators have moved its
         requests after one ``stall_timeout_s``; this replica then starts anew)."""
-        watch = HungEngineWatch(self.stage_cfg.stall_timeout_s, max_step_s=2 * ENGINE_CHECK_PERIOD_S)
+        watch = self._hang_watch
         last = time.monotonic()
         while not self._engine_died():
             await asyncio.sleep(ENGINE_CHECK_PERIOD_S)
@@ -549,6 +552,7 @@ class StageWorker:
                 log.info(
                     "%s: request %s moved to another replica; stopping it here", self.label, notice.request_id
                 )
+                self._hang_watch.moved_away()
                 entry[0].abort(notice.reason)
                 entry[1].cancel()
             return

@@ -118,3 +118,31 @@ def test_an_idle_or_progressing_engine_is_not_hung_and_a_stopped_process_does_no
     p.busy, p.outputs = 1, 4
     watch.observe(p, 0.5)
     assert watch.flat_s == 0.0 and not watch.hung
+
+
+def test_an_engine_whose_requests_were_moved_while_it_was_flat_stays_suspect_until_it_produces() -> None:
+    """The orchestrators judged it stalled a little before this worker's own count reached the
+    stall timeout; its requests left, so it has no work, but it still produced nothing."""
+    p, watch = EngineProgress(busy=1, outputs=3), HungEngineWatch(stall_timeout_s=2.0, max_step_s=1.0)
+    watch.observe(p, 0.5)
+    for _ in range(3):
+        watch.observe(p, 0.5)
+    watch.moved_away()  # flat 1.5 s of 2: suspect
+    p.busy = 0
+    for _ in range(5):
+        watch.observe(p, 0.5)
+    assert watch.hung
+    p.outputs = 4
+    watch.observe(p, 0.5)
+    assert not watch.hung and not watch.suspect
+
+
+def test_a_move_away_from_an_engine_that_produces_is_no_suspicion() -> None:
+    """A resync moves a request off a healthy replica (lost events): its engine was not flat."""
+    p, watch = EngineProgress(busy=1, outputs=3), HungEngineWatch(stall_timeout_s=2.0, max_step_s=1.0)
+    watch.observe(p, 0.5)
+    watch.moved_away()
+    p.busy = 0
+    for _ in range(20):
+        watch.observe(p, 0.5)
+    assert watch.flat_s == 0.0 and not watch.hung
