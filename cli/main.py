@@ -65,6 +65,15 @@ def _pipeline(settings: ServiceSettings):
         raise typer.Exit(2) from None
 
 
+def _sync_interval(value: str) -> str:
+    """``--nats-sync-interval``: a value nats-server takes (else a usage error, exit 2)."""
+    try:
+        check_sync_interval(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    return value
+
+
 @app.command()
 def gateway(
     pipeline: PipelineOpt = None,
@@ -219,7 +228,8 @@ def up(
         typer.Option(
             help="JetStream sync_interval of the servers started: 'always' (fsync every write) or a "
             "period such as 1s or 2m (nats-server's default; the writes of the last period die with "
-            "the machine)"
+            "the machine)",
+            callback=_sync_interval,
         ),
     ] = SYNC_INTERVAL,
 ) -> None:
@@ -232,11 +242,6 @@ def up(
     if nats_url and nats_nodes != 1:
         typer.echo("error: --nats-nodes starts servers; --nats-url / NATS_URL names servers to use", err=True)
         raise typer.Exit(2)
-    try:
-        check_sync_interval(nats_sync_interval)
-    except ValueError as e:
-        typer.echo(f"error: --nats-sync-interval: {e}", err=True)
-        raise typer.Exit(2) from None
     s = _settings(ServiceSettings, pipeline=pipeline, nats_url=nats_url)
     p = _pipeline(s)
     nats = NatsOptions(nats_nodes, nats_sync_interval)
@@ -312,7 +317,11 @@ def bench(
         ),
     ] = True,
     nats_sync_interval: Annotated[
-        str, typer.Option(help="JetStream sync_interval of the stack's NATS server ('always', 1s, 2m, ...)")
+        str,
+        typer.Option(
+            help="JetStream sync_interval of the stack's NATS server ('always', 1s, 2m, ...)",
+            callback=_sync_interval,
+        ),
     ] = SYNC_INTERVAL,
 ) -> None:
     """Benchmark the gateway against vLLM's own OpenAI server on the same thinker (prints a table)."""
@@ -328,11 +337,6 @@ def bench(
     if min(max_tokens, rounds) < 1 or (requests is not None and requests < 1) or warmup < 0:
         typer.echo("error: --max-tokens, --requests and --rounds must be ≥ 1, --warmup ≥ 0", err=True)
         raise typer.Exit(2)
-    try:
-        check_sync_interval(nats_sync_interval)
-    except ValueError as e:
-        typer.echo(f"error: --nats-sync-interval: {e}", err=True)
-        raise typer.Exit(2) from None
     usable = sorted(os.sched_getaffinity(0))
     if core is not None and core not in usable:
         typer.echo(f"error: --core {core}: this process may use cores {usable}", err=True)
