@@ -12,6 +12,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import APIError as JSAPIError
+from nats.js.errors import NoStreamResponseError
 
 from libs.common import headers as h
 from libs.common.bus import connect, ensure_topology, services_kv
@@ -517,7 +518,8 @@ class PipelineClient:
             if e.err_code == JS_STREAM_FULL:
                 raise APIError(429, "the admission queue is full; retry later", "queue_full") from None
             raise APIError(503, f"the bus rejected the request: {e.description}", "bus_unavailable") from None
-        except (NatsTimeout, NoRespondersError, ConnectionError) as e:
+        except (NatsTimeout, NoRespondersError, NoStreamResponseError, ConnectionError) as e:
+            # NoStreamResponseError: no stream took the subject (a cluster electing its leader)
             self.release(adm.request_id)
             raise APIError(503, f"the bus is unavailable: {type(e).__name__}", "bus_unavailable") from None
         return handle
