@@ -7,6 +7,7 @@ Times are wall-clock ns (``time.time_ns()``) unless a field says otherwise.
 
 from __future__ import annotations
 
+import logging
 from enum import StrEnum
 from typing import Literal, TypeVar
 
@@ -46,6 +47,16 @@ def decode(cls: type[E], data: bytes) -> E:
         return cls.model_validate(raw)
     except ValidationError as e:
         raise MalformedMessage(f"not a valid {cls.__name__}: {e.errors()[0]['msg']}") from None
+
+
+def decode_or_log(cls: type[E], data: bytes, what: str, log: logging.Logger, context: str = "") -> E | None:
+    """:func:`decode` a control message, or log that a malformed ``what`` is ignored (``context``
+    prefixes the line) and return None: a bad control message never stops its receiver."""
+    try:
+        return decode(cls, data)
+    except MalformedMessage as e:
+        log.warning("%signoring malformed %s: %s", context, what, e)
+        return None
 
 
 class NdArray(BaseModel):

@@ -31,6 +31,7 @@ from libs.common.envelopes import (
     StageEnded,
     TextDelta,
     decode,
+    decode_or_log,
 )
 from libs.common.jetstream import JetStream
 from libs.common.pipeline import Payload, PipelineConfig
@@ -365,13 +366,9 @@ class PipelineClient:
     async def _on_ended(self, msg: Msg) -> None:
         """A stage that streams to the client ended its part of a request: if some of its events
         have not arrived ``TAIL_GRACE_S`` later, they were lost, and the stream is ended here."""
-        try:
-            ended = decode(StageEnded, msg.data)
-        except MalformedMessage as e:
-            log.warning("ignoring malformed end notice: %s", e)
-            return
-        handle = self._handles.get(ended.request_id)
-        if handle is None or not handle.missing(ended):
+        ended = decode_or_log(StageEnded, msg.data, "end notice", log)
+        handle = None if ended is None else self._handles.get(ended.request_id)
+        if ended is None or handle is None or not handle.missing(ended):
             return
         self._spawn(self._end_tail(handle, ended))
 

@@ -49,6 +49,7 @@ from libs.common.envelopes import (
     StageTask,
     TaskKind,
     decode,
+    decode_or_log,
 )
 from libs.common.jetstream import JetStream
 from libs.common.metrics_catalog import Exporter, MetricSet
@@ -604,10 +605,7 @@ class Orchestrator:
         """A gateway lost events of a thinker attempt (a broker restart): the request goes on as
         a new attempt from what the client has, on the least loaded live replica (the same one
         may take it), exactly as if its replica had died."""
-        try:
-            ask = decode(Resync, msg.data)
-        except MalformedMessage as e:
-            log.warning("ignoring a malformed resync: %s", e)
+        if (ask := decode_or_log(Resync, msg.data, "resync", log)) is None:
             return
         await msg.respond(b"")  # taken: the gateway stops asking
         try:

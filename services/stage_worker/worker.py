@@ -44,6 +44,7 @@ from libs.common.envelopes import (
     StageTask,
     TaskKind,
     decode,
+    decode_or_log,
 )
 from libs.common.jetstream import JetStream
 from libs.common.metrics_catalog import Exporter, MetricSet
@@ -486,10 +487,7 @@ class StageWorker:
 
     async def _on_replay(self, msg: Msg) -> None:
         """A gateway lost some of the client events this worker sent: send them again."""
-        try:
-            ask = decode(ReplayAsk, msg.data)
-        except MalformedMessage as e:
-            log.warning("%s: ignoring malformed replay request: %s", self.label, e)
+        if (ask := decode_or_log(ReplayAsk, msg.data, "replay request", log, f"{self.label}: ")) is None:
             return
         events = self.sent.get(ask.request_id, ask.attempt, ask.from_seq, ask.to_seq)
         await msg.respond(Replay(known=events is not None, events=events or []).encode())
@@ -505,10 +503,7 @@ class StageWorker:
     async def _on_route(self, msg: Msg) -> None:
         """The orchestrator moves the next stage of one of this worker's requests: hold its
         chunks, then send them to the new replica (services/orchestrator/orchestrator.py)."""
-        try:
-            change = decode(RouteChange, msg.data)
-        except MalformedMessage as e:
-            log.warning("%s: ignoring malformed route change: %s", self.label, e)
+        if (change := decode_or_log(RouteChange, msg.data, "route change", log, f"{self.label}: ")) is None:
             return
         entry = self.active.get(change.request_id)
         if entry is None and any(d.task.request_id == change.request_id for d in self._backlog):
@@ -535,10 +530,7 @@ class StageWorker:
         await msg.respond(RouteHeld(held=True, next_seq=max(next_seq, 0)).encode())
 
     async def _on_abort(self, msg: Msg) -> None:
-        try:
-            notice = decode(AbortNotice, msg.data)
-        except MalformedMessage as e:
-            log.warning("%s: ignoring malformed abort notice: %s", self.label, e)
+        if (notice := decode_or_log(AbortNotice, msg.data, "abort notice", log, f"{self.label}: ")) is None:
             return
         entry = self.active.get(notice.request_id)
         if notice.reason == MOVED:
