@@ -132,13 +132,14 @@ class RequestHandle:
             return True
         self._next_seq[key] = expected + 1
         taken = self._take(event)
-        held = self._held.get(key, {})
-        while self._next_seq[key] in held:
-            self._take(held.pop(self._next_seq[key]))
-            self._next_seq[key] += 1
-        if not held:
-            self._held.pop(key, None)
-            self.gapped.pop(key, None)
+        held = self._held.get(key)
+        if held is not None:  # events waited behind this one
+            while self._next_seq[key] in held:
+                self._take(held.pop(self._next_seq[key]))
+                self._next_seq[key] += 1
+            if not held:
+                del self._held[key]
+                self.gapped.pop(key, None)
         return taken
 
     def fenced(self, event: ClientEvent) -> bool:
