@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from weakref import WeakKeyDictionary
 
 from nats.aio.client import Client as NATS
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -136,9 +137,26 @@ async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
         await js.update_stream(cfg)
 
 
+TOPOLOGY_TRIES = 3
+"""Declaring the topology is tried this often when JetStream does not answer in time (a cluster
+creating replicated streams elects a leader for each, which can outlast one API timeout)."""
+
+
 async def ensure_topology(js: JetStreamContext, subjects: Subjects, limits: BusLimits = LIMITS) -> None:
     """Declare the pipeline's streams and KV buckets, each with :func:`replicas` replicas (an
-    existing stream or bucket with another number is scaled to it)."""
+    existing stream or bucket with another number is scaled to it). Every declaration is
+    idempotent, so a declaration that timed out is simply made again (``TOPOLOGY_TRIES``)."""
+    for tries_left in range(TOPOLOGY_TRIES - 1, -1, -1):
+        try:
+            await _declare_topology(js, subjects, limits)
+            return
+        except NatsTimeoutError:
+            if not tries_left:
+                raise
+            log.warning("JetStream did not answer a topology declaration in time; declaring again")
+
+
+async def _declare_topology(js: JetStreamContext, subjects: Subjects, limits: BusLimits) -> None:
     work_queue = dict(
         num_replicas=replicas(js),
         retention=RetentionPolicy.WORK_QUEUE,
