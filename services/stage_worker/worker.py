@@ -506,9 +506,11 @@ class StageWorker:
         if (change := decode_or_log(RouteChange, msg.data, "route change", log, f"{self.label}: ")) is None:
             return
         entry = self.active.get(change.request_id)
-        if entry is None and any(d.task.request_id == change.request_id for d in self._backlog):
+        waiting = [d.task for d in self._backlog if d.task.request_id == change.request_id]
+        if entry is None and waiting:
             self._early_routes[change.request_id] = change  # it has sent nothing yet
-            await msg.respond(RouteHeld(held=True, next_seq=0).encode())
+            first = min(waiting, key=lambda t: t.seq)
+            await msg.respond(RouteHeld(held=True, next_seq=self.handler.first_chunk_seq(first)).encode())
             return
         if entry is None or entry[0].aborted:
             await msg.respond(RouteHeld(held=False).encode())

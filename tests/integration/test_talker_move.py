@@ -12,6 +12,7 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -211,3 +212,40 @@ async def test_a_killed_talker_replica_moves_its_request_and_the_audio_is_as_wit
     print(
         f"talker move: released {moved_s:.2f} s after the kill; 9 code chunks, each once, as without the fault"
     )
+
+
+async def test_a_talker_attempt_waiting_in_the_backlog_answers_a_hold_with_its_first_code_chunk(
+    stack, nc, tmp_path
+) -> None:
+    """A talker attempt that took a request over and still waits in the worker's backlog (the
+    worker is at ``max_inflight``) answers a hold for the next stage with the code chunk it will
+    send first, ``⌈offset × codes_per_token / C⌉``, not 0: a code2wav attempt told to start at 0
+    would wait for chunks that went out before the talker's move."""
+    _, workers = stack
+    js = nc.jetstream()
+    workers[0].stop()  # replica 0 again, one request at a time (the test before killed it)
+    workers[0] = start_service(
+        ["worker"],
+        workers[0].env["NATS_URL"],
+        Path(workers[0].env["OMNIRELAY_PIPELINE"]),
+        tmp_path / "talker0.log",
+        {"OMNIRELAY_STAGE": "1", "OMNIRELAY_REPLICA": "0", "OMNIRELAY_MAX_INFLIGHT": "1"},
+    )
+    await workers[0].await_log("serving omni.", timeout_s=300)
+
+    busy, waiting = f"busy-{time.time_ns()}", f"waiting-{time.time_ns()}"
+    for rid in (busy, waiting):
+        await running(nc, rid, talker=0)
+    await publish_task(js, SUBJECTS, text_chunk(busy, 0, 0), Hop("0", "0", 1, 0))  # it waits for seq 1
+    moved = text_chunk(waiting, 2, 0, attempt=2, start_seq=2)
+    await publish_task(js, SUBJECTS, moved, Hop("0", "0", 1, 0))
+    hold = RouteChange(request_id=waiting, stage=2, action="hold")
+    for _ in range(100):
+        held = decode(RouteHeld, (await nc.request(SUBJECTS.route(1, 0), hold.encode(), timeout=5)).data)
+        if held.held:
+            break
+        await asyncio.sleep(0.1)
+    assert held.held, "the worker never held the waiting request"
+    # Text chunk 2 starts at token 22, code 88: code chunk 3 (codes 75-99) went out before the
+    # move, with the end of text chunk 1; the attempt sends code chunk 4 first.
+    assert held.next_seq == 4, held

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from libs.common.envelopes import StageTask
 from services.stage_worker.progress import EngineProgress
 from services.stage_worker.request_context import RequestContext
 
@@ -32,6 +33,11 @@ class StageHandler(ABC):
 
     @abstractmethod
     async def stop(self) -> None: ...
+
+    def first_chunk_seq(self, task: StageTask) -> int:
+        """The number of the first chunk a request sends downstream when ``task`` is the first
+        input its attempt here takes (what a hold answers for a request that has not started)."""
+        return 0
 
     def engine_dead(self) -> bool:
         """Whether the engine died under this live worker (it can serve nothing more)."""

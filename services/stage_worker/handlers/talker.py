@@ -49,6 +49,15 @@ class TalkerHandler(LLMHandler):
         self._allowed = list(range(self._offset, self._offset + num_codes))
         await super().start()
 
+    def first_chunk_seq(self, task: StageTask) -> int:
+        """An attempt that took the request over starts at the code chunk after the codes of the
+        text chunks acknowledged before ``task`` (see :class:`CodeChunker`)."""
+        return self._chunker(task).next_seq
+
+    def _chunker(self, first: StageTask) -> CodeChunker:
+        """The code chunker of an attempt whose first text chunk is ``first``."""
+        return CodeChunker(self._stage.chunking.codes, start=first.offset * self._stage.codes_per_token)
+
     async def run(self, req: RequestContext) -> None:
         """Each text chunk becomes ``codes_per_token`` codes per token, sent on in chunks of
         ``chunking.codes`` numbered by position (:class:`CodeChunker`). A text chunk is
@@ -65,9 +74,7 @@ class TalkerHandler(LLMHandler):
         while True:
             d = await req.next()
             if chunker is None:  # the first text chunk of this attempt
-                chunker = CodeChunker(
-                    self._stage.chunking.codes, start=d.task.offset * self._stage.codes_per_token
-                )
+                chunker = self._chunker(d.task)
                 req.continue_from(chunker.next_seq)
             n = len(d.task.token_ids) * self._stage.codes_per_token
             unsent.append((d, (d.task.offset * self._stage.codes_per_token) + n))
