@@ -151,6 +151,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("vllm:omni_stage_info", Kind.GAUGE,
            "Stage identity: id, name, type and model of each worker.", (*WORKER, "stage_name", "stage_type", "model"),
            Exporter.WORKER, spec=False),
+    Family("vllm:omni_stale_chunks_dropped", Kind.COUNTER,
+           "Chunks a stage-1 worker dropped because they came from an attempt of stage 0 that the "
+           "request had moved past (a thinker that resumed after a stall, or still sent as its "
+           "request moved: its successor sends every chunk again).", WORKER, Exporter.WORKER,
+           spec=False),
     Family("vllm:omni_bus_messages_terminated", Kind.COUNTER,
            "Malformed bus messages terminated (never redelivered), by reason.", (*WORKER, "reason"),
            Exporter.WORKER, spec=False),

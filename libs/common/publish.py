@@ -37,9 +37,14 @@ class Hop:
 def task_msg_id(task: StageTask, to_stage: int) -> str:
     """``Nats-Msg-Id`` of a task: ``<request>.<to_stage>.<seq>``, plus ``.<attempt>`` for the
     receiving stage's attempts after the first (a moved request's input is new to the stream,
-    while a chunk its upstream sends again is the duplicate the stream drops)."""
+    while a chunk its upstream sends again is the duplicate the stream drops), plus ``.f<attempt>``
+    for the sending stage's attempts after the first (a chunk a stale sender got in first must not
+    make the stream drop its successor's chunk of the same number; the receiver's inbox drops a
+    number it has had)."""
     base = f"{task.request_id}.{to_stage}.{task.seq}"
-    return base if task.attempt == 1 else f"{base}.{task.attempt}"
+    if task.attempt > 1:
+        base = f"{base}.{task.attempt}"
+    return base if task.from_attempt == 1 else f"{base}.f{task.from_attempt}"
 
 
 async def publish_task(

@@ -55,6 +55,7 @@ from libs.common.runtime import freeze_startup_heap
 from libs.common.settings import WorkerSettings
 from libs.common.subjects import Subjects, consumer_name, max_deliveries_advisory
 from libs.common.version import VERSION
+from services.stage_worker.attempt_marks import AttemptMarks
 from services.stage_worker.handlers import make_handler
 from services.stage_worker.handlers.base import StageError, StageHandler
 from services.stage_worker.inbox import Delivery
@@ -79,8 +80,6 @@ ENGINE_DEAD_EXIT_STATUS = 3
 ENGINE_HUNG_EXIT_STATUS = 4
 """Exit status of a worker whose engine made no progress with work for
 ``HUNG_AFTER_STALLS × stall_timeout_s`` (:class:`~services.stage_worker.progress.HungEngineWatch`)."""
-CLOSED_TTL_S = 600.0
-"""How long a finished/aborted request id is remembered so late chunks are dropped, seconds."""
 
 
 class StageWorker:
@@ -106,8 +105,10 @@ class StageWorker:
         self.transfers = TransferStatLogger(self.metrics, pipeline.served_model_name)
         self._labels = (pipeline.served_model_name, str(settings.stage), str(settings.replica))
         self.active: dict[str, tuple[RequestContext, asyncio.Task[None]]] = {}
-        self._closed: dict[str, tuple[float, int]] = {}
-        """Request id → (when it ended here, monotonic s; the latest attempt that ended)."""
+        self._closed = AttemptMarks()
+        """The latest attempt of each request that ended here."""
+        self._fences = AttemptMarks()
+        """The stage-0 attempt each request moved to: chunks of older attempts are stale."""
         self._backlog: deque[Delivery] = deque()
         self.sent = SentEvents()
         """The client events this worker sent, kept for a replay of lost ones."""
@@ -232,9 +233,7 @@ class StageWorker:
                 await msg.term()
             return
         rid = task.request_id
-        if self._is_closed(task):
-            log.debug("%s: dropping late message for closed request %s", self.label, rid)
-            await msg.ack()
+        if await self._dropped(msg, task):
             return
         entry = self.active.get(rid)
         delivery = Delivery(msg, task, received_ns, transfer)
@@ -243,17 +242,35 @@ class StageWorker:
             return
         await self._accept(delivery)
 
-    def _is_closed(self, task: StageTask) -> bool:
-        """Whether ``task`` belongs to an attempt of its request that has ended here (a later
-        attempt, moved back to this replica, is new work)."""
-        closed = self._closed.get(task.request_id)
-        return closed is not None and task.attempt <= closed[1]
+    async def _dropped(self, msg: Msg, task: StageTask) -> bool:
+        """Acknowledge and drop ``task`` if it belongs to an attempt of its request that has ended
+        here (a later attempt, moved back to this replica, is new work), or comes from an attempt
+        of stage 0 that the request has moved past (a thinker that resumed after a stall: its
+        successor sends every chunk again, from the client's tokens)."""
+        rid = task.request_id
+        if task.attempt <= self._closed.get(rid):
+            log.debug("%s: dropping late message for closed request %s", self.label, rid)
+        elif task.from_attempt < self._fences.get(rid):
+            log.info(
+                "%s: request %s: dropping chunk %d of stage %d's attempt %d (it moved to attempt %d)",
+                self.label,
+                rid,
+                task.seq,
+                self.me.stage - 1,
+                task.from_attempt,
+                self._fences.get(rid),
+            )
+            if self.metrics.enabled:
+                self.metrics["vllm:omni_stale_chunks_dropped"].labels(*self._labels).inc()
+        else:
+            return False
+        await msg.ack()
+        return True
 
     async def _accept(self, d: Delivery) -> None:
         msg, task = d.msg, d.task
         rid = task.request_id
-        if self._is_closed(task):  # it waited in the backlog while its request ended or moved
-            await msg.ack()
+        if await self._dropped(msg, task):  # it waited in the backlog while its request ended or moved
             return
         entry = self.active.get(rid)
         if entry is not None and entry[0].attempt < task.attempt:
@@ -356,7 +373,7 @@ class StageWorker:
             self.active.pop(rid, None)
             if self._heartbeat:
                 self._heartbeat.load_dropped()
-            self._close(rid, ctx.attempt)
+            self._closed.raise_to(rid, ctx.attempt)
             self.sent.end(rid, ctx.attempt)
             if ctx.abort_reason not in (MOVED, ENGINE_DEAD):  # else the inputs move with the request
                 await self._ack_all(ctx)
@@ -385,13 +402,6 @@ class StageWorker:
         for d in ctx.unacked():
             with contextlib.suppress(Exception):
                 await d.msg.ack()
-
-    def _close(self, rid: str, attempt: int) -> None:
-        """Remember that ``attempt`` (and older) of request ``rid`` ended here."""
-        now = time.monotonic()
-        self._closed[rid] = (now, max(attempt, self._closed.get(rid, (now, 0))[1]))
-        if len(self._closed) > 10_000:
-            self._closed = {k: v for k, v in self._closed.items() if now - v[0] < CLOSED_TTL_S}
 
     async def _keep_alive_loop(self) -> None:
         """In-progress acks for every message held by an active request."""
@@ -539,9 +549,12 @@ class StageWorker:
             # The request runs on as ``notice.attempt`` of ``notice.stage`` elsewhere: stop an
             # older attempt of it here (a replica that resumed after a stall, or that the
             # request was queued on), and drop its input if it arrives or waits in the backlog.
+            # Stage 0 moved: its older attempts' chunks are stale here.
+            if notice.stage == 0 and self.me.stage == 1:
+                self._fences.raise_to(notice.request_id, notice.attempt)
             if notice.stage != self.me.stage:
                 return
-            self._close(notice.request_id, notice.attempt - 1)
+            self._closed.raise_to(notice.request_id, notice.attempt - 1)
             if entry is not None and entry[0].attempt < notice.attempt:
                 log.info(
                     "%s: request %s moved to another replica; stopping it here", self.label, notice.request_id
@@ -550,7 +563,7 @@ class StageWorker:
                 entry[0].abort(notice.reason)
                 entry[1].cancel()
             return
-        self._close(notice.request_id, entry[0].attempt if entry else 1 << 30)
+        self._closed.raise_to(notice.request_id, entry[0].attempt if entry else 1 << 30)
         if entry is not None:
             entry[0].abort(notice.reason)
             entry[1].cancel()

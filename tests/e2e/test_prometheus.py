@@ -552,6 +552,7 @@ EVENT_DRIVEN = {
     "vllm:omni_replica_evictions_total",
     "vllm:omni_requests_migrated_total",
     "vllm:omni_stale_events_dropped_total",
+    "vllm:omni_stale_chunks_dropped_total",
 }
 """Labelled counters that have no series until their event happens (none of it in this traffic)."""
 

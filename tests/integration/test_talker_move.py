@@ -18,6 +18,8 @@ import pytest
 
 from libs.common.bus import requests_kv
 from libs.common.envelopes import (
+    MOVED,
+    AbortNotice,
     ClientEvent,
     ClientEventType,
     Liveness,
@@ -125,6 +127,19 @@ async def audio_until_done(events: asyncio.Queue[ClientEvent]) -> list[ClientEve
     return got
 
 
+async def reference_audio(nc) -> list[ClientEvent]:
+    """The events of ``TEXT`` run through talker replica 1 without a fault."""
+    rid = f"talk-ref-{time.time_ns()}"
+    events: asyncio.Queue[ClientEvent] = asyncio.Queue()
+    await nc.subscribe(SUBJECTS.out(GATEWAY, rid), cb=collect(events, ClientEvent))
+    await running(nc, rid, talker=1)
+    for seq in range(len(TEXT)):
+        await publish_task(nc.jetstream(), SUBJECTS, text_chunk(rid, seq, 1), Hop("0", "0", 1, 1))
+    reference = await audio_until_done(events)
+    assert [e.in_seq for e in reference[:-1]] == list(range(9))
+    return reference
+
+
 async def test_a_killed_talker_replica_moves_its_request_and_the_audio_is_as_without_the_fault(
     stack, nc
 ) -> None:
@@ -147,15 +162,7 @@ async def test_a_killed_talker_replica_moves_its_request_and_the_audio_is_as_wit
     await nc.subscribe(SUBJECTS.resume(GATEWAY), cb=gateway)
     await nc.subscribe(SUBJECTS.route(0, 0), cb=thinker_route)
 
-    # The reference: the same text through talker replica 1, no fault.
-    ref_id = f"talk-ref-{time.time_ns()}"
-    ref_events: asyncio.Queue[ClientEvent] = asyncio.Queue()
-    await nc.subscribe(SUBJECTS.out(GATEWAY, ref_id), cb=collect(ref_events, ClientEvent))
-    await running(nc, ref_id, talker=1)
-    for seq in range(len(TEXT)):
-        await publish_task(js, SUBJECTS, text_chunk(ref_id, seq, 1), Hop("0", "0", 1, 1))
-    reference = await audio_until_done(ref_events)
-    assert [e.in_seq for e in reference[:-1]] == list(range(9))
+    reference = await reference_audio(nc)
 
     before = scrape(orch.metrics_url)
     rid = f"talk-{time.time_ns()}"
@@ -249,3 +256,33 @@ async def test_a_talker_attempt_waiting_in_the_backlog_answers_a_hold_with_its_f
     # Text chunk 2 starts at token 22, code 88: code chunk 3 (codes 75-99) went out before the
     # move, with the end of text chunk 1; the attempt sends code chunk 4 first.
     assert held.next_seq == 4, held
+
+
+async def test_chunks_of_a_thinker_attempt_the_request_moved_past_are_dropped(stack, nc) -> None:
+    """Stage 0 moved (``ctl.abort``, reason moved, attempt 2) while its old attempt still sends (a
+    thinker that resumed after a stall, sampling other tokens): the talker drops the old attempt's
+    chunk and counts it; the new attempt's chunks, sent again from seq 0, make exactly the audio of
+    the fault-free run."""
+    _, workers = stack
+    js = nc.jetstream()
+    reference = await reference_audio(nc)
+    before = scrape(workers[1].metrics_url)
+    rid = f"fenced-{time.time_ns()}"
+    events: asyncio.Queue[ClientEvent] = asyncio.Queue()
+    await nc.subscribe(SUBJECTS.out(GATEWAY, rid), cb=collect(events, ClientEvent))
+    await running(nc, rid, talker=1)
+    hop = Hop("0", "0", 1, 1)
+    await publish_task(js, SUBJECTS, text_chunk(rid, 0, 1), hop)
+    moved = AbortNotice(request_id=rid, reason=MOVED, stage=0, attempt=2)
+    await nc.publish(SUBJECTS.abort, moved.encode())
+    await nc.flush()
+    await asyncio.sleep(0.2)  # the notice (core NATS) is there before the stale chunk (JetStream)
+    stale = text_chunk(rid, 1, 1).model_copy(update={"token_ids": [t + 1 for t in TEXT[1]]})
+    await publish_task(js, SUBJECTS, stale, hop)
+    for seq in range(len(TEXT)):
+        await publish_task(js, SUBJECTS, text_chunk(rid, seq, 1).model_copy(update={"from_attempt": 2}), hop)
+    got = await audio_until_done(events)
+    assert [e.in_seq for e in got[:-1]] == list(range(9)), "a code chunk's audio is missing or repeated"
+    assert [e.pcm16 for e in got[:-1]] == [e.pcm16 for e in reference[:-1]], "the stale chunk was converted"
+    after = scrape(workers[1].metrics_url)
+    assert delta(before, after, "vllm:omni_stale_chunks_dropped_total", stage="1", replica="1") == 1

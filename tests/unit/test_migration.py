@@ -141,14 +141,19 @@ def test_the_record_ignores_a_start_or_failure_of_an_attempt_it_moved_past() -> 
     assert rec.status == RequestStatus.COMPLETED
 
 
-def test_a_moved_task_is_new_to_the_stream_and_a_resent_chunk_is_not() -> None:
+def test_a_moved_task_is_new_to_the_stream_and_so_is_a_chunk_of_a_later_sender_attempt() -> None:
     first = StageTask(
         request_id="r", gateway_id="g", arrival_ns=1, deadline_ns=2, route=[0], kind="start", seq=0
     )
     moved = first.model_copy(update={"attempt": 2})
     assert task_msg_id(first, 0) == "r.0.0" and task_msg_id(moved, 0) == "r.0.0.2"
-    chunk = first.model_copy(update={"kind": "chunk", "seq": 3, "from_attempt": 2})
+    chunk = first.model_copy(update={"kind": "chunk", "seq": 3})
     assert task_msg_id(chunk, 1) == "r.1.3"
+    # A chunk the same sender attempt sends again is a duplicate; a later sender attempt's chunk
+    # of the same number is not (a stale sender that got its chunk in first must not block it).
+    later = chunk.model_copy(update={"from_attempt": 2})
+    assert task_msg_id(later, 1) == "r.1.3.f2"
+    assert task_msg_id(later.model_copy(update={"attempt": 3}), 1) == "r.1.3.3.f2"
 
 
 def test_inspect_lists_each_move_of_a_request() -> None:
