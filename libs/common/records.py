@@ -38,6 +38,11 @@ class StageAttempt(BaseModel):
     start_seq: int = 0
     """A later stage: the first input chunk this attempt took (those before it were handled by
     the attempts before)."""
+    claimed_by: str | None = None
+    """The orchestrator instance carrying out the move to this attempt; None for the first."""
+    sent_ns: int | None = None
+    """When the move's input was sent to ``replica`` (wall clock, ns); None while the move is
+    under way (an orchestrator that finds it so, its claimer gone, carries the move out again)."""
 
 
 class StageProgress(BaseModel):

@@ -69,9 +69,9 @@ def plan_move(
     return Move(rec.request_id, stage, dead_replica, to_replica, progress.attempt + 1, reason, phase)
 
 
-def apply_move(rec: RequestRecord, move: Move, now_ns: int) -> None:
+def apply_move(rec: RequestRecord, move: Move, now_ns: int, claimed_by: str | None = None) -> None:
     """Bind ``rec``'s stage to the new replica and list the new attempt (the stage has not
-    started there yet)."""
+    started there yet), carried out by orchestrator ``claimed_by``."""
     progress = rec.stages[move.stage]
     if not progress.attempts:  # a record written before attempts were listed
         progress.attempts.append(StageAttempt(attempt=1, replica=move.from_replica, bound_ns=rec.admitted_ns))
@@ -82,12 +82,37 @@ def apply_move(rec: RequestRecord, move: Move, now_ns: int) -> None:
             bound_ns=now_ns,
             reason=move.reason,
             phase=move.phase.value,
+            claimed_by=claimed_by,
         )
     )
     rec.route[move.stage] = move.to_replica
     progress.replica = move.to_replica
     progress.started_ns = None
     rec.updated_ns = max(rec.updated_ns, now_ns)
+
+
+def unfinished_moves(rec: RequestRecord, live: set[str], now_ns: int, grace_ns: int) -> list[Move]:
+    """The moves of ``rec`` claimed more than ``grace_ns`` ago (wall clock) by an orchestrator
+    no longer among the ``live`` instances, whose input was never sent: each as the same move
+    again (same attempt, same replicas), for another orchestrator to carry out."""
+    if rec.status.terminal:
+        return []
+    found = []
+    for s, progress in enumerate(rec.stages):
+        if len(progress.attempts) < 2 or progress.done_ns is not None:
+            continue
+        last, before = progress.attempts[-1], progress.attempts[-2]
+        if (
+            last.claimed_by is not None
+            and last.sent_ns is None
+            and last.claimed_by not in live
+            and now_ns - last.bound_ns > grace_ns
+        ):
+            phase = Phase(last.phase) if last.phase else Phase.QUEUED
+            found.append(
+                Move(rec.request_id, s, before.replica, last.replica, last.attempt, last.reason or "", phase)
+            )
+    return found
 
 
 async def stored_inputs(

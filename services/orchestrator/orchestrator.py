@@ -71,7 +71,15 @@ from libs.common.version import VERSION
 from services.orchestrator.deadlines import DeadlineSweeper
 from services.orchestrator.inflight import InflightRequests
 from services.orchestrator.liveness import Death, DeathReason, ReplicaWatch
-from services.orchestrator.migration import Move, NoMove, Phase, apply_move, plan_move, stored_inputs
+from services.orchestrator.migration import (
+    Move,
+    NoMove,
+    Phase,
+    apply_move,
+    plan_move,
+    stored_inputs,
+    unfinished_moves,
+)
 from services.orchestrator.routing import NoLiveReplica, ReplicaPicker
 from services.orchestrator.summary import PipelineTally, format_summary, ready_to_summarize
 
@@ -98,6 +106,11 @@ NO_REPLICA_POLL_S = 0.2
 """How often a request waiting for a live replica to move to looks again, seconds."""
 RESUME_TIMEOUT_S = 2.0
 """How long a move waits for the request's gateway to say where the client's stream stands, seconds."""
+MOVE_CHECK_PERIOD_S = 1.0
+"""How often an orchestrator looks for moves whose claimer died before carrying them out, seconds."""
+MOVE_TAKEOVER_S = 2.0
+"""How long after its claim a move not carried out may be taken over (once its claimer has also
+left the registry), seconds (a move takes well under a second)."""
 HEALTH_PERIOD_S = 2.0
 LOOP_LAG_PERIOD_S = 0.25
 
@@ -142,6 +155,7 @@ class Orchestrator:
         )
         await self._watch.start()
         await self.nc.subscribe(self.subjects.resync, queue=ORCHESTRATOR_QUEUE, cb=self._on_resync)
+        self._tasks.append(asyncio.create_task(self._unfinished_moves_loop(), name="unfinished-moves"))
         port = start_metrics_server(self.settings.metrics_port)
         record = ServiceRecord(
             service=ServiceKind.ORCHESTRATOR,
@@ -416,7 +430,7 @@ class Orchestrator:
             decision = plan_move(rec, s, death.replica, target, death.reason.value, stage.migration_limit)
             if not isinstance(decision, Move):
                 return False
-            apply_move(rec, decision, time.time_ns())
+            apply_move(rec, decision, time.time_ns(), self.settings.instance_id)
             return True
 
         await update_record(self.requests, seen.request_id, change)
@@ -425,6 +439,72 @@ class Orchestrator:
             await self._fail(seen, "migration_limit", message)
         elif isinstance(decision, Move):
             await self._move(decision, seen, inputs, t0)
+
+    async def _unfinished_moves_loop(self) -> None:
+        """Carry out again the moves whose orchestrator died after claiming them and before
+        sending their input (:func:`unfinished_moves`): without this such a request would wait
+        for its deadline."""
+        while True:
+            await asyncio.sleep(MOVE_CHECK_PERIOD_S)
+            live = {r.instance for r in self.services.live(ServiceKind.ORCHESTRATOR)}
+            live.add(self.settings.instance_id)
+            now_ns = time.time_ns()
+            for rec in list(self._index.records.values()):
+                for move in unfinished_moves(rec, live, now_ns, int(MOVE_TAKEOVER_S * 1e9)):
+                    if move.request_id in self._moving:
+                        continue
+                    self._moving.add(move.request_id)
+                    try:
+                        await self._take_over(move, rec)
+                    except Exception as e:
+                        log.warning("request %s: taking over its move failed: %s", move.request_id, e)
+                    finally:
+                        self._moving.discard(move.request_id)
+
+    async def _take_over(self, move: Move, seen: RequestRecord) -> None:
+        """Claim ``move`` (its claimer died) and carry it out: every step of :meth:`_move` can be
+        done twice (the abort notice, the gateway's fence, hold and release; a re-sent input has
+        the same ``Nats-Msg-Id`` and the stream drops it)."""
+        t0 = time.monotonic()
+        gone = seen.stages[move.stage].attempts[-1].claimed_by
+
+        claimed = False
+
+        def claim(rec: RequestRecord) -> bool:
+            nonlocal claimed  # as of the last try: a retried compare-and-set calls this again
+            last = rec.stages[move.stage].attempts[-1]
+            claimed = last.attempt == move.attempt and last.sent_ns is None and last.claimed_by == gone
+            if claimed:
+                last.claimed_by = self.settings.instance_id
+            return claimed
+
+        await update_record(self.requests, move.request_id, claim)
+        if not claimed:
+            return
+        log.warning(
+            "request %s: orchestrator %s died while moving stage %d to replica %d (attempt %d); carrying the move out",
+            move.request_id,
+            gone,
+            move.stage,
+            move.to_replica,
+            move.attempt,
+        )
+        inputs: list[RawStreamMsg] = []
+        if move.stage == 0:
+            subject = self.subjects.stage_in(0, move.from_replica)
+            inputs = await stored_inputs(self.js, self.subjects.stages_stream, subject, move.request_id)
+            if not inputs:  # sent and deleted: only the record's note was missing
+
+                def sent(rec: RequestRecord) -> bool:
+                    last = rec.stages[0].attempts[-1]
+                    if last.attempt != move.attempt:
+                        return False
+                    last.sent_ns = time.time_ns()
+                    return True
+
+                await update_record(self.requests, move.request_id, sent)
+                return
+        await self._move(move, seen, inputs, t0)
 
     async def _live_replica(self, death: Death, wait_s: float) -> int | None:
         """A live replica of the dead one's stage (the least loaded), waiting up to ``wait_s`` for
@@ -524,6 +604,7 @@ class Orchestrator:
                 return False
             attempts[-1].phase, attempts[-1].resumed_tokens = phase.value, resumed
             attempts[-1].start_seq = start if s > 0 else 0
+            attempts[-1].sent_ns = time.time_ns()
             return True
 
         with contextlib.suppress(Exception):

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from libs.common.bus import requests_kv
+from libs.common.bus import requests_kv, services_kv
 from libs.common.envelopes import (
     ClientEvent,
     ClientEventType,
@@ -29,6 +29,7 @@ from libs.common.envelopes import (
 )
 from libs.common.publish import Hop, publish_task
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
+from libs.common.registry import ServiceRecord
 from libs.common.subjects import Subjects
 from libs.models.codec import decode_to_pcm16, load_codec
 from libs.models.tiny import resolve_model
@@ -196,3 +197,95 @@ async def test_a_killed_code2wav_replica_moves_its_chunks_and_no_audio_is_lost_o
         delta(before, after, "vllm:omni_requests_migrated_total", stage="2", from_replica="0", to_replica="1")
         == 1
     )
+
+
+async def test_a_move_whose_orchestrator_died_before_sending_it_is_carried_out_by_another(stack, nc) -> None:
+    """The record as an orchestrator leaves it when it dies between claiming a move (the
+    compare-and-set) and sending the request's input: attempt 2 on replica 1, claimed by an
+    instance that is not in the registry, never sent. (A real orchestrator cannot be killed in
+    that millisecond on demand.) The live orchestrator takes the move over and carries it out; the
+    request completes instead of waiting for its deadline."""
+    orch, workers = stack
+    if workers[0].proc.poll() is None:  # replica 0 is the dead one (the test before killed it)
+        os.kill(workers[0].proc.pid, signal.SIGKILL)
+        workers[0].proc.wait(10)
+    ghost = "orchestrator-that-died"
+    registry = await services_kv(nc.jetstream())
+    live = [ServiceRecord.model_validate_json((await registry.get(k)).value) for k in await registry.keys()]
+    assert ghost not in {r.instance for r in live}, "the claimer is alive"
+    rid = f"c2w-orphan-{time.time_ns()}"
+    now = time.time_ns()
+    claimed = now - 3 * 10**9
+    record = RequestRecord(
+        request_id=rid,
+        pipeline=PIPELINE,
+        gateway_id=GATEWAY,
+        status=RequestStatus.RUNNING,
+        route=[0, 0, 1],
+        stages=[
+            StageProgress(replica=0, started_ns=now, done_ns=now),
+            StageProgress(replica=0, started_ns=now, done_ns=now),
+            StageProgress(
+                replica=1,
+                attempts=[
+                    StageAttempt(attempt=1, replica=0, bound_ns=now),
+                    StageAttempt(
+                        attempt=2,
+                        replica=1,
+                        bound_ns=claimed,
+                        reason="exit",
+                        phase="in_progress",
+                        claimed_by=ghost,
+                    ),
+                ],
+            ),
+        ],
+        arrival_ns=now,
+        admitted_ns=now,
+        deadline_ns=now + 60 * 10**9,
+        updated_ns=now,
+    )
+    js = nc.jetstream()
+    audio: asyncio.Queue[ClientEvent] = asyncio.Queue()
+    await nc.subscribe(SUBJECTS.out(GATEWAY, rid), cb=collect(audio, ClientEvent))
+    route_changes: asyncio.Queue[RouteChange] = asyncio.Queue()
+
+    async def gateway(msg) -> None:  # the client has chunks 0 and 1
+        await msg.respond(ResumePoint(known=True, audio_seq=1).encode())
+
+    async def talker(msg) -> None:
+        route_changes.put_nowait(decode(RouteChange, msg.data))
+        await msg.respond(RouteHeld(held=True, next_seq=4).encode())
+
+    await nc.subscribe(SUBJECTS.resume(GATEWAY), cb=gateway)
+    await nc.subscribe(SUBJECTS.route(1, 0), cb=talker)
+    for seq in (2, 3):  # what the dead replica 0 had not acknowledged
+        await publish_task(js, SUBJECTS, chunk(rid, seq, [0, 0, 0]), Hop("1", "0", 2, 0))
+    await (await requests_kv(js)).put(rid, record.model_dump_json().encode())
+
+    await orch.await_log(f"request {rid}: orchestrator {ghost} died while moving stage 2", timeout_s=10)
+    hold = await asyncio.wait_for(route_changes.get(), 10)
+    release = await asyncio.wait_for(route_changes.get(), 5)
+    assert (hold.action, release.action, release.replica, release.attempt, release.start_seq) == (
+        "hold",
+        "release",
+        1,
+        2,
+        2,
+    )
+    await publish_task(js, SUBJECTS, chunk(rid, 4, [0, 0, 1], attempt=2, start_seq=2), Hop("1", "0", 2, 1))
+    got = []
+    while not got or got[-1].type != ClientEventType.AUDIO_DONE:
+        got.append(await asyncio.wait_for(audio.get(), 10))
+    assert [(e.type, e.in_seq, e.replica) for e in got] == [
+        (ClientEventType.AUDIO, 2, 1),
+        (ClientEventType.AUDIO, 3, 1),
+        (ClientEventType.AUDIO, 4, 1),
+        (ClientEventType.AUDIO_DONE, None, 1),
+    ]
+    last = (
+        RequestRecord.model_validate_json((await (await requests_kv(js)).get(rid)).value)
+        .stages[2]
+        .attempts[-1]
+    )
+    assert last.claimed_by not in (None, ghost) and last.sent_ns is not None, last

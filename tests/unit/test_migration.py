@@ -20,7 +20,7 @@ from libs.common.envelopes import (
 from libs.common.publish import task_msg_id
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
 from services.gateway.pipeline_client import RequestHandle
-from services.orchestrator.migration import Move, NoMove, Phase, apply_move, plan_move
+from services.orchestrator.migration import Move, NoMove, Phase, apply_move, plan_move, unfinished_moves
 from services.orchestrator.orchestrator import apply_event, ends_client_stream
 
 
@@ -274,3 +274,24 @@ def test_an_attempt_a_move_took_over_from_is_not_the_one_that_ends_the_stream() 
     assert handle.gap == (0, 1) and handle.missing(ended) == 4  # 2..5 never reached the client
     handle.resume_point(0, 2)  # the new attempt asks where the client stands
     assert handle.gap is None and handle.missing(ended) == 0
+
+
+def test_a_move_claimed_by_a_gone_orchestrator_and_never_sent_is_found_again() -> None:
+    rec = _rec([1, 0, 0], started=True)
+    move = plan_move(rec, 0, dead_replica=1, to_replica=0, reason="exit", limit=3)
+    claimed = time.time_ns()
+    apply_move(rec, move, claimed, claimed_by="o1")
+    grace = 2 * 10**9
+    later = claimed + grace + 1
+    assert unfinished_moves(rec, {"o1"}, later, grace) == []  # its claimer lives
+    assert unfinished_moves(rec, set(), claimed + grace, grace) == []  # too soon
+    assert unfinished_moves(rec, set(), later, grace) == [move]
+    rec.stages[0].attempts[-1].sent_ns = later  # carried out
+    assert unfinished_moves(rec, set(), later, grace) == []
+
+
+def test_first_attempts_and_moves_without_a_claimer_are_never_taken_over() -> None:
+    rec = _rec([1, 0, 0], started=True)
+    assert unfinished_moves(rec, set(), time.time_ns() + 10**12, 0) == []
+    apply_move(rec, plan_move(rec, 0, 1, 0, "stall", 3), time.time_ns())  # a record of before claims
+    assert unfinished_moves(rec, set(), time.time_ns() + 10**12, 0) == []
