@@ -202,6 +202,10 @@ class ClientEvent(_Envelope):
     was told of (the request moved on)."""
     in_seq: int | None = None
     """``audio``: the sequence number of the input chunk it was decoded from."""
+    stage_gen_s: float | None = None
+    """``audio_done``: the audio stage's generation time for the request, seconds: from its first
+    input reaching the worker to its last audio sent, on that worker's monotonic clock (after a
+    move, of the attempt that finished)."""
 
 
 class EdgeSummary(BaseModel):

@@ -39,6 +39,9 @@ class RequestStats:
     audio_bytes: int = 0
     last_audio_received_s: float | None = None
     """When the last audio chunk reached the gateway (end of audio generation as seen here)."""
+    stage_gen_s: float | None = None
+    """The audio stage's own generation time (first input → last output on its worker's clock),
+    from its ``audio_done``; None when that event was made up by the gateway (it was lost)."""
     input_tokens: int = 0
     output_tokens: int = 0
     trace_id: str | None = None
@@ -125,8 +128,10 @@ class GatewayStatLogger:
         m["vllm:omni_audio_frames"].labels(*labels).inc(frames)
         m["vllm:omni_audio_duration_s"].labels(*labels).observe(duration)
         m["vllm:omni_audio_ttfp_s"].labels(*labels).observe(s.audio_chunks[0].t_s - s.arrival_s, s.exemplar)
+        if s.stage_gen_s is not None and duration > 0:
+            m["vllm:omni_audio_rtf"].labels(*labels).observe(s.stage_gen_s / duration)
         if s.last_audio_received_s is not None and duration > 0:
-            m["vllm:omni_audio_rtf"].labels(*labels).observe(
+            m["vllm:omni_audio_client_rtf"].labels(*labels).observe(
                 (s.last_audio_received_s - s.arrival_s) / duration
             )
         if s.streamed:

@@ -98,6 +98,8 @@ async def events_until_done(job: Job) -> AsyncIterator[ClientEvent]:
                 raise error_of(ev)
             if ev.type == ClientEventType.AUDIO:
                 job.stats.audio_received(ev.stage, ev.replica, len(ev.pcm16), ev.sample_rate, now)
+            elif ev.type == ClientEventType.AUDIO_DONE:
+                job.stats.stage_gen_s = ev.stage_gen_s
             elif ev.type == ClientEventType.TEXT_DONE:
                 job.stats.finished_reason = ev.finish_reason
                 if ev.usage is not None:

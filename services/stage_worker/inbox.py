@@ -7,7 +7,8 @@ acks each one once its output has been published.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
 
@@ -25,6 +26,8 @@ class Delivery:
     """Wall clock (ns) when the worker got the message."""
     transfer: TransferStats | None = None
     """How the message travelled (measured with --log-stats)."""
+    received_s: float = field(default_factory=time.monotonic)
+    """When the worker got the message (monotonic)."""
 
 
 class RequestInbox:

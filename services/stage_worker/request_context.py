@@ -70,7 +70,8 @@ class RequestContext:
     _in_hand: dict[int, Delivery] = field(default_factory=dict)
     _edges: dict[tuple[str, str], EdgeSummary] = field(default_factory=dict)
     received_s: float = field(default_factory=time.monotonic)
-    """When the request's first input reached this worker (monotonic)."""
+    """When the request's first input reached this worker (monotonic; it may have waited in the
+    backlog since)."""
     _background: set[asyncio.Task[None]] = field(default_factory=set)
     abort_reason: str | None = None
     """Why the request was aborted (set by :meth:`abort`); once set, every later inbox or bus

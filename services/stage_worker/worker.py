@@ -281,7 +281,14 @@ class StageWorker:
             await asyncio.wait([entry[1]])
             entry = self.active.get(rid)
         if entry is None:
-            ctx = RequestContext(self.me, self.bus, task, span=self._request_span(msg, task), sent=self.sent)
+            ctx = RequestContext(
+                self.me,
+                self.bus,
+                task,
+                span=self._request_span(msg, task),
+                sent=self.sent,
+                received_s=d.received_s,
+            )
             early = self._early_routes.pop(rid, None)
             if early is not None:  # its next stage moved while it waited in the backlog
                 reroute(ctx, early)

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from libs.common.metrics_catalog import (
     BY_NAME,
+    BYTES_BUCKETS,
     FAMILIES,
     RTF_BUCKETS,
     SECONDS_BUCKETS,
@@ -47,14 +48,63 @@ def test_every_spec_family_is_defined_exactly() -> None:
     assert len({f.name for f in FAMILIES}) == len(FAMILIES)
 
 
-def test_bucket_families() -> None:
-    assert (SECONDS_BUCKETS[0], SECONDS_BUCKETS[-1]) == (0.05, 300.0)
-    assert (SECONDS_FAST_BUCKETS[0], SECONDS_FAST_BUCKETS[-1]) == (0.001, 60.0)
-    assert RTF_BUCKETS[0] < 0.1 and 1.0 in RTF_BUCKETS
-    for name in ("vllm:omni_e2e_request_latency_s", "vllm:omni_audio_ttfp_s"):
-        assert BY_NAME[name].buckets == SECONDS_BUCKETS
-    for name in ("vllm:omni_transfer_tx_s", "vllm:omni_audio_underrun_s"):
-        assert BY_NAME[name].buckets == SECONDS_FAST_BUCKETS
+UPSTREAM_BUCKETS = {
+    "SECONDS_BUCKETS": (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0),
+    "SECONDS_FAST_BUCKETS": (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0),
+    "RTF_BUCKETS": (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 1.5, 2.0, 5.0, 10.0),
+    "BYTES_BUCKETS": tuple(float(1024 * 4**k) for k in range(10)),
+}
+"""vLLM-Omni's bucket edges (its metric definitions module), by the list each spec family uses."""
+
+OURS = {
+    "SECONDS_BUCKETS": (
+        0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
+        90.0, 120.0, 180.0, 300.0,
+    ),
+    "SECONDS_FAST_BUCKETS": (
+        0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+        10.0, 30.0, 60.0,
+    ),
+    "RTF_BUCKETS": (
+        0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 1.5, 2.0,
+        3.0, 5.0, 10.0,
+    ),
+    "BYTES_BUCKETS": tuple(float(4**k) for k in range(3, 15)),
+}  # fmt: skip
+"""The whole lists, as docs/metrics.md describes them."""
+
+SPEC_FAMILY_BUCKETS = {
+    "vllm:omni_e2e_request_latency_s": "SECONDS_BUCKETS",
+    "vllm:omni_audio_ttfp_s": "SECONDS_BUCKETS",
+    "vllm:omni_audio_duration_s": "SECONDS_BUCKETS",
+    "vllm:omni_audio_rtf": "RTF_BUCKETS",
+    "vllm:omni_audio_underrun_s": "SECONDS_FAST_BUCKETS",
+    "vllm:omni_transfer_size_bytes": "BYTES_BUCKETS",
+    "vllm:omni_transfer_tx_s": "SECONDS_FAST_BUCKETS",
+    "vllm:omni_transfer_rx_s": "SECONDS_FAST_BUCKETS",
+    "vllm:omni_transfer_in_flight_s": "SECONDS_FAST_BUCKETS",
+}
+"""The bucket list of every spec/000 histogram (spec/000: SECONDS for e2e, generation and TTFP
+style values; FAST for transfers and underrun; RTF for the real-time factor; bytes for sizes)."""
+
+
+def test_bucket_lists_are_exactly_as_documented() -> None:
+    lists = {
+        "SECONDS_BUCKETS": SECONDS_BUCKETS,
+        "SECONDS_FAST_BUCKETS": SECONDS_FAST_BUCKETS,
+        "RTF_BUCKETS": RTF_BUCKETS,
+        "BYTES_BUCKETS": BYTES_BUCKETS,
+    }
+    assert lists == OURS
+    assert all(list(b) == sorted(set(b)) for b in lists.values())
+
+
+def test_every_spec_histogram_has_every_upstream_edge_of_its_list() -> None:
+    assert set(SPEC_FAMILY_BUCKETS) == {n for n, (kind, _) in SPEC_000.items() if kind == Kind.HISTOGRAM}
+    for name, which in SPEC_FAMILY_BUCKETS.items():
+        assert BY_NAME[name].buckets == OURS[which], name
+        missing = set(UPSTREAM_BUCKETS[which]) - set(BY_NAME[name].buckets)
+        assert not missing, f"{name} lacks vLLM-Omni's edges {sorted(missing)}"
     assert all(f.buckets for f in FAMILIES if f.kind == Kind.HISTOGRAM)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from libs.common.envelopes import ClientEvent, ClientEventType
@@ -61,6 +62,7 @@ class Code2WavHandler(StageHandler):
                         request_id=req.request_id,
                         type=ClientEventType.AUDIO_DONE,
                         sample_rate=self.sample_rate,
+                        stage_gen_s=time.monotonic() - req.received_s,
                     )
                 )
                 req.lifecycle("stage_done")
