@@ -11,20 +11,16 @@ letting the client wait for the deadline.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import time
 
-import nats
 import openai
 import pytest
 
-from libs.common.bus import services_kv
 from libs.common.envelopes import (
     ClientEvent,
     ClientEventType,
     LifecycleEvent,
-    Liveness,
     Replay,
     ReplayAsk,
     StageTask,
@@ -33,8 +29,8 @@ from libs.common.envelopes import (
 )
 from libs.common.local_nats import free_port
 from libs.common.publish import publish_lifecycle
-from libs.common.registry import ServiceKind, ServiceRecord
 from libs.common.subjects import Subjects
+from tests.bus import played_worker
 from tests.procs import THINKER_YAML, start_service, write_pipeline
 
 pytestmark = pytest.mark.integration
@@ -58,45 +54,6 @@ def services(nats_server, tmp_path_factory):
     yield f"http://127.0.0.1:{port}", gateway
     orch.stop()
     assert gateway.stop() in (0, -signal.SIGTERM)
-
-
-@contextlib.asynccontextmanager
-async def thinker(url: str):
-    """The test as thinker replica 0: registered, answering its probes; yields the START tasks
-    routed to it."""
-    nc = await nats.connect(url)
-    kv = await services_kv(nc.jetstream())
-    record = ServiceRecord(
-        service=ServiceKind.WORKER,
-        pipeline=PIPELINE,
-        instance="test-thinker",
-        stage=0,
-        replica=0,
-        started_ns=time.time_ns(),
-    )
-    tasks: asyncio.Queue[StageTask] = asyncio.Queue()
-
-    async def on_task(msg) -> None:
-        tasks.put_nowait(decode(StageTask, msg.data))
-
-    async def on_probe(msg) -> None:
-        await msg.respond(Liveness().encode())
-
-    async def beats() -> None:
-        while True:
-            await kv.put(record.key, record.model_dump_json().encode())
-            await asyncio.sleep(1)
-
-    await nc.subscribe(SUBJECTS.stage_in(0, 0), cb=on_task)
-    await nc.subscribe(SUBJECTS.alive(0, 0), cb=on_probe)
-    beat = asyncio.create_task(beats())
-    await asyncio.sleep(1.5)  # the orchestrator has seen the registration
-    try:
-        yield nc, tasks
-    finally:
-        beat.cancel()
-        await kv.delete(record.key)
-        await nc.close()
 
 
 async def play(nc, task: StageTask, lose: int, lose_seq: int | None = None, replays: bool = True) -> Usage:
@@ -147,7 +104,7 @@ async def play(nc, task: StageTask, lose: int, lose_seq: int | None = None, repl
 async def test_a_lost_text_done_is_made_from_the_stages_end_notice(services, nats_server) -> None:
     base_url, gateway = services
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
-    async with thinker(nats_server.url) as (nc, tasks):
+    async with played_worker(nats_server.url, PIPELINE, 0) as (nc, tasks):
         stream = await_stream(client)
         task = await asyncio.wait_for(tasks.get(), 10)
         usage = await play(nc, task, lose=1, replays=False)
@@ -165,7 +122,7 @@ async def test_a_lost_text_done_is_made_from_the_stages_end_notice(services, nat
 async def test_lost_content_at_the_end_is_a_clear_error(services, nats_server) -> None:
     base_url, gateway = services
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
-    async with thinker(nats_server.url) as (nc, tasks):
+    async with played_worker(nats_server.url, PIPELINE, 0) as (nc, tasks):
         stream = await_stream(client)
         task = await asyncio.wait_for(tasks.get(), 10)
         await play(nc, task, lose=2, replays=False)  # the last delta and the text_done
@@ -200,7 +157,7 @@ async def test_an_event_lost_in_the_middle_is_sent_again_by_its_sender(services,
     send it again, and the client gets the whole reply in order."""
     base_url, gateway = services
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
-    async with thinker(nats_server.url) as (nc, tasks):
+    async with played_worker(nats_server.url, PIPELINE, 0) as (nc, tasks):
         stream = await_stream(client)
         task = await asyncio.wait_for(tasks.get(), 10)
         await play(nc, task, lose=0, lose_seq=2)
@@ -213,7 +170,7 @@ async def test_an_event_lost_in_the_middle_is_sent_again_by_its_sender(services,
 async def test_lost_last_events_are_sent_again_by_their_sender(services, nats_server) -> None:
     base_url, gateway = services
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
-    async with thinker(nats_server.url) as (nc, tasks):
+    async with played_worker(nats_server.url, PIPELINE, 0) as (nc, tasks):
         stream = await_stream(client)
         task = await asyncio.wait_for(tasks.get(), 10)
         usage = await play(nc, task, lose=2)  # the last delta and the text_done
