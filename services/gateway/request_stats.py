@@ -52,6 +52,12 @@ class RequestStats:
     def exemplar(self) -> dict[str, str] | None:
         return {"trace_id": self.trace_id} if self.trace_id else None
 
+    def audio_stage_ended(self, stage: int, replica: int | None) -> None:
+        """A stage after the thinker ended the request (``audio_done``, or an error): the audio
+        families' ``stage`` and ``replica`` of a request that got no audio (a skipped one)."""
+        if self.audio_stage is None:
+            self.audio_stage, self.audio_replica = stage, replica
+
     def audio_received(
         self, stage: int | None, replica: int | None, nbytes: int, sample_rate: int, now: float
     ) -> None:

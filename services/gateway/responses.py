@@ -94,6 +94,8 @@ async def events_until_done(job: Job) -> AsyncIterator[ClientEvent]:
         async for ev in job.handle.events():
             now = time.monotonic()
             job.log.started(job.stats, now)
+            if ev.type in (ClientEventType.ERROR, ClientEventType.AUDIO_DONE) and ev.stage:
+                job.stats.audio_stage_ended(ev.stage, ev.replica)
             if ev.type == ClientEventType.ERROR:
                 raise error_of(ev)
             if ev.type == ClientEventType.AUDIO:
