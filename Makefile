@@ -47,7 +47,7 @@ lint: setup
 	$(BIN)/lint-imports
 
 test: models lint prometheus-bin
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	OMNIRELAY_TESTS_NEED_ALL=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Debian's prometheus package (prometheus + promtool), used by the tests (tests/e2e/test_prometheus.py,
 # tests/unit/test_dashboard.py) and `make prometheus`. Installed only when `prometheus` is not on PATH.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
@@ -13,6 +14,16 @@ import pytest
 from libs.common import tracing
 from libs.common.local_nats import free_port, nats_server_argv
 from libs.common.runtime import freeze_startup_heap
+from tests import needs
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    """With ``OMNIRELAY_TESTS_NEED_ALL=1`` (``make test``), a test module skipped at collection (a
+    module-level ``pytest.importorskip`` of a dependency that is missing) is an error, not a skip."""
+    if report.skipped and os.environ.get(needs.NEED_ALL_ENV) == "1":
+        report.outcome = "failed"
+        report.longrepr = f"skipped at collection while {needs.NEED_ALL_ENV}=1: {report.longrepr}"
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

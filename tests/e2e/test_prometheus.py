@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import shutil
 import signal
 import subprocess
 import time
@@ -40,6 +39,7 @@ from libs.common.envelopes import StageTask, decode
 from libs.common.local_nats import free_port
 from libs.common.metrics_catalog import AUDIO, ENGINE_PROCESSES, Exporter, exposed_names, families_for
 from libs.common.subjects import Subjects
+from tests import needs
 from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, ServiceProcess, stop_process, write_pipeline
 from tests.unit.test_dashboard import DASHBOARD, dashboard_queries, grafana_to_promql, metric_names
 
@@ -147,9 +147,9 @@ def local_config(sd_url: str, port: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def prom(stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
-    binary = shutil.which("prometheus")
-    if not binary:
-        pytest.skip("Debian's prometheus is not installed: run `make prometheus-bin` (`make test` does)")
+    binary = needs.program(
+        "prometheus", "Debian's prometheus is not installed: run `make prometheus-bin` (`make test` does)"
+    )
     tmp = tmp_path_factory.mktemp("prometheus")
     port = free_port()
     config = tmp / "prometheus.yml"

@@ -42,6 +42,7 @@ from libs.common.bus import replicas_for, server_urls
 from libs.common.local_nats import SYNC_INTERVAL, free_port, nats_server_argv, nats_server_binary
 from libs.common.pipeline import StageType, load_pipeline
 from libs.common.settings import ServiceSettings
+from tests import needs
 
 pytestmark = pytest.mark.integration
 
@@ -172,7 +173,7 @@ def as_env(environment: Any) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def compose_schema() -> dict[str, Any]:
     """The official Compose Specification schema, as vendored (and kept current) by check-jsonschema."""
-    pytest.importorskip("check_jsonschema", reason="needs the 'check-jsonschema' test dependency")
+    needs.module("check_jsonschema", "needs the 'check-jsonschema' test dependency")
     vendor = importlib.resources.files("check_jsonschema.builtin_schemas.vendor")
     schema = json.loads(vendor.joinpath("compose-spec.json").read_text(encoding="utf-8"))
     assert schema.get("title") == "Compose Specification", "not the compose-spec schema"

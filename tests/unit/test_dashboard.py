@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from libs.common.metrics_catalog import FAMILIES, engine_process_names, exposed_names
+from tests import needs
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "compose" / "grafana" / "dashboards" / "omnirelay.json"
@@ -408,9 +408,9 @@ def test_grafana_provisioning_matches_compose() -> None:
 
 
 def test_every_expression_parses_with_promtool(dashboard, tmp_path: Path) -> None:
-    promtool = shutil.which("promtool")
-    if not promtool:
-        pytest.skip("promtool not installed (`make prometheus-bin` installs Debian's prometheus package)")
+    promtool = needs.program(
+        "promtool", "promtool not installed (`make prometheus-bin` installs Debian's prometheus package)"
+    )
     rules = [
         {"record": f"dashboard:query_{i}", "expr": grafana_to_promql(e)}
         for i, (_, e) in enumerate(dashboard_queries(dashboard))

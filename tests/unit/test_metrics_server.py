@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import httpx
+import pytest
 from prometheus_client import Histogram
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
@@ -15,8 +18,17 @@ PROMETHEUS_2_ACCEPT = (
     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
 )
 
-H = Histogram("vllm:omni_test_render_s", "test", ["model_name"], registry=OMNI_REGISTRY, buckets=(1.0, 2.0))
-H.labels("m").observe(0.5, {"trace_id": "0af7651916cd43dd8448eb211c80319c"})
+
+@pytest.fixture(autouse=True)
+def family() -> Iterator[Histogram]:
+    """A test family in the registry /metrics serves, there only while a test of this module runs
+    (registered at import it would show in every scrape of the test process)."""
+    h = Histogram(
+        "vllm:omni_test_render_s", "test", ["model_name"], registry=OMNI_REGISTRY, buckets=(1.0, 2.0)
+    )
+    h.labels("m").observe(0.5, {"trace_id": "0af7651916cd43dd8448eb211c80319c"})
+    yield h
+    OMNI_REGISTRY.unregister(h)
 
 
 def _samples(families) -> dict[str, object]:
