@@ -139,6 +139,11 @@ def worker_pid(root: int, stage: int, replica: int) -> int:
     return found[0]
 
 
+def process_state(pid: int) -> str:
+    """The process state letter of ``pid`` (``T`` when stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
 def gone(pid: int) -> bool:
     """The process no longer exists, or is a zombie waiting to be reaped."""
     try:

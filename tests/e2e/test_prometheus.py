@@ -413,8 +413,7 @@ def test_engine_requests_per_replica_match_the_routes(prom, traffic, pipeline, s
             httpx.get(f"http://{g['targets'][0]}/metrics", timeout=30).text
         )
     }
-    if "vllm:request_success" not in exposed:
-        pytest.xfail("engine families not wired yet")
+    assert "vllm:request_success" in exposed, "an llm worker's /metrics lacks vLLM's engine families"
     thinker = Counter(str(route[0]) for route in traffic.routes.values())
     want = {("0", r): float(n) for r, n in thinker.items()}
     want |= {("1", r): float(n) for r, n in traffic.talker_requests.items()}

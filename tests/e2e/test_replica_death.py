@@ -13,7 +13,6 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import nats
@@ -25,7 +24,7 @@ from openai import AsyncOpenAI
 from libs.common.bus import requests_kv
 from libs.common.bus_state import request_record, snapshot
 from tests.metrics_scrape import delta, scrape
-from tests.procs import gone, worker_pid
+from tests.procs import gone, process_state, worker_pid
 
 pytestmark = pytest.mark.e2e
 
@@ -237,11 +236,6 @@ async def test_streams_on_a_killed_replica_move_and_complete(stack, pipeline) ->
             assert (await http.get("/health")).json()["status"] == "ok"
 
 
-def _state(pid: int) -> str:
-    """The process state letter of ``pid`` (``T`` when stopped)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-
-
 @pytest.mark.skipif(
     os.environ.get("OMNIRELAY_E2E_STALL") != "1",
     reason="flaky in the shared session (2 of 4 full runs: no stream on the stopped replica moved, with the "
@@ -263,10 +257,10 @@ async def test_streams_on_a_stopped_replica_move_after_the_stall_timeout(stack, 
 
     try:
         for _ in range(50):
-            if _state(pid) == "T":
+            if process_state(pid) == "T":
                 break
             await asyncio.sleep(0.05)
-        assert _state(pid) == "T", "the worker did not stop"
+        assert process_state(pid) == "T", "the worker did not stop"
         await asyncio.wait_for(asyncio.gather(*tasks), 120)
     finally:
         os.kill(pid, signal.SIGCONT)

@@ -189,3 +189,38 @@ async def test_malformed_and_misaddressed_messages_are_terminated(worker, nc) ->
     await test_chunks_are_decoded_in_sequence_order_and_duplicates_dropped(
         worker, nc, load_codec(resolve_model("tiny-code2wav"))
     )
+
+
+async def test_a_sender_clock_ahead_is_clamped_and_counted(worker, nc) -> None:
+    """A chunk whose sender stamped its hand-off 5 s in the future (its clock runs ahead): the
+    receiver's cross-clock intervals (Tx-End → receipt, Tx-End → stored) come out negative, are
+    observed as 0 and counted as clamps; the sender's own interval (tx) and the broker's (queue
+    wait) are not."""
+    before = scrape(worker.metrics_url)
+    rid = f"skew-{time.time_ns()}"
+    q = await events_of(nc, rid)
+    task = chunk(rid, 0, [1, 2], final=True)
+    ahead = time.time_ns() + 5 * 10**9
+    headers = {
+        h.REQUEST_ID: rid,
+        h.FROM_STAGE: HOP.from_stage,
+        h.FROM_REPLICA: HOP.from_replica,
+        h.TO_STAGE: str(HOP.to_stage),
+        h.TO_REPLICA: str(HOP.to_replica),
+        h.SEQ: "0",
+        h.FINAL: "true",
+        h.TX_START_NS: str(ahead),
+        h.TX_END_NS: str(ahead + 1000),
+    }
+    await nc.jetstream().publish(SUBJECTS.stage_in(2, 0), task.encode(), headers=headers)
+    await until(q, ClientEventType.AUDIO_DONE)
+    after = scrape(worker.metrics_url)
+    edge = dict(from_stage="1", from_replica="0", to_stage="2", to_replica="0")
+    clamps = {
+        i: delta(before, after, "vllm:omni_transfer_clock_skew_clamps_total", interval=i, **edge)
+        for i in ("tx", "in_flight", "publish", "queue_wait")
+    }
+    assert clamps == {"tx": 0, "in_flight": 1, "publish": 1, "queue_wait": 0}
+    assert delta(before, after, "vllm:omni_transfer_in_flight_s_count", **edge) == 1
+    assert delta(before, after, "vllm:omni_transfer_in_flight_s_sum", **edge) == 0
+    assert delta(before, after, "vllm:omni_transfer_tx_s_sum", **edge) == pytest.approx(1e-6)

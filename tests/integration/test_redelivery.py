@@ -4,6 +4,7 @@ which finishes the request; its span is linked to the sender's and records the d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -14,11 +15,20 @@ import numpy as np
 import pytest
 
 from libs.common.envelopes import ClientEvent, ClientEventType, NdArray, StageTask, TaskKind, decode
+from libs.common.local_nats import free_port
 from libs.common.publish import Hop, publish_task
-from libs.common.subjects import Subjects
+from libs.common.subjects import Subjects, consumer_name, max_deliveries_advisory
 from libs.common.tracing import start_span
+from tests.metrics_scrape import delta, scrape, total
 from tests.otlp_receiver import Receiver, start_receiver, tracing_in_this_process
-from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, ServiceProcess, write_pipeline
+from tests.procs import (
+    CODE2WAV_YAML,
+    TALKER_YAML,
+    THINKER_YAML,
+    ServiceProcess,
+    process_state,
+    write_pipeline,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -40,6 +50,19 @@ def _chunk(rid: str, seq: int, final: bool) -> StageTask:
         final=final,
         codes=NdArray.of(np.arange(3, dtype=np.int32)),
     )
+
+
+REDELIVERED = "vllm:omni_bus_consumer_redelivered"
+
+
+async def gauge_becomes(url: str, name: str, value: float, timeout_s: float = 8.0) -> bool:
+    """Whether the worker's gauge reads ``value`` within ``timeout_s`` (it is refreshed every 2 s)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if total(scrape(url), name) == value:
+            return True
+        await asyncio.sleep(0.25)
+    return False
 
 
 @pytest.fixture
@@ -74,7 +97,13 @@ async def test_redelivered_message_is_finished_by_the_next_worker_with_a_linked_
         },
     }
     first = ServiceProcess(["worker"], env, tmp_path / "first.log").start()
-    second = ServiceProcess(["worker"], env, tmp_path / "second.log")
+    port = free_port()
+    second = ServiceProcess(
+        ["worker"],
+        {**env, "OMNIRELAY_LOG_STATS": "true", "OMNIRELAY_METRICS_PORT": str(port)},
+        tmp_path / "second.log",
+    )
+    metrics = f"http://127.0.0.1:{port}/metrics"
     nc = await nats.connect(nats_server.url)
     try:
         await first.await_log("serving omni.", timeout_s=120)
@@ -88,6 +117,9 @@ async def test_redelivered_message_is_finished_by_the_next_worker_with_a_linked_
         first.proc.wait()
         second.start()
         await second.await_log("serving omni.", timeout_s=120)
+        # The consumer's state, as the new incarnation reports it: one message redelivered and
+        # waiting for its acknowledgement (seq 1, held until seq 0 comes).
+        assert await gauge_becomes(metrics, REDELIVERED, 1.0), "the redelivery is not reported"
         await publish_task(nc.jetstream(), SUBJECTS, _chunk(rid, 0, final=False), HOP, sender)
         got = []
         while not got or got[-1].type != ClientEventType.AUDIO_DONE:
@@ -97,6 +129,7 @@ async def test_redelivered_message_is_finished_by_the_next_worker_with_a_linked_
             ClientEventType.AUDIO,
             ClientEventType.AUDIO_DONE,
         ]
+        assert await gauge_becomes(metrics, REDELIVERED, 0.0), "acknowledged, it still shows as redelivered"
         sender.end()
         trace_id = format(sender.get_span_context().trace_id, "032x")
         deadline = time.monotonic() + 10
@@ -117,3 +150,58 @@ async def test_redelivered_message_is_finished_by_the_next_worker_with_a_linked_
         await nc.close()
         second.stop()
         first.stop()
+
+
+async def test_a_message_past_max_deliver_is_counted_as_dead_lettered(nats_server, tmp_path) -> None:
+    """A worker stopped (``SIGSTOP``) while it holds a message sends no in-progress acks, so
+    JetStream redelivers it (the test pulls from the same consumer and never acknowledges) until
+    ``max_deliver``, then drops it with an advisory. The worker, resumed, reads the advisory and
+    counts it: ``vllm:omni_bus_dead_lettered_total`` moves by exactly the advisories seen."""
+    path = write_pipeline(tmp_path / "p.yaml", PIPELINE, THINKER_YAML + TALKER_YAML + CODE2WAV_YAML)
+    port = free_port()
+    env = {
+        "NATS_URL": nats_server.url,
+        "OMNIRELAY_PIPELINE": str(path),
+        "OMNIRELAY_STAGE": "2",
+        "OMNIRELAY_ACK_WAIT_S": "1",
+        "OMNIRELAY_LOG_STATS": "true",
+        "OMNIRELAY_METRICS_PORT": str(port),
+    }
+    worker = ServiceProcess(["worker"], env, tmp_path / "worker.log").start()
+    metrics = f"http://127.0.0.1:{port}/metrics"
+    nc = await nats.connect(nats_server.url)
+    try:
+        await worker.await_log("serving omni.", timeout_s=120)
+        before = scrape(metrics)
+        advisories: asyncio.Queue = asyncio.Queue()
+        consumer = consumer_name(2, 0)
+        await nc.subscribe(max_deliveries_advisory(SUBJECTS.stages_stream, consumer), cb=advisories.put)
+        rid = f"deadletter-{time.time_ns()}"
+        await publish_task(nc.jetstream(), SUBJECTS, _chunk(rid, 1, final=True), HOP)
+        await asyncio.sleep(1.0)  # delivered and held (seq 0 never comes)
+        os.kill(worker.proc.pid, signal.SIGSTOP)
+        try:
+            for _ in range(50):
+                if process_state(worker.proc.pid) == "T":
+                    break
+                await asyncio.sleep(0.05)
+            assert process_state(worker.proc.pid) == "T", "the worker did not stop"
+            puller = await nc.jetstream().pull_subscribe_bind(consumer, SUBJECTS.stages_stream)
+            deadline = time.monotonic() + 30
+            while advisories.empty() and time.monotonic() < deadline:
+                with contextlib.suppress(nats.errors.TimeoutError):
+                    await puller.fetch(1, timeout=2)  # taken and never acknowledged
+            assert advisories.qsize() == 1, "no max-deliveries advisory within 30 s"
+            await puller.unsubscribe()
+        finally:
+            os.kill(worker.proc.pid, signal.SIGCONT)
+        for _ in range(50):
+            if delta(before, scrape(metrics), "vllm:omni_bus_dead_lettered_total") >= 1:
+                break
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1.0)  # a second, wrong count would show by now
+        assert delta(before, scrape(metrics), "vllm:omni_bus_dead_lettered_total") == advisories.qsize()
+        await worker.await_log("a message reached max_deliver and was dropped by JetStream", timeout_s=5)
+    finally:
+        await nc.close()
+        worker.stop()
