@@ -56,6 +56,7 @@ from services.stage_worker.engine_core.step_tracing import (
     REQUEST_SNAPSHOT_REQUIRED,
     STEP_SPAN_NAME,
     StepTracer,
+    batch_summary_attributes,
 )
 from services.stage_worker.engine_core.tracing_config import (
     ADDITIONAL_CONFIG_KEY,
@@ -693,3 +694,43 @@ def test_build_args_carry_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert os.environ["OTEL_SERVICE_NAME"] == "omnirelay-engine"
     with pytest.raises(ValueError, match="additional_config"):
         _with_tracing({"additional_config": "nope"}, cfg)
+
+
+def _summary(running: list[Any], scheduled: dict[str, int], requests: dict[str, Any]) -> dict[str, Any]:
+    output = SimpleNamespace(
+        num_scheduled_tokens=scheduled,
+        total_num_scheduled_tokens=sum(scheduled.values()),
+        finished_req_ids=set(),
+        preempted_req_ids=None,
+    )
+    kv = StepKVSummary(blocks_total_gpu=10, blocks_free_gpu=10, usage_gpu_ratio=0.0)
+    return batch_summary_attributes(
+        step_id=1,
+        ts_start_ns=0,
+        ts_end_ns=1000,
+        running=running,
+        num_waiting=0,
+        output=output,
+        requests=requests,
+        kv=kv,
+    )
+
+
+def test_each_side_of_the_split_is_counted_on_its_own() -> None:
+    """spec/004 C.2: prefill where no output token yet, decode where some; each counted by its own
+    rule, so the invariants check the counts."""
+    reqs = {f"p{i}": SimpleNamespace(num_output_tokens=0) for i in range(2)}
+    reqs |= {f"d{i}": SimpleNamespace(num_output_tokens=i + 1) for i in range(3)}
+    scheduled = {"p0": 16, "p1": 7, "d0": 1, "d1": 1, "d2": 1}
+    s = _summary(list(reqs.values()), scheduled, reqs)
+    assert (s["batch.num_prefill_reqs"], s["batch.num_decode_reqs"]) == (2, 3)
+    assert (s["batch.prefill_tokens"], s["batch.decode_tokens"], s["batch.scheduled_tokens"]) == (23, 3, 26)
+    check_summary_invariants(s)
+
+
+def test_the_invariants_catch_a_scheduled_request_counted_on_neither_side() -> None:
+    reqs = {"p0": SimpleNamespace(num_output_tokens=0), "d0": SimpleNamespace(num_output_tokens=4)}
+    s = _summary(list(reqs.values()), {"p0": 5, "d0": 1, "unknown": 3}, reqs)
+    assert (s["batch.prefill_tokens"], s["batch.decode_tokens"], s["batch.scheduled_tokens"]) == (5, 1, 9)
+    with pytest.raises(AssertionError):
+        check_summary_invariants(s)

@@ -117,20 +117,23 @@ def batch_summary_attributes(
 ) -> dict[str, int | float]:
     """The ``step.BATCH_SUMMARY`` payload (spec/004 C.2).
 
-    Prefill/decode split by the scheduler's rule, ``num_output_tokens == 0`` → prefill: request
-    counts over ``running``, token counts over ``output.num_scheduled_tokens``.
+    Each side of the prefill/decode split is counted on its own, as spec/004 defines it: prefill
+    where ``num_output_tokens == 0``, decode where ``num_output_tokens > 0`` (request counts over
+    ``running``, token counts over ``output.num_scheduled_tokens``), so the C.2 invariants
+    (prefill + decode = running depth, = scheduled tokens) check the counts rather than hold by
+    construction. A scheduled request the scheduler does not know is in neither.
     """
-    num_prefill = 0
-    for req in running:
-        if req.num_output_tokens == 0:
-            num_prefill += 1
+    num_prefill = sum(1 for req in running if req.num_output_tokens == 0)
+    num_decode = sum(1 for req in running if req.num_output_tokens > 0)
     prefill_tokens = decode_tokens = 0
     for rid, n in output.num_scheduled_tokens.items():
         req = requests.get(rid)
-        if req is not None and req.num_output_tokens > 0:
-            decode_tokens += n
-        else:
+        if req is None:
+            continue
+        if req.num_output_tokens == 0:
             prefill_tokens += n
+        if req.num_output_tokens > 0:
+            decode_tokens += n
     preempted = output.preempted_req_ids
     attrs: dict[str, int | float] = {
         "step.id": step_id,
@@ -140,7 +143,7 @@ def batch_summary_attributes(
         "queue.running_depth": len(running),
         "queue.waiting_depth": num_waiting,
         "batch.num_prefill_reqs": num_prefill,
-        "batch.num_decode_reqs": len(running) - num_prefill,
+        "batch.num_decode_reqs": num_decode,
         "batch.scheduled_tokens": output.total_num_scheduled_tokens,
         "batch.prefill_tokens": prefill_tokens,
         "batch.decode_tokens": decode_tokens,
