@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 import nats
+import numpy as np
 import openai
 import pytest
 import yaml
@@ -35,9 +36,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from libs.common import headers as h
 from libs.common.bus_state import request_record
-from libs.common.envelopes import StageTask, decode
+from libs.common.envelopes import NdArray, StageTask, TaskKind, decode
 from libs.common.local_nats import free_port
 from libs.common.metrics_catalog import AUDIO, ENGINE_PROCESSES, Exporter, exposed_names, families_for
+from libs.common.publish import Hop, publish_task
 from libs.common.subjects import Subjects
 from tests import needs
 from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, ServiceProcess, stop_process, write_pipeline
@@ -542,24 +544,148 @@ def test_federate_exposes_the_same_labels(prom, traffic, stack) -> None:
 
 
 EVENT_DRIVEN = {
-    "vllm:omni_requests_failed_total",
     "vllm:omni_audio_late_chunks_total",
-    "vllm:omni_audio_skipped_requests_total",
-    "vllm:omni_transfer_clock_skew_clamps_total",
     "vllm:omni_bus_dead_lettered_total",
-    "vllm:omni_bus_messages_terminated_total",
     "vllm:omni_replica_evictions_total",
     "vllm:omni_requests_migrated_total",
     "vllm:omni_stale_events_dropped_total",
     "vllm:omni_stale_chunks_dropped_total",
 }
-"""Labelled counters that have no series until their event happens (none of it in this traffic)."""
+"""Labelled counters that have no series until their event happens, and whose events the
+``events`` fixture does not cause: a player running dry (late chunks), a message past
+``max_deliver``, a replica's death and the moves after it. Their tests: tests/integration/
+test_redelivery.py (dead-lettered), tests/e2e/test_replica_death.py and the move tests
+(evictions, moves, stale events and chunks), tests/unit/test_playback.py (late chunks)."""
 
 
-def test_every_dashboard_query_runs_and_has_data(prom, traffic) -> None:
+@dataclass
+class Events:
+    """What the ``events`` fixture caused, as the client and the bus saw it."""
+
+    t0: float
+    rejected: int = 0
+    """Audio requests whose stream ended with ``codec_input_rejected``."""
+    t1: float = 0.0
+
+
+def _bad_chunk(task_of: dict[str, Any], codes: list[int]) -> StageTask:
+    now = time.time_ns()
+    return StageTask(
+        request_id=task_of["request_id"],
+        gateway_id=task_of["gateway_id"],
+        arrival_ns=now,
+        deadline_ns=now + 60 * 10**9,
+        route=task_of["route"],
+        kind=TaskKind.CHUNK,
+        seq=0,
+        final=True,
+        codes=NdArray.of(np.asarray(codes, dtype=np.int32)),
+    )
+
+
+async def _reject_one(stack, pipeline, js, client: openai.AsyncOpenAI) -> bool:
+    """An audio request whose first code chunk the test corrupts: codes out of the codec's range,
+    sent to its code2wav replica as chunk 0 as soon as stage 0 has started (long before the talker's
+    own chunk 0, which the stream then drops as a duplicate). True when the stream ended with
+    ``codec_input_rejected`` (False: the talker's chunk got there first)."""
+    stream = await client.chat.completions.create(
+        model=pipeline.served_model_name,
+        messages=[{"role": "user", "content": "Read me a story."}],
+        max_tokens=60,
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "pcm16"},
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    subjects = Subjects(pipeline.name)
+    try:
+        async for chunk in stream:
+            rec = None
+            for _ in range(50):
+                rec = await request_record(stack.nats_url, chunk.id)
+                if rec:
+                    break
+                await asyncio.sleep(0.01)
+            assert rec, f"no record of {chunk.id}"
+            bad = _bad_chunk(rec, [5, 1 << 20])
+            audio = pipeline.audio_stage
+            hop = Hop(str(audio - 1), str(rec["route"][audio - 1]), audio, rec["route"][audio])
+            await publish_task(js, subjects, bad, hop)
+            async for _ in stream:
+                pass
+            return False
+    except openai.APIError as e:
+        assert e.code == "codec_input_rejected", e
+        return True
+    return False
+
+
+async def _cause_events(stack, pipeline, out: Events) -> None:
+    nc = await nats.connect(stack.nats_url)
+    js = nc.jetstream()
+    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    try:
+        for _ in range(3):  # the race is the test's to lose only if the talker is very fast
+            if await _reject_one(stack, pipeline, js, client):
+                out.rejected = 1
+                break
+        subjects = Subjects(pipeline.name)
+        audio = pipeline.audio_stage
+        to_codec = {h.TO_STAGE: str(audio), h.TO_REPLICA: "0"}
+        await js.publish(subjects.stage_in(audio, 0), b"\xc1", headers=to_codec)  # not msgpack
+        ahead = time.time_ns() + 5 * 10**9  # a sender whose clock runs 5 s ahead
+        skewed = _bad_chunk(
+            {"request_id": f"skew-{uuid.uuid4().hex}", "gateway_id": "nobody", "route": [0, 0, 0]}, [1, 2]
+        )
+        await js.publish(
+            subjects.stage_in(audio, 0),
+            skewed.encode(),
+            headers={
+                **to_codec,
+                h.REQUEST_ID: skewed.request_id,
+                h.FROM_STAGE: str(audio - 1),
+                h.FROM_REPLICA: "0",
+                h.SEQ: "0",
+                h.FINAL: "true",
+                h.TX_START_NS: str(ahead),
+                h.TX_END_NS: str(ahead + 1000),
+            },
+        )
+    finally:
+        await client.close()
+        await nc.close()
+    out.t1 = time.time()
+
+
+@pytest.fixture(scope="module")
+def events(stack, pipeline, prom, traffic) -> Events:
+    """Events the traffic does not cause, caused for real after it (the tests comparing the
+    traffic's counts have run by then): a codec rejection (a failure and a skipped audio request at
+    the gateway), a malformed stage message (terminated by its worker) and a chunk from a sender
+    whose clock runs ahead (two clamped intervals)."""
+    prom.wait_scraped_after(traffic.t1 + 1.0)
+    out = Events(t0=time.time())
+    asyncio.run(_cause_events(stack, pipeline, out))
+    return out
+
+
+def test_failures_and_bus_faults_reach_prometheus_as_they_happened(prom, events) -> None:
+    assert events.rejected == 1, "no request was rejected by the codec in 3 tries"
+    prom.wait_scraped_after(events.t1 + 1.0)
+    for name, by, want in (
+        ("vllm:omni_requests_failed_total", "reason", {("codec_input_rejected",): 1.0}),
+        ("vllm:omni_audio_skipped_requests_total", "reason", {("codec_input_rejected",): 1.0}),
+        ("vllm:omni_bus_messages_terminated_total", "reason", {("not_msgpack",): 1.0}),
+        ("vllm:omni_transfer_clock_skew_clamps_total", "interval", {("in_flight",): 1.0, ("publish",): 1.0}),
+    ):
+        got = eventually(lambda n=name, b=by: prom.grown(n, b, events.t0), lambda v, w=want: v == w)
+        assert got == want, (name, got)
+
+
+def test_every_dashboard_query_runs_and_has_data(prom, traffic, events) -> None:
     """Each dashboard query (variables at All) is valid for this Prometheus and returns series,
     except queries of event-driven families whose events did not happen."""
-    prom.wait_scraped_after(traffic.t1 + 2.5)  # rate() needs two samples of the series the traffic created
+    prom.wait_scraped_after(max(traffic.t1, events.t1) + 2.5)  # rate() needs two samples of new series
     present = set(prom.api("label/__name__/values"))
     empty, absent, skipped = [], [], []
     for where, expr in dashboard_queries(json.loads(DASHBOARD.read_text())):
