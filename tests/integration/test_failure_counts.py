@@ -183,10 +183,15 @@ async def test_stage_error(stack, nats_server) -> None:
     assert_failed_once_as(before, await counted(stack, before, FAILED, 1), "stage_error")
 
 
-async def test_codec_rejection_is_a_failure_and_a_skipped_audio_request(stack, nats_server) -> None:
+async def audio_request_whose_talker_sends(
+    stack: Stack, url: str, codes: list[int]
+) -> tuple[dict, asyncio.Task]:
+    """An audio request that the played thinker answers with one token and the played talker
+    with one last code chunk of ``codes`` for the real code2wav: the gateway's counters before it,
+    and the client's finished call."""
     async with (
-        played_worker(nats_server.url, PIPELINE, 0) as (nc, tasks),
-        played_worker(nats_server.url, PIPELINE, 1),
+        played_worker(url, PIPELINE, 0) as (nc, tasks),
+        played_worker(url, PIPELINE, 1),
     ):
         before = scrape(stack.metrics_url)
         call = asyncio.create_task(
@@ -196,9 +201,15 @@ async def test_codec_rejection_is_a_failure_and_a_skipped_audio_request(stack, n
         )
         task = await asyncio.wait_for(tasks.get(), 10)
         await answer_as_thinker(nc, task, reply(task))
-        await publish_task(nc.jetstream(), SUBJECTS, code_chunk(task, [5, 1 << 20]), Hop("1", "0", 2, 0))
-        with pytest.raises(openai.APIStatusError) as e:
-            await call
+        await publish_task(nc.jetstream(), SUBJECTS, code_chunk(task, codes), Hop("1", "0", 2, 0))
+        await asyncio.wait([call], timeout=30)
+    return before, call
+
+
+async def test_codec_rejection_is_a_failure_and_a_skipped_audio_request(stack, nats_server) -> None:
+    before, call = await audio_request_whose_talker_sends(stack, nats_server.url, [5, 1 << 20])
+    with pytest.raises(openai.APIStatusError) as e:
+        call.result()
     assert (e.value.status_code, e.value.code) == (500, "codec_input_rejected")
     after = await counted(stack, before, SKIPPED, 1, reason="codec_input_rejected")
     assert_failed_once_as(before, after, "codec_input_rejected")
@@ -207,20 +218,8 @@ async def test_codec_rejection_is_a_failure_and_a_skipped_audio_request(stack, n
 
 
 async def test_an_audio_request_that_ends_without_audio_is_skipped_not_failed(stack, nats_server) -> None:
-    async with (
-        played_worker(nats_server.url, PIPELINE, 0) as (nc, tasks),
-        played_worker(nats_server.url, PIPELINE, 1),
-    ):
-        before = scrape(stack.metrics_url)
-        call = asyncio.create_task(
-            client(stack).chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1, **AUDIO
-            )
-        )
-        task = await asyncio.wait_for(tasks.get(), 10)
-        await answer_as_thinker(nc, task, reply(task))
-        await publish_task(nc.jetstream(), SUBJECTS, code_chunk(task, []), Hop("1", "0", 2, 0))
-        response = await call
+    before, call = await audio_request_whose_talker_sends(stack, nats_server.url, [])
+    response = call.result()
     audio = response.choices[0].message.audio
     assert (audio.transcript, audio.data) == ("Hi", ""), "the text came, the audio is empty"
     after = await counted(stack, before, SKIPPED, 1, reason="no_audio_data")
