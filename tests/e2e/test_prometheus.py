@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import signal
 import subprocess
 import time
@@ -35,14 +36,24 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from libs.common import headers as h
-from libs.common.bus_state import request_record
+from libs.common.bus_state import request_record, snapshot
 from libs.common.envelopes import NdArray, StageTask, TaskKind, decode
 from libs.common.local_nats import free_port
 from libs.common.metrics_catalog import AUDIO, ENGINE_PROCESSES, Exporter, exposed_names, families_for
 from libs.common.publish import Hop, publish_task
 from libs.common.subjects import Subjects
 from tests import needs
-from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, ServiceProcess, stop_process, write_pipeline
+from tests.procs import (
+    CODE2WAV_YAML,
+    TALKER_YAML,
+    THINKER_YAML,
+    ServiceProcess,
+    gone,
+    process_state,
+    stop_process,
+    worker_pid,
+    write_pipeline,
+)
 from tests.unit.test_dashboard import DASHBOARD, dashboard_queries, grafana_to_promql, metric_names
 
 pytestmark = pytest.mark.e2e
@@ -544,18 +555,14 @@ def test_federate_exposes_the_same_labels(prom, traffic, stack) -> None:
 
 
 EVENT_DRIVEN = {
-    "vllm:omni_audio_late_chunks_total",
     "vllm:omni_bus_dead_lettered_total",
-    "vllm:omni_replica_evictions_total",
-    "vllm:omni_requests_migrated_total",
     "vllm:omni_stale_events_dropped_total",
     "vllm:omni_stale_chunks_dropped_total",
 }
 """Labelled counters that have no series until their event happens, and whose events the
-``events`` fixture does not cause: a player running dry (late chunks), a message past
-``max_deliver``, a replica's death and the moves after it. Their tests: tests/integration/
-test_redelivery.py (dead-lettered), tests/e2e/test_replica_death.py and the move tests
-(evictions, moves, stale events and chunks), tests/unit/test_playback.py (late chunks)."""
+``events`` fixture does not cause: a message past ``max_deliver`` (tests/integration/
+test_redelivery.py), and a stalled replica that resumes after its requests moved (its stale
+events and chunks: tests/e2e/test_replica_death.py, tests/integration/test_talker_move.py)."""
 
 
 @dataclass
@@ -565,6 +572,12 @@ class Events:
     t0: float
     rejected: int = 0
     """Audio requests whose stream ended with ``codec_input_rejected``."""
+    chunks_after_pause: int = 0
+    """Audio chunks a stream got after its audio stage was stopped for ``PAUSE_S``."""
+    victim: int | None = None
+    """The thinker replica killed under two streams."""
+    moved: int = 0
+    """Streams whose record lists a second stage-0 attempt (moved off the victim)."""
     t1: float = 0.0
 
 
@@ -620,6 +633,93 @@ async def _reject_one(stack, pipeline, js, client: openai.AsyncOpenAI) -> bool:
     return False
 
 
+PAUSE_S = 2.0
+"""How long the audio stage is stopped mid-stream: four times a chunk's 0.5 s of audio."""
+
+
+async def _pause_the_audio_stage(stack, pipeline, client: openai.AsyncOpenAI) -> int:
+    """A streamed audio request whose audio stage (its only replica) is stopped (``SIGSTOP``) for
+    ``PAUSE_S`` after the first audio chunk, well inside its ``stall_timeout_s``: the client's player
+    runs dry and the next chunk is late. Returns the chunks that came after the pause."""
+    pid = worker_pid(stack.proc.pid, pipeline.audio_stage, 0)
+    stream = await client.chat.completions.create(
+        model=pipeline.served_model_name,
+        messages=[{"role": "user", "content": "Read me a story."}],
+        max_tokens=60,
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "pcm16"},
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    paused, after = False, 0
+    async for chunk in stream:
+        if not any(c.delta.audio and c.delta.audio.data for c in chunk.choices):
+            continue
+        if paused:
+            after += 1
+            continue
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            for _ in range(50):
+                if process_state(pid) == "T":
+                    break
+                await asyncio.sleep(0.02)
+            assert process_state(pid) == "T", "the audio stage did not stop"
+            await asyncio.sleep(PAUSE_S)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        paused = True
+    return after
+
+
+async def _kill_a_busy_thinker(stack, pipeline, client: openai.AsyncOpenAI, out: Events) -> None:
+    """Two text streams of 300 tokens; once both have tokens, ``kill -9`` the thinker replica the
+    first runs on. Both streams complete (one moved); the launcher's replacement is awaited."""
+    services = (await snapshot(stack.nats_url, pipeline))["services"]
+    incarnations = {s["key"]: s["started_ns"] for s in services}
+    ids: list[str] = ["", ""]
+    tokens = [0, 0]
+
+    async def stream(i: int) -> None:
+        s = await client.chat.completions.create(
+            model=pipeline.served_model_name,
+            messages=[{"role": "user", "content": f"Count to a thousand, {i}."}],
+            max_tokens=300,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        async for chunk in s:
+            ids[i] = chunk.id
+            tokens[i] += sum(1 for c in chunk.choices if c.delta.content)
+
+    streams = [asyncio.create_task(stream(i)) for i in (0, 1)]
+    for _ in range(400):
+        if min(tokens) >= 10:
+            break
+        await asyncio.sleep(0.025)
+    rec = await request_record(stack.nats_url, ids[0])
+    assert rec and not rec["stages"][0]["done_ns"], rec
+    out.victim = rec["route"][0]
+    pid = worker_pid(stack.proc.pid, 0, out.victim)
+    os.kill(pid, signal.SIGKILL)
+    for _ in range(50):
+        if gone(pid):
+            break
+        await asyncio.sleep(0.1)
+    assert gone(pid), "the thinker still runs after SIGKILL"
+    await asyncio.wait_for(asyncio.gather(*streams), 120)
+    for rid in ids:
+        rec = await request_record(stack.nats_url, rid)
+        out.moved += len(rec["stages"][0]["attempts"]) > 1
+    key = f"worker.{pipeline.name}.0.{out.victim}"
+    for _ in range(600):  # the stack whole again for the tests after these
+        now = {s["key"]: s for s in (await snapshot(stack.nats_url, pipeline))["services"]}
+        if key in now and now[key]["started_ns"] > incarnations[key]:
+            return
+        await asyncio.sleep(0.5)
+    raise AssertionError("the killed thinker did not come back")
+
+
 async def _cause_events(stack, pipeline, out: Events) -> None:
     nc = await nats.connect(stack.nats_url)
     js = nc.jetstream()
@@ -629,6 +729,8 @@ async def _cause_events(stack, pipeline, out: Events) -> None:
             if await _reject_one(stack, pipeline, js, client):
                 out.rejected = 1
                 break
+        out.chunks_after_pause = await _pause_the_audio_stage(stack, pipeline, client)
+        await _kill_a_busy_thinker(stack, pipeline, client, out)
         subjects = Subjects(pipeline.name)
         audio = pipeline.audio_stage
         to_codec = {h.TO_STAGE: str(audio), h.TO_REPLICA: "0"}
@@ -661,15 +763,27 @@ async def _cause_events(stack, pipeline, out: Events) -> None:
 def events(stack, pipeline, prom, traffic) -> Events:
     """Events the traffic does not cause, caused for real after it (the tests comparing the
     traffic's counts have run by then): a codec rejection (a failure and a skipped audio request at
-    the gateway), a malformed stage message (terminated by its worker) and a chunk from a sender
-    whose clock runs ahead (two clamped intervals)."""
+    the gateway), an audio stage stopped for 2 s mid-stream (late chunks), a thinker killed under
+    two streams (an eviction and a move), a malformed stage message (terminated by its worker) and
+    a chunk from a sender whose clock runs ahead (two clamped intervals)."""
     prom.wait_scraped_after(traffic.t1 + 1.0)
     out = Events(t0=time.time())
     asyncio.run(_cause_events(stack, pipeline, out))
     return out
 
 
-def test_failures_and_bus_faults_reach_prometheus_as_they_happened(prom, events) -> None:
+def grew(prom: Prometheus, name: str, by: str, t0: float) -> dict[tuple[str, ...], float]:
+    """How much ``name`` grew since ``t0``, summed by ``by``, leaving out what did not grow (series
+    of earlier tests' events are there too). Taken per process (``instance``): a process that died
+    since (its series gone) must not count as a fall, and its replacement counts from 0."""
+    out: dict[tuple[str, ...], float] = defaultdict(float)
+    for key, value in prom.grown(name, f"{by}, instance", t0).items():
+        if value:
+            out[key[:-1]] += value
+    return dict(out)
+
+
+def test_caused_events_reach_prometheus_as_they_happened(prom, events) -> None:
     assert events.rejected == 1, "no request was rejected by the codec in 3 tries"
     prom.wait_scraped_after(events.t1 + 1.0)
     for name, by, want in (
@@ -678,13 +792,26 @@ def test_failures_and_bus_faults_reach_prometheus_as_they_happened(prom, events)
         ("vllm:omni_bus_messages_terminated_total", "reason", {("not_msgpack",): 1.0}),
         ("vllm:omni_transfer_clock_skew_clamps_total", "interval", {("in_flight",): 1.0, ("publish",): 1.0}),
     ):
-
-        def grown(n: str = name, b: str = by) -> dict[tuple[str, ...], float]:
-            """What grew (series of earlier tests' events are there too, unchanged)."""
-            return {k: v for k, v in prom.grown(n, b, events.t0).items() if v}
-
-        got = eventually(grown, lambda v, w=want: v == w)
+        got = eventually(lambda n=name, b=by: grew(prom, n, b, events.t0), lambda v, w=want: v == w)
         assert got == want, (name, got)
+    assert events.victim is not None and events.moved >= 1, events
+    victim = str(events.victim)
+    for name, by, want in (
+        ("vllm:omni_replica_evictions_total", "stage, replica, reason", {("0", victim, "exit"): 1.0}),
+        (
+            "vllm:omni_requests_migrated_total",
+            "stage, from_replica, reason",
+            {("0", victim, "exit"): float(events.moved)},
+        ),
+    ):
+        got = eventually(lambda n=name, b=by: grew(prom, n, b, events.t0), lambda v, w=want: v == w)
+        assert got == want, (name, got)
+    assert events.chunks_after_pause >= 1, "no audio came after the pause"
+    late = eventually(
+        lambda: sum(prom.grown("vllm:omni_audio_late_chunks_total", "pipeline", events.t0).values()),
+        lambda v: v >= 1,
+    )
+    assert 1 <= late <= events.chunks_after_pause, late
 
 
 def test_every_dashboard_query_runs_and_has_data(prom, traffic, events) -> None:
