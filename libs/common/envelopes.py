@@ -153,6 +153,10 @@ class StageTask(_Envelope):
     """A chunk: the position of its first item (token of a text chunk, code of a code chunk) in
     what its sender produced for the request; a talker that takes a request over starts its
     code numbering from the offset of its first text chunk."""
+    moved: bool = False
+    """Set by the orchestrator on a stored input it sends again to the stage's new attempt after a
+    move. The attempt before had taken that input, so the stage-0 fence (chunks of a thinker attempt
+    the request moved past) does not drop it: for a chunk number it holds, no later copy may come."""
     next_attempt: int = Field(default=1, ge=1)
     next_start_seq: int = Field(default=0, ge=0)
     """A moved task: the next stage's current attempt and its ``start_seq`` (that stage may have

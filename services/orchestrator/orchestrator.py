@@ -755,7 +755,7 @@ def _moved_task(
     stage's takes chunks from ``start_seq`` and carries no audio the client already has."""
     s = move.stage
     route = [*task.route[:s], move.to_replica, *seen.route[s + 1 :]]
-    update: dict[str, object] = {"route": route, "attempt": move.attempt}
+    update: dict[str, object] = {"route": route, "attempt": move.attempt, "moved": True}
     if s + 1 < len(seen.stages) and seen.stages[s + 1].attempts:
         current = seen.stages[s + 1].attempts[-1]
         update["next_attempt"], update["next_start_seq"] = current.attempt, current.start_seq

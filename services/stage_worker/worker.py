@@ -246,11 +246,12 @@ class StageWorker:
         """Acknowledge and drop ``task`` if it belongs to an attempt of its request that has ended
         here (a later attempt, moved back to this replica, is new work), or comes from an attempt
         of stage 0 that the request has moved past (a thinker that resumed after a stall: its
-        successor sends every chunk again, from the client's tokens)."""
+        successor sends every chunk again, from the client's tokens) and is not an input the
+        orchestrator moved here from a dead replica of this stage (that replica had taken it)."""
         rid = task.request_id
         if task.attempt <= self._closed.get(rid):
             log.debug("%s: dropping late message for closed request %s", self.label, rid)
-        elif task.from_attempt < self._fences.get(rid):
+        elif not task.moved and task.from_attempt < self._fences.get(rid):
             log.info(
                 "%s: request %s: dropping chunk %d of stage %d's attempt %d (it moved to attempt %d)",
                 self.label,

@@ -12,6 +12,7 @@ from libs.common.envelopes import (
     ClientEvent,
     ClientEventType,
     LifecycleEvent,
+    ResumePoint,
     StageEnded,
     StageTask,
     TextDelta,
@@ -21,7 +22,7 @@ from libs.common.publish import task_msg_id
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
 from services.gateway.pipeline_client import RequestHandle
 from services.orchestrator.migration import Move, NoMove, Phase, apply_move, plan_move, unfinished_moves
-from services.orchestrator.orchestrator import apply_event, ends_client_stream
+from services.orchestrator.orchestrator import _moved_task, apply_event, ends_client_stream
 
 
 def _rec(route: list[int], started: bool = False) -> RequestRecord:
@@ -295,3 +296,17 @@ def test_first_attempts_and_moves_without_a_claimer_are_never_taken_over() -> No
     assert unfinished_moves(rec, set(), time.time_ns() + 10**12, 0) == []
     apply_move(rec, plan_move(rec, 0, 1, 0, "stall", 3), time.time_ns())  # a record of before claims
     assert unfinished_moves(rec, set(), time.time_ns() + 10**12, 0) == []
+
+
+def test_an_input_moved_to_a_new_attempt_is_marked_so_the_stage_0_fence_keeps_it() -> None:
+    """A talker that died after the thinker moved may hold a chunk of the old thinker attempt that
+    it had taken (and dropped the newer copy as a repeat): moved on, that chunk is the only one of
+    its number, and the new talker must not drop it as stale."""
+    rec = _rec([0, 1, 0], started=True)
+    chunk = StageTask(
+        request_id="r", gateway_id="g", arrival_ns=1, deadline_ns=2, route=[0, 1, 0], kind="chunk", seq=3
+    )
+    move = Move("r", 1, 1, 0, 2, "exit", Phase.IN_PROGRESS)
+    moved = _moved_task(chunk, move, 3, ResumePoint(known=True), rec)
+    assert (moved.moved, moved.attempt, moved.from_attempt, moved.route) == (True, 2, 1, [0, 0, 0])
+    assert not chunk.moved
