@@ -144,6 +144,28 @@ def process_state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
+async def kill_confirmed(pid: int, what: str) -> None:
+    """``SIGKILL`` ``pid`` and wait up to 5 s until it is gone (a fault test proves its fault
+    happened before it judges what the system did)."""
+    os.kill(pid, signal.SIGKILL)
+    for _ in range(50):
+        if gone(pid):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{what} (pid {pid}) still runs after SIGKILL")
+
+
+async def stop_confirmed(pid: int, what: str, timeout_s: float = 2.5) -> None:
+    """``SIGSTOP`` ``pid`` and wait up to ``timeout_s`` until its state is ``T`` (stopped). The
+    caller sends ``SIGCONT`` in a ``finally`` around this call."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while process_state(pid) != "T":
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} (pid {pid}) did not stop")
+        await asyncio.sleep(0.02)
+
+
 def gone(pid: int) -> bool:
     """The process no longer exists, or is a zombie waiting to be reaped."""
     try:

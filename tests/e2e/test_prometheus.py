@@ -48,8 +48,8 @@ from tests.procs import (
     TALKER_YAML,
     THINKER_YAML,
     ServiceProcess,
-    gone,
-    process_state,
+    kill_confirmed,
+    stop_confirmed,
     stop_process,
     worker_pid,
     write_pipeline,
@@ -245,17 +245,22 @@ async def _text(client: openai.AsyncOpenAI, model: str, n: int, out: Traffic) ->
     out.ids.append(r.id)
 
 
-async def _audio(client: openai.AsyncOpenAI, model: str, n: int, out: Traffic) -> None:
-    t = time.monotonic()
-    stream = await client.chat.completions.create(
+async def _audio_stream(client: openai.AsyncOpenAI, model: str, max_tokens: int) -> openai.AsyncStream:
+    """A streamed text + audio (PCM16) request of exactly ``max_tokens`` tokens."""
+    return await client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": "Read me a story."}],
-        max_tokens=n,
+        max_tokens=max_tokens,
         modalities=["text", "audio"],
         audio={"voice": "alloy", "format": "pcm16"},
         stream=True,
         extra_body={"ignore_eos": True},
     )
+
+
+async def _audio(client: openai.AsyncOpenAI, model: str, n: int, out: Traffic) -> None:
+    t = time.monotonic()
+    stream = await _audio_stream(client, model, n)
     pcm, first, reason, rid = bytearray(), None, None, None
     async for chunk in stream:
         rid = chunk.id
@@ -601,15 +606,7 @@ async def _reject_one(stack, pipeline, js, client: openai.AsyncOpenAI) -> bool:
     sent to its code2wav replica as chunk 0 as soon as stage 0 has started (long before the talker's
     own chunk 0, which the stream then drops as a duplicate). True when the stream ended with
     ``codec_input_rejected`` (False: the talker's chunk got there first)."""
-    stream = await client.chat.completions.create(
-        model=pipeline.served_model_name,
-        messages=[{"role": "user", "content": "Read me a story."}],
-        max_tokens=60,
-        modalities=["text", "audio"],
-        audio={"voice": "alloy", "format": "pcm16"},
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
+    stream = await _audio_stream(client, pipeline.served_model_name, 60)
     subjects = Subjects(pipeline.name)
     try:
         async for chunk in stream:
@@ -642,15 +639,7 @@ async def _pause_the_audio_stage(stack, pipeline, client: openai.AsyncOpenAI) ->
     ``PAUSE_S`` after the first audio chunk, well inside its ``stall_timeout_s``: the client's player
     runs dry and the next chunk is late. Returns the chunks that came after the pause."""
     pid = worker_pid(stack.proc.pid, pipeline.audio_stage, 0)
-    stream = await client.chat.completions.create(
-        model=pipeline.served_model_name,
-        messages=[{"role": "user", "content": "Read me a story."}],
-        max_tokens=60,
-        modalities=["text", "audio"],
-        audio={"voice": "alloy", "format": "pcm16"},
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
+    stream = await _audio_stream(client, pipeline.served_model_name, 60)
     paused, after = False, 0
     async for chunk in stream:
         if not any(c.delta.audio and c.delta.audio.data for c in chunk.choices):
@@ -658,13 +647,8 @@ async def _pause_the_audio_stage(stack, pipeline, client: openai.AsyncOpenAI) ->
         if paused:
             after += 1
             continue
-        os.kill(pid, signal.SIGSTOP)
         try:
-            for _ in range(50):
-                if process_state(pid) == "T":
-                    break
-                await asyncio.sleep(0.02)
-            assert process_state(pid) == "T", "the audio stage did not stop"
+            await stop_confirmed(pid, "the audio stage", timeout_s=1.0)
             await asyncio.sleep(PAUSE_S)
         finally:
             os.kill(pid, signal.SIGCONT)
@@ -700,13 +684,7 @@ async def _kill_a_busy_thinker(stack, pipeline, client: openai.AsyncOpenAI, out:
     rec = await request_record(stack.nats_url, ids[0])
     assert rec and not rec["stages"][0]["done_ns"], rec
     out.victim = rec["route"][0]
-    pid = worker_pid(stack.proc.pid, 0, out.victim)
-    os.kill(pid, signal.SIGKILL)
-    for _ in range(50):
-        if gone(pid):
-            break
-        await asyncio.sleep(0.1)
-    assert gone(pid), "the thinker still runs after SIGKILL"
+    await kill_confirmed(worker_pid(stack.proc.pid, 0, out.victim), "the thinker worker")
     await asyncio.wait_for(asyncio.gather(*streams), 120)
     for rid in ids:
         rec = await request_record(stack.nats_url, rid)

@@ -24,7 +24,7 @@ from openai import AsyncOpenAI
 from libs.common.bus import requests_kv
 from libs.common.bus_state import request_record, snapshot
 from tests.metrics_scrape import delta, scrape
-from tests.procs import gone, process_state, worker_pid
+from tests.procs import kill_confirmed, stop_confirmed, worker_pid
 
 pytestmark = pytest.mark.e2e
 
@@ -183,13 +183,7 @@ async def test_streams_on_a_killed_replica_move_and_complete(stack, pipeline) ->
 
     client, seen, tasks, victim = await _streams_and_victim(stack, pipeline)
     try:
-        pid = worker_pid(stack.proc.pid, 0, victim)
-        os.kill(pid, signal.SIGKILL)
-        for _ in range(50):
-            if gone(pid):
-                break
-            await asyncio.sleep(0.1)
-        assert gone(pid), f"worker {pid} still running after SIGKILL"
+        await kill_confirmed(worker_pid(stack.proc.pid, 0, victim), "the thinker worker")
 
         await asyncio.wait_for(asyncio.gather(*tasks), 180)
         await client.close()
@@ -253,14 +247,8 @@ async def test_streams_on_a_stopped_replica_move_after_the_stall_timeout(stack, 
 
     client, seen, tasks, victim = await _streams_and_victim(stack, pipeline)
     pid = worker_pid(stack.proc.pid, 0, victim)
-    os.kill(pid, signal.SIGSTOP)
-
     try:
-        for _ in range(50):
-            if process_state(pid) == "T":
-                break
-            await asyncio.sleep(0.05)
-        assert process_state(pid) == "T", "the worker did not stop"
+        await stop_confirmed(pid, "the thinker worker")
         await asyncio.wait_for(asyncio.gather(*tasks), 120)
     finally:
         os.kill(pid, signal.SIGCONT)

@@ -35,7 +35,7 @@ from libs.models.codec import decode_to_pcm16, load_codec
 from libs.models.tiny import resolve_model
 from tests.bus import collect
 from tests.metrics_scrape import delta, scrape
-from tests.procs import TALKER_YAML, THINKER_YAML, gone, start_service, write_pipeline
+from tests.procs import TALKER_YAML, THINKER_YAML, kill_confirmed, start_service, write_pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -149,13 +149,7 @@ async def test_a_killed_code2wav_replica_moves_its_chunks_and_no_audio_is_lost_o
         (ClientEventType.AUDIO, 1, 0),
     ]
 
-    pid = workers[0].proc.pid
-    os.kill(pid, signal.SIGKILL)
-    for _ in range(50):
-        if gone(pid):
-            break
-        await asyncio.sleep(0.1)
-    assert gone(pid), "code2wav replica 0 still runs after SIGKILL"
+    await kill_confirmed(workers[0].proc.pid, "code2wav replica 0")
     # Chunks 2 and 3 wait for the dead replica; the client, say, already has chunk 2's audio.
     client_has["audio_seq"] = 2
     for seq in (2, 3):

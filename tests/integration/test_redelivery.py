@@ -26,7 +26,7 @@ from tests.procs import (
     TALKER_YAML,
     THINKER_YAML,
     ServiceProcess,
-    process_state,
+    stop_confirmed,
     write_pipeline,
 )
 
@@ -179,13 +179,8 @@ async def test_a_message_past_max_deliver_is_counted_as_dead_lettered(nats_serve
         rid = f"deadletter-{time.time_ns()}"
         await publish_task(nc.jetstream(), SUBJECTS, _chunk(rid, 1, final=True), HOP)
         await asyncio.sleep(1.0)  # delivered and held (seq 0 never comes)
-        os.kill(worker.proc.pid, signal.SIGSTOP)
         try:
-            for _ in range(50):
-                if process_state(worker.proc.pid) == "T":
-                    break
-                await asyncio.sleep(0.05)
-            assert process_state(worker.proc.pid) == "T", "the worker did not stop"
+            await stop_confirmed(worker.proc.pid, "the code2wav worker")
             puller = await nc.jetstream().pull_subscribe_bind(consumer, SUBJECTS.stages_stream)
             deadline = time.monotonic() + 30
             while advisories.empty() and time.monotonic() < deadline:
