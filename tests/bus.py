@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
@@ -14,8 +16,10 @@ from nats.aio.msg import Msg
 
 from libs.common.bus import services_kv
 from libs.common.envelopes import Liveness, StageTask, decode
+from libs.common.publish import Hop, publish_task
 from libs.common.registry import ServiceKind, ServiceRecord
-from libs.common.subjects import Subjects
+from libs.common.subjects import Subjects, consumer_name, max_deliveries_advisory
+from tests.procs import stop_confirmed
 
 E = TypeVar("E")
 
@@ -70,3 +74,30 @@ async def played_worker(
         beat.cancel()
         await kv.delete(record.key)
         await nc.close()
+
+
+async def dead_letter(
+    nc: Client, subjects: Subjects, hop: Hop, task: StageTask, pid: int, timeout_s: float = 30
+) -> int:
+    """Make JetStream drop ``task`` past ``max_deliver`` on the worker ``hop`` leads to (process
+    ``pid``, whose ``task`` must wait for an input that never comes, and whose ``ack_wait`` should
+    be short): once it holds the message it is stopped (``SIGSTOP``: no in-progress acks), and the
+    caller pulls from the same consumer and never acknowledges until the server's max-deliveries
+    advisory comes; then the worker is resumed. Returns the advisories seen (1 when it worked)."""
+    advisories: asyncio.Queue[Msg] = asyncio.Queue()
+    consumer = consumer_name(hop.to_stage, hop.to_replica)
+    sub = await nc.subscribe(max_deliveries_advisory(subjects.stages_stream, consumer), cb=advisories.put)
+    await publish_task(nc.jetstream(), subjects, task, hop)
+    await asyncio.sleep(1.0)  # delivered and held
+    try:
+        await stop_confirmed(pid, "the worker")
+        puller = await nc.jetstream().pull_subscribe_bind(consumer, subjects.stages_stream)
+        deadline = time.monotonic() + timeout_s
+        while advisories.empty() and time.monotonic() < deadline:
+            with contextlib.suppress(nats.errors.TimeoutError):
+                await puller.fetch(1, timeout=2)  # taken and never acknowledged
+        await puller.unsubscribe()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    await sub.unsubscribe()
+    return advisories.qsize()

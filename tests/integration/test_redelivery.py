@@ -4,7 +4,6 @@ which finishes the request; its span is linked to the sender's and records the d
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import time
@@ -17,8 +16,9 @@ import pytest
 from libs.common.envelopes import ClientEvent, ClientEventType, NdArray, StageTask, TaskKind, decode
 from libs.common.local_nats import free_port
 from libs.common.publish import Hop, publish_task
-from libs.common.subjects import Subjects, consumer_name, max_deliveries_advisory
+from libs.common.subjects import Subjects
 from libs.common.tracing import start_span
+from tests.bus import dead_letter
 from tests.metrics_scrape import delta, scrape, total
 from tests.otlp_receiver import Receiver, start_receiver, tracing_in_this_process
 from tests.procs import (
@@ -26,7 +26,6 @@ from tests.procs import (
     TALKER_YAML,
     THINKER_YAML,
     ServiceProcess,
-    stop_confirmed,
     write_pipeline,
 )
 
@@ -173,29 +172,15 @@ async def test_a_message_past_max_deliver_is_counted_as_dead_lettered(nats_serve
     try:
         await worker.await_log("serving omni.", timeout_s=120)
         before = scrape(metrics)
-        advisories: asyncio.Queue = asyncio.Queue()
-        consumer = consumer_name(2, 0)
-        await nc.subscribe(max_deliveries_advisory(SUBJECTS.stages_stream, consumer), cb=advisories.put)
-        rid = f"deadletter-{time.time_ns()}"
-        await publish_task(nc.jetstream(), SUBJECTS, _chunk(rid, 1, final=True), HOP)
-        await asyncio.sleep(1.0)  # delivered and held (seq 0 never comes)
-        try:
-            await stop_confirmed(worker.proc.pid, "the code2wav worker")
-            puller = await nc.jetstream().pull_subscribe_bind(consumer, SUBJECTS.stages_stream)
-            deadline = time.monotonic() + 30
-            while advisories.empty() and time.monotonic() < deadline:
-                with contextlib.suppress(nats.errors.TimeoutError):
-                    await puller.fetch(1, timeout=2)  # taken and never acknowledged
-            assert advisories.qsize() == 1, "no max-deliveries advisory within 30 s"
-            await puller.unsubscribe()
-        finally:
-            os.kill(worker.proc.pid, signal.SIGCONT)
+        held = _chunk(f"deadletter-{time.time_ns()}", 1, final=True)  # chunk 0 never comes
+        seen = await dead_letter(nc, SUBJECTS, HOP, held, worker.proc.pid)
+        assert seen == 1, "no max-deliveries advisory within 30 s"
         for _ in range(50):
             if delta(before, scrape(metrics), "vllm:omni_bus_dead_lettered_total") >= 1:
                 break
             await asyncio.sleep(0.2)
         await asyncio.sleep(1.0)  # a second, wrong count would show by now
-        assert delta(before, scrape(metrics), "vllm:omni_bus_dead_lettered_total") == advisories.qsize()
+        assert delta(before, scrape(metrics), "vllm:omni_bus_dead_lettered_total") == seen
         await worker.await_log("a message reached max_deliver and was dropped by JetStream", timeout_s=5)
     finally:
         await nc.close()
