@@ -22,7 +22,7 @@ PROMETHEUS_PORT ?= 9090
 SUDO ?= $(if $(filter 0,$(shell id -u)),,sudo)
 PYTEST_ARGS ?=
 
-.PHONY: setup models up test lint bench clean prometheus prometheus-bin
+.PHONY: setup models up test lint bench clean prometheus prometheus-bin test-deps compose-check
 
 setup: $(STAMP)
 
@@ -46,8 +46,13 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 
-test: models lint prometheus-bin
+test: models lint test-deps
 	OMNIRELAY_TESTS_NEED_ALL=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Debian's packages the tests use: prometheus (below) and docker-compose 1.29 (tests/integration/
+# test_compose.py reads the compose files with it; it needs no Docker engine for that).
+test-deps: prometheus-bin
+	@command -v docker-compose >/dev/null 2>&1 || { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends docker-compose; }
 
 # Debian's prometheus package (prometheus + promtool), used by the tests (tests/e2e/test_prometheus.py,
 # tests/unit/test_dashboard.py) and `make prometheus`. Installed only when `prometheus` is not on PATH.
@@ -65,6 +70,14 @@ prometheus: prometheus-bin
 	promtool check config .omnirelay/prometheus.yml
 	prometheus --config.file=.omnirelay/prometheus.yml --storage.tsdb.path=.omnirelay/prometheus \
 		--web.listen-address=127.0.0.1:$(PROMETHEUS_PORT) --enable-feature=exemplar-storage
+
+# The compose stack in real containers, checked end to end (compose/README.md, "What the check proves"):
+# starts a Docker engine if none runs (Debian's docker.io, installed if missing; needs root), builds the
+# images (stand-ins from Debian's packages for those no registry gives), runs compose/docker-compose.yml,
+# prints a table. Where no engine can run it says so and exits 0. COMPOSE_CHECK_ARGS: e.g. --cold.
+COMPOSE_CHECK_ARGS ?=
+compose-check: setup
+	$(BIN)/omnirelay compose-check $(COMPOSE_CHECK_ARGS)
 
 bench: models
 	$(BIN)/omnirelay bench

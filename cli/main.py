@@ -434,5 +434,26 @@ def bench_faults(
     raise typer.Exit(run_fault_suite(only, keep_logs))
 
 
+@app.command("compose-check")
+def compose_check(
+    cold: Annotated[
+        bool, typer.Option("--cold", help="build the image without the build cache (times a cold build)")
+    ] = False,
+    keep: Annotated[bool, typer.Option("--keep", help="leave the check's stack running at the end")] = False,
+) -> None:
+    """Build the images and run compose/docker-compose.yml in real containers on this host's Docker
+    engine (started here if needed), check it end to end, and print a table (compose/README.md,
+    "What the check proves"). Says so and exits 0 where no Docker engine can run."""
+    from cli.compose_check.run import main as run_check
+
+    repo = Path(__file__).resolve().parents[1]
+    if not (repo / "compose" / "Dockerfile").is_file():
+        typer.echo(
+            f"error: no compose/Dockerfile under {repo}: run this from an omnirelay checkout", err=True
+        )
+        raise typer.Exit(2)
+    raise typer.Exit(run_check(repo, cold, keep))
+
+
 def main() -> None:
     app()

@@ -1,0 +1,229 @@
+"""Checks against the running compose stack, from the host: through the published ports only (the
+gateway with the official ``openai`` client, Prometheus's HTTP API, NATS's client port)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+
+import httpx
+import nats
+from nats.js.errors import KeyNotFoundError
+from openai import AsyncOpenAI
+
+from cli.compose_check.engine import log, sh
+from cli.compose_check.stack import Stack
+from libs.common.bus import requests_kv
+
+CONCURRENT_STREAMS = 16
+TOKENS = 32
+DISCOVERY_S = 90.0
+"""How long Prometheus may take to list and scrape every service (SD refresh and scrape: 5 s each)."""
+CHECK_BUCKET = "omnirelay_compose_check"
+
+
+class CheckFailed(AssertionError):
+    """A check saw the stack do something other than what it must."""
+
+
+def expect(ok: bool, what: str) -> None:
+    if not ok:
+        raise CheckFailed(what)
+
+
+def _client(base_url: str) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+async def _text(client: AsyncOpenAI, model: str, stream: bool) -> int:
+    """One text request; returns its completion tokens (checked against ``TOKENS``)."""
+    kw = {"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": TOKENS}
+    extra = {"ignore_eos": True}
+    if not stream:
+        r = await client.chat.completions.create(**kw, extra_body=extra)
+        expect(r.choices[0].message.content is not None, "text: no content")
+        return r.usage.completion_tokens
+    s = await client.chat.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True}, extra_body=extra
+    )
+    tokens, reason = 0, None
+    async for chunk in s:
+        reason = (chunk.choices[0].finish_reason if chunk.choices else None) or reason
+        tokens = chunk.usage.completion_tokens if chunk.usage else tokens
+    expect(reason == "length", f"text stream: finish_reason {reason}")
+    return tokens
+
+
+async def _audio(client: AsyncOpenAI, model: str, stream: bool) -> int:
+    """One text + audio request; returns the audio bytes it got (WAV, or PCM16 streamed)."""
+    kw = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Read me a story."}],
+        "max_tokens": TOKENS,
+        "modalities": ["text", "audio"],
+        "extra_body": {"ignore_eos": True},
+    }
+    if not stream:
+        r = await client.chat.completions.create(**kw, audio={"voice": "alloy", "format": "wav"})
+        data = base64.b64decode(r.choices[0].message.audio.data)
+        expect(data[:4] == b"RIFF", "audio: not a WAV file")
+        return len(data)
+    s = await client.chat.completions.create(**kw, audio={"voice": "alloy", "format": "pcm16"}, stream=True)
+    pcm = bytearray()
+    async for chunk in s:
+        for c in chunk.choices:
+            if c.delta.audio and c.delta.audio.data:
+                pcm += base64.b64decode(c.delta.audio.data)
+    return len(pcm)
+
+
+async def traffic(base_url: str, model: str) -> str:
+    """Text and audio, streamed and not, then ``CONCURRENT_STREAMS`` text streams at once."""
+    client = _client(base_url)
+    try:
+        for stream in (False, True):
+            tokens = await _text(client, model, stream)
+            expect(tokens == TOKENS, f"text (stream={stream}): {tokens} tokens, not {TOKENS}")
+            audio = await _audio(client, model, stream)
+            expect(audio > 0, f"audio (stream={stream}): no audio")
+        t = time.monotonic()
+        counts = await asyncio.gather(*(_text(client, model, True) for _ in range(CONCURRENT_STREAMS)))
+        expect(counts == [TOKENS] * CONCURRENT_STREAMS, f"concurrent streams: tokens {counts}")
+        return f"text and audio, streamed and not; {CONCURRENT_STREAMS} concurrent streams in {time.monotonic() - t:.1f} s"
+    finally:
+        await client.close()
+
+
+def discovery(prometheus_url: str, gateway_url: str, workers: set[tuple[str, str]]) -> str:
+    """Prometheus found every service the gateway lists (``/prometheus/targets``), scrapes it, and
+    has worker series with ``stage`` and ``replica`` for every (stage, replica) in ``workers``."""
+    listed = {
+        g["labels"]["__meta_omnirelay_instance"]
+        for g in httpx.get(f"{gateway_url}/prometheus/targets").json()
+    }
+    deadline = time.monotonic() + DISCOVERY_S
+    while True:
+        active = httpx.get(f"{prometheus_url}/api/v1/targets", params={"state": "active"}).json()["data"]
+        up = {
+            t["labels"].get("instance")
+            for t in active["activeTargets"]
+            if t["labels"].get("job") == "omnirelay" and t["health"] == "up"
+        }
+        q = 'count by (stage, replica) ({job="omnirelay", service="worker", stage!="", replica!=""})'
+        result = httpx.get(f"{prometheus_url}/api/v1/query", params={"query": q}).json()["data"]["result"]
+        labelled = {(r["metric"]["stage"], r["metric"]["replica"]) for r in result}
+        if listed <= up and workers <= labelled:
+            return f"{len(listed)} services discovered and up; worker series for {sorted(labelled)}"
+        if time.monotonic() > deadline:
+            raise CheckFailed(
+                f"discovery: listed {listed}, up {up}; worker series for {labelled}, want {workers}"
+            )
+        time.sleep(2)
+
+
+async def _js_state(nats_url: str, marker: str | None) -> tuple[dict[str, int], int, str]:
+    """(stream → messages, request records, the check's marker value), writing ``marker`` first
+    when given."""
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        kv = await js.create_key_value(bucket=CHECK_BUCKET)
+        if marker is not None:
+            await kv.put("marker", marker.encode())
+        streams = {s.config.name: s.state.messages for s in await js.streams_info()}
+        try:
+            records = len(await (await requests_kv(js)).keys())
+        except Exception:  # no keys yet
+            records = 0
+        try:
+            value = (await kv.get("marker")).value.decode()
+        except KeyNotFoundError:
+            value = ""
+        return streams, records, value
+    finally:
+        await nc.close()
+
+
+def jetstream_survives_restart(stack: Stack, nats_url: str, base_url: str, model: str) -> str:
+    """``docker compose restart nats``: every stream, every request record and a value the check
+    wrote are there after it, and the stack serves again."""
+    marker = uuid.uuid4().hex
+    before, records, _ = asyncio.run(_js_state(nats_url, marker))
+    pid = stack.state("nats")["Pid"]
+    stack.run("restart", "nats", timeout_s=300)
+    expect(stack.state("nats")["Pid"] != pid, "nats was not restarted")
+    stack.wait_healthy(["nats"], 120)
+    after, records_after, value = asyncio.run(_js_state(nats_url, None))
+    expect(value == marker, f"KV value lost in the restart: {value!r}")
+    expect(set(before) <= set(after), f"streams lost: {set(before) - set(after)}")
+    expect(records_after >= records, f"request records: {records} before, {records_after} after")
+
+    async def serve() -> int:
+        client = _client(base_url)
+        try:
+            return await _text(client, model, True)
+        finally:
+            await client.close()
+
+    expect(asyncio.run(serve()) == TOKENS, "no request served after the NATS restart")
+    return f"{len(after)} streams, {records_after} request records and the marker kept; served after"
+
+
+@dataclass
+class Outage:
+    docker_kill_restarted: bool
+    """Whether the restart policy brought back a container stopped by ``docker kill``."""
+    restarted_s: float
+    """From the process kill to the container healthy again, seconds."""
+    completed: int
+    """Requests sent during the outage that completed (all must)."""
+
+
+async def _during(base_url: str, model: str, n: int) -> list[int]:
+    client = _client(base_url)
+    try:
+        return await asyncio.gather(*(_text(client, model, True) for _ in range(n)))
+    finally:
+        await client.close()
+
+
+def worker_dies(stack: Stack, service: str, base_url: str, model: str, n: int = 8) -> Outage:
+    """``docker kill`` of ``service``'s container, then ``kill -9`` of its main process from the host
+    (what a crash or the OOM killer does): the restart policy brings the container back, healthy,
+    and ``n`` requests sent right after the kill all complete."""
+    container = stack.container(service)
+    sh("docker", "kill", container)
+    time.sleep(10)
+    state = stack.state(service)
+    docker_kill_restarted = state["Running"]
+    log(
+        f"docker kill {service}: running again 10 s later: {docker_kill_restarted} (status {state['Status']})"
+    )
+    if not docker_kill_restarted:
+        stack.run("start", service)
+    stack.wait_healthy([service], 300)
+
+    pid, restarts = stack.state(service)["Pid"], stack.restart_count(service)
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        expect(time.monotonic() - t0 < 10, f"{service}: pid {pid} still there 10 s after kill -9")
+        time.sleep(0.05)
+    log(f"kill -9 of {service}'s process {pid}: gone")
+    counts = asyncio.run(_during(base_url, model, n))
+    expect(counts == [TOKENS] * n, f"requests during the outage: tokens {counts}")
+    deadline = time.monotonic() + 300
+    while stack.restart_count(service) <= restarts:
+        expect(time.monotonic() < deadline, f"{service}: not restarted by its policy")
+        time.sleep(1)
+    stack.wait_healthy([service], 300)
+    return Outage(docker_kill_restarted, time.monotonic() - t0, n)
