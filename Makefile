@@ -76,7 +76,7 @@ prometheus: prometheus-bin
 # images (stand-ins from Debian's packages for those no registry gives), runs compose/docker-compose.yml,
 # prints a table. Where no engine can run it says so and exits 0. COMPOSE_CHECK_ARGS: e.g. --cold.
 COMPOSE_CHECK_ARGS ?=
-compose-check: setup
+compose-check: models
 	$(BIN)/omnirelay compose-check $(COMPOSE_CHECK_ARGS)
 
 bench: models

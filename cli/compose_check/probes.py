@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import os
 import signal
 import time
@@ -19,6 +20,10 @@ from openai import AsyncOpenAI
 from cli.compose_check.engine import log, sh
 from cli.compose_check.stack import Stack
 from libs.common.bus import requests_kv
+from libs.models.tiny import models_dir
+
+IMAGE_MODELS = "/opt/omnirelay/cache/models"
+IMAGE_USER = "10001:10001"
 
 CONCURRENT_STREAMS = 16
 TOKENS = 32
@@ -97,6 +102,37 @@ async def traffic(base_url: str, model: str) -> str:
         return f"text and audio, streamed and not; {CONCURRENT_STREAMS} concurrent streams in {time.monotonic() - t:.1f} s"
     finally:
         await client.close()
+
+
+def baked_in(image: str) -> str:
+    """The image runs as its unprivileged user, and its tiny models are byte for byte the ones
+    ``omnirelay models make-tiny`` generates on this host (``make models``): generated from code,
+    deterministically, not downloaded."""
+    user = sh("docker", "image", "inspect", "--format", "{{.Config.User}}", image).stdout.strip()
+    expect(user == IMAGE_USER, f"image user {user!r}, not {IMAGE_USER}")
+    listing = sh(
+        "docker",
+        "run",
+        "--rm",
+        "--entrypoint",
+        "sh",
+        image,
+        "-c",
+        f"cd {IMAGE_MODELS} && find . -type f | sort | xargs sha256sum",
+    ).stdout
+    theirs = {path: digest for digest, path in (line.split() for line in listing.splitlines())}
+    host = models_dir()
+    ours = {
+        f"./{p.relative_to(host)}": hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(host.rglob("*"))
+        if p.is_file()
+    }
+    expect(bool(ours), f"no tiny models on this host under {host} (make models)")
+    expect(
+        theirs == ours,
+        f"the image's tiny models differ from this host's: {sorted(set(theirs.items()) ^ set(ours.items()))[:4]}",
+    )
+    return f"runs as {user}; {len(theirs)} model files, byte-identical to this host's generation"
 
 
 def discovery(prometheus_url: str, gateway_url: str, workers: set[tuple[str, str]]) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -64,6 +65,48 @@ def choose_images(stack: Stack, base: str, repo: Path) -> tuple[list[str], list[
     return run, left_out
 
 
+def build(repo: Path, base: str, cold: bool, rows: list[tuple[str, str]]) -> None:
+    """compose/Dockerfile built on ``base``: once as things stand (from scratch when there is no
+    image yet or ``cold``), then again, all from the cache; both timed into ``rows``."""
+    args = build_args(base, repo)
+    dockerfile = repo / "compose" / "Dockerfile"
+    kind = "cold" if cold or not present(IMAGE) else "incremental (this tree's changes)"
+    log(f"building {IMAGE}: {kind}")
+    rows.append((f"build, {kind}", f"{docker_build(repo, dockerfile, IMAGE, args, no_cache=cold):.0f} s"))
+    rows.append(("build, cached", f"{docker_build(repo, dockerfile, IMAGE, args, no_cache=False):.1f} s"))
+    rows.append(("image size", f"{image_size_mb(IMAGE):.0f} MB"))
+    rows.append(("image", probes.baked_in(IMAGE)))
+
+
+def exercise(stack: Stack, repo: Path, ports: dict[str, str], rows: list[tuple[str, str]]) -> None:
+    """Steps 3 to 8 on ``stack``: up, healthy, traffic, discovery, a NATS restart, a worker killed."""
+    pipeline = load_pipeline(repo / "compose" / "pipelines" / "default.yaml")
+    gateway = f"http://127.0.0.1:{ports['OMNIRELAY_GATEWAY_PORT']}"
+    t = time.monotonic()
+    stack.run("down", "-v", "--remove-orphans", check=False)
+    stack.up()
+    healthy = stack.wait_healthy(stack.services, HEALTHY_S)
+    rows.append(("start to healthy", f"{time.monotonic() - t:.0f} s ({healthy:.0f} s after `up` returned)"))
+    log("every container healthy")
+    model = pipeline.served_model_name
+    rows.append(("traffic", asyncio.run(probes.traffic(gateway, model))))
+    if "prometheus" in stack.services:
+        workers = {(str(s), str(r)) for s, st in enumerate(pipeline.stages) for r in range(st.replicas)}
+        prometheus = f"http://127.0.0.1:{ports['PROMETHEUS_PORT']}"
+        rows.append(("Prometheus discovery", probes.discovery(prometheus, gateway, workers)))
+    nats_url = f"nats://127.0.0.1:{ports['NATS_PORT']}"
+    rows.append(("restart nats", probes.jetstream_survives_restart(stack, nats_url, gateway, model)))
+    outage = probes.worker_dies(stack, KILLED, gateway, model)
+    docker_kill = "restarted" if outage.docker_kill_restarted else "not restarted (a manual stop)"
+    rows.append(
+        (
+            f"{KILLED} killed",
+            f"docker kill: {docker_kill}; kill -9 of its process: back and healthy in "
+            f"{outage.restarted_s:.0f} s, {outage.completed}/{outage.completed} requests meanwhile completed",
+        )
+    )
+
+
 def main(repo: Path, cold: bool, keep: bool) -> int:
     """Run the check; 0 when it passed or no Docker engine can run here (said plainly), else 1."""
     work = repo / ".omnirelay" / "compose-check"
@@ -75,64 +118,24 @@ def main(repo: Path, cold: bool, keep: bool) -> int:
     compose = compose_command()
     log(f"Docker Engine {version}; compose command: {' '.join(compose)}")
     rows: list[tuple[str, str]] = [("engine", f"Docker Engine {version}, {' '.join(compose)}")]
-
-    base, which = choose_base(work)
-    log(f"base image: {base} ({which})")
-    rows.append(("base image", f"{base} ({which})"))
-    args = build_args(base, repo)
-    dockerfile = repo / "compose" / "Dockerfile"
-    cold_s = None
-    if cold or not present(IMAGE):
-        log(f"building {IMAGE} from scratch (cold)")
-        cold_s = docker_build(repo, dockerfile, IMAGE, args, no_cache=cold).seconds
-    cached = docker_build(repo, dockerfile, IMAGE, args, no_cache=False)
-    rows.append(
-        ("build, cold", f"{cold_s:.0f} s" if cold_s is not None else "not measured (image cached; --cold)")
-    )
-    rows.append(("build, cached", f"{cached.seconds:.1f} s"))
-    rows.append(("image size", f"{image_size_mb(IMAGE):.0f} MB"))
-
     ports = {var: str(free_port()) for var in PORT_VARS}
-    stack = Stack(
-        compose, repo / "compose", {**ports, "OMNIRELAY_IMAGE": IMAGE, "OMNIRELAY_LOG_STATS": "true"}, []
-    )
-    stack.services, left_out = choose_images(stack, base, repo)
-    rows.append(("left out (no image here)", ", ".join(left_out) or "none"))
-    if left_out:
-        log(f"left out, no image and no stand-in here: {', '.join(left_out)}")
-    pipeline = load_pipeline(repo / "compose" / "pipelines" / "default.yaml")
-    gateway = f"http://127.0.0.1:{ports['OMNIRELAY_GATEWAY_PORT']}"
+    env = {**ports, "OMNIRELAY_IMAGE": IMAGE, "OMNIRELAY_LOG_STATS": "true"}
+    stack = Stack(compose, repo / "compose", env, [])
+    passed = False
     try:
-        t = time.monotonic()
-        stack.run("down", "-v", "--remove-orphans", check=False)
-        stack.up()
-        healthy = stack.wait_healthy(stack.services, HEALTHY_S)
-        rows.append(
-            ("start to healthy", f"{time.monotonic() - t:.0f} s ({healthy:.0f} s after `up` returned)")
-        )
-        log("every container healthy")
-        model = pipeline.served_model_name
-        rows.append(("traffic", asyncio.run(probes.traffic(gateway, model))))
-        if "prometheus" in stack.services:
-            workers = {(str(s), str(r)) for s, st in enumerate(pipeline.stages) for r in range(st.replicas)}
-            prometheus = f"http://127.0.0.1:{ports['PROMETHEUS_PORT']}"
-            rows.append(("Prometheus discovery", probes.discovery(prometheus, gateway, workers)))
-        nats_url = f"nats://127.0.0.1:{ports['NATS_PORT']}"
-        rows.append(("restart nats", probes.jetstream_survives_restart(stack, nats_url, gateway, model)))
-        outage = probes.worker_dies(stack, KILLED, gateway, model)
-        rows.append(
-            (
-                f"{KILLED} killed",
-                f"docker kill: {'restarted' if outage.docker_kill_restarted else 'not restarted (a manual stop)'}; "
-                f"kill -9 of its process: back and healthy in {outage.restarted_s:.0f} s, "
-                f"{outage.completed}/{outage.completed} requests meanwhile completed",
-            )
-        )
+        base, which = choose_base(work)
+        log(f"base image: {base} ({which})")
+        rows.append(("base image", f"{base} ({which})"))
+        build(repo, base, cold, rows)
+        stack.services, left_out = choose_images(stack, base, repo)
+        rows.append(("left out (no image here)", ", ".join(left_out) or "none"))
+        if left_out:
+            log(f"left out, no image and no stand-in here: {', '.join(left_out)}")
+        exercise(stack, repo, ports, rows)
         passed = True
-    except (probes.CheckFailed, RuntimeError) as e:
+    except (probes.CheckFailed, RuntimeError, subprocess.TimeoutExpired) as e:
         log(f"FAILED: {e}")
         rows.append(("FAILED", str(e).splitlines()[0]))
-        passed = False
     finally:
         if not keep:
             stack.down()

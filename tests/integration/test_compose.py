@@ -308,6 +308,8 @@ def test_omnirelay_services_have_healthchecks_and_ports() -> None:
             assert [str(p) for p in svc["expose"]] == [str(METRICS_PORT)], name
         assert env["OMNIRELAY_ADVERTISE_HOST"] == name
         assert svc["image"] == model["services"]["orchestrator"]["image"], "one image for every service"
+        size = re.fullmatch(r"(\d+)([mg])b", str(svc["shm_size"]))
+        assert size and int(size[1]) * {"m": 1, "g": 1024}[size[2]] >= 160, "vLLM's shared memory: 160 MiB"
         build = svc["build"]
         assert (build["context"], build["dockerfile"]) == ("..", "compose/Dockerfile"), name
         assert build["args"]["BASE_IMAGE"] == "python:3.11-slim", "the official base unless told otherwise"
