@@ -162,42 +162,64 @@ def discovery(prometheus_url: str, gateway_url: str, workers: set[tuple[str, str
         time.sleep(2)
 
 
-async def _js_state(nats_url: str, marker: str | None) -> tuple[dict[str, int], int, str]:
-    """(stream → messages, request records, the check's marker value), writing ``marker`` first
-    when given."""
+async def _retrying(what: str, attempt, timeout_s: float = 30.0):
+    """``await attempt()`` until it succeeds or ``timeout_s`` passes (the server may still be
+    restoring its streams, the KV watcher may time out meanwhile); the last error is raised."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await attempt()
+        except (nats.errors.Error, TimeoutError) as e:
+            if time.monotonic() > deadline:
+                raise CheckFailed(f"{what}: {e!r}") from e
+            await asyncio.sleep(0.5)
+
+
+async def _records(nats_url: str) -> dict[str, bytes]:
+    """Every request record (``omni_requests``) by key."""
+    nc = await nats.connect(nats_url)
+    try:
+        kv = await requests_kv(nc.jetstream())
+        keys = await _retrying("omni_requests keys", kv.keys)
+        return {k: (await _retrying(f"record {k}", lambda k=k: kv.get(k))).value for k in keys}
+    finally:
+        await nc.close()
+
+
+async def _marker(nats_url: str, value: str | None) -> tuple[set[str], str]:
+    """(the JetStream streams, the check's marker in its own bucket), writing ``value`` first when
+    given."""
     nc = await nats.connect(nats_url)
     try:
         js = nc.jetstream()
-        kv = await js.create_key_value(bucket=CHECK_BUCKET)
-        if marker is not None:
-            await kv.put("marker", marker.encode())
-        streams = {s.config.name: s.state.messages for s in await js.streams_info()}
+        kv = await _retrying("the check's bucket", lambda: js.create_key_value(bucket=CHECK_BUCKET))
+        if value is not None:
+            await kv.put("marker", value.encode())
+        streams = {s.config.name for s in await _retrying("streams", js.streams_info)}
         try:
-            records = len(await (await requests_kv(js)).keys())
-        except Exception:  # no keys yet
-            records = 0
-        try:
-            value = (await kv.get("marker")).value.decode()
+            return streams, (await kv.get("marker")).value.decode()
         except KeyNotFoundError:
-            value = ""
-        return streams, records, value
+            return streams, ""
     finally:
         await nc.close()
 
 
 def jetstream_survives_restart(stack: Stack, nats_url: str, base_url: str, model: str) -> str:
-    """``docker compose restart nats``: every stream, every request record and a value the check
-    wrote are there after it, and the stack serves again."""
-    marker = uuid.uuid4().hex
-    before, records, _ = asyncio.run(_js_state(nats_url, marker))
+    """``docker compose restart nats``: every stream, every request record (same key, same value)
+    and a value the check wrote are there after it, and the stack serves again."""
+    streams, _ = asyncio.run(_marker(nats_url, marker := uuid.uuid4().hex))
+    records = asyncio.run(_records(nats_url))
+    expect(bool(records), "no request records before the restart")
     pid = stack.state("nats")["Pid"]
     stack.run("restart", "nats", timeout_s=300)
     expect(stack.state("nats")["Pid"] != pid, "nats was not restarted")
     stack.wait_healthy(["nats"], 120)
-    after, records_after, value = asyncio.run(_js_state(nats_url, None))
+    streams_after, value = asyncio.run(_marker(nats_url, None))
     expect(value == marker, f"KV value lost in the restart: {value!r}")
-    expect(set(before) <= set(after), f"streams lost: {set(before) - set(after)}")
-    expect(records_after >= records, f"request records: {records} before, {records_after} after")
+    expect(streams <= streams_after, f"streams lost: {streams - streams_after}")
+    after = asyncio.run(_records(nats_url))
+    lost = [k for k, v in records.items() if after.get(k) != v]
+    expect(not lost, f"{len(lost)} of {len(records)} request records lost or changed: {lost[:3]}")
 
     async def serve() -> int:
         client = _client(base_url)
@@ -207,7 +229,9 @@ def jetstream_survives_restart(stack: Stack, nats_url: str, base_url: str, model
             await client.close()
 
     expect(asyncio.run(serve()) == TOKENS, "no request served after the NATS restart")
-    return f"{len(after)} streams, {records_after} request records and the marker kept; served after"
+    return (
+        f"{len(streams_after)} streams, all {len(records)} request records and the marker kept; served after"
+    )
 
 
 @dataclass

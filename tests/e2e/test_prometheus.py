@@ -801,6 +801,21 @@ def events(stack, pipeline, prom, traffic) -> Events:
     return out
 
 
+def _outside_codec_worker(stack, pipeline: str, tmp: Path, **env: str) -> tuple[str, ServiceProcess]:
+    """A code2wav worker of pipeline ``pipeline`` on the stack's NATS, started outside the stack
+    (``--log-stats``, its own instance id, ``env`` added); returns (instance id, process)."""
+    path = write_pipeline(tmp / "p.yaml", pipeline, THINKER_YAML + TALKER_YAML + CODE2WAV_YAML)
+    instance = f"{pipeline}-{uuid.uuid4().hex[:8]}"
+    env = {
+        "NATS_URL": stack.nats_url,
+        "OMNIRELAY_PIPELINE": str(path),
+        "OMNIRELAY_STAGE": "2",
+        "OMNIRELAY_INSTANCE_ID": instance,
+        **env,
+    }
+    return instance, ServiceProcess(["worker", "--log-stats"], env, tmp / "worker.log").start()
+
+
 @dataclass
 class DeadLetter:
     """A message JetStream dropped past ``max_deliver`` (``dead_lettered``)."""
@@ -819,17 +834,9 @@ def dead_lettered(stack, prom, tmp_path_factory: pytest.TempPathFactory) -> Iter
     1 s ``ack_wait`` (the stack's consumers keep their 30 s, whose redeliveries would take 4 min),
     loses a message past ``max_deliver`` (``tests.bus.dead_letter``). It runs until the module's
     end: its counter stays a live series for the dashboard check."""
-    tmp = tmp_path_factory.mktemp("deadletter")
-    path = write_pipeline(tmp / "p.yaml", DEAD_PIPELINE, THINKER_YAML + TALKER_YAML + CODE2WAV_YAML)
-    instance = f"{DEAD_PIPELINE}-{uuid.uuid4().hex[:8]}"
-    env = {
-        "NATS_URL": stack.nats_url,
-        "OMNIRELAY_PIPELINE": str(path),
-        "OMNIRELAY_STAGE": "2",
-        "OMNIRELAY_INSTANCE_ID": instance,
-        "OMNIRELAY_ACK_WAIT_S": "1",
-    }
-    worker = ServiceProcess(["worker", "--log-stats"], env, tmp / "worker.log").start()
+    instance, worker = _outside_codec_worker(
+        stack, DEAD_PIPELINE, tmp_path_factory.mktemp("deadletter"), OMNIRELAY_ACK_WAIT_S="1"
+    )
     try:
         worker.wait_log("serving omni.", timeout_s=120)
         assert eventually(lambda: prom.scalar(f'up{{instance="{instance}"}}'), lambda v: v == 1) == 1
@@ -935,15 +942,7 @@ def test_a_replica_that_joins_is_scraped_and_one_that_leaves_goes_stale(prom, st
     """A code2wav worker of another pipeline, started outside the stack: Prometheus scrapes it
     without any configuration change; when it stops its target disappears and its series go stale."""
     config_time = prom.api("status/runtimeinfo")["lastConfigTime"]
-    path = write_pipeline(tmp_path / "p.yaml", DYN_PIPELINE, THINKER_YAML + TALKER_YAML + CODE2WAV_YAML)
-    instance = f"promdyn-{uuid.uuid4().hex[:8]}"
-    env = {
-        "NATS_URL": stack.nats_url,
-        "OMNIRELAY_PIPELINE": str(path),
-        "OMNIRELAY_STAGE": "2",
-        "OMNIRELAY_INSTANCE_ID": instance,
-    }
-    worker = ServiceProcess(["worker", "--log-stats"], env, tmp_path / "worker.log").start()
+    instance, worker = _outside_codec_worker(stack, DYN_PIPELINE, tmp_path)
     try:
         worker.wait_log("serving omni.", timeout_s=120)
         t_join = time.monotonic()
