@@ -52,8 +52,10 @@ def choose_images(stack: Stack, base: str, repo: Path) -> tuple[list[str], list[
     variables = image_vars(stack.directory / "docker-compose.yml")
     run, left_out = [], []
     for name, svc in stack.model()["services"].items():
-        if svc.get("profiles"):
-            continue  # not started by `up` (nats-box: `docker compose run`)
+        if svc.get("profiles"):  # not started by `up` (nats-box: `docker compose run`)
+            if not pullable(svc["image"]):
+                left_out.append(f"{name} ({svc['image']}; profile {', '.join(svc['profiles'])})")
+            continue
         if "build" in svc or pullable(svc["image"]):
             run.append(name)
         elif name in STANDINS:
@@ -70,7 +72,7 @@ def build(repo: Path, base: str, cold: bool, rows: list[tuple[str, str]]) -> Non
     image yet or ``cold``), then again, all from the cache; both timed into ``rows``."""
     args = build_args(base, repo)
     dockerfile = repo / "compose" / "Dockerfile"
-    kind = "cold" if cold or not present(IMAGE) else "incremental (this tree's changes)"
+    kind = "cold" if cold or not present(IMAGE) else "on the cache as it stands"
     log(f"building {IMAGE}: {kind}")
     rows.append((f"build, {kind}", f"{docker_build(repo, dockerfile, IMAGE, args, no_cache=cold):.0f} s"))
     rows.append(("build, cached", f"{docker_build(repo, dockerfile, IMAGE, args, no_cache=False):.1f} s"))
