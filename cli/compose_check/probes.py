@@ -120,14 +120,23 @@ def baked_in(image: str) -> str:
         "-c",
         f"cd {IMAGE_MODELS} && find . -type f | sort | xargs sha256sum",
     ).stdout
-    theirs = {path: digest for digest, path in (line.split() for line in listing.splitlines())}
+    theirs = {  # the files of each model's directory (not the cache's lock file)
+        path: digest
+        for digest, path in (line.split() for line in listing.splitlines())
+        if path.count("/") >= 2
+    }
+    models = {path.split("/")[1] for path in theirs}
     host = models_dir()
     ours = {
         f"./{p.relative_to(host)}": hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(host.rglob("*"))
+        for model in sorted(models)
+        for p in sorted((host / model).rglob("*"))
         if p.is_file()
     }
-    expect(bool(ours), f"no tiny models on this host under {host} (make models)")
+    expect(
+        bool(theirs) and bool(ours),
+        f"no tiny models in the image, or on this host under {host} (make models)",
+    )
     expect(
         theirs == ours,
         f"the image's tiny models differ from this host's: {sorted(set(theirs.items()) ^ set(ours.items()))[:4]}",
