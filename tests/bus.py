@@ -15,6 +15,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from libs.common.bus import services_kv
+from libs.common.bus_state import snapshot
 from libs.common.envelopes import Liveness, StageTask, decode
 from libs.common.publish import Hop, publish_task
 from libs.common.registry import ServiceKind, ServiceRecord
@@ -101,3 +102,18 @@ async def dead_letter(
         os.kill(pid, signal.SIGCONT)
     await sub.unsubscribe()
     return advisories.qsize()
+
+
+async def await_replacement(
+    nats_url: str, pipeline, key: str, started_ns: int, timeout_s: float = 300
+) -> None:
+    """Wait until the registry lists service ``key`` with an incarnation started after
+    ``started_ns`` (the launcher's replacement of a killed process: /health alone still counts the
+    dead one until its registration expires)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        now = {s["key"]: s for s in (await snapshot(nats_url, pipeline))["services"]}
+        if key in now and now[key]["started_ns"] > started_ns:
+            return
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"{key} did not come back within {timeout_s:.0f} s")

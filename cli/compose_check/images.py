@@ -29,8 +29,14 @@ STANDINS = {"nats": "nats.Dockerfile", "prometheus": "prometheus.Dockerfile"}
 """Compose service → the stand-in Dockerfile in compose/standins/ for its image."""
 
 
+def image_id(image: str) -> str | None:
+    """The id of ``image`` here, or None."""
+    p = sh("docker", "image", "inspect", "--format", "{{.Id}}", image, check=False, timeout_s=30)
+    return p.stdout.strip() if p.returncode == 0 else None
+
+
 def present(image: str) -> bool:
-    return sh("docker", "image", "inspect", image, check=False, timeout_s=30).returncode == 0
+    return image_id(image) is not None
 
 
 def pullable(image: str) -> bool:
@@ -100,11 +106,6 @@ def choose_base(work: Path) -> tuple[str, str]:
     if pullable(OFFICIAL_BASE):
         return OFFICIAL_BASE, "official"
     return standin_base(work), "stand-in"
-
-
-def image_id(image: str) -> str | None:
-    p = sh("docker", "image", "inspect", "--format", "{{.Id}}", image, check=False, timeout_s=30)
-    return p.stdout.strip() if p.returncode == 0 else None
 
 
 def docker_build(context: Path, dockerfile: Path, tag: str, args: dict[str, str], no_cache: bool) -> float:

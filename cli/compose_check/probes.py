@@ -87,6 +87,15 @@ async def _audio(client: AsyncOpenAI, model: str, stream: bool) -> int:
     return len(pcm)
 
 
+async def _streams(base_url: str, model: str, n: int) -> list[int]:
+    """``n`` text streams at once; their completion tokens."""
+    client = _client(base_url)
+    try:
+        return await asyncio.gather(*(_text(client, model, True) for _ in range(n)))
+    finally:
+        await client.close()
+
+
 async def traffic(base_url: str, model: str) -> str:
     """Text and audio, streamed and not, then ``CONCURRENT_STREAMS`` text streams at once."""
     client = _client(base_url)
@@ -97,7 +106,7 @@ async def traffic(base_url: str, model: str) -> str:
             audio = await _audio(client, model, stream)
             expect(audio > 0, f"audio (stream={stream}): no audio")
         t = time.monotonic()
-        counts = await asyncio.gather(*(_text(client, model, True) for _ in range(CONCURRENT_STREAMS)))
+        counts = await _streams(base_url, model, CONCURRENT_STREAMS)
         expect(counts == [TOKENS] * CONCURRENT_STREAMS, f"concurrent streams: tokens {counts}")
         return f"text and audio, streamed and not; {CONCURRENT_STREAMS} concurrent streams in {time.monotonic() - t:.1f} s"
     finally:
@@ -230,14 +239,7 @@ def jetstream_survives_restart(stack: Stack, nats_url: str, base_url: str, model
     lost = [k for k, v in records.items() if after.get(k) != v]
     expect(not lost, f"{len(lost)} of {len(records)} request records lost or changed: {lost[:3]}")
 
-    async def serve() -> int:
-        client = _client(base_url)
-        try:
-            return await _text(client, model, True)
-        finally:
-            await client.close()
-
-    expect(asyncio.run(serve()) == TOKENS, "no request served after the NATS restart")
+    expect(asyncio.run(_streams(base_url, model, 1)) == [TOKENS], "no request served after the NATS restart")
     return (
         f"{len(streams_after)} streams, all {len(records)} request records and the marker kept; served after"
     )
@@ -251,14 +253,6 @@ class Outage:
     """From the process kill to the container healthy again, seconds."""
     completed: int
     """Requests sent during the outage that completed (all must)."""
-
-
-async def _during(base_url: str, model: str, n: int) -> list[int]:
-    client = _client(base_url)
-    try:
-        return await asyncio.gather(*(_text(client, model, True) for _ in range(n)))
-    finally:
-        await client.close()
 
 
 def worker_dies(stack: Stack, service: str, base_url: str, model: str, n: int = 8) -> Outage:
@@ -288,7 +282,7 @@ def worker_dies(stack: Stack, service: str, base_url: str, model: str, n: int = 
         expect(time.monotonic() - t0 < 10, f"{service}: pid {pid} still there 10 s after kill -9")
         time.sleep(0.05)
     log(f"kill -9 of {service}'s process {pid}: gone")
-    counts = asyncio.run(_during(base_url, model, n))
+    counts = asyncio.run(_streams(base_url, model, n))
     expect(counts == [TOKENS] * n, f"requests during the outage: tokens {counts}")
     deadline = time.monotonic() + 300
     while stack.restart_count(service) <= restarts:

@@ -23,6 +23,7 @@ from openai import AsyncOpenAI
 
 from libs.common.bus import requests_kv
 from libs.common.bus_state import request_record, snapshot
+from tests.bus import await_replacement
 from tests.metrics_scrape import delta, scrape
 from tests.procs import kill_confirmed, stop_confirmed, worker_pid
 
@@ -238,17 +239,9 @@ async def test_streams_on_a_killed_replica_move_and_complete(stack, pipeline) ->
         )
         assert delta(before_g, after_g, "vllm:omni_requests_failed_total") == 0
     finally:
-        # Leave the stack whole for the tests after this one: wait for the launcher's replacement
-        # (a new incarnation in the registry), not for /health alone, which still counts the dead
-        # replica until its registration expires.
+        # Leave the stack whole for the tests after this one.
         key = f"worker.{pipeline.name}.0.{victim}"
-        for _ in range(600):
-            now = {s["key"]: s for s in (await snapshot(stack.nats_url, pipeline))["services"]}
-            if key in now and now[key]["started_ns"] > incarnations[key]:
-                break
-            await asyncio.sleep(0.5)
-        else:
-            raise AssertionError("the killed replica did not come back")
+        await await_replacement(stack.nats_url, pipeline, key, incarnations[key])
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=10) as http:
             assert (await http.get("/health")).json()["status"] == "ok"
 
