@@ -39,11 +39,11 @@ from libs.common import headers as h
 from libs.common.bus_state import request_record, snapshot
 from libs.common.envelopes import ClientEvent, ClientEventType, NdArray, StageTask, TaskKind, decode
 from libs.common.local_nats import free_port
-from libs.common.metrics_catalog import AUDIO, ENGINE_PROCESSES, Exporter, exposed_names, families_for
+from libs.common.metrics_catalog import ENGINE_PROCESSES, Exporter, exposed_names, families_for
 from libs.common.publish import Hop, publish_task
 from libs.common.subjects import Subjects
 from tests import needs
-from tests.bus import dead_letter
+from tests.bus import await_replacement, dead_letter
 from tests.procs import (
     CODE2WAV_YAML,
     TALKER_YAML,
@@ -74,13 +74,14 @@ DYN_PIPELINE = "promdyn"
 DEAD_PIPELINE = "promdead"
 UNIFIED = ("service", "pipeline", "instance", "job")
 WORKER_LABELS = ("stage", "replica", "stage_name")
-GATEWAY_AUDIO = {
-    n
-    for f in families_for(Exporter.GATEWAY)
-    if f.labels[: len(AUDIO)] == AUDIO
+OWN_STAGE_LABELS = {
+    n: {"stage", "replica"} & set(f.labels)
+    for exporter in (Exporter.GATEWAY, Exporter.ORCHESTRATOR)
+    for f in families_for(exporter)
     for n in (*exposed_names(f), f"{f.name}_created")
 }
-"""Gateway samples that carry the stage and replica of the stage that produced the audio."""
+"""Series name → the ``stage``/``replica`` labels its own family has (the gateway's audio families,
+the orchestrator's evictions and moves) on a service whose target carries none."""
 
 
 # --- a Prometheus process ----------------------------------------------------------------------------
@@ -486,7 +487,7 @@ def _check_unified(metric: dict[str, str], sd: dict[str, dict[str, str]]) -> lis
         if target.get(label):
             if metric.get(label) != target[label]:
                 problems.append(f"{name}: {label}={metric.get(label)!r}, target says {target[label]!r}")
-        elif label in metric and not (label in ("stage", "replica") and name in GATEWAY_AUDIO):
+        elif label in metric and label not in OWN_STAGE_LABELS.get(name, ()):
             problems.append(f"{name}: unexpected {label}={metric[label]!r} on a {metric['service']}")
     return problems
 
@@ -740,12 +741,7 @@ async def _kill_a_busy_thinker(
         rec = await request_record(stack.nats_url, rid)
         out.moved += len(rec["stages"][0]["attempts"]) > 1
     key = f"worker.{pipeline.name}.0.{out.victim}"
-    for _ in range(600):  # the stack whole again for the tests after these
-        now = {s["key"]: s for s in (await snapshot(stack.nats_url, pipeline))["services"]}
-        if key in now and now[key]["started_ns"] > incarnations[key]:
-            return
-        await asyncio.sleep(0.5)
-    raise AssertionError("the killed thinker did not come back")
+    await await_replacement(stack.nats_url, pipeline, key, incarnations[key])  # whole for the tests after
 
 
 async def _cause_events(stack, pipeline, out: Events) -> None:
