@@ -8,12 +8,17 @@ part of what the receiver sees as in-flight time, never of tx.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
+from nats.errors import ConnectionReconnectingError, NoRespondersError, OutboundBufferLimitError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
+from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 from opentelemetry.trace import Span
 
 from libs.common import headers as h
@@ -21,7 +26,49 @@ from libs.common.envelopes import ClientEvent, LifecycleEvent, StageTask
 from libs.common.subjects import Subjects
 from libs.common.tracing import inject_headers
 
+log = logging.getLogger(__name__)
+
 PUBLISH_TIMEOUT_S = 5.0
+RECONNECT_POLL_S = 0.05
+"""How often a publish waiting for the connection looks again, seconds."""
+STORE_RETRY_S = 0.25
+STORE_RETRY_MAX_S = 2.0
+"""A stream publish that got no acknowledgement is sent again after ``STORE_RETRY_S``, doubling up
+to ``STORE_RETRY_MAX_S``, seconds."""
+NOT_NOW = (
+    OutboundBufferLimitError,
+    ConnectionReconnectingError,
+    NatsTimeoutError,
+    NoRespondersError,
+    NoStreamResponseError,
+    ServiceUnavailableError,
+)
+"""What a publish raises while the broker is away (restarting, or a cluster electing a stream's
+leader): the message may go out later, so none of these is a reason to fail a request."""
+
+
+async def until_connected(nc: NATS) -> None:
+    """Return once ``nc`` is connected (at once when it is). A service holds its publishes here
+    while the broker is away instead of letting them fill nats-py's reconnect buffer, which every
+    publish of the process shares (acks, pull requests, heartbeats) and which raises
+    ``OutboundBufferLimitError`` for all of them once full (docs/reliability.md, "Publishing
+    while the broker is away")."""
+    while not nc.is_connected:
+        if nc.is_closed:
+            return  # the publish that follows raises ConnectionClosedError
+        await asyncio.sleep(RECONNECT_POLL_S)
+
+
+async def publish_core(nc: NATS, subject: str, data: bytes) -> None:
+    """Core NATS publish that waits out a lost connection (:func:`until_connected`) and sends
+    again what the client could not buffer; it returns once nats-py has taken the message."""
+    while True:
+        await until_connected(nc)
+        try:
+            await nc.publish(subject, data)
+            return
+        except (OutboundBufferLimitError, ConnectionReconnectingError):
+            continue  # the connection dropped between the check and the publish
 
 
 @dataclass(frozen=True)
@@ -82,16 +129,44 @@ async def publish_task(
     )
 
 
-async def publish_client(nc: NATS, subjects: Subjects, gateway_id: str, event: ClientEvent) -> bytes:
-    """Send a client-visible event of one request to its gateway (core NATS, fire and forget).
+async def publish_client(nc: NATS, subjects: Subjects, gateway_id: str, event: ClientEvent) -> None:
+    """Send a client-visible event of one request to its gateway (core NATS, at most once; while
+    the broker is away it waits for the connection, :func:`publish_core`).
 
     No headers: the subject names the gateway and the request, and the body says the rest. A
     request streams one of these per token, and headers cost both ends (nats-py builds and parses
     them in Python): without them the worker and the gateway spend ~12 % less CPU per request at
-    concurrency 16. Returns the body sent (the worker keeps it for a replay)."""
-    data = event.encode()
-    await nc.publish(subjects.out(gateway_id, event.request_id), data)
-    return data
+    concurrency 16."""
+    await publish_core(nc, subjects.out(gateway_id, event.request_id), event.encode())
+
+
+async def publish_task_stored(
+    js: JetStreamContext,
+    subjects: Subjects,
+    task: StageTask,
+    hop: Hop,
+    span: Span | None = None,
+) -> PubAck:
+    """:func:`publish_task` until the stream has stored it: while the broker is away
+    (:data:`NOT_NOW`) it is sent again, after the connection is back, with the same
+    ``Nats-Msg-Id`` (a copy the stream took already is acknowledged as a duplicate). The caller
+    bounds the wait (a request's deadline)."""
+    pause_s = STORE_RETRY_S
+    while True:
+        await until_connected(js._nc)  # nats-py keeps the client of a context only there
+        try:
+            return await publish_task(js, subjects, task, hop, span)
+        except NOT_NOW as e:
+            log.info(
+                "request %s: chunk %d for stage %d not stored yet (%s); again in %.2f s",
+                task.request_id,
+                task.seq,
+                hop.to_stage,
+                type(e).__name__,
+                pause_s,
+            )
+        await asyncio.sleep(pause_s)
+        pause_s = min(2 * pause_s, STORE_RETRY_MAX_S)
 
 
 async def publish_lifecycle(js: JetStreamContext, subjects: Subjects, event: LifecycleEvent) -> None:

@@ -13,7 +13,14 @@ from opentelemetry.trace import INVALID_SPAN, Span
 
 from libs.common import tracing
 from libs.common.envelopes import ClientEvent, EdgeSummary, LifecycleEvent, StageTask, TaskKind
-from libs.common.publish import Hop, publish_client, publish_lifecycle, publish_task
+from libs.common.publish import (
+    NOT_NOW,
+    Hop,
+    publish_core,
+    publish_lifecycle,
+    publish_task_stored,
+    until_connected,
+)
 from libs.common.subjects import Subjects
 from services.stage_worker.inbox import Delivery, RequestInbox
 from services.stage_worker.sent_events import SentEvents
@@ -145,9 +152,17 @@ class RequestContext:
         return d
 
     async def ack(self, d: Delivery) -> None:
-        """Acknowledge an input whose output has been published."""
+        """Acknowledge an input whose output has been published. An acknowledgement lost with
+        the broker is not the request's failure: the input comes again after ``ack_wait`` and is
+        dropped as the input of an ended attempt (``Worker._dropped``)."""
         self._in_hand.pop(d.task.seq, None)
-        await d.msg.ack()
+        await until_connected(self.bus.nc)
+        try:
+            await d.msg.ack()
+        except NOT_NOW as e:
+            log.info(
+                "request %s: input %d not acknowledged (%s)", self.request_id, d.task.seq, type(e).__name__
+            )
 
     def unacked(self) -> list[Delivery]:
         """Inputs received and not yet acknowledged (waiting or being worked on)."""
@@ -165,7 +180,7 @@ class RequestContext:
             self._sending.release()  # held while this send waited for the lock
         try:
             hop, task = self._chunk(final, payload)
-            await publish_task(self.bus.js, self.bus.subjects, task, hop, self.span)
+            await publish_task_stored(self.bus.js, self.bus.subjects, task, hop, self.span)
         finally:
             self._sending.release()
         if tracing.enabled():
@@ -223,14 +238,19 @@ class RequestContext:
         self._released.set()
 
     async def client(self, event: ClientEvent) -> None:
-        """Send a client-visible event to the request's gateway, stamped with stage and replica."""
+        """Send a client-visible event to the request's gateway, stamped with stage and replica.
+
+        The event is kept for a replay before it is sent (the gateway asks for what it lost).
+        While the broker is away this waits for the connection: the request's production pauses
+        (its engine's outputs wait in vLLM's output collector) and nothing fails."""
         self._check_aborted()
         event.stage, event.replica, event.seq = self.me.stage, self.me.replica, self._client_seq
         event.attempt = self.attempt
         self._client_seq += 1
-        data = await publish_client(self.bus.nc, self.bus.subjects, self.first.gateway_id, event)
+        data = event.encode()
         if self.sent is not None:
             self.sent.add(self.request_id, self.attempt, event.seq, data)
+        await publish_core(self.bus.nc, self.bus.subjects.out(self.first.gateway_id, self.request_id), data)
 
     def _add_transfer(self, t: TransferStats) -> None:
         e = self._edges.get((t.from_stage, t.from_replica))
