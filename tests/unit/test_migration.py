@@ -21,8 +21,9 @@ from libs.common.envelopes import (
 from libs.common.publish import task_msg_id
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
 from services.gateway.pipeline_client import RequestHandle
+from services.orchestrator.lifecycle import apply_event, ends_client_stream
 from services.orchestrator.migration import Move, NoMove, Phase, apply_move, plan_move, unfinished_moves
-from services.orchestrator.orchestrator import _moved_task, apply_event, ends_client_stream
+from services.orchestrator.moves import _moved_task
 
 
 def _rec(route: list[int], started: bool = False) -> RequestRecord:

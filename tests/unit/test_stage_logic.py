@@ -22,7 +22,7 @@ from libs.common.pipeline import load_pipeline
 from libs.common.records import RequestRecord, RequestStatus, StageProgress
 from libs.common.registry import LiveServices, ServiceKind, ServiceRecord
 from libs.common.settings import WorkerSettings
-from services.orchestrator.orchestrator import apply_event
+from services.orchestrator.lifecycle import apply_event
 from services.orchestrator.routing import NoLiveReplica, ReplicaPicker
 from services.stage_worker import request_context, sent_events
 from services.stage_worker.chunking import CodeChunker, TextChunker

@@ -1,0 +1,445 @@
+"""Moving requests off dead replicas: the sequence that drives the bus (the decisions on the
+record are :mod:`~services.orchestrator.migration`'s pure functions).
+
+A request bound to a replica judged dead (:mod:`~services.orchestrator.liveness`), or whose
+gateway lost events of its thinker attempt (a resync), moves to a live replica of the stage as the
+stage's next attempt, or fails now; a move whose claimer died before carrying it out is taken over
+by another orchestrator (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import RawStreamMsg
+from nats.js.errors import NotFoundError
+from opentelemetry import trace
+from opentelemetry.trace import Link, SpanKind
+
+from libs.common import headers as h
+from libs.common.envelopes import (
+    MOVED,
+    AbortNotice,
+    ResumePoint,
+    ResumeQuery,
+    Resync,
+    RouteChange,
+    RouteHeld,
+    StageTask,
+    decode,
+    decode_or_log,
+)
+from libs.common.publish import Hop, publish_task
+from libs.common.records import RequestRecord, RequestStatus
+from libs.common.registry import LiveServices, ServiceKind
+from libs.common.tracing import context_from_headers, start_span
+from services.orchestrator.context import OrchestratorContext
+from services.orchestrator.inflight import InflightRequests
+from services.orchestrator.liveness import Death, DeathReason
+from services.orchestrator.migration import (
+    Move,
+    NoMove,
+    Phase,
+    apply_move,
+    plan_move,
+    stored_inputs,
+    unfinished_moves,
+)
+from services.orchestrator.record_updates import update_record
+from services.orchestrator.routing import NoLiveReplica
+
+log = logging.getLogger(__name__)
+
+NO_REPLICA_POLL_S = 0.2
+"""How often a request waiting for a live replica to move to looks again, seconds."""
+RESUME_TIMEOUT_S = 2.0
+"""How long a move waits for the request's gateway to say where the client's stream stands, seconds."""
+MOVE_CHECK_PERIOD_S = 1.0
+"""How often an orchestrator looks for moves whose claimer died before carrying them out, seconds."""
+MOVE_TAKEOVER_S = 2.0
+"""How long after its claim a move not carried out may be taken over (once its claimer has also
+left the registry), seconds (a move takes well under a second)."""
+
+
+class Mover:
+    """What one orchestrator does about dead replicas: counts its own verdicts, moves or fails the
+    requests bound to them, answers resyncs and takes over moves whose claimer died."""
+
+    def __init__(
+        self, ctx: OrchestratorContext, index: InflightRequests, services: LiveServices, instance_id: str
+    ) -> None:
+        self.ctx = ctx
+        self._index = index
+        self.services = services
+        self.instance_id = instance_id
+        self._moving: set[str] = set()
+        """Requests this instance is moving or failing after their replica's death."""
+
+    def evicted(self, death: Death) -> None:
+        """This instance was the first to judge ``death``: count it and tell the operator."""
+        stage = self.ctx.pipeline.stages[death.stage]
+        log.warning(
+            "stage %d (%s) replica %d is dead (%s: %s for %.1f s); %d request(s) bound to it",
+            death.stage,
+            stage.name,
+            death.replica,
+            death.reason,
+            death.cause,
+            death.silent_s,
+            len(self._index.bound_to(death.stage, death.replica)),
+        )
+        if self.ctx.metrics.enabled:
+            self.ctx.metrics["vllm:omni_replica_evictions"].labels(
+                self.ctx.model, str(death.stage), str(death.replica), death.reason.value
+            ).inc()
+
+    async def replica_died(self, death: Death, seen: RequestRecord) -> None:
+        """A request bound to a dead replica, queued there or in progress: it moves to a live
+        replica of the stage (:meth:`_move`), or fails now — ``no_live_replica`` when the stage
+        has none for its ``no_replica_wait_s``, ``migration_limit`` past its ``migration_limit``
+        — never by waiting for its deadline or for the replica's restart (docs/reliability.md)."""
+        rid = seen.request_id
+        if rid in self._moving:  # the watch hands it over again every probe period meanwhile
+            return
+        self._moving.add(rid)
+        try:
+            await self._move_or_fail(death, seen)
+        finally:
+            self._moving.discard(rid)
+
+    async def _move_or_fail(self, death: Death, seen: RequestRecord) -> None:
+        t0 = time.monotonic()
+        s, stage = death.stage, self.ctx.pipeline.stages[death.stage]
+        where = f"stage {s} ({stage.name}) replica {death.replica}"
+        target = await self._live_replica(death, stage.no_replica_wait_s)
+        if target is None:
+            message = (
+                f"{where} died ({death.reason}) and the stage has no live replica to move the request to"
+            )
+            await self._fail(seen, "no_live_replica", message)
+            return
+        inputs: list[RawStreamMsg] = []
+        if s == 0:  # a later stage's input is read once its upstream holds it (_move)
+            subject = self.ctx.subjects.stage_in(s, death.replica)
+            inputs = await stored_inputs(
+                self.ctx.js, self.ctx.subjects.stages_stream, subject, seen.request_id
+            )
+            if not inputs:  # the replica had handled its input: the stage's own events end it
+                log.info("request %s: no stored input on %s; nothing to move", seen.request_id, subject)
+                return
+        decision: Move | NoMove | None = None
+
+        def change(rec: RequestRecord) -> bool:
+            nonlocal decision  # as of the last try: a retried compare-and-set calls this again
+            decision = plan_move(rec, s, death.replica, target, death.reason.value, stage.migration_limit)
+            if not isinstance(decision, Move):
+                return False
+            apply_move(rec, decision, time.time_ns(), self.instance_id)
+            return True
+
+        await update_record(self.ctx.requests, seen.request_id, change)
+        if decision == NoMove.LIMIT:
+            message = f"{where} died ({death.reason}); the request had moved {stage.migration_limit} time(s) in this stage already (migration_limit)"
+            await self._fail(seen, "migration_limit", message)
+        elif isinstance(decision, Move):
+            await self._move(decision, seen, inputs, t0)
+
+    async def unfinished_moves_loop(self) -> None:
+        """Carry out again the moves whose orchestrator died after claiming them and before
+        sending their input (:func:`unfinished_moves`): without this such a request would wait
+        for its deadline."""
+        while True:
+            await asyncio.sleep(MOVE_CHECK_PERIOD_S)
+            live = {r.instance for r in self.services.live(ServiceKind.ORCHESTRATOR)}
+            live.add(self.instance_id)
+            now_ns = time.time_ns()
+            for rec in list(self._index.records.values()):
+                for move in unfinished_moves(rec, live, now_ns, int(MOVE_TAKEOVER_S * 1e9)):
+                    if move.request_id in self._moving:
+                        continue
+                    self._moving.add(move.request_id)
+                    try:
+                        await self._take_over(move, rec)
+                    except Exception as e:
+                        log.warning("request %s: taking over its move failed: %s", move.request_id, e)
+                    finally:
+                        self._moving.discard(move.request_id)
+
+    async def _take_over(self, move: Move, seen: RequestRecord) -> None:
+        """Claim ``move`` (its claimer died) and carry it out: every step of :meth:`_move` can be
+        done twice (the abort notice, the gateway's fence, hold and release; a re-sent input has
+        the same ``Nats-Msg-Id`` and the stream drops it)."""
+        t0 = time.monotonic()
+        gone = seen.stages[move.stage].attempts[-1].claimed_by
+
+        claimed = False
+
+        def claim(rec: RequestRecord) -> bool:
+            nonlocal claimed  # as of the last try: a retried compare-and-set calls this again
+            last = rec.stages[move.stage].attempts[-1]
+            claimed = last.attempt == move.attempt and last.sent_ns is None and last.claimed_by == gone
+            if claimed:
+                last.claimed_by = self.instance_id
+            return claimed
+
+        await update_record(self.ctx.requests, move.request_id, claim)
+        if not claimed:
+            return
+        log.warning(
+            "request %s: orchestrator %s died while moving stage %d to replica %d (attempt %d); carrying the move out",
+            move.request_id,
+            gone,
+            move.stage,
+            move.to_replica,
+            move.attempt,
+        )
+        inputs: list[RawStreamMsg] = []
+        if move.stage == 0:
+            subject = self.ctx.subjects.stage_in(0, move.from_replica)
+            inputs = await stored_inputs(
+                self.ctx.js, self.ctx.subjects.stages_stream, subject, move.request_id
+            )
+            if not inputs:  # sent and deleted: only the record's note was missing
+
+                def sent(rec: RequestRecord) -> bool:
+                    last = rec.stages[0].attempts[-1]
+                    if last.attempt != move.attempt:
+                        return False
+                    last.sent_ns = time.time_ns()
+                    return True
+
+                await update_record(self.ctx.requests, move.request_id, sent)
+                return
+        await self._move(move, seen, inputs, t0)
+
+    async def _live_replica(self, death: Death, wait_s: float) -> int | None:
+        """A live replica of the dead one's stage (the least loaded), waiting up to ``wait_s`` for
+        one to appear; None when none did."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self.ctx.picker.pick(death.stage)
+            except NoLiveReplica:
+                if time.monotonic() >= deadline:
+                    return None
+            await asyncio.sleep(NO_REPLICA_POLL_S)
+
+    async def _move(self, move: Move, seen: RequestRecord, inputs: list[RawStreamMsg], t0: float) -> None:
+        """Carry out ``move``: fence the old attempt off (its worker and the client's stream),
+        learn where the client's stream stands, and send the new attempt its input — stage 0 the
+        stored task going on after what the client has; a later stage the chunks the dead replica
+        had not acknowledged, its upstream holding the request's chunks meanwhile — then drop the
+        stored originals."""
+        rid, s = move.request_id, move.stage
+        t_claimed = time.monotonic()
+        await self.ctx.nc.publish(
+            self.ctx.subjects.abort,
+            AbortNotice(request_id=rid, reason=MOVED, stage=s, attempt=move.attempt).encode(),
+        )
+        point = await self._ask_gateway(seen, move)
+        if point is None:
+            return
+        t_asked = time.monotonic()
+        held = RouteHeld(held=False)
+        upstream = self.ctx.subjects.route(s - 1, seen.route[s - 1]) if s > 0 else None
+        if upstream is not None:  # no chunk may go to the dead replica from now on
+            held = await self._reroute(upstream, RouteChange(request_id=rid, stage=s, action="hold"))
+            inputs = await stored_inputs(
+                self.ctx.js,
+                self.ctx.subjects.stages_stream,
+                self.ctx.subjects.stage_in(s, move.from_replica),
+                rid,
+            )
+        tasks = [decode(StageTask, m.data) for m in inputs]
+        start = min((t.seq for t in tasks), default=held.next_seq)
+        resumed = sum(len(d.token_ids) for d in point.deltas)
+        phase = Phase.IN_PROGRESS if resumed or point.audio_seq is not None else move.phase
+        parent = context_from_headers(inputs[0].headers) if inputs else None
+        span = start_span(
+            "omni.migrate",
+            parent,
+            SpanKind.PRODUCER,
+            {
+                "omnirelay.request_id": rid,
+                "omnirelay.stage": s,
+                "omnirelay.from_replica": move.from_replica,
+                "omnirelay.to_replica": move.to_replica,
+                "omnirelay.attempt": move.attempt,
+            },
+            links=[Link(trace.get_current_span(parent).get_span_context(), {"omnirelay.link": "moved_from"})]
+            if parent is not None
+            else None,
+        )
+        span.add_event(
+            "request.moved",
+            {
+                "omnirelay.reason": move.reason,
+                "omnirelay.phase": phase.value,
+                "omnirelay.resumed_tokens": resumed,
+                "omnirelay.start_seq": start,
+            },
+        )
+        try:
+            for msg, task in zip(inputs, tasks, strict=True):
+                moved = _moved_task(task, move, start, point, seen)
+                hdr = msg.headers or {}
+                hop = Hop(
+                    hdr.get(h.FROM_STAGE, h.FROM_ORCHESTRATOR),
+                    hdr.get(h.FROM_REPLICA, h.FROM_ORCHESTRATOR),
+                    s,
+                    move.to_replica,
+                )
+                await publish_task(self.ctx.js, self.ctx.subjects, moved, hop, span)
+        finally:
+            span.end()
+        t_sent = time.monotonic()
+        for msg in inputs:
+            with contextlib.suppress(Exception):
+                await self.ctx.js.delete_msg(self.ctx.subjects.stages_stream, msg.seq)
+        if upstream is not None and held.held:
+            release = RouteChange(
+                request_id=rid,
+                stage=s,
+                action="release",
+                replica=move.to_replica,
+                attempt=move.attempt,
+                start_seq=start,
+            )
+            await self._reroute(upstream, release)
+
+        def note(rec: RequestRecord) -> bool:
+            attempts = rec.stages[s].attempts
+            if not attempts or attempts[-1].attempt != move.attempt:
+                return False
+            attempts[-1].phase, attempts[-1].resumed_tokens = phase.value, resumed
+            attempts[-1].start_seq = start if s > 0 else 0
+            attempts[-1].sent_ns = time.time_ns()
+            return True
+
+        with contextlib.suppress(Exception):
+            await update_record(self.ctx.requests, rid, note)
+        log.warning(
+            "request %s moved: stage %d replica %d -> %d (attempt %d, %s, %s; the client had %d token(s), "
+            "audio up to chunk %s; %d stored input(s) re-sent from seq %d); sent %.0f ms after the verdict "
+            "(claimed %.0f, gateway %.0f, inputs %.0f)",
+            rid,
+            s,
+            move.from_replica,
+            move.to_replica,
+            move.attempt,
+            move.reason,
+            phase.value,
+            resumed,
+            point.audio_seq,
+            len(inputs),
+            start,
+            (t_sent - t0) * 1e3,
+            (t_claimed - t0) * 1e3,
+            (t_asked - t_claimed) * 1e3,
+            (t_sent - t_asked) * 1e3,
+        )
+        if self.ctx.metrics.enabled:
+            self.ctx.metrics["vllm:omni_requests_migrated"].labels(
+                self.ctx.model, str(s), str(move.from_replica), str(move.to_replica), move.reason, phase.value
+            ).inc()
+
+    async def _ask_gateway(self, seen: RequestRecord, move: Move) -> ResumePoint | None:
+        """Where the client's stream of the moving stage stands (the question fences the older
+        attempts off); None when nothing is to be moved: the gateway no longer holds the request,
+        or it did not answer (the request is failed then)."""
+        query = ResumeQuery(request_id=move.request_id, stage=move.stage, attempt=move.attempt)
+        try:
+            reply = await self.ctx.nc.request(
+                self.ctx.subjects.resume(seen.gateway_id), query.encode(), timeout=RESUME_TIMEOUT_S
+            )
+        except (NoRespondersError, NatsTimeoutError) as e:
+            await self._fail(
+                seen, "replica_lost", f"the request's gateway did not answer ({type(e).__name__})"
+            )
+            return None
+        point = decode(ResumePoint, reply.data)
+        if not point.known:
+            log.info("request %s: its gateway no longer holds it; not moved", move.request_id)
+            return None
+        return point
+
+    async def _reroute(self, subject: str, change: RouteChange) -> RouteHeld:
+        """Ask the upstream worker to hold or release the request's chunks; not held when it no
+        longer works on the request (or does not answer: it died too)."""
+        try:
+            reply = await self.ctx.nc.request(subject, change.encode(), timeout=RESUME_TIMEOUT_S)
+        except (NoRespondersError, NatsTimeoutError):
+            return RouteHeld(held=False)
+        return decode(RouteHeld, reply.data)
+
+    async def _fail(self, seen: RequestRecord, code: str, message: str) -> None:
+        """Fail a request now (503 ``code``) unless it has ended meanwhile or another orchestrator
+        failed it: mark its record, abort it everywhere and answer the client."""
+        failed = False
+
+        def change(rec: RequestRecord) -> bool:
+            nonlocal failed  # as of the last try: a retried compare-and-set calls this again
+            failed = not rec.status.terminal
+            if failed:
+                rec.status, rec.error, rec.updated_ns = RequestStatus.FAILED, code, time.time_ns()
+            return failed
+
+        await update_record(self.ctx.requests, seen.request_id, change)
+        if not failed:
+            return
+        self._index.forget(seen.request_id)
+        log.warning("request %s failed: %s", seen.request_id, message)
+        await self.ctx.end_everywhere(seen, 503, code, message)
+
+    async def on_resync(self, msg: Msg) -> None:
+        """A gateway lost events of a thinker attempt (a broker restart): the request goes on as
+        a new attempt from what the client has, on the least loaded live replica (the same one
+        may take it), exactly as if its replica had died."""
+        if (ask := decode_or_log(Resync, msg.data, "resync", log)) is None:
+            return
+        await msg.respond(b"")  # taken: the gateway stops asking
+        try:
+            entry = await self.ctx.requests.get(ask.request_id)
+        except (NotFoundError, KeyError):
+            return
+        rec = RequestRecord.model_validate_json(entry.value)
+        if ask.stage != 0 or rec.status.terminal or rec.stages[0].attempt != ask.attempt:
+            log.info(
+                "request %s: resync of stage %d attempt %d not needed (record: %s, attempt %d)",
+                ask.request_id,
+                ask.stage,
+                ask.attempt,
+                rec.status.value,
+                rec.stages[0].attempt,
+            )
+            return
+        lost = Death(0, rec.route[0], 0, DeathReason.LOST_EVENTS, 0.0)
+        await self.replica_died(lost, rec)
+
+
+def _moved_task(
+    task: StageTask, move: Move, start_seq: int, point: ResumePoint, seen: RequestRecord
+) -> StageTask:
+    """The stored ``task`` of the attempt that died, as input of ``move``'s new attempt: bound to
+    the new replica and, for the stages after it, to where the record binds them now (the stored
+    task has the route of when it was sent; a later stage may have moved since), sending to the
+    next stage's current attempt; stage 0's goes on after the client's text deltas, a later
+    stage's takes chunks from ``start_seq`` and carries no audio the client already has."""
+    s = move.stage
+    route = [*task.route[:s], move.to_replica, *seen.route[s + 1 :]]
+    update: dict[str, object] = {"route": route, "attempt": move.attempt, "moved": True}
+    if s + 1 < len(seen.stages) and seen.stages[s + 1].attempts:
+        current = seen.stages[s + 1].attempts[-1]
+        update["next_attempt"], update["next_start_seq"] = current.attempt, current.start_seq
+    if move.stage == 0:
+        update["resume"] = point.deltas
+    else:
+        update["start_seq"] = start_seq
+        if point.audio_seq is not None and task.seq <= point.audio_seq:
+            update["codes"] = None
+    return task.model_copy(update=update)
