@@ -29,6 +29,9 @@ WATCH_SILENCE_S = 2 * LIMITS.heartbeat_s
 MIN_BEAT_GAP_S = 0.25
 """An early beat (see :meth:`Heartbeat.load_dropped`) comes at least this long after the last
 one, seconds."""
+LATE_BEAT_S = 2 * LIMITS.heartbeat_s
+"""A write that is stored this long after the one before it is logged as late (the entry expires
+``service_ttl_s`` after its last write, and readers count the service dead then), seconds."""
 
 
 class ServiceKind(StrEnum):
@@ -83,15 +86,28 @@ class Heartbeat:
         self._liveness = liveness
         self._task: asyncio.Task[None] | None = None
         self._early = asyncio.Event()
+        self._stored_s: float | None = None
+        """When the last write was acknowledged (``time.monotonic()``)."""
 
     async def beat(self) -> None:
-        """Write the record now."""
+        """Write the record now; waits at most one heartbeat period for the acknowledgement (the
+        next beat writes it again)."""
         self._record.load = self._load()
         if self._liveness is not None:
             now = self._liveness()
             self._record.busy, self._record.progress = now.busy, now.progress
         self._record.heartbeat_ns = time.time_ns()
-        await self._kv.put(self._record.key, self._record.model_dump_json().encode())
+        async with asyncio.timeout(LIMITS.heartbeat_s):
+            await self._kv.put(self._record.key, self._record.model_dump_json().encode())
+        stored, before = time.monotonic(), self._stored_s
+        self._stored_s = stored
+        if before is not None and stored - before > LATE_BEAT_S:
+            log.warning(
+                "heartbeat of %s stored %.1f s after the one before (TTL %.0f s): readers may have counted it dead",
+                self._record.key,
+                stored - before,
+                LIMITS.service_ttl_s,
+            )
 
     def load_dropped(self) -> None:
         """Call when the load went down: if it has fallen to half or less of what the registry
@@ -111,19 +127,22 @@ class Heartbeat:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        began = loop.time()
         while True:
-            # The regular beat is due a period after the last one, on an absolute deadline: after
-            # a stall (a stopped process, a starved core) it is written the moment this process
-            # runs again, not a period later, while readers already count the replica dead.
+            # The regular beat is due a period after the last one began, on an absolute deadline:
+            # a slow acknowledgement does not push the next write later, and after a stall (a
+            # stopped process, a starved core) it is written the moment this process runs again,
+            # not a period later, while readers already count the replica dead.
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout_at(loop.time() + LIMITS.heartbeat_s):
+                async with asyncio.timeout_at(max(began + LIMITS.heartbeat_s, loop.time() + MIN_BEAT_GAP_S)):
                     await asyncio.sleep(MIN_BEAT_GAP_S)
                     await self._early.wait()
             self._early.clear()
+            began = loop.time()
             try:
                 await self.beat()
             except Exception as e:  # broker down: keep trying, the entry expires meanwhile
-                log.warning("heartbeat failed: %s", e)
+                log.warning("heartbeat failed: %s", type(e).__name__ if isinstance(e, TimeoutError) else e)
 
     async def stop(self) -> None:
         """Stop beating and remove the entry (a clean shutdown disappears at once)."""

@@ -15,6 +15,7 @@ import pytest
 
 from benchmarks.harness import descendants
 from libs.common.bus_state import snapshot
+from tests.bus import await_replacement
 from tests.procs import gone, worker_pid
 
 pytestmark = pytest.mark.e2e
@@ -37,6 +38,7 @@ async def test_a_killed_worker_is_restarted_and_requests_keep_completing(stack, 
     pid = worker_pid(stack.proc.pid, STAGE, REPLICA)
     engine = descendants(pid)  # its EngineCore and the EngineCore's model runner
     assert engine, f"worker {pid} has no engine processes"
+    log_offset = len(stack.log_text())  # what the stack logged before the fault
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
     for _ in range(50):
@@ -76,5 +78,11 @@ async def test_a_killed_worker_is_restarted_and_requests_keep_completing(stack, 
     await stack.await_log(f"omnirelay: {name} restarted (pid ", f"restart {number.group(1)})")
     new_pid = worker_pid(stack.proc.pid, STAGE, REPLICA)
     assert new_pid != pid
-    now = {s["key"]: s for s in (await snapshot(stack.nats_url, pipeline))["services"]}
-    assert now[record_key]["started_ns"] > old_started_ns  # the replacement took the identity back
+    # The replacement took the identity back. Read with a deadline: the registry is read through a
+    # connection of the test's own, and health above came from the gateway's view. A replacement
+    # whose heartbeat slipped past the entry's TTL would vanish from routing: each service logs a
+    # write stored more than LATE_BEAT_S after the one before, and none may show up for it.
+    await await_replacement(stack.nats_url, pipeline, record_key, old_started_ns, timeout_s=30)
+    since = stack.log_text()[log_offset:].splitlines()
+    late = [line for line in since if "heartbeat of " + record_key in line]
+    assert late == [], late
