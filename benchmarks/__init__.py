@@ -1,6 +1,7 @@
 """Benchmarks: commands that start stacks or engines, drive load and print a table. Each module
 is named for what it measures; :mod:`benchmarks.harness` holds what they share (request timing and
-its statistics, managed processes and stacks, core affinity).
+its statistics, managed processes and stacks, core affinity), :mod:`benchmarks.fault_injection`
+the faults and their injection, :mod:`benchmarks.chaos_accounting` the chaos soak's accounting.
 
 | module | command | measures |
 | --- | --- | --- |
@@ -8,6 +9,8 @@ its statistics, managed processes and stacks, core affinity).
 | ``paired_ab`` | ``omnirelay bench-ab A B`` | is checkout B faster than checkout A (paired blocks) |
 | ``bus_hop`` | ``omnirelay bench-bus`` | the floor of one bus hop between two processes |
 | ``log_stats_cost`` | ``omnirelay bench-log-stats`` | what ``--log-stats`` costs per request and per scrape |
+| ``fault_suite`` | ``omnirelay bench-faults`` | one fault at a time under streams: lost, repeated or hung |
+| ``chaos_soak`` | ``omnirelay bench-chaos`` | random overlapping faults under a continuous mixed load |
 | ``engine_tracing_cost`` | ``python -m benchmarks.engine_tracing_cost`` | the scheduler cost of engine tracing |
 
 They may import ``services`` and ``libs``; nothing imports them but the command line.

@@ -5,6 +5,9 @@ injection is verified (the process is gone, or its state is ``T``), and each fau
 requests in flight, completed in full, failed with a clear error, hung, missing or repeated tokens,
 and how long the streams paused.
 
+The faults, the pipeline and the injection are :mod:`benchmarks.fault_injection`'s; the clients'
+requests (:func:`send`, :func:`reference`) are shared with ``omnirelay bench-chaos``.
+
 Clocks: ``time.monotonic()`` of this process, seconds. The accounting (:func:`row_of`) is a pure
 function of what the clients saw (tested in ``tests/unit/test_fault_suite.py``).
 """
@@ -15,38 +18,26 @@ import asyncio
 import base64
 import contextlib
 import json
-import os
 import signal
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from benchmarks.harness import (
-    Managed,
-    Processes,
-    Stack,
-    descendants,
-    log,
-    run_with_stacks,
-    start_stack,
-    wait_http_ok,
-    wait_port,
+from benchmarks.fault_injection import (
+    CLUSTER_NODE_TARGETS,
+    FAULTS,
+    PIPELINE_YAML,
+    REPLICAS,
+    Fault,
+    Injector,
+    healthy,
+    incarnation,
+    replaced,
+    verdicts_since,
 )
+from benchmarks.harness import Processes, Stack, log, run_with_stacks, start_stack
 from libs.common.bus import server_urls
-from libs.common.subjects import EVICTIONS_BUCKET, REQUESTS_BUCKET, SERVICES_BUCKET, Subjects
 
-PIPELINE_YAML = """\
-name: faults
-served_model_name: faults-model
-request_timeout_s: 120
-stages:
-  - {name: thinker, type: llm, model: tiny-thinker, replicas: 2, consumes: text, emits: text,
-     stream_to_client: true, engine: {max_model_len: 2048, enforce_eager: true, dtype: float32}}
-  - {name: talker, type: llm, model: tiny-talker, replicas: 2, consumes: text, emits: codec_codes,
-     engine: {max_model_len: 2048, enforce_eager: true, dtype: float32}}
-  - {name: code2wav, type: codec, model: tiny-code2wav, replicas: 2, consumes: codec_codes,
-     emits: audio, stream_to_client: true}
-"""
 PROMPT = "Tell me everything about the sea."
 SAMPLE_RATE = 24_000
 """The tiny code2wav's output rate, Hz."""
@@ -56,62 +47,30 @@ HUNG_AFTER_S = 150.0
 """A stream not ended this long after the fault counts as hung (the deadline is 120 s), seconds."""
 REFERENCE_RETRY_S = 30.0
 """How long the fault-free reference request is retried while the stack answers 503, seconds."""
-REPLICAS = 2
-"""Replicas of every stage in :data:`PIPELINE_YAML`."""
-PIPELINE_NAME = "faults"
-"""The ``name`` in :data:`PIPELINE_YAML`."""
-
-
-@dataclass(frozen=True)
-class Fault:
-    name: str
-    target: str
-    """``worker``, ``engine_core`` (the worker's EngineCore process), ``all_replicas`` (every
-    replica of ``stage``: they stay down while their engines start), ``orchestrator``, ``nats``
-    (the only server), ``nats_leader`` (the node of a NATS cluster that leads the stages stream) or
-    ``nats_node_of_worker`` (the node the busiest replica of ``stage`` is connected to)."""
-    stage: int = 0
-    sig: int = signal.SIGKILL
-    hold_s: float = 0.0
-    """SIGSTOP: how long the process stays stopped before SIGCONT."""
-    streams: int = 8
-    audio: bool = False
-    max_tokens: int = 400
-    nats_nodes: int = 1
-    """NATS servers of the stack the fault is injected in (1, or a cluster of 3)."""
-
-
-FAULTS = (
-    Fault("kill -9 a thinker replica", "worker", 0),
-    Fault("kill -9 a talker replica", "worker", 1, streams=4, audio=True, max_tokens=120),
-    Fault("kill -9 a code2wav replica", "worker", 2, streams=4, audio=True, max_tokens=120),
-    Fault("kill -9 a thinker's EngineCore only", "engine_core", 0),
-    Fault("SIGSTOP a thinker replica 30 s", "worker", 0, signal.SIGSTOP, hold_s=30.0),
-    Fault(
-        "SIGSTOP a thinker's EngineCore 30 s (a hung engine)", "engine_core", 0, signal.SIGSTOP, hold_s=30.0
-    ),
-    Fault("kill -9 every thinker replica (down while their engines start)", "all_replicas", 0),
-    Fault("kill -9 the orchestrator", "orchestrator"),
-    Fault("kill -9 nats-server, back 2 s later", "nats"),
-    Fault("kill -9 one node of a 3-node NATS cluster, the streams' leader", "nats_leader", nats_nodes=3),
-    Fault(
-        "kill -9 the node of a 3-node NATS cluster a busy thinker is on", "nats_node_of_worker", nats_nodes=3
-    ),
-)
 
 
 @dataclass
 class Seen:
-    """One client's stream (``time.monotonic()`` readings)."""
+    """One client's request as it saw it (``time.monotonic()`` readings, seconds)."""
 
     id: str = ""
     token_ids: list[int] = field(default_factory=list)
     at: list[float] = field(default_factory=list)
-    """When each chunk with tokens or audio arrived."""
+    """When each chunk with tokens or audio arrived (a response not streamed: one arrival)."""
     usage_tokens: int | None = None
     audio_bytes: int = 0
     error: str | None = None
+    """A failure: the OpenAI error's ``code``, else the exception's type name."""
     ended_s: float | None = None
+    sent_s: float | None = None
+    text: str = ""
+    """The text (``content``, or the audio's ``transcript``), as streamed or in the message."""
+    audio_chunks: int = 0
+    """Chunks with audio (a response not streamed: 1 when it has audio)."""
+    error_code: str | None = None
+    """A failure's OpenAI error ``code`` (None: the failure had none, or no failure)."""
+    status: int | None = None
+    """A failure's HTTP status, where it had one."""
 
 
 @dataclass(frozen=True)
@@ -180,85 +139,97 @@ def row_of(
     )
 
 
-async def _stream(client, model: str, fault: Fault, seen: Seen) -> None:
+AUDIO_OUT = {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "pcm16"}}
+"""The arguments of a request for audio (raw PCM16, 24 kHz) besides its text."""
+
+
+def _chunk_seen(seen: Seen, chunk, now: float) -> None:
+    """Add one streamed chunk (arrived at ``now``) to ``seen``."""
+    seen.id = chunk.id
+    if chunk.choices:
+        ids = (chunk.choices[0].model_extra or {}).get("token_ids") or []
+        delta = chunk.choices[0].delta
+        data = delta.audio.data if delta.audio is not None else None
+        if ids or data:
+            seen.at.append(now)
+        seen.token_ids += ids
+        seen.text += delta.content or (delta.audio.transcript if delta.audio is not None else None) or ""
+        if data:
+            seen.audio_bytes += len(base64.b64decode(data))
+            seen.audio_chunks += 1
+    if chunk.usage is not None:
+        seen.usage_tokens = chunk.usage.completion_tokens
+
+
+def _message_seen(seen: Seen, r, now: float) -> None:
+    """Add a whole response (not streamed, arrived at ``now``) to ``seen``."""
+    seen.id = r.id
+    message = r.choices[0].message
+    seen.token_ids = (r.choices[0].model_extra or {}).get("token_ids") or []
+    data = message.audio.data if message.audio is not None else None
+    seen.text = message.content or (message.audio.transcript if message.audio is not None else "") or ""
+    if seen.token_ids or data:
+        seen.at.append(now)
+    if data:
+        seen.audio_bytes, seen.audio_chunks = len(base64.b64decode(data)), 1
+    seen.usage_tokens = r.usage.completion_tokens if r.usage is not None else None
+
+
+async def send(
+    client, model: str, seen: Seen, prompt: str, max_tokens: int, audio: bool = False, stream: bool = True
+) -> None:
+    """One greedy chat completion (``temperature: 0``, ``ignore_eos``, the token ids returned)
+    through ``client`` (an ``openai.AsyncOpenAI``): what the client saw goes into ``seen``. A
+    failure is recorded (its error code, else its type), never raised."""
     import openai
 
     extra: dict[str, object] = {"ignore_eos": True, "return_token_ids": True}
-    kwargs: dict[str, object] = {}
-    if fault.audio:
-        kwargs = {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "pcm16"}}
+    kwargs: dict[str, object] = dict(AUDIO_OUT) if audio else {}
+    if stream:
+        kwargs["stream_options"] = {"include_usage": True}
+    seen.sent_s = time.monotonic()
     try:
-        stream = await client.chat.completions.create(
+        r = await client.chat.completions.create(
             model=model,
-            messages=[{"role": "user", "content": PROMPT}],
-            max_tokens=fault.max_tokens,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=max_tokens,
             temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
+            stream=stream,
             extra_body=extra,
             **kwargs,
         )
-        async for chunk in stream:
-            seen.id = chunk.id
-            if chunk.choices:
-                ids = (chunk.choices[0].model_extra or {}).get("token_ids") or []
-                audio = chunk.choices[0].delta.audio
-                data = audio.data if audio is not None else None
-                if ids or data:
-                    seen.at.append(time.monotonic())
-                seen.token_ids += ids
-                if data:
-                    seen.audio_bytes += len(base64.b64decode(data))
-            if chunk.usage is not None:
-                seen.usage_tokens = chunk.usage.completion_tokens
-            await asyncio.sleep(0)  # a whole response already read would otherwise end unseen
+        if not stream:
+            _message_seen(seen, r, time.monotonic())
+        else:
+            async for chunk in r:
+                _chunk_seen(seen, chunk, time.monotonic())
+                await asyncio.sleep(0)  # a whole response already read would otherwise end unseen
     except openai.APIError as e:
-        seen.error = str(getattr(e, "code", None) or type(e).__name__)
+        code = getattr(e, "code", None)
+        seen.error_code = str(code) if code else None
+        seen.error = seen.error_code or type(e).__name__
+        seen.status = getattr(e, "status_code", None)
+    except Exception as e:  # not an API error (a connection cut mid-stream, a body it cannot read)
+        seen.error = type(e).__name__
     seen.ended_s = time.monotonic()
 
 
-async def _reference(client, model: str, fault: Fault) -> list[int]:
-    """The thinker's tokens for the suite's request without a fault (greedy, text only). A 503
-    (no live replica: the registry has not caught up with the last fault yet) is asked again, for
-    at most :data:`REFERENCE_RETRY_S`."""
-    import openai
-
+async def reference(
+    client, model: str, prompt: str, max_tokens: int, audio: bool = False, stream: bool = False
+) -> Seen:
+    """The request without a fault (greedy): what :func:`send` saw. A 503 (no live replica: the
+    registry has not caught up with the last fault yet) is asked again, for at most
+    :data:`REFERENCE_RETRY_S`; another failure raises RuntimeError."""
     deadline = time.monotonic() + REFERENCE_RETRY_S
     while True:
-        try:
-            r = await client.chat.completions.create(
-                model=model,
-                messages=[{"role": "user", "content": PROMPT}],
-                max_tokens=fault.max_tokens,
-                temperature=0,
-                extra_body={"ignore_eos": True, "return_token_ids": True},
-            )
-            return (r.choices[0].model_extra or {}).get("token_ids") or []
-        except openai.InternalServerError as e:
-            if e.status_code != 503 or time.monotonic() > deadline:
-                raise
-            log(f"reference request: {e}; asking again")
-            await asyncio.sleep(1.0)
-
-
-def _pids(root: int, *words: str) -> list[int]:
-    """Descendants of ``root`` whose command line contains every one of ``words``."""
-    found = []
-    for pid in descendants(root):
-        with contextlib.suppress(OSError):
-            cmd = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
-            env = Path(f"/proc/{pid}/environ").read_text().split("\0")
-            if all(w in cmd or w in env for w in words):
-                found.append(pid)
-    return found
-
-
-def _state(pid: int) -> str:
-    """The process state letter (``T`` stopped, ``Z`` zombie), ``gone`` when it does not exist."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
+        seen = Seen()
+        await send(client, model, seen, prompt, max_tokens, audio, stream)
+        if seen.error is None:
+            return seen
+        if seen.status != 503 or time.monotonic() > deadline:
+            raise RuntimeError(f"the reference request ({max_tokens} tokens) failed: {seen.error}")
+        log(f"reference request: {seen.error}; asking again")
+        await asyncio.sleep(1.0)
 
 
 async def _busiest_replica(stack: Stack, stage: int, ids: list[str]) -> tuple[int, int]:
@@ -283,220 +254,29 @@ async def _busiest_replica(stack: Stack, stage: int, ids: list[str]) -> tuple[in
         await nc.close()
 
 
-async def _leaders(stack: Stack) -> dict[str, str]:
-    """The server that leads each stream and KV bucket of the pipeline: name → ``server_name``."""
-    import nats
-
-    subjects = Subjects(PIPELINE_NAME)
-    names = [subjects.requests_stream, subjects.stages_stream, subjects.events_stream]
-    names += [f"KV_{b}" for b in (SERVICES_BUCKET, REQUESTS_BUCKET, EVICTIONS_BUCKET)]
-    nc = await nats.connect(servers=server_urls(stack.nats_url))
-    try:
-        js = nc.jetstream()
-        return {name: (await js.stream_info(name)).cluster.leader for name in names}
-    finally:
-        await nc.close()
-
-
-CLUSTER_NODE_TARGETS = ("nats_leader", "nats_node_of_worker")
-
-
-def _client_names(monitor_url: str) -> list[str]:
-    """The omnirelay services connected to a server, from its ``/connz`` (names without the
-    ``omnirelay-`` prefix: ``gateway-<id>``, ``orchestrator``, ``worker-<stage>-<replica>``)."""
-    import httpx
-
-    conns = httpx.get(f"{monitor_url}/connz", params={"limit": 1024}, timeout=5).json()["connections"] or []
-    return [c["name"].removeprefix("omnirelay-") for c in conns if c.get("name", "").startswith("omnirelay-")]
-
-
-def _log_size(m: Managed) -> int:
-    """Bytes in ``m``'s log so far."""
-    return m.log_path.stat().st_size
-
-
-def verdicts_since(log_path: Path, offset: int) -> tuple[int, int]:
-    """(replicas judged dead, requests moved) in a stack's log after byte ``offset`` (the
-    orchestrators' "stage ... replica ... is dead (" and "request ... moved: stage" lines)."""
-    with log_path.open("rb") as f:
-        f.seek(offset)
-        text = f.read().decode(errors="replace")
-    return text.count(" is dead ("), sum(" moved: stage " in line for line in text.splitlines())
-
-
-class Injector:
-    """Finds a fault's process in the stack and injects the fault, verifying that it took."""
-
-    def __init__(self, procs: Processes, stack: Stack, nats_argv: list[str]) -> None:
-        self.procs, self.stack, self.nats_argv = procs, stack, nats_argv
-        self.killed_node: tuple[Managed, str] | None = None
-        """The cluster node killed by the last fault of a cluster node, with its monitoring URL."""
-
-    def target_pid(self, fault: Fault, replica: int) -> int:
-        root = self.stack.process.proc.pid
-        if fault.target == "orchestrator":
-            (pid,) = _pids(root, "-m cli orchestrator")
-            return pid
-        worker = self.worker_pid(fault.stage, replica)
-        if fault.target == "worker":
-            return worker
-        (core,) = [p for p in descendants(worker) if "EngineCore" in Path(f"/proc/{p}/cmdline").read_text()]
-        return core
-
-    def worker_pid(self, stage: int, replica: int) -> int:
-        (pid,) = _pids(
-            self.stack.process.proc.pid,
-            "-m cli worker",
-            f"OMNIRELAY_STAGE={stage}",
-            f"OMNIRELAY_REPLICA={replica}",
-        )
-        return pid
-
-    async def _kill_all_replicas(self, stage: int) -> str:
-        """``kill -9`` every replica of ``stage`` at once; they stay down while the launcher
-        restarts them and their engines start."""
-        pids = [self.worker_pid(stage, r) for r in range(REPLICAS)]
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
-        for _ in range(50):
-            if all(_state(pid) in ("gone", "Z") for pid in pids):
-                break
-            await asyncio.sleep(0.05)
-        return ", ".join(f"pid {pid} {_state(pid)}" for pid in pids)
-
-    async def inject(self, fault: Fault, replica: int) -> str:
-        """Inject ``fault``; what was verified."""
-        if fault.target in CLUSTER_NODE_TARGETS:
-            return await self._kill_node(fault, replica)
-        if fault.target == "nats":
-            nats = next(m for m in self.procs.items if m.name.startswith("nats"))
-            pid = nats.proc.pid
-            os.kill(pid, signal.SIGKILL)
-            nats.proc.wait(5)
-            verified = f"pid {pid} {_state(pid)}"
-            await asyncio.sleep(2.0)
-            port = int(self.nats_argv[self.nats_argv.index("-p") + 1])
-            wait_port(self.procs.start("nats (restarted)", self.nats_argv, {}), port, 30)
-            return verified
-        if fault.target == "all_replicas":
-            return await self._kill_all_replicas(fault.stage)
-        pid = self.target_pid(fault, replica)
-        os.kill(pid, fault.sig)
-        for _ in range(50):
-            state = _state(pid)
-            if state in ("gone", "Z") or (fault.sig == signal.SIGSTOP and state == "T"):
-                break
-            await asyncio.sleep(0.05)
-        verified = f"pid {pid} {_state(pid)}"
-        if fault.sig == signal.SIGSTOP:
-            await asyncio.sleep(fault.hold_s)
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:  # a stopped EngineCore: its worker gave up on it and killed it
-                verified += f"; gone before SIGCONT at {fault.hold_s:g} s"
-        return verified
-
-    async def _kill_node(self, fault: Fault, replica: int) -> str:
-        """``kill -9`` a cluster node (it stays down until :meth:`restore`): the stages stream's
-        leader, or the node worker (``fault.stage``, ``replica``) is connected to; says which of
-        the pipeline's streams and buckets it led and which services were connected to it."""
-        leaders = await _leaders(self.stack)
-        clients = {
-            n.name: await asyncio.to_thread(_client_names, n.monitor_url) for n in self.stack.nats_nodes
-        }
-        if fault.target == "nats_leader":
-            victim = leaders[Subjects(PIPELINE_NAME).stages_stream]
-        else:
-            worker = f"worker-{fault.stage}-{replica}"
-            (victim,) = [name for name, on_it in clients.items() if worker in on_it]
-        (node,) = [n for n in self.stack.nats_nodes if n.name == victim]
-        (managed,) = [m for m in self.procs.items if m.name == f"{victim} ({self.stack.name})"]
-        pid = managed.proc.pid
-        os.kill(pid, signal.SIGKILL)
-        managed.proc.wait(5)
-        self.killed_node = (managed, node.monitor_url)
-        led = sum(leader == victim for leader in leaders.values())
-        on_it = ", ".join(sorted(clients[victim])) or "none"
-        return (
-            f"pid {pid} {_state(pid)} ({victim}: leader of {led} of the {len(leaders)} streams and buckets; "
-            f"clients on it: {on_it})"
-        )
-
-    def restore(self) -> None:
-        """Start the killed cluster node again (same configuration and store) and wait until its
-        JetStream is healthy, so the next fault meets a whole cluster."""
-        if self.killed_node is None:
-            return
-        managed, monitor = self.killed_node
-        name = managed.name.replace(" (", " (restarted, ", 1)
-        wait_http_ok(self.procs.start(name, list(managed.proc.args), {}), f"{monitor}/healthz", 60)
-        self.killed_node = None
-
-
-async def _healthy(stack: Stack, timeout_s: float = 300.0) -> None:
-    """Wait until every declared replica is live again (``/health`` status ``ok``)."""
-    import httpx
-
-    url = stack.base_url.removesuffix("/v1") + "/health"
-    deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(timeout=5) as http:
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if (await http.get(url)).json().get("status") == "ok":
-                    return
-            await asyncio.sleep(1.0)
-    raise RuntimeError(f"the stack did not heal within {timeout_s:.0f} s")
-
-
-async def _incarnation(stack: Stack, stage: int, replica: int) -> int:
-    """``started_ns`` of the worker (stage, replica) in the registry (0 when it is not there)."""
-    import nats
-
-    from libs.common.bus import services_kv
-
-    nc = await nats.connect(servers=server_urls(stack.nats_url))
-    try:
-        kv = await services_kv(nc.jetstream())
-        with contextlib.suppress(Exception):
-            return json.loads((await kv.get(f"worker.faults.{stage}.{replica}")).value)["started_ns"]
-        return 0
-    finally:
-        await nc.close()
-
-
-async def _replaced(stack: Stack, stage: int, replica: int, before_ns: int, timeout_s: float = 300.0) -> None:
-    """Wait until a new incarnation of the worker (stage, replica) has registered (its engine is
-    up: a worker registers after its engine has started)."""
-    deadline = time.monotonic() + timeout_s
-    while await _incarnation(stack, stage, replica) <= before_ns:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"worker {stage}/{replica} was not replaced within {timeout_s:.0f} s")
-        await asyncio.sleep(1.0)
-
-
 async def run_fault(injector: Injector, fault: Fault, model: str) -> Row:
     from openai import AsyncOpenAI
 
-    await _healthy(injector.stack)
+    await healthy(injector.stack)
     client = AsyncOpenAI(
         base_url=injector.stack.base_url, api_key="unused", max_retries=0, timeout=HUNG_AFTER_S
     )
-    reference = await _reference(client, model, fault)
+    tokens = (await reference(client, model, PROMPT, fault.max_tokens)).token_ids
     seen = [Seen() for _ in range(fault.streams)]
-    tasks = [asyncio.create_task(_stream(client, model, fault, s)) for s in seen]
+    tasks = [asyncio.create_task(send(client, model, s, PROMPT, fault.max_tokens, fault.audio)) for s in seen]
     while sum(len(s.at) >= MIDWAY_CHUNKS and s.ended_s is None for s in seen) < 2:
         if all(t.done() for t in tasks):  # the stack is broken: say so, and go on
             await client.close()
-            return row_of(fault, "not injected: the streams ended first", time.monotonic(), seen, reference)
+            return row_of(fault, "not injected: the streams ended first", time.monotonic(), seen, tokens)
         await asyncio.sleep(0.05)
     # The victim: the replica of the stage that most of the streams already under way run on.
     under_way = [s.id for s in seen if len(s.at) >= MIDWAY_CHUNKS and s.ended_s is None]
     replica, on_it = await _busiest_replica(injector.stack, fault.stage, under_way)
-    befores = [await _incarnation(injector.stack, fault.stage, r) for r in range(REPLICAS)]
+    befores = [await incarnation(injector.stack, fault.stage, r) for r in range(REPLICAS)]
     before_ns = befores[replica]
-    log_offset = _log_size(injector.stack.process)
+    log_offset = injector.stack.process.log_path.stat().st_size
     fault_s = time.monotonic()
-    verified = await injector.inject(fault, replica)
+    verified = (await injector.inject(fault, replica)).verified
     if fault.target in ("worker", "engine_core"):
         verified += f"; {on_it} of {len(under_way)} streams under way on it"
     log(f"{fault.name}: injected ({verified})")
@@ -508,15 +288,15 @@ async def run_fault(injector: Injector, fault: Fault, model: str) -> Row:
         dead, moved = verdicts_since(injector.stack.process.log_path, log_offset)
         verified += f"; then {dead} replica(s) judged dead, {moved} request(s) moved"
         await asyncio.to_thread(injector.restore)
-    row = row_of(fault, verified, fault_s, seen, reference)
+    row = row_of(fault, verified, fault_s, seen, tokens)
     # The next fault meets a whole stack: a killed worker (or one that gave up on its hung engine)
     # is replaced by the launcher; the column says when its engine was up again.
     if fault.target == "all_replicas":
         for r in range(REPLICAS):
-            await _replaced(injector.stack, fault.stage, r, befores[r])
+            await replaced(injector.stack, fault.stage, r, befores[r])
         row = replace(row, replaced_s=time.monotonic() - fault_s)
     elif fault.target == "engine_core" or (fault.target == "worker" and fault.sig == signal.SIGKILL):
-        await _replaced(injector.stack, fault.stage, replica, before_ns)
+        await replaced(injector.stack, fault.stage, replica, before_ns)
         row = replace(row, replaced_s=time.monotonic() - fault_s)
     return row
 

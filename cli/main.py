@@ -434,6 +434,27 @@ def bench_faults(
     raise typer.Exit(run_fault_suite(only, keep_logs))
 
 
+@app.command("bench-chaos")
+def bench_chaos(
+    minutes: Annotated[float, typer.Option(min=0.5, help="how long faults are injected, minutes")] = 10.0,
+    seed: Annotated[int, typer.Option(help="seeds the draws of faults, victims, intervals and requests")] = 0,
+    concurrency: Annotated[int, typer.Option(min=1, help="requests kept in flight")] = 6,
+    all_replicas: Annotated[
+        bool, typer.Option(help="also draw the fault that kills every thinker replica at once")
+    ] = False,
+    keep_logs: Annotated[
+        bool, typer.Option(help="keep the stack's logs (their directory is printed)")
+    ] = False,
+) -> None:
+    """The chaos soak: the fault suite's stack serves a continuous mixed load (text and audio,
+    streamed and not, 32–800 tokens) while a random fault, verified, strikes every 20–40 s; prints
+    a row per fault and a total (see docs/reliability.md). Exits 1 when a request hung or lost or
+    repeated tokens or audio, or an injection was not verified."""
+    from benchmarks.chaos_soak import run_chaos_soak
+
+    raise typer.Exit(run_chaos_soak(minutes, seed, concurrency, all_replicas, keep_logs))
+
+
 @app.command("compose-check")
 def compose_check(
     cold: Annotated[

@@ -1,0 +1,333 @@
+"""The faults of ``omnirelay bench-faults`` and ``omnirelay bench-chaos`` and how they are
+injected: the pipeline they are injected into (two replicas of every stage), the list of faults,
+the :class:`Injector` that finds a fault's process and verifies that the fault took (the pid is
+gone or a zombie, or in state ``T`` for ``SIGSTOP``), and the registry reads that tell when a
+killed worker's replacement is up.
+
+Clocks: ``time.monotonic()`` of this process, seconds; ``started_ns`` in the registry is the
+worker's wall clock (``time.time_ns()``), only compared with itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.harness import Managed, Processes, Stack, descendants, wait_http_ok, wait_port
+from libs.common.bus import server_urls
+from libs.common.subjects import EVICTIONS_BUCKET, REQUESTS_BUCKET, SERVICES_BUCKET, Subjects
+
+PIPELINE_YAML = """\
+name: faults
+served_model_name: faults-model
+request_timeout_s: 120
+stages:
+  - {name: thinker, type: llm, model: tiny-thinker, replicas: 2, consumes: text, emits: text,
+     stream_to_client: true, engine: {max_model_len: 2048, enforce_eager: true, dtype: float32}}
+  - {name: talker, type: llm, model: tiny-talker, replicas: 2, consumes: text, emits: codec_codes,
+     engine: {max_model_len: 2048, enforce_eager: true, dtype: float32}}
+  - {name: code2wav, type: codec, model: tiny-code2wav, replicas: 2, consumes: codec_codes,
+     emits: audio, stream_to_client: true}
+"""
+REPLICAS = 2
+"""Replicas of every stage in :data:`PIPELINE_YAML`."""
+PIPELINE_NAME = "faults"
+"""The ``name`` in :data:`PIPELINE_YAML`."""
+STAGE_NAMES = ("thinker", "talker", "code2wav")
+"""The stages of :data:`PIPELINE_YAML`, by id."""
+TOOK_WITHIN_S = 2.5
+"""How long a signalled process is watched for the state that shows the fault took, seconds."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    target: str
+    """``worker``, ``engine_core`` (the worker's EngineCore process), ``all_replicas`` (every
+    replica of ``stage``: they stay down while their engines start), ``orchestrator``, ``nats``
+    (the only server), ``nats_leader`` (the node of a NATS cluster that leads the stages stream) or
+    ``nats_node_of_worker`` (the node the busiest replica of ``stage`` is connected to)."""
+    stage: int = 0
+    sig: int = signal.SIGKILL
+    hold_s: float = 0.0
+    """SIGSTOP: how long the process stays stopped before SIGCONT."""
+    streams: int = 8
+    audio: bool = False
+    max_tokens: int = 400
+    nats_nodes: int = 1
+    """NATS servers of the stack the fault is injected in (1, or a cluster of 3)."""
+
+
+FAULTS = (
+    Fault("kill -9 a thinker replica", "worker", 0),
+    Fault("kill -9 a talker replica", "worker", 1, streams=4, audio=True, max_tokens=120),
+    Fault("kill -9 a code2wav replica", "worker", 2, streams=4, audio=True, max_tokens=120),
+    Fault("kill -9 a thinker's EngineCore only", "engine_core", 0),
+    Fault("SIGSTOP a thinker replica 30 s", "worker", 0, signal.SIGSTOP, hold_s=30.0),
+    Fault(
+        "SIGSTOP a thinker's EngineCore 30 s (a hung engine)", "engine_core", 0, signal.SIGSTOP, hold_s=30.0
+    ),
+    Fault("kill -9 every thinker replica (down while their engines start)", "all_replicas", 0),
+    Fault("kill -9 the orchestrator", "orchestrator"),
+    Fault("kill -9 nats-server, back 2 s later", "nats"),
+    Fault("kill -9 one node of a 3-node NATS cluster, the streams' leader", "nats_leader", nats_nodes=3),
+    Fault(
+        "kill -9 the node of a 3-node NATS cluster a busy thinker is on", "nats_node_of_worker", nats_nodes=3
+    ),
+)
+CLUSTER_NODE_TARGETS = ("nats_leader", "nats_node_of_worker")
+
+
+@dataclass(frozen=True)
+class Injection:
+    """What an injection did."""
+
+    verified: str
+    """What was seen: each victim's pid and its state after the signal (``gone``, ``Z``, ``T``)."""
+    took: bool
+    """Every victim was seen gone or a zombie (stopped, for ``SIGSTOP``) within
+    :data:`TOOK_WITHIN_S`: the fault happened."""
+    pids: tuple[int, ...] = ()
+    """The processes signalled."""
+
+
+def pids_of(root: int, *words: str) -> list[int]:
+    """Descendants of ``root`` whose command line or environment contains every one of ``words``."""
+    found = []
+    for pid in descendants(root):
+        with contextlib.suppress(OSError):
+            cmd = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+            env = Path(f"/proc/{pid}/environ").read_text().split("\0")
+            if all(w in cmd or w in env for w in words):
+                found.append(pid)
+    return found
+
+
+def proc_state(pid: int) -> str:
+    """The process state letter (``T`` stopped, ``Z`` zombie), ``gone`` when it does not exist."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def took(state: str, sig: int) -> bool:
+    """True when a process in ``state`` (:func:`proc_state`) shows that ``sig`` took: gone or a
+    zombie, or stopped (``T``) for ``SIGSTOP``."""
+    return state in ("gone", "Z") or (sig == signal.SIGSTOP and state == "T")
+
+
+async def signal_and_verify(pids: list[int], sig: int) -> Injection:
+    """Send ``sig`` to every one of ``pids`` and watch them (for at most :data:`TOOK_WITHIN_S`)
+    until each shows that it took."""
+    for pid in pids:
+        os.kill(pid, sig)
+    deadline = time.monotonic() + TOOK_WITHIN_S
+    while not all(took(proc_state(pid), sig) for pid in pids) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    states = [proc_state(pid) for pid in pids]
+    verified = ", ".join(f"pid {pid} {state}" for pid, state in zip(pids, states, strict=True))
+    return Injection(verified, all(took(state, sig) for state in states), tuple(pids))
+
+
+async def _leaders(stack: Stack) -> dict[str, str]:
+    """The server that leads each stream and KV bucket of the pipeline: name → ``server_name``."""
+    import nats
+
+    subjects = Subjects(PIPELINE_NAME)
+    names = [subjects.requests_stream, subjects.stages_stream, subjects.events_stream]
+    names += [f"KV_{b}" for b in (SERVICES_BUCKET, REQUESTS_BUCKET, EVICTIONS_BUCKET)]
+    nc = await nats.connect(servers=server_urls(stack.nats_url))
+    try:
+        js = nc.jetstream()
+        return {name: (await js.stream_info(name)).cluster.leader for name in names}
+    finally:
+        await nc.close()
+
+
+def _client_names(monitor_url: str) -> list[str]:
+    """The omnirelay services connected to a server, from its ``/connz`` (names without the
+    ``omnirelay-`` prefix: ``gateway-<id>``, ``orchestrator``, ``worker-<stage>-<replica>``)."""
+    import httpx
+
+    conns = httpx.get(f"{monitor_url}/connz", params={"limit": 1024}, timeout=5).json()["connections"] or []
+    return [c["name"].removeprefix("omnirelay-") for c in conns if c.get("name", "").startswith("omnirelay-")]
+
+
+def verdicts_since(log_path: Path, offset: int) -> tuple[int, int]:
+    """(replicas judged dead, requests moved) in a stack's log after byte ``offset`` (the
+    orchestrators' "stage ... replica ... is dead (" and "request ... moved: stage" lines)."""
+    with log_path.open("rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    return text.count(" is dead ("), sum(" moved: stage " in line for line in text.splitlines())
+
+
+class Injector:
+    """Finds a fault's process in the stack and injects the fault, verifying that it took."""
+
+    def __init__(self, procs: Processes, stack: Stack, nats_argv: list[str]) -> None:
+        self.procs, self.stack, self.nats_argv = procs, stack, nats_argv
+        self.killed_node: tuple[Managed, str] | None = None
+        """The cluster node killed by the last fault of a cluster node, with its monitoring URL."""
+
+    def target_pid(self, fault: Fault, replica: int) -> int:
+        root = self.stack.process.proc.pid
+        if fault.target == "orchestrator":
+            (pid,) = pids_of(root, "-m cli orchestrator")
+            return pid
+        worker = self.worker_pid(fault.stage, replica)
+        if fault.target == "worker":
+            return worker
+        (core,) = [p for p in descendants(worker) if "EngineCore" in Path(f"/proc/{p}/cmdline").read_text()]
+        return core
+
+    def worker_pid(self, stage: int, replica: int) -> int:
+        (pid,) = pids_of(
+            self.stack.process.proc.pid,
+            "-m cli worker",
+            f"OMNIRELAY_STAGE={stage}",
+            f"OMNIRELAY_REPLICA={replica}",
+        )
+        return pid
+
+    async def inject(self, fault: Fault, replica: int) -> Injection:
+        """Inject ``fault`` (on ``replica`` of its stage, where it has one) and verify that it
+        took. ``SIGSTOP``: returns after ``SIGCONT``, ``hold_s`` later; ``nats``: once the server
+        is back on its store."""
+        if fault.target in CLUSTER_NODE_TARGETS:
+            return await self._kill_node(fault, replica)
+        if fault.target == "nats":
+            return await self._restart_nats()
+        if fault.target == "all_replicas":  # they stay down while the launcher restarts them
+            return await signal_and_verify(
+                [self.worker_pid(fault.stage, r) for r in range(REPLICAS)], fault.sig
+            )
+        done = await signal_and_verify([self.target_pid(fault, replica)], fault.sig)
+        if fault.sig != signal.SIGSTOP:
+            return done
+        await asyncio.sleep(fault.hold_s)
+        try:
+            os.kill(done.pids[0], signal.SIGCONT)
+        except ProcessLookupError:  # a stopped EngineCore: its worker gave up on it and killed it
+            return Injection(
+                f"{done.verified}; gone before SIGCONT at {fault.hold_s:g} s", done.took, done.pids
+            )
+        return done
+
+    async def _restart_nats(self) -> Injection:
+        """``kill -9`` the stack's only NATS server and, 2 s later, start it again on its store."""
+        nats = next(
+            m
+            for m in self.procs.items
+            if m.name.startswith("nats") and m.name.endswith(f"{self.stack.name})") and m.proc.poll() is None
+        )
+        nats.proc.kill()
+        nats.proc.wait(5)
+        state = proc_state(nats.proc.pid)
+        await asyncio.sleep(2.0)
+        port = int(self.nats_argv[self.nats_argv.index("-p") + 1])
+        restarted = self.procs.start(f"nats (restarted, {self.stack.name})", self.nats_argv, {})
+        await asyncio.to_thread(wait_port, restarted, port, 30)
+        return Injection(f"pid {nats.proc.pid} {state}", took(state, signal.SIGKILL), (nats.proc.pid,))
+
+    async def _kill_node(self, fault: Fault, replica: int) -> Injection:
+        """``kill -9`` a cluster node (it stays down until :meth:`restore`): the stages stream's
+        leader, or the node worker (``fault.stage``, ``replica``) is connected to; says which of
+        the pipeline's streams and buckets it led and which services were connected to it."""
+        leaders = await _leaders(self.stack)
+        clients = {
+            n.name: await asyncio.to_thread(_client_names, n.monitor_url) for n in self.stack.nats_nodes
+        }
+        if fault.target == "nats_leader":
+            victim = leaders[Subjects(PIPELINE_NAME).stages_stream]
+        else:
+            worker = f"worker-{fault.stage}-{replica}"
+            (victim,) = [name for name, on_it in clients.items() if worker in on_it]
+        (node,) = [n for n in self.stack.nats_nodes if n.name == victim]
+        (managed,) = [m for m in self.procs.items if m.name == f"{victim} ({self.stack.name})"]
+        pid = managed.proc.pid
+        os.kill(pid, signal.SIGKILL)
+        managed.proc.wait(5)
+        self.killed_node = (managed, node.monitor_url)
+        led = sum(leader == victim for leader in leaders.values())
+        on_it = ", ".join(sorted(clients[victim])) or "none"
+        state = proc_state(pid)
+        return Injection(
+            f"pid {pid} {state} ({victim}: leader of {led} of the {len(leaders)} streams and buckets; "
+            f"clients on it: {on_it})",
+            took(state, signal.SIGKILL),
+            (pid,),
+        )
+
+    def restore(self) -> None:
+        """Start the killed cluster node again (same configuration and store) and wait until its
+        JetStream is healthy, so the next fault meets a whole cluster."""
+        if self.killed_node is None:
+            return
+        managed, monitor = self.killed_node
+        name = managed.name.replace(" (", " (restarted, ", 1)
+        wait_http_ok(self.procs.start(name, list(managed.proc.args), {}), f"{monitor}/healthz", 60)
+        self.killed_node = None
+
+
+async def health(stack: Stack) -> dict:
+    """The gateway's ``/health`` body (``status``, ``orchestrators``, live replicas per stage in
+    ``stages``, keyed ``<id>:<name>``); raises on no answer."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=5) as http:
+        return (await http.get(stack.base_url.removesuffix("/v1") + "/health")).json()
+
+
+async def healthy(stack: Stack, timeout_s: float = 300.0) -> None:
+    """Wait until every declared replica is live again (``/health`` status ``ok``)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if (await health(stack)).get("status") == "ok":
+                return
+        await asyncio.sleep(1.0)
+    raise RuntimeError(f"the stack did not heal within {timeout_s:.0f} s")
+
+
+async def incarnation(stack: Stack, stage: int, replica: int) -> int:
+    """``started_ns`` of the worker (stage, replica) in the registry (0 when it is not there);
+    raises when the broker cannot be reached."""
+    import nats
+
+    from libs.common.bus import services_kv
+
+    async def quiet(_: Exception) -> None:  # a broker that is down says so by raising
+        return None
+
+    nc = await nats.connect(servers=server_urls(stack.nats_url), error_cb=quiet, allow_reconnect=False)
+    try:
+        kv = await services_kv(nc.jetstream())
+        with contextlib.suppress(Exception):
+            return json.loads((await kv.get(f"worker.{PIPELINE_NAME}.{stage}.{replica}")).value)["started_ns"]
+        return 0
+    finally:
+        await nc.close()
+
+
+async def replaced(stack: Stack, stage: int, replica: int, before_ns: int, timeout_s: float = 300.0) -> None:
+    """Wait until a new incarnation of the worker (stage, replica) has registered (its engine is
+    up: a worker registers after its engine has started). A registry that cannot be read (the
+    broker is down) is read again a second later."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(Exception):
+            if await incarnation(stack, stage, replica) > before_ns:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"worker {stage}/{replica} was not replaced within {timeout_s:.0f} s")
+        await asyncio.sleep(1.0)
