@@ -69,6 +69,14 @@ class BusLimits:
 
 
 LIMITS = BusLimits()
+ORCHESTRATOR_ACK_WAIT_S = 1.0
+"""Redelivery timer of the orchestrators' consumers (admissions, lifecycle events), seconds. An
+orchestrator works on one of these messages for milliseconds and sends in-progress acks while it
+works longer, so a message is redelivered to another instance about this long after the one
+holding it died or stopped: the delay an orchestrator's death adds to a request."""
+ORCHESTRATOR_MAX_DELIVER = 30
+"""Deliveries of an orchestrator's message before JetStream gives up on it (a message whose
+handling keeps failing; an admission is answered 504 once its deadline has passed anyway)."""
 DRAIN_TIMEOUT_S = 5.0
 """How long a shutting-down service waits for its subscriptions to drain, seconds."""
 MAX_REPLICAS = 5
@@ -250,13 +258,14 @@ def stage_consumer_config(
 
 
 def orchestrator_consumer_config(subject: str, durable: str, limits: BusLimits = LIMITS) -> ConsumerConfig:
-    """Shared durable pull consumer of the orchestrator instances."""
+    """Shared durable pull consumer of the orchestrator instances: a message an instance holds is
+    redelivered :data:`ORCHESTRATOR_ACK_WAIT_S` after it stopped working on it."""
     return ConsumerConfig(
         durable_name=durable,
         filter_subject=subject,
         ack_policy=AckPolicy.EXPLICIT,
-        ack_wait=limits.ack_wait_s,
-        max_deliver=limits.max_deliver,
+        ack_wait=ORCHESTRATOR_ACK_WAIT_S,
+        max_deliver=ORCHESTRATOR_MAX_DELIVER,
         max_ack_pending=limits.max_ack_pending,
     )
 
@@ -271,12 +280,13 @@ async def consume(
     batch: int,
     name: str,
 ) -> PullConsumer:
-    """Declare durable pull consumer ``config`` on ``stream`` (kept as it is when it exists) and
-    hand its messages to ``handle`` as they arrive, at most ``batch`` asked for at a time."""
+    """Declare durable pull consumer ``config`` on ``stream`` (one that exists is updated to it:
+    a deployment that changes its redelivery settings gets them) and hand its messages to
+    ``handle`` as they arrive, at most ``batch`` asked for at a time."""
     try:
-        await js.consumer_info(stream, config.durable_name)
-    except NotFoundError:
         await js.add_consumer(stream, config)
+    except BadRequestError as e:  # a change the server does not allow on an existing consumer
+        log.warning("consumer %s of %s kept as it is: %s", config.durable_name, stream, e.description)
     consumer = PullConsumer(nc, stream, config.durable_name, handle, batch=batch, name=name)
     await consumer.start()
     return consumer

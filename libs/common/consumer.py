@@ -147,3 +147,32 @@ class PullConsumer:
                 self._asked = 0
                 self._heard = time.monotonic()
             await self._top_up()
+
+
+class InProgress:
+    """While a handler works on ``msg``, tells JetStream every ``period_s`` seconds that it is in
+    progress (its ``ack_wait`` starts again), so that a short ``ack_wait`` redelivers a message
+    only when the instance holding it stopped working on it. Use as a context manager around the
+    handling; the timer costs nothing for a handling shorter than ``period_s``."""
+
+    def __init__(self, msg: Msg, period_s: float) -> None:
+        self._msg, self._period_s = msg, period_s
+        self._timer: asyncio.TimerHandle | None = None
+        self._sending: asyncio.Task[None] | None = None
+
+    def __enter__(self) -> InProgress:
+        self._timer = asyncio.get_running_loop().call_later(self._period_s, self._tick)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _tick(self) -> None:
+        if self._sending is None or self._sending.done():
+            self._sending = asyncio.ensure_future(self._send())
+        self._timer = asyncio.get_running_loop().call_later(self._period_s, self._tick)
+
+    async def _send(self) -> None:
+        with contextlib.suppress(Exception):  # the broker is away: the message comes again
+            await self._msg.in_progress()

@@ -79,5 +79,8 @@ class RequestRecord(BaseModel):
     error: str | None = None
     edges: list[EdgeSummary] = Field(default_factory=list)
     """Transfers into each stage (with --log-stats), as the receiving stages reported them."""
+    events: list[str] = Field(default_factory=list)
+    """The lifecycle events folded into this record (``<kind>.<stage>.<attempt>``): one that
+    comes again (redelivered after the orchestrator that had it died) is not folded twice."""
     summary_logged: bool = False
     """The per-request summary line was written (exactly once across orchestrators)."""

@@ -101,6 +101,12 @@ class Subjects:
         while its event loop runs; NATS answers "no responders" once its connection is gone."""
         return f"omni.{self.pipeline}.ctl.alive.{stage}.{replica}"
 
+    def orchestrator_alive(self, instance: str) -> str:
+        """Liveness probe of orchestrator ``instance`` (core NATS request/reply, empty body and
+        answer): asked by the others about the claimer of a move it has not carried out yet; NATS
+        answers "no responders" once its connection is gone."""
+        return f"omni.{self.pipeline}.ctl.alive.orchestrator.{instance}"
+
     def resume(self, gateway_id: str) -> str:
         """Where a request's client stream stands (core NATS request/reply, orchestrator →
         gateway ``gateway_id``): asked when the request moves to another replica; the question

@@ -1,13 +1,23 @@
 """Admission: an admission from the requests stream becomes a route (one live replica per stage),
-stage 0's task and the request's record — or an error to the client when it cannot be served."""
+the request's record and stage 0's task — or an error to the client when it cannot be served.
+
+An admission may be handled more than once: the orchestrators' consumers redeliver what an
+instance has not acknowledged within a second (``ORCHESTRATOR_ACK_WAIT_S``), so that the death of
+the instance holding it delays a request by about that much, not by a long redelivery timer. Every
+handling is therefore idempotent: the record is *created* first (a compare-and-set on its key), so
+exactly one handling chooses the route; every handling then sends stage 0's task to the record's
+route, and the task's ``Nats-Msg-Id`` makes every copy after the first a duplicate the stream
+drops. The admission is acknowledged only after that, so an instance that dies anywhere on the way
+leaves it to be redelivered (docs/reliability.md, "An orchestrator dies").
+"""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
 from nats.aio.msg import Msg
+from nats.js.errors import KeyWrongLastSequenceError
 from opentelemetry.trace import SpanKind
 
 from libs.common import headers as h
@@ -23,10 +33,6 @@ log = logging.getLogger(__name__)
 
 MAX_CONCURRENT_ADMISSIONS = 64
 """Admissions one orchestrator works on at once."""
-RECORD_DEFER_S = 0.005
-"""The request record is written this long after stage 0's task is sent, seconds: the broker,
-the worker and its engine take the task first on a busy front-end core (A/B at c=1, 400 requests
-a side: TTFT p50 -0.2 to -0.5 ms together with the gateway's stream start on ``started``)."""
 
 
 class Admissions:
@@ -58,7 +64,7 @@ class Admissions:
             await msg.ack()
             self._count("no_live_replica")
             return
-        attempt = msg.metadata.num_delivered if msg.metadata else 1
+        delivered = msg.metadata.num_delivered if msg.metadata else 1
         record = RequestRecord(
             request_id=adm.request_id,
             pipeline=self.ctx.pipeline.name,
@@ -69,13 +75,17 @@ class Admissions:
                 StageProgress(replica=r, attempts=[StageAttempt(attempt=1, replica=r, bound_ns=now)])
                 for r in route
             ],
-            attempt=attempt,
+            attempt=delivered,
             trace_id=adm.trace_id,
             arrival_ns=adm.arrival_ns,
             admitted_ns=now,
             deadline_ns=adm.deadline_ns,
             updated_ns=now,
         )
+        route = await self._bind(record)
+        if route is None:  # an earlier handling dispatched it, and it has gone on since
+            await msg.ack()
+            return
         task = StageTask(
             request_id=adm.request_id,
             gateway_id=adm.gateway_id,
@@ -96,24 +106,34 @@ class Admissions:
             {"omnirelay.request_id": adm.request_id, "omnirelay.route": route, "messaging.system": "nats"},
         )
         try:
-            # The task goes first; the record follows RECORD_DEFER_S later. A worker's first
-            # lifecycle event comes after the request's first output, normally after the record
-            # (one that still beats it is redelivered). If either fails the admission is
-            # redelivered: the record is rewritten and the task's Nats-Msg-Id drops the duplicate.
-            await asyncio.gather(
-                publish_task(self.ctx.js, self.ctx.subjects, task, hop, span),
-                self._write_record(record, RECORD_DEFER_S),
-            )
+            ack = await publish_task(self.ctx.js, self.ctx.subjects, task, hop, span)
         finally:
             span.end()
+        if ack.duplicate:  # an earlier handling sent it (and died, or stalled, before its ack)
+            log.info(
+                "request %s: admission delivered %d times; its task was sent before",
+                adm.request_id,
+                delivered,
+            )
+        else:  # counted by the handling whose task the stream stored: once
+            self._count("dispatched")
+            self._tally.admitted += 1
         await msg.ack()
-        self._count("dispatched")
-        self._tally.admitted += 1
 
-    async def _write_record(self, record: RequestRecord, after_s: float) -> None:
-        """Put ``record`` into ``omni_requests`` ``after_s`` seconds from now."""
-        await asyncio.sleep(after_s)
-        await self.ctx.requests.put(record.request_id, record.model_dump_json().encode())
+    async def _bind(self, record: RequestRecord) -> list[int] | None:
+        """Create ``record`` and return its route; when an earlier handling of the same admission
+        created it, that record's route (the task goes where the record says), or None when the
+        request has started or moved since (its task was delivered)."""
+        try:
+            await self.ctx.requests.create(record.request_id, record.model_dump_json().encode())
+            return record.route
+        except KeyWrongLastSequenceError:
+            pass
+        entry = await self.ctx.requests.get(record.request_id)
+        earlier = RequestRecord.model_validate_json(entry.value)
+        if earlier.status != RequestStatus.ADMITTED or earlier.stages[0].attempt > 1:
+            return None
+        return earlier.route
 
     async def _reject(self, adm: Admission, status: int, code: str, message: str, detail: str = "") -> None:
         """Answer the client with ``message``; the log line adds ``detail`` (for the operator)."""

@@ -44,12 +44,14 @@ class Lifecycle:
         summary: list[RequestRecord] = []
         gateway: list[str] = []
 
-        def change(rec: RequestRecord) -> None:
-            apply_event(rec, ev)
+        def change(rec: RequestRecord) -> bool:
+            gateway[:] = [rec.gateway_id] if ends_client_stream(rec, ev) else []
+            if not apply_event(rec, ev):
+                return False  # folded before: only the gateway's notice may have been lost
             if self.log_stats and ready_to_summarize(rec):
                 rec.summary_logged = True
                 summary[:] = [rec]
-            gateway[:] = [rec.gateway_id] if ends_client_stream(rec, ev) else []
+            return True
 
         if not await update_record(self.ctx.requests, ev.request_id, change):
             attempt = msg.metadata.num_delivered if msg.metadata else 1
@@ -75,13 +77,18 @@ class Lifecycle:
             self._tally.end(rec)
 
 
-def apply_event(rec: RequestRecord, ev: LifecycleEvent) -> None:
-    """Fold a lifecycle event into a record.
+def apply_event(rec: RequestRecord, ev: LifecycleEvent) -> bool:
+    """Fold a lifecycle event into a record; False when it was folded in before (a redelivery)
+    and the record stays as it is.
 
     A terminal status is final: late events of a finished request only fill in timestamps. An
     attempt the stage has moved past (a replica that resumed after a stall) neither starts nor
     fails it; its ending events still count (it may have finished the stage before the move).
     """
+    key = f"{ev.kind}.{ev.stage}.{ev.attempt}"
+    if key in rec.events:
+        return False
+    rec.events.append(key)
     s = ev.stage
     if (
         s is not None
@@ -89,7 +96,7 @@ def apply_event(rec: RequestRecord, ev: LifecycleEvent) -> None:
         and ev.attempt < rec.stages[s].attempt
         and ev.kind in ("started", "failed")
     ):
-        return
+        return True
     started_ns = ev.ts_ns if ev.kind == "started" else ev.started_ns
     if s is not None and 0 <= s < len(rec.stages):
         if started_ns is not None and rec.stages[s].started_ns is None:
@@ -111,6 +118,7 @@ def apply_event(rec: RequestRecord, ev: LifecycleEvent) -> None:
             rec.status, rec.error = RequestStatus.ABORTED, ev.reason
             rec.finish_reason = "abort"
     rec.updated_ns = max(rec.updated_ns, ev.ts_ns)
+    return True
 
 
 def ends_client_stream(rec: RequestRecord, ev: LifecycleEvent) -> bool:

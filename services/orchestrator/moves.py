@@ -59,11 +59,15 @@ NO_REPLICA_POLL_S = 0.2
 """How often a request waiting for a live replica to move to looks again, seconds."""
 RESUME_TIMEOUT_S = 2.0
 """How long a move waits for the request's gateway to say where the client's stream stands, seconds."""
-MOVE_CHECK_PERIOD_S = 1.0
+MOVE_CHECK_PERIOD_S = 0.5
 """How often an orchestrator looks for moves whose claimer died before carrying them out, seconds."""
-MOVE_TAKEOVER_S = 2.0
-"""How long after its claim a move not carried out may be taken over (once its claimer has also
-left the registry), seconds (a move takes well under a second)."""
+MOVE_TAKEOVER_S = 0.5
+"""A move claimed this long ago and not carried out is taken over once its claimer is gone: NATS
+answers the claimer's probe (``ctl.alive.orchestrator.<instance>``) with "no responders" (its
+connection is gone), or its registration has expired (a claimer stopped or cut off from the
+broker answers nothing), seconds (a move takes well under a second)."""
+CLAIMER_PROBE_TIMEOUT_S = 0.5
+"""How long a probe of a claimer waits for its answer, seconds."""
 
 
 class Mover:
@@ -153,13 +157,23 @@ class Mover:
         """Carry out again the moves whose orchestrator died after claiming them and before
         sending their input (:func:`unfinished_moves`): without this such a request would wait
         for its deadline."""
+        grace_ns = int(MOVE_TAKEOVER_S * 1e9)
         while True:
             await asyncio.sleep(MOVE_CHECK_PERIOD_S)
-            live = {r.instance for r in self.services.live(ServiceKind.ORCHESTRATOR)}
-            live.add(self.instance_id)
             now_ns = time.time_ns()
-            for rec in list(self._index.records.values()):
-                for move in unfinished_moves(rec, live, now_ns, int(MOVE_TAKEOVER_S * 1e9)):
+            records = list(self._index.records.values())
+            claimers = {
+                rec.stages[move.stage].attempts[-1].claimed_by
+                for rec in records
+                for move in unfinished_moves(rec, {self.instance_id}, now_ns, grace_ns)
+            }
+            if not claimers:
+                continue
+            gone = {c for c in claimers if c is not None and await self._claimer_gone(c)}
+            live = {r.instance for r in self.services.live(ServiceKind.ORCHESTRATOR)} - gone
+            live.add(self.instance_id)
+            for rec in records:
+                for move in unfinished_moves(rec, live, now_ns, grace_ns):
                     if move.request_id in self._moving:
                         continue
                     self._moving.add(move.request_id)
@@ -169,6 +183,18 @@ class Mover:
                         log.warning("request %s: taking over its move failed: %s", move.request_id, e)
                     finally:
                         self._moving.discard(move.request_id)
+
+    async def _claimer_gone(self, instance: str) -> bool:
+        """Whether orchestrator ``instance``'s connection is gone (NATS: "no responders")."""
+        try:
+            await self.ctx.nc.request(
+                self.ctx.subjects.orchestrator_alive(instance), b"", timeout=CLAIMER_PROBE_TIMEOUT_S
+            )
+        except NoRespondersError:
+            return True
+        except NatsTimeoutError:  # stopped, or slow: the registry decides
+            return False
+        return False
 
     async def _take_over(self, move: Move, seen: RequestRecord) -> None:
         """Claim ``move`` (its claimer died) and carry it out: every step of :meth:`_move` can be

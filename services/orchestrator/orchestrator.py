@@ -21,6 +21,7 @@ from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
 from libs.common.bus import (
+    ORCHESTRATOR_ACK_WAIT_S,
     connect,
     consume,
     ensure_topology,
@@ -29,7 +30,7 @@ from libs.common.bus import (
     requests_kv,
     services_kv,
 )
-from libs.common.consumer import Handler, PullConsumer
+from libs.common.consumer import Handler, InProgress, PullConsumer
 from libs.common.envelopes import MalformedMessage
 from libs.common.jetstream import JetStream
 from libs.common.metrics_catalog import Exporter, MetricSet
@@ -105,6 +106,7 @@ class Orchestrator:
         )
         await self._watch.start()
         await self.nc.subscribe(self.subjects.resync, queue=ORCHESTRATOR_QUEUE, cb=self._mover.on_resync)
+        await self.nc.subscribe(self.subjects.orchestrator_alive(self.settings.instance_id), cb=_answer)
         self._tasks.append(asyncio.create_task(self._mover.unfinished_moves_loop(), name="unfinished-moves"))
         port = start_metrics_server(self.settings.metrics_port)
         record = ServiceRecord(
@@ -209,7 +211,8 @@ class Orchestrator:
     @staticmethod
     async def _handle(msg: Msg, handle) -> None:
         try:
-            await handle(msg)
+            with InProgress(msg, ORCHESTRATOR_ACK_WAIT_S / 3):
+                await handle(msg)
         except MalformedMessage as e:
             log.error("terminating malformed message on %s: %s", msg.subject, e)
             with contextlib.suppress(Exception):
@@ -222,6 +225,11 @@ class Orchestrator:
     async def _expired(self, rec: RequestRecord) -> None:
         """A request past its deadline: abort it in every worker and answer the client."""
         await self._ctx.end_everywhere(rec, 504, "timeout", "the request did not finish before its deadline")
+
+
+async def _answer(msg: Msg) -> None:
+    """Answer a probe: this orchestrator's event loop runs."""
+    await msg.respond(b"")
 
 
 async def run_orchestrator(settings: OrchestratorSettings, pipeline: PipelineConfig) -> None:

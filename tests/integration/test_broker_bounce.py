@@ -58,7 +58,7 @@ def bounce_stack(own_nats, tmp_path):
     ]
     procs[0].wait_log("ready")
     procs[1].wait_log("Uvicorn running")
-    procs[2].wait_log("serving", timeout_s=300)
+    procs[2].wait_log(": serving omni.", timeout_s=300)
     yield f"http://127.0.0.1:{port}", procs
     for p in procs:
         p.stop()

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from libs.common.envelopes import (
+    EdgeSummary,
     LifecycleEvent,
     Replay,
     ReplayAsk,
@@ -198,6 +199,20 @@ def test_an_ending_event_carries_the_start_of_a_stage_that_sent_no_started() -> 
     apply_event(rec, _ev("finished", 1, 12, started_ns=10))
     assert rec.status == RequestStatus.COMPLETED
     assert (rec.stages[1].started_ns, rec.stages[1].done_ns) == (10, 12)
+
+
+def test_an_event_delivered_twice_is_folded_once() -> None:
+    """An orchestrator that died after its record update and before its ack leaves the event to
+    be redelivered to another: the edges it carries must not be counted twice."""
+    rec = _record()
+    edge = EdgeSummary(from_stage="0", from_replica="0", to_stage="1", to_replica="1", hops=3, bytes=90)
+    done = _ev("stage_done", 0, 9, started_ns=4, finish_reason="stop", edges=[edge])
+    assert apply_event(rec, done) is True
+    assert apply_event(rec, done.model_copy()) is False
+    assert [e.hops for e in rec.edges] == [3] and rec.events == ["stage_done.0.1"]
+    # The same kind from the stage's next attempt (after a move) is another event.
+    assert apply_event(rec, done.model_copy(update={"attempt": 2})) is True
+    assert len(rec.edges) == 2
 
 
 async def _events_of_a_stage(monkeypatch, works_s: float, last: bool) -> list[LifecycleEvent]:
