@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.errors import ConnectionReconnectingError, NoRespondersError, OutboundBufferLimitError
@@ -27,6 +29,7 @@ from libs.common.subjects import Subjects
 from libs.common.tracing import inject_headers
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PUBLISH_TIMEOUT_S = 5.0
 RECONNECT_POLL_S = 0.05
@@ -140,31 +143,23 @@ async def publish_client(nc: NATS, subjects: Subjects, gateway_id: str, event: C
     await publish_core(nc, subjects.out(gateway_id, event.request_id), event.encode())
 
 
-async def publish_task_stored(
-    js: JetStreamContext,
-    subjects: Subjects,
-    task: StageTask,
-    hop: Hop,
-    span: Span | None = None,
-) -> PubAck:
-    """:func:`publish_task` until the stream has stored it: while the broker is away
-    (:data:`NOT_NOW`) it is sent again, after the connection is back, with the same
-    ``Nats-Msg-Id`` (a copy the stream took already is acknowledged as a duplicate). The caller
-    bounds the wait (a request's deadline)."""
+async def until_stored(
+    nc: NATS, send: Callable[[], Awaitable[T]], what: str, expired: Callable[[], bool] | None = None
+) -> T:
+    """``send()`` (a stream publish), again and again while the broker is away (:data:`NOT_NOW`):
+    each time once the connection is back, after ``STORE_RETRY_S`` doubling to
+    ``STORE_RETRY_MAX_S``. A publish sent again carries the same ``Nats-Msg-Id``, so a copy the
+    stream took already comes back as a duplicate. ``expired()`` (checked after a failure) ends
+    the tries by raising the last error; without it the caller bounds the wait."""
     pause_s = STORE_RETRY_S
     while True:
-        await until_connected(js._nc)  # nats-py keeps the client of a context only there
+        await until_connected(nc)
         try:
-            return await publish_task(js, subjects, task, hop, span)
+            return await send()
         except NOT_NOW as e:
-            log.info(
-                "request %s: chunk %d for stage %d not stored yet (%s); again in %.2f s",
-                task.request_id,
-                task.seq,
-                hop.to_stage,
-                type(e).__name__,
-                pause_s,
-            )
+            if expired is not None and expired():
+                raise
+            log.info("%s not stored yet (%s); again in %.2f s", what, type(e).__name__, pause_s)
         await asyncio.sleep(pause_s)
         pause_s = min(2 * pause_s, STORE_RETRY_MAX_S)
 

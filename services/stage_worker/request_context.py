@@ -18,8 +18,9 @@ from libs.common.publish import (
     Hop,
     publish_core,
     publish_lifecycle,
-    publish_task_stored,
+    publish_task,
     until_connected,
+    until_stored,
 )
 from libs.common.subjects import Subjects
 from services.stage_worker.inbox import Delivery, RequestInbox
@@ -28,10 +29,6 @@ from services.stage_worker.transfer_stats import TransferStats
 
 log = logging.getLogger(__name__)
 
-LIFECYCLE_RETRY_S = 0.25
-LIFECYCLE_RETRY_MAX_S = 2.0
-"""A lifecycle event the stream did not take is published again after ``LIFECYCLE_RETRY_S``,
-doubling up to ``LIFECYCLE_RETRY_MAX_S``, seconds."""
 STARTED_REPORT_DELAY_S = 0.25
 """A stage still working this long after taking a request's first input reports ``started``;
 one that ends sooner reports its start in its ending event, seconds."""
@@ -180,7 +177,11 @@ class RequestContext:
             self._sending.release()  # held while this send waited for the lock
         try:
             hop, task = self._chunk(final, payload)
-            await publish_task_stored(self.bus.js, self.bus.subjects, task, hop, self.span)
+            await until_stored(
+                self.bus.nc,
+                lambda: publish_task(self.bus.js, self.bus.subjects, task, hop, self.span),
+                f"request {self.request_id}: chunk {task.seq} for stage {hop.to_stage}",
+            )
         finally:
             self._sending.release()
         if tracing.enabled():
@@ -322,29 +323,16 @@ class RequestContext:
         restart, a cluster electing a new leader) until the request's deadline: the record, and
         with it the client's end notice, depends on it. ``Nats-Msg-Id`` makes a retry of an event
         that was stored after all a duplicate."""
-        pause_s = LIFECYCLE_RETRY_S
-        while True:
-            try:
-                await publish_lifecycle(self.bus.js, self.bus.subjects, event)
-                return
-            except Exception as e:
-                if self.seconds_left <= 0:
-                    log.warning(
-                        "request %s: lifecycle event %s not recorded by the deadline: %s",
-                        self.request_id,
-                        event.kind,
-                        e,
-                    )
-                    return
-                log.info(
-                    "request %s: lifecycle event %s not recorded yet (%s); again in %.1f s",
-                    self.request_id,
-                    event.kind,
-                    type(e).__name__,
-                    pause_s,
-                )
-            await asyncio.sleep(pause_s)
-            pause_s = min(2 * pause_s, LIFECYCLE_RETRY_MAX_S)
+        what = f"request {self.request_id}: lifecycle event {event.kind}"
+        try:
+            await until_stored(
+                self.bus.nc,
+                lambda: publish_lifecycle(self.bus.js, self.bus.subjects, event),
+                what,
+                lambda: self.seconds_left <= 0,
+            )
+        except Exception as e:
+            log.warning("%s not recorded: %s", what, e)
 
 
 def _chunk_attributes(d: Delivery) -> dict[str, object]:
