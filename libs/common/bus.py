@@ -77,6 +77,9 @@ holding it died or stopped: the delay an orchestrator's death adds to a request.
 ORCHESTRATOR_MAX_DELIVER = 30
 """Deliveries of an orchestrator's message before JetStream gives up on it (a message whose
 handling keeps failing; an admission is answered 504 once its deadline has passed anyway)."""
+RECONNECT_WAIT_S = 0.25
+"""How long a client waits between attempts to reach a server again, seconds: a broker that comes
+back is used within this much (an attempt against a server that is down is a refused connection)."""
 DRAIN_TIMEOUT_S = 5.0
 """How long a shutting-down service waits for its subscriptions to drain, seconds."""
 MAX_REPLICAS = 5
@@ -127,7 +130,7 @@ async def connect(url: str, name: str) -> NATS:
         servers=servers,
         name=name,
         max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
+        reconnect_time_wait=RECONNECT_WAIT_S,
         connect_timeout=5,
         drain_timeout=DRAIN_TIMEOUT_S,
         disconnected_cb=_disconnected,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import signal
@@ -637,23 +638,40 @@ PAUSE_S = 2.0
 async def _pause_the_audio_stage(stack, pipeline, client: openai.AsyncOpenAI) -> int:
     """A streamed audio request whose audio stage (its only replica) is stopped (``SIGSTOP``) for
     ``PAUSE_S`` after the first audio chunk, well inside its ``stall_timeout_s``: the client's player
-    runs dry and the next chunk is late. Returns the chunks that came after the pause."""
+    runs dry and the next chunk is late. Audio that still arrives while the stage is stopped (sent
+    before the stop: on a loaded box the client reads behind the server) lengthens the pause by its
+    duration, so the player runs dry whatever was in flight. Returns the chunks that came after
+    the pause."""
     pid = worker_pid(stack.proc.pid, pipeline.audio_stage, 0)
     stream = await _audio_stream(client, pipeline.served_model_name, 60)
-    paused, after = False, 0
-    async for chunk in stream:
-        if not any(c.delta.audio and c.delta.audio.data for c in chunk.choices):
-            continue
-        if paused:
-            after += 1
-            continue
+    chunks: asyncio.Queue[float | None] = asyncio.Queue()  # seconds of audio per chunk; None: end
+
+    async def read() -> None:
+        async for chunk in stream:
+            data = "".join(c.delta.audio.data for c in chunk.choices if c.delta.audio and c.delta.audio.data)
+            if data:
+                chunks.put_nowait(len(base64.b64decode(data)) / 2 / SR)
+        chunks.put_nowait(None)
+
+    reader = asyncio.create_task(read())
+    try:
+        assert await asyncio.wait_for(chunks.get(), 60) is not None, "no audio at all"
         try:
             await stop_confirmed(pid, "the audio stage", timeout_s=1.0)
-            await asyncio.sleep(PAUSE_S)
+            until = time.monotonic() + PAUSE_S
+            while (left := until - time.monotonic()) > 0:
+                with contextlib.suppress(TimeoutError):
+                    seconds = await asyncio.wait_for(chunks.get(), left)
+                    assert seconds is not None, "the stream ended while its audio stage was stopped"
+                    until += seconds
         finally:
             os.kill(pid, signal.SIGCONT)
-        paused = True
-    return after
+        after = 0
+        while await asyncio.wait_for(chunks.get(), 60) is not None:
+            after += 1
+        return after
+    finally:
+        reader.cancel()
 
 
 async def _stale_after_the_move(pipeline, nc: nats.NATS, rec: dict[str, Any], victim: int) -> None:
