@@ -29,8 +29,14 @@ pytestmark = pytest.mark.integration
 PIPELINE = "orchdeath"
 SUBJECTS = Subjects(PIPELINE)
 REQUESTS, MAX_TOKENS = 8, 64
-HELD_WITHIN_S = 3.0
-"""How long after the requests are sent the victim must show held admissions, seconds."""
+HELD_WITHIN_S = 1.0
+"""How long after the requests are sent the victim must show held admissions, seconds (it holds
+them for ``ORCHESTRATOR_ACK_WAIT_S``: then they are redelivered to the survivor)."""
+ROUNDS = 3
+"""Bursts of requests the test may send: a stopped orchestrator whose standing pull requests had
+expired (they live 5 s, renewed by the process) is offered nothing."""
+RENEW_S = 1.5
+"""How long the victim runs between rounds to renew its pull requests, seconds."""
 DELAY_LIMIT_S = 3.0
 """Issue 18: every request's first token at most this long after the kill, seconds."""
 
@@ -110,14 +116,23 @@ async def test_admissions_held_by_a_killed_orchestrator_go_on_within_a_second(se
     assert warm.error is None, warm.error
     nc = await nats.connect(nats_server.url)
     js = nc.jetstream()
+    outcomes: list[Outcome] = []
+    tasks: list[asyncio.Task[None]] = []
+    held = 0
     try:
-        await stop_confirmed(victim.proc.pid, "orchestrator 0")
-        outcomes = [Outcome() for _ in range(REQUESTS)]
-        tasks = [asyncio.create_task(_stream(client, model, o)) for o in outcomes]
-        held, deadline = 0, time.monotonic() + HELD_WITHIN_S
-        while held == 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-            held = await _ack_pending(js)
+        for _ in range(ROUNDS):
+            await stop_confirmed(victim.proc.pid, "orchestrator 0")
+            batch = [Outcome() for _ in range(REQUESTS)]
+            outcomes += batch
+            tasks += [asyncio.create_task(_stream(client, model, o)) for o in batch]
+            deadline = time.monotonic() + HELD_WITHIN_S
+            while held == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                held = await _ack_pending(js)
+            if held:
+                break
+            os.kill(victim.proc.pid, signal.SIGCONT)  # it renews its pull requests, then again
+            await asyncio.sleep(RENEW_S)
         assert held > 0, "the stopped orchestrator took no admission: the fault did not happen"
         await kill_confirmed(victim.proc.pid, "orchestrator 0")
         killed = time.monotonic()
@@ -130,7 +145,8 @@ async def test_admissions_held_by_a_killed_orchestrator_go_on_within_a_second(se
     assert [o.error for o in outcomes if o.error] == []
     assert all(o.tokens == MAX_TOKENS for o in outcomes), [o.tokens for o in outcomes]
     assert max(d for d in delays if d is not None) <= DELAY_LIMIT_S, delays
-    # The held admissions were the ones redelivered: their records were written by the survivor
-    # on a later delivery (a record's ``attempt`` is the admission's delivery count).
+    # The victim held some: their records were written by the survivor on a later delivery (a
+    # record's ``attempt`` is the admission's delivery count). ``held`` above may also count the
+    # survivor's own admissions caught before their ack, so it is only a sign, this is the proof.
     records = [await request_record(nats_server.url, o.id) for o in outcomes]
-    assert sum(r["attempt"] > 1 for r in records) >= held, [r["attempt"] for r in records]
+    assert any(r["attempt"] > 1 for r in records), [r["attempt"] for r in records]
