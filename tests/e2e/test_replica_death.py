@@ -42,6 +42,11 @@ MOVED_WITHIN_S = 8.0
 target for a kill is 2 s, met in isolated runs (0.29–1.19 s); in the full session the replacement
 engine starts on the same two cores at the same moment, and one run paused 5.7 s. The bound here
 says the streams moved (not waited for a deadline); the pause is printed."""
+FLOWING_S = 0.3
+"""A stream counts as mid-way only while its tokens flow (one came this recently, seconds): while
+the broker is silent (seen for 4–9 s at the start of these streams in full runs) the client gets
+nothing and the records go stale, so a pick then found every stream finished on the server by the
+time of the kill (twice in a row: "no stream was moved by the fault")."""
 CLIENT_LAG_S = 3.0
 """How far the test's own client may run behind the server when a stall strikes (it reads six
 streams on a two-core box), seconds: its pause is that much shorter than the stall."""
@@ -121,10 +126,13 @@ async def _midway_victim(kv, seen: list[Seen], tasks: list[asyncio.Task], timeli
             with contextlib.suppress(KeyNotFoundError):  # the record follows the stream's start
                 recs += [json.loads((await kv.get(s.id)).value)] if s.id else []
         running = {r["request_id"]: r["route"][0] for r in recs if not r["stages"][0]["done_ns"]}
+        now = time.monotonic()
         midway = [
             s
             for s in seen
-            if s.id in running and MIDWAY_TOKENS <= len(s.token_ids) <= MAX_TOKENS - TOKENS_LEFT
+            if s.id in running
+            and MIDWAY_TOKENS <= len(s.token_ids) <= MAX_TOKENS - TOKENS_LEFT
+            and now - s.at[-1] <= FLOWING_S
         ]
         timeline.append(
             f"{time.monotonic():.2f} s: client tokens {[len(s.token_ids) for s in seen]}, stage 0 on {sorted(running.values())}"
