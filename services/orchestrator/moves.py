@@ -161,28 +161,25 @@ class Mover:
         while True:
             await asyncio.sleep(MOVE_CHECK_PERIOD_S)
             now_ns = time.time_ns()
-            records = list(self._index.records.values())
-            claimers = {
-                rec.stages[move.stage].attempts[-1].claimed_by
-                for rec in records
+            found = [
+                (move, rec, rec.stages[move.stage].attempts[-1].claimed_by)
+                for rec in list(self._index.records.values())
                 for move in unfinished_moves(rec, {self.instance_id}, now_ns, grace_ns)
-            }
-            if not claimers:
+            ]
+            if not found:
                 continue
-            gone = {c for c in claimers if c is not None and await self._claimer_gone(c)}
+            gone = {c for c in {c for *_, c in found} if c is not None and await self._claimer_gone(c)}
             live = {r.instance for r in self.services.live(ServiceKind.ORCHESTRATOR)} - gone
-            live.add(self.instance_id)
-            for rec in records:
-                for move in unfinished_moves(rec, live, now_ns, grace_ns):
-                    if move.request_id in self._moving:
-                        continue
-                    self._moving.add(move.request_id)
-                    try:
-                        await self._take_over(move, rec)
-                    except Exception as e:
-                        log.warning("request %s: taking over its move failed: %s", move.request_id, e)
-                    finally:
-                        self._moving.discard(move.request_id)
+            for move, rec, claimer in found:
+                if claimer in live or move.request_id in self._moving:
+                    continue
+                self._moving.add(move.request_id)
+                try:
+                    await self._take_over(move, rec)
+                except Exception as e:
+                    log.warning("request %s: taking over its move failed: %s", move.request_id, e)
+                finally:
+                    self._moving.discard(move.request_id)
 
     async def _claimer_gone(self, instance: str) -> bool:
         """Whether orchestrator ``instance``'s connection is gone (NATS: "no responders")."""
