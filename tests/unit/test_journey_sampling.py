@@ -21,8 +21,15 @@ from services.stage_worker.engine_core.journey_tracing import (
     monotonic_pair,
     sampling_key,
 )
-from services.stage_worker.engine_core.tracing_config import make_deterministic_sampler
-from tests.unit.test_step_tracing import Traced, add, make_scheduler, run_until_idle, step, tracing_settings
+from tests.unit.test_step_tracing import (
+    Traced,
+    add,
+    documented_sample,
+    make_scheduler,
+    run_until_idle,
+    step,
+    tracing_settings,
+)
 
 KINDS = ["QUEUED", "SCHEDULED", "FIRST_TOKEN", "PREEMPTED", "FINISHED"]
 
@@ -89,10 +96,11 @@ def test_deterministic_sampler_traces_exactly_the_expected_requests(monkeypatch:
     ids = [f"req-{i}" for i in range(12)]
     for i, rid in enumerate(ids):
         add(t, rid, list(range(40 * i + 100, 40 * i + 110)), 2)
-    assert t.sched._journey_sampled_requests == {r for r in ids if make_deterministic_sampler(3)(r, rate)}
-    run_until_idle(t)
-    expected = [r for r in ids if make_deterministic_sampler(3)(r, rate)]
+    # the documented rule (journey sampler: the settings' seed, 3), keyed by request id here
+    expected = [r for r in ids if documented_sample(3, r, rate)]
     assert 0 < len(expected) < len(ids)
+    assert t.sched._journey_sampled_requests == set(expected)
+    run_until_idle(t)
     assert sorted(journeys(t)) == sorted(expected)
     assert all(kinds(ev) == ["QUEUED", "SCHEDULED", "FIRST_TOKEN", "FINISHED"] for ev in journeys(t).values())
     assert not t.sched.requests  # unsampled requests completed too
@@ -102,14 +110,14 @@ def test_deterministic_sampler_traces_exactly_the_expected_requests(monkeypatch:
 def test_sampling_follows_the_trace_and_the_span_joins_it(monkeypatch: pytest.MonkeyPatch) -> None:
     rate = 0.5
     t = journey_scheduler(monkeypatch, rate)
-    sampler = make_deterministic_sampler(3)
     trace_ids = [f"{i:032x}" for i in range(1, 40)]
     names = [f"n{i}" for i in range(40)]
-    # a request whose own id would not be sampled, in a trace that is; and the reverse
-    rid_in = next(n for n in names if not sampler(n, rate))
-    rid_out = next(n for n in names if sampler(n, rate))
-    tid = next(x for x in trace_ids if sampler(x, rate))
-    skipped = next(x for x in trace_ids if not sampler(x, rate))
+    # a request whose own id would not be sampled, in a trace that is; and the reverse (the
+    # documented rule, seed 3, decides which)
+    rid_in = next(n for n in names if not documented_sample(3, n, rate))
+    rid_out = next(n for n in names if documented_sample(3, n, rate))
+    tid = next(x for x in trace_ids if documented_sample(3, x, rate))
+    skipped = next(x for x in trace_ids if not documented_sample(3, x, rate))
     add(t, rid_in, 20, 2, headers={"traceparent": f"00-{tid}-00000000000000aa-01"})
     add(t, rid_out, list(range(300, 320)), 2, headers={"traceparent": f"00-{skipped}-00000000000000bb-01"})
     run_until_idle(t)

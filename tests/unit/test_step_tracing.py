@@ -223,48 +223,49 @@ def check_snapshot_invariants(r: dict[str, Any]) -> None:
 # --- samplers -----------------------------------------------------------------------------------------
 
 
-def test_deterministic_samplers_give_exactly_the_expected_sets() -> None:
-    s0, s1 = make_deterministic_sampler(0), make_deterministic_sampler(1)
-    assert [k for k in range(1, 41) if s0(k, 0.25)] == [1, 2, 3, 7, 9, 10, 11, 12, 22, 25, 37, 38]
-    assert [k for k in range(1, 41) if s1(k, 0.5)] == [
-        1,
-        4,
-        7,
-        11,
-        12,
-        14,
-        15,
-        19,
-        21,
-        26,
-        28,
-        30,
-        33,
-        35,
-        37,
-        40,
-    ]
-    assert [f"req-{i}" for i in range(12) if s0(f"req-{i}", 0.5)] == [
-        "req-4",
-        "req-6",
-        "req-8",
-        "req-9",
-        "req-10",
-    ]
-    # the documented formula, independently
-    h = hashlib.sha1(b"0:req-4").digest()
-    assert int.from_bytes(h[:8], "big") / 2**64 < 0.5
-    # rate 0 never, rate 1 always; stable across instances
-    assert not any(s0(k, 0.0) for k in range(200)) and all(s0(k, 1.0) for k in range(200))
-    assert [s0(k, 0.3) for k in range(50)] == [make_deterministic_sampler(0)(k, 0.3) for k in range(50)]
+def documented_sample(seed: int | str, key: object, rate: float) -> bool:
+    """The deterministic sampler's rule as docs/engine-tracing.md states it, computed here from
+    first principles (not with the code under test): ``key`` is sampled iff the first 8 bytes
+    (16 hex digits) of ``sha1(f"{seed}:{key}")``, as an integer, are below ``rate * 2**64``."""
+    head = int(hashlib.sha1(f"{seed}:{key}".encode()).hexdigest()[:16], 16)
+    return head < rate * 2**64
+
+
+SAMPLER_KEYS: list[object] = [
+    *range(1, 400),
+    *(f"req-{i}" for i in range(200)),
+    *(format(0x9E3779B97F4A7C15 * i, "032x")[-32:] for i in range(1, 200)),
+]
+"""Step ids (int), request ids and trace ids (32 hex digits): every kind of key the samplers get."""
+
+
+@pytest.mark.parametrize("seed", [0, 1, 11])
+@pytest.mark.parametrize("rate", [0.001, 0.25, 0.5, 0.9])
+def test_deterministic_sampler_follows_the_documented_rule(seed: int, rate: float) -> None:
+    sampler = make_deterministic_sampler(seed)
+    got = [k for k in SAMPLER_KEYS if sampler(k, rate)]
+    assert got == [k for k in SAMPLER_KEYS if documented_sample(seed, k, rate)]
+    # and the rule is a sample at the rate (binomial: within 5 standard deviations)
+    n = len(SAMPLER_KEYS)
+    assert abs(len(got) - rate * n) <= 5 * math.sqrt(n * rate * (1 - rate)) + 1
+
+
+def test_deterministic_sampler_edges_and_stability() -> None:
+    s0 = make_deterministic_sampler(0)
+    # rate 0 never, rate 1 always; stable across instances; seeds give different picks
+    assert not any(s0(k, 0.0) for k in SAMPLER_KEYS) and all(s0(k, 1.0) for k in SAMPLER_KEYS)
+    assert [s0(k, 0.3) for k in SAMPLER_KEYS] == [make_deterministic_sampler(0)(k, 0.3) for k in SAMPLER_KEYS]
+    picks = [[k for k in SAMPLER_KEYS if make_deterministic_sampler(s)(k, 0.5)] for s in (0, 1)]
+    assert picks[0] != picks[1]
 
 
 def test_config_samplers_are_independent_per_stage() -> None:
+    """Journey, step and rich samplers use seeds ``seed``, ``seed + 1``, ``seed + 2`` (the docs)."""
     journey, steps, rich = EngineTracingConfig(**tracing_settings(seed=5)).samplers()
-    picks = [[k for k in range(100) if s(k, 0.5)] for s in (journey, steps, rich)]
+    picks = [[k for k in range(200) if s(k, 0.5)] for s in (journey, steps, rich)]
     assert picks[0] != picks[1] != picks[2]
-    assert picks[1] == [k for k in range(100) if make_deterministic_sampler(6)(k, 0.5)]
-    assert picks[2] == [k for k in range(100) if make_deterministic_sampler(7)(k, 0.5)]
+    for seed, pick in zip((5, 6, 7), picks, strict=True):
+        assert pick == [k for k in range(200) if documented_sample(seed, k, 0.5)]
 
 
 # --- configuration, transport, validation -----------------------------------------------------------
@@ -491,9 +492,9 @@ def test_two_stage_deterministic_sampling_picks_exactly_the_expected_steps(
     add(t, "b", 30, 30)
     steps = run_until_idle(t)
     t.sched.shutdown()
-    step_sampler, rich_sampler = make_deterministic_sampler(seed + 1), make_deterministic_sampler(seed + 2)
-    expected = [st.step_id for st in steps if step_sampler(st.step_id, step_rate)]
-    expected_rich = [k for k in expected if rich_sampler(k, rich_rate)]
+    # the documented rule, with the documented seeds: steps seed + 1, rich seed + 2
+    expected = [st.step_id for st in steps if documented_sample(seed + 1, st.step_id, step_rate)]
+    expected_rich = [k for k in expected if documented_sample(seed + 2, k, rich_rate)]
     assert 0 < len(expected_rich) < len(expected) < len(steps)
     assert [s["step.id"] for s in t.step_events(BATCH_SUMMARY_EVENT)] == expected
     by_step = {st.step_id: st for st in steps}
