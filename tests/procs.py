@@ -3,15 +3,39 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 from benchmarks.harness import descendants
 from libs.common.local_nats import free_port
+
+T = TypeVar("T")
+
+
+async def until(
+    check: Callable[[], T | Awaitable[T]], what: str, timeout_s: float = 10.0, every_s: float = 0.05
+) -> T:
+    """Ask ``check`` (a function or a coroutine function) every ``every_s`` seconds until it
+    answers something truthy, and return that answer; fail naming ``what`` once ``timeout_s``
+    seconds (``time.monotonic()``) have passed without one. The way a test waits for a condition,
+    instead of sleeping for a time it hopes is long enough."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        answer = check()
+        if inspect.isawaitable(answer):
+            answer = await answer
+        if answer:
+            return answer
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:g} s (last answer {answer!r})")
+        await asyncio.sleep(every_s)
 
 
 class ServiceProcess:
@@ -148,22 +172,14 @@ async def kill_confirmed(pid: int, what: str) -> None:
     """``SIGKILL`` ``pid`` and wait up to 5 s until it is gone (a fault test proves its fault
     happened before it judges what the system did)."""
     os.kill(pid, signal.SIGKILL)
-    for _ in range(50):
-        if gone(pid):
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{what} (pid {pid}) still runs after SIGKILL")
+    await until(lambda: gone(pid), f"{what} (pid {pid}) gone after SIGKILL", timeout_s=5.0, every_s=0.02)
 
 
 async def stop_confirmed(pid: int, what: str, timeout_s: float = 2.5) -> None:
     """``SIGSTOP`` ``pid`` and wait up to ``timeout_s`` until its state is ``T`` (stopped). The
     caller sends ``SIGCONT`` in a ``finally`` around this call."""
     os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + timeout_s
-    while process_state(pid) != "T":
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} (pid {pid}) did not stop")
-        await asyncio.sleep(0.02)
+    await until(lambda: process_state(pid) == "T", f"{what} (pid {pid}) stopped", timeout_s, every_s=0.02)
 
 
 def gone(pid: int) -> bool:

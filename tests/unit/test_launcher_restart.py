@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import sys
 from pathlib import Path
 
 from cli.launcher import RESTART_MAX_DELAY_S, Stack, exit_status, restart_delay
+from tests.procs import until
 
 
 def _ppid(pid: int) -> int | None:
@@ -48,23 +48,28 @@ async def test_a_supervised_process_that_dies_is_started_again_with_its_command(
     try:
         (child,) = stack.children
         first = child.proc
-        await asyncio.sleep(0.3)
-        grandchild = [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == first.pid]
-        assert len(grandchild) == 1
+
+        def grandchildren() -> list[int]:
+            return [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == first.pid]
+
+        (grandchild,) = await until(grandchildren, "the child's own child started")
         first.send_signal(signal.SIGKILL)
-        for _ in range(50):  # the fault happened: the process is gone (reaped)
-            if first.returncode is not None:
-                break
-            await asyncio.sleep(0.1)
+        # the fault happened: the process is gone (reaped)
+        await until(lambda: first.returncode is not None, "the killed child reaped")
         assert first.returncode == -signal.SIGKILL
-        for _ in range(50):
-            if child.proc is not first and child.proc.returncode is None:
-                break
-            await asyncio.sleep(0.1)
-        assert child.proc is not first and child.proc.returncode is None
+        # back-off 0.5 s; the grandchild holds the old pipe for 60 s, which the restart must not wait for
+        await until(
+            lambda: child.proc is not first and child.proc.returncode is None,
+            "a new process started",
+            timeout_s=20,
+        )
         assert child.restarts == 1 and child.deaths_in_a_row == 1
-        assert child.argv[-1] == "marker-arg" and child.env == {"SLEEPER_ENV": "1"}
-        assert _ppid(grandchild[0]) is None  # killed with its group (or reaped by init: not ours)
+        # the new process runs the same command with the same environment (as the kernel has them)
+        new = child.proc.pid
+        assert Path(f"/proc/{new}/cmdline").read_bytes().split(b"\0")[-2:] == [b"marker-arg", b""]
+        assert b"SLEEPER_ENV=1" in Path(f"/proc/{new}/environ").read_bytes().split(b"\0")
+        # killed with its group (or reaped by init: not ours), long before its 60 s are up
+        await until(lambda: _ppid(grandchild) is None, f"the grandchild {grandchild} gone")
     finally:
         await stack.stop()
     assert child.proc.returncode is not None  # stop() ends the replacement too

@@ -90,7 +90,7 @@ async def test_inbox_hands_out_in_sequence_and_rejects_duplicates() -> None:
     assert box.put(_delivery(2)) and box.put(_delivery(1))
     assert not box.put(_delivery(2))
     waiter = asyncio.create_task(box.next())
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # the waiter runs and waits: time passes in which it must not finish
     assert not waiter.done()  # seq 0 has not arrived
     assert box.put(_delivery(0))
     assert (await waiter).task.seq == 0
@@ -215,8 +215,12 @@ def test_an_event_delivered_twice_is_folded_once() -> None:
     assert len(rec.edges) == 2
 
 
-async def _events_of_a_stage(monkeypatch, works_s: float, last: bool) -> list[LifecycleEvent]:
-    """The lifecycle events one stage's context sends for a request it works on ``works_s``."""
+async def _events_of_a_stage(
+    monkeypatch, works_s: float, last: bool
+) -> tuple[list[LifecycleEvent], list[LifecycleEvent], tuple[int, int]]:
+    """The lifecycle events one stage's context sends for a request it works on ``works_s``: those
+    sent while it worked, all of them, and the test's wall clock (ns) just before and after the
+    stage took the request's first input."""
     monkeypatch.setattr(request_context, "STARTED_REPORT_DELAY_S", 0.05)
     route = [0, 0] if last else [0, 0, 0]
     first = StageTask(
@@ -226,27 +230,37 @@ async def _events_of_a_stage(monkeypatch, works_s: float, last: bool) -> list[Li
     sent: list[LifecycleEvent] = []
     monkeypatch.setattr(ctx, "_send", sent.append)
     ctx.inbox.put(Delivery(msg=SimpleNamespace(data=b""), task=first, received_ns=0))
+    before = time.time_ns()
     await ctx.next()
-    await asyncio.sleep(works_s)
+    took = (before, time.time_ns())
+    if works_s:  # the work itself (a short stage does not yield to the loop: no timer can fire)
+        await asyncio.sleep(works_s)
+    during = list(sent)
     ctx.lifecycle("stage_done", finish_reason="stop")
     if last:
         ctx.lifecycle("finished")
     ctx.close()
-    await asyncio.sleep(0.1)  # no late "started" after the end
-    return sent
+    await asyncio.sleep(0.1)  # time passes past the report delay: a late "started" would come in it
+    return during, sent, took
 
 
 async def test_a_short_stage_reports_its_start_in_its_ending_event(monkeypatch) -> None:
-    (done,) = await _events_of_a_stage(monkeypatch, 0.0, last=False)
-    assert done.kind == "stage_done" and done.started_ns is not None and done.started_ns <= done.ts_ns
-    (fin,) = await _events_of_a_stage(monkeypatch, 0.0, last=True)  # stage_done folded into finished
-    assert fin.kind == "finished" and fin.started_ns is not None and fin.finish_reason == "stop"
+    during, (done,), (before, after) = await _events_of_a_stage(monkeypatch, 0.0, last=False)
+    assert during == []
+    assert done.kind == "stage_done" and done.started_ns is not None
+    assert before <= done.started_ns <= after <= done.ts_ns  # when it took the input, by the test's clock
+    during, (fin,), (before, after) = await _events_of_a_stage(monkeypatch, 0.0, last=True)
+    assert during == []  # stage_done is folded into finished
+    assert fin.kind == "finished" and fin.finish_reason == "stop"
+    assert fin.started_ns is not None and before <= fin.started_ns <= after
 
 
 async def test_a_long_stage_reports_started_while_it_works(monkeypatch) -> None:
-    started, done = await _events_of_a_stage(monkeypatch, 0.2, last=False)
+    during, (started, done), (before, after) = await _events_of_a_stage(monkeypatch, 0.2, last=False)
+    assert during == [started], "started is sent while the stage works, not with its end"
     assert started.kind == "started" and done.kind == "stage_done" and done.started_ns is None
-    assert started.ts_ns < done.ts_ns - 0.15e9
+    assert before <= started.ts_ns <= after  # it says when the stage took the input, not when it was sent
+    assert done.ts_ns - after >= 0.19e9  # and the end came after the 0.2 s of work (timer granularity aside)
 
 
 def test_abort_sets_finish_reason_abort() -> None:

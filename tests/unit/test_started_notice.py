@@ -7,6 +7,7 @@ import time
 
 from libs.common.envelopes import ClientEventType
 from services.stage_worker.handlers.thinker import STARTED_DELAY_S, _StartedNotice
+from tests.procs import until
 
 
 class Recorder:
@@ -25,9 +26,9 @@ async def test_it_goes_out_after_the_delay_without_an_output() -> None:
     req = Recorder()
     t0 = time.monotonic()
     _StartedNotice(req)
-    await asyncio.sleep(STARTED_DELAY_S + 0.05)
+    await until(lambda: req.sent, "the started event sent", every_s=STARTED_DELAY_S / 2)
     assert [t for t, _ in req.sent] == [ClientEventType.STARTED]
-    assert req.sent[0][1] - t0 >= STARTED_DELAY_S * 0.9
+    assert req.sent[0][1] - t0 >= STARTED_DELAY_S * 0.9  # not before its delay
 
 
 async def test_a_first_output_sends_it_at_once_and_only_once() -> None:
@@ -35,7 +36,8 @@ async def test_a_first_output_sends_it_at_once_and_only_once() -> None:
     notice = _StartedNotice(req)
     await notice.sent()
     assert len(req.sent) == 1
-    await asyncio.sleep(STARTED_DELAY_S + 0.05)  # the timer was stopped
+    # Time passes well beyond the delay: had the timer not been stopped, it would send again.
+    await asyncio.sleep(STARTED_DELAY_S + 0.05)
     await notice.sent()
     assert len(req.sent) == 1
 
@@ -43,5 +45,5 @@ async def test_a_first_output_sends_it_at_once_and_only_once() -> None:
 async def test_cancelled_before_the_delay_it_never_goes_out() -> None:
     req = Recorder()
     _StartedNotice(req).cancel()
-    await asyncio.sleep(STARTED_DELAY_S + 0.05)
+    await asyncio.sleep(STARTED_DELAY_S + 0.05)  # well past the delay: nothing may come in it
     assert req.sent == []
