@@ -115,6 +115,7 @@ def test_disabled_set_registers_nothing_and_enabled_registers_its_exporters_fami
     MetricSet(Exporter.GATEWAY, enabled=True, registry=reg)
     text = generate_latest(reg).decode()
     gateway = [f.name for f in FAMILIES if f.exporter == Exporter.GATEWAY]
+    assert "vllm:omni_e2e_request_latency_s" in gateway  # the gateway's families are found at all
     assert all(f"# TYPE {n}" in text for n in gateway)
     assert "vllm:omni_transfer" not in text
 
