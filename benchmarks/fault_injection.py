@@ -2,7 +2,12 @@
 injected: the pipeline they are injected into (two replicas of every stage), the list of faults,
 the :class:`Injector` that finds a fault's process and verifies that the fault took (the pid is
 gone or a zombie, or in state ``T`` for ``SIGSTOP``), and the registry reads that tell when a
-killed worker's replacement is up.
+killed worker's (or orchestrator's) replacement is up.
+
+The stack is ``omnirelay up`` (:class:`benchmarks.harness.Stack`: its launcher restarts a process
+that exits; the bench itself restarts the NATS servers it started) or one process per service,
+each under a restart policy (:class:`benchmarks.service_stack.ServiceStack`, as docker compose
+runs it: NATS is restarted by its policy too, held back as long as the fault says).
 
 Clocks: ``time.monotonic()`` of this process, seconds; ``started_ns`` in the registry is the
 worker's wall clock (``time.time_ns()``), only compared with itself.
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.harness import Managed, Processes, Stack, descendants, wait_http_ok, wait_port
+from benchmarks.service_stack import Service, ServiceStack
 from libs.common.bus import server_urls
 from libs.common.subjects import EVICTIONS_BUCKET, REQUESTS_BUCKET, SERVICES_BUCKET, Subjects
 
@@ -43,6 +49,8 @@ STAGE_NAMES = ("thinker", "talker", "code2wav")
 """The stages of :data:`PIPELINE_YAML`, by id."""
 TOOK_WITHIN_S = 2.5
 """How long a signalled process is watched for the state that shows the fault took, seconds."""
+NATS_DOWN_S = 2.0
+"""``kill -9`` of the only NATS server: it is started again this long after the kill, seconds."""
 
 
 @dataclass(frozen=True)
@@ -97,16 +105,34 @@ class Injection:
     """The processes signalled."""
 
 
+def matches(cmdline: str, environ: list[str], words: tuple[str, ...]) -> bool:
+    """True when every one of ``words`` is in ``cmdline`` (arguments joined by spaces) or is one
+    of the ``NAME=value`` entries of ``environ``."""
+    return all(w in cmdline or w in environ for w in words)
+
+
 def pids_of(root: int, *words: str) -> list[int]:
-    """Descendants of ``root`` whose command line or environment contains every one of ``words``."""
+    """Descendants of ``root`` whose command line or environment contains every one of ``words``
+    (:func:`matches`)."""
     found = []
     for pid in descendants(root):
         with contextlib.suppress(OSError):
             cmd = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
             env = Path(f"/proc/{pid}/environ").read_text().split("\0")
-            if all(w in cmd or w in env for w in words):
+            if matches(cmd, env, words):
                 found.append(pid)
     return found
+
+
+def victim_service(fault: Fault, replica: int) -> str:
+    """The service a fault strikes, by its name in the process plan and the compose file:
+    ``thinker-1`` (a worker, or its EngineCore), ``orchestrator``, ``nats``. Not for the faults
+    of several services (``all_replicas``) or of a cluster node (chosen at the fault)."""
+    if fault.target in ("worker", "engine_core"):
+        return f"{STAGE_NAMES[fault.stage]}-{replica}"
+    if fault.target in ("orchestrator", "nats"):
+        return fault.target
+    raise ValueError(f"{fault.target}: no one service")
 
 
 def proc_state(pid: int) -> str:
@@ -136,7 +162,7 @@ async def signal_and_verify(pids: list[int], sig: int) -> Injection:
     return Injection(verified, all(took(state, sig) for state in states), tuple(pids))
 
 
-async def _leaders(stack: Stack) -> dict[str, str]:
+async def _leaders(stack: Stack | ServiceStack) -> dict[str, str]:
     """The server that leads each stream and KV bucket of the pipeline: name → ``server_name``."""
     import nats
 
@@ -172,16 +198,31 @@ def verdicts_since(log_path: Path, offset: int) -> tuple[int, int]:
 class Injector:
     """Finds a fault's process in the stack and injects the fault, verifying that it took."""
 
-    def __init__(self, procs: Processes, stack: Stack, nats_argv: list[str]) -> None:
-        self.procs, self.stack, self.nats_argv = procs, stack, nats_argv
+    def __init__(
+        self, procs: Processes, stack: Stack | ServiceStack, nats_argv: list[str] | None = None
+    ) -> None:
+        """``nats_argv``: the command line of the ``omnirelay up`` stack's NATS server (a
+        :class:`ServiceStack`'s is its service's)."""
+        self.procs, self.stack, self.nats_argv = procs, stack, nats_argv or []
         self.killed_node: tuple[Managed, str] | None = None
         """The cluster node killed by the last fault of a cluster node, with its monitoring URL."""
+        self.held_node: tuple[Service, str] | None = None
+        """The same in a :class:`ServiceStack`: the node's service (its restart held) and URL."""
+
+    def _pid(self, service: str, *words: str) -> int:
+        """The one process below the stack's root whose command line and environment have
+        ``words``; in a :class:`ServiceStack`, it must be the one the policy of ``service``
+        started last (else RuntimeError)."""
+        (pid,) = pids_of(self.stack.root_pid, *words)
+        if isinstance(self.stack, ServiceStack) and pid != self.stack.services[service].pid:
+            raise RuntimeError(
+                f"{service}: pid {pid} in /proc, but its policy started pid {self.stack.services[service].pid}"
+            )
+        return pid
 
     def target_pid(self, fault: Fault, replica: int) -> int:
-        root = self.stack.process.proc.pid
         if fault.target == "orchestrator":
-            (pid,) = pids_of(root, "-m cli orchestrator")
-            return pid
+            return self._pid("orchestrator", "-m cli orchestrator")
         worker = self.worker_pid(fault.stage, replica)
         if fault.target == "worker":
             return worker
@@ -189,13 +230,12 @@ class Injector:
         return core
 
     def worker_pid(self, stage: int, replica: int) -> int:
-        (pid,) = pids_of(
-            self.stack.process.proc.pid,
+        return self._pid(
+            f"{STAGE_NAMES[stage]}-{replica}",
             "-m cli worker",
             f"OMNIRELAY_STAGE={stage}",
             f"OMNIRELAY_REPLICA={replica}",
         )
-        return pid
 
     async def inject(self, fault: Fault, replica: int) -> Injection:
         """Inject ``fault`` (on ``replica`` of its stage, where it has one) and verify that it
@@ -222,7 +262,10 @@ class Injector:
         return done
 
     async def _restart_nats(self) -> Injection:
-        """``kill -9`` the stack's only NATS server and, 2 s later, start it again on its store."""
+        """``kill -9`` the stack's only NATS server and, :data:`NATS_DOWN_S` later, start it again
+        on its store (a :class:`ServiceStack`'s: its policy does, held back until then)."""
+        if isinstance(self.stack, ServiceStack):
+            return await self._restart_nats_service(self.stack.services["nats"], self.stack.monitors["nats"])
         nats = next(
             m
             for m in self.procs.items
@@ -231,11 +274,23 @@ class Injector:
         nats.proc.kill()
         nats.proc.wait(5)
         state = proc_state(nats.proc.pid)
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(NATS_DOWN_S)
         port = int(self.nats_argv[self.nats_argv.index("-p") + 1])
         restarted = self.procs.start(f"nats (restarted, {self.stack.name})", self.nats_argv, {})
         await asyncio.to_thread(wait_port, restarted, port, 30)
         return Injection(f"pid {nats.proc.pid} {state}", took(state, signal.SIGKILL), (nats.proc.pid,))
+
+    async def _restart_nats_service(self, service: Service, monitor: str) -> Injection:
+        """``kill -9`` a NATS service with its restart held back :data:`NATS_DOWN_S`; returns once
+        its policy has started it again and its JetStream is healthy."""
+        restarts = service.restarts
+        service.hold(NATS_DOWN_S)
+        done = await signal_and_verify([service.pid], signal.SIGKILL)
+        t0 = time.monotonic()
+        pid = await asyncio.to_thread(service.wait_restarted, restarts, NATS_DOWN_S + 30)
+        await asyncio.to_thread(wait_http_ok, service.managed, f"{monitor}/healthz", 30)
+        back = f"restarted by its policy as pid {pid}, healthy {time.monotonic() - t0:.1f} s after the kill"
+        return Injection(f"{done.verified}; {back}", done.took, done.pids)
 
     async def _kill_node(self, fault: Fault, replica: int) -> Injection:
         """``kill -9`` a cluster node (it stays down until :meth:`restore`): the stages stream's
@@ -251,14 +306,21 @@ class Injector:
             worker = f"worker-{fault.stage}-{replica}"
             (victim,) = [name for name, on_it in clients.items() if worker in on_it]
         (node,) = [n for n in self.stack.nats_nodes if n.name == victim]
-        (managed,) = [m for m in self.procs.items if m.name == f"{victim} ({self.stack.name})"]
-        pid = managed.proc.pid
-        os.kill(pid, signal.SIGKILL)
-        managed.proc.wait(5)
-        self.killed_node = (managed, node.monitor_url)
+        if isinstance(self.stack, ServiceStack):  # down until restore(): its policy is held
+            service = self.stack.services[victim]
+            service.hold()
+            self.held_node = (service, node.monitor_url)
+            done = await signal_and_verify([service.pid], signal.SIGKILL)
+            pid, state = done.pids[0], proc_state(done.pids[0])
+        else:
+            (managed,) = [m for m in self.procs.items if m.name == f"{victim} ({self.stack.name})"]
+            pid = managed.proc.pid
+            os.kill(pid, signal.SIGKILL)
+            managed.proc.wait(5)
+            self.killed_node = (managed, node.monitor_url)
+            state = proc_state(pid)
         led = sum(leader == victim for leader in leaders.values())
         on_it = ", ".join(sorted(clients[victim])) or "none"
-        state = proc_state(pid)
         return Injection(
             f"pid {pid} {state} ({victim}: leader of {led} of the {len(leaders)} streams and buckets; "
             f"clients on it: {on_it})",
@@ -268,7 +330,15 @@ class Injector:
 
     def restore(self) -> None:
         """Start the killed cluster node again (same configuration and store) and wait until its
-        JetStream is healthy, so the next fault meets a whole cluster."""
+        JetStream is healthy, so the next fault meets a whole cluster (a :class:`ServiceStack`'s:
+        its policy is let go, and restarts it)."""
+        if self.held_node is not None:
+            service, monitor = self.held_node
+            restarts = service.restarts
+            service.release()
+            service.wait_restarted(restarts, 30)
+            wait_http_ok(service.managed, f"{monitor}/healthz", 60)
+            self.held_node = None
         if self.killed_node is None:
             return
         managed, monitor = self.killed_node
@@ -277,7 +347,7 @@ class Injector:
         self.killed_node = None
 
 
-async def health(stack: Stack) -> dict:
+async def health(stack: Stack | ServiceStack) -> dict:
     """The gateway's ``/health`` body (``status``, ``orchestrators``, live replicas per stage in
     ``stages``, keyed ``<id>:<name>``); raises on no answer."""
     import httpx
@@ -286,7 +356,7 @@ async def health(stack: Stack) -> dict:
         return (await http.get(stack.base_url.removesuffix("/v1") + "/health")).json()
 
 
-async def healthy(stack: Stack, timeout_s: float = 300.0) -> None:
+async def healthy(stack: Stack | ServiceStack, timeout_s: float = 300.0) -> None:
     """Wait until every declared replica is live again (``/health`` status ``ok``)."""
     import httpx
 
@@ -299,7 +369,7 @@ async def healthy(stack: Stack, timeout_s: float = 300.0) -> None:
     raise RuntimeError(f"the stack did not heal within {timeout_s:.0f} s")
 
 
-async def incarnation(stack: Stack, stage: int, replica: int) -> int:
+async def incarnation(stack: Stack | ServiceStack, stage: int, replica: int) -> int:
     """``started_ns`` of the worker (stage, replica) in the registry (0 when it is not there);
     raises when the broker cannot be reached."""
     import nats
@@ -319,7 +389,9 @@ async def incarnation(stack: Stack, stage: int, replica: int) -> int:
         await nc.close()
 
 
-async def replaced(stack: Stack, stage: int, replica: int, before_ns: int, timeout_s: float = 300.0) -> None:
+async def replaced(
+    stack: Stack | ServiceStack, stage: int, replica: int, before_ns: int, timeout_s: float = 300.0
+) -> None:
     """Wait until a new incarnation of the worker (stage, replica) has registered (its engine is
     up: a worker registers after its engine has started). A registry that cannot be read (the
     broker is down) is read again a second later."""
@@ -330,4 +402,38 @@ async def replaced(stack: Stack, stage: int, replica: int, before_ns: int, timeo
                 return
         if time.monotonic() > deadline:
             raise RuntimeError(f"worker {stage}/{replica} was not replaced within {timeout_s:.0f} s")
+        await asyncio.sleep(1.0)
+
+
+async def orchestrator_replaced(stack: Stack | ServiceStack, after_ns: int, timeout_s: float = 300.0) -> None:
+    """Wait until an orchestrator registered after ``after_ns`` (``time.time_ns()`` of this
+    machine: its record's ``started_ns``): the killed one's replacement is on the bus. A registry
+    that cannot be read (the broker is down) is read again a second later."""
+    import nats
+
+    from libs.common.bus import services_kv
+
+    async def quiet(_: Exception) -> None:
+        return None
+
+    async def newest() -> int:
+        nc = await nats.connect(servers=server_urls(stack.nats_url), error_cb=quiet, allow_reconnect=False)
+        try:
+            kv = await services_kv(nc.jetstream())
+            started = [0]
+            for key in await kv.keys():
+                if key.startswith(f"orchestrator.{PIPELINE_NAME}."):
+                    with contextlib.suppress(Exception):
+                        started.append(json.loads((await kv.get(key)).value)["started_ns"])
+            return max(started)
+        finally:
+            await nc.close()
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(Exception):
+            if await newest() > after_ns:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no orchestrator replaced the killed one within {timeout_s:.0f} s")
         await asyncio.sleep(1.0)

@@ -1,9 +1,14 @@
-"""``omnirelay bench-faults``: the fault suite. An ``omnirelay up`` stack (a pipeline with two
-replicas of every stage, a NATS server of the suite's own; for the cluster's fault, a second stack on
-a 3-node NATS cluster) serves streaming requests while one fault at a time is injected; each
-injection is verified (the process is gone, or its state is ``T``), and each fault gets a row:
-requests in flight, completed in full, failed with a clear error, hung, missing or repeated tokens,
-and how long the streams paused.
+"""``omnirelay bench-faults``: the fault suite. A stack (a pipeline with two replicas of every
+stage, a NATS server of the suite's own; for the cluster's fault, a second stack on a 3-node NATS
+cluster) serves streaming requests while one fault at a time is injected; each injection is verified
+(the process is gone, or its state is ``T``), and each fault gets a row: requests in flight,
+completed in full, failed with a clear error, hung, missing or repeated tokens, how long the streams
+paused, and when a killed process's replacement was up.
+
+Two modes (:data:`MODES`): ``up`` runs the stack as ``omnirelay up`` (its launcher restarts a process
+that exits); ``services`` as docker compose runs it, one process per service (every NATS server, the
+orchestrator, each worker, the gateway), each under a restart policy like ``restart: unless-stopped``
+(:mod:`benchmarks.service_stack`).
 
 The faults, the pipeline and the injection are :mod:`benchmarks.fault_injection`'s; the clients'
 requests (:func:`send`, :func:`reference`) are shared with ``omnirelay bench-chaos``.
@@ -32,10 +37,12 @@ from benchmarks.fault_injection import (
     Injector,
     healthy,
     incarnation,
+    orchestrator_replaced,
     replaced,
     verdicts_since,
 )
 from benchmarks.harness import Processes, Stack, log, run_with_stacks, start_stack
+from benchmarks.service_stack import ServiceStack, start_services
 from libs.common.bus import server_urls
 
 PROMPT = "Tell me everything about the sea."
@@ -47,6 +54,8 @@ HUNG_AFTER_S = 150.0
 """A stream not ended this long after the fault counts as hung (the deadline is 120 s), seconds."""
 REFERENCE_RETRY_S = 30.0
 """How long the fault-free reference request is retried while the stack answers 503, seconds."""
+MODES = ("up", "services")
+"""How the suite runs the stack: ``omnirelay up``, or one process per service under a restart policy."""
 
 
 @dataclass
@@ -94,7 +103,8 @@ class Row:
     """The longest time from the fault to a failed stream's error, seconds (None: none failed)."""
     replaced_s: float | None = None
     """A worker killed (or one that gave up on its engine): seconds from the fault until its
-    replacement registered, its engine started (None: not measured)."""
+    replacement registered, its engine started; the orchestrator killed: until a new one
+    registered (None: not measured)."""
 
 
 def row_of(
@@ -232,7 +242,7 @@ async def reference(
         await asyncio.sleep(1.0)
 
 
-async def _busiest_replica(stack: Stack, stage: int, ids: list[str]) -> tuple[int, int]:
+async def _busiest_replica(stack: Stack | ServiceStack, stage: int, ids: list[str]) -> tuple[int, int]:
     """The replica of ``stage`` that the most of ``ids`` run on (from their records), and how
     many of them do."""
     import nats
@@ -273,10 +283,15 @@ async def run_fault(injector: Injector, fault: Fault, model: str) -> Row:
     under_way = [s.id for s in seen if len(s.at) >= MIDWAY_CHUNKS and s.ended_s is None]
     replica, on_it = await _busiest_replica(injector.stack, fault.stage, under_way)
     befores = [await incarnation(injector.stack, fault.stage, r) for r in range(REPLICAS)]
-    before_ns = befores[replica]
-    log_offset = injector.stack.process.log_path.stat().st_size
+    log_offset = injector.stack.log_path.stat().st_size
+    # Watched from the fault on (a replacement registers with a later started_ns than befores').
+    back = asyncio.create_task(_replacement(injector.stack, fault, replica, befores, time.time_ns()))
     fault_s = time.monotonic()
-    verified = (await injector.inject(fault, replica)).verified
+    try:
+        verified = (await injector.inject(fault, replica)).verified
+    except BaseException:
+        back.cancel()
+        raise
     if fault.target in ("worker", "engine_core"):
         verified += f"; {on_it} of {len(under_way)} streams under way on it"
     log(f"{fault.name}: injected ({verified})")
@@ -285,20 +300,39 @@ async def run_fault(injector: Injector, fault: Fault, model: str) -> Row:
         t.cancel()
     await client.close()
     if fault.target in CLUSTER_NODE_TARGETS:  # what the orchestrators made of the node's death
-        dead, moved = verdicts_since(injector.stack.process.log_path, log_offset)
+        dead, moved = verdicts_since(injector.stack.log_path, log_offset)
         verified += f"; then {dead} replica(s) judged dead, {moved} request(s) moved"
         await asyncio.to_thread(injector.restore)
     row = row_of(fault, verified, fault_s, seen, tokens)
     # The next fault meets a whole stack: a killed worker (or one that gave up on its hung engine)
-    # is replaced by the launcher; the column says when its engine was up again.
-    if fault.target == "all_replicas":
-        for r in range(REPLICAS):
-            await replaced(injector.stack, fault.stage, r, befores[r])
-        row = replace(row, replaced_s=time.monotonic() - fault_s)
-    elif fault.target == "engine_core" or (fault.target == "worker" and fault.sig == signal.SIGKILL):
-        await replaced(injector.stack, fault.stage, replica, before_ns)
-        row = replace(row, replaced_s=time.monotonic() - fault_s)
-    return row
+    # or orchestrator is replaced (by the launcher, or by its restart policy); the column says when.
+    back_s = await back
+    return row if back_s is None else replace(row, replaced_s=back_s - fault_s)
+
+
+def replaced_by_a_new_process(fault: Fault) -> bool:
+    """True when ``fault`` ends its victim's process (a kill, or a hung engine its worker gives up
+    on), so that the row waits for the replacement; a stopped worker is continued instead, and a
+    NATS server is started again by the injection itself."""
+    if fault.target in ("all_replicas", "engine_core", "orchestrator"):
+        return True
+    return fault.target == "worker" and fault.sig == signal.SIGKILL
+
+
+async def _replacement(
+    stack: Stack | ServiceStack, fault: Fault, replica: int, befores: list[int], fault_ns: int
+) -> float | None:
+    """``time.monotonic()`` when the victim of ``fault`` was replaced: every killed worker's new
+    incarnation registered after its ``befores`` one (its engine up), or an orchestrator registered
+    after ``fault_ns`` (``time.time_ns()``); None for a fault whose victim is not replaced."""
+    if not replaced_by_a_new_process(fault):
+        return None
+    if fault.target == "orchestrator":
+        await orchestrator_replaced(stack, fault_ns)
+    else:
+        for r in range(REPLICAS) if fault.target == "all_replicas" else [replica]:
+            await replaced(stack, fault.stage, r, befores[r])
+    return time.monotonic()
 
 
 def render(rows: list[Row]) -> str:
@@ -339,10 +373,12 @@ def render(rows: list[Row]) -> str:
     return "\n".join(f"| {line} |" for line in lines)
 
 
-def run_fault_suite(only: str | None = None, keep_logs: bool = False) -> int:
+def run_fault_suite(only: str | None = None, keep_logs: bool = False, mode: str = "up") -> int:
     """Start the stacks the selected faults need (every fault, or those whose name contains
-    ``only``), run the faults in order, print the table (and, with ``keep_logs``, where the
-    stacks' logs are)."""
+    ``only``) the way ``mode`` says (:data:`MODES`), run the faults in order, print the table (and,
+    with ``keep_logs``, where the stacks' logs are)."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: one of {', '.join(MODES)}")
     rows: list[Row] = []
     selected = [f for f in FAULTS if not only or only in f.name]
 
@@ -351,14 +387,23 @@ def run_fault_suite(only: str | None = None, keep_logs: bool = False) -> int:
         pipeline.write_text(PIPELINE_YAML)
         for nodes in sorted({f.nats_nodes for f in selected}):
             name = "faults" if nodes == 1 else f"faults-{nodes}-node-nats"
-            stack = start_stack(procs, name, pipeline, {}, data_dir, ["--log-stats"], nats_nodes=nodes)
-            nats = next(m for m in procs.items if m.name.startswith("nats") and m.name.endswith(f"({name})"))
-            injector = Injector(procs, stack, list(nats.proc.args))
+            if mode == "services":
+                stack: Stack | ServiceStack = start_services(
+                    procs, name, pipeline, data_dir, nats_nodes=nodes
+                )
+                injector = Injector(procs, stack)
+            else:
+                stack = start_stack(procs, name, pipeline, {}, data_dir, ["--log-stats"], nats_nodes=nodes)
+                nats = next(
+                    m for m in procs.items if m.name.startswith("nats") and m.name.endswith(f"({name})")
+                )
+                injector = Injector(procs, stack, list(nats.proc.args))
             for fault in (f for f in selected if f.nats_nodes == nodes):
                 rows.append(asyncio.run(run_fault(injector, fault, "faults-model")))
                 log(render(rows[-1:]).splitlines()[-1])
-            stack.process.stop()  # the next stack gets the machine to itself
+            stack.stop()  # the next stack gets the machine to itself
 
     code = run_with_stacks("omnirelay-faults-", work, keep=keep_logs)
+    print(f"fault suite, mode {mode}")
     print(render(rows))
     return code

@@ -275,6 +275,9 @@ class Processes:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.items: list[Managed] = []
+        self.stoppers: list[Callable[[], None]] = []
+        """What stops the groups of processes kept elsewhere (a stack of supervised services,
+        :mod:`benchmarks.service_stack`): called, last added first, before :attr:`items` stop."""
 
     def start(
         self,
@@ -304,7 +307,9 @@ class Processes:
         return managed
 
     def stop_all(self) -> None:
-        """Stop every process, last started first."""
+        """Stop every group of :attr:`stoppers`, then every process, last started first."""
+        for stop in reversed(self.stoppers):
+            stop()
         for m in reversed(self.items):
             if m.proc.poll() is None:
                 log(f"stopping {m.name}")
@@ -363,6 +368,20 @@ class Stack:
     process: Managed
     nats_nodes: tuple[ClusterNode, ...] = ()
     """The cluster's nodes (empty for one server); node ``n`` runs as process ``"<n.name> (<stack name>)"``."""
+
+    @property
+    def root_pid(self) -> int:
+        """The process every service of the stack descends from: ``omnirelay up``."""
+        return self.process.proc.pid
+
+    @property
+    def log_path(self) -> Path:
+        """The log with the orchestrators' lines (``omnirelay up``'s: every service's, prefixed)."""
+        return self.process.log_path
+
+    def stop(self) -> None:
+        """Stop ``omnirelay up`` (and so every service; the NATS servers the bench started stay)."""
+        self.process.stop()
 
 
 def start_stack(

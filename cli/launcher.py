@@ -1,8 +1,9 @@
 """``omnirelay up``: the whole stack as local processes, with prefixed logs, a process that dies
 restarted with back-off, and a clean Ctrl-C.
 
-The process plan (:func:`plan_services`) is a pure function of the pipeline and options so the
-compose file can be checked against it: same commands, same environment.
+The process plan (:func:`plan_services`, from :mod:`libs.common.process_plan`) is a pure function of
+the pipeline and options so the compose file can be checked against it: same commands, same
+environment.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -28,6 +29,7 @@ from libs.common.local_nats import (
     nats_server_argv,
 )
 from libs.common.pipeline import PipelineConfig
+from libs.common.process_plan import plan_services
 
 STOP_TIMEOUT_S = 20.0
 HEALTH_TIMEOUT_S = 600.0
@@ -42,33 +44,6 @@ class NatsOptions:
 
     nodes: int = 1
     sync_interval: str = SYNC_INTERVAL
-
-
-@dataclass(frozen=True)
-class ServiceSpec:
-    """One process of the stack: a name for log prefixes, its ``omnirelay`` arguments and env."""
-
-    name: str
-    args: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-
-
-def plan_services(
-    pipeline: PipelineConfig, pipeline_path: Path, nats_url: str, port: int, log_stats: bool
-) -> list[ServiceSpec]:
-    """Orchestrator, one worker per (stage, replica), gateway — in start order."""
-    common = {
-        "NATS_URL": nats_url,
-        "OMNIRELAY_PIPELINE": str(pipeline_path),
-        "OMNIRELAY_LOG_STATS": "true" if log_stats else "false",
-    }
-    specs = [ServiceSpec("orchestrator", ["orchestrator"], dict(common))]
-    for s, stage in enumerate(pipeline.stages):
-        for r in range(stage.replicas):
-            env = {**common, "OMNIRELAY_STAGE": str(s), "OMNIRELAY_REPLICA": str(r)}
-            specs.append(ServiceSpec(f"{stage.name}-{r}", ["worker"], env))
-    specs.append(ServiceSpec("gateway", ["gateway"], {**common, "OMNIRELAY_PORT": str(port)}))
-    return specs
 
 
 async def _pump(name: str, stream: asyncio.StreamReader, width: int) -> None:
@@ -344,7 +319,7 @@ async def _start(
         monitor = ",".join(monitors)
         await wait_nats_healthy(monitors, stack)
     for spec in plan_services(pipeline, pipeline_path, nats_url, port, log_stats):
-        await stack.spawn(spec.name, [sys.executable, "-m", "cli", *spec.args], spec.env)
+        await stack.spawn(spec.name, spec.argv, spec.env)
     await wait_all_live(f"http://127.0.0.1:{port}/health", pipeline, stack)
     return nats_url, monitor
 

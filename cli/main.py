@@ -7,6 +7,7 @@ pydantic settings; a flag given on the command line wins.
 from __future__ import annotations
 
 import asyncio
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -420,18 +421,34 @@ def bench_bus(
     typer.echo(render(run_bus_bench(messages, interval_ms / 1e3, warmup)))
 
 
+class FaultSuiteMode(StrEnum):
+    """How ``bench-faults`` runs the stack."""
+
+    up = "up"
+    services = "services"
+
+
 @app.command("bench-faults")
 def bench_faults(
     only: Annotated[str | None, typer.Option(help="run only the faults whose name contains this")] = None,
     keep_logs: Annotated[
         bool, typer.Option(help="keep the stacks' logs (their directory is printed)")
     ] = False,
+    mode: Annotated[
+        FaultSuiteMode,
+        typer.Option(
+            help="how the stack runs: 'up' = `omnirelay up` (its launcher restarts a process that "
+            "exits); 'services' = as docker compose runs it, one process per service (NATS, the "
+            "orchestrator, each worker, the gateway), each restarted after it exits with Docker's "
+            "back-off (0.1 s doubling to 60 s), like `restart: unless-stopped`"
+        ),
+    ] = FaultSuiteMode.up,
 ) -> None:
     """The fault suite: a stack with two replicas of every stage serves streams while one fault at a
     time is injected and verified; prints a row per fault (see docs/reliability.md)."""
     from benchmarks.fault_suite import run_fault_suite
 
-    raise typer.Exit(run_fault_suite(only, keep_logs))
+    raise typer.Exit(run_fault_suite(only, keep_logs, mode.value))
 
 
 @app.command("bench-chaos")

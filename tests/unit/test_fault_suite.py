@@ -1,10 +1,22 @@
-"""The fault suite's accounting: a row from what the clients saw (pure)."""
+"""The fault suite's accounting (a row from what the clients saw), and what its ``services`` mode
+adds: the restart policy's back-off, the victim lookup, and a real process under the policy."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import sys
 from pathlib import Path
 
-from benchmarks.fault_suite import Fault, Seen, render, row_of, verdicts_since
+import pytest
+
+from benchmarks.fault_injection import FAULTS, PIPELINE_YAML, REPLICAS, matches, victim_service
+from benchmarks.fault_suite import Fault, Seen, render, replaced_by_a_new_process, row_of, verdicts_since
+from benchmarks.service_stack import Service, restart_delay_s
+from libs.common.pipeline import load_pipeline
+from libs.common.process_plan import plan_services
+from tests.procs import until
 
 
 def test_a_row_counts_completed_failed_hung_and_wrong_counts_and_the_longest_pause() -> None:
@@ -62,3 +74,126 @@ def test_verdicts_are_counted_from_the_orchestrators_log_lines_after_the_fault(t
     log.write_text(before + after)
     assert verdicts_since(log, len(before.encode())) == (1, 2)
     assert verdicts_since(log, 0) == (2, 2)
+
+
+def test_the_restart_policy_backs_off_as_docker_does() -> None:
+    """Docker's documented rule for a container with a restart policy: 100 ms before the first
+    restart, doubling with every exit in a row, at most one minute; a container that ran at least
+    10 s starts over at 100 ms."""
+    delays, previous = [], 0.0
+    for _ in range(12):  # a service that crashes at once, again and again
+        previous = restart_delay_s(previous, ran_s=0.5)
+        delays.append(previous)
+    assert delays == [0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8, 25.6, 51.2, 60.0, 60.0]
+    assert restart_delay_s(60.0, ran_s=10.0) == 0.1  # ran 10 s: no longer a crash loop
+    assert restart_delay_s(0.4, ran_s=9.9) == 0.8
+
+
+def _proc(cmdline: str, **env: str) -> tuple[str, list[str]]:
+    return cmdline, [f"{k}={v}" for k, v in env.items()]
+
+
+def test_the_victim_lookup_finds_the_one_worker_of_a_stage_and_replica() -> None:
+    """A worker's EngineCore inherits its environment but not its command line; another replica
+    and another stage differ in one variable each."""
+    py = "/venv/bin/python -m cli"
+    table = {
+        10: _proc(f"{py} orchestrator", NATS_URL="nats://x"),
+        11: _proc(f"{py} worker", OMNIRELAY_STAGE="0", OMNIRELAY_REPLICA="0"),
+        12: _proc(f"{py} worker", OMNIRELAY_STAGE="0", OMNIRELAY_REPLICA="1"),
+        13: _proc("VLLM::EngineCore", OMNIRELAY_STAGE="0", OMNIRELAY_REPLICA="1"),
+        14: _proc(f"{py} worker", OMNIRELAY_STAGE="1", OMNIRELAY_REPLICA="1"),
+        15: _proc(f"{py} worker", OMNIRELAY_STAGE="10", OMNIRELAY_REPLICA="1"),
+    }
+    words = ("-m cli worker", "OMNIRELAY_STAGE=1", "OMNIRELAY_REPLICA=1")
+    assert [pid for pid, (cmd, env) in table.items() if matches(cmd, env, words)] == [14]
+    words = ("-m cli worker", "OMNIRELAY_STAGE=0", "OMNIRELAY_REPLICA=1")
+    assert [pid for pid, (cmd, env) in table.items() if matches(cmd, env, words)] == [12]
+    assert [pid for pid, (cmd, env) in table.items() if matches(cmd, env, ("-m cli orchestrator",))] == [10]
+
+
+def test_every_fault_of_one_service_names_a_service_of_the_process_plan(tmp_path: Path) -> None:
+    """The name a fault's victim is looked up by in the services mode is one the process plan
+    (which the compose file and ``omnirelay up`` follow) gives a process, or the NATS server's."""
+    pipeline_path = tmp_path / "faults.yaml"
+    pipeline_path.write_text(PIPELINE_YAML)
+    planned = {
+        s.name for s in plan_services(load_pipeline(pipeline_path), pipeline_path, "nats://x", 1, True)
+    }
+    single = [f for f in FAULTS if f.target in ("worker", "engine_core", "orchestrator", "nats")]
+    assert len(single) == 8
+    names = {victim_service(f, r) for f in single for r in range(REPLICAS)}
+    assert names == {"thinker-0", "thinker-1", "talker-0", "talker-1", "code2wav-0", "code2wav-1"} | {
+        "orchestrator",
+        "nats",
+    }
+    assert names - {"nats"} <= planned
+    with pytest.raises(ValueError):
+        victim_service(next(f for f in FAULTS if f.target == "all_replicas"), 0)
+
+
+def test_a_row_waits_for_a_replacement_exactly_after_the_faults_that_end_a_process() -> None:
+    waits = {f.name for f in FAULTS if replaced_by_a_new_process(f)}
+    assert waits == {
+        "kill -9 a thinker replica",
+        "kill -9 a talker replica",
+        "kill -9 a code2wav replica",
+        "kill -9 a thinker's EngineCore only",
+        "SIGSTOP a thinker's EngineCore 30 s (a hung engine)",  # its worker gives up on it and exits
+        "kill -9 every thinker replica (down while their engines start)",
+        "kill -9 the orchestrator",
+    }
+
+
+def _ppid(pid: int) -> int | None:
+    """The parent of a live ``pid``; None when it is gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[1])
+
+
+async def test_a_service_that_exits_is_restarted_by_its_policy_and_what_it_started_dies_with_it(
+    tmp_path: Path,
+) -> None:
+    """A real process under the policy, killed with SIGKILL: gone, its own child killed with it
+    (as in a container), then a new process with the same command and environment; a held restart
+    waits for the release; a stopped service is not restarted."""
+    script = (
+        "import subprocess, sys, time; "
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "print('grandchild', g.pid, flush=True); time.sleep(60)"
+    )
+    log = tmp_path / "sleeper.log"
+    service = Service("sleeper", [sys.executable, "-c", script, "marker-arg"], {"SLEEPER_ENV": "1"}, log)
+    service.start()
+    service.supervise()
+    try:
+        first = service.pid
+
+        def grandchild() -> int | None:
+            lines = [ln for ln in log.read_text().splitlines() if ln.startswith("grandchild ")]
+            return int(lines[-1].split()[1]) if lines else None
+
+        old_child = await until(grandchild, "the service's own child started")
+        os.kill(first, signal.SIGKILL)
+        await until(lambda: service.restarts == 1, "a restart by the policy")
+        assert service.pid != first and service.delay_s == 0.1
+        assert Path(f"/proc/{service.pid}/cmdline").read_bytes().split(b"\0")[-2:] == [b"marker-arg", b""]
+        assert b"SLEEPER_ENV=1" in Path(f"/proc/{service.pid}/environ").read_bytes().split(b"\0")
+        await until(lambda: _ppid(old_child) is None, f"the old child {old_child} gone")
+        # held: exited, and not restarted until released
+        second = service.pid
+        service.hold()
+        os.kill(second, signal.SIGKILL)
+        await until(lambda: f"sleeper (pid {second}) exited (-9)" in log.read_text(), "the exit noted")
+        await asyncio.sleep(1.0)  # 5 x the 0.2 s back-off: an unheld restart would have come by now
+        assert service.restarts == 1 and service.managed.proc.returncode == -signal.SIGKILL
+        service.release()
+        await until(lambda: service.restarts == 2, "the restart after the release")
+        assert service.delay_s == 0.2  # the second exit in a row, within 10 s of its start
+    finally:
+        service.stop()
+    assert service.managed.proc.returncode is not None and service.restarts == 2
+    assert f"sleeper (pid {first}) exited (-9) after" in log.read_text()

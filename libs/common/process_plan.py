@@ -1,0 +1,50 @@
+"""The process plan of a stack: which ``omnirelay`` processes run (the orchestrator, one worker per
+(stage, replica), the gateway), with which arguments and environment, and the command line that
+starts each one.
+
+One plan for every way the stack is run: ``omnirelay up`` (``cli/launcher.py``), the compose file
+(``compose/docker-compose.yml``, held to this plan by ``tests/integration/test_compose.py``) and the
+fault suite's stack of one supervised process per service (``benchmarks/service_stack.py``). A pure
+function of the pipeline and options.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from libs.common.pipeline import PipelineConfig
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """One process of the stack: a name for log prefixes, its ``omnirelay`` arguments and env."""
+
+    name: str
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def argv(self) -> list[str]:
+        """The command line that starts it: this Python, ``-m cli``, then :attr:`args` (the
+        environment adds :attr:`env` to the parent's)."""
+        return [sys.executable, "-m", "cli", *self.args]
+
+
+def plan_services(
+    pipeline: PipelineConfig, pipeline_path: Path, nats_url: str, port: int, log_stats: bool
+) -> list[ServiceSpec]:
+    """Orchestrator, one worker per (stage, replica), gateway — in start order."""
+    common = {
+        "NATS_URL": nats_url,
+        "OMNIRELAY_PIPELINE": str(pipeline_path),
+        "OMNIRELAY_LOG_STATS": "true" if log_stats else "false",
+    }
+    specs = [ServiceSpec("orchestrator", ["orchestrator"], dict(common))]
+    for s, stage in enumerate(pipeline.stages):
+        for r in range(stage.replicas):
+            env = {**common, "OMNIRELAY_STAGE": str(s), "OMNIRELAY_REPLICA": str(r)}
+            specs.append(ServiceSpec(f"{stage.name}-{r}", ["worker"], env))
+    specs.append(ServiceSpec("gateway", ["gateway"], {**common, "OMNIRELAY_PORT": str(port)}))
+    return specs
