@@ -104,6 +104,56 @@ def audio_wrong(seen: Seen, ask: Ask, ref: Seen) -> bool:
     return seen.audio_bytes != ref.audio_bytes or (ask.stream and seen.audio_chunks != ref.audio_chunks)
 
 
+def first_difference(got: list[int], want: list[int]) -> int | None:
+    """The first position where ``got`` and ``want`` differ, a missing tail included; None: equal."""
+    if got == want:
+        return None
+    return next(
+        (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want))
+    )
+
+
+def seam(got: list[int], want: list[int], at: int, window: int = 8) -> str:
+    """What happened at position ``at``, where ``got`` leaves ``want``: ``"missing N"`` (``got``
+    goes on with ``want`` N tokens later), ``"repeated N"`` (``got`` goes on with what ``want`` had
+    N tokens earlier), or ``"other tokens"`` (neither, for the next ``window`` tokens: the request
+    produced a different continuation)."""
+    for n in range(1, window + 1):
+        if got[at : at + window] == want[at + n : at + n + window] and at + n + window <= len(want):
+            return f"missing {n}"
+        if at >= n and got[at : at + window] == want[at - n : at - n + window] and at + window <= len(got):
+            return f"repeated {n}"
+    return "other tokens"
+
+
+def explain(r: Record, ref: Seen) -> str | None:
+    """One line on what is wrong with a request (None: it completed right): its id and ask, then
+    the error, the hang, or where its tokens or audio leave the reference's."""
+    s, a = r.seen, r.ask
+    head = f"{s.id or '(no id)'} ({a.max_tokens} tokens, {'audio' if a.audio else 'text'}, {'streamed' if a.stream else 'whole'})"
+    if s.ended_s is None:
+        return f"{head}: hung, {len(s.token_ids)} tokens received"
+    if s.error is not None:
+        status = f" {s.status}" if s.status is not None else ""
+        return f"{head}: failed{status} {s.error_code or s.error} after {len(s.token_ids)} tokens"
+    problems = []
+    if tokens_wrong(s, a, ref):
+        at = first_difference(s.token_ids, ref.token_ids)
+        where = (
+            "ids equal"
+            if at is None
+            else f"ids leave the reference at {at} ({seam(s.token_ids, ref.token_ids, at)})"
+        )
+        problems.append(
+            f"{len(s.token_ids)} token ids (usage {s.usage_tokens}), {where}, text {'equal' if s.text == ref.text else 'differs'}"
+        )
+    if audio_wrong(s, a, ref):
+        problems.append(
+            f"audio {s.audio_bytes} bytes in {s.audio_chunks} chunks, reference {ref.audio_bytes} in {ref.audio_chunks}"
+        )
+    return f"{head}: {'; '.join(problems)}" if problems else None
+
+
 def _span(r: Record, hung_after_s: float) -> tuple[float, float]:
     """When the request was in flight: sent until ended (a hung one: until it counted as hung)."""
     sent = r.seen.sent_s if r.seen.sent_s is not None else 0.0

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.chaos_accounting import Account, Ask, Record, Strike, account, lost_or_hung, render
+from benchmarks.chaos_accounting import Account, Ask, Record, Strike, account, explain, lost_or_hung, render
 from benchmarks.fault_injection import (
     CLUSTER_NODE_TARGETS,
     FAULTS,
@@ -283,6 +283,8 @@ async def soak(
     end_s = time.monotonic()
     await client.close()
     strikes = [p.strike() for p in s.pending]
+    for line in filter(None, (explain(r, refs[r.ask.key]) for r in s.records)):
+        log(f"not right: {line}")
     return account(strikes, s.records, refs, HUNG_AFTER_S, end_s), t0
 
 

@@ -3,7 +3,7 @@ the totals, and streams with tokens or audio missing or repeated."""
 
 from __future__ import annotations
 
-from benchmarks.chaos_accounting import Ask, Record, Strike, account, lost_or_hung, render
+from benchmarks.chaos_accounting import Ask, Record, Strike, account, explain, lost_or_hung, render
 from benchmarks.fault_suite import Seen
 
 TEXT = Ask("p", 3, audio=False, stream=True)
@@ -107,3 +107,25 @@ def test_a_hung_request_overlaps_until_it_counted_as_hung_and_a_fault_not_over_u
     )
     assert "NOT VERIFIED: pid 8 gone" in table
     assert "| - | total (2 faults) | - | - | - | 2 | 1 | 0 | 0 | 1 | 0 | 0 |" in table
+
+
+def test_what_is_wrong_with_a_request_is_explained_in_one_line() -> None:
+    ref = Seen(token_ids=list(range(20)), text="t", usage_tokens=20)
+    ask = Ask("p", 20, audio=False, stream=True)
+
+    def line(**kw: object) -> str | None:
+        fields = {"id": "chatcmpl-1", "sent_s": 0.0, "ended_s": 1.0, "text": "t", "usage_tokens": 20, **kw}
+        return explain(Record(ask, Seen(**fields)), ref)
+
+    assert line(token_ids=list(range(20))) is None
+    missing = [*range(7), *range(9, 20), 98, 99]  # two tokens skipped at 7, the count still right
+    assert "leave the reference at 7 (missing 2)" in line(token_ids=missing)
+    repeated = [*range(12), 11, *range(12, 19)]
+    assert "leave the reference at 12 (repeated 1)" in line(token_ids=repeated)
+    other = [*range(15), 50, 51, 52, 53, 54]
+    assert "leave the reference at 15 (other tokens)" in line(token_ids=other)
+    assert "leave the reference at 10" in line(token_ids=list(range(10)), usage_tokens=10)
+    assert line(token_ids=[], error="replica_lost", error_code="replica_lost", status=503).endswith(
+        "failed 503 replica_lost after 0 tokens"
+    )
+    assert "hung" in line(token_ids=[1], ended_s=None)
