@@ -4,10 +4,15 @@ input, aborts, deadlines and malformed messages. The test plays the talker and t
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import time
+from functools import cache
+from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from libs.common import headers as h
 from libs.common.envelopes import (
@@ -21,7 +26,6 @@ from libs.common.envelopes import (
 )
 from libs.common.publish import Hop, publish_task
 from libs.common.subjects import Subjects, consumer_name
-from libs.models.codec import decode_to_pcm16, load_codec
 from libs.models.tiny import resolve_model
 from tests.metrics_scrape import delta, scrape, total
 from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, start_service, write_pipeline
@@ -45,9 +49,43 @@ def worker(nats_server, tmp_path_factory):
     proc.wait_log("shutting down")
 
 
-@pytest.fixture(scope="module")
-def codec():
-    return load_codec(resolve_model("tiny-code2wav"))
+SAMPLE_RATE, SAMPLES_PER_CODE = 24_000, 480
+"""DESIGN §3: PCM16 mono at 24 kHz, a 50 Hz codec (480 samples per code)."""
+
+
+@cache
+def _codec_weights() -> tuple[dict, dict[str, np.ndarray]]:
+    model = Path(resolve_model("tiny-code2wav"))
+    cfg = json.loads((model / "config.json").read_text())
+    weights = load_file(str(model / "model.safetensors"))
+    return cfg, {k: v.astype(np.float64) for k, v in weights.items()}
+
+
+def reference_pcm16(codes: list[int]) -> np.ndarray:
+    """The tiny code2wav decoder run in the test, in float64 numpy from the model's weight file
+    (not through ``libs.models.codec``): embedding, two transposed convolutions whose stride is
+    their kernel (so each frame maps to its own output steps) with an exact GELU between, then
+    ``0.5 * tanh(gain * x)``, rounded to int16 samples."""
+    cfg, w = _codec_weights()
+    assert (cfg["sample_rate"], cfg["samples_per_code"]) == (SAMPLE_RATE, SAMPLES_PER_CODE)
+    x = w["embed.weight"][np.asarray(codes, dtype=np.int64)]  # [codes, embed]
+    coarse = np.einsum("te,eok->tko", x, w["coarse.weight"]) + w["coarse.bias"]  # [codes, steps, hidden]
+    gelu = 0.5 * coarse * (1.0 + np.vectorize(math.erf)(coarse / math.sqrt(2.0)))
+    fine = np.einsum("tkh,hm->tkm", gelu, w["fine.weight"][:, 0, :]) + w["fine.bias"][0]
+    wave = 0.5 * np.tanh(float(w["gain"]) * fine.reshape(-1))
+    return np.round(np.clip(wave, -1.0, 1.0) * 32767.0).astype(np.int16)
+
+
+def assert_audio_of(pcm16: bytes, codes: list[int]) -> None:
+    """``pcm16`` (little-endian int16 mono, as received) is the audio of ``codes``: one code's
+    worth of samples per code, audible, and within 1 LSB (float32 against float64 rounding) of
+    the reference decode."""
+    assert len(pcm16) == 2 * SAMPLES_PER_CODE * len(codes), (len(pcm16), len(codes))
+    got = np.frombuffer(pcm16, dtype="<i2").astype(np.int32)
+    want = reference_pcm16(codes).astype(np.int32)
+    assert np.sqrt(np.mean(want.astype(np.float64) ** 2)) > 1000, "the reference itself is silent"
+    worst = int(np.max(np.abs(got - want)))
+    assert worst <= 1, f"decoded audio differs from the reference by up to {worst} LSB"
 
 
 def chunk(rid: str, seq: int, codes: list[int], final: bool = False, deadline_s: float = 30.0) -> StageTask:
@@ -84,7 +122,18 @@ async def until(q: asyncio.Queue, kind: ClientEventType, timeout_s: float = 10.0
             return got
 
 
-async def test_chunks_are_decoded_in_sequence_order_and_duplicates_dropped(worker, nc, codec) -> None:
+async def consumer_drained(js, timeout_s: float = 10.0) -> None:
+    """Wait until code2wav's consumer holds nothing: every message delivered and acknowledged."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = await js.consumer_info(SUBJECTS.stages_stream, consumer_name(2, 0))
+        if info.num_ack_pending == 0 and info.num_pending == 0:
+            return
+        assert time.monotonic() < deadline, (info.num_pending, info.num_ack_pending)
+        await asyncio.sleep(0.05)
+
+
+async def test_chunks_are_decoded_in_sequence_order_and_duplicates_dropped(worker, nc) -> None:
     rid = f"order-{time.time_ns()}"
     q = await events_of(nc, rid)
     js = nc.jetstream()
@@ -107,12 +156,12 @@ async def test_chunks_are_decoded_in_sequence_order_and_duplicates_dropped(worke
     assert delta(before, after, "vllm:omni_transfer_in_flight_s_count", **edge) == 3
     audio = [e for e in evs if e.type == ClientEventType.AUDIO]
     assert [e.seq for e in evs] == list(range(len(evs)))
-    assert b"".join(e.pcm16 for e in audio) == b"".join(decode_to_pcm16(codec, np.asarray(p)) for p in parts)
-    assert all(e.sample_rate == 24_000 and (e.stage, e.replica) == (2, 0) for e in evs)
+    assert [e.in_seq for e in audio] == [0, 1, 2]  # in sequence order, the duplicate not decoded
+    for e in audio:
+        assert_audio_of(e.pcm16, parts[e.in_seq])
+    assert all(e.sample_rate == SAMPLE_RATE and (e.stage, e.replica) == (2, 0) for e in evs)
     # Nothing is left un-acked once the request is done (the duplicate included).
-    await asyncio.sleep(0.5)
-    info = await js.consumer_info(SUBJECTS.stages_stream, consumer_name(2, 0))
-    assert info.num_ack_pending == 0 and info.num_pending == 0
+    await consumer_drained(js)
 
 
 async def test_out_of_range_codes_fail_the_request_with_a_named_error(worker, nc) -> None:
@@ -133,10 +182,10 @@ async def test_abort_notice_stops_a_waiting_request_and_late_chunks_are_dropped(
     await nc.publish(SUBJECTS.abort, AbortNotice(request_id=rid, reason="client disconnected").encode())
     await worker.await_log(f"request {rid} stopped (client disconnected)", timeout_s=10)
     await publish_task(js, SUBJECTS, chunk(rid, 1, [3], final=True), HOP)
+    # The late chunk is taken and acknowledged (dropped), and nothing reaches the client.
+    await consumer_drained(js)
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(q.get(), 1.5)
-    info = await js.consumer_info(SUBJECTS.stages_stream, consumer_name(2, 0))
-    assert info.num_ack_pending == 0 and info.num_pending == 0
 
 
 async def test_a_request_waiting_past_its_deadline_gets_a_504(worker, nc) -> None:
@@ -186,9 +235,7 @@ async def test_malformed_and_misaddressed_messages_are_terminated(worker, nc) ->
     assert delta(before, after, "vllm:omni_bus_messages_terminated_total", reason="not_msgpack") == 1
     assert delta(before, after, "vllm:omni_bus_messages_terminated_total", reason="misaddressed") == 1
     # ... and the worker keeps serving.
-    await test_chunks_are_decoded_in_sequence_order_and_duplicates_dropped(
-        worker, nc, load_codec(resolve_model("tiny-code2wav"))
-    )
+    await test_chunks_are_decoded_in_sequence_order_and_duplicates_dropped(worker, nc)
 
 
 async def test_a_sender_clock_ahead_is_clamped_and_counted(worker, nc) -> None:
