@@ -1,17 +1,21 @@
 """Metrics agree with what the client saw and with what crossed the bus (stack runs --log-stats).
 
 Each test reads the exposition before and after its own requests and compares the difference
-with ground truth measured independently: the client's clock and decoded audio, and the stage
-messages captured on the bus by a subscriber of our own.
+with ground truth measured independently: the client's clock, decoded audio and its own player
+simulation (of the chunks as they arrived), and the stage messages and client events captured on
+the bus by a subscriber of our own (what each stage received and sent, and when).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import os
+import signal
 import statistics
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 import httpx
 import nats
@@ -19,9 +23,11 @@ import openai
 import pytest
 
 from libs.common import headers as h
-from libs.common.bus_state import snapshot
+from libs.common.bus_state import request_record, snapshot
+from libs.common.envelopes import ClientEvent, StageTask, decode
 from libs.common.subjects import Subjects
-from tests.metrics_scrape import delta, scrape, total
+from tests.metrics_scrape import Samples, delta, scrape, total
+from tests.procs import process_state, stop_confirmed, worker_pid
 
 pytestmark = pytest.mark.e2e
 
@@ -33,6 +39,21 @@ a process for a few hundred ms now and then (seen in CI: one request of three at
 audio request's first audio at +0.16 s), so the checks take the median gap of several requests.
 (Two of three audio requests at +0.16 s and +0.45 s were vLLM's busy-waiting engines starving the
 gateway and the client: see services/stage_worker/engine_core/wait_plugin.py.)"""
+PLAYER_SLACK_S = 0.04
+"""How much one silence of the client's player (chunks timed as they arrived) may differ from the
+same silence of the gateway's (chunks timed as written): the delivery delay of two chunks on
+loopback differs by far less. Where the client's silence is this close to a threshold, the
+gateway's may fall on either side of it."""
+STAGE_SLACK_S = 0.1
+"""How far a stage's own time for a request (first input received → handler done) may differ from
+the same interval seen by the test's subscriber on the bus (first input published → last output
+published): JetStream's delivery to the worker, the subscriber's and the worker's event loops."""
+PAUSE_S = 1.5
+"""How long the audio stage is stopped mid-stream (beyond the audio that still arrives meanwhile):
+three times a chunk's 0.5 s of audio, far inside its ``stall_timeout_s``."""
+WAIT_S = 10.0
+"""How long a worker may take to count what the client has already seen (it observes its request
+time after its handler returns, which is after the client got the last byte)."""
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +69,128 @@ def worker_urls(stack, pipeline) -> dict[tuple[int, int], str]:
     }
 
 
+def scrape_until(url: str, ok, timeout_s: float = WAIT_S) -> Samples:
+    """Scrape ``url`` until ``ok(samples)`` or the timeout; returns the last scrape (assert on it)."""
+    deadline = time.monotonic() + timeout_s
+    got = scrape(url)
+    while not ok(got) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        got = scrape(url)
+    return got
+
+
+# --- ground truth: the bus as a subscriber of our own sees it --------------------------------------
+@dataclass
+class Seen:
+    """One request on the bus (``time.monotonic()`` of the test process when each message came)."""
+
+    first_in: dict[int, float] = field(default_factory=dict)
+    """Stage → when the first message to it was published."""
+    last_out: dict[int, float] = field(default_factory=dict)
+    """Stage → when its last output (a message downstream or a client event) was published."""
+    bytes: dict[tuple[str, str, str, str], int] = field(default_factory=lambda: defaultdict(int))
+    """(from_stage, from_replica, to_stage, to_replica) → bytes of the messages on that edge."""
+    hops: dict[tuple[str, str, str, str], int] = field(default_factory=lambda: defaultdict(int))
+
+    def window(self, stage: int) -> float:
+        return self.last_out[stage] - self.first_in[stage]
+
+
+class BusWatch:
+    """Every stage message and client event of the pipeline, per request id."""
+
+    def __init__(self, nats_url: str, pipeline) -> None:
+        self.url, self.subjects = nats_url, Subjects(pipeline.name)
+        self.seen: dict[str, Seen] = defaultdict(Seen)
+
+    async def __aenter__(self) -> BusWatch:
+        self.nc = await nats.connect(self.url)
+        await self.nc.subscribe(self.subjects.stages_wildcard, cb=self._on_stage)
+        await self.nc.subscribe(self.subjects.out("*", "*"), cb=self._on_event)
+        await self.nc.flush()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.nc.close()
+
+    async def _on_stage(self, msg) -> None:
+        now, hdr = time.monotonic(), msg.headers or {}
+        s = self.seen[decode(StageTask, msg.data).request_id]
+        edge = (hdr[h.FROM_STAGE], hdr[h.FROM_REPLICA], hdr[h.TO_STAGE], hdr[h.TO_REPLICA])
+        s.bytes[edge] += len(msg.data)
+        s.hops[edge] += 1
+        s.first_in.setdefault(int(edge[2]), now)
+        if edge[0] != h.FROM_ORCHESTRATOR:
+            s.last_out[int(edge[0])] = now
+
+    async def _on_event(self, msg) -> None:
+        now, ev = time.monotonic(), decode(ClientEvent, msg.data)
+        if ev.stage is not None:
+            self.seen[ev.request_id].last_out[ev.stage] = now
+
+    async def settle(self, rid: str, timeout_s: float = WAIT_S) -> dict:
+        """Wait until every stage of ``rid``'s route is done (its record says so; a stage is done
+        after it sent every output), then until everything sent before has reached us. Returns
+        the record."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            rec = await request_record(self.url, rid)
+            if rec and all(st["done_ns"] for st in rec["stages"]):
+                break
+            assert time.monotonic() < deadline, f"{rid}: not every stage done within {timeout_s} s: {rec}"
+            await asyncio.sleep(0.05)
+        await self.nc.flush()
+        return rec
+
+
+# --- ground truth: the client's own player ----------------------------------------------------------
+@dataclass
+class Player:
+    """A listener that starts playing at the first chunk's arrival and plays on in real time: each
+    chunk's margin is how long after the buffered audio ran out it arrived (> 0: a silence)."""
+
+    margins: list[float]
+
+    @classmethod
+    def of(cls, arrivals: list[tuple[float, int]]) -> Player:
+        """``arrivals``: (``time.monotonic()`` when it arrived, PCM16 bytes) per audio chunk."""
+        margins, dry_at = [], None
+        for t, nbytes in arrivals:
+            seconds = nbytes / 2 / SR
+            if dry_at is not None:
+                margins.append(t - dry_at)
+            dry_at = (t if dry_at is None else max(t, dry_at)) + seconds
+        return cls(margins)
+
+    @property
+    def worst_silence_s(self) -> float:
+        return max([0.0, *self.margins])
+
+    def late_chunks(self) -> tuple[int, int]:
+        """The fewest and most chunks the gateway may have counted as late (``PLAYER_SLACK_S``)."""
+        return sum(m > PLAYER_SLACK_S for m in self.margins), sum(m > -PLAYER_SLACK_S for m in self.margins)
+
+    def continuous(self, threshold_ms: int) -> set[int]:
+        """The continuity counts (0 or 1) the gateway may have made for ``threshold_ms``."""
+        gap = self.worst_silence_s - threshold_ms / 1000
+        return {1} if gap < -PLAYER_SLACK_S else {0} if gap > PLAYER_SLACK_S else {0, 1}
+
+
+def _check_player(before: Samples, after: Samples, stage: str, player: Player) -> None:
+    """The gateway's continuity families for one stream against the client's own player."""
+    assert delta(before, after, "vllm:omni_audio_streams_total", stage=stage) == 1
+    assert delta(before, after, "vllm:omni_audio_underrun_s_count", stage=stage) == 1
+    silence = delta(before, after, "vllm:omni_audio_underrun_s_sum", stage=stage)
+    assert abs(silence - player.worst_silence_s) <= PLAYER_SLACK_S, (silence, player.margins)
+    fewest, most = player.late_chunks()
+    late = delta(before, after, "vllm:omni_audio_late_chunks_total", stage=stage)
+    assert fewest <= late <= most, (late, player.margins)
+    for ms in (50, 100, 200):
+        ok = delta(before, after, "vllm:omni_audio_continuity_ok_total", stage=stage, threshold_ms=str(ms))
+        assert ok in player.continuous(ms), (ms, ok, player.margins)
+
+
+# --- the tests -----------------------------------------------------------------------------------------
 def test_finish_reasons_and_e2e_latency_match_the_client(stack, pipeline, gw) -> None:
     client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
     model = pipeline.served_model_name
@@ -74,151 +217,253 @@ def test_finish_reasons_and_e2e_latency_match_the_client(stack, pipeline, gw) ->
     assert delta(
         first, after, "vllm:omni_requests_success_total", finished_reason="length", model_name=model
     ) == len(sizes)
-    assert (
-        total(after, "vllm:omni_num_requests_running") == 0
-        and total(after, "vllm:omni_num_requests_waiting") == 0
-    )
+    assert delta(first, after, "vllm:omni_requests_success_total") == len(sizes)  # no other reason
 
 
-def _audio_request(client: openai.OpenAI, model: str) -> tuple[bytearray, float | None, float]:
-    """One streamed text+audio request: (decoded PCM16, first audio and end on the client's
-    clock, seconds after sending)."""
-    t0 = time.monotonic()
+def test_running_gauge_counts_a_stream_while_it_is_open(stack, pipeline, gw) -> None:
+    """While the client reads a long stream, the gateway counts it running (not waiting); after
+    the stream's end, neither."""
+    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+    idle = scrape(gw)
+    assert total(idle, "vllm:omni_num_requests_running") == 0, "another request runs: the test cannot count"
     stream = client.chat.completions.create(
+        model=pipeline.served_model_name,
+        messages=[{"role": "user", "content": "Count to a thousand."}],
+        max_tokens=1000,  # ~1 s of tokens on this box: the stream is open long after its first one
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = iter(stream)
+    while not any(c.delta.content for c in next(chunks).choices):
+        pass
+    during = scrape(gw)
+    rest = sum(1 for c in chunks for ch in c.choices if ch.delta.content)
+    after = scrape(gw)
+    assert rest > 0, "the stream ended before the scrape: running was not observed while open"
+    assert total(during, "vllm:omni_num_requests_running") == 1
+    assert total(during, "vllm:omni_num_requests_waiting") == 0
+    assert total(after, "vllm:omni_num_requests_running") == 0
+    assert total(after, "vllm:omni_num_requests_waiting") == 0
+
+
+@dataclass
+class AudioSeen:
+    """One streamed text+audio request as its client saw it (seconds after sending)."""
+
+    id: str = ""
+    pcm: bytearray = field(default_factory=bytearray)
+    arrivals: list[tuple[float, int]] = field(default_factory=list)
+    """(``time.monotonic()`` at arrival, PCM16 bytes) of every audio chunk."""
+    first_audio: float | None = None
+    e2e: float = 0.0
+
+
+async def _audio_request(
+    client: openai.AsyncOpenAI, model: str, max_tokens: int = 40, on_audio=None
+) -> AudioSeen:
+    """One streamed text+audio request; ``on_audio(seen)`` after each audio chunk arrived (it must
+    not block: the reader records each chunk's arrival as it comes)."""
+    seen = AudioSeen()
+    t0 = time.monotonic()
+    stream = await client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": "Read me a story."}],
-        max_tokens=40,
+        max_tokens=max_tokens,
         modalities=["text", "audio"],
         audio={"voice": "alloy", "format": "pcm16"},
         stream=True,
         extra_body={"ignore_eos": True},
     )
-    pcm, first_audio = bytearray(), None
-    for chunk in stream:
+    async for chunk in stream:
+        seen.id = chunk.id
         for c in chunk.choices:
             if c.delta.audio and c.delta.audio.data:
-                first_audio = first_audio or time.monotonic() - t0
-                pcm += base64.b64decode(c.delta.audio.data)
-    return pcm, first_audio, time.monotonic() - t0
+                now = time.monotonic()
+                data = base64.b64decode(c.delta.audio.data)
+                seen.first_audio = seen.first_audio or now - t0
+                seen.pcm += data
+                seen.arrivals.append((now, len(data)))
+                if on_audio is not None:
+                    on_audio(seen)
+    seen.e2e = time.monotonic() - t0
+    return seen
 
 
-def test_audio_metrics_match_the_decoded_audio_and_client_timing(stack, pipeline, gw, worker_urls) -> None:
-    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+async def test_audio_metrics_match_the_decoded_audio_and_client_timing(
+    stack, pipeline, gw, worker_urls
+) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
     stage = str(pipeline.audio_stage)
     audio_worker = worker_urls[(pipeline.audio_stage, 0)]
     gaps = []
-    for _ in range(5):
-        before, before_w = scrape(gw), scrape(audio_worker)
-        pcm, first_audio, e2e = _audio_request(client, pipeline.served_model_name)
-        after = scrape(gw)
-        for _ in range(50):  # the worker counts the request as its handler returns, after audio_done
-            after_w = scrape(audio_worker)
-            if delta(before_w, after_w, "vllm:omni_stage_request_s_count") == 1:
-                break
-            time.sleep(0.1)
-        frames = len(pcm) // 2
-        assert frames > 0 and first_audio is not None
-        assert delta(before, after, "vllm:omni_audio_frames_total", stage=stage) == frames
-        assert delta(before, after, "vllm:omni_audio_duration_s_sum", stage=stage) == pytest.approx(
-            frames / SR
-        )
-        ttfp = delta(before, after, "vllm:omni_audio_ttfp_s_sum", stage=stage)
-        assert delta(before, after, "vllm:omni_audio_ttfp_s_count", stage=stage) == 1
-        assert 0 < ttfp <= first_audio, (first_audio, ttfp)
-        gaps.append(first_audio - ttfp)
-        # spec/000's RTF is the audio stage's own generation time / duration: the time its worker
-        # also reports as its request time (a little later, when its handler returns). The
-        # client's RTF counts from the HTTP arrival and is larger; the client's own clock bounds it.
-        duration = frames / SR
-        rtf = delta(before, after, "vllm:omni_audio_rtf_sum", stage=stage)
-        client_rtf = delta(before, after, "vllm:omni_audio_client_rtf_sum", stage=stage)
-        stage_s = delta(before_w, after_w, "vllm:omni_stage_request_s_sum")
-        assert stage_s - 0.05 <= rtf * duration <= stage_s, (rtf * duration, stage_s)
-        assert 0 < rtf < client_rtf <= e2e / duration, (rtf, client_rtf, e2e / duration)
-        assert delta(before, after, "vllm:omni_audio_streams_total", stage=stage) == 1
-        assert delta(before, after, "vllm:omni_audio_underrun_s_count", stage=stage) == 1
-        ok = {
-            ms: delta(before, after, "vllm:omni_audio_continuity_ok_total", threshold_ms=ms)
-            for ms in ("50", "100", "200")
-        }
-        assert ok["50"] <= ok["100"] <= ok["200"] <= 1  # a looser threshold can only pass more often
+    async with BusWatch(stack.nats_url, pipeline) as bus:
+        for _ in range(5):
+            # Scrapes run off the event loop: the bus subscriber timestamps what it sees meanwhile.
+            before, before_w = (
+                await asyncio.to_thread(scrape, gw),
+                await asyncio.to_thread(scrape, audio_worker),
+            )
+            seen = await _audio_request(client, pipeline.served_model_name)
+            after = await asyncio.to_thread(scrape, gw)
+            await bus.settle(seen.id)
+            frames = len(seen.pcm) // 2
+            assert frames > 0 and seen.first_audio is not None
+            assert delta(before, after, "vllm:omni_audio_frames_total", stage=stage) == frames
+            duration = frames / SR
+            assert delta(before, after, "vllm:omni_audio_duration_s_sum", stage=stage) == pytest.approx(
+                duration
+            )
+            ttfp = delta(before, after, "vllm:omni_audio_ttfp_s_sum", stage=stage)
+            assert delta(before, after, "vllm:omni_audio_ttfp_s_count", stage=stage) == 1
+            assert 0 < ttfp <= seen.first_audio, (seen.first_audio, ttfp)
+            gaps.append(seen.first_audio - ttfp)
+            # spec/000's RTF is the audio stage's own generation time / duration: its first input
+            # → its last output, which the bus shows (the worker reports the same interval as its
+            # request time, a little later). The client's RTF counts from the HTTP arrival; the
+            # client's own clock bounds it.
+            window = bus.seen[seen.id].window(pipeline.audio_stage)
+            rtf = delta(before, after, "vllm:omni_audio_rtf_sum", stage=stage)
+            assert delta(before, after, "vllm:omni_audio_rtf_count", stage=stage) == 1
+            assert abs(rtf * duration - window) <= STAGE_SLACK_S, (rtf * duration, window)
+            client_rtf = delta(before, after, "vllm:omni_audio_client_rtf_sum", stage=stage)
+            assert rtf < client_rtf <= seen.e2e / duration, (rtf, client_rtf, seen.e2e / duration)
+            after_w = await asyncio.to_thread(
+                scrape_until,
+                audio_worker,
+                lambda w, b=before_w: delta(b, w, "vllm:omni_stage_request_s_count") == 1,
+            )
+            assert delta(before_w, after_w, "vllm:omni_stage_request_s_count") == 1
+            stage_s = delta(before_w, after_w, "vllm:omni_stage_request_s_sum")
+            assert abs(stage_s - window) <= STAGE_SLACK_S, (stage_s, window)
+            _check_player(before, after, stage, Player.of(seen.arrivals))
+    await client.close()
     assert statistics.median(gaps) <= LATENCY_SLACK_S, gaps
 
 
-def test_transfer_sizes_equal_the_bytes_on_the_bus(stack, pipeline, worker_urls) -> None:
-    subjects = Subjects(pipeline.name)
-    sent: dict[tuple[str, str, str, str], int] = defaultdict(int)
-    hops: dict[tuple[str, str, str, str], int] = defaultdict(int)
+async def test_a_player_that_runs_dry_is_counted_as_discontinuous(stack, pipeline, gw) -> None:
+    """The audio stage (its only replica) is stopped (``SIGSTOP``) after a stream's first audio
+    chunk for ``PAUSE_S`` plus the duration of the audio that still arrives meanwhile: the client's
+    own player runs dry (the fault happened), and the gateway's continuity families say what that
+    player heard."""
+    assert pipeline.stages[pipeline.audio_stage].replicas == 1
+    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    pid = worker_pid(stack.proc.pid, pipeline.audio_stage, 0)
+    stage = str(pipeline.audio_stage)
+    stopped: list[float] = []  # when the stage was stopped
 
-    async def run() -> None:
-        nc = await nats.connect(stack.nats_url)
+    async def pause(seen: AudioSeen) -> None:
+        """Runs beside the reader, which goes on recording what arrives meanwhile."""
+        try:
+            await stop_confirmed(pid, "the audio stage", timeout_s=1.0)
+            stopped.append(time.monotonic())
+            while time.monotonic() < stopped[0] + PAUSE_S + sum(
+                n / 2 / SR for t, n in seen.arrivals if t > stopped[0]
+            ):
+                await asyncio.sleep(0.01)
+        finally:
+            os.kill(pid, signal.SIGCONT)
 
-        async def cb(msg) -> None:
-            hdr = msg.headers
-            edge = (hdr[h.FROM_STAGE], hdr[h.FROM_REPLICA], hdr[h.TO_STAGE], hdr[h.TO_REPLICA])
-            sent[edge] += len(msg.data)
-            hops[edge] += 1
+    pauses: list[asyncio.Task] = []
 
-        await nc.subscribe(subjects.stages_wildcard, cb=cb)
-        async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as http:
-            nonlocal rid
-            body = {
-                "model": pipeline.served_model_name,
-                "messages": [{"role": "user", "content": "bytes"}],
-                "max_tokens": 30,
-                "ignore_eos": True,
-                "modalities": ["text", "audio"],
-            }
-            r = await http.post("/v1/chat/completions", json=body)
-            assert r.status_code == 200
-            rid = r.json()["id"]
-        await nc.flush()
-        await nc.close()
+    def on_audio(seen: AudioSeen) -> None:
+        if not pauses:
+            pauses.append(asyncio.create_task(pause(seen)))
 
-    rid = None
+    before = await asyncio.to_thread(scrape, gw)
+    try:
+        seen = await _audio_request(client, pipeline.served_model_name, 60, on_audio=on_audio)
+    finally:
+        await asyncio.gather(*pauses)
+    after = await asyncio.to_thread(scrape, gw)
+    await client.close()
+    assert stopped and process_state(pid) != "T"
+    player = Player.of(seen.arrivals)
+    assert player.worst_silence_s > 0.2 + PLAYER_SLACK_S, ("the player did not run dry", player.margins)
+    assert delta(before, after, "vllm:omni_audio_frames_total", stage=stage) == len(seen.pcm) // 2
+    _check_player(before, after, stage, player)
+    assert delta(before, after, "vllm:omni_audio_late_chunks_total", stage=stage) >= 1
+
+
+async def test_transfer_sizes_equal_the_bytes_on_the_bus(stack, pipeline, worker_urls) -> None:
     before = {k: scrape(u) for k, u in worker_urls.items()}
-    asyncio.run(run())
-    after = {k: scrape(u) for k, u in worker_urls.items()}
-    assert {e[2] for e in sent} == {"0", "1", "2"}  # orchestrator → thinker → talker → code2wav
-    for (fs, fr, ts, tr), nbytes in sent.items():
-        key = (int(ts), int(tr))
-        labels = dict(from_stage=fs, from_replica=fr, to_stage=ts, to_replica=tr)
-        assert delta(before[key], after[key], "vllm:omni_transfer_size_bytes_sum", **labels) == nbytes
-        assert (
-            delta(before[key], after[key], "vllm:omni_transfer_size_bytes_count", **labels)
-            == hops[(fs, fr, ts, tr)]
+    async with (
+        BusWatch(stack.nats_url, pipeline) as bus,
+        httpx.AsyncClient(base_url=stack.base_url, timeout=60) as http,
+    ):
+        body = {
+            "model": pipeline.served_model_name,
+            "messages": [{"role": "user", "content": "bytes"}],
+            "max_tokens": 30,
+            "ignore_eos": True,
+            "modalities": ["text", "audio"],
+        }
+        r = await http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200
+        rid = r.json()["id"]
+        await bus.settle(rid)
+    seen = bus.seen[rid]
+    assert {e[2] for e in seen.bytes} == {"0", "1", "2"}  # orchestrator → thinker → talker → code2wav
+    hops_to = defaultdict(int)
+    for (_fs, _fr, ts, tr), n in seen.hops.items():
+        hops_to[(int(ts), int(tr))] += n
+    for key, url in worker_urls.items():
+        # Every hop into each worker is counted once, and none that did not happen.
+        after = scrape_until(
+            url,
+            lambda w, k=key: delta(before[k], w, "vllm:omni_transfer_size_bytes_count") == hops_to.get(k, 0),
         )
-        for part in ("tx", "rx", "in_flight", "publish", "queue_wait"):
-            assert (
-                delta(before[key], after[key], f"vllm:omni_transfer_{part}_s_count", **labels)
-                == hops[(fs, fr, ts, tr)]
-            )
+        assert delta(before[key], after, "vllm:omni_transfer_size_bytes_count") == hops_to.get(key, 0), key
+        for (fs, fr, ts, tr), nbytes in seen.bytes.items():
+            if (int(ts), int(tr)) != key:
+                continue
+            labels = dict(from_stage=fs, from_replica=fr, to_stage=ts, to_replica=tr)
+            hops = seen.hops[(fs, fr, ts, tr)]
+            assert delta(before[key], after, "vllm:omni_transfer_size_bytes_sum", **labels) == nbytes
+            assert delta(before[key], after, "vllm:omni_transfer_size_bytes_count", **labels) == hops
+            for part in ("tx", "rx", "in_flight", "publish", "queue_wait"):
+                assert delta(before[key], after, f"vllm:omni_transfer_{part}_s_count", **labels) == hops
 
 
-def test_every_stage_reports_the_time_a_request_spent_in_it(stack, pipeline, worker_urls) -> None:
+async def test_every_stage_reports_the_time_a_request_spent_in_it(stack, pipeline, worker_urls) -> None:
     before = {k: scrape(u) for k, u in worker_urls.items()}
-    t0 = time.monotonic()
     body = {
         "model": pipeline.served_model_name,
         "messages": [{"role": "user", "content": "stages"}],
-        "max_tokens": 12,
+        "max_tokens": 40,
         "ignore_eos": True,
         "modalities": ["text", "audio"],
     }
-    r = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=60)
-    client_s = time.monotonic() - t0
-    assert r.status_code == 200
-    after = {k: scrape(u) for k, u in worker_urls.items()}
-    per_stage = defaultdict(float)
-    for key in worker_urls:
-        n = delta(before[key], after[key], "vllm:omni_stage_request_s_count")
-        per_stage[key[0]] += n
-        took = delta(before[key], after[key], "vllm:omni_stage_request_s_sum")
-        assert 0 <= took <= client_s * n  # nothing spends longer in a stage than the client waited
-    assert dict(per_stage) == {s: 1 for s in range(len(pipeline.stages))}
+    async with (
+        BusWatch(stack.nats_url, pipeline) as bus,
+        httpx.AsyncClient(base_url=stack.base_url, timeout=60) as http,
+    ):
+        t0 = time.monotonic()
+        r = await http.post("/v1/chat/completions", json=body)
+        client_s = time.monotonic() - t0
+        assert r.status_code == 200
+        rec = await bus.settle(r.json()["id"])
+    seen = bus.seen[rec["request_id"]]
+    for s, replica in enumerate(rec["route"]):
+        key = (s, replica)
+        # A worker counts the request as its handler returns (after its last output).
+        after = await asyncio.to_thread(
+            scrape_until,
+            worker_urls[key],
+            lambda w, k=key: delta(before[k], w, "vllm:omni_stage_request_s_count") == 1,
+        )
+        assert delta(before[key], after, "vllm:omni_stage_request_s_count") == 1, key
+        took = delta(before[key], after, "vllm:omni_stage_request_s_sum")
+        window = seen.window(s)
+        print(f"stage {s}: reported {took * 1000:.0f} ms, on the bus {window * 1000:.0f} ms")
+        assert abs(took - window) <= STAGE_SLACK_S, (s, took, window)
+        assert took <= client_s  # nothing spends longer in a stage than the client waited
+    for key, url in worker_urls.items():
+        if key[1] != rec["route"][key[0]]:  # the replicas the request was not routed to saw nothing
+            assert delta(before[key], scrape(url), "vllm:omni_stage_request_s_count") == 0, key
 
 
 def test_every_worker_exports_its_stage_identity(pipeline, worker_urls) -> None:
+    assert set(worker_urls) == {(s, r) for s, st in enumerate(pipeline.stages) for r in range(st.replicas)}
     for (s, r), url in worker_urls.items():
         st = pipeline.stages[s]
         got = scrape(url)
@@ -234,3 +479,4 @@ def test_every_worker_exports_its_stage_identity(pipeline, worker_urls) -> None:
             )
             == 1
         )
+        assert total(got, "vllm:omni_stage_info") == 1  # its own identity only
