@@ -242,9 +242,38 @@ async def reference(
         await asyncio.sleep(1.0)
 
 
-async def _busiest_replica(stack: Stack | ServiceStack, stage: int, ids: list[str]) -> tuple[int, int]:
-    """The replica of ``stage`` that the most of ``ids`` run on (from their records), and how
-    many of them do."""
+def bound_in_stage(records: list[dict], stage: int) -> dict[str, int]:
+    """Request id → the replica of ``stage`` it is bound to, for each of ``records`` (request
+    records as stored, JSON-decoded) still under way in that stage on the server: the request not
+    ended, and the stage not done for it (queued there, or running)."""
+    bound = {}
+    for rec in records:
+        if rec["status"] in ("completed", "failed", "aborted") or len(rec["route"]) <= stage:
+            continue
+        if len(rec["stages"]) > stage and rec["stages"][stage].get("done_ns"):
+            continue
+        bound[rec["request_id"]] = rec["route"][stage]
+    return bound
+
+
+def busiest(bound: dict[str, int]) -> tuple[int, int]:
+    """The replica the most of ``bound`` (:func:`bound_in_stage`) are on (the lowest of a tie),
+    and how many are."""
+    counts: dict[int, int] = {}
+    for replica in bound.values():
+        counts[replica] = counts.get(replica, 0) + 1
+    replica = min(counts, key=lambda r: (-counts[r], r))
+    return replica, counts[replica]
+
+
+async def _strike_moment(
+    stack: Stack | ServiceStack, stage: int, seen: list[Seen], tasks: list[asyncio.Task]
+) -> dict[str, int] | None:
+    """Wait for the moment to strike: at least two streams under way both at the client (they have
+    :data:`MIDWAY_CHUNKS` chunks and have not ended) and on the server (their records:
+    :func:`bound_in_stage`); returns those streams' replicas of ``stage``. None when every stream
+    ended first. The client alone would not do: a loaded client reads seconds behind the server,
+    and a fault then struck a replica that had already finished every stream."""
     import nats
 
     from libs.common.bus import requests_kv
@@ -252,14 +281,17 @@ async def _busiest_replica(stack: Stack | ServiceStack, stage: int, ids: list[st
     nc = await nats.connect(servers=server_urls(stack.nats_url))
     try:
         kv = await requests_kv(nc.jetstream())
-        counts: dict[int, int] = {}
-        for rid in ids:
-            with contextlib.suppress(Exception):
-                rec = json.loads((await kv.get(rid)).value)
-                if len(rec["route"]) > stage:
-                    counts[rec["route"][stage]] = counts.get(rec["route"][stage], 0) + 1
-        replica = max(counts, key=counts.__getitem__) if counts else 0
-        return replica, counts.get(replica, 0)
+        while not all(t.done() for t in tasks):
+            under_way = [s.id for s in seen if len(s.at) >= MIDWAY_CHUNKS and s.ended_s is None]
+            if len(under_way) >= 2:
+                records = []
+                for rid in under_way:
+                    with contextlib.suppress(Exception):  # the record follows the stream's start
+                        records.append(json.loads((await kv.get(rid)).value))
+                if len(bound := bound_in_stage(records, stage)) >= 2:
+                    return bound
+            await asyncio.sleep(0.05)
+        return None
     finally:
         await nc.close()
 
@@ -272,18 +304,17 @@ async def run_fault(injector: Injector, fault: Fault, model: str) -> Row:
         base_url=injector.stack.base_url, api_key="unused", max_retries=0, timeout=HUNG_AFTER_S
     )
     tokens = (await reference(client, model, PROMPT, fault.max_tokens)).token_ids
-    seen = [Seen() for _ in range(fault.streams)]
-    tasks = [asyncio.create_task(send(client, model, s, PROMPT, fault.max_tokens, fault.audio)) for s in seen]
-    while sum(len(s.at) >= MIDWAY_CHUNKS and s.ended_s is None for s in seen) < 2:
-        if all(t.done() for t in tasks):  # the stack is broken: say so, and go on
-            await client.close()
-            return row_of(fault, "not injected: the streams ended first", time.monotonic(), seen, tokens)
-        await asyncio.sleep(0.05)
-    # The victim: the replica of the stage that most of the streams already under way run on.
-    under_way = [s.id for s in seen if len(s.at) >= MIDWAY_CHUNKS and s.ended_s is None]
-    replica, on_it = await _busiest_replica(injector.stack, fault.stage, under_way)
     befores = [await incarnation(injector.stack, fault.stage, r) for r in range(REPLICAS)]
     log_offset = injector.stack.log_path.stat().st_size
+    seen = [Seen() for _ in range(fault.streams)]
+    tasks = [asyncio.create_task(send(client, model, s, PROMPT, fault.max_tokens, fault.audio)) for s in seen]
+    bound = await _strike_moment(injector.stack, fault.stage, seen, tasks)
+    if bound is None:  # the stack is broken, or too fast for the streams: say so, and go on
+        await asyncio.wait(tasks)
+        await client.close()
+        return row_of(fault, "not injected: the streams ended first", time.monotonic(), seen, tokens)
+    # The victim: the replica of the stage that most of the streams under way run on.
+    replica, on_it = busiest(bound)
     # Watched from the fault on (a replacement registers with a later started_ns than befores').
     back = asyncio.create_task(_replacement(injector.stack, fault, replica, befores, time.time_ns()))
     fault_s = time.monotonic()
@@ -293,15 +324,16 @@ async def run_fault(injector: Injector, fault: Fault, model: str) -> Row:
         back.cancel()
         raise
     if fault.target in ("worker", "engine_core"):
-        verified += f"; {on_it} of {len(under_way)} streams under way on it"
+        verified += f"; {on_it} of {len(bound)} streams under way on it"
     log(f"{fault.name}: injected ({verified})")
     await asyncio.wait(tasks, timeout=HUNG_AFTER_S)
     for t in tasks:
         t.cancel()
     await client.close()
-    if fault.target in CLUSTER_NODE_TARGETS:  # what the orchestrators made of the node's death
-        dead, moved = verdicts_since(injector.stack.log_path, log_offset)
-        verified += f"; then {dead} replica(s) judged dead, {moved} request(s) moved"
+    # What the orchestrators made of the fault (a kill that moved nothing struck nothing).
+    dead, moved = verdicts_since(injector.stack.log_path, log_offset)
+    verified += f"; then {dead} replica(s) judged dead, {moved} request(s) moved"
+    if fault.target in CLUSTER_NODE_TARGETS:
         await asyncio.to_thread(injector.restore)
     row = row_of(fault, verified, fault_s, seen, tokens)
     # The next fault meets a whole stack: a killed worker (or one that gave up on its hung engine)

@@ -12,7 +12,16 @@ from pathlib import Path
 import pytest
 
 from benchmarks.fault_injection import FAULTS, PIPELINE_YAML, REPLICAS, matches, victim_service
-from benchmarks.fault_suite import Fault, Seen, render, replaced_by_a_new_process, row_of, verdicts_since
+from benchmarks.fault_suite import (
+    Fault,
+    Seen,
+    bound_in_stage,
+    busiest,
+    render,
+    replaced_by_a_new_process,
+    row_of,
+    verdicts_since,
+)
 from benchmarks.service_stack import Service, restart_delay_s
 from libs.common.pipeline import load_pipeline
 from libs.common.process_plan import plan_services
@@ -197,3 +206,29 @@ async def test_a_service_that_exits_is_restarted_by_its_policy_and_what_it_start
         service.stop()
     assert service.managed.proc.returncode is not None and service.restarts == 2
     assert f"sleeper (pid {first}) exited (-9) after" in log.read_text()
+
+
+def _record(rid: str, status: str, route: list[int], done: list[bool]) -> dict:
+    """A request record as the orchestrator stores it (the fields the strike reads)."""
+    stages = [
+        {"replica": r, "done_ns": 5 if d else None, "attempts": []} for r, d in zip(route, done, strict=False)
+    ]
+    return {"request_id": rid, "status": status, "route": route, "stages": stages}
+
+
+def test_a_fault_strikes_the_replica_most_streams_still_run_on_at_the_server() -> None:
+    """The client may read far behind the server: a stream it still reads may be over on the
+    server (completed) or past the fault's stage (done there); neither counts as under way."""
+    records = [
+        _record("a", "running", [0, 1], [False, False]),
+        _record("b", "running", [1, 1], [False, False]),
+        _record("c", "running", [1, 0], [False, False]),
+        _record("d", "completed", [1, 1], [True, True]),  # the client still reads its tokens
+        _record("e", "running", [1, 0], [True, False]),  # stage 0 done, in the talker now
+        _record("f", "admitted", [0, 0], []),  # bound, not started anywhere yet
+    ]
+    assert bound_in_stage(records, 0) == {"a": 0, "b": 1, "c": 1, "f": 0}
+    assert bound_in_stage(records, 1) == {"a": 1, "b": 1, "c": 0, "e": 0, "f": 0}
+    assert busiest(bound_in_stage(records, 1)) == (0, 3)
+    assert busiest({"a": 0, "b": 1, "c": 1, "f": 0}) == (0, 2)  # a tie: the lowest replica
+    assert busiest({"b": 1, "c": 1, "f": 0}) == (1, 2)
