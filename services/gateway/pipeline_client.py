@@ -499,6 +499,10 @@ class PipelineClient:
     async def submit(self, adm: Admission, trace_headers: dict[str, str]) -> RequestHandle:
         """Queue ``adm`` for the orchestrators; 429 when the admission queue is full, 503 when
         the bus cannot take it."""
+        if not self.nc.is_connected:
+            # Not published at all: nats-py would keep it in its reconnect buffer and send it once
+            # the broker is back, and the request the client was told 503 would run after all.
+            raise APIError(503, "the bus is unavailable: not connected", "bus_unavailable")
         handle = RequestHandle(adm.request_id, adm.deadline_ns)
         self._handles[adm.request_id] = handle
         headers = {
