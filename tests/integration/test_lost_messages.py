@@ -1,0 +1,320 @@
+"""Messages the bus loses or does not take, with a real gateway, a real orchestrator, a real thinker
+worker and the official ``openai`` client (docs/reliability.md, "Who notices what"):
+
+- **a client event lost on the way, and not sent again** (the worker's replies to the gateway's
+  replay requests are lost too): the gateway fences the thinker's attempt off at the last event
+  its client has and publishes ``ctl.resync``; the orchestrator moves the request (reason
+  ``lost_events``) and the client gets every token exactly once; the gap is counted in
+  ``vllm:omni_client_event_gaps_total``, once per gap made;
+- **a lifecycle event no stream takes** (no stream listens on its subject, as while a cluster
+  elects a stream's leader: "no response from stream"): the worker publishes it again until a
+  stream takes it, and the request's record ends with it instead of waiting for its deadline.
+
+A real part cannot drop one core-NATS message on demand, so the first fault is made by a proxy
+between the worker and nats-server (:class:`LossyLink`) that forwards the NATS protocol verbatim
+except one client event and the replay requests for its request. Everything else is real. The
+second fault is made on the real broker: the events stream stops listening on
+``omni.<p>.events.finished`` for a while (a stream update)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from urllib.parse import urlparse
+
+import pytest
+from nats.js.errors import NoStreamResponseError
+from openai import AsyncOpenAI
+
+from libs.common.bus import requests_kv
+from libs.common.envelopes import ClientEvent, ClientEventType, ReplayAsk, decode
+from libs.common.local_nats import free_port
+from libs.common.subjects import EVENT_KINDS, Subjects
+from tests.client_streams import (
+    Seen,
+    Wire,
+    attempts_of,
+    ended,
+    moved_once_tokens,
+    record,
+    stream_chat,
+    tokens_of,
+    until_record,
+)
+from tests.metrics_scrape import delta, scrape
+from tests.procs import THINKER_YAML, ServiceProcess, start_service, write_pipeline
+
+pytestmark = pytest.mark.integration
+
+PIPELINE = "lostmsgs"
+MODEL = f"{PIPELINE}-model"
+SUBJECTS = Subjects(PIPELINE)
+GATEWAY = "gwlostmsgs"
+STREAMS, LONG = 4, 1900
+"""Streams under way together when the client event is lost, and their tokens: the thinker must
+still run the request when the gateway gives the gap up (~3 s later); four streams on one replica
+make each ~4 × slower than alone."""
+DROP_SEQ = 3
+"""The ``seq`` of the client event the link loses (of the first stream that sends one)."""
+
+Frame = tuple[int, str | None, bytes]
+"""(bytes the frame takes, its subject, its payload without headers); the subject is None for a
+protocol line without payload."""
+
+
+def _frame(buf: bytearray) -> Frame | None:
+    """The first whole frame of NATS client-protocol bytes ``buf``, None while incomplete."""
+    end = buf.find(b"\r\n")
+    if end < 0:
+        return None
+    parts = bytes(buf[:end]).split()
+    op = parts[0].upper() if parts else b""
+    if op not in (b"PUB", b"HPUB", b"MSG", b"HMSG"):
+        return end + 2, None, b""
+    size = int(parts[-1])  # PUB/MSG: payload bytes; HPUB/HMSG: header + payload bytes
+    taken = end + 2 + size + 2
+    if len(buf) < taken:
+        return None
+    payload = bytes(buf[end + 2 : end + 2 + size])
+    if op in (b"HPUB", b"HMSG"):
+        payload = payload[int(parts[-2]) :]
+    return taken, parts[1].decode(), payload
+
+
+class LossyLink:
+    """A TCP proxy between NATS clients and nats-server, on a thread of its own (the services keep
+    talking while a test's sync code blocks). It forwards every byte except the messages that
+    ``lose_sent`` (client → server) or ``lose_received`` (server → client) choose, given their
+    subject and payload."""
+
+    def __init__(
+        self,
+        server_url: str,
+        lose_sent: Callable[[str, bytes], bool],
+        lose_received: Callable[[str, bytes], bool],
+    ) -> None:
+        self.server_port = urlparse(server_url).port
+        self.port = free_port()
+        self.lose_sent, self.lose_received = lose_sent, lose_received
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="lossy-link", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> LossyLink:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._connection, "127.0.0.1", self.port), self._loop
+        ).result(5)
+        return self
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    async def _connection(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection("127.0.0.1", self.server_port)
+        pumps = [
+            asyncio.create_task(self._pump(client_r, server_w, self.lose_sent)),
+            asyncio.create_task(self._pump(server_r, client_w, self.lose_received)),
+        ]
+        await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        for task in pumps:
+            task.cancel()
+        for w in (client_w, server_w):
+            w.close()
+
+    @staticmethod
+    async def _pump(
+        src: asyncio.StreamReader, dst: asyncio.StreamWriter, lose: Callable[[str, bytes], bool]
+    ) -> None:
+        buf = bytearray()
+        while data := await src.read(1 << 16):
+            buf += data
+            out = bytearray()
+            while (frame := _frame(buf)) is not None:
+                taken, subject, payload = frame
+                if subject is None or not lose(subject, payload):
+                    out += buf[:taken]
+                del buf[:taken]
+            dst.write(bytes(out))
+            await dst.drain()
+
+
+@dataclass
+class LostEvent:
+    """The link's fault: event ``DROP_SEQ`` of the first stage-0 attempt that sends one while
+    armed, and every replay request for its request after it."""
+
+    armed: bool = False
+    lost: ClientEvent | None = None
+    replays_lost: int = 0
+
+    def sent(self, subject: str, payload: bytes) -> bool:
+        if not self.armed or self.lost is not None or not subject.startswith(f"omni.{PIPELINE}.out."):
+            return False
+        event = decode(ClientEvent, payload)
+        if (event.type, event.attempt, event.seq) != (ClientEventType.TEXT, 1, DROP_SEQ):
+            return False
+        self.lost = event
+        return True
+
+    def received(self, subject: str, payload: bytes) -> bool:
+        if self.lost is None or subject != SUBJECTS.replay(0, 0):
+            return False
+        if decode(ReplayAsk, payload).request_id != self.lost.request_id:
+            return False
+        self.replays_lost += 1
+        return True
+
+
+@dataclass
+class Stack:
+    base_url: str
+    gateway: ServiceProcess
+    orchestrator: ServiceProcess
+    worker: ServiceProcess
+    fault: LostEvent
+
+    @property
+    def gateway_metrics(self) -> str:
+        """The gateway's ``/metrics`` (on its HTTP port)."""
+        return self.base_url.removesuffix("/v1") + "/metrics"
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server, tmp_path_factory):
+    """Gateway and orchestrator on the session's nats-server, the thinker worker through a
+    :class:`LossyLink` to it."""
+    tmp = tmp_path_factory.mktemp("lostmsgs")
+    path = write_pipeline(tmp / "p.yaml", PIPELINE, THINKER_YAML, timeout_s=120)
+    fault = LostEvent()
+    link = LossyLink(nats_server.url, fault.sent, fault.received).start()
+    port = free_port()
+    gateway = start_service(
+        ["gateway", "--port", str(port)],
+        nats_server.url,
+        path,
+        tmp / "gw.log",
+        {"OMNIRELAY_INSTANCE_ID": GATEWAY},
+    )
+    orchestrator = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
+    worker = start_service(
+        ["worker", "--stage", "0", "--replica", "0"],
+        link.url,
+        path,
+        tmp / "worker.log",
+        {"VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
+    gateway.wait_log("Uvicorn running")
+    orchestrator.wait_log("ready")
+    worker.wait_log(": serving omni.", timeout_s=300)
+    yield Stack(f"http://127.0.0.1:{port}/v1", gateway, orchestrator, worker, fault)
+    for p in (gateway, orchestrator, worker):
+        if p.proc.poll() is None:
+            os.kill(p.proc.pid, signal.SIGCONT)
+        p.stop()
+    link.stop()
+
+
+@contextlib.asynccontextmanager
+async def client_of(stack: Stack):
+    """The official client, after one request has gone through the stack (the engine's first
+    request is slow; the orchestrator's registry view may not have the worker yet)."""
+    client = AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=180)
+    try:
+        for _ in range(60):
+            warm = Seen()
+            await stream_chat(client, MODEL, warm, 8)
+            if warm.error is None:
+                break
+            await asyncio.sleep(0.5)
+        assert warm.error is None, warm.error
+        yield client
+    finally:
+        await client.close()
+
+
+async def test_an_unrepaired_gap_moves_the_request_with_reason_lost_events(stack, nc) -> None:
+    wire = Wire()
+    await wire.listen(nc, PIPELINE)
+    kv = await requests_kv(nc.jetstream())
+    async with client_of(stack) as client:
+        before = scrape(stack.gateway_metrics), scrape(stack.orchestrator.metrics_url)
+        stack.fault.armed = True
+        seen = [Seen() for _ in range(STREAMS)]
+        await asyncio.wait_for(asyncio.gather(*(stream_chat(client, MODEL, s, LONG) for s in seen)), 180)
+        after = scrape(stack.gateway_metrics), scrape(stack.orchestrator.metrics_url)
+    lost = stack.fault.lost
+    assert lost is not None, "the link lost no client event: the fault did not happen"
+    assert stack.fault.replays_lost >= 1, "the gateway asked for no replay of the lost event"
+    (hit,) = [s for s in seen if s.id == lost.request_id]
+    rec = await until_record(kv, hit.id, ended, "ended")
+    # The lost event never reached the broker; the client had the events before it when the
+    # gateway gave the gap up, and the new attempt went on from there.
+    first = wire.text_events(hit.id, 1)
+    assert DROP_SEQ not in [e.seq for e in first]
+    assert attempts_of(rec) == [(1, 0, None), (2, 0, "lost_events")]
+    assert rec.stages[0].attempts[1].resumed_tokens == len(tokens_of([e for e in first if e.seq < DROP_SEQ]))
+    for s in seen:
+        assert s.error is None, s.error
+        assert (s.tokens, len(s.token_ids), s.finish_reason) == (LONG, LONG, "length"), s.id
+    assert hit.token_ids == moved_once_tokens(wire, rec), "a token missing or repeated at the client"
+    for s in seen:
+        if s is not hit:  # untouched by the fault: one attempt, every token it sent
+            assert attempts_of(await record(kv, s.id)) == [(1, 0, None)]
+            assert s.token_ids == tokens_of(wire.text_events(s.id, 1))
+    assert delta(before[0], after[0], "vllm:omni_client_event_gaps_total", stage="0") == 1
+    labels = {"stage": "0", "from_replica": "0", "to_replica": "0", "reason": "lost_events"}
+    assert delta(before[1], after[1], "vllm:omni_requests_migrated_total", **labels) == 1
+    print(
+        f"lost event {lost.seq} of {lost.request_id}; {stack.fault.replays_lost} replay request(s) lost; "
+        f"the client had {rec.stages[0].attempts[1].resumed_tokens} token(s) at the resync"
+    )
+
+
+HOLD_S = 3.0
+"""How long no stream takes ``finished`` events, seconds (the worker's tries come 0.25 s apart,
+doubling to 2 s: about four tries meanwhile)."""
+
+
+async def test_a_lifecycle_event_no_stream_takes_is_published_again_until_one_does(stack, nc) -> None:
+    js = nc.jetstream()
+    kv = await requests_kv(js)
+    stack.fault.armed = False
+    config = (await js.stream_info(SUBJECTS.events_stream)).config
+    listening = [SUBJECTS.event(k) for k in EVENT_KINDS if k != "finished"]
+    async with client_of(stack) as client:
+        seen = Seen()
+        await js.update_stream(replace(config, subjects=listening))
+        try:
+            with pytest.raises(NoStreamResponseError):  # the fault holds: no stream takes the subject
+                await js.publish(SUBJECTS.event("finished"), b"", timeout=2)
+            await stream_chat(client, MODEL, seen, 64)
+            done = time.monotonic()
+            while time.monotonic() - done < HOLD_S:
+                rec = await record(kv, seen.id)
+                assert not rec.status.terminal, f"the record ended with no finished event stored: {rec}"
+                await asyncio.sleep(0.1)
+        finally:
+            await js.update_stream(config)
+        restored = time.monotonic()
+        rec = await until_record(kv, seen.id, ended, "ended", timeout_s=15)
+        ended_after_s = time.monotonic() - restored
+    assert seen.error is None, seen.error
+    assert (seen.tokens, len(seen.token_ids), seen.finish_reason) == (64, 64, "length")
+    assert (rec.status.value, rec.finish_reason) == ("completed", "length"), rec
+    assert "finished.0.1" in rec.events
+    tries = stack.worker.text().count(f"request {seen.id}: lifecycle event finished not stored yet")
+    assert tries >= 2, f"{tries} tries logged while no stream took the event"
+    print(
+        f"{tries} tries while no stream took it; the record ended {ended_after_s:.2f} s after the stream listened again"
+    )
