@@ -46,13 +46,23 @@ class Admissions:
         if self.ctx.metrics.enabled:
             self.ctx.metrics["vllm:omni_orchestrator_admissions"].labels(self.ctx.model, outcome).inc()
 
+    def _count_rejection(self, outcome: str, delivered: int) -> None:
+        """Count a rejection by the admission's first delivery only. A redelivered copy was
+        handled before by an instance that stalled past ``ack_wait`` (and, resumed, handles and
+        counts it too) or died; it is answered again (harmless: the gateway took the first
+        answer), not counted again. (A first handler that died before counting leaves the
+        admission uncounted: milliseconds against a stall of a second or more.)"""
+        if delivered <= 1:
+            self._count(outcome)
+
     async def admit(self, msg: Msg) -> None:
         adm = decode(Admission, msg.data)
         now = time.time_ns()
+        delivered = msg.metadata.num_delivered if msg.metadata else 1
         if now >= adm.deadline_ns:
             await self._reject(adm, 504, "timeout", "request expired while waiting for admission")
             await msg.ack()
-            self._count("expired")
+            self._count_rejection("expired", delivered)
             return
         stages = self.ctx.pipeline.stages_for(adm.audio)
         try:
@@ -62,9 +72,8 @@ class Admissions:
             message = f"stage {e.stage} ({name}) has no live replica"
             await self._reject(adm, 503, "no_live_replica", message, e.why())
             await msg.ack()
-            self._count("no_live_replica")
+            self._count_rejection("no_live_replica", delivered)
             return
-        delivered = msg.metadata.num_delivered if msg.metadata else 1
         record = RequestRecord(
             request_id=adm.request_id,
             pipeline=self.ctx.pipeline.name,
