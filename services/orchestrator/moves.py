@@ -59,6 +59,9 @@ NO_REPLICA_POLL_S = 0.2
 """How often a request waiting for a live replica to move to looks again, seconds."""
 RESUME_TIMEOUT_S = 2.0
 """How long a move waits for the request's gateway to say where the client's stream stands, seconds."""
+REROUTE_TRIES = 3
+"""How many times a move asks an upstream worker to hold or release a request's chunks before it
+takes the silence for that worker's death."""
 MOVE_CHECK_PERIOD_S = 0.5
 """How often an orchestrator looks for moves whose claimer died before carrying them out, seconds."""
 MOVE_TAKEOVER_S = 0.5
@@ -393,12 +396,26 @@ class Mover:
 
     async def _reroute(self, subject: str, change: RouteChange) -> RouteHeld:
         """Ask the upstream worker to hold or release the request's chunks; not held when it no
-        longer works on the request (or does not answer: it died too)."""
-        try:
-            reply = await self.ctx.nc.request(subject, change.encode(), timeout=RESUME_TIMEOUT_S)
-        except (NoRespondersError, NatsTimeoutError):
-            return RouteHeld(held=False)
-        return decode(RouteHeld, reply.data)
+        longer works on the request, or nobody takes the question (it died too). A question that
+        goes unanswered is asked again (``REROUTE_TRIES`` in all): a live worker that did not hear
+        it would go on sending to the dead replica, or hold the chunks for good."""
+        for tries_left in reversed(range(REROUTE_TRIES)):
+            try:
+                reply = await self.ctx.nc.request(subject, change.encode(), timeout=RESUME_TIMEOUT_S)
+            except NoRespondersError:
+                return RouteHeld(held=False)
+            except NatsTimeoutError:
+                if not tries_left:
+                    return RouteHeld(held=False)
+                log.info(
+                    "request %s: no answer to the route change (%s) on %s; asking again",
+                    change.request_id,
+                    change.action,
+                    subject,
+                )
+                continue
+            return decode(RouteHeld, reply.data)
+        raise AssertionError("not reached")
 
     async def _fail(self, seen: RequestRecord, code: str, message: str) -> None:
         """Fail a request now (503 ``code``) unless it has ended meanwhile or another orchestrator

@@ -16,6 +16,7 @@ from collections import deque
 
 import psutil
 from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
 from opentelemetry import trace
 from opentelemetry.trace import INVALID_SPAN, Link, Span, SpanKind, Status, StatusCode
 
@@ -25,6 +26,7 @@ from libs.common.bus import (
     connect,
     consume,
     ensure_topology,
+    requests_kv,
     services_kv,
     stage_consumer_config,
 )
@@ -60,6 +62,7 @@ from services.stage_worker.handlers import make_handler
 from services.stage_worker.handlers.base import StageError, StageHandler
 from services.stage_worker.inbox import Delivery
 from services.stage_worker.progress import HungEngineWatch
+from services.stage_worker.record_check import read_verdict
 from services.stage_worker.request_context import Bus, Identity, RequestContext
 from services.stage_worker.sent_events import SentEvents
 from services.stage_worker.transfer_stats import TransferStatLogger, transfer_stats
@@ -115,6 +118,8 @@ class StageWorker:
         self._early_routes: dict[str, RouteChange] = {}
         """Route changes for requests still in the backlog, applied when they start there."""
         self.bus: Bus | None = None
+        self._records: KeyValue | None = None
+        """The ``omni_requests`` bucket, read when a request starts here (record_check.py)."""
         self._heartbeat: Heartbeat | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._consumer: PullConsumer | None = None
@@ -137,6 +142,7 @@ class StageWorker:
         js = JetStream(nc)
         await ensure_topology(js, self.subjects)
         self.bus = Bus(nc, js, self.subjects)
+        self._records = await requests_kv(js)
         await nc.subscribe(self.subjects.abort, cb=self._on_abort)
         if self.metrics.enabled:
             st = self.stage_cfg
@@ -282,6 +288,12 @@ class StageWorker:
             await asyncio.wait([entry[1]])
             entry = self.active.get(rid)
         if entry is None:
+            verdict = await read_verdict(self._records, self.me.stage, task)
+            if verdict.drop is not None:  # a notice that would have said so missed this worker
+                log.info("%s: request %s: input dropped: %s", self.label, rid, verdict.drop)
+                self._closed.raise_to(rid, task.attempt)
+                await msg.ack()
+                return
             ctx = RequestContext(
                 self.me,
                 self.bus,
@@ -293,6 +305,16 @@ class StageWorker:
             early = self._early_routes.pop(rid, None)
             if early is not None:  # its next stage moved while it waited in the backlog
                 reroute(ctx, early)
+            elif (down := verdict.downstream) is not None:  # ... or while it waited in the stream
+                ctx.release(down.stage, down.replica, down.attempt, down.start_seq)
+                log.info(
+                    "%s: request %s: stage %d moved before it started here; its chunks go to replica %d (attempt %d)",
+                    self.label,
+                    rid,
+                    down.stage,
+                    down.replica,
+                    down.attempt,
+                )
             task_ = asyncio.create_task(self._run_request(ctx), name=f"request:{rid}")
             self.active[rid] = (ctx, task_)
         else:
@@ -560,6 +582,12 @@ class StageWorker:
             # Stage 0 moved: its older attempts' chunks are stale here.
             if notice.stage == 0 and self.me.stage == 1:
                 self._fences.raise_to(notice.request_id, notice.attempt)
+                log.info(
+                    "%s: request %s: stage 0 moved to attempt %d; chunks of older attempts are stale here",
+                    self.label,
+                    notice.request_id,
+                    notice.attempt,
+                )
             if notice.stage != self.me.stage:
                 return
             self._closed.raise_to(notice.request_id, notice.attempt - 1)
