@@ -13,14 +13,16 @@ from typing import TypeVar
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerInfo
 
 from libs.common.bus import services_kv
 from libs.common.bus_state import snapshot
 from libs.common.envelopes import Liveness, StageTask, decode
 from libs.common.publish import Hop, publish_task
 from libs.common.registry import ServiceKind, ServiceRecord
-from libs.common.subjects import Subjects, consumer_name, max_deliveries_advisory
-from tests.procs import stop_confirmed
+from libs.common.subjects import SERVICES_BUCKET, Subjects, consumer_name, max_deliveries_advisory
+from tests.procs import stop_confirmed, until
 
 E = TypeVar("E")
 
@@ -34,13 +36,76 @@ def collect(queue: asyncio.Queue[E], cls: type[E]) -> Callable[[Msg], Awaitable[
     return put
 
 
+def subject_matches(pattern: str, subject: str) -> bool:
+    """Whether NATS subject ``pattern`` (``*`` one token, ``>`` the rest) covers ``subject``."""
+    want, got = pattern.split("."), subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return len(got) > i
+        if i >= len(got) or token not in ("*", got[i]):
+            return False
+    return len(want) == len(got)
+
+
+async def _consumers(js: JetStreamContext, stream: str) -> list[ConsumerInfo]:
+    """Every consumer of ``stream`` (the server lists them 256 at a time)."""
+    found: list[ConsumerInfo] = []
+    while True:
+        page = await js.consumers_info(stream, offset=len(found) or None)
+        found += page
+        if len(page) < 256:
+            return found
+
+
+async def registry_watchers_have(
+    js: JetStreamContext, key: str, revision: int, timeout_s: float = 10.0
+) -> int:
+    """Wait until every live watcher of ``omni_services`` whose keys include ``key`` has been sent
+    the update stored at ``revision``; returns how many watchers that is (at least one).
+
+    A registry view (``LiveServices``: the orchestrator's, the gateway's) is a KV watch, that is an
+    ordered push consumer of the bucket's stream; the server reports what it last delivered to each
+    (``delivered.stream_seq``) and whether a client still listens (``push_bound``; a watcher of a
+    process that has exited lingers unbound for minutes). What the server has sent, a view has
+    applied as soon as its event loop reads the connection, before any later message on it."""
+    stream, subject = f"KV_{SERVICES_BUCKET}", f"$KV.{SERVICES_BUCKET}.{key}"
+
+    async def delivered() -> int:
+        watching = [
+            c
+            for c in await _consumers(js, stream)
+            if c.push_bound
+            and any(
+                subject_matches(f, subject)
+                for f in (c.config.filter_subjects or [c.config.filter_subject or f"$KV.{SERVICES_BUCKET}.>"])
+            )
+        ]
+        return len(watching) if watching and all(c.delivered.stream_seq >= revision for c in watching) else 0
+
+    return await until(delivered, f"every registry watcher sent {key} revision {revision}", timeout_s)
+
+
+async def consumer_holds(
+    js: JetStreamContext, stream: str, consumer: str, seq: int, timeout_s: float = 10.0
+) -> None:
+    """Wait until durable ``consumer`` of ``stream`` has delivered stream message ``seq`` and it
+    waits for its acknowledgement (as the server reports the consumer)."""
+
+    async def held() -> bool:
+        info = await js.consumer_info(stream, consumer)
+        return info.delivered.stream_seq >= seq and info.num_ack_pending >= 1
+
+    await until(held, f"{consumer} of {stream} holding message {seq}", timeout_s)
+
+
 @contextlib.asynccontextmanager
 async def played_worker(
     url: str, pipeline: str, stage: int, replica: int = 0
 ) -> AsyncIterator[tuple[Client, asyncio.Queue[StageTask]]]:
     """The test as replica ``replica`` of ``stage``: registered (heartbeat every second), answering
     its liveness probes; yields its connection and the tasks sent to it (core NATS: seen, never
-    acknowledged). Deregisters on exit."""
+    acknowledged) once every registry view of the pipeline (the orchestrator's among them) has been
+    sent its registration. Deregisters on exit."""
     subjects = Subjects(pipeline)
     nc = await nats.connect(url)
     kv = await services_kv(nc.jetstream())
@@ -60,16 +125,21 @@ async def played_worker(
     async def on_probe(msg: Msg) -> None:
         await msg.respond(Liveness().encode())
 
+    async def register() -> int:
+        return await kv.put(record.key, record.model_dump_json().encode())
+
     async def beats() -> None:
         while True:
-            await kv.put(record.key, record.model_dump_json().encode())
             await asyncio.sleep(1)
+            await register()
 
     await nc.subscribe(subjects.stage_in(stage, replica), cb=on_task)
     await nc.subscribe(subjects.alive(stage, replica), cb=on_probe)
+    await nc.flush()  # subscribed before anyone can know of this replica
+    revision = await register()
     beat = asyncio.create_task(beats())
-    await asyncio.sleep(1.5)  # the orchestrator has seen the registration
     try:
+        await registry_watchers_have(nc.jetstream(), record.key, revision)
         yield nc, tasks
     finally:
         beat.cancel()
@@ -88,8 +158,8 @@ async def dead_letter(
     advisories: asyncio.Queue[Msg] = asyncio.Queue()
     consumer = consumer_name(hop.to_stage, hop.to_replica)
     sub = await nc.subscribe(max_deliveries_advisory(subjects.stages_stream, consumer), cb=advisories.put)
-    await publish_task(nc.jetstream(), subjects, task, hop)
-    await asyncio.sleep(1.0)  # delivered and held
+    ack = await publish_task(nc.jetstream(), subjects, task, hop)
+    await consumer_holds(nc.jetstream(), subjects.stages_stream, consumer, ack.seq)
     try:
         await stop_confirmed(pid, "the worker")
         puller = await nc.jetstream().pull_subscribe_bind(consumer, subjects.stages_stream)

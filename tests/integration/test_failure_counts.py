@@ -156,6 +156,7 @@ async def test_timeout(stack, nats_server) -> None:
             )
         assert tasks.qsize() == 1, "the request never reached the thinker"
     assert (e.value.status_code, e.value.code) == (504, "timeout")
+    # at the request's deadline: not before it, and long before the client's own 30 s
     assert TIMEOUT_S <= time.monotonic() - t0 < TIMEOUT_S + 5
     assert_failed_once_as(before, await counted(stack, before, FAILED, 1), "timeout")
 

@@ -56,11 +56,14 @@ async def test_a_repeated_msg_id_is_acked_as_a_duplicate(stream) -> None:
 
 
 async def test_a_subject_no_stream_takes_fails_at_once(stream) -> None:
+    """At once: on the server's "no responders", not at the end of the publish's timeout (half of
+    it tells the two apart with room for a busy machine)."""
     _nc, js, name = stream
+    timeout_s = 10.0
     t0 = time.monotonic()
     with pytest.raises(NoStreamResponseError):
-        await js.publish(f"{name}.elsewhere", b"x", timeout=5.0)
-    assert time.monotonic() - t0 < 1.0
+        await js.publish(f"{name}.elsewhere", b"x", timeout=timeout_s)
+    assert time.monotonic() - t0 < timeout_s / 2
 
 
 async def test_a_full_stream_refuses_with_its_error_code(stream) -> None:
@@ -78,7 +81,8 @@ async def test_no_answer_times_out_and_later_publishes_still_work(stream) -> Non
     t0 = time.monotonic()
     with pytest.raises(NatsTimeout):
         await js.publish(f"{name}.silent", b"x", timeout=0.3)
-    assert 0.3 <= time.monotonic() - t0 < 1.0
+    # after the timeout it was given, not before, nor at the context's own (5 s): nearer to the first
+    assert 0.3 <= time.monotonic() - t0 < (0.3 + js._timeout) / 2
     await silent.unsubscribe()
     assert (await js.publish(f"{name}.in", b"y")).seq == 1
 

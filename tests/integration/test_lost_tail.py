@@ -39,6 +39,9 @@ PIPELINE = "losttail"
 SUBJECTS = Subjects(PIPELINE)
 TIMEOUT_S = 60.0
 """The request timeout: a stream that waited for it would fail the test's bounds by far."""
+AT_ONCE_S = TIMEOUT_S / 4
+"""A stream that ends sooner than this after the stage did ended at once, not at its deadline
+(the slack is for a busy machine), seconds."""
 TOKENS = ["Hello", ",", " there", "!"]
 
 
@@ -108,14 +111,13 @@ async def test_a_lost_text_done_is_made_from_the_stages_end_notice(services, nat
         stream = await_stream(client)
         task = await asyncio.wait_for(tasks.get(), 10)
         usage = await play(nc, task, lose=1, replays=False)
-        sent = time.monotonic()
-        chunks = await asyncio.wait_for(stream, 10)
-        took = time.monotonic() - sent
+        chunks = await asyncio.wait_for(stream, AT_ONCE_S)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "".join(TOKENS)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == usage.completion_tokens
-    assert took < 5, f"the stream ended {took:.1f} s after the stage did"
-    assert "never arrived; the stream ends with text_done" in gateway.text()
+    await gateway.await_log(
+        f"request {task.request_id}: ", "never arrived; the stream ends with text_done", timeout_s=5
+    )
     await client.close()
 
 
@@ -126,13 +128,12 @@ async def test_lost_content_at_the_end_is_a_clear_error(services, nats_server) -
         stream = await_stream(client)
         task = await asyncio.wait_for(tasks.get(), 10)
         await play(nc, task, lose=2, replays=False)  # the last delta and the text_done
-        sent = time.monotonic()
         with pytest.raises(openai.APIError) as e:
-            await asyncio.wait_for(stream, 10)
-        took = time.monotonic() - sent
+            await asyncio.wait_for(stream, AT_ONCE_S)
     assert "events_lost" in str(e.value.body or e.value.message)
-    assert took < 5, f"the stream ended {took:.1f} s after the stage did"
-    assert "never arrived; the stream ends with events_lost" in gateway.text()
+    await gateway.await_log(
+        f"request {task.request_id}: ", "never arrived; the stream ends with events_lost", timeout_s=5
+    )
     await client.close()
 
 
@@ -163,7 +164,9 @@ async def test_an_event_lost_in_the_middle_is_sent_again_by_its_sender(services,
         await play(nc, task, lose=0, lose_seq=2)
         chunks = await asyncio.wait_for(stream, 10)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "".join(TOKENS)
-    assert "lost event(s) of stage 0 attempt 1 sent again" in gateway.text()
+    await gateway.await_log(
+        f"request {task.request_id}: ", "lost event(s) of stage 0 attempt 1 sent again", timeout_s=5
+    )
     await client.close()
 
 
@@ -177,5 +180,9 @@ async def test_lost_last_events_are_sent_again_by_their_sender(services, nats_se
         chunks = await asyncio.wait_for(stream, 10)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "".join(TOKENS)
     assert chunks[-1].usage.completion_tokens == usage.completion_tokens
-    assert "the last 2 event(s) of stage 0 attempt 1 were sent again" in gateway.text()
+    await gateway.await_log(
+        f"request {task.request_id}: ",
+        "the last 2 event(s) of stage 0 attempt 1 were sent again",
+        timeout_s=5,
+    )
     await client.close()

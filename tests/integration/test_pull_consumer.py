@@ -11,7 +11,8 @@ import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StreamConfig
 
 from libs.common.bus import consume
-from libs.common.consumer import LOST_GRACE_S, PullConsumer
+from libs.common.consumer import LOST_GRACE_S, NEXT_API, WATCH_PERIOD_S, PullConsumer
+from tests.procs import until
 
 pytestmark = pytest.mark.integration
 
@@ -53,6 +54,22 @@ async def bus(nats_server, request):
         await nc.close()
 
 
+class PullRequests:
+    """The pull requests the client sends for consumer ``c`` of a stream (as another subscriber of
+    their subject sees them), each with when it was seen (``time.monotonic()``, s)."""
+
+    def __init__(self) -> None:
+        self.at: list[float] = []
+
+    async def watch(self, nc, stream: str) -> PullRequests:
+        async def seen(msg) -> None:
+            self.at.append(time.monotonic())
+
+        await nc.subscribe(NEXT_API.format(stream=stream, consumer="c"), cb=seen)
+        await nc.flush()
+        return self
+
+
 def _config(name: str) -> ConsumerConfig:
     return ConsumerConfig(durable_name="c", filter_subject=f"{name}.in", ack_policy=AckPolicy.EXPLICIT)
 
@@ -73,27 +90,40 @@ async def test_every_message_once_in_order_beyond_many_batches(bus) -> None:
     for body in sent:
         await js.publish(f"{name}.in", body)
     await got.wait_for(len(sent), 10)
-    await asyncio.sleep(0.3)  # nothing more, nothing twice
-    assert got.payloads == sent
+    await nc.flush()  # the handler's acks are on the server
     info = await js.consumer_info(name, "c")
+    # The server delivered each message once (its delivery count would count a second time) and
+    # every one is acknowledged: nothing is left that could come again.
+    assert info.delivered.consumer_seq == len(sent) and info.num_redelivered == 0
     assert info.num_ack_pending == 0 and info.num_pending == 0
+    assert got.payloads == sent
     # at most `batch` messages are asked for at a time: a handful of standing requests, not 50
     assert 1 <= info.num_waiting <= 4
     await consumer.stop()
 
 
 async def test_messages_keep_coming_after_requests_expire(bus) -> None:
-    _, js, name = bus
+    """A request that expires (408) is renewed at once, so one always stands: a renewal comes a
+    request lifetime after the one before it, not when the watchdog finds the server silent
+    (``expires_s + LOST_GRACE_S`` later), and a message published then is taken by a request that
+    was already standing."""
+    nc, js, name = bus
     got = Received()
+    asked = await PullRequests().watch(nc, name)
     consumer = await _start(bus, got, batch=2, expires_s=0.3)
     await js.publish(f"{name}.in", b"first")
     await got.wait_for(1, 5)
-    await asyncio.sleep(1.2)  # the requests expire (408) and are renewed several times
-    t0 = time.monotonic()
+    handled = len(asked.at)
+    await until(lambda: len(asked.at) >= handled + 4, "the requests expire and are renewed several times")
+    renewals = [b - a for a, b in zip(asked.at[handled:], asked.at[handled + 1 :], strict=False)]
+    # a generous bound halfway between renewal on expiry (0.3 s) and by the watchdog (2.3 s and more)
+    assert max(renewals) < consumer.expires_s + LOST_GRACE_S / 2, renewals
+    renewed = len(asked.at)
+    await until(lambda: len(asked.at) > renewed, "one more renewal")  # a fresh request stands now
+    assert (await js.consumer_info(name, "c")).num_waiting >= 1, "the server holds no standing request"
     await js.publish(f"{name}.in", b"after")
     await got.wait_for(2, 5)
     assert got.payloads == [b"first", b"after"]
-    assert got.at[1] - t0 < 0.5, "a renewed request was standing; the message did not wait for one"
     await consumer.stop()
 
 
@@ -102,13 +132,18 @@ async def test_lost_requests_are_renewed(bus) -> None:
     standing requests are gone, and the watchdog asks again."""
     nc, js, name = bus
     got = Received()
+    asked = await PullRequests().watch(nc, name)
     consumer = await _start(bus, got, batch=8, expires_s=1.0)
+    await until(lambda: asked.at, "the first pull request")
     await js.delete_consumer(name, "c")
-    await asyncio.sleep(0.3)  # the client is told (409) and asks again, of a consumer that is gone
+    deleted = len(asked.at)
+    # the client is told (409) and asks again, of a consumer that is gone
+    await until(lambda: len(asked.at) > deleted, "a pull request after the deletion")
     await js.add_consumer(name, _config(name))
     await js.publish(f"{name}.in", b"x")
-    # renewed at the latest when the watchdog (1 s ticks) has heard nothing for expires + grace
-    await got.wait_for(1, consumer.expires_s + LOST_GRACE_S + 1.5)
+    # Renewed at the latest when the watchdog (1 s ticks) has heard nothing for expires + grace;
+    # the rest of the deadline is slack for a busy machine: without renewal it would never come.
+    await got.wait_for(1, consumer.expires_s + LOST_GRACE_S + WATCH_PERIOD_S + 5)
     assert got.payloads == [b"x"]
     await nc.flush()  # the handler's ack is on the server
     assert (await js.consumer_info(name, "c")).num_ack_pending == 0
@@ -123,10 +158,13 @@ async def test_stop_hands_over_nothing_more(bus) -> None:
     await got.wait_for(1, 5)
     await consumer.stop()
     await js.publish(f"{name}.in", b"after")
-    await asyncio.sleep(0.5)
+    # The next reader of the consumer gets it: the stopped one's requests no longer stand (the
+    # server serves pull requests in order, and would have given it to one of those first).
+    reader = await js.pull_subscribe_bind("c", name)
+    (msg,) = await reader.fetch(1, timeout=5)
+    assert msg.data == b"after" and msg.metadata.num_delivered == 1
+    await msg.ack()
     assert got.payloads == [b"before"]
-    info = await js.consumer_info(name, "c")
-    assert info.num_pending == 1 and info.num_ack_pending == 0, "the message stays queued for the next reader"
 
 
 async def test_batch_must_be_positive(nats_server) -> None:
@@ -150,7 +188,11 @@ async def test_a_refused_request_is_retried_once_a_second_not_in_a_loop(bus) -> 
     await nc.subscribe(f"$JS.API.CONSUMER.MSG.NEXT.{name}.c", cb=count)
     await nc.flush()
     consumer = PullConsumer(nc, name, "c", Received().handle, batch=8, name="t")
+    t0 = time.monotonic()
     await consumer.start()
-    await asyncio.sleep(2.5)
+    await asyncio.sleep(2.5)  # the time over which the requests are counted
     await consumer.stop()
-    assert 2 <= len(asked) <= 4, f"{len(asked)} pull requests in 2.5 s"
+    await nc.flush()
+    ticks = (time.monotonic() - t0) / WATCH_PERIOD_S
+    # one at the start and one per watchdog tick (a loop would send thousands); at least one retry
+    assert 2 <= len(asked) <= ticks + 1, f"{len(asked)} pull requests in {ticks:.1f} watchdog periods"

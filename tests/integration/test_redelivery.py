@@ -16,9 +16,9 @@ import pytest
 from libs.common.envelopes import ClientEvent, ClientEventType, NdArray, StageTask, TaskKind, decode
 from libs.common.local_nats import free_port
 from libs.common.publish import Hop, publish_task
-from libs.common.subjects import Subjects
+from libs.common.subjects import Subjects, consumer_name
 from libs.common.tracing import start_span
-from tests.bus import dead_letter
+from tests.bus import consumer_holds, dead_letter
 from tests.metrics_scrape import delta, scrape, total
 from tests.otlp_receiver import Receiver, start_receiver, tracing_in_this_process
 from tests.procs import (
@@ -26,6 +26,7 @@ from tests.procs import (
     TALKER_YAML,
     THINKER_YAML,
     ServiceProcess,
+    until,
     write_pipeline,
 )
 
@@ -110,10 +111,11 @@ async def test_redelivered_message_is_finished_by_the_next_worker_with_a_linked_
         events: asyncio.Queue = asyncio.Queue()
         await nc.subscribe(SUBJECTS.out("gw3", rid), cb=events.put)
         sender = start_span("talker (test)")
-        await publish_task(nc.jetstream(), SUBJECTS, _chunk(rid, 1, final=True), HOP, sender)
-        await asyncio.sleep(1.0)  # delivered; seq 0 has not come, so seq 1 is held un-acked
+        ack = await publish_task(nc.jetstream(), SUBJECTS, _chunk(rid, 1, final=True), HOP, sender)
+        # delivered; seq 0 has not come, so seq 1 is held un-acked
+        await consumer_holds(nc.jetstream(), SUBJECTS.stages_stream, consumer_name(HOP.to_stage, 0), ack.seq)
         os.killpg(first.proc.pid, signal.SIGKILL)  # dies holding seq 1, un-acked
-        first.proc.wait()
+        assert first.proc.wait(10) == -signal.SIGKILL
         second.start()
         await second.await_log("serving omni.", timeout_s=120)
         # The consumer's state, as the new incarnation reports it: one message redelivered and
@@ -175,11 +177,14 @@ async def test_a_message_past_max_deliver_is_counted_as_dead_lettered(nats_serve
         held = _chunk(f"deadletter-{time.time_ns()}", 1, final=True)  # chunk 0 never comes
         seen = await dead_letter(nc, SUBJECTS, HOP, held, worker.proc.pid)
         assert seen == 1, "no max-deliveries advisory within 30 s"
-        for _ in range(50):
-            if delta(before, scrape(metrics), "vllm:omni_bus_dead_lettered_total") >= 1:
-                break
-            await asyncio.sleep(0.2)
-        await asyncio.sleep(1.0)  # a second, wrong count would show by now
+        await until(
+            lambda: delta(before, scrape(metrics), "vllm:omni_bus_dead_lettered_total") >= 1,
+            "the dead letter counted",
+            every_s=0.2,
+        )
+        # Time passes in which a second, wrong count of the one advisory would show (the worker
+        # counts an advisory the moment it reads it).
+        await asyncio.sleep(1.0)
         assert delta(before, scrape(metrics), "vllm:omni_bus_dead_lettered_total") == seen
         await worker.await_log("a message reached max_deliver and was dropped by JetStream", timeout_s=5)
     finally:

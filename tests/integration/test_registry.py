@@ -1,5 +1,9 @@
 """Heartbeats against a real nats-server: a load that fell by half (a finished burst) reaches the
-registry within a fraction of the heartbeat period; small changes wait for the regular beat."""
+registry within a fraction of the heartbeat period; small changes wait for the regular beat.
+
+Early and late are told apart at half a heartbeat period: an early write comes within
+``MIN_BEAT_GAP_S`` (a few hundredths of a second once that has passed), the regular beat a whole
+period after the last; a busy machine makes either a little late, never a second late."""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ import nats
 import pytest
 
 from libs.common.bus import LIMITS, services_kv
-from libs.common.registry import MIN_BEAT_GAP_S, Heartbeat, LiveServices, ServiceKind, ServiceRecord
+from libs.common.registry import Heartbeat, LiveServices, ServiceKind, ServiceRecord
+from tests.procs import until
 
 pytestmark = pytest.mark.integration
 
@@ -19,13 +24,13 @@ async def _shown_load(kv, key: str) -> int:
     return ServiceRecord.model_validate_json((await kv.get(key)).value).load
 
 
-async def _until(kv, key: str, load: int, timeout_s: float) -> float:
-    """Seconds until the registry shows ``load`` for ``key`` (fails after ``timeout_s``)."""
-    t0 = time.monotonic()
-    while await _shown_load(kv, key) != load:
-        assert time.monotonic() - t0 < timeout_s, f"load {load} not shown within {timeout_s} s"
-        await asyncio.sleep(0.02)
-    return time.monotonic() - t0
+async def _until(kv, key: str, load: int, timeout_s: float) -> None:
+    """Wait until the registry shows ``load`` for ``key`` (fails after ``timeout_s``)."""
+
+    async def shown() -> bool:
+        return await _shown_load(kv, key) == load
+
+    await until(shown, f"load {load} shown", timeout_s, every_s=0.02)
 
 
 @pytest.mark.parametrize("before, after, early", [(16, 0, True), (8, 4, True), (9, 8, False), (1, 0, False)])
@@ -36,16 +41,17 @@ async def test_a_halved_load_is_shown_early_and_small_changes_wait(nats_server, 
     rec = ServiceRecord(service=ServiceKind.WORKER, pipeline="hb", instance="i", stage=0, replica=before)
     beat = Heartbeat(kv, rec, lambda: load)
     try:
+        began = time.monotonic()
         await beat.start()
         assert await _shown_load(kv, rec.key) == before
-        await asyncio.sleep(MIN_BEAT_GAP_S)
         load = after
+        dropped = time.monotonic()
         beat.load_dropped()
-        took = await _until(kv, rec.key, after, LIMITS.heartbeat_s + 1)
-        if early:
-            assert took < 2 * MIN_BEAT_GAP_S, took
-        else:
-            assert took > LIMITS.heartbeat_s - 2 * MIN_BEAT_GAP_S, took
+        await _until(kv, rec.key, after, 3 * LIMITS.heartbeat_s)
+        if early:  # (an early write comes no sooner than ``MIN_BEAT_GAP_S`` after the one before)
+            assert time.monotonic() - dropped < LIMITS.heartbeat_s / 2, "not written early"
+        else:  # by the regular beat, a period after the first
+            assert time.monotonic() - began > LIMITS.heartbeat_s, "written early"
     finally:
         await beat.stop()
         await nc.close()
@@ -61,17 +67,13 @@ async def test_an_expired_replica_is_not_live_but_its_silence_is_known(nats_serv
         await live.start()
         await asyncio.wait_for(live.ready.wait(), 5)
         assert [r.replica for r in live.live(ServiceKind.WORKER, 0)] == [3]
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # the thing under test: time passes beyond the TTL with no beat
         assert live.live(ServiceKind.WORKER, 0) == []
         [(heard, age)] = live.last_heard(ServiceKind.WORKER, 0)
         assert heard.replica == 3 and 0.5 <= age < 5
         assert live.last_heard(ServiceKind.WORKER, 1) == [] and live.last_heard(ServiceKind.GATEWAY) == []
         await kv.delete(rec.key)
-        for _ in range(100):  # the deletion reaches the watcher
-            if not live.last_heard(ServiceKind.WORKER):
-                break
-            await asyncio.sleep(0.02)
-        assert live.last_heard(ServiceKind.WORKER) == []
+        await until(lambda: not live.last_heard(ServiceKind.WORKER), "the deletion reaches the watcher")
     finally:
         await live.stop()
         await nc.close()
@@ -86,14 +88,15 @@ async def test_a_beat_overdue_after_a_stall_is_written_at_once(nats_server) -> N
     beat = Heartbeat(kv, rec, lambda: 0)
     try:
         await beat.start()
-        first = (await kv.get(rec.key)).revision
-        await asyncio.sleep(MIN_BEAT_GAP_S / 2)  # the beat loop waits out its minimum gap
-        time.sleep(LIMITS.heartbeat_s + 0.5)  # the whole event loop stalls past the next beat
+        first = (await kv.get(rec.key)).revision  # a round trip: the beat loop has begun its wait
+        assert not beat._task.done()
+        time.sleep(LIMITS.heartbeat_s + 0.5)  # the fault: the whole event loop stalls past the next beat
         t0 = time.monotonic()
         while (await kv.get(rec.key)).revision == first:
             assert time.monotonic() - t0 < LIMITS.heartbeat_s, "no beat after the stall"
             await asyncio.sleep(0.01)
-        assert time.monotonic() - t0 < 0.5
+        # at once, not a period later (half a period tells the two apart on a busy machine)
+        assert time.monotonic() - t0 < LIMITS.heartbeat_s / 2
     finally:
         await beat.stop()
         await nc.close()
