@@ -37,11 +37,16 @@ TOKENS_LEFT = 1000
 """... and at most ``MAX_TOKENS`` minus this many: a replica that has the cores to itself makes
 ~800 tokens/s, so fewer left could finish between the pick and the kill (it did once, and the fault
 hit no stream)."""
+MOVE_SENT_WITHIN_S = 2.0
+"""The documented bound on a kill (docs/reliability.md): the moved streams' input is sent to the
+surviving replica within this long after the kill (the verdict ≤ 0.5 s, then the move), seconds.
+Measured on the server's side, by the record's ``sent_ns`` of the new attempt."""
 MOVED_WITHIN_S = 8.0
-"""The longest pause a moved stream may show its client beyond the fault's own, seconds. Issue 10's
-target for a kill is 2 s, met in isolated runs (0.29–1.19 s); in the full session the replacement
-engine starts on the same two cores at the same moment, and one run paused 5.7 s. The bound here
-says the streams moved (not waited for a deadline); the pause is printed."""
+"""The longest pause a moved stream may show its client beyond the fault's own, seconds. On top
+of the move, the new replica prefills the prompt and the resumed tokens while, in the full
+session, the replacement engine starts on the same two cores and the test's one client reads six
+streams: 0.3–1.2 s in the fault suite, up to 5.7 s seen here. The bound says the streams moved
+rather than waited for a deadline; the pause is printed."""
 FLOWING_S = 0.3
 """A stream counts as mid-way only while its tokens flow (one came this recently, seconds): while
 the broker is silent (seen for 4–9 s at the start of these streams in full runs) the client gets
@@ -169,16 +174,25 @@ async def _streams_and_victim(stack, pipeline):
 
 
 async def _moved(stack, seen: list[Seen], victim: int, reason: str, reference: list[int]) -> dict[str, dict]:
-    """Check that every stream completed in full, and that those the fault hit moved once, off
-    ``victim``, for ``reason``. Returns the moved streams' records by request id."""
+    """Check that every stream completed in full with exactly ``reference`` (the fault-free greedy
+    tokens), and that those the fault hit moved once, off ``victim``, for ``reason``. Returns the
+    moved streams' records by request id."""
     moved: dict[str, dict] = {}
-    same = 0
     for s in seen:
         assert s.error is None, (s.id, s.error)
         assert s.tokens == MAX_TOKENS, (s.id, s.tokens)
         assert len(s.token_ids) == MAX_TOKENS, (s.id, len(s.token_ids))
         assert s.finish_reason == "length", (s.id, s.finish_reason)
-        same += s.token_ids == reference
+        # None missing, none repeated, none out of order: the greedy tokens of the same request
+        # without a fault, position by position.
+        first_wrong = next(
+            (i for i, (a, b) in enumerate(zip(s.token_ids, reference, strict=True)) if a != b), None
+        )
+        assert first_wrong is None, (
+            s.id,
+            first_wrong,
+            s.token_ids[max(0, first_wrong - 2) : first_wrong + 3],
+        )
         for _ in range(50):  # the record hears of the end a little after the client
             rec = await request_record(stack.nats_url, s.id)
             if rec["status"] != "running":
@@ -193,7 +207,6 @@ async def _moved(stack, seen: list[Seen], victim: int, reason: str, reference: l
             assert second["phase"] in ("queued", "in_progress"), attempts
             moved[s.id] = rec
     assert moved, "no stream was moved by the fault"
-    print(f"{same}/{len(seen)} streams produced exactly the fault-free greedy tokens")
     return moved
 
 
@@ -215,13 +228,19 @@ async def test_streams_on_a_killed_replica_move_and_complete(stack, pipeline) ->
 
     client, seen, tasks, victim, started = await _streams_and_victim(stack, pipeline)
     try:
+        killed_ns = time.time_ns()
         await kill_confirmed(worker_pid(stack.proc.pid, 0, victim), "the thinker worker")
 
         await asyncio.wait_for(asyncio.gather(*tasks), 180)
         await client.close()
         moved = await _moved(stack, seen, victim, reason, reference)
         pause = _longest_pause(seen, moved)
-        print(f"{len(moved)} stream(s) moved off replica {victim}; their longest pause {pause:.2f} s")
+        sent_s = max((r["stages"][0]["attempts"][-1]["sent_ns"] - killed_ns) / 1e9 for r in moved.values())
+        print(
+            f"{len(moved)} stream(s) moved off replica {victim}; sent to the survivor {sent_s:.2f} s after the "
+            f"kill; their longest pause at the client {pause:.2f} s"
+        )
+        assert sent_s <= MOVE_SENT_WITHIN_S, sent_s
         assert pause <= MOVED_WITHIN_S, pause
         after_o, after_g = scrape(orchestrator), scrape(gateway)
         evictions = delta(
@@ -254,11 +273,6 @@ async def test_streams_on_a_killed_replica_move_and_complete(stack, pipeline) ->
             assert (await http.get("/health")).json()["status"] == "ok"
 
 
-@pytest.mark.skipif(
-    os.environ.get("OMNIRELAY_E2E_STALL") != "1",
-    reason="flaky in the shared session (2 of 4 full runs: no stream on the stopped replica moved, with the "
-    "broker silent for ~10 s meanwhile; docs/reliability.md); set OMNIRELAY_E2E_STALL=1 to run it",
-)
 async def test_streams_on_a_stopped_replica_move_after_the_stall_timeout(stack, pipeline) -> None:
     """SIGSTOP: the process lives and holds its connection, but answers nothing. Its streams move
     ``stall_timeout_s`` later and complete in full; after SIGCONT it stops the work it no longer
