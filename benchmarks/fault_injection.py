@@ -67,7 +67,11 @@ class Fault:
     """SIGSTOP: how long the process stays stopped before SIGCONT."""
     streams: int = 8
     audio: bool = False
-    max_tokens: int = 400
+    max_tokens: int = 1200
+    """Tokens of each stream. A text stream of the tiny thinker takes about 1.2 s per 400 tokens on
+    an idle 2-core box (four to a replica); 400 left the strike, which waits for two streams under
+    way at the client and on the server, too narrow a window: a ``SIGSTOP`` landed 50 ms after the
+    replica had finished its streams (no verdict, no move). 1200 leave seconds."""
     nats_nodes: int = 1
     """NATS servers of the stack the fault is injected in (1, or a cluster of 3)."""
 
