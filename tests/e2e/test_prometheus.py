@@ -40,7 +40,7 @@ from libs.common import headers as h
 from libs.common.bus_state import request_record, snapshot
 from libs.common.envelopes import ClientEvent, ClientEventType, NdArray, StageTask, TaskKind, decode
 from libs.common.local_nats import free_port
-from libs.common.metrics_catalog import ENGINE_PROCESSES, Exporter, exposed_names, families_for
+from libs.common.metrics_catalog import ENGINE_PROCESSES
 from libs.common.publish import Hop, publish_task
 from libs.common.subjects import Subjects
 from tests import needs
@@ -75,20 +75,49 @@ DYN_PIPELINE = "promdyn"
 DEAD_PIPELINE = "promdead"
 UNIFIED = ("service", "pipeline", "instance", "job")
 WORKER_LABELS = ("stage", "replica", "stage_name")
-OWN_STAGE_LABELS = {
-    n: {"stage", "replica"} & set(f.labels)
-    for exporter in (Exporter.GATEWAY, Exporter.ORCHESTRATOR)
-    for f in families_for(exporter)
-    for n in (*exposed_names(f), f"{f.name}_created")
+
+
+def _series(family: str, kind: str) -> tuple[str, ...]:
+    """The series names prometheus_client exposes for a family (``_created``: the text format)."""
+    parts = ("_total", "_created") if kind == "counter" else ("_bucket", "_sum", "_count", "_created")
+    return tuple(family + p for p in parts)
+
+
+_STAGE_REPLICA = {"stage", "replica"}
+OWN_STAGE_LABELS: dict[str, set[str]] = {
+    name: labels
+    for family, kind, labels in (
+        # DESIGN.md §5: the gateway's audio families carry {model_name, stage, replica} of the stage
+        # that produced the audio (the spec's, the arrival-anchored RTF, the stream denominator and
+        # late-chunk counts beyond it).
+        *(
+            (f"vllm:omni_audio_{n}", "histogram", _STAGE_REPLICA)
+            for n in ("ttfp_s", "duration_s", "rtf", "client_rtf", "underrun_s")
+        ),
+        *(
+            (f"vllm:omni_audio_{n}", "counter", _STAGE_REPLICA)
+            for n in ("frames", "continuity_ok", "skipped_requests", "streams", "late_chunks")
+        ),
+        # docs/reliability.md: the gateway drops a moved stage's stale events and counts event gaps
+        # per stage; the orchestrator counts evictions per replica and moves per stage (their
+        # replicas are from_replica / to_replica).
+        ("vllm:omni_stale_events_dropped", "counter", {"stage"}),
+        ("vllm:omni_client_event_gaps", "counter", {"stage"}),
+        ("vllm:omni_replica_evictions", "counter", _STAGE_REPLICA),
+        ("vllm:omni_requests_migrated", "counter", {"stage"}),
+    )
+    for name in _series(family, kind)
 }
-"""Series name → the ``stage``/``replica`` labels its own family has (the gateway's audio families,
-the orchestrator's evictions and moves) on a service whose target carries none."""
+"""Series name → the ``stage``/``replica`` labels its own family has on a service whose target
+carries none (the gateway, the orchestrator), written out from DESIGN.md and docs/reliability.md,
+not read from the metric catalog: a gateway or orchestrator family that wrongly declares ``stage``
+or ``replica`` shows as an unexpected label, one that lacks its own as a missing one."""
 
 
 # --- a Prometheus process ----------------------------------------------------------------------------
 class Prometheus:
-    def __init__(self, url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-        self.url, self.proc, self.log = url, proc, log
+    def __init__(self, url: str, proc: subprocess.Popen[bytes], log: Path, sd_url: str) -> None:
+        self.url, self.proc, self.log, self.sd_url = url, proc, log, sd_url
         self.http = httpx.Client(base_url=url, timeout=30)
 
     def api(self, path: str, **params: Any) -> Any:
@@ -120,15 +149,33 @@ class Prometheus:
         labels = [n.strip() for n in by.split(",") if n.strip()]
         return self.vector(f"({now} - {then}) or {now}", *labels, at=at)
 
-    def wait_scraped_after(self, t: float, timeout_s: float = WAIT_S) -> None:
-        """Wait until every omnirelay target has been scraped after wall time ``t``."""
+    def wait_scraped_after(self, t: float, scrapes: int = 1, timeout_s: float = WAIT_S) -> None:
+        """Wait until every service the stack's service discovery lists now has been scraped
+        successfully (``up`` 1) ``scrapes`` times after wall time ``t`` (s): what those services
+        exported at ``t`` is then in Prometheus, and ``rate()`` over a window holding those scrapes
+        has the two samples it needs. A listed service Prometheus has no sample of yet counts as
+        not scraped (it may have just come back: a worker stopped for longer than the registry's
+        TTL leaves the listing and its series go stale until it is scraped again)."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            stamps = [float(r["value"][1]) for r in self.query('timestamp(up{job="omnirelay"})')]
-            if stamps and min(stamps) > t:
+        while True:
+            want = {g["labels"]["__meta_omnirelay_instance"] for g in self.sd()}
+            window = max(2, int(time.time() - t) + 2)
+            got = {
+                r["metric"]["instance"]: sum(1 for ts, v in r["values"] if float(ts) > t and float(v) == 1)
+                for r in self.query(f'up{{job="omnirelay"}}[{window}s]')
+            }
+            short = {i: got.get(i, 0) for i in want if got.get(i, 0) < scrapes}
+            if want and not short:
                 return
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"not scraped successfully {scrapes} time(s) after {t:.3f} within {timeout_s} s: {short}"
+                )
             time.sleep(0.2)
-        raise AssertionError(f"targets not scraped after {t} within {timeout_s} s")
+
+    def sd(self) -> list[dict[str, Any]]:
+        """The stack's service-discovery answer (the targets Prometheus is told about)."""
+        return httpx.get(self.sd_url, timeout=30).json()
 
     def targets(self) -> list[dict[str, Any]]:
         return self.api("targets", state="active")["activeTargets"]
@@ -184,7 +231,7 @@ def prom(stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus
     t0 = time.monotonic()
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    p = Prometheus(f"http://127.0.0.1:{port}", proc, log)
+    p = Prometheus(f"http://127.0.0.1:{port}", proc, log, f"{stack.base_url}/prometheus/targets")
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -227,6 +274,11 @@ class Traffic:
     talker_requests: Counter[str] = field(default_factory=Counter)
     """Chunks with text tokens received per talker replica (each is one talker engine request)."""
     routes: dict[str, list[int]] = field(default_factory=dict)
+    """Request id → the replica of each stage, as its ``omni_requests`` record says."""
+    bus_routes: dict[str, dict[int, str]] = field(default_factory=lambda: defaultdict(dict))
+    """Request id → stage → the replica its messages were addressed to on the bus."""
+    trace_ids: dict[str, str] = field(default_factory=dict)
+    """Request id → the trace id its client chose (sent as ``traceparent``)."""
     seconds: float = 0.0
     t1: float = 0.0
     """Wall time after the last response."""
@@ -236,20 +288,31 @@ TEXT_MAX_TOKENS = (3, 7, 5)
 AUDIO_MAX_TOKENS = (24, 12)
 
 
+def _traceparent() -> tuple[str, dict[str, str]]:
+    """A trace id of the client's own and the W3C header that continues it (sampled)."""
+    trace_id = uuid.uuid4().hex
+    return trace_id, {"traceparent": f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"}
+
+
 async def _text(client: openai.AsyncOpenAI, model: str, n: int, out: Traffic) -> None:
+    trace_id, headers = _traceparent()
     t = time.monotonic()
     r = await client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": "hi"}],
         max_tokens=n,
         extra_body={"ignore_eos": True},
+        extra_headers=headers,
     )
     out.latencies.append(time.monotonic() - t)
     out.finish[r.choices[0].finish_reason] += 1
     out.ids.append(r.id)
+    out.trace_ids[r.id] = trace_id
 
 
-async def _audio_stream(client: openai.AsyncOpenAI, model: str, max_tokens: int) -> openai.AsyncStream:
+async def _audio_stream(
+    client: openai.AsyncOpenAI, model: str, max_tokens: int, headers: dict[str, str] | None = None
+) -> openai.AsyncStream:
     """A streamed text + audio (PCM16) request of exactly ``max_tokens`` tokens."""
     return await client.chat.completions.create(
         model=model,
@@ -259,12 +322,14 @@ async def _audio_stream(client: openai.AsyncOpenAI, model: str, max_tokens: int)
         audio={"voice": "alloy", "format": "pcm16"},
         stream=True,
         extra_body={"ignore_eos": True},
+        extra_headers=headers,
     )
 
 
 async def _audio(client: openai.AsyncOpenAI, model: str, n: int, out: Traffic) -> None:
+    trace_id, headers = _traceparent()
     t = time.monotonic()
-    stream = await _audio_stream(client, model, n)
+    stream = await _audio_stream(client, model, n, headers)
     pcm, first, reason, rid = bytearray(), None, None, None
     async for chunk in stream:
         rid = chunk.id
@@ -280,6 +345,7 @@ async def _audio(client: openai.AsyncOpenAI, model: str, n: int, out: Traffic) -
     out.finish[reason] += 1
     out.ids.append(rid)
     out.audio_ids.append(rid)
+    out.trace_ids[rid] = trace_id
 
 
 async def _run_traffic(stack, pipeline, out: Traffic) -> None:
@@ -290,7 +356,9 @@ async def _run_traffic(stack, pipeline, out: Traffic) -> None:
         edge = (hdr[h.FROM_STAGE], hdr[h.FROM_REPLICA], hdr[h.TO_STAGE], hdr[h.TO_REPLICA])
         out.bus_bytes[edge] += len(msg.data)
         out.bus_hops[edge] += 1
-        if edge[2] == "1" and decode(StageTask, msg.data).token_ids:
+        task = decode(StageTask, msg.data)
+        out.bus_routes[task.request_id][int(edge[2])] = edge[3]
+        if edge[2] == "1" and task.token_ids:
             out.talker_requests[edge[3]] += 1
 
     await nc.subscribe(Subjects(pipeline.name).stages_wildcard, cb=on_stage_msg)
@@ -306,13 +374,25 @@ async def _run_traffic(stack, pipeline, out: Traffic) -> None:
     out.seconds = time.monotonic() - t
     out.t1 = time.time()
     await client.close()
-    await asyncio.sleep(0.5)  # the last hops of a request may trail its HTTP response
+    # The last hops of a request may trail its HTTP response. A stage is done (its record says so)
+    # after it sent every output; the flush then brings every hop sent before it to our subscriber.
+    for rid in out.ids:
+        rec = await _done_record(stack, rid)
+        out.routes[rid] = rec["route"]
     await nc.flush()
     await nc.close()
-    for rid in out.ids:
+
+
+async def _done_record(stack, rid: str, timeout_s: float = WAIT_S) -> dict[str, Any]:
+    """The ``omni_requests`` record of ``rid`` once every stage of its route is done."""
+    deadline = time.monotonic() + timeout_s
+    while True:
         rec = await request_record(stack.nats_url, rid)
-        assert rec, f"no omni_requests record for {rid}"
-        out.routes[rid] = rec["route"]
+        if rec and len(rec["stages"]) == len(rec["route"]) and all(st["done_ns"] for st in rec["stages"]):
+            return rec
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{rid}: not every stage done within {timeout_s} s: {rec}")
+        await asyncio.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -354,6 +434,15 @@ def test_scraped_names_keep_their_colons(prom, traffic) -> None:
     assert not mangled, "scraped as vllm_* instead of vllm:*: " + ", ".join(
         sorted(r["metric"]["__name__"] for r in mangled)[:10]
     )
+    kept = {
+        r["metric"]["__name__"]
+        for r in prom.query('count by (__name__) ({__name__=~"vllm:.+", job="omnirelay"})')
+    }
+    assert {
+        "vllm:omni_e2e_request_latency_s_count",
+        "vllm:request_success_total",
+        "vllm:omni_stage_info",
+    } <= kept, kept
 
 
 def test_finish_reasons_match_what_the_client_saw(prom, traffic, pipeline) -> None:
@@ -436,6 +525,10 @@ def test_engine_requests_per_replica_match_the_routes(prom, traffic, pipeline, s
         )
     }
     assert "vllm:request_success" in exposed, "an llm worker's /metrics lacks vLLM's engine families"
+    # The records' routes are where the messages went (the subscriber saw each stage's replica).
+    assert {
+        rid: [int(r) for _, r in sorted(traffic.bus_routes[rid].items())] for rid in traffic.ids
+    } == traffic.routes
     thinker = Counter(str(route[0]) for route in traffic.routes.values())
     want = {("0", r): float(n) for r, n in thinker.items()}
     want |= {("1", r): float(n) for r, n in traffic.talker_requests.items()}
@@ -488,7 +581,10 @@ def _check_unified(metric: dict[str, str], sd: dict[str, dict[str, str]]) -> lis
         if target.get(label):
             if metric.get(label) != target[label]:
                 problems.append(f"{name}: {label}={metric.get(label)!r}, target says {target[label]!r}")
-        elif label in metric and label not in OWN_STAGE_LABELS.get(name, ()):
+        elif label in OWN_STAGE_LABELS.get(name, ()):
+            if not metric.get(label):
+                problems.append(f"{name}: no {label} of its own on a {metric['service']}")
+        elif label in metric:
             problems.append(f"{name}: unexpected {label}={metric[label]!r} on a {metric['service']}")
     return problems
 
@@ -507,8 +603,12 @@ def _sd_labels(stack) -> dict[str, dict[str, str]]:
 def test_prometheus_stores_the_trace_id_exemplars(prom, traffic, stack) -> None:
     """Scraped as OpenMetrics, the latency histograms' exemplars land in Prometheus's exemplar
     storage with the trace ids of the requests that made them."""
-    trace_ids = {asyncio.run(request_record(stack.nats_url, rid))["trace_id"] for rid in traffic.ids}
-    assert None not in trace_ids
+    trace_ids = set(traffic.trace_ids.values())
+    assert len(trace_ids) == len(traffic.ids)
+    # The gateway continued each client's trace (the request's record names it) ...
+    records = {rid: asyncio.run(request_record(stack.nats_url, rid))["trace_id"] for rid in traffic.ids}
+    assert records == traffic.trace_ids
+    # ... and the exemplars lead to those traces.
     prom.wait_scraped_after(traffic.t1)
     window = {"start": f"{traffic.t0 - 5:.3f}", "end": f"{time.time() + 5:.3f}"}
     for family in ("vllm:omni_e2e_request_latency_s_bucket", "vllm:omni_transfer_in_flight_s_bucket"):
@@ -518,7 +618,7 @@ def test_prometheus_stores_the_trace_id_exemplars(prom, traffic, stack) -> None:
         assert all(len(t) == 32 and int(t, 16) >= 0 for t in stored)  # trace ids, 32 hex digits
 
 
-def test_every_series_carries_the_unified_labels(prom, traffic, stack) -> None:
+def test_every_series_carries_the_unified_labels(prom, traffic, stack, pipeline) -> None:
     sd = _sd_labels(stack)
     series = prom.api("series", **{"match[]": '{__name__=~".+"}', "start": f"{traffic.t0:.3f}"})
     assert len(series) > 500, len(series)
@@ -526,10 +626,14 @@ def test_every_series_carries_the_unified_labels(prom, traffic, stack) -> None:
     assert {"gateway", "orchestrator", "worker", "prometheus"} <= services.keys(), services
     problems = [p for s in series for p in _check_unified(s, sd)]
     assert not problems, "\n".join(problems[:30])
-    # Engine and omnirelay families of a worker keep the worker's own stage/replica (honor_labels).
-    for name in ("vllm:num_requests_running", "vllm:omni_stage_info"):
+    # Engine and omnirelay families of a worker keep the worker's own stage/replica (honor_labels):
+    # every worker of the stack has its stage_info, every llm worker vLLM's engine gauges.
+    workers = {i for i, t in sd.items() if t["service"] == "worker" and t["pipeline"] == pipeline.name}
+    llm = {i for i in workers if pipeline.stages[int(sd[i]["stage"])].type.value == "llm"}
+    assert llm and llm < workers, (llm, workers)
+    for name, want in (("vllm:num_requests_running", llm), ("vllm:omni_stage_info", workers)):
         rows = [s for s in series if s["__name__"] == name]
-        assert rows or name.startswith("vllm:num"), name
+        assert want <= {s["instance"] for s in rows}, (name, want, rows)
         for s in rows:
             assert (s["stage"], s["replica"]) == (sd[s["instance"]]["stage"], sd[s["instance"]]["replica"]), s
 
@@ -736,21 +840,26 @@ async def _kill_a_busy_thinker(
             tokens[i] += bool(d and (d.content or (d.audio and d.audio.transcript)))
 
     streams = [asyncio.create_task(stream(i)) for i in (0, 1)]
-    for _ in range(400):
-        if min(tokens) >= 10:
-            break
+    deadline = time.monotonic() + 10
+    while min(tokens) < 10 and time.monotonic() < deadline and not any(s.done() for s in streams):
         await asyncio.sleep(0.025)
+    assert min(tokens) >= 10, f"the two streams did not both have text within 10 s: {tokens}"
     rec = await request_record(stack.nats_url, ids[0])
     assert rec and not rec["stages"][0]["done_ns"], rec
     out.victim = rec["route"][0]
     await kill_confirmed(worker_pid(stack.proc.pid, 0, out.victim), "the thinker worker")
-    for _ in range(100):
+    # Moved: the record's new attempt has its input sent, which the orchestrator does after it
+    # told the workers (the moved notice) and the gateway (its question fences the old attempt).
+    deadline = time.monotonic() + 10
+    while True:
         rec = await request_record(stack.nats_url, ids[0])
-        if len(rec["stages"][0]["attempts"]) > 1:
+        last = rec["stages"][0]["attempts"][-1]
+        if last["attempt"] > 1 and last["sent_ns"]:
             break
-        await asyncio.sleep(0.1)
-    assert len(rec["stages"][0]["attempts"]) > 1, rec
-    await asyncio.sleep(0.5)  # the moved notice has reached the gateway and the talker
+        assert time.monotonic() < deadline, f"not moved within 10 s of the kill: {rec}"
+        await asyncio.sleep(0.05)
+    # The talker has taken the moved notice (it logs so): the dead attempt's chunks are stale there.
+    await stack.await_log(f"request {ids[0]}: stage 0 moved to attempt {last['attempt']}")
     assert not streams[0].done() and not rec["stages"][1]["done_ns"], "the audio request ended too soon"
     await _stale_after_the_move(pipeline, nc, rec, out.victim)
     out.stale_sent = True
@@ -870,7 +979,17 @@ def dead_lettered(stack, prom, tmp_path_factory: pytest.TempPathFactory) -> Iter
                 await nc.close()
 
         advisories = asyncio.run(lose())
-        yield DeadLetter(instance, advisories, t0, time.time())
+        # The worker counts the advisory when it runs again (it was stopped when the advisory came),
+        # and logs it just before; t1 is after that.
+        worker.wait_log("reached max_deliver", timeout_s=30)
+        t1 = time.time()
+        # Stopped for longer than the registry's TTL, it left the service discovery meanwhile: its
+        # series are stale until it is listed and scraped again.
+        listed = eventually(
+            lambda: instance in {g["labels"]["__meta_omnirelay_instance"] for g in prom.sd()}, bool
+        )
+        assert listed, f"{instance} did not come back to the service discovery"
+        yield DeadLetter(instance, advisories, t0, t1)
     finally:
         assert worker.stop() == 0, worker.text()[-2000:]
 
@@ -888,7 +1007,7 @@ def grew(prom: Prometheus, name: str, by: str, t0: float) -> dict[tuple[str, ...
 
 def test_caused_events_reach_prometheus_as_they_happened(prom, events, dead_lettered) -> None:
     assert events.rejected == 1, "no request was rejected by the codec in 3 tries"
-    prom.wait_scraped_after(events.t1 + 1.0)
+    prom.wait_scraped_after(events.t1)
     for name, by, want in (
         ("vllm:omni_requests_failed_total", "reason", {("codec_input_rejected",): 1.0}),
         ("vllm:omni_audio_skipped_requests_total", "reason", {("codec_input_rejected",): 1.0}),
@@ -923,7 +1042,7 @@ def test_caused_events_reach_prometheus_as_they_happened(prom, events, dead_lett
     )
     assert set(got) == {("1",)} and got[("1",)] >= 1, got
     assert dead_lettered.advisories == 1, "no max-deliveries advisory within 30 s"
-    prom.wait_scraped_after(dead_lettered.t1 + 1.0)
+    prom.wait_scraped_after(dead_lettered.t1)
     selector = f'vllm:omni_bus_dead_lettered_total{{instance="{dead_lettered.instance}"}}'
     got = eventually(lambda: prom.grown(selector, "stage", dead_lettered.t0), lambda v: v == {("2",): 1.0})
     assert got == {("2",): 1.0}, got
@@ -938,18 +1057,31 @@ def test_caused_events_reach_prometheus_as_they_happened(prom, events, dead_lett
 def test_every_dashboard_query_runs_and_has_data(prom, traffic, events, dead_lettered) -> None:
     """Each dashboard query (variables at All) is valid for this Prometheus and returns series:
     the traffic and the caused events give every family it reads data."""
-    prom.wait_scraped_after(max(traffic.t1, events.t1, dead_lettered.t1) + 2.5)  # rate() needs two samples
+    # rate() needs two samples: two scrapes of every listed service after the last event (a
+    # counter an event creates is exported only from then on). What the services counted a little
+    # after the events' end (a worker handles the last messages the test sent after it sent
+    # them) may take a few scrapes more: a query may take until WAIT_S to have data.
+    prom.wait_scraped_after(max(traffic.t1, events.t1, dead_lettered.t1), scrapes=2)
+    pending = {
+        where: grafana_to_promql(
+            expr[len("query_result(") : -1] if expr.startswith("query_result(") else expr
+        )
+        for where, expr in dashboard_queries(json.loads(DASHBOARD.read_text()))
+    }
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        pending = {where: q for where, q in pending.items() if not prom.query(q)}  # asserts status success
+        if not pending or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     present = set(prom.api("label/__name__/values"))
-    empty, absent = [], []
-    for where, expr in dashboard_queries(json.loads(DASHBOARD.read_text())):
-        q = grafana_to_promql(expr[len("query_result(") : -1] if expr.startswith("query_result(") else expr)
-        result = prom.query(q)  # asserts status success
-        missing = metric_names(q) - present
-        if missing:
-            absent.append(f"{where}: {sorted(missing)} not in Prometheus")
-        elif not result:
-            empty.append(f"{where}: {q}")
-    assert not absent + empty, "\n".join(absent + empty)
+    problems = [
+        f"{where}: {sorted(metric_names(q) - present)} not in Prometheus"
+        if metric_names(q) - present
+        else f"{where}: {q}"
+        for where, q in pending.items()
+    ]
+    assert not problems, "\n".join(problems)
 
 
 def test_a_replica_that_joins_is_scraped_and_one_that_leaves_goes_stale(prom, stack, tmp_path: Path) -> None:
