@@ -67,7 +67,15 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(e.body().model_dump(), status_code=e.status)
 
     @app.exception_handler(ClientGone)
-    async def _gone(_: Request, e: ClientGone) -> Response:
+    async def _gone(request: Request, e: ClientGone) -> Response:
+        job = getattr(request.state, "job", None)
+        log.info(
+            "%s %s %s: %d, the client hung up before its response began; aborted",
+            request.method,
+            request.url.path,
+            job.id if job is not None else "-",
+            CLIENT_CLOSED_REQUEST,
+        )
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(RequestValidationError)

@@ -151,13 +151,14 @@ async def guarded(request: Request, job: Job, work: Awaitable[T]) -> T:
     """Run ``work`` for a non-streaming response; abort the request everywhere if the client goes
     away or the work fails, release it when done."""
     task = asyncio.ensure_future(work)
-    finished = False
+    finished = left = False
     try:
         while not task.done():
             await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if not task.done() and await request.is_disconnected():
                 task.cancel()
                 abandon(job)
+                left = True  # aborted once, as "client disconnected" (the task is not done yet)
                 raise ClientGone
         result = task.result()
         finished = True
@@ -167,7 +168,7 @@ async def guarded(request: Request, job: Job, work: Awaitable[T]) -> T:
             task.cancel()
         if finished:
             job.client.release(job.id)
-        elif not task.cancelled():
+        elif not left and not task.cancelled():
             job.client.abort(job.id, _abort_reason(task))
 
 
