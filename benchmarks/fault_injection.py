@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -190,13 +191,21 @@ def _client_names(monitor_url: str) -> list[str]:
     return [c["name"].removeprefix("omnirelay-") for c in conns if c.get("name", "").startswith("omnirelay-")]
 
 
+_JUDGED_DEAD = re.compile(r"stage (\d+) \([^)]*\) replica (\d+) (?:is dead|died) \(")
+"""An orchestrator's verdict on a replica: the eviction line ("stage 0 (thinker) replica 1 is dead
+(exit: ...") or, where the stage had no live replica left, a failed request's ("... replica 1 died
+(exit) and the stage has no live replica ...")."""
+
+
 def verdicts_since(log_path: Path, offset: int) -> tuple[int, int]:
-    """(replicas judged dead, requests moved) in a stack's log after byte ``offset`` (the
-    orchestrators' "stage ... replica ... is dead (" and "request ... moved: stage" lines)."""
+    """(replicas judged dead, requests moved) in a stack's log after byte ``offset``: the distinct
+    (stage, replica) of the orchestrators' verdicts (:data:`_JUDGED_DEAD`), and their "request ...
+    moved: stage" lines."""
     with log_path.open("rb") as f:
         f.seek(offset)
         text = f.read().decode(errors="replace")
-    return text.count(" is dead ("), sum(" moved: stage " in line for line in text.splitlines())
+    moved = sum(" moved: stage " in line for line in text.splitlines())
+    return len(set(_JUDGED_DEAD.findall(text))), moved
 
 
 class Injector:

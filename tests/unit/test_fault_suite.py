@@ -72,17 +72,24 @@ def test_audio_faults_report_the_audio_lengths() -> None:
 def test_verdicts_are_counted_from_the_orchestrators_log_lines_after_the_fault(tmp_path: Path) -> None:
     log = tmp_path / "stack.log"
     before = (
-        "orchestrator | stage 0 (thinker) replica 1 is dead (exit: no responders for 0.0 s); 2 request(s)\n"
+        "orchestrator | stage 1 (talker) replica 1 is dead (exit: no responders for 0.0 s); 2 request(s)\n"
     )
     after = (
         "orchestrator | stage 0 (thinker) replica 0 is dead (exit: no responders for 1.0 s); 3 request(s)\n"
         "orchestrator | request r1 moved: stage 0 replica 0 -> 1 (attempt 2, exit, decode; ...)\n"
         "thinker-1    | request r2 moved to another replica; stopping it here\n"
         "orchestrator | request r2 moved: stage 0 replica 0 -> 1 (attempt 2, exit, decode; ...)\n"
+        # the same replica judged again (a stall, then its exit): still one replica
+        "orchestrator | stage 0 (thinker) replica 0 is dead (stall: no answer to its probe for 10.5 s); 1\n"
+        # the stage had no live replica left: no eviction line, a failed request names the replica
+        "orchestrator | request r3 failed: stage 0 (thinker) replica 1 died (exit) and the stage has no live"
+        " replica to move the request to\n"
+        "orchestrator | request r4 failed: stage 0 (thinker) replica 1 died (exit) and the stage has no live"
+        " replica to move the request to\n"
     )
     log.write_text(before + after)
-    assert verdicts_since(log, len(before.encode())) == (1, 2)
-    assert verdicts_since(log, 0) == (2, 2)
+    assert verdicts_since(log, len(before.encode())) == (2, 2)
+    assert verdicts_since(log, 0) == (3, 2)
 
 
 def test_the_restart_policy_backs_off_as_docker_does() -> None:
