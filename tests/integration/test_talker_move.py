@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from libs.common import headers as h
 from libs.common.bus import requests_kv
 from libs.common.envelopes import (
     MOVED,
@@ -55,6 +56,8 @@ TEXT = [[10 + 11 * k + i for i in range(11)] for k in range(5)]
 """The thinker's text chunks, seq 0 to 4 (the last one final): 11 tokens each, 44 codes each, so
 code chunks (25 codes) straddle text chunks: 220 codes in code chunks 0 to 8."""
 CODES = 4 * sum(len(t) for t in TEXT)
+CODE_CHUNK = 25
+"""Codes per code chunk (``chunking: {codes: 25}`` above)."""
 SAMPLES_PER_CODE = 480
 
 
@@ -166,6 +169,16 @@ async def test_a_killed_talker_replica_moves_its_request_and_the_audio_is_as_wit
     rid = f"talk-{time.time_ns()}"
     events: asyncio.Queue[ClientEvent] = asyncio.Queue()
     await nc.subscribe(SUBJECTS.out(GATEWAY, rid), cb=collect(events, ClientEvent))
+    code_chunks: list[tuple[int, int, int]] = []
+    """(talker replica, its attempt, code chunk seq) of every code chunk a talker sent (seen on
+    the bus, whatever code2wav or the stream then did with it)."""
+
+    async def sent_to_code2wav(msg) -> None:
+        task = decode(StageTask, msg.data)
+        if task.request_id == rid:
+            code_chunks.append((int(msg.headers[h.FROM_REPLICA]), task.from_attempt, task.seq))
+
+    await nc.subscribe(f"omni.{PIPELINE}.stage.2.>", cb=sent_to_code2wav)
     await running(nc, rid, talker=0)
     for seq in range(3):
         await publish_task(js, SUBJECTS, text_chunk(rid, seq, 0), Hop("0", "0", 1, 0))
@@ -191,7 +204,20 @@ async def test_a_killed_talker_replica_moves_its_request_and_the_audio_is_as_wit
     got = early + rest
     assert [e.in_seq for e in got[:-1]] == list(range(9)), "a code chunk's audio is missing or repeated"
     assert [e.pcm16 for e in got[:-1]] == [e.pcm16 for e in reference[:-1]], "audio unlike the fault-free run"
-    assert sum(len(e.pcm16) // 2 for e in got[:-1]) == CODES * SAMPLES_PER_CODE
+    # each code chunk's audio has the samples of its codes (chunks of 25, the last one the rest)
+    per_chunk = [min(CODE_CHUNK, CODES - k * CODE_CHUNK) for k in range(9)]
+    assert [len(e.pcm16) // 2 for e in got[:-1]] == [n * SAMPLES_PER_CODE for n in per_chunk]
+    assert sum(per_chunk) == CODES
+
+    # What the talkers really did: replica 0 (attempt 1) sent the first code chunks, replica 1
+    # (attempt 2) the rest; every chunk 0-8 was sent, none after its successor by another replica.
+    ran: list[tuple[int, int]] = []
+    for replica, attempt, _ in code_chunks:
+        if not ran or ran[-1] != (replica, attempt):
+            ran.append((replica, attempt))
+    assert ran == [(0, 1), (1, 2)], code_chunks
+    assert {seq for *_, seq in code_chunks} == set(range(9))
+    assert [seq for r, _, seq in code_chunks if r == 0] == [0, 1, 2, 3, 4]
 
     kv = await requests_kv(js)
     for _ in range(50):
@@ -199,15 +225,18 @@ async def test_a_killed_talker_replica_moves_its_request_and_the_audio_is_as_wit
         if rec.stages[1].done_ns is not None:
             break
         await asyncio.sleep(0.1)
-    assert [(a.attempt, a.replica, a.reason, a.start_seq) for a in rec.stages[1].attempts] == [
-        (1, 0, None, 0),
-        (2, 1, "exit", 2),
+    # The record and the orchestrator's count agree with that.
+    assert [(a.replica, a.attempt) for a in rec.stages[1].attempts] == ran
+    assert [(a.reason, a.start_seq) for a in rec.stages[1].attempts] == [
+        (None, 0),
+        ("exit", release.start_seq),
     ]
     after = scrape(orch.metrics_url)
     moves = delta(
         before, after, "vllm:omni_requests_migrated_total", stage="1", from_replica="0", to_replica="1"
     )
-    assert moves == 1
+    assert moves == len(ran) - 1
+    assert delta(before, after, "vllm:omni_requests_migrated_total", stage="1") == len(ran) - 1
     print(
         f"talker move: released {moved_s:.2f} s after the kill; 9 code chunks, each once, as without the fault"
     )
@@ -268,7 +297,10 @@ async def test_chunks_of_a_thinker_attempt_the_request_moved_past_are_dropped(st
     moved = AbortNotice(request_id=rid, reason=MOVED, stage=0, attempt=2)
     await nc.publish(SUBJECTS.abort, moved.encode())
     await nc.flush()
-    await asyncio.sleep(0.2)  # the notice (core NATS) is there before the stale chunk (JetStream)
+    # the notice (core NATS) is there before the stale chunk (JetStream)
+    await workers[1].await_log(
+        f"request {rid}: stage 0 moved to attempt 2; chunks of older attempts are stale here", timeout_s=10
+    )
     stale = text_chunk(rid, 1, 1).model_copy(update={"token_ids": [t + 1 for t in TEXT[1]]})
     await publish_task(js, SUBJECTS, stale, hop)
     for seq in range(len(TEXT)):
