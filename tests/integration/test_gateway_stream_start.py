@@ -104,6 +104,7 @@ async def test_the_stream_begins_at_started_before_any_token(gateway, pipeline_s
             http.send(http.build_request("POST", f"{gateway}/v1/chat/completions", json=BODY), stream=True)
         )
         adm = await asyncio.wait_for(pipeline_side.admissions.get(), 10)
+        # Time passes with the request admitted and stage 0 silent: the response must not begin in it.
         await asyncio.sleep(0.5)
         assert not opening.done(), "the response began before stage 0 started"
         await pipeline_side.send(adm, type=ClientEventType.STARTED)

@@ -27,15 +27,16 @@ from nats.js.api import ConsumerConfig
 from libs.common.bus import connect, ensure_topology, requests_kv, server_urls
 from libs.common.local_nats import ClusterNode, client_urls, cluster_argvs, cluster_nodes
 from libs.common.subjects import EVICTIONS_BUCKET, REQUESTS_BUCKET, SERVICES_BUCKET, Subjects
-from tests.procs import gone
+from tests.procs import gone, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
 HEALTHY_TIMEOUT_S = 20.0
-LOAD_BEFORE_KILL_S = 1.5
-"""Publishing and consuming run this long before the kill, seconds."""
-LOAD_AFTER_KILL_S = 8.0
-"""... and this long after it."""
+UNDER_LOAD = 50
+"""The kill comes once this many messages have been acknowledged and consumed, and publishing
+stops once this many more sent after the kill have been acknowledged and consumed."""
+LOAD_TIMEOUT_S = 30.0
+"""... each within this long, seconds."""
 DRAIN_TIMEOUT_S = 30.0
 """Every acknowledged message must be consumed this long after publishing stops, seconds."""
 PUBLISHERS = 4
@@ -194,14 +195,26 @@ async def test_kill_9_of_the_stream_leader_under_load_loses_nothing(cluster: lis
     ]
     consumer = asyncio.create_task(_consume(js, stream, subject, load, done))
     try:
-        await asyncio.sleep(LOAD_BEFORE_KILL_S)
-        acked_before = len(load.acked)
+        await until(
+            lambda: min(len(load.acked), len(load.consumed)) >= UNDER_LOAD,
+            "publishing and consuming under way",
+            LOAD_TIMEOUT_S,
+        )
+        acked_before, consumed_before = len(load.acked), len(load.consumed)
         t_kill = time.monotonic()
         victim.proc.send_signal(signal.SIGKILL)
         kill.set()
         assert victim.proc.wait(5) == -signal.SIGKILL
         assert gone(victim.proc.pid)
-        await asyncio.sleep(LOAD_AFTER_KILL_S)
+        # The load goes on through the failover: publishes sent after the kill acknowledged by
+        # the stream's new leader, and messages consumed after it.
+        await until(
+            lambda: (
+                load.acked_after_kill >= UNDER_LOAD and len(load.consumed) >= consumed_before + UNDER_LOAD
+            ),
+            "publishing and consuming after the kill",
+            LOAD_TIMEOUT_S,
+        )
         stop.set()
         await asyncio.gather(*publishers)
         # Drained: every acknowledged id consumed and the work queue empty (every message acked;
@@ -222,7 +235,6 @@ async def test_kill_9_of_the_stream_leader_under_load_loses_nothing(cluster: lis
         new_leader = (await js.stream_info(stream)).cluster.leader
         assert new_leader and new_leader != leader, new_leader
         assert pub_nc.connected_url.port != victim.spec.port
-        assert acked_before > 0 and load.acked_after_kill > 0, (acked_before, load.acked_after_kill)
         # Nothing lost, nothing twice (but an id whose ack was never confirmed may come again).
         missing = load.acked - set(load.consumed)
         assert not missing, f"{len(missing)} acknowledged messages never consumed: {sorted(missing)[:5]}"
@@ -234,7 +246,7 @@ async def test_kill_9_of_the_stream_leader_under_load_loses_nothing(cluster: lis
         await kv.put("after", b"2")
         assert (await kv.get("after")).value == b"2"
         print(
-            f"\nkilled {leader} (pid {victim.proc.pid}); new leader {new_leader}; "
+            f"\nkilled {leader} (pid {victim.proc.pid}) after {acked_before} acked; new leader {new_leader}; "
             f"{len(load.acked)} acked ({load.acked_after_kill} after the kill), "
             f"{len(load.consumed)} consumed, {len(repeated)} repeated "
             f"({len(load.unconfirmed_acks)} acks unconfirmed), "
