@@ -3,7 +3,9 @@
 Two engines in the whole file (each start costs ~15 s): one with ``log_stats`` off, one with it on.
 The on-engine runs a known workload; the scrape must carry every upstream ``vllm:`` family
 relabelled with ``stage``/``replica``, counts that match the workload exactly (also those fed by the
-1 Hz-throttled scheduler stats), fresh gauges, and the prefixed periodic log line. A last test
+1 Hz-throttled scheduler stats), gauges seen moving under a long request and back at rest once the
+engine is idle, and the prefixed periodic log line. The off-engine runs first in every selection
+(the on-engine's fixture asks for it), so the comparison of the two always runs. A last test
 drives every optional family of the relabelling logger (spec decode, KV fetch, LoRA, watermark,
 KV residency, ...) through a fake config without an engine.
 
@@ -68,7 +70,8 @@ N_REQUESTS = REPEATS_A + len(PROMPTS_B)
 PROMPT_TOKENS = REPEATS_A * len(PROMPT_A) + sum(map(len, PROMPTS_B))
 GENERATION_TOKENS = REPEATS_A * MAX_TOKENS_A + len(PROMPTS_B) * MAX_TOKENS_B
 
-LINE_COUNTS: dict[str, int] = {}
+LONG_MAX = 400
+"""Tokens of the request during which the gauges are scraped (one at a time until a scrape shows it)."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -138,30 +141,36 @@ def upstream_family_names(text: str) -> list[str]:
 # --- log_stats off ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="class")
-async def off_handler() -> AsyncIterator[LLMHandler]:
+class OffEngine(SimpleNamespace):
+    log_stats: bool
+    logger_manager: object
+    text: str
+    """The scrape after one request."""
+
+
+@pytest.fixture(scope="module")
+async def off() -> OffEngine:
+    """An engine with log_stats off, one request through it, its scrape; stopped before any
+    log_stats-on engine starts (the on-engine's fixture asks for this one first)."""
     unregister_vllm_metrics()  # leftovers of engines other test modules started in this process
     handler = ThinkerHandler(engine_spec(log_stats=False), has_next=False)
     t0 = time.monotonic()
     await handler.start()
     print(f"\nlog_stats off: engine start {time.monotonic() - t0:.1f} s")
-    yield handler
-    await handler.stop()
+    try:
+        engine = handler.engine
+        await generate(engine, PROMPT_A, MAX_TOKENS_A)
+        return OffEngine(log_stats=engine.log_stats, logger_manager=engine.logger_manager, text=scrape())
+    finally:
+        await handler.stop()
 
 
 class TestLogStatsOff:
-    async def test_no_stat_logger_and_no_vllm_family(self, off_handler: LLMHandler) -> None:
-        engine = off_handler.engine
-        assert engine.log_stats is False
-        assert engine.logger_manager is None
-        await generate(engine, PROMPT_A, MAX_TOKENS_A)
-        text = scrape()
-        assert upstream_family_names(text) == []
-        assert samples(text) == []
-        LINE_COUNTS["off"] = len(text.splitlines())
-        LINE_COUNTS["off_vllm"] = sum(
-            1 for line in text.splitlines() if "vllm:" in line and "vllm:omni_" not in line
-        )
+    def test_no_stat_logger_and_no_vllm_family(self, off: OffEngine) -> None:
+        assert off.log_stats is False
+        assert off.logger_manager is None
+        assert upstream_family_names(off.text) == []
+        assert samples(off.text) == []
 
 
 # --- log_stats on -------------------------------------------------------------------------------
@@ -194,14 +203,76 @@ class LogLines(logging.Handler):
 
 class OnEngine(SimpleNamespace):
     handler: LLMHandler
-    counter: RecordCounter
+    counter: SimpleNamespace
+    """What reached the Prometheus logger by the end of the workload (``RecordCounter``'s counts)."""
     log_lines: LogLines
     workload_s: float
     text: str
+    """The scrape after the workload."""
+    off: OffEngine
+    after_burst: dict[str, float]
+    """Scheduler gauges once at rest after the workload (or as they stood after 10 s)."""
+    busy: dict[str, float]
+    """Scheduler gauges in a scrape taken while a long request ran."""
+    idle: dict[str, float]
+    """The same gauges once at rest after that request (or as they stood after 10 s)."""
+
+
+async def settled(want_requests: int, want_queries: int, timeout_s: float = 10.0) -> str:
+    """The scrape once the engine's Prometheus logger has recorded ``want_requests`` finished
+    requests (per-request iteration stats) and ``want_queries`` prefix-cache query tokens (the
+    throttled scheduler stats): a finished ``generate`` can return before the output handler
+    records its last outputs. After ``timeout_s`` the scrape as it stands (the tests then fail on
+    the counts)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = scrape()
+        ss = samples(text)
+        done = total(ss, "vllm:request_success_total") >= want_requests
+        if (done and total(ss, "vllm:prefix_cache_queries_total") >= want_queries) or (
+            time.monotonic() > deadline
+        ):
+            return text
+        await asyncio.sleep(0.05)
+
+
+GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+
+
+async def gauges_at_rest(timeout_s: float = 10.0) -> dict[str, float]:
+    """The scheduler gauges once all are 0, or as they stand after ``timeout_s``. An idle engine
+    runs no steps, so without the idle snapshot a gauge would keep its last busy value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ss = samples(scrape())
+        seen = {g: total(ss, g) for g in GAUGES}
+        if not any(seen.values()) or time.monotonic() > deadline:
+            return seen
+        await asyncio.sleep(0.05)
+
+
+async def gauges_while_busy(engine, timeout_s: float = 60.0) -> dict[str, float]:
+    """The scheduler gauges as a scrape shows them while a long request runs (one at a time, each
+    ``LONG_MAX`` tokens, until a scrape has shown the request running: the stats come at most
+    once a second)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        prompt = [11 + (13 * i) % 1500 for i in range(40)]
+        running = asyncio.create_task(generate(engine, prompt, LONG_MAX))
+        try:
+            while not running.done():
+                ss = samples(scrape())
+                seen = {g: total(ss, g) for g in GAUGES}
+                if seen["vllm:num_requests_running"] > 0:
+                    return seen
+                assert time.monotonic() < deadline, f"no scrape showed the request running: {seen}"
+                await asyncio.sleep(0.02)
+        finally:
+            await running
 
 
 @pytest.fixture(scope="class")
-async def on() -> AsyncIterator[OnEngine]:
+async def on(off: OffEngine) -> AsyncIterator[OnEngine]:
     probe = Gauge(PROBE, "Registered before the engine starts.", ["stage"], registry=OMNI_REGISTRY)
     probe.labels(stage="0").set(42)
     handler = ThinkerHandler(engine_spec(log_stats=True), has_next=False)
@@ -220,9 +291,23 @@ async def on() -> AsyncIterator[OnEngine]:
         counter = RecordCounter(proms[0])
         workload_s = await run_workload(handler.engine)
         print(f"log_stats on: workload of {N_REQUESTS} requests took {workload_s:.2f} s")
-        await asyncio.sleep(0.2)  # the output handler records the last outputs
+        text = await settled(N_REQUESTS, PROMPT_TOKENS)
+        seen = SimpleNamespace(scheduler_stats=counter.scheduler_stats, iterations=counter.iterations)
+        # then the gauges: at rest after the burst, seen moved while a request runs, and back at
+        # rest once the engine is idle again
+        after_burst = await gauges_at_rest()
+        busy = await gauges_while_busy(handler.engine)
+        idle = await gauges_at_rest()
         yield OnEngine(
-            handler=handler, counter=counter, log_lines=log_lines, workload_s=workload_s, text=scrape()
+            handler=handler,
+            counter=seen,
+            log_lines=log_lines,
+            workload_s=workload_s,
+            text=text,
+            off=off,
+            after_burst=after_burst,
+            busy=busy,
+            idle=idle,
         )
     finally:
         stats_logger.removeHandler(log_lines)
@@ -304,10 +389,14 @@ class TestLogStatsOn:
         assert c.scheduler_stats < c.iterations / 2
 
     def test_gauges_are_not_stale_after_the_burst(self, on: OnEngine) -> None:
-        ss = samples(on.text)
-        assert total(ss, "vllm:num_requests_running") == 0
-        assert total(ss, "vllm:num_requests_waiting") == 0
-        assert total(ss, "vllm:kv_cache_usage_perc") == 0
+        """The gauges moved while work ran (one request, its KV blocks in use) and an idle
+        engine, which runs no more steps and so no more 1 Hz emissions, shows them back at 0:
+        the idle snapshot came, after the workload and after the long request. (Waiting is not
+        seen moving here: the workload's requests rarely wait long enough for a 1 Hz emission.)"""
+        assert on.after_burst == dict.fromkeys(GAUGES, 0.0), on.after_burst
+        assert on.busy["vllm:num_requests_running"] == 1, on.busy
+        assert on.busy["vllm:kv_cache_usage_perc"] > 0, on.busy
+        assert on.idle == dict.fromkeys(GAUGES, 0.0), on.idle
 
     async def test_periodic_log_line_is_prefixed(self, on: OnEngine) -> None:
         deadline = time.monotonic() + 4 * LOG_INTERVAL_S
@@ -330,14 +419,21 @@ class TestLogStatsOn:
         assert [(s.labels, s.value) for s in probe] == [({"stage": "0"}, 42.0)]
 
     def test_line_counts(self, on: OnEngine) -> None:
-        LINE_COUNTS["on"] = len(on.text.splitlines())
-        LINE_COUNTS["on_vllm"] = sum(
-            1 for line in on.text.splitlines() if "vllm:" in line and "vllm:omni_" not in line
-        )
-        print(f"/metrics lines (exposition_registry, text format): {LINE_COUNTS}")
-        if "off" in LINE_COUNTS:
-            assert LINE_COUNTS["off_vllm"] == 0
-            assert LINE_COUNTS["on"] > LINE_COUNTS["off"] + LINE_COUNTS["on_vllm"] - 1
+        """log_stats off keeps /metrics small: every upstream line comes with log_stats on."""
+
+        def upstream(text: str) -> int:
+            return sum(1 for line in text.splitlines() if "vllm:" in line and "vllm:omni_" not in line)
+
+        counts = {
+            "off": len(on.off.text.splitlines()),
+            "off_vllm": upstream(on.off.text),
+            "on": len(on.text.splitlines()),
+            "on_vllm": upstream(on.text),
+        }
+        print(f"/metrics lines (exposition_registry, text format): {counts}")
+        assert counts["off_vllm"] == 0
+        assert counts["on_vllm"] > 0
+        assert counts["on"] >= counts["off"] + counts["on_vllm"]
 
 
 # --- every optional family, without an engine ---------------------------------------------------
