@@ -41,7 +41,8 @@ class _Sampling(_Request):
     max_tokens: int | None = None
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    """A signed 64-bit integer, as vLLM's own server takes it (a larger one cannot be encoded)."""
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

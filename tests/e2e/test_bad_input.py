@@ -21,9 +21,14 @@ def _post(http: httpx.Client, body: dict | str, path: str = "/v1/chat/completion
 
 
 def _assert_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    """``r`` is ``status`` in OpenAI's error shape (exactly message, type, param, code); a 400's
+    ``type`` is OpenAI's ``invalid_request_error``."""
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert set(err) >= {"message", "type", "param", "code"} and err["message"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    assert isinstance(err["type"], str) and err["type"], err
+    if status == 400:
+        assert err["type"] == "invalid_request_error", err
     if param is not None:
         assert err["param"] == param, err
     if code is not None:
@@ -35,14 +40,18 @@ def _msgs() -> list[dict]:
     return [{"role": "user", "content": "hi"}]
 
 
+INVALID = "invalid_request"
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param", "code"),
     [
-        ("{not json", 400, None, None),
+        ("{not json", 400, None, INVALID),
         ({"model": "nope", "messages": _msgs()}, 404, "model", "model_not_found"),
-        ({"model": "omni-tiny"}, 400, "messages", None),
-        ({"model": "omni-tiny", "messages": []}, 400, "messages", None),
-        ({"model": "omni-tiny", "messages": _msgs(), "max_tokens": -3}, 400, "max_tokens", None),
+        ({"model": "omni-tiny"}, 400, "messages", INVALID),
+        ({"model": "omni-tiny", "messages": []}, 400, "messages", INVALID),
+        ({"model": "omni-tiny", "messages": _msgs(), "max_tokens": -3}, 400, "max_tokens", INVALID),
+        ({"model": "omni-tiny", "messages": _msgs(), "max_tokens": 0}, 400, "max_tokens", INVALID),
         (
             {"model": "omni-tiny", "messages": _msgs(), "max_tokens": 10**9},
             400,
@@ -50,10 +59,22 @@ def _msgs() -> list[dict]:
             "context_length_exceeded",
         ),
         (
+            {"model": "omni-tiny", "messages": _msgs(), "max_completion_tokens": 0},
+            400,
+            "max_completion_tokens",
+            INVALID,
+        ),
+        (
+            {"model": "omni-tiny", "messages": _msgs(), "max_completion_tokens": 10**9},
+            400,
+            "max_completion_tokens",
+            "context_length_exceeded",
+        ),
+        (
             {"model": "omni-tiny", "messages": _msgs(), "modalities": ["text", "video"]},
             400,
             "modalities",
-            None,
+            "unsupported_modality",
         ),
         (
             {
@@ -64,16 +85,29 @@ def _msgs() -> list[dict]:
             },
             400,
             "audio.format",
-            None,
+            "unsupported_audio_format",
         ),
-        ({"model": "omni-tiny", "messages": _msgs(), "n": 2}, 400, "n", None),
+        ({"model": "omni-tiny", "messages": _msgs(), "n": 2}, 400, "n", INVALID),
         (
             {"model": "omni-tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             400,
-            None,
+            "messages.0.content.0.type",
             "unsupported_content",
         ),
-        ({"model": "omni-tiny", "messages": _msgs(), "temperature": 7}, 400, "temperature", None),
+        (
+            {"model": "omni-tiny", "messages": _msgs(), "tools": [{"type": "function"}]},
+            400,
+            "tools",
+            "unsupported_parameter",
+        ),
+        ({"model": "omni-tiny", "messages": _msgs(), "temperature": 7}, 400, "temperature", INVALID),
+        ({"model": "omni-tiny", "messages": _msgs(), "top_p": 0}, 400, "top_p", INVALID),
+        ({"model": "omni-tiny", "messages": _msgs(), "top_p": 1.5}, 400, "top_p", INVALID),
+        ({"model": "omni-tiny", "messages": _msgs(), "stop": 5}, 400, None, INVALID),
+        # vLLM's own OpenAI server takes a seed within a signed 64-bit integer.
+        ({"model": "omni-tiny", "messages": _msgs(), "seed": 2**63}, 400, "seed", INVALID),
+        ({"model": "omni-tiny", "messages": _msgs(), "seed": -(2**63) - 1}, 400, "seed", INVALID),
+        ({"model": "omni-tiny", "messages": _msgs(), "seed": 2**64}, 400, "seed", INVALID),
     ],
 )
 def test_bad_chat_request_is_rejected(http, body, status, param, code) -> None:
