@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import time
 import wave
 
 import httpx
@@ -12,6 +13,7 @@ import openai
 import pytest
 
 from libs.common.bus_state import request_record
+from libs.models.tiny import resolve_model
 
 pytestmark = pytest.mark.e2e
 
@@ -22,6 +24,22 @@ SAMPLES_PER_CODE = 480
 @pytest.fixture(scope="module")
 def client(stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(pipeline):
+    """The thinker's own tokenizer, loaded here with transformers: the reference for ``usage`` and
+    for the text of the returned token ids."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model(pipeline.stages[0].model))
+
+
+def chat_prompt_tokens(tokenizer, messages: list[dict]) -> int:
+    """Prompt tokens of ``messages`` after the model's chat template (README: what ``usage`` counts)."""
+    return len(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
 
 
 def expected_audio_samples(pipeline, completion_tokens: int) -> int:
@@ -41,26 +59,29 @@ def test_health_reports_every_stage(stack, pipeline) -> None:
     assert body["stages"] == {f"{i}:{s.name}": s.replicas for i, s in enumerate(pipeline.stages)}
 
 
-def test_chat_non_streaming_text(client, pipeline) -> None:
+def test_chat_non_streaming_text(client, pipeline, tokenizer) -> None:
+    messages = [{"role": "user", "content": "Tell me about the weather."}]
     r = client.chat.completions.create(
         model=pipeline.served_model_name,
-        messages=[{"role": "user", "content": "Tell me about the weather."}],
+        messages=messages,
         max_tokens=12,
         extra_body={"ignore_eos": True, "return_token_ids": True},
     )
     choice = r.choices[0]
-    assert r.id.startswith("chatcmpl-")
-    assert choice.finish_reason == "length"
-    assert choice.message.content
-    assert r.usage.completion_tokens == 12 == len(choice.model_extra["token_ids"])
+    ids = choice.model_extra["token_ids"]
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    assert choice.finish_reason == "length" and choice.message.role == "assistant"
+    assert choice.message.content == tokenizer.decode(ids, skip_special_tokens=True)
+    assert r.usage.completion_tokens == 12 == len(ids)
+    assert r.usage.prompt_tokens == chat_prompt_tokens(tokenizer, messages)
     assert r.usage.total_tokens == r.usage.prompt_tokens + 12
-    assert r.usage.prompt_tokens > 5  # chat template + message
 
 
-def test_chat_streaming_text_usage_matches_streamed_tokens(client, pipeline) -> None:
+def test_chat_streaming_text_usage_matches_streamed_tokens(client, pipeline, tokenizer) -> None:
+    messages = [{"role": "user", "content": "Hello there"}]
     stream = client.chat.completions.create(
         model=pipeline.served_model_name,
-        messages=[{"role": "user", "content": "Hello there"}],
+        messages=messages,
         max_tokens=20,
         stream=True,
         stream_options={"include_usage": True},
@@ -78,10 +99,11 @@ def test_chat_streaming_text_usage_matches_streamed_tokens(client, pipeline) -> 
     assert len(chunk_ids) == 1
     assert finish == "length"
     assert usage is not None and usage.completion_tokens == len(ids) == 20
-    assert "".join(text)
+    assert usage.prompt_tokens == chat_prompt_tokens(tokenizer, messages)
+    assert "".join(text) == tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def test_completions_non_streaming_and_streaming(client, pipeline) -> None:
+def test_completions_non_streaming_and_streaming(client, pipeline, tokenizer) -> None:
     r = client.completions.create(
         model=pipeline.served_model_name,
         prompt="Once upon a time",
@@ -89,6 +111,8 @@ def test_completions_non_streaming_and_streaming(client, pipeline) -> None:
         extra_body={"ignore_eos": True},
     )
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 7
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.usage.prompt_tokens == len(tokenizer("Once upon a time").input_ids)  # with its BOS
     stream = client.completions.create(
         model=pipeline.served_model_name,
         prompt="Once upon a time",
@@ -105,17 +129,22 @@ def test_completions_non_streaming_and_streaming(client, pipeline) -> None:
     assert usage.completion_tokens == len(ids) == 7
 
 
-def test_chat_audio_non_streaming_is_a_valid_wav_of_the_right_length(client, pipeline, stack) -> None:
+def test_chat_audio_non_streaming_is_a_valid_wav_of_the_right_length(client, pipeline, tokenizer) -> None:
     r = client.chat.completions.create(
         model=pipeline.served_model_name,
         messages=[{"role": "user", "content": "Say something."}],
         max_tokens=15,
         modalities=["text", "audio"],
         audio={"voice": "alloy", "format": "wav"},
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
     )
-    audio = r.choices[0].message.audio
-    assert audio is not None and audio.transcript
+    message = r.choices[0].message
+    audio = message.audio
+    assert audio is not None and message.content is None  # README: the text is the transcript
+    assert audio.transcript == tokenizer.decode(
+        r.choices[0].model_extra["token_ids"], skip_special_tokens=True
+    )
+    assert audio.id and audio.expires_at > time.time()
     with wave.open(io.BytesIO(base64.b64decode(audio.data))) as w:
         assert (w.getframerate(), w.getsampwidth(), w.getnchannels()) == (SAMPLE_RATE, 2, 1)
         frames = w.getnframes()
