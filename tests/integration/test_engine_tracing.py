@@ -44,15 +44,12 @@ from services.stage_worker.engine_core.step_tracing import (
     SPAN_LAST,
     STEP_SPAN_NAME,
 )
-from services.stage_worker.engine_core.tracing_config import (
-    ENGINE_SERVICE_NAME,
-    EngineTracing,
-    make_deterministic_sampler,
-)
+from services.stage_worker.engine_core.tracing_config import ENGINE_SERVICE_NAME, EngineTracing
 from services.stage_worker.handlers.llm import LLMHandler
 from services.stage_worker.handlers.thinker import ThinkerHandler
 from services.stage_worker.llm_engine import LLMEngineSpec
 from tests.otlp_receiver import Receiver, SpanRecord, start_receiver, tracing_in_this_process
+from tests.unit.test_step_tracing import documented_sample
 
 pytestmark = pytest.mark.integration
 
@@ -73,7 +70,6 @@ B = EngineTracing(
     sampler="sha1",
     seed=SEED,
 )
-JOURNEY = make_deterministic_sampler(SEED)  # the journey sampler of A (seed + 0), keyed by trace id
 TINY_KV = {"block_size": 32, "num_gpu_blocks_override": 12}
 """11 usable blocks of 32 tokens: 352 tokens for everything running."""
 LONG_PROMPT, LONG_MAX = 60, 150
@@ -183,12 +179,16 @@ def step_spans(otlp: Receiver, pid: int, timeout_s: float = 20.0) -> list[SpanRe
 
 
 def parents_in_trace(rate: float, want: bool, n: int) -> list[Span]:
-    """``n`` request spans whose trace the journey sampler does (``want``) or does not sample."""
+    """``n`` request spans whose trace the journey sampler must (``want``) or must not sample: by
+    the documented rule (sha1 of ``"<seed>:<trace id>"``, the journey sampler's seed being the
+    settings' own), computed in the test."""
     out: list[Span] = []
     while len(out) < n:
         span = request_span(f"omni.stage thinker #{len(out)}")
-        if JOURNEY(trace_hex(span), rate) == want:
+        if documented_sample(SEED, trace_hex(span), rate) == want:
             out.append(span)
+        else:
+            span.end()
     return out
 
 
