@@ -7,8 +7,8 @@ unacknowledged inputs), or the request's input still waited in the stream when t
 asked this worker to hold the request's chunks (the worker did not hold it yet, so it answered
 "not held", and the orchestrator moved the next stage with nothing to re-send). The record in
 the ``omni_requests`` bucket is written before any notice is sent, so a worker that reads it when
-it starts a request here catches up: it drops an input of an attempt its stage has moved past (or
-of a request that has ended), and sends its chunks to the next stage's current attempt.
+it starts a request here catches up: it drops an input of an attempt its stage has moved past, and
+sends its chunks to the next stage's current attempt.
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ class StartVerdict:
 def judge_start(rec: RequestRecord, stage: int, task: StageTask) -> StartVerdict:
     """The verdict on starting ``task`` (the first input of its request at this worker of ``stage``)
     given the request's record ``rec``."""
-    if rec.status.terminal:
-        return StartVerdict(drop=f"the request has ended ({rec.status.value})")
+    # A terminal status is no reason to drop: an older attempt's end can complete the record
+    # while the newer one, which the client waits for, has yet to start (a resync to the same
+    # replica: the old attempt winds down first; services/orchestrator/lifecycle.py).
     if stage < len(rec.stages) and rec.stages[stage].attempt > task.attempt:
         return StartVerdict(
             drop=f"attempt {task.attempt} is stale: the stage moved to attempt {rec.stages[stage].attempt}"
