@@ -194,6 +194,19 @@ async def until(check, timeout_s: float = 5.0):
     raise AssertionError(f"not within {timeout_s} s: {check.__doc__ or check}")
 
 
+async def noted_record(nc, request_id: str) -> RequestRecord:
+    """The request's record once its latest move is noted in it (the orchestrator notes the
+    attempt's phase and resumed tokens after it sent the moved input, so a record read as soon as
+    that input is in the stream may not have them yet)."""
+
+    async def noted() -> RequestRecord | None:
+        """the move's note in the record"""
+        rec = await record(nc, request_id)
+        return rec if rec.stages[0].attempts[-1].sent_ns is not None else None
+
+    return await until(noted, MOVE_WAIT_S)
+
+
 async def holding_replica(nc, request_id: str, other_than: int | None = None, timeout_s: float = 5.0) -> int:
     """The thinker replica whose input subject holds the request's task in the stream (what the
     workers would really be given, not what the record says), once there is one (other than
@@ -245,7 +258,7 @@ async def test_a_request_on_a_dead_replica_moves_with_what_the_client_has(
     # The moves as the workers would see them: the task held for the victim, then one attempt-2
     # task for the other replica. The record and the orchestrator's counts agree with that.
     moves = [(victim, other)]
-    rec = await record(nc, adm.request_id)
+    rec = await noted_record(nc, adm.request_id)
     assert [(a.attempt, a.replica) for a in rec.stages[0].attempts] == [(first.attempt, victim), (2, other)]
     assert [(a.reason, a.phase, a.resumed_tokens) for a in rec.stages[0].attempts] == [
         (None, None, 0),
@@ -279,7 +292,7 @@ async def test_past_its_migration_limit_a_request_fails_fast(orchestrator, nats_
     assert (ev.type, ev.status, ev.code) == (ClientEventType.ERROR, 503, "migration_limit")
     third = ({0, 1, 2} - {first, now_on}).pop()
     assert await stored(nc, third, adm.request_id) == [], "moved past its migration_limit"
-    rec = await record(nc, adm.request_id)
+    rec = await noted_record(nc, adm.request_id)
     assert (rec.status, rec.error) == ("failed", "migration_limit")
     for w in workers.values():
         await w.forget(nc)
@@ -318,7 +331,7 @@ async def test_a_request_on_a_stalled_replica_moves_after_the_stall_timeout(
         await asyncio.wait_for(questions.get(), 5)
     assert task.attempt == 2 and task.resume == CLIENT_HAS
     assert await stored(nc, victim, adm.request_id) == [], "the original is still in the stream"
-    rec = await record(nc, adm.request_id)
+    rec = await noted_record(nc, adm.request_id)
     # Judged by silence: reason stall (its connection stayed open), once.
     assert [(a.replica, a.reason) for a in rec.stages[0].attempts] == [(victim, None), (1 - victim, "stall")]
     for w in workers.values():
@@ -347,7 +360,7 @@ async def test_a_request_on_a_replica_whose_engine_hangs_moves_and_the_replica_i
     # hang: not judged before stall_timeout_s (1 s) minus that period.
     assert took >= 0.5, f"moved {took:.2f} s after the engine hung (stall_timeout_s: 1)"
     assert task.attempt == 2 and task.resume == CLIENT_HAS
-    rec = await record(nc, adm.request_id)
+    rec = await noted_record(nc, adm.request_id)
     assert [(a.replica, a.reason) for a in rec.stages[0].attempts] == [(victim, None), (other, "stall")]
     assert routed == [other, other], "a replica with a hung engine was routed to"
     for w in workers.values():
