@@ -11,6 +11,8 @@ the same install produces the same bytes every time.
   ``code_offset`` (code k <-> token id ``code_offset + k``).
 - ``tiny-code2wav``: a small seeded :class:`~libs.models.codec.CodecDecoder` (1024 codes,
   480 samples per code, 24 kHz mono).
+- ``tiny-snac``: the ``snac`` package's SNAC with the real 24 kHz structure and small widths
+  (:mod:`libs.models.tiny_snac`), saved as the real checkpoint is.
 
 The weights are random, so the outputs are meaningless; their shapes, timings and metrics are real.
 Models live under ``<cache>/models/<id>/`` with ``<cache>`` = ``$OMNIRELAY_CACHE_DIR`` or
@@ -36,9 +38,11 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 from transformers.utils import logging as hf_logging
 
 from libs.models.codec import CodecConfig, build_codec, save_codec
+from libs.models.tiny_snac import build_tiny_snac
 
 THINKER, TALKER, CODE2WAV = "tiny-thinker", "tiny-talker", "tiny-code2wav"
-TINY_MODELS = (THINKER, TALKER, CODE2WAV)
+TINY_SNAC = "tiny-snac"
+TINY_MODELS = (THINKER, TALKER, CODE2WAV, TINY_SNAC)
 
 CACHE_DIR_ENV = "OMNIRELAY_CACHE_DIR"
 FORMAT_VERSION = 1
@@ -207,6 +211,7 @@ BUILDERS: dict[str, Callable[[Path], None]] = {
     THINKER: _build_thinker,
     TALKER: _build_talker,
     CODE2WAV: _build_code2wav,
+    TINY_SNAC: build_tiny_snac,
 }
 
 

@@ -45,7 +45,7 @@ def test_generation_is_byte_identical(tiny: dict[str, Path], tmp_path: Path) -> 
     for model_id in TINY_MODELS:
         first, second = file_hashes(tiny[model_id]), file_hashes(again[model_id])
         assert first == second, model_id
-        assert MARKER_FILE in first and "model.safetensors" in first
+        assert MARKER_FILE in first and {"model.safetensors", "pytorch_model.bin"} & first.keys()
 
 
 def test_second_call_reuses_files(tiny: dict[str, Path]) -> None:
