@@ -428,21 +428,19 @@ def test_scraped_names_keep_their_colons(prom, traffic) -> None:
 
     prometheus_client 0.23-0.26 escapes ':' to '_' in OpenMetrics sample lines but not in their
     # HELP/# TYPE lines (prometheus/client_python#1177): every dashboard query would then be empty."""
-    mangled = eventually(
-        lambda: prom.query('count by (__name__) ({__name__=~"vllm_.+", job="omnirelay"})'), lambda v: not v, 3
-    )
+    want = {"vllm:omni_e2e_request_latency_s_count", "vllm:request_success_total", "vllm:omni_stage_info"}
+
+    def kept() -> set[str]:
+        rows = prom.query('count by (__name__) ({__name__=~"vllm:.+", job="omnirelay"})')
+        return {r["metric"]["__name__"] for r in rows}
+
+    # The traffic's families appear at the scrape after it: from then on, nothing may be mangled.
+    names = eventually(kept, lambda v: want <= v)
+    assert want <= names, names
+    mangled = prom.query('count by (__name__) ({__name__=~"vllm_.+", job="omnirelay"})')
     assert not mangled, "scraped as vllm_* instead of vllm:*: " + ", ".join(
         sorted(r["metric"]["__name__"] for r in mangled)[:10]
     )
-    kept = {
-        r["metric"]["__name__"]
-        for r in prom.query('count by (__name__) ({__name__=~"vllm:.+", job="omnirelay"})')
-    }
-    assert {
-        "vllm:omni_e2e_request_latency_s_count",
-        "vllm:request_success_total",
-        "vllm:omni_stage_info",
-    } <= kept, kept
 
 
 def test_finish_reasons_match_what_the_client_saw(prom, traffic, pipeline) -> None:
@@ -732,9 +730,9 @@ async def _reject_one(stack, pipeline, js, client: openai.AsyncOpenAI) -> bool:
 BUSY_TOKENS = 300
 """Tokens of the audio stream under the thinker that is killed."""
 TEXT_BUSY_TOKENS = 1200
-"""Tokens of the text stream beside it: long enough to be still under way when the audio stream's
-transcript (paced by the whole pipeline) has started on a loaded box (a 300-token one was at 277
-when the audio stream had 6 transcript deltas, 10 s in)."""
+"""Tokens of the text stream beside it, so the two share the thinker for the whole fault."""
+LEAD_TOKENS = 10
+"""Tokens each stream has had from the thinker when it is killed."""
 STALE_SEQ = 10_000
 """The ``seq`` of the stale event and chunk: past any the dead attempt sent (a chunk's
 ``Nats-Msg-Id`` then is new to the stream, which would drop a repeat before any worker saw it)."""
@@ -816,8 +814,9 @@ async def _stale_after_the_move(pipeline, nc: nats.NATS, rec: dict[str, Any], vi
 async def _kill_a_busy_thinker(
     stack, pipeline, nc: nats.NATS, client: openai.AsyncOpenAI, out: Events
 ) -> None:
-    """A streamed audio request and a text stream of ``BUSY_TOKENS`` tokens; once both have text,
-    ``kill -9`` the thinker replica the audio request runs on. Once it has moved, and while its
+    """A streamed audio request and a text stream of ``BUSY_TOKENS`` tokens; once the text stream
+    has text and the thinker has sent the talker ``LEAD_TOKENS`` of the audio request's tokens (seen
+    on the bus by a subscriber of our own), ``kill -9`` the thinker replica the audio request runs on. Once it has moved, and while its
     talker still works on it, the dead attempt's stale event and chunk are sent
     (``_stale_after_the_move``). Both streams complete; the launcher's replacement is awaited."""
     services = (await snapshot(stack.nats_url, pipeline))["services"]
@@ -843,14 +842,31 @@ async def _kill_a_busy_thinker(
             d = chunk.choices[0].delta if chunk.choices else None
             tokens[i] += bool(d and (d.content or (d.audio and d.audio.transcript)))
 
+    # The thinker's tokens of the audio request as the talker's input carries them: the client's
+    # transcript waits for the talker and code2wav, and once came after the thinker had finished.
+    to_talker: Counter[str] = Counter()
+
+    async def on_chunk(msg) -> None:
+        task = decode(StageTask, msg.data)
+        if task.kind == TaskKind.CHUNK:
+            to_talker[task.request_id] += len(task.token_ids)
+
+    sub = await nc.subscribe(Subjects(pipeline.name).stage_in(1, "*"), cb=on_chunk)
     streams = [asyncio.create_task(stream(i)) for i in (0, 1)]
-    # Generous: the audio stream's text waits for the talker, which shares two loaded cores (6 of
-    # 10 in 10 s once in a full run); the streams are long enough to still be under way.
     deadline = time.monotonic() + 60
-    while min(tokens) < 10 and time.monotonic() < deadline and not any(s.done() for s in streams):
+    # Only the audio request has a talker stage.
+    while (
+        (tokens[1] < LEAD_TOKENS or max(to_talker.values(), default=0) < LEAD_TOKENS)
+        and time.monotonic() < deadline
+        and not any(s.done() for s in streams)
+    ):
         await asyncio.sleep(0.025)
-    assert min(tokens) >= 10, f"the two streams did not both have text within 60 s: {tokens}"
-    rec = await request_record(stack.nats_url, ids[0])
+    await sub.unsubscribe()
+    assert tokens[1] >= LEAD_TOKENS and max(to_talker.values(), default=0) >= LEAD_TOKENS, (
+        f"within 60 s: text stream {tokens[1]} tokens, to the talker {dict(to_talker)}"
+    )
+    (audio_id,) = to_talker
+    rec = await request_record(stack.nats_url, audio_id)
     assert rec and not rec["stages"][0]["done_ns"], rec
     out.victim = rec["route"][0]
     await kill_confirmed(worker_pid(stack.proc.pid, 0, out.victim), "the thinker worker")
@@ -858,14 +874,14 @@ async def _kill_a_busy_thinker(
     # told the workers (the moved notice) and the gateway (its question fences the old attempt).
     deadline = time.monotonic() + 10
     while True:
-        rec = await request_record(stack.nats_url, ids[0])
+        rec = await request_record(stack.nats_url, audio_id)
         last = rec["stages"][0]["attempts"][-1]
         if last["attempt"] > 1 and last["sent_ns"]:
             break
         assert time.monotonic() < deadline, f"not moved within 10 s of the kill: {rec}"
         await asyncio.sleep(0.05)
     # The talker has taken the moved notice (it logs so): the dead attempt's chunks are stale there.
-    await stack.await_log(f"request {ids[0]}: stage 0 moved to attempt {last['attempt']}")
+    await stack.await_log(f"request {audio_id}: stage 0 moved to attempt {last['attempt']}")
     assert not streams[0].done() and not rec["stages"][1]["done_ns"], "the audio request ended too soon"
     await _stale_after_the_move(pipeline, nc, rec, out.victim)
     out.stale_sent = True
