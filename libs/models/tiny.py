@@ -13,6 +13,8 @@ the same install produces the same bytes every time.
   480 samples per code, 24 kHz mono).
 - ``tiny-snac``: the ``snac`` package's SNAC with the real 24 kHz structure and small widths
   (:mod:`libs.models.tiny_snac`), saved as the real checkpoint is.
+- ``tiny-orpheus``: a Llama with Orpheus TTS's tokenizer layout (Llama 3 specials, then
+  ``<custom_token_N>``) for tiny-snac's codebook (:mod:`libs.models.tiny_orpheus`).
 
 The weights are random, so the outputs are meaningless; their shapes, timings and metrics are real.
 Models live under ``<cache>/models/<id>/`` with ``<cache>`` = ``$OMNIRELAY_CACHE_DIR`` or
@@ -38,11 +40,13 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 from transformers.utils import logging as hf_logging
 
 from libs.models.codec import CodecConfig, build_codec, save_codec
+from libs.models.tiny_orpheus import build_tiny_orpheus
 from libs.models.tiny_snac import build_tiny_snac
 
 THINKER, TALKER, CODE2WAV = "tiny-thinker", "tiny-talker", "tiny-code2wav"
 TINY_SNAC = "tiny-snac"
-TINY_MODELS = (THINKER, TALKER, CODE2WAV, TINY_SNAC)
+TINY_ORPHEUS = "tiny-orpheus"
+TINY_MODELS = (THINKER, TALKER, CODE2WAV, TINY_SNAC, TINY_ORPHEUS)
 
 CACHE_DIR_ENV = "OMNIRELAY_CACHE_DIR"
 FORMAT_VERSION = 1
@@ -212,6 +216,7 @@ BUILDERS: dict[str, Callable[[Path], None]] = {
     TALKER: _build_talker,
     CODE2WAV: _build_code2wav,
     TINY_SNAC: build_tiny_snac,
+    TINY_ORPHEUS: build_tiny_orpheus,
 }
 
 
