@@ -153,6 +153,13 @@ class StageTask(_Envelope):
     """A chunk: the position of its first item (token of a text chunk, code of a code chunk) in
     what its sender produced for the request; a talker that takes a request over starts its
     code numbering from the offset of its first text chunk."""
+    context_before: int = Field(default=0, ge=0)
+    context_after: int = Field(default=0, ge=0)
+    """A code chunk: frames of context at the start and at the end of ``codes`` that are not the
+    chunk's own audio (its neighbours' frames, which a non-causal codec needs to decode the own
+    frames exactly as a whole-utterance decode would). The own frames are
+    ``codes[context_before : len(codes) - context_after]``; the first of them is frame ``offset``
+    of the request's code stream."""
     moved: bool = False
     """Set by the orchestrator on a stored input it sends again to the stage's new attempt after a
     move. The attempt before had taken that input, so the stage-0 fence (chunks of a thinker attempt
