@@ -487,7 +487,7 @@ def _set_affinity(pid: int, cores: set[int]) -> None:
             os.sched_setaffinity(tid, cores)
 
 
-def _is_engine(pid: int) -> bool:
+def is_engine(pid: int) -> bool:
     """True for vLLM's engine-side processes (``VLLM::EngineCore``, ``VLLM::Worker``)."""
     try:
         return Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::")
@@ -511,7 +511,7 @@ def isolate_engines(started: Sequence[Managed], engine_core: int) -> tuple[int, 
     if not others:
         return None
     pids = [os.getpid(), *(pid for m in started for pid in [m.proc.pid, *descendants(m.proc.pid)])]
-    engines = [pid for pid in pids if _is_engine(pid)]
+    engines = [pid for pid in pids if is_engine(pid)]
     for pid in pids:
         _set_affinity(pid, {engine_core} if pid in engines else others)
     return len(engines), len(pids) - len(engines)

@@ -451,6 +451,20 @@ def bench_faults(
     raise typer.Exit(run_fault_suite(only, keep_logs, mode.value))
 
 
+@app.command("bench-nice")
+def bench_nice(
+    rounds: Annotated[int, typer.Option(min=1, help="pairs of blocks (one at each nice value)")] = 3,
+    nice: Annotated[int, typer.Option(min=1, max=19, help="the engines' nice value compared with 0")] = 10,
+    block_s: Annotated[float, typer.Option("--block-s", min=10, help="seconds of load per block")] = 45.0,
+) -> None:
+    """What the engines' nice value gives the control plane under load and costs the engines:
+    alternating blocks of the same load at nice 0 and ``--nice`` on one stack (see
+    docs/reliability.md)."""
+    from benchmarks.engine_priority import run_nice_bench
+
+    raise typer.Exit(run_nice_bench(rounds, nice, block_s))
+
+
 @app.command("bench-chaos")
 def bench_chaos(
     minutes: Annotated[float, typer.Option(min=0.5, help="how long faults are injected, minutes")] = 10.0,

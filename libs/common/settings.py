@@ -86,6 +86,12 @@ class WorkerSettings(ServiceSettings):
     replica: int = Field(default=0, ge=0, description="replica id of this stage")
     metrics_port: int = Field(default=0, ge=0, le=65535, description="/metrics port (0: any free)")
     max_inflight: int = Field(default=128, ge=1, description="requests handled at once")
+    engine_nice: int = Field(
+        default=10,
+        ge=0,
+        le=19,
+        description="nice value of the engine's threads (vLLM's processes, the codec's decoding thread)",
+    )
     log_stats_interval_s: float = Field(
         default=5.0, gt=0, description="period of vLLM's stats log line (with --log-stats), seconds"
     )

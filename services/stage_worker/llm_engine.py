@@ -12,6 +12,7 @@ from libs.common import tracing
 from libs.common.pipeline import EngineArgs, PipelineConfig, StageConfig, StageType
 from services.stage_worker.engine_core.tracing_config import EngineTracing
 from services.stage_worker.engine_core.wait_plugin import WaitPolicy
+from services.stage_worker.talkers import engine_args as talker_engine_args
 
 if TYPE_CHECKING:
     from services.stage_worker.engine_core.tracing_config import EngineTracingConfig
@@ -45,6 +46,8 @@ class LLMEngineSpec:
     log_stats_interval_s: float
     cpu_core: int
     tracing: EngineTracing = field(default_factory=EngineTracing)
+    nice: int = 0
+    """Nice value of the engine's processes' threads (:mod:`~services.stage_worker.engine_priority`)."""
 
     @classmethod
     def for_replica(
@@ -56,6 +59,7 @@ class LLMEngineSpec:
         log_stats: bool = False,
         log_stats_interval_s: float = 5.0,
         tracing: EngineTracing | None = None,
+        nice: int = 0,
     ) -> LLMEngineSpec:
         """The engine of worker (``stage_id``, ``replica``), on its core (:func:`cpu_core_for`)."""
         return cls(
@@ -66,6 +70,7 @@ class LLMEngineSpec:
             log_stats_interval_s=log_stats_interval_s,
             cpu_core=cpu_core_for(pipeline, stage_id, replica),
             tracing=tracing or EngineTracing(),
+            nice=nice,
         )
 
     @property
@@ -191,6 +196,7 @@ def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
         "dtype": eng.dtype,
         "gpu_memory_utilization": eng.gpu_memory_utilization,
         "scheduler_cls": OMNI_SCHEDULER_CLS,
+        **talker_engine_args(spec.stage),
         **eng.extra,
         # Always True: with log_stats on, our custom loggers switch stats on in vLLM without its
         # default loggers (False would add a second, "Engine 000:" logging logger).

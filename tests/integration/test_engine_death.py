@@ -22,6 +22,7 @@ import pytest
 from benchmarks.harness import descendants
 from libs.common.envelopes import Liveness, Sampling, StageTask, TaskKind, decode
 from libs.common.publish import Hop, publish_task
+from libs.common.settings import WorkerSettings
 from libs.common.subjects import Subjects
 from services.stage_worker.progress import HUNG_AFTER_STALLS
 from services.stage_worker.worker import ENGINE_DEAD_EXIT_STATUS, ENGINE_HUNG_EXIT_STATUS
@@ -47,6 +48,16 @@ async def test_a_worker_whose_engine_core_is_killed_says_so_and_exits(nats_serve
     worker = start_service(["worker"], nats_server.url, path, tmp_path / "worker.log")
     try:
         core = await engine_core_of(worker)
+        # The engine yields to the control plane: every thread of its processes at the default
+        # nice value, the worker's own (its event loop) untouched.
+        engine = [core, *descendants(core)]
+        nices = {
+            t: os.getpriority(os.PRIO_PROCESS, int(t)) for p in engine for t in os.listdir(f"/proc/{p}/task")
+        }
+        assert set(nices.values()) == {WorkerSettings().engine_nice} and WorkerSettings().engine_nice > 0, (
+            nices
+        )
+        assert os.getpriority(os.PRIO_PROCESS, worker.proc.pid) == 0
         nc = await nats.connect(nats_server.url)
         try:
             alive = Subjects(PIPELINE).alive(0, 0)

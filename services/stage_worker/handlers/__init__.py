@@ -33,6 +33,7 @@ def make_handler(pipeline: PipelineConfig, settings: WorkerSettings) -> StageHan
             step_sample_rate=settings.step_tracing_sample_rate,
             rich_subsample_rate=settings.step_tracing_rich_subsample_rate,
         ),
+        nice=settings.engine_nice,
     )
     if stage.emits == Payload.TEXT:
         return ThinkerHandler(engine, has_next=stage_id + 1 < len(pipeline.stages))
