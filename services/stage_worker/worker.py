@@ -10,11 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections import deque
 
-import psutil
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 from opentelemetry import trace
@@ -37,7 +35,6 @@ from libs.common.envelopes import (
     AbortNotice,
     ClientEvent,
     ClientEventType,
-    Liveness,
     MalformedMessage,
     Replay,
     ReplayAsk,
@@ -58,10 +55,10 @@ from libs.common.settings import WorkerSettings
 from libs.common.subjects import Subjects, consumer_name, max_deliveries_advisory
 from libs.common.version import VERSION
 from services.stage_worker.attempt_marks import AttemptMarks
+from services.stage_worker.engine_health import EngineHealth
 from services.stage_worker.handlers import make_handler
 from services.stage_worker.handlers.base import StageError, StageHandler
 from services.stage_worker.inbox import Delivery
-from services.stage_worker.progress import HungEngineWatch
 from services.stage_worker.record_check import read_verdict
 from services.stage_worker.request_context import Bus, Identity, RequestContext
 from services.stage_worker.sent_events import SentEvents
@@ -73,16 +70,6 @@ CONSUMER_STATE_PERIOD_S = 2.0
 PULL_BATCH = 64
 """Messages asked of the stage consumer at a time (those beyond ``max_inflight`` requests wait
 in the backlog, kept alive by in-progress acks)."""
-ENGINE_CHECK_PERIOD_S = 0.5
-"""How often the worker checks that its engine lives and makes progress, seconds."""
-ENGINE_DEAD_EXIT_AFTER_S = 1.5
-"""A worker whose engine died exits this long after noticing, seconds: every orchestrator probes a
-busy replica every 0.5 s, so each sees the ``engine_dead`` answer first."""
-ENGINE_DEAD_EXIT_STATUS = 3
-"""Exit status of a worker whose engine died."""
-ENGINE_HUNG_EXIT_STATUS = 4
-"""Exit status of a worker whose engine made no progress with work for
-``HUNG_AFTER_STALLS × stall_timeout_s`` (:class:`~services.stage_worker.progress.HungEngineWatch`)."""
 
 
 class StageWorker:
@@ -123,11 +110,9 @@ class StageWorker:
         self._heartbeat: Heartbeat | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._consumer: PullConsumer | None = None
-        self._hang_watch = HungEngineWatch(
-            self.stage_cfg.stall_timeout_s, max_step_s=2 * ENGINE_CHECK_PERIOD_S
+        self.health = EngineHealth(
+            self.handler, self.stage_cfg.stall_timeout_s, lambda: len(self.active), self.label
         )
-        self._engine_dead_since: float | None = None
-        """When the engine was found dead (monotonic s); the worker exits soon after."""
 
     @property
     def label(self) -> str:
@@ -174,11 +159,13 @@ class StageWorker:
         await nc.subscribe(self.subjects.alive(self.me.stage, self.me.replica), cb=self._on_alive)
         await nc.subscribe(self.subjects.route(self.me.stage, self.me.replica), cb=self._on_route)
         await nc.subscribe(self.subjects.replay(self.me.stage, self.me.replica), cb=self._on_replay)
-        self._heartbeat = Heartbeat(await services_kv(js), record, lambda: len(self.active), self._liveness)
+        self._heartbeat = Heartbeat(
+            await services_kv(js), record, lambda: len(self.active), self.health.liveness
+        )
         await self._heartbeat.start()
         self._tasks = [
             asyncio.create_task(self._keep_alive_loop(), name="keep-alive"),
-            asyncio.create_task(self._engine_watch_loop(), name="engine-watch"),
+            asyncio.create_task(self.health.watch(), name="engine-watch"),
         ]
         if self.metrics.enabled:
             self._tasks.append(asyncio.create_task(self._consumer_state_loop(), name="consumer-state"))
@@ -388,7 +375,7 @@ class StageWorker:
             log.error("%s: request %s failed: %s", self.label, rid, e)
             await self._report_failure(ctx, e.status, e.code, str(e))
         except Exception as e:
-            if self._engine_died():  # not the request's fault: it moves with the replica's death
+            if self.health.engine_died():  # not the request's fault: it moves with the replica's death
                 ctx.abort(ENGINE_DEAD)
                 log.error("%s: request %s stopped: the engine died", self.label, rid)
                 return
@@ -467,63 +454,10 @@ class StageWorker:
         if self.metrics.enabled:
             self.metrics["vllm:omni_bus_dead_lettered"].labels(*self._labels).inc()
 
-    def _liveness(self) -> Liveness:
-        """What this worker's probe answer and heartbeat say about it now."""
-        p = self.handler.progress
-        return Liveness(
-            engine_dead=self._engine_dead_since is not None,
-            in_flight=len(self.active),
-            busy=p.busy,
-            progress=p.outputs,
-        )
-
     async def _on_alive(self, msg: Msg) -> None:
         """Answer a liveness probe: the answer itself says this event loop runs; its fields say
         whether the engine lives and makes progress (services/orchestrator/liveness.py)."""
-        await msg.respond(self._liveness().encode())
-
-    def _engine_died(self) -> bool:
-        """Whether the engine has died under this worker; the first time, say so in the log and
-        exit ``ENGINE_DEAD_EXIT_AFTER_S`` later (probes answer ``engine_dead`` meanwhile, the
-        launcher or compose starts the replica anew)."""
-        if self._engine_dead_since is not None:
-            return True
-        if not self.handler.engine_dead():
-            return False
-        self._exit_soon("the engine died", ENGINE_DEAD_EXIT_STATUS)
-        return True
-
-    def _exit_soon(self, why: str, status: int) -> None:
-        """Leave ``ENGINE_DEAD_EXIT_AFTER_S`` from now with ``status``, taking the engine's
-        processes along (a hung one would outlive this process); probes answer ``engine_dead``
-        meanwhile, so the orchestrators move what this replica holds at once."""
-        self._engine_dead_since = time.monotonic()
-        log.critical(
-            "%s: %s; exiting in %.1f s (exit status %d) so that this replica is started anew",
-            self.label,
-            why,
-            ENGINE_DEAD_EXIT_AFTER_S,
-            status,
-        )
-        asyncio.get_running_loop().call_later(ENGINE_DEAD_EXIT_AFTER_S, _exit_with_children, status)
-
-    async def _engine_watch_loop(self) -> None:
-        """Notice an engine that died while nothing ran on it, or that hangs: no output while it
-        has work for ``HUNG_AFTER_STALLS × stall_timeout_s`` (the orchestrators have moved its
-        requests after one ``stall_timeout_s``; this replica then starts anew)."""
-        watch = self._hang_watch
-        last = time.monotonic()
-        while not self._engine_died():
-            await asyncio.sleep(ENGINE_CHECK_PERIOD_S)
-            now = time.monotonic()
-            watch.observe(self.handler.progress, now - last)
-            last = now
-            if watch.hung:
-                self._exit_soon(
-                    f"the engine produced nothing for {watch.flat_s:.1f} s while it had work",
-                    ENGINE_HUNG_EXIT_STATUS,
-                )
-                return
+        await msg.respond(self.health.liveness().encode())
 
     async def _on_replay(self, msg: Msg) -> None:
         """A gateway lost some of the client events this worker sent: send them again."""
@@ -595,7 +529,7 @@ class StageWorker:
                 log.info(
                     "%s: request %s moved to another replica; stopping it here", self.label, notice.request_id
                 )
-                self._hang_watch.moved_away()
+                self.health.hang_watch.moved_away()
                 entry[0].abort(notice.reason)
                 entry[1].cancel()
             return
@@ -612,14 +546,6 @@ def reroute(ctx: RequestContext, change: RouteChange) -> None:
         ctx.hold_now()
     else:
         ctx.release(change.stage, change.replica, change.attempt, change.start_seq)
-
-
-def _exit_with_children(status: int) -> None:
-    """Kill this process's descendants (``SIGKILL`` ends a stopped one too), then exit."""
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            child.kill()
-    os._exit(status)
 
 
 def _stored_ns(msg: Msg) -> int | None:

@@ -24,8 +24,8 @@ from libs.common.envelopes import Liveness, Sampling, StageTask, TaskKind, decod
 from libs.common.publish import Hop, publish_task
 from libs.common.settings import WorkerSettings
 from libs.common.subjects import Subjects
+from services.stage_worker.engine_health import ENGINE_DEAD_EXIT_STATUS, ENGINE_HUNG_EXIT_STATUS
 from services.stage_worker.progress import HUNG_AFTER_STALLS
-from services.stage_worker.worker import ENGINE_DEAD_EXIT_STATUS, ENGINE_HUNG_EXIT_STATUS
 from tests.procs import THINKER_YAML, ServiceProcess, gone, start_service, write_pipeline
 
 pytestmark = pytest.mark.integration
