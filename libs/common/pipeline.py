@@ -50,6 +50,59 @@ class Chunking(_Strict):
     codes: int = Field(default=25, ge=1, le=100_000)
 
 
+class TalkerProtocolName(StrEnum):
+    """How a talker turns text chunks into codec codes (``services/stage_worker/talkers``)."""
+
+    TINY = "tiny"
+    ORPHEUS = "orpheus"
+
+
+TALKER_VOICES: dict[TalkerProtocolName, tuple[str, ...]] = {
+    TalkerProtocolName.TINY: (),
+    TalkerProtocolName.ORPHEUS: ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe"),
+}
+"""The voices each protocol knows (the first is its default); ``tiny`` takes none."""
+
+
+class TalkerSampling(_Strict):
+    """Sampling overrides of a talker; unset fields keep the protocol's defaults
+    (``tiny``: vLLM's, 1.0 each; ``orpheus``: temperature 0.6, top_p 0.8, repetition_penalty 1.3)."""
+
+    temperature: float | None = Field(default=None, ge=0, le=10)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+
+
+class TalkerConfig(_Strict):
+    """The talker protocol of an ``llm`` stage that emits ``codec_codes``."""
+
+    protocol: TalkerProtocolName = TalkerProtocolName.TINY
+    voice: str | None = Field(
+        default=None, description="default voice of the stage's requests; one of the protocol's voices"
+    )
+    sampling: TalkerSampling = TalkerSampling()
+    max_frames_per_char: float = Field(
+        default=2.0,
+        gt=0,
+        le=100,
+        description="orpheus: cap of a text chunk's codec frames per character of its text (2.0 frames "
+        "= 0.17 s at SNAC 24 kHz's 11.7 frames/s); the cap ends the chunk's speech on a frame boundary",
+    )
+    min_frames: int = Field(
+        default=12, ge=1, le=100_000, description="orpheus: the cap is at least this many frames"
+    )
+
+    @model_validator(mode="after")
+    def _check_voice(self) -> TalkerConfig:
+        voices = TALKER_VOICES[self.protocol]
+        if self.voice is not None and self.voice not in voices:
+            known = ", ".join(voices) if voices else "none"
+            raise ValueError(
+                f"voice '{self.voice}' is not a voice of protocol '{self.protocol.value}' ({known})"
+            )
+        return self
+
+
 class EngineArgs(_Strict):
     """Engine settings for ``llm`` stages (passed to vLLM's ``AsyncEngineArgs``)."""
 
@@ -92,6 +145,10 @@ class StageConfig(_Strict):
     chunking: Chunking = Chunking()
     codes_per_token: int = Field(
         default=4, ge=1, le=64, description="talker: codec codes generated per input text token (exactly)"
+    )
+    talker: TalkerConfig = Field(
+        default=TalkerConfig(),
+        description="llm stages emitting codec_codes: the talker protocol, its default voice and sampling",
     )
     engine: EngineArgs = EngineArgs()
     stall_timeout_s: float = Field(
@@ -141,6 +198,15 @@ class PipelineConfig(_Strict):
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be unique, got {names}")
         for i, s in enumerate(self.stages):
+            is_talker = s.type == StageType.LLM and s.emits == Payload.CODEC_CODES
+            if "talker" in s.model_fields_set and not is_talker:
+                raise ValueError(f"stages[{i}].talker: only an llm stage that emits codec_codes has a talker")
+            has_codec_next = i + 1 < len(self.stages) and self.stages[i + 1].type == StageType.CODEC
+            if is_talker and s.talker.protocol != TalkerProtocolName.TINY and not has_codec_next:
+                raise ValueError(
+                    f"stages[{i}].talker.protocol '{s.talker.protocol.value}' reads its codebook size "
+                    f"from the codec stage after it, and stages[{i + 1}] is not one"
+                )
             if s.type == StageType.CODEC and (s.consumes, s.emits) != (
                 Payload.CODEC_CODES,
                 Payload.AUDIO,

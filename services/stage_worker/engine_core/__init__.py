@@ -10,6 +10,9 @@ vLLM imports it there:
   events, ``scheduler_steps`` span and read-only KV helpers, driven by the scheduler.
 - :mod:`.tracing_config` — the tracing settings that travel from the worker in
   ``additional_config`` and the samplers; read on both sides of the process boundary.
+- :mod:`.frame_logits` — the per-position constraint of a talker's codec frames (a vLLM v1 logits
+  processor, ``AsyncEngineArgs(logits_processors=...)``, for the ``orpheus`` talker protocol); the
+  process that samples.
 - :mod:`.wait_plugin` — how the engine processes wait on their queues (a ``vllm.general_plugins``
   entry point, loaded by vLLM in EngineCore and Worker alike).
 

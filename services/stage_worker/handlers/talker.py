@@ -1,12 +1,11 @@
-"""The talker: an ``llm`` stage that turns each text chunk into codec codes (its output is
-restricted to the codec-code token range) and forwards them in chunks of ``chunking.codes``."""
+"""The talker: an ``llm`` stage that turns each text chunk into codec codes through the stage's
+talker protocol (:mod:`services.stage_worker.talkers`: the prompt, sampling and stop of each text
+chunk, and how output tokens become codes) and forwards them in chunks of ``chunking.codes``."""
 
 from __future__ import annotations
 
-import json
 import zlib
 from collections import deque
-from pathlib import Path
 
 import numpy as np
 
@@ -16,19 +15,7 @@ from services.stage_worker.handlers.llm import LLMHandler
 from services.stage_worker.inbox import Delivery
 from services.stage_worker.llm_engine import LLMEngineSpec
 from services.stage_worker.request_context import RequestContext
-
-TALKER_VOCAB_FILE = "omnirelay_talker.json"
-"""File in the talker's model dir: ``{"code_offset": int, "num_codes": int}``."""
-
-
-def load_code_range(model_dir: str) -> tuple[int, int]:
-    """(code_offset, num_codes) of a talker model: code k is token id ``code_offset + k``."""
-    path = Path(model_dir) / TALKER_VOCAB_FILE
-    try:
-        meta = json.loads(path.read_text())
-        return int(meta["code_offset"]), int(meta["num_codes"])
-    except (OSError, ValueError, KeyError) as e:
-        raise SystemExit(f"talker model {model_dir}: cannot read {TALKER_VOCAB_FILE}: {e}") from None
+from services.stage_worker.talkers import TalkerProtocol, make_protocol
 
 
 def chunk_seed(task: StageTask) -> int:
@@ -41,12 +28,10 @@ def chunk_seed(task: StageTask) -> int:
 class TalkerHandler(LLMHandler):
     def __init__(self, spec: LLMEngineSpec) -> None:
         super().__init__(spec)
-        self._offset = 0
-        self._allowed: list[int] = []
+        self.protocol: TalkerProtocol | None = None
 
     async def start(self) -> None:
-        self._offset, num_codes = load_code_range(self.model_path)
-        self._allowed = list(range(self._offset, self._offset + num_codes))
+        self.protocol = make_protocol(self._spec.pipeline, self._spec.stage_id, self.model_path)
         await super().start()
 
     def first_chunk_seq(self, task: StageTask) -> int:
@@ -64,9 +49,7 @@ class TalkerHandler(LLMHandler):
         acknowledged only once every code made from it has been sent: the text chunks left in the
         stream when this replica dies are exactly those a successor must redo, and it can tell
         from the first one's ``offset`` where the code chunks stand."""
-        from vllm import SamplingParams
         from vllm.inputs import tokens_input
-        from vllm.sampling_params import RequestOutputKind
 
         chunker: CodeChunker | None = None
         unsent: deque[tuple[Delivery, int]] = deque()
@@ -76,21 +59,15 @@ class TalkerHandler(LLMHandler):
             if chunker is None:  # the first text chunk of this attempt
                 chunker = self._chunker(d.task)
                 req.continue_from(chunker.next_seq)
-            n = len(d.task.token_ids) * self._stage.codes_per_token
+            talk = self.protocol.request(d.task.text, d.task.token_ids, seed=chunk_seed(d.task))
+            n = talk.max_codes if talk is not None else 0
             unsent.append((d, (d.task.offset * self._stage.codes_per_token) + n))
-            if n:
-                params = SamplingParams(
-                    max_tokens=n,
-                    min_tokens=n,
-                    seed=chunk_seed(d.task),
-                    allowed_token_ids=self._allowed,
-                    detokenize=False,
-                    output_kind=RequestOutputKind.DELTA,
-                )
-                prompt = tokens_input(d.task.token_ids)
+            if talk is not None:
+                prompt = tokens_input(talk.prompt_token_ids)
                 sub_id = f"{req.request_id}-{d.task.seq}" + (f"-a{req.attempt}" if req.attempt > 1 else "")
-                async for out in self.generate(prompt, params, sub_id, req.span):
-                    codes = [t - self._offset for t in out.outputs[0].token_ids]
+                stream = self.protocol.code_stream()
+                async for out in self.generate(prompt, talk.params, sub_id, req.span):
+                    codes = stream.feed(out.outputs[0].token_ids).tolist()
                     for seq, chunk in chunker.feed(codes):
                         await req.downstream(
                             codes=NdArray.of(np.asarray(chunk, dtype=np.int32)), offset=seq * chunker.size

@@ -1,0 +1,139 @@
+"""Per-position constraint of a talker's audio tokens: a vLLM v1 logits processor (engine process).
+
+A talker that emits codec frames of ``frame_size`` tokens (Orpheus: 7 SNAC tokens per frame) must
+give code2wav, at audio position ``i`` of its response, a token of that position's block:
+``[first_audio + (i mod frame_size) * codebook_size, ... + codebook_size)``. A real model
+mostly does; random weights (the tiny models) never do. This processor makes it a rule instead of a
+hope, per request, inside the engine, before vLLM's penalties, temperature and top-p see the logits:
+
+- at position ``i`` only the ``codebook_size`` tokens of block ``i mod frame_size`` may be sampled;
+- the stop token (Orpheus: end_of_speech) may be sampled only on a frame boundary, once the response
+  holds at least ``min_frames`` frames, so every response is whole frames;
+- at ``max_frames`` frames the stop token is the only choice: the cap ends the response with the
+  same token a model's own stop does, on a frame boundary.
+
+The rule travels in ``SamplingParams.extra_args[EXTRA_ARGS_KEY]`` (a dict of :class:`FrameRule`'s
+fields); requests without it are left alone. The worker names this class to vLLM by string
+(``AsyncEngineArgs(logits_processors=[FRAME_LOGITS_PROCESSOR])``) and vLLM builds one instance per
+engine in the process that samples. With asynchronous scheduling vLLM keeps a placeholder in a
+request's output token list for each token still in flight, so the list's length is the position of
+the token being sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.config import VllmConfig
+
+EXTRA_ARGS_KEY = "omnirelay_frames"
+FRAME_LOGITS_PROCESSOR = f"{__name__}:FrameLogitsProcessor"
+"""How the worker names the processor to vLLM (``<module>:<class>``)."""
+
+
+@dataclass(frozen=True)
+class FrameRule:
+    """Which token ids one request may sample at each position of its response."""
+
+    first_audio: int
+    """Token id of code 0 at frame position 0."""
+    codebook_size: int
+    """Codes per block; block ``p`` (frame position ``p``) starts at ``first_audio + p * codebook_size``."""
+    frame_size: int
+    """Audio tokens per frame."""
+    stop_id: int
+    """The token that ends the response (only on a frame boundary)."""
+    max_frames: int
+    """Frames after which the stop token is forced."""
+    min_frames: int = 1
+    """Frames before which the stop token is not allowed."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{EXTRA_ARGS_KEY}.{f.name} must be a non-negative integer, got {value!r}")
+        if self.codebook_size < 1 or self.frame_size < 1 or self.max_frames < 1:
+            raise ValueError(f"{EXTRA_ARGS_KEY}: codebook_size, frame_size and max_frames must be at least 1")
+        if self.min_frames > self.max_frames:
+            raise ValueError(f"{EXTRA_ARGS_KEY}: min_frames {self.min_frames} > max_frames {self.max_frames}")
+        audio_end = self.first_audio + self.frame_size * self.codebook_size
+        if self.first_audio <= self.stop_id < audio_end:
+            raise ValueError(f"{EXTRA_ARGS_KEY}: stop_id {self.stop_id} lies inside the audio tokens")
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> FrameRule | None:
+        """The rule a request carries, or None."""
+        raw = (params.extra_args or {}).get(EXTRA_ARGS_KEY)
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{EXTRA_ARGS_KEY} must be a mapping, got {type(raw).__name__}")
+        try:
+            return cls(**raw)
+        except TypeError as e:
+            raise ValueError(f"{EXTRA_ARGS_KEY}: {e}") from None
+
+    def allowed(self, position: int) -> tuple[int, int, bool]:
+        """At response position ``position`` (0-based): ``(lo, hi, stop_ok)``, the audio ids
+        ``[lo, hi)`` and whether the stop token may be sampled."""
+        frame, slot = divmod(position, self.frame_size)
+        if frame >= self.max_frames:
+            return 0, 0, True
+        lo = self.first_audio + slot * self.codebook_size
+        return lo, lo + self.codebook_size, slot == 0 and frame >= self.min_frames
+
+    def to_extra_args(self) -> dict[str, Any]:
+        """``SamplingParams.extra_args`` carrying this rule."""
+        return {EXTRA_ARGS_KEY: {f.name: getattr(self, f.name) for f in fields(self)}}
+
+
+class FrameLogitsProcessor(LogitsProcessor):
+    """Masks, for each request carrying a :class:`FrameRule`, every token its position does not
+    allow (one vectorised mask per step, whatever the batch)."""
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
+        self._device = device
+        self._rows: dict[int, tuple[FrameRule, Sequence[int]]] = {}
+        """Batch row -> (rule, the request's live output token list)."""
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        FrameRule.of(sampling_params)
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        def new_row(params: SamplingParams, _prompt: list[int] | None, output: list[int]):
+            rule = FrameRule.of(params)
+            return None if rule is None else (rule, output)
+
+        process_dict_updates(self._rows, batch_update, new_row)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self._rows:
+            return logits
+        rows, bounds, stops = [], [], []
+        for row, (rule, output) in self._rows.items():
+            lo, hi, stop_ok = rule.allowed(len(output))
+            rows.append(row)
+            bounds.append((lo, hi))
+            stops.append((rule.stop_id, stop_ok))
+        row_idx = torch.tensor(rows, device=logits.device)
+        lo_hi = torch.tensor(bounds, device=logits.device)
+        vocab = torch.arange(logits.shape[1], device=logits.device)
+        keep = (vocab >= lo_hi[:, :1]) & (vocab < lo_hi[:, 1:])
+        stop_ids = torch.tensor([s for s, _ in stops], device=logits.device)
+        stop_ok = torch.tensor([ok for _, ok in stops], device=logits.device)
+        keep[torch.arange(len(rows), device=logits.device), stop_ids] = stop_ok
+        logits[row_idx] = logits[row_idx].masked_fill(~keep, float("-inf"))
+        return logits
