@@ -62,6 +62,7 @@ def test_the_family_comes_from_the_model_directory(model_dirs: dict[str, Path], 
         (3, 3),
     )
     assert snac.codebook_sizes == (256,) * 7
+    assert tiny.max_batch_chunks == snac.max_batch_chunks == 1  # on a CPU (docs/models.md)
     (tmp_path / "config.json").write_text('{"model_type": "mimi"}')
     with pytest.raises(ValueError, match="neither SNAC's"):
         load_codec_adapter(tmp_path)
@@ -130,7 +131,7 @@ async def test_chunks_that_wait_together_decode_in_one_pass(tiny: TinyCodecAdapt
     rng = np.random.default_rng(2)
     chunks = [CodeChunk(rng.integers(0, 1024, 4), first, 0, 0) for first in (0, 100, 200, 300)]
     with ThreadPoolExecutor(1) as pool:
-        batcher = DecodeBatcher(codec, pool)
+        batcher = DecodeBatcher(codec, pool, max_batch=16)
         first = asyncio.create_task(batcher.decode(chunks[0]))
         await _until(codec.started)
         rest = [asyncio.create_task(batcher.decode(c)) for c in chunks[1:]]
@@ -148,7 +149,7 @@ async def test_a_bad_chunk_fails_only_its_request_and_a_gone_one_is_skipped(tiny
     bad = CodeChunk(np.array([1, 2, 5000]), 40)
     gone = CodeChunk(np.arange(3), 80)
     with ThreadPoolExecutor(1) as pool:
-        batcher = DecodeBatcher(codec, pool)
+        batcher = DecodeBatcher(codec, pool, max_batch=16)
         first = asyncio.create_task(batcher.decode(good))
         await _until(codec.started)
         waiting = [asyncio.create_task(batcher.decode(c)) for c in (good, bad, gone)]

@@ -63,6 +63,9 @@ class CodecAdapter(ABC):
     context: tuple[int, int]
     """Frames of context (before, after) a chunk needs for its own frames to decode exactly as in a
     whole-utterance decode; the talker sends them (``StageTask.context_before``/``_after``)."""
+    max_batch_chunks: int
+    """Chunks code2wav's batcher puts in one forward pass at most: 1 where a shared pass does not
+    pay (docs/models.md has the measurements)."""
 
     @property
     def codes_per_frame(self) -> int:

@@ -1,10 +1,11 @@
 """Cross-request batching for code2wav: chunks that wait together decode in one forward pass.
 
 There is no batching window: a chunk that arrives while the decoder is idle is decoded at once,
-alone; chunks that arrive while a decode runs wait, and the next decode takes all of them (up to
-:data:`MAX_BATCH_CHUNKS`). An idle worker adds no latency, a busy one amortises each forward pass
-over every request that has a chunk ready. Each request awaits its chunk's audio before it takes
-its next chunk, so a request's chunks stay in order.
+alone; chunks that arrive while a decode runs wait, and the next decode takes them together, up to
+the codec's ``max_batch_chunks`` (1 on a CPU, where a shared pass was measured not to pay). An idle
+worker adds no latency; a busy one shares each forward pass among the requests that have a chunk
+ready. Each request awaits its chunk's audio before it takes its next chunk, so a request's chunks
+stay in order.
 """
 
 from __future__ import annotations
@@ -16,17 +17,16 @@ import numpy as np
 
 from services.stage_worker.codecs.base import CodecAdapter, CodeChunk
 
-MAX_BATCH_CHUNKS = 16
-"""Chunks one forward pass takes at most (bounds the pass's memory and the wait of the last one)."""
-
 
 class DecodeBatcher:
-    """Decodes chunks for many concurrent requests of one worker, in ``executor`` (one thread)."""
+    """Decodes chunks for many concurrent requests of one worker, in ``executor`` (one thread);
+    ``max_batch`` caps the chunks of one pass (default: the codec's ``max_batch_chunks``)."""
 
-    def __init__(self, codec: CodecAdapter, executor: Executor, max_batch: int = MAX_BATCH_CHUNKS) -> None:
+    def __init__(self, codec: CodecAdapter, executor: Executor, max_batch: int | None = None) -> None:
         self._codec = codec
         self._executor = executor
-        self._max_batch = max_batch
+        self._max_batch = max_batch or codec.max_batch_chunks
+        """Chunks one pass takes at most (the codec's ``max_batch_chunks`` unless given)."""
         self._waiting: list[tuple[CodeChunk, asyncio.Future[np.ndarray]]] = []
         self._runner: asyncio.Task[None] | None = None
         self.passes = 0

@@ -43,6 +43,10 @@ VQ_STRIDES = [4, 2, 1]
 """The layer strides (in hops) the 7-code frame layout is made for: SNAC 24 kHz's."""
 CONTEXT_FRAMES = (3, 3)
 """Frames of context (before, after) a chunk needs for its own frames to decode exactly."""
+GPU_MAX_BATCH_CHUNKS = 16
+"""Chunks per forward pass on a GPU, where one pass's cost hardly grows with the batch. On a CPU a
+pass takes one chunk: there the decoder is bound by arithmetic and memory traffic, and a batch of
+4 or 16 was measured as slow as or slower than the same chunks one by one (docs/models.md)."""
 NOISE_SEED = 0x5EED_0000
 """Frame ``f``'s noise comes from a generator seeded with ``NOISE_SEED + f``."""
 
@@ -137,6 +141,7 @@ class SnacCodecAdapter(CodecAdapter):
         self.samples_per_frame = int(model.vq_strides[0] * math.prod(model.decoder_rates))
         self.codebook_sizes = (int(model.codebook_size),) * len(LAYER_OF_POSITION)
         self.context = CONTEXT_FRAMES
+        self.max_batch_chunks = GPU_MAX_BATCH_CHUNKS if self._device.type == "cuda" else 1
 
     @classmethod
     def load(cls, directory: Path | str) -> SnacCodecAdapter:

@@ -30,6 +30,7 @@ class TinyCodecAdapter(CodecAdapter):
         self.samples_per_frame = model.cfg.samples_per_code
         self.codebook_sizes = (model.cfg.num_codes,)
         self.context = (0, 0)
+        self.max_batch_chunks = 1
 
     @classmethod
     def load(cls, directory: Path | str) -> TinyCodecAdapter:
