@@ -32,7 +32,10 @@ class Code2WavHandler(StageHandler):
         import torch
 
         torch.set_num_threads(1)
-        codec = load_codec_adapter(resolve_model(self._stage.model))
+        try:
+            codec = load_codec_adapter(resolve_model(self._stage.model))
+        except ValueError as e:  # no codec family claims the directory: stop with the reason
+            raise SystemExit(f"stage '{self._stage.name}': {e}") from None
         self._batcher = DecodeBatcher(codec, self._pool)
         self.sample_rate = codec.sample_rate
 
