@@ -20,7 +20,7 @@ from libs.common.envelopes import ClientEventType, NdArray, StageTask, TaskKind
 from libs.common.pipeline import StageConfig
 from libs.models.codec import decode_to_pcm16, load_codec
 from libs.models.tiny import BUILDERS, CODE2WAV, TINY_SNAC
-from services.stage_worker.codecs import CodeChunk, load_codec_adapter
+from services.stage_worker.codecs import CodeChunk, codec_class, load_codec_adapter
 from services.stage_worker.codecs.batcher import DecodeBatcher
 from services.stage_worker.codecs.snac import SnacCodecAdapter
 from services.stage_worker.codecs.tiny import TinyCodecAdapter
@@ -63,6 +63,8 @@ def test_the_family_comes_from_the_model_directory(model_dirs: dict[str, Path], 
     )
     assert snac.codebook_sizes == (256,) * 7
     assert tiny.max_batch_chunks == snac.max_batch_chunks == 1  # on a CPU (docs/models.md)
+    assert codec_class(model_dirs[TINY_SNAC]).context == (3, 3)  # from config.json alone
+    assert codec_class(model_dirs[CODE2WAV]).context == (0, 0)
     (tmp_path / "config.json").write_text('{"model_type": "mimi"}')
     with pytest.raises(ValueError, match="neither SNAC's"):
         load_codec_adapter(tmp_path)

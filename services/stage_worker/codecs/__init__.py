@@ -2,8 +2,8 @@
 
 :class:`~services.stage_worker.codecs.base.CodecAdapter` is the interface (sample rate, samples
 per frame, codebook size per position, context frames, single and batched decode);
-:func:`load_codec_adapter` picks the family from the model directory, so the pipeline file needs no
-field for it:
+:func:`codec_class` tells the family from the model directory's ``config.json`` and
+:func:`load_codec_adapter` loads it, so the pipeline file needs no field for it:
 
 - ``snac`` (:mod:`~services.stage_worker.codecs.snac`): a SNAC checkpoint, ``config.json`` with
   ``vq_strides`` beside ``pytorch_model.bin`` (``hubertsiuzdak/snac_24khz``, ``tiny-snac``);
@@ -20,12 +20,13 @@ from services.stage_worker.codecs.base import CodecAdapter, CodeChunk
 from services.stage_worker.codecs.snac import SnacCodecAdapter
 from services.stage_worker.codecs.tiny import TinyCodecAdapter
 
-__all__ = ["CodeChunk", "CodecAdapter", "load_codec_adapter"]
+__all__ = ["CodeChunk", "CodecAdapter", "codec_class", "load_codec_adapter"]
 
 
-def load_codec_adapter(model_dir: Path | str) -> CodecAdapter:
-    """The adapter of the codec in ``model_dir``, its family told by its ``config.json``.
-    Raises ValueError naming the directory when no family claims it."""
+def codec_class(model_dir: Path | str) -> type[CodecAdapter]:
+    """The adapter class of the codec in ``model_dir``, told by its ``config.json`` alone (no
+    weights are read: a talker learns its codec's ``context`` this way). Raises ValueError naming
+    the directory when no family claims it."""
     directory = Path(model_dir)
     try:
         config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
@@ -34,10 +35,15 @@ def load_codec_adapter(model_dir: Path | str) -> CodecAdapter:
     if not isinstance(config, dict):
         raise ValueError(f"codec model {directory}: config.json is not a JSON object")
     if "vq_strides" in config:
-        return SnacCodecAdapter.load(directory)
+        return SnacCodecAdapter
     if "samples_per_code" in config:
-        return TinyCodecAdapter.load(directory)
+        return TinyCodecAdapter
     raise ValueError(
         f"codec model {directory}: config.json is neither SNAC's (vq_strides) nor tiny-code2wav's "
         "(samples_per_code)"
     )
+
+
+def load_codec_adapter(model_dir: Path | str) -> CodecAdapter:
+    """The adapter of the codec in ``model_dir`` (see :func:`codec_class`), loaded."""
+    return codec_class(model_dir).load(model_dir)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -62,10 +63,16 @@ class CodecAdapter(ABC):
     """Codebook size of each position of a frame (``len`` = codes per frame)."""
     context: tuple[int, int]
     """Frames of context (before, after) a chunk needs for its own frames to decode exactly as in a
-    whole-utterance decode; the talker sends them (``StageTask.context_before``/``_after``)."""
+    whole-utterance decode; the talker sends them (``StageTask.context_before``/``_after``). A class
+    attribute: known without loading weights."""
     max_batch_chunks: int
     """Chunks code2wav's batcher puts in one forward pass at most: 1 where a shared pass does not
     pay (docs/models.md has the measurements)."""
+
+    @classmethod
+    @abstractmethod
+    def load(cls, directory: Path | str) -> CodecAdapter:
+        """The adapter of the checkpoint in ``directory``."""
 
     @property
     def codes_per_frame(self) -> int:

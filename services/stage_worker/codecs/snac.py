@@ -126,6 +126,7 @@ class SnacCodecAdapter(CodecAdapter):
     """A SNAC 24 kHz checkpoint directory (``config.json`` + ``pytorch_model.bin``)."""
 
     name = "snac"
+    context = CONTEXT_FRAMES
 
     def __init__(self, model: SNAC, device: torch.device | None = None) -> None:
         if list(model.vq_strides) != VQ_STRIDES or model.attn_window_size is not None:
@@ -140,7 +141,6 @@ class SnacCodecAdapter(CodecAdapter):
         self.sample_rate = int(model.sampling_rate)
         self.samples_per_frame = int(model.vq_strides[0] * math.prod(model.decoder_rates))
         self.codebook_sizes = (int(model.codebook_size),) * len(LAYER_OF_POSITION)
-        self.context = CONTEXT_FRAMES
         self.max_batch_chunks = GPU_MAX_BATCH_CHUNKS if self._device.type == "cuda" else 1
 
     @classmethod

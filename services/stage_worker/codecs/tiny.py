@@ -23,13 +23,13 @@ class TinyCodecAdapter(CodecAdapter):
     """``tiny-code2wav`` (or any :class:`~libs.models.codec.CodecDecoder` directory)."""
 
     name = "tiny"
+    context = (0, 0)
 
     def __init__(self, model: CodecDecoder) -> None:
         self._model = model
         self.sample_rate = model.cfg.sample_rate
         self.samples_per_frame = model.cfg.samples_per_code
         self.codebook_sizes = (model.cfg.num_codes,)
-        self.context = (0, 0)
         self.max_batch_chunks = 1
 
     @classmethod
