@@ -112,7 +112,7 @@ class CodecAdapter(ABC):
             raise ValueError(
                 f"context before={chunk.before} reaches before frame 0 (first {chunk.first_frame})"
             )
-        codes = codes.astype(np.int64, copy=False)
+        codes = np.array(codes, dtype=np.int64)  # a writable copy: bus arrays are read-only views
         bad = (codes < 0) | (codes >= np.asarray(self.codebook_sizes))
         if bad.any():
             row, pos = (int(i) for i in np.argwhere(bad)[0])
