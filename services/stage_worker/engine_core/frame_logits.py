@@ -98,7 +98,7 @@ class FrameRule:
 
 class FrameLogitsProcessor(LogitsProcessor):
     """Masks, for each request carrying a :class:`FrameRule`, every token its position does not
-    allow (one vectorised mask per step, whatever the batch)."""
+    allow (a few batched tensor operations per step, whatever the batch size)."""
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
         self._device = device
@@ -120,20 +120,23 @@ class FrameLogitsProcessor(LogitsProcessor):
         process_dict_updates(self._rows, batch_update, new_row)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each ruled row becomes -inf except its position's block and, where allowed, the stop
+        token: the kept values are gathered, the rows filled, the values put back (one write of
+        the rows, a gather and a scatter of ``codebook_size`` values per row)."""
         if not self._rows:
             return logits
-        rows, bounds, stops = [], [], []
+        groups: dict[int, list[tuple[int, int, bool, int, bool]]] = {}
         for row, (rule, output) in self._rows.items():
             lo, hi, stop_ok = rule.allowed(len(output))
-            rows.append(row)
-            bounds.append((lo, hi))
-            stops.append((rule.stop_id, stop_ok))
-        row_idx = torch.tensor(rows, device=logits.device)
-        lo_hi = torch.tensor(bounds, device=logits.device)
-        vocab = torch.arange(logits.shape[1], device=logits.device)
-        keep = (vocab >= lo_hi[:, :1]) & (vocab < lo_hi[:, 1:])
-        stop_ids = torch.tensor([s for s, _ in stops], device=logits.device)
-        stop_ok = torch.tensor([ok for _, ok in stops], device=logits.device)
-        keep[torch.arange(len(rows), device=logits.device), stop_ids] = stop_ok
-        logits[row_idx] = logits[row_idx].masked_fill(~keep, float("-inf"))
+            groups.setdefault(rule.codebook_size, []).append((row, lo, hi > lo, rule.stop_id, stop_ok))
+        for size, entries in groups.items():
+            row, lo, audio_ok, stop, stop_ok = (
+                torch.tensor(column, device=logits.device) for column in zip(*entries, strict=True)
+            )
+            cols = lo[:, None] + torch.arange(size, device=logits.device)
+            block = logits[row[:, None], cols].masked_fill(~audio_ok[:, None], float("-inf"))
+            stop_values = logits[row, stop].masked_fill(~stop_ok, float("-inf"))
+            logits.index_fill_(0, row, float("-inf"))
+            logits[row[:, None], cols] = block
+            logits[row, stop] = stop_values
         return logits

@@ -83,6 +83,7 @@ class OrpheusTokens:
         """Ids by name; SystemExit naming the missing token when the vocabulary lacks one, or when
         the ``7 · codebook_size`` audio tokens are not consecutive after ``<custom_token_10>``."""
         vocab = tokenizer.get_vocab()
+        last_custom = FIRST_AUDIO_CUSTOM_TOKEN + FRAME_SIZE * codebook_size - 1
 
         def need(token: str) -> int:
             if token not in vocab:
@@ -92,7 +93,6 @@ class OrpheusTokens:
                 )
             return vocab[token]
 
-        last_custom = FIRST_AUDIO_CUSTOM_TOKEN + FRAME_SIZE * codebook_size - 1
         first_audio = need(custom_token(FIRST_AUDIO_CUSTOM_TOKEN))
         for n in range(FIRST_AUDIO_CUSTOM_TOKEN, last_custom + 1):
             if need(custom_token(n)) != first_audio + n - FIRST_AUDIO_CUSTOM_TOKEN:
