@@ -8,6 +8,8 @@ import nats
 import pytest
 from nats.aio.client import Client
 
+from tests.nats_cluster import cluster  # noqa: F401 (a fixture of the tests that need a 3-node cluster)
+
 
 @pytest.fixture
 async def nc(nats_server) -> AsyncIterator[Client]:

@@ -16,10 +16,13 @@ import time
 import pytest
 from openai import AsyncOpenAI
 
+from libs.common.bus import connect
 from libs.common.bus_state import request_record
-from libs.common.local_nats import free_port
+from libs.common.local_nats import client_urls, free_port
+from libs.common.subjects import Subjects
 from tests.conftest import NatsServer
 from tests.e2e.test_replica_death import Seen, _stream
+from tests.nats_cluster import node_of
 from tests.procs import THINKER_YAML, gone, start_service, write_pipeline
 
 pytestmark = pytest.mark.integration
@@ -108,12 +111,9 @@ async def _stage0_done_ns(nats_url: str, request_id: str, timeout_s: float = 10.
         await asyncio.sleep(0.2)
 
 
-async def test_streams_on_one_replica_survive_a_broker_restart(own_nats, bounce_stack) -> None:
-    base_url, procs = bounce_stack
-    model = f"{PIPELINE}-model"
-    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=180)
-    reference = await _reference(client, model)
-    assert len(reference) == MAX_TOKENS
+async def _streams_under_way(client: AsyncOpenAI, model: str) -> tuple[list[Seen], list[asyncio.Task[None]]]:
+    """``STREAMS`` streams of ``MAX_TOKENS``, returned once every one is admitted and under way
+    (``MIDWAY_TOKENS`` each, or ``LEAD_TOKENS`` in one)."""
     seen = [Seen() for _ in range(STREAMS)]
     tasks = [asyncio.create_task(_stream(client, model, s)) for s in seen]
     deadline = time.monotonic() + 60
@@ -127,6 +127,16 @@ async def test_streams_on_one_replica_survive_a_broker_restart(own_nats, bounce_
         assert not any(t.done() for t in tasks), [str(s.error) for s in seen]
         assert time.monotonic() < deadline, [len(s.token_ids) for s in seen]
         await asyncio.sleep(0.02)
+    return seen, tasks
+
+
+async def test_streams_on_one_replica_survive_a_broker_restart(own_nats, bounce_stack) -> None:
+    base_url, procs = bounce_stack
+    model = f"{PIPELINE}-model"
+    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=180)
+    reference = await _reference(client, model)
+    assert len(reference) == MAX_TOKENS
+    seen, tasks = await _streams_under_way(client, model)
     at_kill = [len(s.token_ids) for s in seen]
     killed_ns = time.time_ns()
     pid = own_nats.proc.pid
@@ -161,4 +171,72 @@ async def test_streams_on_one_replica_survive_a_broker_restart(own_nats, bounce_
     assert max(recovered, default=0.0) <= RECOVERY_LIMIT_S, recovered
     worker_log = procs[2].text()
     assert "OutboundBufferLimitError" not in worker_log
+    assert not re.search(r"request \S+ failed", worker_log)
+
+
+@pytest.fixture
+def cluster_stack(cluster, tmp_path):
+    """The same services on a 3-node cluster, each given every server's URL (as ``omnirelay up
+    --nats-nodes 3`` and compose give them): streams and buckets get 3 replicas."""
+    urls = client_urls([n.spec for n in cluster])
+    path = write_pipeline(tmp_path / "p.yaml", CLUSTER_PIPELINE, THINKER_YAML, timeout_s=120)
+    port = free_port()
+    procs = [
+        start_service(["orchestrator"], urls, path, tmp_path / "orch.log"),
+        start_service(["gateway", "--port", str(port)], urls, path, tmp_path / "gw.log"),
+        start_service(
+            ["worker", "--stage", "0", "--replica", "0"],
+            urls,
+            path,
+            tmp_path / "worker.log",
+            {"VLLM_CPU_KVCACHE_SPACE": "1"},
+        ),
+    ]
+    procs[0].wait_log("ready")
+    procs[1].wait_log("Uvicorn running")
+    procs[2].wait_log(": serving omni.", timeout_s=300)
+    yield f"http://127.0.0.1:{port}", procs, urls
+    for p in procs:
+        p.stop()
+
+
+CLUSTER_PIPELINE = "leaderkill"
+
+
+async def test_streams_on_one_replica_survive_the_death_of_the_stream_leader(cluster, cluster_stack) -> None:
+    """Issue 18's cluster row: ``kill -9`` of the node that leads the stage streams while ONE
+    thinker replica streams every request. The cluster elects a new leader; every client, KV and
+    stream goes on through the other two nodes, and every stream completes with exactly the
+    fault-free tokens."""
+    base_url, procs, urls = cluster_stack
+    model = f"{CLUSTER_PIPELINE}-model"
+    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=180)
+    reference = await _reference(client, model)
+    assert len(reference) == MAX_TOKENS
+    nc = await connect(urls, "test")
+    try:
+        info = await nc.jetstream().stream_info(Subjects(CLUSTER_PIPELINE).stages_stream)
+    finally:
+        await nc.close()
+    victim = node_of(cluster, info.cluster.leader)
+    seen, tasks = await _streams_under_way(client, model)
+    killed_ns = time.time_ns()
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait(5)
+    down = time.monotonic()
+    assert gone(victim.proc.pid), f"{victim.spec.name} still runs"
+    await asyncio.wait_for(asyncio.gather(*tasks), 150)
+    await client.close()
+    pauses = [_longest_pause(s, down) for s in seen]
+    print(
+        f"killed {victim.spec.name} (the stages stream's leader); longest pauses {[round(p, 2) for p in pauses]} s"
+    )
+    assert [str(s.error) for s in seen if s.error] == []
+    survivors = ",".join(n.spec.url for n in cluster if n is not victim)
+    done = [await _stage0_done_ns(survivors, s.id) for s in seen]
+    assert any(d > killed_ns for d in done), "the thinker had finished every stream before the kill"
+    for s in seen:
+        assert s.token_ids == reference, (len(s.token_ids), s.id)
+        assert s.tokens == MAX_TOKENS and s.finish_reason == "length"
+    worker_log = procs[2].text()
     assert not re.search(r"request \S+ failed", worker_log)

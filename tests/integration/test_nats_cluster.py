@@ -11,9 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import subprocess
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,13 +23,13 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig
 
 from libs.common.bus import connect, ensure_topology, requests_kv, server_urls
-from libs.common.local_nats import ClusterNode, client_urls, cluster_argvs, cluster_nodes
+from libs.common.local_nats import client_urls
 from libs.common.subjects import EVICTIONS_BUCKET, REQUESTS_BUCKET, SERVICES_BUCKET, Subjects
+from tests.nats_cluster import Node, node_of
 from tests.procs import gone, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
-HEALTHY_TIMEOUT_S = 20.0
 UNDER_LOAD = 50
 """The kill comes once this many messages have been acknowledged and consumed, and publishing
 stops once this many more sent after the kill have been acknowledged and consumed."""
@@ -42,42 +40,6 @@ DRAIN_TIMEOUT_S = 30.0
 PUBLISHERS = 4
 ACK_WAIT_S = 2.0
 """The consumer's redelivery timer, seconds."""
-
-
-@dataclass
-class Node:
-    spec: ClusterNode
-    proc: subprocess.Popen[bytes]
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[list[Node]]:
-    """Three nats-servers forming cluster ``omnirelay`` on free loopback ports, each JetStream
-    healthy (``/healthz`` 200) before the test starts."""
-    specs = cluster_nodes(tmp_path, 3)
-    nodes = []
-    for spec, argv in zip(specs, cluster_argvs(specs, "always"), strict=True):
-        with (tmp_path / f"{spec.name}.log").open("wb") as out:
-            nodes.append(Node(spec, subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)))
-    try:
-        deadline = time.monotonic() + HEALTHY_TIMEOUT_S
-        for node in nodes:
-            while not _healthy(node.spec):
-                assert node.proc.poll() is None, (tmp_path / f"{node.spec.name}.log").read_text()
-                assert time.monotonic() < deadline, f"{node.spec.name} not healthy"
-                time.sleep(0.1)
-        yield nodes
-    finally:
-        for node in nodes:
-            if node.proc.poll() is None:
-                node.proc.terminate()
-                node.proc.wait(10)
-
-
-def _healthy(node: ClusterNode) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
-        return httpx.get(f"{node.monitor_url}/healthz", timeout=1).status_code == 200
-    return False
 
 
 async def test_topology_gets_a_replica_on_every_server_and_scales_what_exists(cluster: list[Node]) -> None:
@@ -161,11 +123,6 @@ async def _consume(js: JetStreamContext, stream: str, subject: str, load: Load, 
                 load.unconfirmed_acks.add(msg.data.decode())
 
 
-def _node_of(cluster: list[Node], name: str) -> Node:
-    (node,) = [n for n in cluster if n.spec.name == name]
-    return node
-
-
 async def test_kill_9_of_the_stream_leader_under_load_loses_nothing(cluster: list[Node]) -> None:
     subjects = Subjects("clustered")
     urls = client_urls([n.spec for n in cluster])
@@ -174,7 +131,7 @@ async def test_kill_9_of_the_stream_leader_under_load_loses_nothing(cluster: lis
     await ensure_topology(js, subjects)
     stream, subject = subjects.stages_stream, subjects.stage_in(0, 0)
     leader = (await js.stream_info(stream)).cluster.leader
-    victim = _node_of(cluster, leader)
+    victim = node_of(cluster, leader)
     # The publisher is connected to the leader itself (listed first, no shuffling), so its
     # connection dies with it and it must go on through another server.
     others = [n.spec.url for n in cluster if n is not victim]
