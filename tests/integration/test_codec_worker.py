@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import time
 from functools import cache
 from pathlib import Path
@@ -25,6 +26,7 @@ from libs.common.envelopes import (
     decode,
 )
 from libs.common.publish import Hop, publish_task
+from libs.common.settings import WorkerSettings
 from libs.common.subjects import Subjects, consumer_name
 from libs.models.tiny import resolve_model
 from tests.metrics_scrape import delta, scrape, total
@@ -162,6 +164,22 @@ async def test_chunks_are_decoded_in_sequence_order_and_duplicates_dropped(worke
     assert all(e.sample_rate == SAMPLE_RATE and (e.stage, e.replica) == (2, 0) for e in evs)
     # Nothing is left un-acked once the request is done (the duplicate included).
     await consumer_drained(js)
+
+
+async def test_the_decoding_thread_yields_to_the_control_plane(worker, nc) -> None:
+    """The thread that decodes (``code2wav_0``, started by the worker's first chunk) runs at the
+    engine's nice value, the worker's event loop at 0 (docs/reliability.md, "The engines yield
+    the CPU")."""
+    rid = f"nice-{time.time_ns()}"
+    q = await events_of(nc, rid)
+    await publish_task(nc.jetstream(), SUBJECTS, chunk(rid, 0, [1, 2], final=True), HOP)
+    await until(q, ClientEventType.AUDIO_DONE)
+    tasks = Path(f"/proc/{worker.proc.pid}/task")
+    decoders = [t for t in tasks.iterdir() if (t / "comm").read_text().strip().startswith("code2wav")]
+    assert decoders, "no decoding thread"
+    nices = {os.getpriority(os.PRIO_PROCESS, int(t.name)) for t in decoders}
+    assert nices == {WorkerSettings().engine_nice} != {0}, nices
+    assert os.getpriority(os.PRIO_PROCESS, worker.proc.pid) == 0
 
 
 async def test_out_of_range_codes_fail_the_request_with_a_named_error(worker, nc) -> None:

@@ -20,7 +20,7 @@ def make_handler(pipeline: PipelineConfig, settings: WorkerSettings) -> StageHan
     stage_id, replica = settings.stage, settings.replica
     stage = pipeline.stages[stage_id]
     if stage.type == StageType.CODEC:
-        return Code2WavHandler(stage)
+        return Code2WavHandler(stage, settings.engine_nice)
     engine = LLMEngineSpec.for_replica(
         pipeline,
         stage_id,

@@ -16,15 +16,19 @@ from libs.common.pipeline import StageConfig
 from libs.models.tiny import resolve_model
 from services.stage_worker.codecs import CodeChunk, load_codec_adapter
 from services.stage_worker.codecs.batcher import DecodeBatcher
+from services.stage_worker.engine_priority import lower_this_thread
 from services.stage_worker.handlers.base import StageError, StageHandler
 from services.stage_worker.request_context import RequestContext
 
 
 class Code2WavHandler(StageHandler):
-    def __init__(self, stage: StageConfig) -> None:
+    def __init__(self, stage: StageConfig, nice: int = 0) -> None:
+        """``nice``: the decoding thread's nice value (:mod:`~services.stage_worker.engine_priority`)."""
         super().__init__()
         self._stage = stage
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="code2wav")
+        self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="code2wav", initializer=lower_this_thread, initargs=(nice,)
+        )
         self._batcher: DecodeBatcher | None = None
         self.sample_rate = 0
 
