@@ -8,6 +8,10 @@ from pydantic import BaseModel, Field
 
 from libs.common.envelopes import EdgeSummary
 
+CODE_POSITIONS_KEPT = 4
+"""Position notes a talker keeps per request (:attr:`StageProgress.code_positions`): it acknowledges
+text chunks in order, so only the newest is ever read."""
+
 
 class RequestStatus(StrEnum):
     ADMITTED = "admitted"
@@ -51,6 +55,18 @@ class StageProgress(BaseModel):
     done_ns: int | None = None
     attempts: list[StageAttempt] = Field(default_factory=list)
     """Every attempt of the request in this stage, the current one last."""
+    code_positions: dict[int, tuple[int, int]] = Field(default_factory=dict)
+    """A talker whose segments have a variable number of frames (``orpheus``): text chunk seq ->
+    (seq of its first code chunk, absolute index of its first frame), written once the text chunk
+    before it has all its code chunks sent and before that one is acknowledged; the last
+    ``CODE_POSITIONS_KEPT`` only. A talker that takes the request over at text chunk ``i`` goes on
+    from ``code_positions[i]`` (docs/reliability.md, "How a talker request moves")."""
+
+    def note_code_position(self, text_seq: int, code_seq: int, frame: int) -> None:
+        """Record where text chunk ``text_seq``'s code chunks start, dropping the oldest notes."""
+        self.code_positions[text_seq] = (code_seq, frame)
+        for old in sorted(self.code_positions)[:-CODE_POSITIONS_KEPT]:
+            del self.code_positions[old]
 
     @property
     def attempt(self) -> int:

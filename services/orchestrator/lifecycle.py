@@ -11,9 +11,9 @@ import logging
 from nats.aio.msg import Msg
 
 from libs.common.envelopes import LifecycleEvent, StageEnded, decode
+from libs.common.record_updates import update_record
 from libs.common.records import RequestRecord, RequestStatus
 from services.orchestrator.context import OrchestratorContext
-from services.orchestrator.record_updates import update_record
 from services.orchestrator.summary import PipelineTally, format_summary, ready_to_summarize
 
 log = logging.getLogger(__name__)

@@ -35,6 +35,7 @@ from libs.common.envelopes import (
     decode_or_log,
 )
 from libs.common.publish import Hop, publish_task
+from libs.common.record_updates import update_record
 from libs.common.records import RequestRecord, RequestStatus
 from libs.common.registry import LiveServices, ServiceKind
 from libs.common.tracing import context_from_headers, start_span
@@ -50,7 +51,6 @@ from services.orchestrator.migration import (
     stored_inputs,
     unfinished_moves,
 )
-from services.orchestrator.record_updates import update_record
 from services.orchestrator.routing import NoLiveReplica
 
 log = logging.getLogger(__name__)

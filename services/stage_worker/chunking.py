@@ -1,8 +1,11 @@
-"""When a stage forwards its output downstream: pure functions of what was produced so far."""
+"""When a stage forwards its output downstream: pure functions of what was produced so far (text
+chunks, fixed-size code chunks, and code chunks cut from segments of frames)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 SENTENCE_ENDS = (".", "!", "?")
 
@@ -100,3 +103,102 @@ class CodeChunker:
         rest, self._codes = self._codes, []
         self.next_seq += 1
         return self.next_seq - 1, rest
+
+
+@dataclass(frozen=True)
+class FrameChunk:
+    """One code chunk cut from a segment: its own frames with their context frames around them."""
+
+    seq: int
+    """Its number among the request's code chunks (``StageTask.seq``)."""
+    first_frame: int
+    """Absolute index of its first own frame, counted across the request's segments (``StageTask.offset``)."""
+    frames: np.ndarray
+    """``[before + own + after, frame_size]`` codes."""
+    before: int
+    """Context frames at the start of ``frames`` (``StageTask.context_before``)."""
+    after: int
+    """Context frames at the end of ``frames`` (``StageTask.context_after``)."""
+
+    @property
+    def own_frames(self) -> int:
+        return int(self.frames.shape[0]) - self.before - self.after
+
+
+class FrameChunker:
+    """Cuts a request's segments of frames into code chunks of at most ``size`` own frames.
+
+    A segment (one talker engine request's frames) is a whole utterance for the codec: chunks never
+    straddle segments, and a chunk's context frames (up to ``context = (before, after)``) come from
+    its own segment only, fewer at the segment's ends. A chunk is cut as soon as ``after`` frames
+    past it exist, or when its segment ends. Chunks are numbered contiguously from ``next_seq``;
+    frames are counted from ``next_frame`` (where a talker that took the request over starts).
+    """
+
+    def __init__(
+        self, size: int, context: tuple[int, int], frame_size: int, next_seq: int = 0, next_frame: int = 0
+    ) -> None:
+        if size < 1 or min(context) < 0:
+            raise ValueError(f"chunk size {size} must be >= 1 and context {context} >= 0")
+        self.size, self.frame_size = size, frame_size
+        self.before, self.after = context
+        self.next_seq = next_seq
+        """The number of the next chunk cut."""
+        self._buffer_start = next_frame
+        """Absolute index of the first frame kept of the current segment."""
+        self._frames: list[np.ndarray] = []
+        """The current segment's frames still needed (each ``[n, frame_size]``), joined lazily: those
+        in no chunk yet, and up to ``before`` frames before them as context."""
+        self._cut = 0
+        """Frames kept that are already in chunks as own frames."""
+
+    @property
+    def next_frame(self) -> int:
+        """Absolute index of the first frame not yet in a chunk as an own frame."""
+        return self._buffer_start + self._cut
+
+    def feed(self, frames: np.ndarray) -> list[FrameChunk]:
+        """Add ``[n, frame_size]`` frames to the current segment; return the chunks now complete."""
+        if len(frames):
+            self._frames.append(np.asarray(frames))
+        out = []
+        while self._length() - self._cut >= self.size + self.after:
+            out.append(self._chunk(self.size, self.after))
+        return out
+
+    def end_segment(self, last: bool = False) -> list[FrameChunk]:
+        """End the current segment: return its remaining chunks (short ones, with the context
+        there is). ``last``: the request's last segment, whose chunks include at least one (an
+        empty one when no frame is left) so that the request's final chunk has a number."""
+        out = []
+        while self._cut < self._length():
+            own = min(self.size, self._length() - self._cut)
+            out.append(self._chunk(own, min(self.after, self._length() - self._cut - own)))
+        if last and not out:
+            out.append(self._chunk(0, 0))
+        self._buffer_start += self._cut
+        self._frames, self._cut = [], 0
+        return out
+
+    def _length(self) -> int:
+        return sum(len(f) for f in self._frames)
+
+    def _chunk(self, own: int, after: int) -> FrameChunk:
+        """The next chunk: ``own`` frames from ``_cut``, with ``after`` frames after them."""
+        joined = (
+            np.concatenate(self._frames) if self._frames else np.zeros((0, self.frame_size), dtype=np.int32)
+        )
+        before = min(self.before, self._cut)  # the segment's first frame is kept until one is cut
+        chunk = FrameChunk(
+            seq=self.next_seq,
+            first_frame=self.next_frame,
+            frames=joined[self._cut - before : self._cut + own + after].astype(np.int32),
+            before=before,
+            after=after,
+        )
+        drop = self._cut + own - self.before  # frames no later chunk needs as context
+        self._frames = [joined[max(drop, 0) :]] if len(joined) else []
+        self._buffer_start += max(drop, 0)
+        self._cut += own - max(drop, 0)
+        self.next_seq += 1
+        return chunk

@@ -1,7 +1,10 @@
 """Compare-and-set updates of a request's record in ``omni_requests`` (the record model itself is
-:mod:`libs.common.records`): several orchestrators may change one record at once."""
+:mod:`libs.common.records`): several orchestrators, and a talker writing its position notes, may
+change one record at once."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
@@ -11,8 +14,8 @@ from libs.common.records import RequestRecord
 KV_RETRIES = 5
 
 
-async def update_record(kv: KeyValue, key: str, change) -> bool:
-    """Read-modify-write of a record with optimistic concurrency (several orchestrators);
+async def update_record(kv: KeyValue, key: str, change: Callable[[RequestRecord], bool | None]) -> bool:
+    """Read-modify-write of a record with optimistic concurrency (several writers);
     False when there is no such record. A ``change`` that returns False leaves it as it is."""
     for _ in range(KV_RETRIES):
         try:
