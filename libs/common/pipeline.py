@@ -42,7 +42,8 @@ class Chunking(_Strict):
     """When a stage forwards a chunk downstream.
 
     ``tokens``: text tokens per chunk (llm stages emitting text); ``sentence_end``: also cut at
-    ``.``/``!``/``?``; ``codes``: codec codes per chunk (llm stages emitting codec codes).
+    ``.``/``!``/``?``; ``codes``: codec codes per chunk (llm stages emitting codec codes), or own
+    frames per chunk at most for a talker protocol with frames of several codes (``orpheus``).
     """
 
     tokens: int = Field(default=16, ge=1, le=4096)

@@ -484,7 +484,11 @@ class StageWorker:
         if entry is None and waiting:
             self._early_routes[change.request_id] = change  # it has sent nothing yet
             first = min(waiting, key=lambda t: t.seq)
-            await msg.respond(RouteHeld(held=True, next_seq=self.handler.first_chunk_seq(first)).encode())
+            await msg.respond(
+                RouteHeld(
+                    held=True, next_seq=await self.handler.first_chunk_seq(first, self._records)
+                ).encode()
+            )
             return
         if entry is None or entry[0].aborted:
             await msg.respond(RouteHeld(held=False).encode())

@@ -386,5 +386,7 @@ def test_orpheus_needs_a_codec_stage_after_it(tmp_path: Path) -> None:
 
 def test_every_existing_talker_defaults_to_tiny() -> None:
     for path in sorted(Path(load_pipeline().source).parent.glob("*.yaml")):
+        if path.name.startswith("orpheus"):  # the Orpheus pipelines (orpheus-tiny, orpheus) are new
+            continue
         for stage in load_pipeline(path).stages:
             assert stage.talker == TalkerConfig() and stage.talker.protocol == "tiny"

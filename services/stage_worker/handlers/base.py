@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from nats.js.kv import KeyValue
+
 from libs.common.envelopes import StageTask
 from services.stage_worker.progress import EngineProgress
 from services.stage_worker.request_context import RequestContext
@@ -34,9 +36,10 @@ class StageHandler(ABC):
     @abstractmethod
     async def stop(self) -> None: ...
 
-    def first_chunk_seq(self, task: StageTask) -> int:
+    async def first_chunk_seq(self, task: StageTask, records: KeyValue | None) -> int:
         """The number of the first chunk a request sends downstream when ``task`` is the first
-        input its attempt here takes (what a hold answers for a request that has not started)."""
+        input its attempt here takes (what a hold answers for a request that has not started);
+        ``records``: the ``omni_requests`` bucket, where a talker notes its positions."""
         return 0
 
     def engine_dead(self) -> bool:

@@ -1,21 +1,44 @@
 """The talker: an ``llm`` stage that turns each text chunk into codec codes through the stage's
 talker protocol (:mod:`services.stage_worker.talkers`: the prompt, sampling and stop of each text
-chunk, and how output tokens become codes) and forwards them in chunks of ``chunking.codes``."""
+chunk, and how output tokens become codes) and forwards them downstream in code chunks.
+
+Two ways of cutting code chunks, chosen by the protocol's ``fixed_codes_per_token``
+(docs/reliability.md, "How a talker request moves"):
+
+- fixed (``tiny``): chunks of exactly ``chunking.codes`` codes numbered by code position
+  (:class:`~services.stage_worker.chunking.CodeChunker`); they may straddle text chunks;
+- variable (``orpheus``): each text chunk's engine request makes one segment of frames, cut into
+  chunks of at most ``chunking.codes`` own frames with the codec's context frames from the same
+  segment (:class:`~services.stage_worker.chunking.FrameChunker`); where each text chunk's code
+  chunks start is noted in the request's record (``StageProgress.code_positions``) before the text
+  chunk before it is acknowledged, so a talker that takes the request over knows it.
+"""
 
 from __future__ import annotations
 
+import logging
 import zlib
 from collections import deque
 
 import numpy as np
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
 
+from libs.common.bus import requests_kv
 from libs.common.envelopes import NdArray, StageTask
-from services.stage_worker.chunking import CodeChunker
+from libs.common.record_updates import update_record
+from libs.common.records import RequestRecord
+from libs.models.tiny import resolve_model
+from services.stage_worker.chunking import CodeChunker, FrameChunk, FrameChunker
+from services.stage_worker.codecs import codec_class
+from services.stage_worker.handlers.base import StageError
 from services.stage_worker.handlers.llm import LLMHandler
 from services.stage_worker.inbox import Delivery
 from services.stage_worker.llm_engine import LLMEngineSpec
 from services.stage_worker.request_context import RequestContext
-from services.stage_worker.talkers import TalkerProtocol, make_protocol
+from services.stage_worker.talkers import TalkerInputError, TalkerProtocol, TalkerRequest, make_protocol
+
+log = logging.getLogger(__name__)
 
 
 def chunk_seed(task: StageTask) -> int:
@@ -29,21 +52,55 @@ class TalkerHandler(LLMHandler):
     def __init__(self, spec: LLMEngineSpec) -> None:
         super().__init__(spec)
         self.protocol: TalkerProtocol | None = None
+        self._context = (0, 0)
+        """Frames of context (before, after) the next stage's codec needs around a chunk."""
+        self._records: KeyValue | None = None
 
     async def start(self) -> None:
         self.protocol = make_protocol(self._spec.pipeline, self._spec.stage_id, self.model_path)
+        if self.protocol.fixed_codes_per_token is None:
+            codec_dir = resolve_model(self._spec.pipeline.stages[self._spec.stage_id + 1].model)
+            try:
+                self._context = codec_class(codec_dir).context
+            except ValueError as e:
+                raise SystemExit(f"stage '{self._stage.name}': {e}") from None
         await super().start()
 
-    def first_chunk_seq(self, task: StageTask) -> int:
-        """An attempt that took the request over starts at the code chunk after the codes of the
-        text chunks acknowledged before ``task`` (see :class:`CodeChunker`)."""
-        return self._chunker(task).next_seq
-
-    def _chunker(self, first: StageTask) -> CodeChunker:
-        """The code chunker of an attempt whose first text chunk is ``first``."""
-        return CodeChunker(self._stage.chunking.codes, start=first.offset * self._stage.codes_per_token)
+    async def first_chunk_seq(self, task: StageTask, records: KeyValue | None) -> int:
+        """An attempt that took the request over starts at the code chunk after those of the text
+        chunks acknowledged before ``task``."""
+        if task.seq == 0:
+            return 0
+        if self.protocol.fixed_codes_per_token is not None:
+            return self._code_chunker(task).next_seq
+        return (await self._position(task, records))[0]
 
     async def run(self, req: RequestContext) -> None:
+        if self.protocol.fixed_codes_per_token is not None:
+            await self._run_fixed(req)
+        else:
+            await self._run_segments(req)
+
+    def _talk(self, task: StageTask) -> TalkerRequest | None:
+        """The engine request of a text chunk, in the stage's default voice (the gateway does not
+        carry a request's voice yet); a text the protocol refuses fails the request (400)."""
+        try:
+            return self.protocol.request(task.text, task.token_ids, seed=chunk_seed(task))
+        except TalkerInputError as e:
+            raise StageError(400, "invalid_input", f"text chunk {task.seq} cannot be spoken: {e}") from e
+
+    def _sub_id(self, req: RequestContext, task: StageTask) -> str:
+        """The engine request id of a text chunk."""
+        return f"{req.request_id}-{task.seq}" + (f"-a{req.attempt}" if req.attempt > 1 else "")
+
+    # --- fixed codes per token (tiny) ---------------------------------------------------
+    def _code_chunker(self, first: StageTask) -> CodeChunker:
+        """The code chunker of an attempt whose first text chunk is ``first``."""
+        return CodeChunker(
+            self._stage.chunking.codes, start=first.offset * self.protocol.fixed_codes_per_token
+        )
+
+    async def _run_fixed(self, req: RequestContext) -> None:
         """Each text chunk becomes ``codes_per_token`` codes per token, sent on in chunks of
         ``chunking.codes`` numbered by position (:class:`CodeChunker`). A text chunk is
         acknowledged only once every code made from it has been sent: the text chunks left in the
@@ -51,22 +108,22 @@ class TalkerHandler(LLMHandler):
         from the first one's ``offset`` where the code chunks stand."""
         from vllm.inputs import tokens_input
 
+        per_token = self.protocol.fixed_codes_per_token
         chunker: CodeChunker | None = None
         unsent: deque[tuple[Delivery, int]] = deque()
         """Text chunks not yet acknowledged, with the position after their last code."""
         while True:
             d = await req.next()
             if chunker is None:  # the first text chunk of this attempt
-                chunker = self._chunker(d.task)
+                chunker = self._code_chunker(d.task)
                 req.continue_from(chunker.next_seq)
-            talk = self.protocol.request(d.task.text, d.task.token_ids, seed=chunk_seed(d.task))
+            talk = self._talk(d.task)
             n = talk.max_codes if talk is not None else 0
-            unsent.append((d, (d.task.offset * self._stage.codes_per_token) + n))
+            unsent.append((d, (d.task.offset * per_token) + n))
             if talk is not None:
-                prompt = tokens_input(talk.prompt_token_ids)
-                sub_id = f"{req.request_id}-{d.task.seq}" + (f"-a{req.attempt}" if req.attempt > 1 else "")
                 stream = self.protocol.code_stream()
-                async for out in self.generate(prompt, talk.params, sub_id, req.span):
+                prompt = tokens_input(talk.prompt_token_ids)
+                async for out in self.generate(prompt, talk.params, self._sub_id(req, d.task), req.span):
                     codes = stream.feed(out.outputs[0].token_ids).tolist()
                     for seq, chunk in chunker.feed(codes):
                         await req.downstream(
@@ -85,3 +142,82 @@ class TalkerHandler(LLMHandler):
                 return
             while unsent and unsent[0][1] <= chunker.sent_upto:  # no codes, or all of them sent
                 await req.ack(unsent.popleft()[0])
+
+    # --- segments of frames (orpheus) ---------------------------------------------------
+    async def _run_segments(self, req: RequestContext) -> None:
+        """Each text chunk's frames are one segment, sent on as :class:`FrameChunker` cuts them.
+        Once a segment's last code chunk has been sent, where the next text chunk's code chunks
+        start is noted in the record, and only then is the text chunk acknowledged: whichever text
+        chunk a successor starts at, its position is there."""
+        from vllm.inputs import tokens_input
+
+        chunker: FrameChunker | None = None
+        while True:
+            d = await req.next()
+            if chunker is None:  # the first text chunk of this attempt
+                seq, frame = await self._position(d.task, await self._records_kv(req))
+                chunker = FrameChunker(
+                    self._stage.chunking.codes, self._context, self.protocol.frame_size, seq, frame
+                )
+                req.continue_from(seq)
+            talk = self._talk(d.task)
+            if talk is not None:
+                stream = self.protocol.code_stream()
+                prompt = tokens_input(talk.prompt_token_ids)
+                async for out in self.generate(prompt, talk.params, self._sub_id(req, d.task), req.span):
+                    for chunk in chunker.feed(stream.feed(out.outputs[0].token_ids)):
+                        await self._send(req, chunk)
+            tail = chunker.end_segment(last=d.task.final)
+            for chunk in tail:
+                await self._send(req, chunk, final=d.task.final and chunk is tail[-1])
+            if d.task.final:
+                await req.ack(d)
+                req.lifecycle("stage_done")
+                return
+            await self._note_position(req, d.task.seq + 1, chunker)
+            await req.ack(d)
+
+    @staticmethod
+    async def _send(req: RequestContext, chunk: FrameChunk, final: bool = False) -> None:
+        await req.downstream(
+            final=final,
+            codes=NdArray.of(chunk.frames),
+            offset=chunk.first_frame,
+            context_before=chunk.before,
+            context_after=chunk.after,
+        )
+
+    async def _records_kv(self, req: RequestContext) -> KeyValue:
+        if self._records is None:
+            self._records = await requests_kv(req.bus.js)
+        return self._records
+
+    async def _position(self, first: StageTask, records: KeyValue | None) -> tuple[int, int]:
+        """(seq of the first code chunk, absolute index of the first frame) of text chunk
+        ``first``'s codes: (0, 0) for text chunk 0, else its position note in the record."""
+        if first.seq == 0:
+            return 0, 0
+        lost = StageError(
+            500, "position_lost", f"no position note for text chunk {first.seq} in the request's record"
+        )
+        if records is None:
+            raise lost
+        try:
+            rec = RequestRecord.model_validate_json((await records.get(first.request_id)).value)
+            return rec.stages[self._spec.stage_id].code_positions[first.seq]
+        except (KeyNotFoundError, IndexError, KeyError) as e:
+            raise lost from e
+
+    async def _note_position(self, req: RequestContext, text_seq: int, chunker: FrameChunker) -> None:
+        """Note in the record that text chunk ``text_seq``'s code chunks start where ``chunker``
+        stands (compare-and-set: the orchestrators write the record too)."""
+        stage, code_seq, frame = self._spec.stage_id, chunker.next_seq, chunker.next_frame
+
+        def note(rec: RequestRecord) -> bool:
+            if stage >= len(rec.stages):
+                return False
+            rec.stages[stage].note_code_position(text_seq, code_seq, frame)
+            return True
+
+        if not await update_record(await self._records_kv(req), req.request_id, note):
+            log.warning("request %s: no record to note text chunk %d's position in", req.request_id, text_seq)

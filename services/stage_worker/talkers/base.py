@@ -68,6 +68,13 @@ class TalkerProtocol(ABC):
         """The stage's voice (its YAML ``voice``, else the protocol's first)."""
 
     @property
+    def fixed_codes_per_token(self) -> int | None:
+        """Codes each thinker token makes, when the protocol fixes it (``tiny``): its code chunks
+        are then numbered by code position and may straddle text chunks. None (``orpheus``): a text
+        chunk makes any number of frames, a segment of its own (docs/reliability.md)."""
+        return None
+
+    @property
     def voices(self) -> tuple[str, ...]:
         """The voices a request may ask for (empty: the protocol takes none)."""
         return TALKER_VOICES[self.name]

@@ -57,6 +57,10 @@ class TinyProtocol(TalkerProtocol):
         self.code_offset, self.num_codes, self.codes_per_token = code_offset, num_codes, codes_per_token
         self._allowed = list(range(code_offset, code_offset + num_codes))
 
+    @property
+    def fixed_codes_per_token(self) -> int:
+        return self.codes_per_token
+
     @classmethod
     def from_model_dir(cls, config: TalkerConfig, model_dir: str, codes_per_token: int) -> TinyProtocol:
         return cls(config, *load_code_range(model_dir), codes_per_token=codes_per_token)
