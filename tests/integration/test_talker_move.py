@@ -34,7 +34,7 @@ from libs.common.records import RequestRecord, RequestStatus, StageAttempt, Stag
 from libs.common.subjects import Subjects
 from tests.bus import collect
 from tests.metrics_scrape import delta, scrape
-from tests.procs import CODE2WAV_YAML, THINKER_YAML, kill_confirmed, start_service, write_pipeline
+from tests.procs import CODE2WAV_YAML, THINKER_YAML, kill_confirmed, start_service, until, write_pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -294,6 +294,9 @@ async def test_chunks_of_a_thinker_attempt_the_request_moved_past_are_dropped(st
     await running(nc, rid, talker=1)
     hop = Hop("0", "0", 1, 1)
     await publish_task(js, SUBJECTS, text_chunk(rid, 0, 1), hop)
+    # The talker has taken attempt 1's first chunk (its first code chunk's audio is out) before
+    # the move: on a loaded box it could still wait in the stream, and be dropped as stale too.
+    await until(lambda: events.qsize() > 0, "the audio of attempt 1's first text chunk", timeout_s=60)
     moved = AbortNotice(request_id=rid, reason=MOVED, stage=0, attempt=2)
     await nc.publish(SUBJECTS.abort, moved.encode())
     await nc.flush()
