@@ -35,11 +35,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, processors
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from transformers.utils import logging as hf_logging
 
 from libs.models.codec import CodecConfig, build_codec, save_codec
+from libs.models.hf_build import quiet_progress_bars, train_text_bpe
 from libs.models.tiny_orpheus import build_tiny_orpheus
 from libs.models.tiny_snac import build_tiny_snac
 
@@ -55,11 +55,9 @@ MARKER_FILE = "omnirelay-tiny.json"
 TALKER_META_FILE = "omnirelay_talker.json"
 LOCK_FILE = ".omnirelay-tiny.lock"
 
-CORPUS_PATH = Path(__file__).with_name("corpus.txt")
 BOS, EOS, PAD, END = "<|bos|>", "<|eos|>", "<|pad|>", "<|end|>"
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
 SPECIAL_TOKENS = (BOS, EOS, PAD, *ROLE_TOKENS.values(), END)
-TEXT_VOCAB_SIZE = 2000
 NUM_CODES = 1024
 MAX_MODEL_LEN = 2048
 THINKER_SEED, TALKER_SEED, CODE2WAV_SEED = 1001, 2002, 3003
@@ -97,18 +95,9 @@ def code_token(k: int) -> str:
 
 @functools.cache
 def _text_tokenizer_json() -> str:
-    """Train the byte-level BPE text tokenizer on the bundled corpus; returns tokenizer JSON."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TEXT_VOCAB_SIZE,
-        min_frequency=1,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS_PATH.read_text(encoding="utf-8").splitlines(), trainer)
+    """The thinker's text tokenizer (byte-level BPE on the bundled corpus, its specials first);
+    returns tokenizer JSON."""
+    tok = train_text_bpe(SPECIAL_TOKENS)
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B:1", special_tokens=[(BOS, bos_id)]
@@ -170,20 +159,8 @@ def _save_llama(tok: PreTrainedTokenizerFast, seed: int, directory: Path) -> Non
     model.generation_config = GenerationConfig(
         bos_token_id=tok.bos_token_id, eos_token_id=eos_ids, pad_token_id=tok.pad_token_id
     )
-    with _quiet_progress_bars():
+    with quiet_progress_bars():
         model.save_pretrained(str(directory), safe_serialization=True)
-
-
-@contextlib.contextmanager
-def _quiet_progress_bars() -> Iterator[None]:
-    """Silence transformers' progress bars for the duration (restores the previous setting)."""
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
 
 
 def _build_thinker(directory: Path) -> None:

@@ -34,15 +34,13 @@ match the codec that decodes it. Outputs are meaningless; shapes, ids and timing
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, processors
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from transformers.utils import logging as hf_logging
 
+from libs.models.hf_build import quiet_progress_bars, train_text_bpe
 from libs.models.tiny_snac import CODEBOOK_SIZE
 
 FRAME_SIZE = 7
@@ -51,10 +49,8 @@ NUM_CONTROL_TOKENS = 10
 """``<custom_token_0>`` ... ``<custom_token_9>``: control tokens before the first audio token."""
 NUM_CUSTOM_TOKENS = NUM_CONTROL_TOKENS + FRAME_SIZE * CODEBOOK_SIZE
 
-TEXT_VOCAB_SIZE = 2000
 MAX_MODEL_LEN = 2048
 SEED = 4004
-CORPUS_PATH = Path(__file__).with_name("corpus.txt")
 
 BEGIN_OF_TEXT, END_OF_TEXT, EOT = "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"
 LLAMA3_SPECIALS = (
@@ -79,16 +75,7 @@ def custom_token(n: int) -> str:
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """The tokenizer: BPE text vocabulary, Llama 3 specials, then the custom tokens."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TEXT_VOCAB_SIZE,
-        min_frequency=1,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS_PATH.read_text(encoding="utf-8").splitlines(), trainer)
+    tok = train_text_bpe()
     text_size = tok.get_vocab_size(with_added_tokens=True)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in LLAMA3_SPECIALS])
     # Orpheus adds its custom tokens as ordinary added tokens (``tokenizer.add_tokens``).
@@ -139,18 +126,6 @@ def _llama_config(tok: PreTrainedTokenizerFast) -> LlamaConfig:
     )
 
 
-@contextlib.contextmanager
-def _quiet_progress_bars() -> Iterator[None]:
-    """Silence transformers' progress bars for the duration (restores the previous setting)."""
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
 def build_tiny_orpheus(directory: Path) -> None:
     """Write tiny-orpheus into ``directory`` (existing, empty): tokenizer files, config.json,
     generation_config.json and fp32 ``model.safetensors``; the same bytes on every call."""
@@ -162,5 +137,5 @@ def build_tiny_orpheus(directory: Path) -> None:
     model.generation_config = GenerationConfig(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
     )
-    with _quiet_progress_bars():
+    with quiet_progress_bars():
         model.save_pretrained(str(directory), safe_serialization=True)

@@ -23,11 +23,12 @@ from libs.common.subjects import Subjects
 from tests.conftest import NatsServer
 from tests.e2e.test_replica_death import Seen, _stream
 from tests.nats_cluster import node_of
-from tests.procs import THINKER_YAML, gone, start_service, write_pipeline
+from tests.procs import THINKER_YAML, ServiceProcess, gone, start_service, write_pipeline
 
 pytestmark = pytest.mark.integration
 
 PIPELINE = "bounce"
+CLUSTER_PIPELINE = "leaderkill"
 STREAMS, MAX_TOKENS = 8, 1900
 MIDWAY_TOKENS = 1
 """Every stream has at least this many tokens at its client when the broker dies: the streams
@@ -56,16 +57,17 @@ def own_nats(tmp_path):
     server.stop()
 
 
-@pytest.fixture
-def bounce_stack(own_nats, tmp_path):
-    path = write_pipeline(tmp_path / "p.yaml", PIPELINE, THINKER_YAML, timeout_s=120)
+def _start(nats_url: str, pipeline: str, tmp_path) -> tuple[str, list[ServiceProcess]]:
+    """An orchestrator, a gateway and ONE thinker worker of ``pipeline`` on ``nats_url`` (one
+    server or every server of a cluster), once each is ready: the gateway's URL and the three."""
+    path = write_pipeline(tmp_path / "p.yaml", pipeline, THINKER_YAML, timeout_s=120)
     port = free_port()
     procs = [
-        start_service(["orchestrator"], own_nats.url, path, tmp_path / "orch.log"),
-        start_service(["gateway", "--port", str(port)], own_nats.url, path, tmp_path / "gw.log"),
+        start_service(["orchestrator"], nats_url, path, tmp_path / "orch.log"),
+        start_service(["gateway", "--port", str(port)], nats_url, path, tmp_path / "gw.log"),
         start_service(
             ["worker", "--stage", "0", "--replica", "0"],
-            own_nats.url,
+            nats_url,
             path,
             tmp_path / "worker.log",
             {"VLLM_CPU_KVCACHE_SPACE": "1"},
@@ -74,7 +76,13 @@ def bounce_stack(own_nats, tmp_path):
     procs[0].wait_log("ready")
     procs[1].wait_log("Uvicorn running")
     procs[2].wait_log(": serving omni.", timeout_s=300)
-    yield f"http://127.0.0.1:{port}", procs
+    return f"http://127.0.0.1:{port}", procs
+
+
+@pytest.fixture
+def bounce_stack(own_nats, tmp_path):
+    base_url, procs = _start(own_nats.url, PIPELINE, tmp_path)
+    yield base_url, procs
     for p in procs:
         p.stop()
 
@@ -179,28 +187,10 @@ def cluster_stack(cluster, tmp_path):
     """The same services on a 3-node cluster, each given every server's URL (as ``omnirelay up
     --nats-nodes 3`` and compose give them): streams and buckets get 3 replicas."""
     urls = client_urls([n.spec for n in cluster])
-    path = write_pipeline(tmp_path / "p.yaml", CLUSTER_PIPELINE, THINKER_YAML, timeout_s=120)
-    port = free_port()
-    procs = [
-        start_service(["orchestrator"], urls, path, tmp_path / "orch.log"),
-        start_service(["gateway", "--port", str(port)], urls, path, tmp_path / "gw.log"),
-        start_service(
-            ["worker", "--stage", "0", "--replica", "0"],
-            urls,
-            path,
-            tmp_path / "worker.log",
-            {"VLLM_CPU_KVCACHE_SPACE": "1"},
-        ),
-    ]
-    procs[0].wait_log("ready")
-    procs[1].wait_log("Uvicorn running")
-    procs[2].wait_log(": serving omni.", timeout_s=300)
-    yield f"http://127.0.0.1:{port}", procs, urls
+    base_url, procs = _start(urls, CLUSTER_PIPELINE, tmp_path)
+    yield base_url, procs, urls
     for p in procs:
         p.stop()
-
-
-CLUSTER_PIPELINE = "leaderkill"
 
 
 async def test_streams_on_one_replica_survive_the_death_of_the_stream_leader(cluster, cluster_stack) -> None:

@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from libs.models.tiny_orpheus import TEXT_VOCAB_SIZE, build_tiny_orpheus
+from libs.models.hf_build import TEXT_VOCAB_SIZE
+from libs.models.tiny_orpheus import build_tiny_orpheus
 from libs.models.tiny_snac import CODEBOOK_SIZE
 
 # Orpheus's layout, as its real tokenizer has it (offsets from the end of Llama 3's text vocabulary,
