@@ -31,8 +31,10 @@ from pathlib import Path
 from benchmarks.fault_injection import (
     CLUSTER_NODE_TARGETS,
     FAULTS,
+    PIPELINE_NAME,
     PIPELINE_YAML,
     REPLICAS,
+    STAGE_NAMES,
     Fault,
     Injector,
     healthy,
@@ -44,6 +46,7 @@ from benchmarks.fault_injection import (
 from benchmarks.harness import Processes, Stack, log, run_with_stacks, start_stack
 from benchmarks.service_stack import ServiceStack, start_services
 from libs.common.bus import server_urls
+from libs.common.subjects import Subjects
 
 PROMPT = "Tell me everything about the sea."
 SAMPLE_RATE = 24_000
@@ -271,9 +274,11 @@ async def _strike_moment(
 ) -> dict[str, int] | None:
     """Wait for the moment to strike: at least two streams under way both at the client (they have
     :data:`MIDWAY_CHUNKS` chunks and have not ended) and on the server (their records:
-    :func:`bound_in_stage`); returns those streams' replicas of ``stage``. None when every stream
-    ended first. The client alone would not do: a loaded client reads seconds behind the server,
-    and a fault then struck a replica that had already finished every stream."""
+    :func:`bound_in_stage`), and the replica most of them run on says its engine is busy (its
+    liveness answer); returns those streams' replicas of ``stage``. None when every stream ended
+    first. The client alone would not do: a loaded client reads seconds behind the server, and a
+    fault then struck a replica that had already finished every stream; the records alone lag the
+    engine too (a `SIGSTOP` once landed after the replica's last token: nothing to judge or move)."""
     import nats
 
     from libs.common.bus import requests_kv
@@ -288,12 +293,26 @@ async def _strike_moment(
                 for rid in under_way:
                     with contextlib.suppress(Exception):  # the record follows the stream's start
                         records.append(json.loads((await kv.get(rid)).value))
-                if len(bound := bound_in_stage(records, stage)) >= 2:
+                bound = bound_in_stage(records, stage)
+                if len(bound) >= 2 and await _engine_busy(nc, stage, busiest(bound)[0]):
                     return bound
             await asyncio.sleep(0.05)
         return None
     finally:
         await nc.close()
+
+
+async def _engine_busy(nc, stage: int, replica: int) -> bool:
+    """Whether worker (``stage``, ``replica``) of the suite's pipeline answers its liveness probe
+    with work under way: a generation waiting for its engine (an ``llm`` stage), a request in hand
+    (code2wav, which decodes only now and then); False when it does not answer within 2 s."""
+    from libs.common.envelopes import Liveness, decode
+
+    with contextlib.suppress(Exception):
+        answer = await nc.request(Subjects(PIPELINE_NAME).alive(stage, replica), b"", timeout=2)
+        live = decode(Liveness, answer.data)
+        return live.in_flight > 0 if STAGE_NAMES[stage] == "code2wav" else live.busy > 0
+    return False
 
 
 async def run_fault(injector: Injector, fault: Fault, model: str) -> Row:
