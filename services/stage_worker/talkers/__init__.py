@@ -54,7 +54,12 @@ def make_protocol(pipeline: PipelineConfig, stage_id: int, model_dir: str) -> Ta
 
 def engine_args(stage: StageConfig) -> dict[str, Any]:
     """``AsyncEngineArgs`` fields a stage's talker protocol needs: Orpheus's per-position logits
-    processor; none for ``tiny`` (vLLM's ``allowed_token_ids`` suffices) or a non-talker stage."""
+    processor, and no prefix caching (a prompt prefilled over cached blocks computes slightly other
+    logits than a whole prefill, and sampling near-even logits then picks other codes: a redo on a
+    replica that had, or had not, seen the prompt would not make the dead replica's frames; each
+    text chunk's prompt is its own, so the cache saves next to nothing); none for ``tiny``
+    (vLLM's ``allowed_token_ids`` suffices, its prompts are shorter than a cache block) or a
+    non-talker stage."""
     if stage.talker.protocol == TalkerProtocolName.ORPHEUS:
-        return {"logits_processors": [FRAME_LOGITS_PROCESSOR]}
+        return {"logits_processors": [FRAME_LOGITS_PROCESSOR], "enable_prefix_caching": False}
     return {}

@@ -1,0 +1,349 @@
+"""The Orpheus pipeline on this box: a real gateway, orchestrator and workers (tiny-thinker -> two
+Orpheus talker replicas on tiny-orpheus -> code2wav on tiny-snac), the official ``openai`` client.
+
+The ground truth comes from outside the code under test: the code chunks the talkers sent, seen on
+the bus by a subscription of the test's own (core NATS hands every subscriber its own copy), and
+a whole decode of each segment's frames made here from that capture.
+
+a) A streamed audio request: the client's PCM is exactly the sent frames × 2,048 samples and equals
+   the whole decode of each segment (within 1 PCM16 step, the codec tests' float32 tolerance).
+b) The talker holding a request is killed (``kill -9``, proven gone) mid-utterance, after a segment
+   has ended and while the thinker still sends text chunks; the other replica takes over at the
+   oldest unacknowledged text chunk, from the position the dead one noted in the record. The
+   client's audio has no chunk missing or repeated and is exactly the fault-free run's samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import openai
+import pytest
+from nats.aio.msg import Msg
+
+from libs.common import headers as h
+from libs.common.bus import requests_kv
+from libs.common.envelopes import ClientEvent, ClientEventType, StageTask, TaskKind, decode
+from libs.common.local_nats import free_port
+from libs.common.publish import Hop, publish_task
+from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
+from libs.common.subjects import Subjects
+from libs.models.tiny import resolve_model
+from services.stage_worker.codecs import load_codec_adapter
+from tests.bus import collect
+from tests.client_streams import record
+from tests.procs import THINKER_YAML, kill_confirmed, start_service, until, write_pipeline
+
+pytestmark = pytest.mark.integration
+
+PIPELINE = "orpheustiny"
+MODEL = f"{PIPELINE}-model"
+SUBJECTS = Subjects(PIPELINE)
+FRAME_SAMPLES = 2048
+"""PCM samples per SNAC 24 kHz frame (hop 512 × the coarsest stride 4)."""
+CHUNK_FRAMES = 2
+MAX_FRAMES_PER_CHAR, MIN_FRAMES = 0.1, 4
+FAULT_TOKENS = 1000
+"""Thinker tokens of the move test's request: the thinker makes tokens several times faster than
+the talker makes frames, so it still sends text chunks when the talker's second segment begins."""
+TALKERS_X2 = f"""\
+  - name: talker
+    type: llm
+    model: tiny-orpheus
+    replicas: 2
+    consumes: text
+    emits: codec_codes
+    chunking: {{codes: {CHUNK_FRAMES}}}
+    talker: {{protocol: orpheus, voice: tara, max_frames_per_char: {MAX_FRAMES_PER_CHAR}, min_frames: {MIN_FRAMES}}}
+    engine: {{max_model_len: 2048, enforce_eager: true, dtype: float32}}
+"""
+CODE2WAV_SNAC = """\
+  - name: code2wav
+    type: codec
+    model: tiny-snac
+    consumes: codec_codes
+    emits: audio
+    stream_to_client: true
+"""
+
+
+@dataclass
+class Capture:
+    """What went over the bus for the test's requests: text chunks to the talkers, code chunks to
+    code2wav (with the talker replica that sent each)."""
+
+    text: dict[str, list[StageTask]] = field(default_factory=dict)
+    codes: dict[str, list[tuple[int, StageTask]]] = field(default_factory=dict)
+
+    async def listen(self, nc) -> None:
+        async def to_talker(msg: Msg) -> None:
+            task = decode(StageTask, msg.data)
+            self.text.setdefault(task.request_id, []).append(task)
+
+        async def to_code2wav(msg: Msg) -> None:
+            task = decode(StageTask, msg.data)
+            self.codes.setdefault(task.request_id, []).append((int(msg.headers[h.FROM_REPLICA]), task))
+
+        await nc.subscribe(f"omni.{PIPELINE}.stage.1.>", cb=to_talker)
+        await nc.subscribe(f"omni.{PIPELINE}.stage.2.>", cb=to_code2wav)
+
+    def chunks(self, rid: str) -> list[StageTask]:
+        """The request's code chunks by seq, each once; a chunk sent twice (a redo after a move)
+        must have been sent with the same frames and place."""
+        by_seq: dict[int, StageTask] = {}
+        for _, t in self.codes.get(rid, []):
+            if t.seq in by_seq:
+                first = by_seq[t.seq]
+                assert (first.offset, first.context_before, first.context_after) == (
+                    t.offset,
+                    t.context_before,
+                    t.context_after,
+                ), f"code chunk {t.seq} re-sent at another place"
+                np.testing.assert_array_equal(first.codes.to_numpy(), t.codes.to_numpy())
+            by_seq.setdefault(t.seq, t)
+        assert sorted(by_seq) == list(range(len(by_seq))), f"code chunks not contiguous: {sorted(by_seq)}"
+        return [by_seq[s] for s in range(len(by_seq))]
+
+
+def segments(chunks: list[StageTask]) -> list[tuple[int, np.ndarray]]:
+    """(first absolute frame, ``[frames, 7]``) of each segment, rebuilt from its code chunks' own
+    frames: a segment's last chunk has no context after it, the next one none before it."""
+    out: list[tuple[int, list[np.ndarray]]] = []
+    new = True
+    for t in chunks:
+        codes = t.codes.to_numpy().reshape(-1, 7)
+        own = codes[t.context_before : len(codes) - t.context_after]
+        if not len(own):
+            continue
+        if new:
+            assert t.context_before == 0, f"chunk {t.seq} opens a segment with context before it"
+            out.append((t.offset, []))
+        assert out[-1][0] + sum(len(f) for f in out[-1][1]) == t.offset, f"chunk {t.seq} leaves a gap"
+        out[-1][1].append(own)
+        new = t.context_after == 0
+    return [(first, np.concatenate(frames)) for first, frames in out]
+
+
+async def stream_audio(base_url: str, max_tokens: int) -> bytes:
+    """One greedy streamed chat completion with audio; the PCM16 bytes the client got."""
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me about the sea."}],
+        max_tokens=max_tokens,
+        temperature=0,
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "pcm16"},
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    pcm = bytearray()
+    async for chunk in stream:
+        for c in chunk.choices:
+            if c.delta.audio and c.delta.audio.data:
+                pcm += base64.b64decode(c.delta.audio.data)
+    return bytes(pcm)
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("orpheus")
+    path = write_pipeline(tmp / "p.yaml", PIPELINE, THINKER_YAML + TALKERS_X2 + CODE2WAV_SNAC)
+    port = free_port()
+    orch = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
+    gateway = start_service(["gateway", "--port", str(port)], nats_server.url, path, tmp / "gw.log")
+    workers = {
+        name: start_service(
+            ["worker"],
+            nats_server.url,
+            path,
+            tmp / f"{name}.log",
+            {"OMNIRELAY_STAGE": str(stage), "OMNIRELAY_REPLICA": str(replica)},
+        )
+        for name, stage, replica in (
+            ("thinker", 0, 0),
+            ("talker0", 1, 0),
+            ("talker1", 1, 1),
+            ("code2wav", 2, 0),
+        )
+    }
+    orch.wait_log("ready")
+    gateway.wait_log("Uvicorn running")
+    for w in workers.values():
+        w.wait_log("serving omni.", timeout_s=300)
+    yield f"http://127.0.0.1:{port}", workers
+    for proc in [gateway, orch, *workers.values()]:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def snac():
+    return load_codec_adapter(resolve_model("tiny-snac"))
+
+
+@pytest.fixture
+async def capture(nc) -> Capture:
+    cap = Capture()
+    await cap.listen(nc)
+    return cap
+
+
+def assert_is_whole_decode(pcm: bytes, chunks: list[StageTask], snac) -> None:
+    """The client's PCM: exactly the sent frames' samples, each segment as its whole decode."""
+    segs = segments(chunks)
+    frames = sum(len(f) for _, f in segs)
+    assert len(pcm) == 2 * frames * FRAME_SAMPLES
+    whole = np.concatenate([snac.decode(f, first_frame=first) for first, f in segs])
+    diff = np.abs(np.frombuffer(pcm, "<i2").astype(np.int32) - whole.astype(np.int32))
+    assert diff.max() <= 1, f"{int((diff > 1).sum())} samples differ by more than 1 PCM16 step"
+
+
+async def test_streamed_audio_is_every_sent_frame_decoded_as_whole_segments(stack, capture, snac) -> None:
+    base_url, _ = stack
+    started = time.monotonic()
+    pcm = await stream_audio(base_url, max_tokens=48)
+    took = time.monotonic() - started
+    (rid,) = capture.codes
+    chunks = capture.chunks(rid)
+    texts = [t for t in capture.text[rid] if t.text.strip()]
+    segs = segments(chunks)
+    # one segment per spoken text chunk, none longer than the protocol's cap for its text
+    assert len(segs) == len(texts) > 1
+    for (_, frames), t in zip(segs, texts, strict=True):
+        assert 0 < len(frames) <= max(MIN_FRAMES, np.ceil(MAX_FRAMES_PER_CHAR * len(t.text.strip())))
+    assert chunks[-1].final and all(not c.final for c in chunks[:-1])
+    assert all(c.context_before <= 3 and c.context_after <= 3 for c in chunks)
+    assert_is_whole_decode(pcm, chunks, snac)
+    print(
+        f"orpheus-tiny: {len(texts)} text chunks, {len(chunks)} code chunks, "
+        f"{len(pcm) // 2 / 24000:.2f} s of audio in {took:.1f} s"
+    )
+
+
+async def fault_free_run(nc, texts: list[StageTask], talker: int, capture: Capture) -> tuple[str, bytes]:
+    """The same talker input (``texts``, one per seq) run as a new request through talker replica
+    ``talker`` without a fault: the test plays the thinker (it sends the text chunks) and the gateway
+    (it reads the audio events). Returns the request id and its PCM16 bytes in chunk order."""
+    rid, gateway = f"ref-{time.time_ns()}", "gwref"
+    now = time.time_ns()
+    first = [StageAttempt(attempt=1, replica=r, bound_ns=now) for r in (0, talker, 0)]
+    rec = RequestRecord(
+        request_id=rid,
+        pipeline=PIPELINE,
+        gateway_id=gateway,
+        status=RequestStatus.RUNNING,
+        route=[0, talker, 0],
+        stages=[StageProgress(replica=a.replica, started_ns=now, attempts=[a]) for a in first],
+        arrival_ns=now,
+        admitted_ns=now,
+        deadline_ns=now + 120 * 10**9,
+        updated_ns=now,
+    )
+    js = nc.jetstream()
+    await (await requests_kv(js)).put(rid, rec.model_dump_json().encode())
+    events: asyncio.Queue[ClientEvent] = asyncio.Queue()
+    await nc.subscribe(SUBJECTS.out(gateway, rid), cb=collect(events, ClientEvent))
+    for t in texts:
+        task = StageTask(
+            request_id=rid,
+            gateway_id=gateway,
+            arrival_ns=now,
+            deadline_ns=now + 120 * 10**9,
+            route=[0, talker, 0],
+            kind=TaskKind.CHUNK,
+            seq=t.seq,
+            final=t.final,
+            text=t.text,
+            token_ids=t.token_ids,
+            offset=t.offset,
+        )
+        await publish_task(js, SUBJECTS, task, Hop("0", "0", 1, talker))
+    audio: dict[int, bytes] = {}
+    while True:
+        ev = await asyncio.wait_for(events.get(), 60)
+        if ev.type == ClientEventType.AUDIO_DONE:
+            break
+        assert ev.type == ClientEventType.AUDIO and ev.in_seq not in audio
+        audio[ev.in_seq] = ev.pcm16
+    return rid, b"".join(audio[s] for s in sorted(audio))
+
+
+async def test_a_talker_killed_mid_utterance_moves_and_the_audio_is_the_fault_free_run(
+    stack, capture, nc, snac
+) -> None:
+    """The fault-free run is the same talker input (the text chunks the thinker sent in the faulted
+    run) sent again, after it, to the surviving talker: a chunk's text is the thinker's deltas' text,
+    and where a delta of several tokens falls depends on timing, so a second chat request with the
+    same greedy tokens may cut the same tokens into chunks with other texts."""
+    base_url, workers = stack
+    warm_up = [
+        StageTask(
+            request_id="-",
+            gateway_id="-",
+            arrival_ns=0,
+            deadline_ns=0,
+            route=[],
+            kind=TaskKind.CHUNK,
+            seq=seq,
+            final=seq == 1,
+            text=text,
+            token_ids=[seq],
+            offset=seq,
+        )
+        for seq, text in enumerate(["Warm up.", "Both talkers."])
+    ]
+    for r in (0, 1):  # a talker's first requests are slow: the thinker would be done before the kill
+        await fault_free_run(nc, warm_up, r, capture)
+    capture.codes.clear()
+    task = asyncio.create_task(stream_audio(base_url, max_tokens=FAULT_TOKENS))
+
+    def mid_utterance() -> tuple[str, int] | None:
+        """The request and its talker replica once a segment has ended and a later one is under way."""
+        for rid, sent in capture.codes.items():
+            if any(t.context_after == 0 for _, t in sent[:-1]):
+                return rid, sent[-1][0]
+        return None
+
+    rid, replica = await until(mid_utterance, "a segment of the request sent", timeout_s=60, every_s=0.01)
+    await kill_confirmed(workers[f"talker{replica}"].proc.pid, f"talker replica {replica}")
+    text_at_kill = list(capture.text[rid])
+    assert not any(t.final for t in text_at_kill), (
+        f"the thinker had sent every text chunk ({len(text_at_kill)}) before the kill"
+    )
+    pcm = await asyncio.wait_for(task, 120)
+    chunks = capture.chunks(rid)
+    assert_is_whole_decode(pcm, chunks, snac)
+
+    texts = {t.seq: t for t in capture.text[rid]}
+    assert sorted(texts) == list(range(len(texts))) and texts[len(texts) - 1].final
+    ref_id, reference = await fault_free_run(nc, [texts[s] for s in sorted(texts)], 1 - replica, capture)
+    ref_chunks = capture.chunks(ref_id)
+    assert len(ref_chunks) == len(chunks)
+    for a, b in zip(ref_chunks, chunks, strict=True):
+        assert (a.seq, a.offset, a.context_before, a.context_after) == (
+            b.seq,
+            b.offset,
+            b.context_before,
+            b.context_after,
+        )
+        np.testing.assert_array_equal(a.codes.to_numpy(), b.codes.to_numpy())
+    assert pcm == reference, "audio unlike the fault-free run"
+
+    ran = []
+    for r, t in capture.codes[rid]:
+        if not ran or ran[-1] != (r, t.from_attempt):
+            ran.append((r, t.from_attempt))
+    assert ran == [(replica, 1), (1 - replica, 2)], ran
+    rec: RequestRecord = await record(await requests_kv(nc.jetstream()), rid)
+    moved_to = rec.stages[1].attempts[-1]
+    assert (moved_to.replica, moved_to.attempt, moved_to.reason) == (1 - replica, 2, "exit")
+    assert moved_to.start_seq >= 1, "the move restarted at text chunk 0: no position note was needed"
+    resent = len(capture.codes[rid]) - len(chunks)
+    print(
+        f"talker move: text chunk {moved_to.start_seq} redone on replica {1 - replica} ({resent} code chunks "
+        f"sent again); {len(chunks)} code chunks, {len(texts)} text chunks, {len(text_at_kill)} sent at the kill"
+    )
