@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
+import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,7 +39,7 @@ from libs.models.tiny import resolve_model
 from services.stage_worker.codecs import load_codec_adapter
 from tests.bus import collect
 from tests.client_streams import record
-from tests.procs import THINKER_YAML, kill_confirmed, start_service, until, write_pipeline
+from tests.procs import THINKER_YAML, gone, start_service, until, write_pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -47,9 +50,10 @@ FRAME_SAMPLES = 2048
 """PCM samples per SNAC 24 kHz frame (hop 512 × the coarsest stride 4)."""
 CHUNK_FRAMES = 2
 MAX_FRAMES_PER_CHAR, MIN_FRAMES = 0.1, 4
-FAULT_TOKENS = 1000
-"""Thinker tokens of the move test's request: the thinker makes tokens several times faster than
-the talker makes frames, so it still sends text chunks when the talker's second segment begins."""
+FAULT_TOKENS = 2000
+"""Thinker tokens of the move test's request (its engine's max_model_len is 2,048): the thinker makes
+tokens several times faster than the talker makes frames; with 1,000 it had once sent every text
+chunk before the talker's second segment began."""
 TALKERS_X2 = f"""\
   - name: talker
     type: llm
@@ -78,6 +82,8 @@ class Capture:
 
     text: dict[str, list[StageTask]] = field(default_factory=dict)
     codes: dict[str, list[tuple[int, StageTask]]] = field(default_factory=dict)
+    on_code: Callable[[str, list[tuple[int, StageTask]]], None] | None = None
+    """Called with a request's code chunks so far as each arrives (in the subscription's callback)."""
 
     async def listen(self, nc) -> None:
         async def to_talker(msg: Msg) -> None:
@@ -86,7 +92,10 @@ class Capture:
 
         async def to_code2wav(msg: Msg) -> None:
             task = decode(StageTask, msg.data)
-            self.codes.setdefault(task.request_id, []).append((int(msg.headers[h.FROM_REPLICA]), task))
+            sent = self.codes.setdefault(task.request_id, [])
+            sent.append((int(msg.headers[h.FROM_REPLICA]), task))
+            if self.on_code is not None:
+                self.on_code(task.request_id, sent)
 
         await nc.subscribe(f"omni.{PIPELINE}.stage.1.>", cb=to_talker)
         await nc.subscribe(f"omni.{PIPELINE}.stage.2.>", cb=to_code2wav)
@@ -299,18 +308,25 @@ async def test_a_talker_killed_mid_utterance_moves_and_the_audio_is_the_fault_fr
     for r in (0, 1):  # a talker's first requests are slow: the thinker would be done before the kill
         await fault_free_run(nc, warm_up, r, capture)
     capture.codes.clear()
+
+    struck: list[tuple[str, int, int, list[StageTask]]] = []
+    """(request, talker replica, its pid, the text chunks the thinker had sent) once killed."""
+
+    def strike(rid: str, sent: list[tuple[int, StageTask]]) -> None:
+        """Kill the talker at once when it has sent the first chunk of a segment after the first one
+        (a segment's first chunk goes out when ``after`` frames past it exist, with more to come)."""
+        replica, last = sent[-1]
+        if not struck and last.offset > 0 and last.context_before == 0 and last.context_after > 0:
+            pid = workers[f"talker{replica}"].proc.pid
+            os.kill(pid, signal.SIGKILL)
+            struck.append((rid, replica, pid, list(capture.text.get(rid, []))))
+
+    capture.on_code = strike
     task = asyncio.create_task(stream_audio(base_url, max_tokens=FAULT_TOKENS))
-
-    def mid_utterance() -> tuple[str, int] | None:
-        """The request and its talker replica once a segment has ended and a later one is under way."""
-        for rid, sent in capture.codes.items():
-            if any(t.context_after == 0 for _, t in sent[:-1]):
-                return rid, sent[-1][0]
-        return None
-
-    rid, replica = await until(mid_utterance, "a segment of the request sent", timeout_s=60, every_s=0.01)
-    await kill_confirmed(workers[f"talker{replica}"].proc.pid, f"talker replica {replica}")
-    text_at_kill = list(capture.text[rid])
+    rid, replica, pid, text_at_kill = (
+        await until(lambda: struck, "a later segment begun", timeout_s=60, every_s=0.01)
+    )[0]
+    await until(lambda: gone(pid), f"talker replica {replica} (pid {pid}) gone after SIGKILL", timeout_s=5.0)
     assert not any(t.final for t in text_at_kill), (
         f"the thinker had sent every text chunk ({len(text_at_kill)}) before the kill"
     )
