@@ -8,19 +8,26 @@ the scheduler's fair share to the control plane whenever both want a core, and c
 nothing when the control plane is idle (most of the time: it handles a message in microseconds).
 
 Linux keeps a nice value per thread, and a new thread or process inherits its creator's: raising
-it on every thread of the engine's processes once they have started covers the threads they start
-later. Raising one's own or a child's nice value needs no privilege.
+it on every thread of the engine's processes from the moment they appear (polled while the engine
+starts) covers the threads they start later. Raising one's own or a child's nice value needs no
+privilege; lowering it again would (``CAP_SYS_NICE``, which containers lack), which is why the
+worker does not simply raise its own before it starts the engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+from collections.abc import Iterator
 
 import psutil
 
 log = logging.getLogger(__name__)
+
+STARTUP_POLL_S = 0.1
+"""How often the engine's new processes and threads are looked for while it starts, seconds."""
 
 
 def _raise_thread(tid: int, nice: int) -> bool:
@@ -34,9 +41,8 @@ def _raise_thread(tid: int, nice: int) -> bool:
         return False
 
 
-def lower_children(nice: int) -> int:
-    """Raise every thread of this process's descendants (an ``llm`` worker's: its engine's
-    processes) to ``nice``; the number of threads raised."""
+def _lower_descendants(nice: int) -> int:
+    """Raise every thread of this process's descendants to ``nice``; the number raised."""
     raised = 0
     for child in psutil.Process().children(recursive=True):
         try:
@@ -44,8 +50,33 @@ def lower_children(nice: int) -> int:
         except psutil.Error:
             continue
         raised += sum(_raise_thread(t.id, nice) for t in threads)
-    log.info("engine processes at nice %d (%d threads)", nice, raised)
     return raised
+
+
+@contextlib.contextmanager
+def lowered_children(nice: int, every_s: float = STARTUP_POLL_S) -> Iterator[None]:
+    """Around an engine's start (an ``llm`` worker's: vLLM spawns its processes, which load the
+    model, profile and warm up for seconds to minutes, the heaviest work they do): every
+    ``every_s`` seconds, and once more at the end, raise every thread of this process's
+    descendants to ``nice``. A replacement engine that started at nice 0 under load starved the
+    broker and let another service's heartbeat expire."""
+    stop = threading.Event()
+    raised = 0
+
+    def watch() -> None:
+        nonlocal raised
+        while not stop.wait(every_s):
+            raised += _lower_descendants(nice)
+
+    watcher = threading.Thread(target=watch, name="engine-nice", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        watcher.join()
+        raised += _lower_descendants(nice)
+        log.info("engine processes at nice %d (%d threads raised)", nice, raised)
 
 
 def lower_this_thread(nice: int) -> None:

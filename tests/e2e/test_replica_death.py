@@ -25,7 +25,7 @@ from libs.common.bus import requests_kv
 from libs.common.bus_state import request_record, snapshot
 from tests.bus import await_replacement
 from tests.metrics_scrape import delta, scrape
-from tests.procs import kill_confirmed, stop_confirmed, worker_pid
+from tests.procs import kill_confirmed, stop_confirmed, until, worker_pid
 
 pytestmark = pytest.mark.e2e
 
@@ -218,10 +218,27 @@ def _longest_pause(seen: list[Seen], moved: dict[str, dict]) -> float:
     return max((b - a for s in seen if s.id in moved for a, b in itertools.pairwise(s.at)), default=0.0)
 
 
+async def _registered(stack, pipeline) -> list[dict]:
+    """The registry's services once it holds one orchestrator and one gateway (a record missing
+    for a moment comes back with the next heartbeat: in a full run the orchestrator's was missing
+    while the thinker an earlier test killed started its engine anew)."""
+
+    async def both() -> list[dict] | None:
+        services = (await snapshot(stack.nats_url, pipeline))["services"]
+        kinds = [s["service"] for s in services]
+        return services if kinds.count("orchestrator") == kinds.count("gateway") == 1 else None
+
+    t0 = time.monotonic()
+    services = await until(both, "one orchestrator and one gateway registered", timeout_s=30)
+    if time.monotonic() - t0 > 0.5:
+        print(f"waited {time.monotonic() - t0:.1f} s for the registry's orchestrator and gateway")
+    return services
+
+
 async def test_streams_on_a_killed_replica_move_and_complete(stack, pipeline) -> None:
     """``kill -9`` of a thinker worker while it streams."""
     reason = "exit"
-    services = (await snapshot(stack.nats_url, pipeline))["services"]
+    services = await _registered(stack, pipeline)
     incarnations = {s["key"]: s["started_ns"] for s in services}
     (orchestrator,) = [s["metrics_url"] for s in services if s["service"] == "orchestrator"]
     (gateway,) = [s["metrics_url"] for s in services if s["service"] == "gateway"]
@@ -280,7 +297,7 @@ async def test_streams_on_a_stopped_replica_move_after_the_stall_timeout(stack, 
     ``stall_timeout_s`` later and complete in full; after SIGCONT it stops the work it no longer
     owns, and nothing it still sends reaches a client."""
     stall_s = pipeline.stages[0].stall_timeout_s
-    services = (await snapshot(stack.nats_url, pipeline))["services"]
+    services = await _registered(stack, pipeline)
     (orchestrator,) = [s["metrics_url"] for s in services if s["service"] == "orchestrator"]
     reference = await _reference(stack, pipeline)
     before = scrape(orchestrator)

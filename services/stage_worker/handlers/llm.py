@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from libs.common import tracing
 from libs.common.runtime import cancel_and_wait
 from libs.models.tiny import resolve_model
-from services.stage_worker.engine_priority import lower_children
+from services.stage_worker.engine_priority import lowered_children
 from services.stage_worker.engine_processes import export_engine_processes
 from services.stage_worker.handlers.base import StageHandler
 from services.stage_worker.llm_engine import (
@@ -71,8 +71,8 @@ class LLMHandler(StageHandler):
 
     async def start(self) -> None:
         self._engine_traced = engine_tracing_config(self._spec) is not None
-        self.engine = build_async_llm(self._spec, self.model_path)
-        lower_children(self._spec.nice)
+        with lowered_children(self._spec.nice):
+            self.engine = build_async_llm(self._spec, self.model_path)
         if self._spec.log_stats:
             export_engine_processes()
             from services.stage_worker.engine_metrics import log_stats_periodically
