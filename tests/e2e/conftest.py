@@ -18,6 +18,8 @@ import pytest
 from libs.common.local_nats import free_port
 from libs.common.pipeline import load_pipeline
 from tests.conftest import NatsServer
+from tests.e2e.prometheus_events import dead_lettered, events  # noqa: F401 (fixtures of test_prometheus.py)
+from tests.e2e.prometheus_server import prom  # noqa: F401 (a fixture of test_prometheus.py)
 from tests.otlp_receiver import Receiver, start_receiver
 from tests.procs import stop_process
 

@@ -15,64 +15,40 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import nats
-import numpy as np
 import openai
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from libs.common import headers as h
-from libs.common.bus_state import request_record, snapshot
-from libs.common.envelopes import ClientEvent, ClientEventType, NdArray, StageTask, TaskKind, decode
-from libs.common.local_nats import free_port
+from libs.common.bus_state import request_record
+from libs.common.envelopes import StageTask, decode
 from libs.common.metrics_catalog import ENGINE_PROCESSES
-from libs.common.publish import Hop, publish_task
 from libs.common.subjects import Subjects
-from tests import needs
-from tests.bus import await_replacement, dead_letter
-from tests.procs import (
-    CODE2WAV_YAML,
-    TALKER_YAML,
-    THINKER_YAML,
-    ServiceProcess,
-    kill_confirmed,
-    stop_confirmed,
-    stop_process,
-    worker_pid,
-    write_pipeline,
+from tests.e2e.prometheus_events import (
+    SR,
+    audio_stream,
+    outside_codec_worker,
 )
+from tests.e2e.prometheus_server import WAIT_S, Prometheus, eventually, sd_groups
 from tests.unit.test_dashboard import DASHBOARD, dashboard_queries, grafana_to_promql, metric_names
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
-CONFIG = REPO / "compose" / "prometheus.yml"
-INTERVAL = "1s"
-SR = 24_000
 LATENCY_SLACK_S = 0.25
 """Per request: the client's clock (before sending → after reading the last byte, or the first
 audio chunk) may exceed the gateway's arrival → last byte / first audio written by at most this,
 on loopback, with the five requests running concurrently in one client event loop."""
-WAIT_S = 20.0
-"""How long a PromQL answer may take to reflect what happened (1 s scrapes; vLLM emits its
-scheduler stats at most once a second and a final snapshot when it goes idle)."""
 DYN_PIPELINE = "promdyn"
-DEAD_PIPELINE = "promdead"
 UNIFIED = ("service", "pipeline", "instance", "job")
 WORKER_LABELS = ("stage", "replica", "stage_name")
 
@@ -114,151 +90,6 @@ not read from the metric catalog: a gateway or orchestrator family that wrongly 
 or ``replica`` shows as an unexpected label, one that lacks its own as a missing one."""
 
 
-# --- a Prometheus process ----------------------------------------------------------------------------
-class Prometheus:
-    def __init__(self, url: str, proc: subprocess.Popen[bytes], log: Path, sd_url: str) -> None:
-        self.url, self.proc, self.log, self.sd_url = url, proc, log, sd_url
-        self.http = httpx.Client(base_url=url, timeout=30)
-
-    def api(self, path: str, **params: Any) -> Any:
-        r = self.http.get(f"/api/v1/{path}", params=params)
-        body = r.json()
-        assert body["status"] == "success", f"{path} {params}: {body}"
-        return body["data"]
-
-    def query(self, q: str, at: float | None = None) -> list[dict[str, Any]]:
-        return self.api("query", query=q, **({"time": f"{at:.3f}"} if at is not None else {}))["result"]
-
-    def vector(self, q: str, *labels: str, at: float | None = None) -> dict[tuple[str, ...], float]:
-        return {
-            tuple(r["metric"].get(n, "") for n in labels): float(r["value"][1]) for r in self.query(q, at)
-        }
-
-    def scalar(self, q: str, at: float | None = None) -> float | None:
-        res = self.query(q, at)
-        assert len(res) <= 1, res
-        return float(res[0]["value"][1]) if res else None
-
-    def grown(
-        self, selector: str, by: str, t0: float, at: float | None = None
-    ) -> dict[tuple[str, ...], float]:
-        """Increase of ``sum by (by) (selector)`` since ``t0`` (raw values, no extrapolation; a series
-        created after ``t0`` counts from 0)."""
-        now = f"sum by ({by}) ({selector})"
-        then = f"sum by ({by}) ({selector} @ {t0:.3f})"
-        labels = [n.strip() for n in by.split(",") if n.strip()]
-        return self.vector(f"({now} - {then}) or {now}", *labels, at=at)
-
-    def wait_scraped_after(self, t: float, scrapes: int = 1, timeout_s: float = WAIT_S) -> None:
-        """Wait until every service the stack's service discovery lists now has been scraped
-        successfully (``up`` 1) ``scrapes`` times after wall time ``t`` (s): what those services
-        exported at ``t`` is then in Prometheus, and ``rate()`` over a window holding those scrapes
-        has the two samples it needs. A listed service Prometheus has no sample of yet counts as
-        not scraped (it may have just come back: a worker stopped for longer than the registry's
-        TTL leaves the listing and its series go stale until it is scraped again)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            want = {g["labels"]["__meta_omnirelay_instance"] for g in self.sd()}
-            window = max(2, int(time.time() - t) + 2)
-            got = {
-                r["metric"]["instance"]: sum(1 for ts, v in r["values"] if float(ts) > t and float(v) == 1)
-                for r in self.query(f'up{{job="omnirelay"}}[{window}s]')
-            }
-            short = {i: got.get(i, 0) for i in want if got.get(i, 0) < scrapes}
-            if want and not short:
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"not scraped successfully {scrapes} time(s) after {t:.3f} within {timeout_s} s: {short}"
-                )
-            time.sleep(0.2)
-
-    def sd(self) -> list[dict[str, Any]]:
-        """The stack's service-discovery answer (the targets Prometheus is told about)."""
-        return httpx.get(self.sd_url, timeout=30).json()
-
-    def targets(self) -> list[dict[str, Any]]:
-        return self.api("targets", state="active")["activeTargets"]
-
-
-def eventually(fn, ok, timeout_s: float = WAIT_S, every_s: float = 0.25):
-    """``fn()`` until ``ok(value)`` or the timeout; returns the last value (assert on it)."""
-    deadline = time.monotonic() + timeout_s
-    value = fn()
-    while not ok(value) and time.monotonic() < deadline:
-        time.sleep(every_s)
-        value = fn()
-    return value
-
-
-def sd_groups(stack) -> list[dict[str, Any]]:
-    return httpx.get(f"{stack.base_url}/prometheus/targets", timeout=30).json()
-
-
-def local_config(sd_url: str, port: int) -> dict[str, Any]:
-    """compose/prometheus.yml with the local differences (and nothing else) applied."""
-    config = yaml.safe_load(CONFIG.read_text())
-    config["global"].update(scrape_interval=INTERVAL, scrape_timeout=INTERVAL, evaluation_interval=INTERVAL)
-    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
-    assert set(jobs) == {"omnirelay", "prometheus", "nats"}, set(jobs)
-    (sd,) = jobs["omnirelay"]["http_sd_configs"]
-    assert sd["url"] == "http://gateway:8000/prometheus/targets"
-    sd.update(url=sd_url, refresh_interval=INTERVAL)
-    jobs["prometheus"]["static_configs"][0]["targets"] = [f"127.0.0.1:{port}"]
-    config["scrape_configs"] = [jobs["omnirelay"], jobs["prometheus"]]  # no NATS exporter here
-    return config
-
-
-@pytest.fixture(scope="module")
-def prom(stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
-    binary = needs.program(
-        "prometheus", "Debian's prometheus is not installed: run `make prometheus-bin` (`make test` does)"
-    )
-    tmp = tmp_path_factory.mktemp("prometheus")
-    port = free_port()
-    config = tmp / "prometheus.yml"
-    config.write_text(
-        yaml.safe_dump(local_config(f"{stack.base_url}/prometheus/targets", port), sort_keys=False)
-    )
-    log = tmp / "prometheus.log"
-    argv = [
-        binary,
-        f"--config.file={config}",
-        f"--storage.tsdb.path={tmp / 'data'}",
-        f"--web.listen-address=127.0.0.1:{port}",
-        "--enable-feature=exemplar-storage",
-    ]
-    t0 = time.monotonic()
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    p = Prometheus(f"http://127.0.0.1:{port}", proc, log, f"{stack.base_url}/prometheus/targets")
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{p.url}/-/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"prometheus did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
-        ready_s = time.monotonic() - t0
-        want = {g["labels"]["__meta_omnirelay_instance"] for g in sd_groups(stack)}
-        up = eventually(
-            lambda: p.vector('up{job="omnirelay"} == 1', "instance"), lambda v: want <= {k[0] for k in v}
-        )
-        assert want <= {k[0] for k in up}, (want, up, p.targets())
-        print(
-            f"\nprometheus ready {ready_s:.1f} s, all {len(want)} services up {time.monotonic() - t0:.1f} s after start"
-        )
-        yield p
-    finally:
-        p.http.close()
-        stop_process(proc, signal.SIGTERM, 15)
-
-
-# --- known traffic and its ground truth ---------------------------------------------------------------
 @dataclass
 class Traffic:
     t0: float
@@ -310,26 +141,10 @@ async def _text(client: openai.AsyncOpenAI, model: str, n: int, out: Traffic) ->
     out.trace_ids[r.id] = trace_id
 
 
-async def _audio_stream(
-    client: openai.AsyncOpenAI, model: str, max_tokens: int, headers: dict[str, str] | None = None
-) -> openai.AsyncStream:
-    """A streamed text + audio (PCM16) request of exactly ``max_tokens`` tokens."""
-    return await client.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": "Read me a story."}],
-        max_tokens=max_tokens,
-        modalities=["text", "audio"],
-        audio={"voice": "alloy", "format": "pcm16"},
-        stream=True,
-        extra_body={"ignore_eos": True},
-        extra_headers=headers,
-    )
-
-
 async def _audio(client: openai.AsyncOpenAI, model: str, n: int, out: Traffic) -> None:
     trace_id, headers = _traceparent()
     t = time.monotonic()
-    stream = await _audio_stream(client, model, n, headers)
+    stream = await audio_stream(client, model, n, headers)
     pcm, first, reason, rid = bytearray(), None, None, None
     async for chunk in stream:
         rid = chunk.id
@@ -665,357 +480,6 @@ def test_federate_exposes_the_same_labels(prom, traffic, stack) -> None:
     assert not problems, "\n".join(problems[:30])
 
 
-@dataclass
-class Events:
-    """What the ``events`` fixture caused, as the client and the bus saw it."""
-
-    t0: float
-    rejected: int = 0
-    """Audio requests whose stream ended with ``codec_input_rejected``."""
-    chunks_after_pause: int = 0
-    """Audio chunks a stream got after its audio stage was stopped for ``PAUSE_S``."""
-    victim: int | None = None
-    """The thinker replica killed under two streams."""
-    moved: int = 0
-    """Streams whose record lists a second stage-0 attempt (moved off the victim)."""
-    stale_sent: bool = False
-    """The dead attempt's stale event and chunk were sent after its request moved."""
-    t1: float = 0.0
-
-
-def _bad_chunk(task_of: dict[str, Any], codes: list[int]) -> StageTask:
-    now = time.time_ns()
-    return StageTask(
-        request_id=task_of["request_id"],
-        gateway_id=task_of["gateway_id"],
-        arrival_ns=now,
-        deadline_ns=now + 60 * 10**9,
-        route=task_of["route"],
-        kind=TaskKind.CHUNK,
-        seq=0,
-        final=True,
-        codes=NdArray.of(np.asarray(codes, dtype=np.int32)),
-    )
-
-
-async def _reject_one(stack, pipeline, js, client: openai.AsyncOpenAI) -> bool:
-    """An audio request whose first code chunk the test corrupts: codes out of the codec's range,
-    sent to its code2wav replica as chunk 0 as soon as stage 0 has started (long before the talker's
-    own chunk 0, which the stream then drops as a duplicate). True when the stream ended with
-    ``codec_input_rejected`` (False: the talker's chunk got there first)."""
-    stream = await _audio_stream(client, pipeline.served_model_name, 60)
-    subjects = Subjects(pipeline.name)
-    try:
-        async for chunk in stream:
-            rec = None
-            for _ in range(50):
-                rec = await request_record(stack.nats_url, chunk.id)
-                if rec:
-                    break
-                await asyncio.sleep(0.01)
-            assert rec, f"no record of {chunk.id}"
-            bad = _bad_chunk(rec, [5, 1 << 20])
-            audio = pipeline.audio_stage
-            hop = Hop(str(audio - 1), str(rec["route"][audio - 1]), audio, rec["route"][audio])
-            await publish_task(js, subjects, bad, hop)
-            async for _ in stream:
-                pass
-            return False
-    except openai.APIError as e:
-        assert e.code == "codec_input_rejected", e
-        return True
-    return False
-
-
-BUSY_TOKENS = 300
-"""Tokens of the audio stream under the thinker that is killed."""
-TEXT_BUSY_TOKENS = 1200
-"""Tokens of the text stream beside it, so the two share the thinker for the whole fault."""
-LEAD_TOKENS = 10
-"""Tokens each stream has had from the thinker when it is killed."""
-STALE_SEQ = 10_000
-"""The ``seq`` of the stale event and chunk: past any the dead attempt sent (a chunk's
-``Nats-Msg-Id`` then is new to the stream, which would drop a repeat before any worker saw it)."""
-
-PAUSE_S = 2.0
-"""How long the audio stage is stopped mid-stream: four times a chunk's 0.5 s of audio."""
-
-
-async def _pause_the_audio_stage(stack, pipeline, client: openai.AsyncOpenAI) -> int:
-    """A streamed audio request whose audio stage (its only replica) is stopped (``SIGSTOP``) for
-    ``PAUSE_S`` after the first audio chunk, well inside its ``stall_timeout_s``: the client's player
-    runs dry and the next chunk is late. Audio that still arrives while the stage is stopped (sent
-    before the stop: on a loaded box the client reads behind the server) lengthens the pause by its
-    duration, so the player runs dry whatever was in flight. Returns the chunks that came after
-    the pause."""
-    pid = worker_pid(stack.proc.pid, pipeline.audio_stage, 0)
-    stream = await _audio_stream(client, pipeline.served_model_name, 60)
-    chunks: asyncio.Queue[float | None] = asyncio.Queue()  # seconds of audio per chunk; None: end
-
-    async def read() -> None:
-        async for chunk in stream:
-            data = "".join(c.delta.audio.data for c in chunk.choices if c.delta.audio and c.delta.audio.data)
-            if data:
-                chunks.put_nowait(len(base64.b64decode(data)) / 2 / SR)
-        chunks.put_nowait(None)
-
-    reader = asyncio.create_task(read())
-    try:
-        assert await asyncio.wait_for(chunks.get(), 60) is not None, "no audio at all"
-        try:
-            await stop_confirmed(pid, "the audio stage", timeout_s=1.0)
-            until = time.monotonic() + PAUSE_S
-            while (left := until - time.monotonic()) > 0:
-                with contextlib.suppress(TimeoutError):
-                    seconds = await asyncio.wait_for(chunks.get(), left)
-                    assert seconds is not None, "the stream ended while its audio stage was stopped"
-                    until += seconds
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        after = 0
-        while await asyncio.wait_for(chunks.get(), 60) is not None:
-            after += 1
-        return after
-    finally:
-        reader.cancel()
-
-
-async def _stale_after_the_move(pipeline, nc: nats.NATS, rec: dict[str, Any], victim: int) -> None:
-    """What a dead thinker attempt could still have had on the way when its request moved on, sent
-    as that attempt (1) would have: a text event to the gateway and a text chunk to the talker. The
-    gateway and the talker were told of attempt 2 (the ``moved`` notice) and drop them as stale."""
-    subjects, rid, now = Subjects(pipeline.name), rec["request_id"], time.time_ns()
-    event = ClientEvent(
-        request_id=rid,
-        type=ClientEventType.TEXT,
-        stage=0,
-        replica=victim,
-        seq=STALE_SEQ,
-        text=" stale",
-        attempt=1,
-    )
-    await nc.publish(subjects.out(rec["gateway_id"], rid), event.encode())
-    chunk = StageTask(
-        request_id=rid,
-        gateway_id=rec["gateway_id"],
-        arrival_ns=now,
-        deadline_ns=now + 60 * 10**9,
-        route=rec["route"],
-        kind=TaskKind.CHUNK,
-        seq=STALE_SEQ,
-        token_ids=[1, 2, 3],
-        text=" stale",
-        attempt=len(rec["stages"][1]["attempts"]) or 1,
-        from_attempt=1,
-    )
-    await publish_task(nc.jetstream(), subjects, chunk, Hop("0", str(victim), 1, rec["route"][1]))
-
-
-async def _kill_a_busy_thinker(
-    stack, pipeline, nc: nats.NATS, client: openai.AsyncOpenAI, out: Events
-) -> None:
-    """A streamed audio request and a text stream of ``BUSY_TOKENS`` tokens; once the text stream
-    has text and the thinker has sent the talker ``LEAD_TOKENS`` of the audio request's tokens (seen
-    on the bus by a subscriber of our own), ``kill -9`` the thinker replica the audio request runs on. Once it has moved, and while its
-    talker still works on it, the dead attempt's stale event and chunk are sent
-    (``_stale_after_the_move``). Both streams complete; the launcher's replacement is awaited."""
-    services = (await snapshot(stack.nats_url, pipeline))["services"]
-    incarnations = {s["key"]: s["started_ns"] for s in services}
-    ids: list[str] = ["", ""]
-    tokens = [0, 0]
-
-    async def stream(i: int) -> None:
-        model = pipeline.served_model_name
-        s = (
-            await _audio_stream(client, model, BUSY_TOKENS)
-            if i == 0
-            else await client.chat.completions.create(
-                model=model,
-                messages=[{"role": "user", "content": "Count to a thousand."}],
-                max_tokens=TEXT_BUSY_TOKENS,
-                stream=True,
-                extra_body={"ignore_eos": True},
-            )
-        )
-        async for chunk in s:
-            ids[i] = chunk.id
-            d = chunk.choices[0].delta if chunk.choices else None
-            tokens[i] += bool(d and (d.content or (d.audio and d.audio.transcript)))
-
-    # The thinker's tokens of the audio request as the talker's input carries them: the client's
-    # transcript waits for the talker and code2wav, and once came after the thinker had finished.
-    to_talker: Counter[str] = Counter()
-
-    async def on_chunk(msg) -> None:
-        task = decode(StageTask, msg.data)
-        if task.kind == TaskKind.CHUNK:
-            to_talker[task.request_id] += len(task.token_ids)
-
-    sub = await nc.subscribe(Subjects(pipeline.name).stage_in(1, "*"), cb=on_chunk)
-    streams = [asyncio.create_task(stream(i)) for i in (0, 1)]
-    deadline = time.monotonic() + 60
-    # Only the audio request has a talker stage.
-    while (
-        (tokens[1] < LEAD_TOKENS or max(to_talker.values(), default=0) < LEAD_TOKENS)
-        and time.monotonic() < deadline
-        and not any(s.done() for s in streams)
-    ):
-        await asyncio.sleep(0.025)
-    await sub.unsubscribe()
-    assert tokens[1] >= LEAD_TOKENS and max(to_talker.values(), default=0) >= LEAD_TOKENS, (
-        f"within 60 s: text stream {tokens[1]} tokens, to the talker {dict(to_talker)}"
-    )
-    (audio_id,) = to_talker
-    rec = await request_record(stack.nats_url, audio_id)
-    assert rec and not rec["stages"][0]["done_ns"], rec
-    out.victim = rec["route"][0]
-    await kill_confirmed(worker_pid(stack.proc.pid, 0, out.victim), "the thinker worker")
-    # Moved: the record's new attempt has its input sent, which the orchestrator does after it
-    # told the workers (the moved notice) and the gateway (its question fences the old attempt).
-    deadline = time.monotonic() + 10
-    while True:
-        rec = await request_record(stack.nats_url, audio_id)
-        last = rec["stages"][0]["attempts"][-1]
-        if last["attempt"] > 1 and last["sent_ns"]:
-            break
-        assert time.monotonic() < deadline, f"not moved within 10 s of the kill: {rec}"
-        await asyncio.sleep(0.05)
-    # The talker has taken the moved notice (it logs so): the dead attempt's chunks are stale there.
-    await stack.await_log(f"request {audio_id}: stage 0 moved to attempt {last['attempt']}")
-    assert not streams[0].done() and not rec["stages"][1]["done_ns"], "the audio request ended too soon"
-    await _stale_after_the_move(pipeline, nc, rec, out.victim)
-    out.stale_sent = True
-    await asyncio.wait_for(asyncio.gather(*streams), 120)
-    for rid in ids:
-        rec = await request_record(stack.nats_url, rid)
-        out.moved += len(rec["stages"][0]["attempts"]) > 1
-    key = f"worker.{pipeline.name}.0.{out.victim}"
-    await await_replacement(stack.nats_url, pipeline, key, incarnations[key])  # whole for the tests after
-
-
-async def _cause_events(stack, pipeline, out: Events) -> None:
-    nc = await nats.connect(stack.nats_url)
-    js = nc.jetstream()
-    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-    try:
-        for _ in range(3):  # the race is the test's to lose only if the talker is very fast
-            if await _reject_one(stack, pipeline, js, client):
-                out.rejected = 1
-                break
-        out.chunks_after_pause = await _pause_the_audio_stage(stack, pipeline, client)
-        await _kill_a_busy_thinker(stack, pipeline, nc, client, out)
-        subjects = Subjects(pipeline.name)
-        audio = pipeline.audio_stage
-        to_codec = {h.TO_STAGE: str(audio), h.TO_REPLICA: "0"}
-        await js.publish(subjects.stage_in(audio, 0), b"\xc1", headers=to_codec)  # not msgpack
-        ahead = time.time_ns() + 5 * 10**9  # a sender whose clock runs 5 s ahead
-        skewed = _bad_chunk(
-            {"request_id": f"skew-{uuid.uuid4().hex}", "gateway_id": "nobody", "route": [0, 0, 0]}, [1, 2]
-        )
-        await js.publish(
-            subjects.stage_in(audio, 0),
-            skewed.encode(),
-            headers={
-                **to_codec,
-                h.REQUEST_ID: skewed.request_id,
-                h.FROM_STAGE: str(audio - 1),
-                h.FROM_REPLICA: "0",
-                h.SEQ: "0",
-                h.FINAL: "true",
-                h.TX_START_NS: str(ahead),
-                h.TX_END_NS: str(ahead + 1000),
-            },
-        )
-    finally:
-        await client.close()
-        await nc.close()
-    out.t1 = time.time()
-
-
-@pytest.fixture(scope="module")
-def events(stack, pipeline, prom, traffic) -> Events:
-    """Events the traffic does not cause, caused for real after it (the tests comparing the
-    traffic's counts have run by then): a codec rejection (a failure and a skipped audio request at
-    the gateway), an audio stage stopped for 2 s mid-stream (late chunks), a thinker killed under
-    two streams (an eviction and a move) and the dead attempt's stale event and chunk (dropped by
-    the gateway and the talker), a malformed stage message (terminated by its worker) and a chunk
-    from a sender whose clock runs ahead (two clamped intervals)."""
-    prom.wait_scraped_after(traffic.t1 + 1.0)
-    out = Events(t0=time.time())
-    asyncio.run(_cause_events(stack, pipeline, out))
-    return out
-
-
-def _outside_codec_worker(stack, pipeline: str, tmp: Path, **env: str) -> tuple[str, ServiceProcess]:
-    """A code2wav worker of pipeline ``pipeline`` on the stack's NATS, started outside the stack
-    (``--log-stats``, its own instance id, ``env`` added); returns (instance id, process)."""
-    path = write_pipeline(tmp / "p.yaml", pipeline, THINKER_YAML + TALKER_YAML + CODE2WAV_YAML)
-    instance = f"{pipeline}-{uuid.uuid4().hex[:8]}"
-    env = {
-        "NATS_URL": stack.nats_url,
-        "OMNIRELAY_PIPELINE": str(path),
-        "OMNIRELAY_STAGE": "2",
-        "OMNIRELAY_INSTANCE_ID": instance,
-        **env,
-    }
-    return instance, ServiceProcess(["worker", "--log-stats"], env, tmp / "worker.log").start()
-
-
-@dataclass
-class DeadLetter:
-    """A message JetStream dropped past ``max_deliver`` (``dead_lettered``)."""
-
-    instance: str
-    """The worker whose consumer it was on."""
-    advisories: int
-    """Max-deliveries advisories the test saw."""
-    t0: float
-    t1: float
-
-
-@pytest.fixture(scope="module")
-def dead_lettered(stack, prom, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DeadLetter]:
-    """A code2wav worker of another pipeline (``DEAD_PIPELINE``), started outside the stack with a
-    1 s ``ack_wait`` (the stack's consumers keep their 30 s, whose redeliveries would take 4 min),
-    loses a message past ``max_deliver`` (``tests.bus.dead_letter``). It runs until the module's
-    end: its counter stays a live series for the dashboard check."""
-    instance, worker = _outside_codec_worker(
-        stack, DEAD_PIPELINE, tmp_path_factory.mktemp("deadletter"), OMNIRELAY_ACK_WAIT_S="1"
-    )
-    try:
-        worker.wait_log("serving omni.", timeout_s=120)
-        assert eventually(lambda: prom.scalar(f'up{{instance="{instance}"}}'), lambda v: v == 1) == 1
-        t0 = time.time()
-        held = _bad_chunk(
-            {"request_id": f"dead-{uuid.uuid4().hex}", "gateway_id": "nobody", "route": [0, 0, 0]}, [1, 2]
-        )
-        held = held.model_copy(update={"seq": 1, "final": False})  # chunk 0 never comes: it is held
-
-        async def lose() -> int:
-            nc = await nats.connect(stack.nats_url)
-            try:
-                return await dead_letter(
-                    nc, Subjects(DEAD_PIPELINE), Hop("1", "0", 2, 0), held, worker.proc.pid
-                )
-            finally:
-                await nc.close()
-
-        advisories = asyncio.run(lose())
-        # The worker counts the advisory when it runs again (it was stopped when the advisory came),
-        # and logs it just before; t1 is after that.
-        worker.wait_log("reached max_deliver", timeout_s=30)
-        t1 = time.time()
-        # Stopped for longer than the registry's TTL, it left the service discovery meanwhile: its
-        # series are stale until it is listed and scraped again.
-        listed = eventually(
-            lambda: instance in {g["labels"]["__meta_omnirelay_instance"] for g in prom.sd()}, bool
-        )
-        assert listed, f"{instance} did not come back to the service discovery"
-        yield DeadLetter(instance, advisories, t0, t1)
-    finally:
-        assert worker.stop() == 0, worker.text()[-2000:]
-
-
 def grew(prom: Prometheus, name: str, by: str, t0: float) -> dict[tuple[str, ...], float]:
     """How much ``name`` grew since ``t0``, summed by ``by``, leaving out what did not grow (series
     of earlier tests' events are there too). Taken per process (``instance``): a process that died
@@ -1110,7 +574,7 @@ def test_a_replica_that_joins_is_scraped_and_one_that_leaves_goes_stale(prom, st
     """A code2wav worker of another pipeline, started outside the stack: Prometheus scrapes it
     without any configuration change; when it stops its target disappears and its series go stale."""
     config_time = prom.api("status/runtimeinfo")["lastConfigTime"]
-    instance, worker = _outside_codec_worker(stack, DYN_PIPELINE, tmp_path)
+    instance, worker = outside_codec_worker(stack, DYN_PIPELINE, tmp_path)
     try:
         worker.wait_log("serving omni.", timeout_s=120)
         t_join = time.monotonic()
