@@ -3,7 +3,7 @@
 On a box with fewer cores than busy threads, an engine's model runner is always runnable; at the
 same priority as the broker, the gateway, the orchestrator and the workers' event loops it takes its
 full share, and they wait for a core: the broker was seen silent for 3.5 s at a load of 11 on two
-cores (docs/reliability.md, "The broker went silent: CPU starvation"). A higher nice value gives
+cores (docs/reliability.md, "The engines yield the CPU"). A higher nice value gives
 the scheduler's fair share to the control plane whenever both want a core, and costs the engines
 nothing when the control plane is idle (most of the time: it handles a message in microseconds).
 
@@ -44,7 +44,11 @@ def _raise_thread(tid: int, nice: int) -> bool:
 def _lower_descendants(nice: int) -> int:
     """Raise every thread of this process's descendants to ``nice``; the number raised."""
     raised = 0
-    for child in psutil.Process().children(recursive=True):
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:  # one ended while the tree was read: the next pass sees the rest
+        return 0
+    for child in children:
         try:
             threads = child.threads()
         except psutil.Error:
