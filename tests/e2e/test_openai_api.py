@@ -100,7 +100,11 @@ def test_chat_streaming_text_usage_matches_streamed_tokens(client, pipeline, tok
     assert finish == "length"
     assert usage is not None and usage.completion_tokens == len(ids) == 20
     assert usage.prompt_tokens == chat_prompt_tokens(tokenizer, messages)
-    assert "".join(text) == tokenizer.decode(ids, skip_special_tokens=True)
+    # vLLM's incremental detokenizer holds back bytes that do not form a whole character yet; a
+    # stream whose last tokens end inside one (random tokens of the tiny model sometimes do) ends
+    # without them, as vLLM's own server streams it. Anywhere else every character must be there.
+    whole = tokenizer.decode(ids, skip_special_tokens=True)
+    assert "".join(text) == whole.rstrip("\ufffd"), (text, whole)
 
 
 def test_completions_non_streaming_and_streaming(client, pipeline, tokenizer) -> None:
