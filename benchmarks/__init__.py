@@ -11,6 +11,8 @@ the faults and their injection, :mod:`benchmarks.chaos_accounting` the chaos soa
 | ``log_stats_cost`` | ``omnirelay bench-log-stats`` | what ``--log-stats`` costs per request and per scrape |
 | ``fault_suite`` | ``omnirelay bench-faults`` | one fault at a time under streams: lost, repeated or hung |
 | ``chaos_soak`` | ``omnirelay bench-chaos`` | random overlapping faults under a continuous mixed load |
+| ``speech_latency`` | ``omnirelay bench-speech`` | TTFP and RTF of a speech pipeline at several concurrencies |
+| ``codec_batching`` | ``omnirelay bench-codec-batching`` | code2wav's decode with and without cross-request batching |
 | ``engine_tracing_cost`` | ``python -m benchmarks.engine_tracing_cost`` | the scheduler cost of engine tracing |
 
 They may import ``services`` and ``libs``; nothing imports them but the command line.

@@ -486,6 +486,62 @@ def bench_chaos(
     raise typer.Exit(run_chaos_soak(minutes, seed, concurrency, all_replicas, keep_logs))
 
 
+@app.command("bench-speech")
+def bench_speech(
+    pipeline: Annotated[
+        Path | None,
+        typer.Option(
+            "--pipeline", help="speech pipeline YAML [default: compose/pipelines/orpheus-tiny.yaml]"
+        ),
+    ] = None,
+    levels: Annotated[str, typer.Option(help="comma-separated concurrency levels")] = "1,4,16",
+    requests: Annotated[int, typer.Option(min=1, help="requests per concurrency level")] = 24,
+    max_tokens: Annotated[int, typer.Option(min=1, help="thinker tokens per request (ignore_eos)")] = 32,
+    voice: Annotated[str, typer.Option(help="audio.voice of every request")] = "tara",
+    warmup: Annotated[int, typer.Option(min=0, help="unmeasured sequential requests first")] = 2,
+    keep_logs: Annotated[
+        bool, typer.Option(help="keep the stack's logs (their directory is printed)")
+    ] = False,
+) -> None:
+    """Speech latency: TTFP and RTF p50/p99 of streamed pcm16 chat completions with audio at each
+    concurrency level, through the official openai client (prints a table; see docs/models.md)."""
+    from benchmarks.gateway_vs_vllm import parse_concurrency
+    from benchmarks.speech_latency import DEFAULT_PIPELINE, run_speech_bench
+
+    try:
+        parsed = tuple(parse_concurrency(levels))
+    except ValueError as e:
+        typer.echo(f"error: --levels: {e}", err=True)
+        raise typer.Exit(2) from None
+    path = (pipeline or DEFAULT_PIPELINE).resolve()
+    try:
+        p = load_pipeline(path)
+    except PipelineConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    if p.audio_stage is None:
+        typer.echo(f"error: --pipeline {path}: pipeline '{p.name}' produces no audio", err=True)
+        raise typer.Exit(2)
+    raise typer.Exit(run_speech_bench(path, parsed, requests, max_tokens, voice, warmup, keep_logs))
+
+
+@app.command("bench-codec-batching")
+def bench_codec_batching(
+    batches: Annotated[str, typer.Option(help="chunks per forward pass, comma-separated")] = "1,4,16",
+    own_frames: Annotated[str, typer.Option(help="own frames per chunk, comma-separated")] = "2,8",
+    rounds: Annotated[int, typer.Option(min=1, help="paired rounds per cell")] = 7,
+    real_size: Annotated[
+        bool, typer.Option("--real-size", help="also a SNAC with snac_24khz's widths (random weights)")
+    ] = False,
+) -> None:
+    """code2wav's SNAC decode with and without cross-request batching: paired rounds of one forward
+    pass per chunk against one pass for all (prints a table; see docs/models.md)."""
+    from benchmarks.codec_batching import main as run_codec_batching
+
+    argv = ["--batches", batches, "--own-frames", own_frames, "--rounds", str(rounds)]
+    raise typer.Exit(run_codec_batching(argv + (["--real-size"] if real_size else [])))
+
+
 @app.command("compose-check")
 def compose_check(
     cold: Annotated[
