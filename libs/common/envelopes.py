@@ -100,6 +100,9 @@ class Admission(_Envelope):
     sampling: Sampling
     audio: bool = False
     trace_id: str | None = None
+    voice: str | None = None
+    """The voice the talker speaks the request with, resolved by the gateway
+    (:func:`libs.common.voices.resolve_voice`); None (or absent): the talker stage's default."""
 
 
 class TextDelta(BaseModel):

@@ -87,6 +87,9 @@ class RequestRecord(BaseModel):
     current_stage: int = 0
     attempt: int = 1
     trace_id: str | None = None
+    voice: str | None = None
+    """The voice the talker speaks the request with (``Admission.voice``, as the gateway resolved
+    it); every attempt of the talker reads it here. None (or absent): the stage's default."""
     arrival_ns: int
     admitted_ns: int
     deadline_ns: int

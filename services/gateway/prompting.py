@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from libs.common.envelopes import Sampling
 from libs.common.pipeline import PipelineConfig
-from services.gateway.errors import bad_request
+from libs.common.voices import UnknownVoice, resolve_voice, talker_config
+from services.gateway.errors import APIError, bad_request
 from services.gateway.schemas import AudioParams, ChatCompletionRequest, ChatMessage, CompletionRequest
 
 AUDIO_FORMATS = ("wav", "pcm16")
@@ -98,6 +99,15 @@ def wants_audio(req: ChatCompletionRequest, pipeline: PipelineConfig) -> AudioPa
             "unsupported_audio_format",
         )
     return audio
+
+
+def audio_voice(audio: AudioParams, pipeline: PipelineConfig) -> str | None:
+    """The voice the talker speaks the request with (None: a talker without voices); an unknown
+    voice is a 400 ``invalid_value`` on ``audio.voice`` listing the voices there are."""
+    try:
+        return resolve_voice(talker_config(pipeline), audio.voice_name, "audio.voice")
+    except UnknownVoice as e:
+        raise APIError(e.status, str(e), e.code, e.param) from None
 
 
 def sampling_for(req: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> Sampling:

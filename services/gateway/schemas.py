@@ -27,10 +27,22 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
 
+class VoiceRef(BaseModel):
+    """OpenAI's custom-voice object, ``{"id": ...}``: the id is looked up as a voice name."""
+
+    id: str
+
+
 class AudioParams(BaseModel):
-    voice: str = "default"
-    """Accepted and ignored: the tiny talker has one voice."""
+    voice: str | VoiceRef | None = None
+    """A voice of the pipeline's talker, one of OpenAI's built-in names (the talker's default
+    voice), or none (the same); resolved by :func:`libs.common.voices.resolve_voice`."""
     format: str = "wav"
+
+    @property
+    def voice_name(self) -> str | None:
+        """The asked voice as a name (a custom-voice object's id)."""
+        return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
 
 
 class StreamOptions(BaseModel):

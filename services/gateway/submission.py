@@ -16,6 +16,7 @@ from services.gateway.errors import APIError
 from services.gateway.pipeline_client import PipelineClient
 from services.gateway.prompting import (
     Tokenizer,
+    audio_voice,
     chat_messages,
     max_tokens_for,
     reject_unsupported,
@@ -54,6 +55,7 @@ class Submitter:
         self._check_model(req.model)
         reject_unsupported(req)
         audio = wants_audio(req, self.pipeline)
+        voice = audio_voice(audio, self.pipeline) if audio else None
         ids = self.tokenizer.chat(chat_messages(req.messages))
         asked, param = (
             (req.max_completion_tokens, "max_completion_tokens")
@@ -62,7 +64,7 @@ class Submitter:
         )
         sampling = sampling_for(req, max_tokens_for(asked, len(ids), self.max_model_len, param))
         job = await self._submit(
-            "chatcmpl", ids, sampling, audio is not None, req.stream, arrival, req.model, "chat"
+            "chatcmpl", ids, sampling, audio is not None, req.stream, arrival, req.model, "chat", voice
         )
         job.audio_format = audio.format if audio else None
         job.return_token_ids = req.return_token_ids
@@ -95,6 +97,7 @@ class Submitter:
         arrival: Arrival,
         model: str,
         operation: str,
+        voice: str | None = None,
     ) -> Job:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         span = start_span(
@@ -122,6 +125,7 @@ class Submitter:
             sampling=sampling,
             audio=audio,
             trace_id=trace_id_hex(span),
+            voice=voice,
         )
         headers: dict[str, str] = {}
         inject_headers(headers, span)

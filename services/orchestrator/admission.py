@@ -86,6 +86,7 @@ class Admissions:
             ],
             attempt=delivered,
             trace_id=adm.trace_id,
+            voice=adm.voice,
             arrival_ns=adm.arrival_ns,
             admitted_ns=now,
             deadline_ns=adm.deadline_ns,

@@ -36,7 +36,13 @@ from services.stage_worker.handlers.llm import LLMHandler
 from services.stage_worker.inbox import Delivery
 from services.stage_worker.llm_engine import LLMEngineSpec
 from services.stage_worker.request_context import RequestContext
-from services.stage_worker.talkers import TalkerInputError, TalkerProtocol, TalkerRequest, make_protocol
+from services.stage_worker.talkers import (
+    TalkerInputError,
+    TalkerProtocol,
+    TalkerRequest,
+    UnknownVoice,
+    make_protocol,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,13 +87,29 @@ class TalkerHandler(LLMHandler):
         else:
             await self._run_segments(req)
 
-    def _talk(self, task: StageTask) -> TalkerRequest | None:
-        """The engine request of a text chunk, in the stage's default voice (the gateway does not
-        carry a request's voice yet); a text the protocol refuses fails the request (400)."""
+    def _talk(self, task: StageTask, voice: str | None) -> TalkerRequest | None:
+        """The engine request of a text chunk spoken by ``voice`` (None: the stage's default); a
+        text the protocol refuses fails the request (400), and so does a voice it does not have
+        (a gateway that resolved it against another pipeline file)."""
         try:
-            return self.protocol.request(task.text, task.token_ids, seed=chunk_seed(task))
+            return self.protocol.request(task.text, task.token_ids, voice=voice, seed=chunk_seed(task))
         except TalkerInputError as e:
             raise StageError(400, "invalid_input", f"text chunk {task.seq} cannot be spoken: {e}") from e
+        except UnknownVoice as e:
+            raise StageError(400, "invalid_value", str(e)) from e
+
+    async def _voice(self, req: RequestContext) -> str | None:
+        """The request's voice, as the gateway resolved it: its record's ``voice`` (None: the
+        stage's default), read once per attempt at its first text chunk, so an attempt that takes
+        the request over speaks on in the same voice. A protocol without voices reads nothing."""
+        if not self.protocol.voices:
+            return None
+        try:
+            entry = await (await self._records_kv(req)).get(req.request_id)
+        except KeyNotFoundError:
+            log.warning("request %s: no record to read its voice from; the stage's default", req.request_id)
+            return None
+        return RequestRecord.model_validate_json(entry.value).voice
 
     def _sub_id(self, req: RequestContext, task: StageTask) -> str:
         """The engine request id of a text chunk."""
@@ -117,7 +139,8 @@ class TalkerHandler(LLMHandler):
             if chunker is None:  # the first text chunk of this attempt
                 chunker = self._code_chunker(d.task)
                 req.continue_from(chunker.next_seq)
-            talk = self._talk(d.task)
+                voice = await self._voice(req)
+            talk = self._talk(d.task, voice)
             n = talk.max_codes if talk is not None else 0
             unsent.append((d, (d.task.offset * per_token) + n))
             if talk is not None:
@@ -160,7 +183,8 @@ class TalkerHandler(LLMHandler):
                     self._stage.chunking.codes, self._context, self.protocol.frame_size, seq, frame
                 )
                 req.continue_from(seq)
-            talk = self._talk(d.task)
+                voice = await self._voice(req)
+            talk = self._talk(d.task, voice)
             if talk is not None:
                 stream = self.protocol.code_stream()
                 prompt = tokens_input(talk.prompt_token_ids)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from libs.common.pipeline import TALKER_VOICES, TalkerConfig, TalkerProtocolName
+from libs.common.voices import default_voice
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -62,10 +63,8 @@ class TalkerProtocol(ABC):
 
     def __init__(self, config: TalkerConfig) -> None:
         self.config = config
-        self.default_voice: str | None = (
-            self.check_voice(config.voice) if config.voice else (self.voices[0] if self.voices else None)
-        )
-        """The stage's voice (its YAML ``voice``, else the protocol's first)."""
+        self.default_voice: str | None = default_voice(config)
+        """The stage's voice (its YAML ``voice``, checked at load, else the protocol's first)."""
 
     @property
     def fixed_codes_per_token(self) -> int | None:
