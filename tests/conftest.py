@@ -15,6 +15,7 @@ from libs.common import tracing
 from libs.common.local_nats import free_port, nats_server_argv
 from libs.common.runtime import freeze_startup_heap
 from tests import needs
+from tests.broker_watch import BrokerWatch
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -50,7 +51,7 @@ class NatsServer:
     """A nats-server process started for the tests."""
 
     def __init__(self, store: Path) -> None:
-        self.port, self.monitor_port = free_port(), free_port()
+        self.port, self.monitor_port, self.profile_port = free_port(), free_port(), free_port()
         self.store = store
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -60,6 +61,7 @@ class NatsServer:
 
     def start(self) -> None:
         argv = nats_server_argv(self.store, self.port, self.monitor_port)
+        argv += ["--profile", str(self.profile_port)]  # goroutine dumps for the broker watch
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_port(self.port)
 
@@ -73,8 +75,28 @@ class NatsServer:
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
     server = NatsServer(tmp_path_factory.mktemp("jetstream"))
     server.start()
+    assert server.proc is not None
+    watch = BrokerWatch(
+        server.proc.pid,
+        server.monitor_port,
+        server.profile_port,
+        tmp_path_factory.getbasetemp() / "broker-watch",
+    )
+    watch.start()
+    _BROKER_WATCHES.append(watch)
     yield server
+    watch.stop()
     server.stop()
+
+
+_BROKER_WATCHES: list[BrokerWatch] = []
+"""The session's broker watches (one per session server), for the summary line."""
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line per broker watch: the silences of the session's nats-server (tests/broker_watch.py)."""
+    for watch in _BROKER_WATCHES:
+        terminalreporter.write_line(watch.summary())
 
 
 @pytest.fixture(autouse=True)
