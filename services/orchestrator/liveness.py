@@ -12,9 +12,12 @@ The verdicts:
   of a ``kill -9``. Not for :data:`RECONNECT_GRACE_S` after this orchestrator reconnected (a broker
   restart: the workers are reconnecting too). Against a NATS cluster, only once "no responders" has
   lasted :data:`CLUSTER_EXIT_CONFIRM_S` (a worker whose node died is reconnecting to another).
-- ``stall`` — no answer at all for the stage's ``stall_timeout_s`` (pipeline YAML): the process is
-  stopped, or its event loop is blocked; or answers whose ``progress`` stays flat while ``busy`` > 0
-  for as long: the event loop runs, the engine does not (a hung engine).
+- ``stall`` — no answer at all for the stage's ``stall_timeout_s`` (pipeline YAML) while the broker
+  answered this orchestrator: the process is stopped, or its event loop is blocked; or answers whose
+  ``progress`` stays flat while ``busy`` > 0 for as long: the event loop runs, the engine does not (a
+  hung engine). Silence counts only from the last moment the broker was seen slow
+  (:class:`BrokerProof`): when the broker itself goes quiet, every replica is silent and none of them
+  is to blame.
 - ``engine_dead`` — the worker answers that its engine died (it exits right after, and is
   started anew by the launcher or compose).
 
@@ -30,11 +33,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from nats.aio.client import Client as NATS
 from nats.errors import ConnectionClosedError, NoRespondersError
+from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
@@ -56,7 +60,8 @@ PROBE_TIMEOUT_S = 1.0
 RECONNECT_GRACE_S = 5.0
 """After this orchestrator reconnects to NATS (a broker restart), "no responders" is no verdict for
 this long, seconds: the workers are reconnecting too (every 0.5 s), and until one has, its
-subscription is missing although it lives. Silence still counts towards a stall meanwhile."""
+subscription is missing although it lives. Silence does not count towards a stall meanwhile
+either: the broker does not answer this orchestrator's PINGs (:class:`BrokerProof`)."""
 CLUSTER_EXIT_CONFIRM_S = 1.0
 """Against a NATS cluster (more than one server known to this connection), "no responders" is an
 ``exit`` only after it has lasted this long, seconds: when the node a worker is connected to dies,
@@ -125,6 +130,37 @@ def verdict(
 
 
 @dataclass
+class BrokerProof:
+    """Whether the broker carried this orchestrator's messages promptly: every probe period a
+    PING (answered by the server's PONG) measures it. A round trip slower than
+    :data:`PROBE_TIMEOUT_S`, or one that failed, leaves the broker unproven from its start until its
+    end (or until now while it is under way); a replica's silence is counted only from the end of
+    the last such time (:meth:`silent_s`). Clock: ``time.monotonic()``."""
+
+    unproven_until: float = 0.0
+    """When the broker was last seen slow (end of the last slow or failed round trip)."""
+    outstanding: set[float] = field(default_factory=set)
+    """Start times of the round trips under way."""
+
+    def sent(self, now: float) -> None:
+        self.outstanding.add(now)
+
+    def done(self, sent_at: float, now: float, ok: bool) -> None:
+        """A round trip begun at ``sent_at`` ended at ``now`` (``ok``: the PONG came)."""
+        self.outstanding.discard(sent_at)
+        if not ok or now - sent_at > PROBE_TIMEOUT_S:
+            self.unproven_until = max(self.unproven_until, now)
+
+    def silent_s(self, since: float, now: float) -> float:
+        """Seconds of a replica's silence (no answer since ``since``) that the broker is not to
+        blame for: 0 while a round trip is late, else from the later of ``since`` and the end of
+        the broker's last slow time."""
+        if any(now - t > PROBE_TIMEOUT_S for t in self.outstanding):
+            return 0.0
+        return max(0.0, now - max(since, self.unproven_until))
+
+
+@dataclass
 class ProgressSeen:
     """What the answers of one replica have shown about its engine (``time.monotonic()``)."""
 
@@ -163,6 +199,7 @@ class ReplicaWatch:
         """(stage, replica) → when it last answered, or when probing it began."""
         self._progress: dict[tuple[int, int], ProgressSeen] = {}
         """(stage, replica) → what its answers showed of its engine's progress."""
+        self._broker = BrokerProof()
         self._reconnects = 0
         self._grace_until = 0.0
         """No "exit" verdict before this (``time.monotonic()``): see :data:`RECONNECT_GRACE_S`."""
@@ -200,10 +237,14 @@ class ReplicaWatch:
         been answered: a probe sent just before a death waits out its timeout, the next one meets
         "no responders" at once. A replica slow to answer delays no other replica's probes."""
         probing: dict[tuple[int, int], set[asyncio.Task[None]]] = {}
+        pings: set[asyncio.Task[None]] = set()
         try:
             while True:
                 await asyncio.sleep(PROBE_PERIOD_S)
                 busy = self._inflight.busy()
+                if busy:
+                    pings.add(asyncio.create_task(self._ping()))
+                    pings -= {t for t in pings if t.done()}
                 for key in set(self._last_answer) - busy:  # idle again: judged afresh next time
                     del self._last_answer[key]
                     self._progress.pop(key, None)
@@ -212,9 +253,20 @@ class ReplicaWatch:
                     tasks -= {t for t in tasks if t.done()}
                     tasks.add(asyncio.create_task(self._check(*key)))
         finally:
-            for tasks in probing.values():
+            for tasks in [*probing.values(), pings]:
                 for task in tasks:
                     task.cancel()
+
+    async def _ping(self) -> None:
+        """One PING/PONG round trip with the broker, for :class:`BrokerProof`."""
+        sent_at = time.monotonic()
+        self._broker.sent(sent_at)
+        ok = True
+        try:
+            await self._nc.flush(timeout=PROBE_TIMEOUT_S + PROBE_PERIOD_S)
+        except NatsError:  # a timeout, a closed connection, a full reconnect buffer: unproven
+            ok = False
+        self._broker.done(sent_at, time.monotonic(), ok)
 
     async def _probe(self, stage: int, replica: int) -> tuple[str, Liveness | None]:
         try:
@@ -243,7 +295,7 @@ class ReplicaWatch:
                     liveness, now
                 )
                 progress = liveness.progress
-        silent_s = now - since
+        silent_s = self._broker.silent_s(since, now)
         stall_timeout_s = self._pipeline.stages[stage].stall_timeout_s
         exit_confirm_s = CLUSTER_EXIT_CONFIRM_S if len(self._nc.servers) > 1 else 0.0
         reason = verdict(answer, silent_s, stall_timeout_s, self._reconnecting(), flat_s, exit_confirm_s)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from libs.common.envelopes import Liveness
 from libs.common.records import RequestRecord, RequestStatus, StageProgress
 from services.orchestrator.inflight import InflightRequests
-from services.orchestrator.liveness import DeathReason, ProgressSeen, verdict
+from services.orchestrator.liveness import PROBE_TIMEOUT_S, BrokerProof, DeathReason, ProgressSeen, verdict
 from services.stage_worker.progress import HUNG_AFTER_STALLS, EngineProgress, HungEngineWatch
 
 
@@ -23,6 +23,32 @@ def test_after_a_reconnect_no_responders_is_no_exit_but_silence_still_stalls() -
     """A broker restart: the worker may not have re-subscribed yet although it lives."""
     assert verdict("no_responders", 1.0, 10.0, reconnecting=True) is None
     assert verdict("no_responders", 10.0, 10.0, reconnecting=True) == DeathReason.STALL
+
+
+def test_a_prompt_broker_leaves_a_replicas_silence_whole() -> None:
+    proof = BrokerProof()
+    for t in (1.0, 1.5, 2.0):  # round trips of 10 ms
+        proof.sent(t)
+        proof.done(t, t + 0.01, ok=True)
+    assert proof.silent_s(since=0.5, now=3.0) == 2.5
+
+
+def test_silence_counts_only_from_the_end_of_the_brokers_last_slow_round_trip() -> None:
+    """The broker quiet from 10 to 16 s: a replica last heard at 9 s is silent 1 s at 17 s, not 8."""
+    proof = BrokerProof()
+    proof.sent(10.0)
+    assert proof.silent_s(since=9.0, now=10.0 + PROBE_TIMEOUT_S / 2) == 1.0 + PROBE_TIMEOUT_S / 2
+    assert proof.silent_s(since=9.0, now=10.0 + PROBE_TIMEOUT_S + 0.1) == 0.0  # the PONG is late
+    proof.done(10.0, 16.0, ok=True)
+    assert proof.silent_s(since=9.0, now=17.0) == 1.0
+    assert proof.silent_s(since=16.5, now=17.0) == 0.5  # an answer after the quiet time: as usual
+
+
+def test_a_failed_round_trip_leaves_the_broker_unproven_until_it_ended() -> None:
+    proof = BrokerProof()
+    proof.sent(5.0)
+    proof.done(5.0, 5.2, ok=False)  # a closed or reconnecting connection fails fast
+    assert proof.silent_s(since=1.0, now=8.0) == 8.0 - 5.2
 
 
 def _rec(rid: str, route: list[int], done: list[bool]) -> RequestRecord:
