@@ -47,9 +47,12 @@ class NatsOptions:
 
 
 async def _pump(name: str, stream: asyncio.StreamReader, width: int) -> None:
+    """Copy a child's output to ours, each line prefixed with its name; a last line without a
+    newline gets one, so the next process's line starts on a line of its own."""
     prefix = f"{name:<{width}} | "
     while line := await stream.readline():
-        sys.stdout.write(prefix + line.decode(errors="replace"))
+        text = line.decode(errors="replace")
+        sys.stdout.write(prefix + text + ("" if text.endswith("\n") else "\n"))
         sys.stdout.flush()
 
 
