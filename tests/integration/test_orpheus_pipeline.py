@@ -11,6 +11,9 @@ b) The talker holding a request is killed (``kill -9``, proven gone) mid-utteran
    has ended and while the thinker still sends text chunks; the other replica takes over at the
    oldest unacknowledged text chunk, from the position the dead one noted in the record. The
    client's audio has no chunk missing or repeated and is exactly the fault-free run's samples.
+c) The metrics of a streamed request: the gateway's audio families and every worker's transfer
+   families, scraped before and after, equal what the client received (its PCM at SNAC's 24 kHz, its
+   own clock, its own real-time player) and what crossed the bus (frames, hops and bytes per edge).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from libs.models.tiny import resolve_model
 from services.stage_worker.codecs import load_codec_adapter
 from tests.bus import collect
 from tests.client_streams import record
+from tests.e2e.test_metrics import Player, _check_player
+from tests.metrics_scrape import Samples, delta, scrape
 from tests.procs import THINKER_YAML, gone, start_service, until, write_pipeline
 
 pytestmark = pytest.mark.integration
@@ -231,6 +236,202 @@ async def test_streamed_audio_is_every_sent_frame_decoded_as_whole_segments(stac
         f"orpheus-tiny: {len(texts)} text chunks, {len(chunks)} code chunks, "
         f"{len(pcm) // 2 / 24000:.2f} s of audio in {took:.1f} s"
     )
+
+
+@dataclass
+class ClientAudio:
+    """One streamed text+audio request as its client saw it (``time.monotonic()`` of the test)."""
+
+    id: str = ""
+    pcm: bytearray = field(default_factory=bytearray)
+    arrivals: list[tuple[float, int]] = field(default_factory=list)
+    """(when it arrived, PCM16 bytes) of each audio chunk, in order."""
+    first_audio_s: float | None = None
+    """Seconds from just before the request was sent to the first audio chunk's arrival."""
+    e2e_s: float = 0.0
+    """Seconds from just before the request was sent to the stream's end."""
+
+
+async def stream_audio_timed(base_url: str, max_tokens: int) -> ClientAudio:
+    """:func:`stream_audio`, timing each audio chunk as it arrives."""
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    seen = ClientAudio()
+    t0 = time.monotonic()
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me about the sea."}],
+        max_tokens=max_tokens,
+        temperature=0,
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "pcm16"},
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        seen.id = chunk.id
+        for c in chunk.choices:
+            if c.delta.audio and c.delta.audio.data:
+                now = time.monotonic()
+                data = base64.b64decode(c.delta.audio.data)
+                seen.first_audio_s = seen.first_audio_s or now - t0
+                seen.pcm += data
+                seen.arrivals.append((now, len(data)))
+    seen.e2e_s = time.monotonic() - t0
+    await client.close()
+    return seen
+
+
+Edge = tuple[str, str, str, str]
+"""(from_stage, from_replica, to_stage, to_replica) as the hop's headers name them."""
+
+
+@dataclass
+class BusLog:
+    """Every stage message and client event of the pipeline, seen by a subscriber of the test's own
+    (``time.monotonic()`` when each came)."""
+
+    hops: dict[str, dict[Edge, list[int]]] = field(default_factory=dict)
+    """Request → edge → the payload bytes of each message on it."""
+    first_in: dict[tuple[str, int], float] = field(default_factory=dict)
+    """(request, stage) → when the first message to the stage came."""
+    audio_done: dict[str, float] = field(default_factory=dict)
+    """Request → when its ``audio_done`` event came."""
+
+    async def listen(self, nc) -> None:
+        async def on_stage(msg: Msg) -> None:
+            now, hdr = time.monotonic(), msg.headers
+            rid = decode(StageTask, msg.data).request_id
+            edge = (hdr[h.FROM_STAGE], hdr[h.FROM_REPLICA], hdr[h.TO_STAGE], hdr[h.TO_REPLICA])
+            self.hops.setdefault(rid, {}).setdefault(edge, []).append(len(msg.data))
+            self.first_in.setdefault((rid, int(edge[2])), now)
+
+        async def on_event(msg: Msg) -> None:
+            now, ev = time.monotonic(), decode(ClientEvent, msg.data)
+            if ev.type == ClientEventType.AUDIO_DONE:
+                self.audio_done[ev.request_id] = now
+
+        await nc.subscribe(SUBJECTS.stages_wildcard, cb=on_stage)
+        await nc.subscribe(f"omni.{PIPELINE}.out.>", cb=on_event)
+        await nc.flush()
+
+
+SAMPLE_RATE = 24_000
+"""SNAC 24 kHz's output rate, Hz (``sampling_rate`` of its published config)."""
+AUDIO_STAGE, WORKERS = "2", {"thinker": (0, 0), "talker0": (1, 0), "talker1": (1, 1), "code2wav": (2, 0)}
+TTFP_SLACK_S = 0.25
+"""How much later the client may see its first audio than the gateway's TTFP says: the client
+measures from before sending (the openai client builds the request and connects) to the chunk's
+arrival on loopback, the gateway from the HTTP arrival to writing it; typically a few ms more. The
+box stalls a process for up to a few hundred ms now and then (tests/e2e/test_metrics.py takes the
+median of five requests for that reason); one request here allows 0.25 s, a fraction of this
+pipeline's TTFP (the thinker's first chunk and the talker's first frames come before it)."""
+STAGE_SLACK_S = 0.1
+"""How far the audio stage's generation time (its first input received → ``audio_done`` sent, on
+its worker's clock) may differ from the same interval seen on the bus by the test's subscriber
+(first message to the stage published → ``audio_done`` published): delivery to the worker and the
+event loops of the worker and the subscriber."""
+
+
+def bucket_of(before: Samples, after: Samples, name: str, **labels: str) -> tuple[float, float]:
+    """(lower, upper] edges of the histogram bucket that the one observation of ``name`` made
+    between the two scrapes fell in."""
+    les = sorted(
+        {dict(ls)["le"] for (n, ls) in after if n == f"{name}_bucket" and set(labels.items()) <= ls},
+        key=float,
+    )
+    counts = [delta(before, after, f"{name}_bucket", le=le, **labels) for le in les]
+    first = counts.index(1)
+    assert counts[first:] == [1] * (len(les) - first) and not any(counts[:first]), counts
+    return (float(les[first - 1]) if first else 0.0), float(les[first])
+
+
+async def test_audio_and_transfer_metrics_are_what_the_client_and_the_bus_saw(stack, capture, nc) -> None:
+    """The gateway's audio families and every worker's transfer families, read before and after one
+    streamed request, against ground truth from outside them: the client's PCM and clock, the code
+    chunks and hops a subscriber of the test's own saw on the bus."""
+    base_url, workers = stack
+    bus = BusLog()
+    await bus.listen(nc)
+    gw = f"{base_url}/metrics"
+    urls = {name: workers[name].metrics_url for name in WORKERS}
+    before = await asyncio.to_thread(scrape, gw)
+    before_w = {name: await asyncio.to_thread(scrape, url) for name, url in urls.items()}
+    seen = await stream_audio_timed(base_url, max_tokens=48)
+    rid = seen.id
+    await until(lambda: rid in bus.audio_done, "audio_done seen on the bus")
+    after = await until(
+        lambda: _scraped_once(gw, before, "vllm:omni_audio_ttfp_s_count"), "the gateway counted the request"
+    )
+    after_w = {name: await asyncio.to_thread(scrape, url) for name, url in urls.items()}
+    # code2wav counts its request time as its handler returns, after audio_done went out
+    after_w["code2wav"] = await until(
+        lambda: _scraped_once(urls["code2wav"], before_w["code2wav"], "vllm:omni_stage_request_s_count"),
+        "code2wav counted the request",
+    )
+    labels = {"stage": AUDIO_STAGE, "replica": "0"}
+
+    # frames and duration: exactly the client's samples, which are exactly the frames on the bus
+    samples = len(np.frombuffer(bytes(seen.pcm), "<i2"))
+    frames = sum(len(f) for _, f in segments(capture.chunks(rid)))
+    assert samples == frames * FRAME_SAMPLES > 0
+    assert delta(before, after, "vllm:omni_audio_frames_total", **labels) == samples
+    assert delta(before, after, "vllm:omni_audio_duration_s_count", **labels) == 1
+    duration = samples / SAMPLE_RATE
+    assert delta(before, after, "vllm:omni_audio_duration_s_sum", **labels) == pytest.approx(
+        duration, rel=1e-12
+    )
+    # one audio chunk to the client per code chunk with frames of its own
+    own = [
+        c
+        for c in capture.chunks(rid)
+        if len(c.codes.to_numpy().reshape(-1, 7)) > c.context_before + c.context_after
+    ]
+    assert len(seen.arrivals) == len(own)
+
+    # TTFP: the gateway's arrival → first audio written, against the client's send → first audio
+    assert delta(before, after, "vllm:omni_audio_ttfp_s_count", **labels) == 1
+    ttfp = delta(before, after, "vllm:omni_audio_ttfp_s_sum", **labels)
+    low, high = bucket_of(before, after, "vllm:omni_audio_ttfp_s", **labels)
+    assert low < ttfp <= high
+    assert 0 < ttfp <= seen.first_audio_s <= ttfp + TTFP_SLACK_S, (ttfp, seen.first_audio_s)
+
+    # RTF: the audio stage's generation time / the duration, each part checked on its own
+    assert delta(before, after, "vllm:omni_audio_rtf_count", **labels) == 1
+    gen_s = delta(before, after, "vllm:omni_audio_rtf_sum", **labels) * duration
+    window = bus.audio_done[rid] - bus.first_in[(rid, 2)]
+    assert abs(gen_s - window) <= STAGE_SLACK_S, (gen_s, window)
+    stage_s = delta(before_w["code2wav"], after_w["code2wav"], "vllm:omni_stage_request_s_sum")
+    assert 0 <= stage_s - gen_s <= STAGE_SLACK_S, (stage_s, gen_s)  # counted after audio_done went out
+    client_rtf = delta(before, after, "vllm:omni_audio_client_rtf_sum", **labels)
+    assert gen_s / duration < client_rtf <= seen.e2e_s / duration
+
+    # continuity: the gateway's player against the client's own (chunks timed as they arrived; it
+    # plays at 24 kHz, SNAC's rate)
+    _check_player(before, after, AUDIO_STAGE, Player.of(seen.arrivals))
+
+    # transfers: one observation per hop into each worker, of the bytes that crossed the bus
+    hops = bus.hops[rid]
+    assert {e[2] for e in hops} == {"0", "1", "2"}
+    for name, (stage, replica) in WORKERS.items():
+        into = {e: sizes for e, sizes in hops.items() if (e[2], e[3]) == (str(stage), str(replica))}
+        b, a = before_w[name], after_w[name]
+        assert delta(b, a, "vllm:omni_transfer_size_bytes_count") == sum(len(s) for s in into.values()), name
+        for (fs, fr, ts, tr), sizes in into.items():
+            edge = {"from_stage": fs, "from_replica": fr, "to_stage": ts, "to_replica": tr}
+            assert delta(b, a, "vllm:omni_transfer_size_bytes_sum", **edge) == sum(sizes), edge
+            for part in ("size_bytes", "tx_s", "rx_s", "in_flight_s", "publish_s", "queue_wait_s"):
+                assert delta(b, a, f"vllm:omni_transfer_{part}_count", **edge) == len(sizes), (part, edge)
+    print(
+        f"orpheus metrics: {frames} frames, {duration:.3f} s of audio in {len(own)} chunks; TTFP "
+        f"{ttfp:.3f} s (client {seen.first_audio_s:.3f} s), RTF {gen_s / duration:.3f} "
+        f"({gen_s:.3f} s; bus {window:.3f} s), client RTF {client_rtf:.3f}, hops {sum(map(len, hops.values()))}"
+    )
+
+
+async def _scraped_once(url: str, before: Samples, name: str) -> Samples | None:
+    """A scrape of ``url`` once ``name`` grew by one since ``before``, else None."""
+    got = await asyncio.to_thread(scrape, url)
+    return got if delta(before, got, name) == 1 else None
 
 
 async def fault_free_run(nc, texts: list[StageTask], talker: int, capture: Capture) -> tuple[str, bytes]:
