@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -142,8 +143,8 @@ def segments(chunks: list[StageTask]) -> list[tuple[int, np.ndarray]]:
     return [(first, np.concatenate(frames)) for first, frames in out]
 
 
-async def stream_audio(base_url: str, max_tokens: int) -> bytes:
-    """One greedy streamed chat completion with audio; the PCM16 bytes the client got."""
+async def stream_audio(base_url: str, max_tokens: int, voice: str = "alloy") -> bytes:
+    """One greedy streamed chat completion with audio in ``voice``; the PCM16 bytes the client got."""
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
     stream = await client.chat.completions.create(
         model=MODEL,
@@ -151,7 +152,7 @@ async def stream_audio(base_url: str, max_tokens: int) -> bytes:
         max_tokens=max_tokens,
         temperature=0,
         modalities=["text", "audio"],
-        audio={"voice": "alloy", "format": "pcm16"},
+        audio={"voice": voice, "format": "pcm16"},
         stream=True,
         extra_body={"ignore_eos": True},
     )
@@ -434,10 +435,13 @@ async def _scraped_once(url: str, before: Samples, name: str) -> Samples | None:
     return got if delta(before, got, name) == 1 else None
 
 
-async def fault_free_run(nc, texts: list[StageTask], talker: int, capture: Capture) -> tuple[str, bytes]:
+async def fault_free_run(
+    nc, texts: list[StageTask], talker: int, capture: Capture, voice: str | None = None
+) -> tuple[str, bytes]:
     """The same talker input (``texts``, one per seq) run as a new request through talker replica
-    ``talker`` without a fault: the test plays the thinker (it sends the text chunks) and the gateway
-    (it reads the audio events). Returns the request id and its PCM16 bytes in chunk order."""
+    ``talker`` without a fault, in ``voice`` (None: the stage's default): the test plays the thinker
+    (it sends the text chunks), the orchestrator (it writes the record, with the voice) and the
+    gateway (it reads the audio events). Returns the request id and its PCM16 bytes in chunk order."""
     rid, gateway = f"ref-{time.time_ns()}", "gwref"
     now = time.time_ns()
     first = [StageAttempt(attempt=1, replica=r, bound_ns=now) for r in (0, talker, 0)]
@@ -452,6 +456,7 @@ async def fault_free_run(nc, texts: list[StageTask], talker: int, capture: Captu
         admitted_ns=now,
         deadline_ns=now + 120 * 10**9,
         updated_ns=now,
+        voice=voice,
     )
     js = nc.jetstream()
     await (await requests_kv(js)).put(rid, rec.model_dump_json().encode())
@@ -564,3 +569,58 @@ async def test_a_talker_killed_mid_utterance_moves_and_the_audio_is_the_fault_fr
         f"talker move: text chunk {moved_to.start_seq} redone on replica {1 - replica} ({resent} code chunks "
         f"sent again); {len(chunks)} code chunks, {len(texts)} text chunks, {len(text_at_kill)} sent at the kill"
     )
+
+
+VOICE_TOKENS = 32
+"""Thinker tokens of the voice test's request: two text chunks or more (16 tokens a chunk)."""
+
+
+async def test_the_requested_voice_reaches_the_talker_and_an_unknown_one_is_refused(
+    stack, capture, nc
+) -> None:
+    """An unknown voice is a 400 in OpenAI's shape and nothing reaches the requests stream. A request
+    in voice leo is spoken in leo: the talker input the thinker sent for it (seen on the bus), run again
+    by the test with leo in the record, gives the very code chunks and PCM the client got; run with
+    tara (the stage's default, what ``alloy`` speaks in), other codes. Seeds are per text chunk, so
+    only the voice differs between the runs."""
+    base_url, _ = stack
+    js = nc.jetstream()
+    published = (await js.stream_info(SUBJECTS.requests_stream)).state.last_seq
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
+        r = await http.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "modalities": ["text", "audio"],
+                "audio": {"voice": "nobody", "format": "pcm16"},
+            },
+        )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["param"], err["code"]) == (
+        "invalid_request_error",
+        "audio.voice",
+        "invalid_value",
+    )
+    assert "'nobody'" in err["message"] and "leo" in err["message"]
+    assert (await js.stream_info(SUBJECTS.requests_stream)).state.last_seq == published
+
+    pcm = await stream_audio(base_url, max_tokens=VOICE_TOKENS, voice="leo")
+    (rid,) = capture.codes
+    rec = await record(await requests_kv(js), rid)
+    assert rec.voice == "leo"
+    texts = sorted(capture.text[rid], key=lambda t: t.seq)
+    assert len(texts) > 1 and texts[-1].final
+
+    def codes(request_id: str) -> list[np.ndarray]:
+        return [t.codes.to_numpy() for t in capture.chunks(request_id)]
+
+    talker = rec.stages[1].replica
+    leo_id, leo_pcm = await fault_free_run(nc, texts, talker, capture, voice="leo")
+    tara_id, tara_pcm = await fault_free_run(nc, texts, talker, capture, voice="tara")
+    sent, leo, tara = codes(rid), codes(leo_id), codes(tara_id)
+    assert len(sent) == len(leo) and all(np.array_equal(a, b) for a, b in zip(sent, leo, strict=True))
+    assert pcm == leo_pcm, "the client's audio is not the talker input's in leo"
+    assert not np.array_equal(np.concatenate(leo), np.concatenate(tara)) and leo_pcm != tara_pcm
+    print(f"voice: {len(texts)} text chunks, {len(sent)} code chunks in leo; tara made other codes")
