@@ -497,7 +497,7 @@ def bench_speech(
     levels: Annotated[str, typer.Option(help="comma-separated concurrency levels")] = "1,4,16",
     requests: Annotated[
         int,
-        typer.Option(min=1, help="requests per concurrency level (64: about 5 minutes in all on 2 cores)"),
+        typer.Option(min=1, help="requests per concurrency level (64: about 4 minutes in all on 2 cores)"),
     ] = 64,
     max_tokens: Annotated[int, typer.Option(min=1, help="thinker tokens per request (ignore_eos)")] = 32,
     voice: Annotated[str, typer.Option(help="audio.voice of every request")] = "tara",
