@@ -61,7 +61,7 @@ RECONNECT_GRACE_S = 5.0
 """After this orchestrator reconnects to NATS (a broker restart), "no responders" is no verdict for
 this long, seconds: the workers are reconnecting too (every 0.5 s), and until one has, its
 subscription is missing although it lives. Silence does not count towards a stall meanwhile
-either: the broker does not answer this orchestrator's PINGs (:class:`BrokerProof`)."""
+either: the broker does not carry this orchestrator's own round trips (:class:`BrokerProof`)."""
 CLUSTER_EXIT_CONFIRM_S = 1.0
 """Against a NATS cluster (more than one server known to this connection), "no responders" is an
 ``exit`` only after it has lasted this long, seconds: when the node a worker is connected to dies,
@@ -132,7 +132,7 @@ def verdict(
 @dataclass
 class BrokerProof:
     """Whether the broker carried this orchestrator's messages promptly: every probe period a
-    PING (answered by the server's PONG) measures it. A round trip slower than
+    request to its own liveness subject (answered by itself, through the broker) measures it. A round trip slower than
     :data:`PROBE_TIMEOUT_S`, or one that failed, leaves the broker unproven from its start until its
     end (or until now while it is under way); a replica's silence is counted only from the end of
     the last such time (:meth:`silent_s`). Clock: ``time.monotonic()``."""
@@ -146,7 +146,7 @@ class BrokerProof:
         self.outstanding.add(now)
 
     def done(self, sent_at: float, now: float, ok: bool) -> None:
-        """A round trip begun at ``sent_at`` ended at ``now`` (``ok``: the PONG came)."""
+        """A round trip begun at ``sent_at`` ended at ``now`` (``ok``: its answer came)."""
         self.outstanding.discard(sent_at)
         if not ok or now - sent_at > PROBE_TIMEOUT_S:
             self.unproven_until = max(self.unproven_until, now)
@@ -186,8 +186,12 @@ class ReplicaWatch:
         evictions: KeyValue,
         on_eviction: Callable[[Death], None],
         on_dead: Callable[[Death, RequestRecord], Awaitable[None]],
+        own_alive: str,
     ) -> None:
+        """``own_alive``: this orchestrator's own liveness subject, which it answers: the round
+        trip of :class:`BrokerProof`."""
         self._nc = nc
+        self._own_alive = own_alive
         self._subjects = subjects
         self._pipeline = pipeline
         self._inflight = inflight
@@ -258,13 +262,15 @@ class ReplicaWatch:
                     task.cancel()
 
     async def _ping(self) -> None:
-        """One PING/PONG round trip with the broker, for :class:`BrokerProof`."""
+        """One round trip through the broker, for :class:`BrokerProof`: a request to this
+        orchestrator's own liveness subject. (Not nats-py's ``flush``: a PONG that comes after its
+        timeout meets a cancelled future and ends the connection's read loop.)"""
         sent_at = time.monotonic()
         self._broker.sent(sent_at)
         ok = True
         try:
-            await self._nc.flush(timeout=PROBE_TIMEOUT_S + PROBE_PERIOD_S)
-        except NatsError:  # a timeout, a closed connection, a full reconnect buffer: unproven
+            await self._nc.request(self._own_alive, b"", timeout=PROBE_TIMEOUT_S + PROBE_PERIOD_S)
+        except (NatsError, TimeoutError):  # a timeout, a closed or reconnecting connection
             ok = False
         self._broker.done(sent_at, time.monotonic(), ok)
 

@@ -103,10 +103,11 @@ class Orchestrator:
             await evictions_kv(self.js),
             self._mover.evicted,
             self._mover.replica_died,
+            self.subjects.orchestrator_alive(self.settings.instance_id),
         )
+        await self.nc.subscribe(self.subjects.orchestrator_alive(self.settings.instance_id), cb=_answer)
         await self._watch.start()
         await self.nc.subscribe(self.subjects.resync, queue=ORCHESTRATOR_QUEUE, cb=self._mover.on_resync)
-        await self.nc.subscribe(self.subjects.orchestrator_alive(self.settings.instance_id), cb=_answer)
         self._tasks.append(asyncio.create_task(self._mover.unfinished_moves_loop(), name="unfinished-moves"))
         port = start_metrics_server(self.settings.metrics_port)
         record = ServiceRecord(

@@ -1,19 +1,29 @@
-"""``nats-server`` killed (SIGKILL) while ONE thinker replica streams every request, and started
-again on the same store 2 s later. Real gateway, orchestrator and thinker worker on a server of the
+"""The broker's own faults while ONE thinker replica streams every request.
+
+``nats-server`` killed (SIGKILL) and started again on the same store 2 s later. Real gateway, orchestrator and thinker worker on a server of the
 test's own. The worker must neither fail a request because a publish could not go out during the
 outage (it used to: nats-py's reconnect buffer overflowed, ``OutboundBufferLimitError``, every
 request marked failed and the clients left silent until their deadline) nor leave a gap: every
 stream completes with exactly the tokens of the same request without a fault, and no client waits
-longer than :data:`RECOVERY_LIMIT_S` once the broker is back."""
+longer than :data:`RECOVERY_LIMIT_S` once the broker is back.
+
+``nats-server`` stopped (SIGSTOP) for longer than the stage's ``stall_timeout_s``: every replica is
+silent meanwhile, and none is to blame. The orchestrator sees its own round trips through the
+broker go unanswered and judges no replica (it used to judge the thinker stalled and move or fail
+its requests); every stream completes in one attempt with the fault-free tokens."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import re
 import signal
 import time
 
 import pytest
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import ServiceUnavailableError
 from openai import AsyncOpenAI
 
 from libs.common.bus import connect
@@ -23,7 +33,15 @@ from libs.common.subjects import Subjects
 from tests.conftest import NatsServer
 from tests.e2e.test_replica_death import Seen, _stream
 from tests.nats_cluster import node_of
-from tests.procs import THINKER_YAML, ServiceProcess, gone, start_service, write_pipeline
+from tests.procs import (
+    THINKER_YAML,
+    ServiceProcess,
+    gone,
+    process_state,
+    start_service,
+    stop_confirmed,
+    write_pipeline,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -38,6 +56,10 @@ work is proven afterwards from the records (stage 0 ended after the broker was b
 LEAD_TOKENS = 100
 """... or one stream has this many (the client reads the streams unevenly: in a full run the last
 stream's first token came when the others had 286-391 and the thinker had finished all of them)."""
+STALL_TIMEOUT_S = 2.5
+"""The thinker's ``stall_timeout_s``, seconds: shorter than :data:`STOPPED_S`."""
+STOPPED_S = 5.0
+"""How long the broker stays stopped, seconds (under the registry's 6 s heartbeat TTL)."""
 DOWN_S = 2.0
 """How long the broker stays down, seconds."""
 RECOVERY_LIMIT_S = 5.0
@@ -49,18 +71,20 @@ nats-server takes to start on a loaded box is not the system's doing. Issue 18's
 separates recovery from waiting for a timeout, the benchmarks judge the target."""
 
 
-@pytest.fixture
-def own_nats(tmp_path):
-    server = NatsServer(tmp_path / "jetstream")
+@pytest.fixture(scope="module")
+def own_nats(tmp_path_factory):
+    server = NatsServer(tmp_path_factory.mktemp("bounce") / "jetstream")
     server.start()
     yield server
     server.stop()
 
 
-def _start(nats_url: str, pipeline: str, tmp_path) -> tuple[str, list[ServiceProcess]]:
+def _start(
+    nats_url: str, pipeline: str, tmp_path, stages_yaml: str = THINKER_YAML
+) -> tuple[str, list[ServiceProcess]]:
     """An orchestrator, a gateway and ONE thinker worker of ``pipeline`` on ``nats_url`` (one
     server or every server of a cluster), once each is ready: the gateway's URL and the three."""
-    path = write_pipeline(tmp_path / "p.yaml", pipeline, THINKER_YAML, timeout_s=120)
+    path = write_pipeline(tmp_path / "p.yaml", pipeline, stages_yaml, timeout_s=120)
     port = free_port()
     procs = [
         start_service(["orchestrator"], nats_url, path, tmp_path / "orch.log"),
@@ -73,15 +97,22 @@ def _start(nats_url: str, pipeline: str, tmp_path) -> tuple[str, list[ServicePro
             {"VLLM_CPU_KVCACHE_SPACE": "1"},
         ),
     ]
-    procs[0].wait_log("ready")
-    procs[1].wait_log("Uvicorn running")
-    procs[2].wait_log(": serving omni.", timeout_s=300)
+    try:
+        procs[0].wait_log("ready")
+        procs[1].wait_log("Uvicorn running")
+        procs[2].wait_log(": serving omni.", timeout_s=300)
+    except BaseException:  # a fixture that fails to set up is not torn down: leave nothing running
+        for p in procs:
+            p.stop()
+        raise
     return f"http://127.0.0.1:{port}", procs
 
 
-@pytest.fixture
-def bounce_stack(own_nats, tmp_path):
-    base_url, procs = _start(own_nats.url, PIPELINE, tmp_path)
+@pytest.fixture(scope="module")
+def bounce_stack(own_nats, tmp_path_factory):
+    """The stack of the broker's faults (one engine start for the module's tests)."""
+    stages = THINKER_YAML + f"    stall_timeout_s: {STALL_TIMEOUT_S}\n"
+    base_url, procs = _start(own_nats.url, PIPELINE, tmp_path_factory.mktemp("bouncestack"), stages)
     yield base_url, procs
     for p in procs:
         p.stop()
@@ -111,7 +142,10 @@ async def _stage0_done_ns(nats_url: str, request_id: str, timeout_s: float = 10.
     has the last token), wall clock ns."""
     deadline = time.monotonic() + timeout_s
     while True:
-        rec = await request_record(nats_url, request_id)
+        rec = None
+        # After a node's death the bucket's own stream may still be electing its leader (503).
+        with contextlib.suppress(ServiceUnavailableError, NatsTimeoutError):
+            rec = await request_record(nats_url, request_id)
         done = rec and rec["stages"][0]["done_ns"]
         if done or time.monotonic() > deadline:
             assert done, rec
@@ -180,6 +214,34 @@ async def test_streams_on_one_replica_survive_a_broker_restart(own_nats, bounce_
     worker_log = procs[2].text()
     assert "OutboundBufferLimitError" not in worker_log
     assert not re.search(r"request \S+ failed", worker_log)
+
+
+async def test_a_stopped_broker_gets_no_replica_judged(own_nats, bounce_stack) -> None:
+    base_url, procs = bounce_stack
+    model = f"{PIPELINE}-model"
+    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=180)
+    reference = await _reference(client, model)
+    seen, tasks = await _streams_under_way(client, model)
+    pid = own_nats.proc.pid
+    try:
+        await stop_confirmed(pid, "nats-server")
+        stopped_ns = time.time_ns()
+        await asyncio.sleep(STOPPED_S)  # the fault's length: nothing to wait for but time
+        assert process_state(pid) == "T", "nats-server ran again before SIGCONT"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    resumed_ns = time.time_ns()
+    await asyncio.wait_for(asyncio.gather(*tasks), 150)
+    await client.close()
+    assert [str(s.error) for s in seen if s.error] == []
+    # The fault hit the thinker's work: streams it finished only after the broker ran again.
+    done = [await _stage0_done_ns(own_nats.url, s.id) for s in seen]
+    assert any(d > resumed_ns for d in done), (stopped_ns, resumed_ns, done)
+    for s in seen:
+        assert s.token_ids == reference, (len(s.token_ids), s.id)
+        rec = await request_record(own_nats.url, s.id)
+        assert [a["attempt"] for a in rec["stages"][0]["attempts"]] in ([], [1]), rec["stages"][0]
+    assert " is dead (" not in procs[0].text(), "the orchestrator judged a replica for the broker's silence"
 
 
 @pytest.fixture
