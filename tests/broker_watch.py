@@ -43,6 +43,32 @@ def _threads(pid: int) -> list[str]:
     return out
 
 
+def _schedstat(pid: int) -> dict[str, tuple[int, int]]:
+    """Per thread of ``pid``: (ns on a CPU, ns runnable and waiting for one) since it started
+    (``/proc/<pid>/task/<tid>/schedstat``)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        fields = _read(f"{task}/schedstat").split()
+        if len(fields) >= 2 and fields[0].isdigit():
+            out[task.name] = (int(fields[0]), int(fields[1]))
+    return out
+
+
+def _sched_delta(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> str:
+    """What the server's threads did from the moment the silence was noticed until the answer:
+    seconds on a CPU and seconds runnable but waiting for one, in total and per thread."""
+    rows = []
+    for tid, (run, wait) in sorted(after.items()):
+        run0, wait0 = before.get(tid, (0, 0))
+        rows.append((tid, (run - run0) / 1e9, (wait - wait0) / 1e9))
+    total_run, total_wait = sum(r for _, r, _ in rows), sum(w for _, _, w in rows)
+    lines = [
+        f"\nuntil the answer: on a CPU {total_run:.3f} s, waiting for a CPU {total_wait:.3f} s (all threads)"
+    ]
+    lines += [f"  thread {tid}: on a CPU {r:.3f} s, waiting {w:.3f} s" for tid, r, w in rows if r or w]
+    return "\n".join(lines) + "\n"
+
+
 def _meminfo() -> str:
     keep = ("Dirty:", "Writeback:", "MemAvailable:")
     return " ".join(
@@ -84,10 +110,13 @@ class BrokerWatch:
             threading.Thread(target=self._ask, args=(answered,), daemon=True).start()
             if answered.wait(SLOW_S):
                 continue
+            before = _schedstat(self.pid)
             record = self._record()
             answered.wait(GIVE_UP_S)
             took = time.monotonic() - asked
             self.silences.append((time.strftime("%H:%M:%S"), took))
+            with record.open("a") as out:
+                out.write(_sched_delta(before, _schedstat(self.pid)))
             record.rename(record.with_name(f"{record.stem}-{took:.1f}s.txt"))
 
     def _ask(self, answered: threading.Event) -> None:
