@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
 from libs.common import tracing
@@ -50,7 +50,7 @@ class LLMHandler(StageHandler):
 
     async def generate(
         self, prompt: Any, params: SamplingParams, engine_id: str, span: Span
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """``AsyncLLM.generate`` of one engine request, traced under ``span``, counted in
         ``progress``: busy while waiting for the engine's next output (not while the caller works
         on the last one: a publish held up by the broker is no engine hang), one output each."""

@@ -4,7 +4,7 @@ for audio requests, forwarded to the next stage in chunks."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
 from libs.common.envelopes import ClientEvent, ClientEventType, Usage
@@ -58,7 +58,7 @@ class _StartedNotice:
             self._task.cancel()
 
 
-async def _nothing() -> AsyncIterator[RequestOutput]:
+async def _nothing() -> AsyncGenerator[RequestOutput, None]:
     """No engine outputs (a moved request whose client already has every token)."""
     return
     yield
@@ -73,6 +73,8 @@ class ThinkerHandler(LLMHandler):
         from vllm import SamplingParams
         from vllm.inputs import tokens_input
         from vllm.sampling_params import RequestOutputKind
+
+        from services.stage_worker.resumed_text import ResumedText, engine_params
 
         d = await req.next()
         task, s = d.task, d.task.sampling
@@ -101,9 +103,17 @@ class ThinkerHandler(LLMHandler):
                     await req.downstream(token_ids=chunk.token_ids, text=chunk.text, offset=chunk.offset)
         generated, finish_reason = len(resumed), None
         prompt = tokens_input(task.prompt_token_ids + resumed)
+        # A resumed attempt's text comes from the fault-free run's decoder, rebuilt here; the
+        # engine neither decodes it nor checks the stop strings (services/stage_worker/resumed_text.py).
+        text = (
+            ResumedText(self.engine.get_tokenizer(), req.request_id, task.prompt_token_ids, resumed, params)
+            if resumed and left > 0
+            else None
+        )
         # The gateway and its client take the response's start while the engine computes.
         started: _StartedNotice | None = _StartedNotice(req)
-        outputs = self._outputs(prompt, params, req) if left > 0 else _nothing()
+        run_params = params if text is None else engine_params(params)
+        outputs = self._outputs(prompt, run_params, req) if left > 0 else _nothing()
         if left <= 0:
             finish_reason = "length"  # the client has every token; only text_done was missing
         try:
@@ -112,17 +122,23 @@ class ThinkerHandler(LLMHandler):
                     await started.sent()
                     started = None
                 c = out.outputs[0]
-                ids = list(c.token_ids)
+                ids, delta, stop = list(c.token_ids), c.text, None
+                if text is not None:
+                    eos = out.finished and c.finish_reason == "stop"
+                    ids, delta, stop = text.feed(ids, out.finished, eos)
                 generated += len(ids)
-                if ids or c.text:
+                if ids or delta:
                     await req.client(
                         ClientEvent(
-                            request_id=req.request_id, type=ClientEventType.TEXT, text=c.text, token_ids=ids
+                            request_id=req.request_id, type=ClientEventType.TEXT, text=delta, token_ids=ids
                         )
                     )
                 if forward:
-                    for chunk in chunker.feed(ids, c.text):
+                    for chunk in chunker.feed(ids, delta):
                         await req.downstream(token_ids=chunk.token_ids, text=chunk.text, offset=chunk.offset)
+                if stop is not None:
+                    finish_reason = "stop"
+                    break  # a stop string ended the text: the engine request is aborted
                 if out.finished:
                     finish_reason = c.finish_reason
             if started is not None:  # no output at all
@@ -131,6 +147,7 @@ class ThinkerHandler(LLMHandler):
         finally:
             if started is not None:
                 started.cancel()
+            await outputs.aclose()  # ended by a stop string: abort the engine request now
         if forward:
             rest = chunker.flush()
             await req.downstream(final=True, token_ids=rest.token_ids, text=rest.text, offset=rest.offset)
@@ -159,7 +176,7 @@ class ThinkerHandler(LLMHandler):
         await req.ack(d)
         req.lifecycle("stage_done", finish_reason=finish_reason, usage=usage)
 
-    def _outputs(self, prompt, params, req: RequestContext) -> AsyncIterator[RequestOutput]:
+    def _outputs(self, prompt, params, req: RequestContext) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs for ``req`` (a later attempt has an engine request id of its own:
         an older one may still be winding down in this engine)."""
         engine_id = req.request_id if req.attempt == 1 else f"{req.request_id}-a{req.attempt}"
