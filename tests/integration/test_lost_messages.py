@@ -40,8 +40,8 @@ from tests.client_streams import (
     Seen,
     Wire,
     attempts_of,
+    client_tokens,
     ended,
-    moved_once_tokens,
     record,
     stream_chat,
     tokens_of,
@@ -267,7 +267,7 @@ async def test_an_unrepaired_gap_moves_the_request_with_reason_lost_events(stack
     for s in seen:
         assert s.error is None, s.error
         assert (s.tokens, len(s.token_ids), s.finish_reason) == (LONG, LONG, "length"), s.id
-    assert hit.token_ids == moved_once_tokens(wire, rec), "a token missing or repeated at the client"
+    assert hit.token_ids == client_tokens(wire, rec), "a token missing or repeated at the client"
     for s in seen:
         if s is not hit:  # untouched by the fault: one attempt, every token it sent
             assert attempts_of(await record(kv, s.id)) == [(1, 0, None)]

@@ -1,15 +1,20 @@
-"""An orchestrator killed (SIGKILL) while it holds admissions it has pulled and not acknowledged,
-a second one running: the held admissions are redelivered to the survivor within about a second
-(``ORCHESTRATOR_ACK_WAIT_S``), not after a 30 s redelivery timer, and every request completes.
+"""An orchestrator killed (SIGKILL) while a second one runs, with a real gateway, real orchestrators
+and two real thinker workers on the session's nats-server (docs/reliability.md, "An orchestrator
+dies"):
 
-The fault is made exact: the victim is stopped (SIGSTOP) first, so the broker keeps delivering
-admissions to its standing pull requests while it handles none; the test sends the requests,
-waits until the consumer shows admissions delivered and unacknowledged, and kills the victim.
-Real gateway, two real orchestrators and a real thinker worker on the session's nats-server."""
+- admissions it had pulled and not acknowledged are redelivered to the survivor within about a
+  second (``ORCHESTRATOR_ACK_WAIT_S``), not after a 30 s redelivery timer;
+- a move it had claimed and not carried out is taken over by the survivor, and the client gets
+  every token exactly once;
+- a replica's death judged by both orchestrators is counted once.
+
+Every fault is made exact and proven before the system is judged: a process is stopped (state
+``T``) or killed (its pid gone)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -17,18 +22,54 @@ from dataclasses import dataclass
 
 import nats
 import pytest
+from nats.js.errors import KeyNotFoundError
 from openai import AsyncOpenAI
 
-from libs.common.bus_state import request_record
+from libs.common.bus import evictions_kv, requests_kv, services_kv
 from libs.common.local_nats import free_port
+from libs.common.records import RequestRecord
 from libs.common.subjects import ORCHESTRATOR_ADMISSION_CONSUMER, Subjects
-from tests.procs import THINKER_YAML, kill_confirmed, start_service, stop_confirmed, write_pipeline
+from tests.client_streams import (
+    Streams,
+    Wire,
+    ended,
+    judge_moves,
+    most_bound,
+    record,
+    records_at_end,
+    until_record,
+)
+from tests.metrics_scrape import delta, scrape, total
+from tests.procs import (
+    THINKER_YAML,
+    ServiceProcess,
+    kill_confirmed,
+    start_service,
+    stop_confirmed,
+    write_pipeline,
+)
 
 pytestmark = pytest.mark.integration
 
 PIPELINE = "orchdeath"
+MODEL = f"{PIPELINE}-model"
 SUBJECTS = Subjects(PIPELINE)
+GATEWAY = "gworchdeath"
+NO_REPLICA_WAIT_S = 3.0
+"""The stage's ``no_replica_wait_s``: how long a request bound to a dead replica waits for a live
+one before it fails, seconds (both orchestrators probe the dead replica meanwhile)."""
+STAGES_YAML = (
+    THINKER_YAML.replace("replicas: 1", "replicas: 2").replace(
+        "dtype: float32}", "dtype: float32, max_num_seqs: 1}"
+    )
+    + f"    no_replica_wait_s: {NO_REPLICA_WAIT_S}\n"
+)
+"""Two thinker replicas that run one request at a time (the others wait in the engine): a fault
+that strikes seconds late still finds requests there."""
 REQUESTS, MAX_TOKENS = 8, 64
+STREAMS, LONG = 6, 1900
+"""Streams under way when a fault strikes (three on each replica), and their tokens (the tiny
+thinker's context is 2048)."""
 HELD_WITHIN_S = 1.0
 """How long after the requests are sent the victim must show held admissions, seconds (it holds
 them for ``ORCHESTRATOR_ACK_WAIT_S``: then they are redelivered to the survivor)."""
@@ -71,30 +112,88 @@ async def _stream(client: AsyncOpenAI, model: str, out: Outcome) -> None:
         out.error = f"{type(e).__name__}: {e}"
 
 
-@pytest.fixture
-def services(nats_server, tmp_path):
-    path = write_pipeline(tmp_path / "p.yaml", PIPELINE, THINKER_YAML, timeout_s=60)
+@dataclass
+class Stack:
+    base_url: str
+    gateway: ServiceProcess
+    workers: dict[int, ServiceProcess]
+    """Thinker replica → its worker (the tests kill some: later tests use those still alive)."""
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server, tmp_path_factory):
+    """The gateway and two thinker workers, for the whole module."""
+    tmp = tmp_path_factory.mktemp("orchdeath")
+    path = write_pipeline(tmp / "p.yaml", PIPELINE, STAGES_YAML, timeout_s=60)
     port = free_port()
-    orchestrators = [
-        start_service(["orchestrator"], nats_server.url, path, tmp_path / f"orch{i}.log") for i in range(2)
-    ]
-    gateway = start_service(["gateway", "--port", str(port)], nats_server.url, path, tmp_path / "gw.log")
-    worker = start_service(
-        ["worker", "--stage", "0", "--replica", "0"],
+    gateway = start_service(
+        ["gateway", "--port", str(port)],
         nats_server.url,
         path,
-        tmp_path / "worker.log",
-        {"VLLM_CPU_KVCACHE_SPACE": "1"},
+        tmp / "gw.log",
+        {"OMNIRELAY_INSTANCE_ID": GATEWAY},
     )
-    for o in orchestrators:
-        o.wait_log("ready")
+    workers = {
+        r: start_service(
+            ["worker", "--stage", "0", "--replica", str(r)],
+            nats_server.url,
+            path,
+            tmp / f"worker{r}.log",
+            {"VLLM_CPU_KVCACHE_SPACE": "1"},
+        )
+        for r in (0, 1)
+    }
     gateway.wait_log("Uvicorn running")
-    worker.wait_log(": serving omni.", timeout_s=300)
-    yield f"http://127.0.0.1:{port}", orchestrators
-    for p in [*orchestrators, gateway, worker]:
+    for w in workers.values():
+        w.wait_log(": serving omni.", timeout_s=300)
+    yield Stack(f"http://127.0.0.1:{port}/v1", gateway, workers)
+    for p in [gateway, *workers.values()]:
         if p.proc.poll() is None:
             os.kill(p.proc.pid, signal.SIGCONT)
         p.stop()
+
+
+@dataclass
+class Orchestrator:
+    instance: str
+    proc: ServiceProcess
+
+
+@pytest.fixture
+def orchestrators(nats_server, stack, tmp_path):
+    """Two orchestrators of the test's own (a test kills one of them)."""
+    path = tmp_path / "p.yaml"
+    write_pipeline(path, PIPELINE, STAGES_YAML, timeout_s=60)
+    found = []
+    for i in range(2):
+        instance = f"orch{i}-{time.time_ns()}"
+        env = {"OMNIRELAY_INSTANCE_ID": instance}
+        found.append(
+            Orchestrator(
+                instance,
+                start_service(["orchestrator"], nats_server.url, path, tmp_path / f"orch{i}.log", env),
+            )
+        )
+    for o in found:
+        o.proc.wait_log("ready")
+    yield found
+    for o in found:
+        if o.proc.proc.poll() is None:
+            os.kill(o.proc.proc.pid, signal.SIGCONT)
+        o.proc.stop()
+
+
+async def _warm(client: AsyncOpenAI) -> None:
+    """One request through the stack (the engines' first requests are slow, and not under test;
+    the orchestrators' registry views may not have the workers yet)."""
+    warm = Outcome(error="not sent")
+    for _ in range(60):
+        warm = Outcome()
+        await _stream(client, MODEL, warm)
+        if warm.error is None:
+            return
+        await asyncio.sleep(0.5)
+    raise AssertionError(warm.error)
 
 
 async def _ack_pending(js) -> int:
@@ -102,18 +201,12 @@ async def _ack_pending(js) -> int:
     return ci.num_ack_pending or 0
 
 
-async def test_admissions_held_by_a_killed_orchestrator_go_on_within_a_second(services, nats_server) -> None:
-    base_url, (victim, _survivor) = services
-    model = f"{PIPELINE}-model"
-    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=90)
-    warm = Outcome(error="not sent")
-    for _ in range(60):  # the engine's first request is slow, and not under test
-        warm = Outcome()
-        await _stream(client, model, warm)
-        if warm.error is None:
-            break
-        await asyncio.sleep(0.5)  # the orchestrators' registry views may not have the worker yet
-    assert warm.error is None, warm.error
+async def test_admissions_held_by_a_killed_orchestrator_go_on_within_a_second(
+    stack, orchestrators, nats_server
+) -> None:
+    victim = orchestrators[0].proc
+    client = AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=90)
+    await _warm(client)
     nc = await nats.connect(nats_server.url)
     js = nc.jetstream()
     outcomes: list[Outcome] = []
@@ -124,7 +217,7 @@ async def test_admissions_held_by_a_killed_orchestrator_go_on_within_a_second(se
             await stop_confirmed(victim.proc.pid, "orchestrator 0")
             batch = [Outcome() for _ in range(REQUESTS)]
             outcomes += batch
-            tasks += [asyncio.create_task(_stream(client, model, o)) for o in batch]
+            tasks += [asyncio.create_task(_stream(client, MODEL, o)) for o in batch]
             deadline = time.monotonic() + HELD_WITHIN_S
             while held == 0 and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
@@ -148,5 +241,162 @@ async def test_admissions_held_by_a_killed_orchestrator_go_on_within_a_second(se
     # The victim held some: their records were written by the survivor on a later delivery (a
     # record's ``attempt`` is the admission's delivery count). ``held`` above may also count the
     # survivor's own admissions caught before their ack, so it is only a sign, this is the proof.
-    records = [await request_record(nats_server.url, o.id) for o in outcomes]
-    assert any(r["attempt"] > 1 for r in records), [r["attempt"] for r in records]
+    nc = await nats.connect(nats_server.url)
+    try:
+        kv = await requests_kv(nc.jetstream())
+        records = [await record(kv, o.id) for o in outcomes]
+    finally:
+        await nc.close()
+    assert any(r.attempt > 1 for r in records), [r.attempt for r in records]
+
+
+def _claimed(rec: RequestRecord) -> bool:
+    """A move of stage 0 is claimed: a second attempt listed, its claimer named."""
+    return len(rec.stages[0].attempts) > 1 and rec.stages[0].attempts[-1].claimed_by is not None
+
+
+async def _eviction_keys(nc, replica: int) -> list[str]:
+    """The keys of ``omni_evictions`` for thinker ``replica`` of this pipeline (one per judged
+    incarnation)."""
+    kv = await evictions_kv(nc.jetstream())
+    with contextlib.suppress(Exception):  # no keys at all
+        return [k for k in await kv.keys() if k.startswith(f"{PIPELINE}.0.{replica}.")]
+    return []
+
+
+async def test_a_move_claimed_by_a_killed_orchestrator_is_carried_out_by_the_survivor(
+    stack, orchestrators, nats_server
+) -> None:
+    """The victim must claim moves and die before carrying them out. The survivor is stopped, so
+    the victim alone judges the killed worker; the gateway is stopped, so each of the victim's
+    moves waits at its question "where does the client stand?" (up to 2 s, ``RESUME_TIMEOUT_S``)
+    with its claim written; then the victim is killed, and the two others continue."""
+    victim, survivor = orchestrators
+    alive = [r for r, w in stack.workers.items() if w.proc.poll() is None]
+    assert len(alive) == 2, f"this test needs both thinker workers, alive: {alive}"
+    client = AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=180)
+    nc = await nats.connect(nats_server.url)
+    kv = await requests_kv(nc.jetstream())
+    wire = Wire()
+    await wire.listen(nc, PIPELINE)
+    streams: Streams | None = None
+    try:
+        await _warm(client)
+        before = scrape(survivor.proc.metrics_url)
+        streams = await Streams.start(client, MODEL, STREAMS, LONG, kv)
+        dead, on_dead = await most_bound(kv, streams, PIPELINE)
+        target = 1 - dead
+        try:
+            await stop_confirmed(survivor.proc.proc.pid, "the surviving orchestrator")
+            await stop_confirmed(stack.gateway.proc.pid, "the gateway")
+            await kill_confirmed(stack.workers[dead].proc.pid, f"thinker {dead}")
+            # The victim claims the moves of the streams the dead replica had not finished.
+            bound = set()
+            for rid in on_dead:
+                rec = await until_record(
+                    kv, rid, lambda r: _claimed(r) or r.status.terminal, "claimed or ended", 15
+                )
+                if _claimed(rec):
+                    bound.add(rid)
+            assert bound, "the kill struck no stream: the worker had finished them all"
+            claims = [await record(kv, rid) for rid in sorted(bound)]
+            await kill_confirmed(victim.proc.proc.pid, "the claiming orchestrator")
+        finally:
+            for p in (stack.gateway, survivor.proc):
+                os.kill(p.proc.pid, signal.SIGCONT)
+        await streams.finish()
+        records = await records_at_end(kv, streams)
+        evictions = await _eviction_keys(nc, dead)
+        after = scrape(survivor.proc.metrics_url)
+    finally:
+        if streams is not None:
+            streams.cancel()
+        await nc.close()
+        await client.close()
+    for claim in claims:
+        last = claim.stages[0].attempts[-1]
+        assert (last.claimed_by, last.sent_ns) == (victim.instance, None), "the victim had carried a move out"
+    judge_moves(streams, wire, records, bound, [(1, dead, None), (2, target, "exit")], LONG)
+    for rid in bound:
+        assert records[rid].stages[0].attempts[1].claimed_by == survivor.instance
+        assert records[rid].stages[0].attempts[1].sent_ns is not None
+    taken = f"orchestrator {victim.instance} died while moving stage 0 to replica {target} (attempt 2)"
+    assert survivor.proc.text().count(taken) == len(bound)
+    labels = {"stage": "0", "from_replica": str(dead), "to_replica": str(target), "reason": "exit"}
+    assert delta(before, after, "vllm:omni_requests_migrated_total", **labels) == len(bound)
+    assert len(evictions) == 1, evictions  # judged by the victim alone: the survivor was stopped
+    print(f"{len(bound)} move(s) claimed by {victim.instance}, carried out by {survivor.instance}")
+
+
+async def _forgotten(nc, replica: int, timeout_s: float = 15.0) -> None:
+    """Wait until the registry no longer lists thinker ``replica`` (its entry expired)."""
+    kv = await services_kv(nc.jetstream())
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            await kv.get(f"worker.{PIPELINE}.0.{replica}")
+        except KeyNotFoundError:
+            await asyncio.sleep(1.0)  # the orchestrators' views age it on their own clocks
+            return
+        await asyncio.sleep(0.25)
+    raise AssertionError(f"thinker {replica} is still registered {timeout_s} s after its death")
+
+
+async def test_a_replica_death_judged_by_two_orchestrators_is_counted_once(
+    stack, orchestrators, nats_server
+) -> None:
+    """No replica is left to move to, so the request stays bound to the dead replica for
+    ``NO_REPLICA_WAIT_S`` and both orchestrators probe it every 0.5 s and judge it; then the
+    request fails with ``no_live_replica``, once."""
+    alive = [r for r, w in stack.workers.items() if w.proc.poll() is None]
+    assert alive, "no thinker worker left"
+    nc = await nats.connect(nats_server.url)
+    client = AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
+    try:
+        for r in alive[1:]:  # one replica is to die with the request: the stage has no other
+            await kill_confirmed(stack.workers[r].proc.pid, f"thinker {r}")
+        for r in {0, 1} - {alive[0]}:
+            await _forgotten(nc, r)
+        await _warm(client)
+        before = [scrape(o.proc.metrics_url) for o in orchestrators]
+        kv = await requests_kv(nc.jetstream())
+        streams = await Streams.start(client, MODEL, 3, LONG, kv)
+        dead, on_dead = await most_bound(kv, streams, PIPELINE)
+        assert dead == alive[0] and on_dead == streams.ids, (dead, on_dead)
+        await kill_confirmed(stack.workers[dead].proc.pid, f"thinker {dead}")
+        killed = time.monotonic()
+        await asyncio.wait_for(asyncio.gather(*streams.tasks), 60)
+        failed_after_s = time.monotonic() - killed
+        records = {rid: await until_record(kv, rid, ended, "ended") for rid in streams.ids}
+        evictions = await _eviction_keys(nc, dead)
+        after = [scrape(o.proc.metrics_url) for o in orchestrators]
+    finally:
+        await nc.close()
+        await client.close()
+    # A stream the replica finished before the kill completed; every other failed, fast.
+    failed = {s.id for s in streams.seen if s.error is not None}
+    assert failed, "the kill struck no stream: the worker had finished them all"
+    for s in streams.seen:
+        rec = records[s.id]
+        if s.id in failed:
+            assert "no_live_replica" in s.error, s.error
+            assert (rec.status.value, rec.error) == ("failed", "no_live_replica"), rec
+        else:
+            assert (rec.status.value, s.tokens) == ("completed", LONG), (rec, s)
+    assert NO_REPLICA_WAIT_S <= failed_after_s < 30, f"failed {failed_after_s:.1f} s after the kill"
+    counted = [
+        delta(b, a, "vllm:omni_replica_evictions_total", stage="0", replica=str(dead), reason="exit")
+        for b, a in zip(before, after, strict=True)
+    ]
+    assert sum(counted) == 1, counted
+    assert len(evictions) == 1, evictions
+    lines = [line for o in orchestrators for line in o.proc.text().splitlines() if "is dead (exit" in line]
+    assert len(lines) == 1, lines
+    assert (
+        sum(
+            total(a, "vllm:omni_requests_migrated_total") - total(b, "vllm:omni_requests_migrated_total")
+            for b, a in zip(before, after, strict=True)
+        )
+        == 0
+    )
+    print(f"evictions counted per orchestrator: {counted}; failed {failed_after_s:.1f} s after the kill")
