@@ -154,11 +154,19 @@ async def struck(kv: KeyValue, on_victim: set[str], timeout_s: float = 60.0) -> 
     return hit
 
 
-async def _keys(kv: KeyValue) -> set[str]:
-    """The keys of the bucket (none: empty)."""
-    with contextlib.suppress(NoKeysError):
-        return set(await kv.keys())
-    return set()
+async def _keys(kv: KeyValue, timeout_s: float = 30.0) -> set[str]:
+    """The keys of the bucket (none: empty), asked again while the broker does not answer in
+    time (it goes quiet for seconds on a loaded box, docs/reliability.md)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return set(await kv.keys())
+        except NoKeysError:
+            return set()
+        except NatsTimeoutError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
 
 
 @dataclass
