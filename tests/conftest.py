@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from libs.common import tracing
-from libs.common.local_nats import free_port, nats_server_argv
+from libs.common.local_nats import free_port, nats_server_argv, raise_broker_share
 from libs.common.runtime import freeze_startup_heap
 from tests import needs
 from tests.broker_watch import BrokerWatch
@@ -62,7 +62,10 @@ class NatsServer:
     def start(self) -> None:
         argv = nats_server_argv(self.store, self.port, self.monitor_port)
         argv += ["--profile", str(self.profile_port)]  # goroutine dumps for the broker watch
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        raise_broker_share(self.proc.pid)  # a session of its own, weighted above the services'
         wait_port(self.port)
 
     def stop(self) -> None:

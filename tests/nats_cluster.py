@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from libs.common.local_nats import ClusterNode, cluster_argvs, cluster_nodes
+from libs.common.local_nats import ClusterNode, cluster_argvs, cluster_nodes, raise_broker_share
 
 HEALTHY_TIMEOUT_S = 20.0
 """How long each node may take to answer ``/healthz`` with 200 after the start, seconds."""
@@ -46,7 +46,9 @@ def cluster(tmp_path: Path) -> Iterator[list[Node]]:
     nodes = []
     for spec, argv in zip(specs, cluster_argvs(specs, "always"), strict=True):
         with (tmp_path / f"{spec.name}.log").open("wb") as out:
-            nodes.append(Node(spec, subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)))
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            raise_broker_share(proc.pid)
+            nodes.append(Node(spec, proc))
     try:
         deadline = time.monotonic() + HEALTHY_TIMEOUT_S
         for node in nodes:
