@@ -132,10 +132,11 @@ def verdict(
 @dataclass
 class BrokerProof:
     """Whether the broker carried this orchestrator's messages promptly: every probe period a
-    request to its own liveness subject (answered by itself, through the broker) measures it. A round trip slower than
-    :data:`PROBE_TIMEOUT_S`, or one that failed, leaves the broker unproven from its start until its
-    end (or until now while it is under way); a replica's silence is counted only from the end of
-    the last such time (:meth:`silent_s`). Clock: ``time.monotonic()``."""
+    request to its own liveness subject (answered by itself, through the broker) measures it. A
+    round trip slower than :data:`PROBE_TIMEOUT_S`, or one that failed, leaves the broker unproven
+    from its start until its end (or until now while it is under way); a replica's silence is
+    counted only from the end of the last such time (:meth:`silent_s`). Clock:
+    ``time.monotonic()``."""
 
     unproven_until: float = 0.0
     """When the broker was last seen slow (end of the last slow or failed round trip)."""
