@@ -20,9 +20,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from libs.common.local_nats import SYNC_INTERVAL, ClusterNode
 from libs.common.pipeline import PipelineConfig
@@ -601,22 +602,35 @@ async def timed_request(client, model: str, prompt: str, max_tokens: int) -> Req
     )
 
 
-async def run_load(
-    client, model: str, requests: int, concurrency: int, max_tokens: int
-) -> tuple[float, list[RequestTiming]]:
-    """``requests`` requests with at most ``concurrency`` in flight; (wall seconds, timings)."""
+T = TypeVar("T")
+
+
+async def closed_loop(
+    requests: int, concurrency: int, one: Callable[[int], Awaitable[T]]
+) -> tuple[float, list[T]]:
+    """``one(i)`` for i in 0 … ``requests`` − 1, at most ``concurrency`` at a time, each user
+    sending its next as soon as its last ended; (wall seconds, results in the order they ended)."""
     next_index = 0
-    timings: list[RequestTiming] = []
+    results: list[T] = []
 
     async def user() -> None:
         nonlocal next_index
         while next_index < requests:
             i, next_index = next_index, next_index + 1
-            timings.append(await timed_request(client, model, PROMPTS[i % len(PROMPTS)], max_tokens))
+            results.append(await one(i))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(user() for _ in range(min(concurrency, requests))))
-    return time.perf_counter() - t0, timings
+    return time.perf_counter() - t0, results
+
+
+async def run_load(
+    client, model: str, requests: int, concurrency: int, max_tokens: int
+) -> tuple[float, list[RequestTiming]]:
+    """``requests`` requests with at most ``concurrency`` in flight; (wall seconds, timings)."""
+    return await closed_loop(
+        requests, concurrency, lambda i: timed_request(client, model, PROMPTS[i % len(PROMPTS)], max_tokens)
+    )
 
 
 async def _wait_ready(target: Target, timeout_s: float = 60.0) -> None:

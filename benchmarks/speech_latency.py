@@ -32,6 +32,7 @@ from pathlib import Path
 from benchmarks.harness import (
     PROMPTS,
     Processes,
+    closed_loop,
     log,
     machine_activity,
     percentile,
@@ -200,19 +201,11 @@ async def run_level(
     geometry: tuple[int, int],
 ) -> tuple[float, list[SpeechTiming]]:
     """``requests`` requests with at most ``concurrency`` in flight; (wall seconds, timings)."""
-    next_index = 0
-    timings: list[SpeechTiming] = []
-
-    async def user() -> None:
-        nonlocal next_index
-        while next_index < requests:
-            i, next_index = next_index, next_index + 1
-            prompt = PROMPTS[i % len(PROMPTS)]
-            timings.append(await speech_request(client, model, prompt, max_tokens, voice, *geometry))
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(user() for _ in range(min(concurrency, requests))))
-    return time.perf_counter() - t0, timings
+    return await closed_loop(
+        requests,
+        concurrency,
+        lambda i: speech_request(client, model, PROMPTS[i % len(PROMPTS)], max_tokens, voice, *geometry),
+    )
 
 
 def _commit() -> str:
