@@ -45,7 +45,7 @@ from tests.bus import collect
 from tests.client_streams import record
 from tests.e2e.test_metrics import Player, _check_player
 from tests.metrics_scrape import Samples, delta, scrape
-from tests.procs import THINKER_YAML, gone, start_service, until, write_pipeline
+from tests.procs import THINKER_YAML, gone, start_service, stop_all, until, write_pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -56,10 +56,16 @@ FRAME_SAMPLES = 2048
 """PCM samples per SNAC 24 kHz frame (hop 512 × the coarsest stride 4)."""
 CHUNK_FRAMES = 2
 MAX_FRAMES_PER_CHAR, MIN_FRAMES = 0.1, 4
-FAULT_TOKENS = 2000
-"""Thinker tokens of the move test's request (its engine's max_model_len is 2,048): the thinker makes
-tokens several times faster than the talker makes frames; with 1,000 it had once sent every text
-chunk before the talker's second segment began."""
+FAULT_TOKENS = 480
+"""Thinker tokens of the move test's request: 30 text chunks of 16 tokens. The test holds the thinker
+(SIGSTOP) once it has sent a few, until the talker is killed: the talker makes frames several times
+slower than the thinker makes tokens, and a loaded box had it send all 126 chunks of 2,000 tokens
+before the talker's second segment began."""
+PAUSE_AFTER_CHUNKS = 3
+"""Text chunks the move test lets the thinker send before it holds it: the talker's second segment
+needs the second chunk's text, and its first code chunk frames past it."""
+THINKER_HELD = THINKER_YAML + "    stall_timeout_s: 60\n"
+"""The thinker, judged stalled only after a minute unanswered: the move test holds it for seconds."""
 TALKERS_X2 = f"""\
   - name: talker
     type: llm
@@ -90,11 +96,16 @@ class Capture:
     codes: dict[str, list[tuple[int, StageTask]]] = field(default_factory=dict)
     on_code: Callable[[str, list[tuple[int, StageTask]]], None] | None = None
     """Called with a request's code chunks so far as each arrives (in the subscription's callback)."""
+    on_text: Callable[[str, list[StageTask]], None] | None = None
+    """Called with a request's text chunks so far as each arrives (in the subscription's callback)."""
 
     async def listen(self, nc) -> None:
         async def to_talker(msg: Msg) -> None:
             task = decode(StageTask, msg.data)
-            self.text.setdefault(task.request_id, []).append(task)
+            sent = self.text.setdefault(task.request_id, [])
+            sent.append(task)
+            if self.on_text is not None:
+                self.on_text(task.request_id, sent)
 
         async def to_code2wav(msg: Msg) -> None:
             task = decode(StageTask, msg.data)
@@ -167,7 +178,7 @@ async def stream_audio(base_url: str, max_tokens: int, voice: str = "alloy") -> 
 @pytest.fixture(scope="module")
 def stack(nats_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("orpheus")
-    path = write_pipeline(tmp / "p.yaml", PIPELINE, THINKER_YAML + TALKERS_X2 + CODE2WAV_SNAC)
+    path = write_pipeline(tmp / "p.yaml", PIPELINE, THINKER_HELD + TALKERS_X2 + CODE2WAV_SNAC)
     port = free_port()
     orch = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
     gateway = start_service(["gateway", "--port", str(port)], nats_server.url, path, tmp / "gw.log")
@@ -191,8 +202,7 @@ def stack(nats_server, tmp_path_factory):
     for w in workers.values():
         w.wait_log("serving omni.", timeout_s=300)
     yield f"http://127.0.0.1:{port}", workers
-    for proc in [gateway, orch, *workers.values()]:
-        proc.stop()
+    stop_all([gateway, orch, *workers.values()])
 
 
 @pytest.fixture(scope="module")
@@ -495,43 +505,37 @@ async def test_a_talker_killed_mid_utterance_moves_and_the_audio_is_the_fault_fr
     and where a delta of several tokens falls depends on timing, so a second chat request with the
     same greedy tokens may cut the same tokens into chunks with other texts."""
     base_url, workers = stack
-    warm_up = [
-        StageTask(
-            request_id="-",
-            gateway_id="-",
-            arrival_ns=0,
-            deadline_ns=0,
-            route=[],
-            kind=TaskKind.CHUNK,
-            seq=seq,
-            final=seq == 1,
-            text=text,
-            token_ids=[seq],
-            offset=seq,
-        )
-        for seq, text in enumerate(["Warm up.", "Both talkers."])
-    ]
-    for r in (0, 1):  # a talker's first requests are slow: the thinker would be done before the kill
-        await fault_free_run(nc, warm_up, r, capture)
-    capture.codes.clear()
-
+    thinker = workers["thinker"].proc.pid
+    held: list[str] = []
     struck: list[tuple[str, int, int, list[StageTask]]] = []
     """(request, talker replica, its pid, the text chunks the thinker had sent) once killed."""
 
+    def hold(rid: str, sent: list[StageTask]) -> None:
+        """Stop the thinker's worker once it has sent a few text chunks, none of them the last."""
+        if not held and len(sent) >= PAUSE_AFTER_CHUNKS and not any(t.final for t in sent):
+            os.kill(thinker, signal.SIGSTOP)
+            held.append(rid)
+
     def strike(rid: str, sent: list[tuple[int, StageTask]]) -> None:
         """Kill the talker at once when it has sent the first chunk of a segment after the first one
-        (a segment's first chunk goes out when ``after`` frames past it exist, with more to come)."""
+        (a segment's first chunk goes out when ``after`` frames past it exist, with more to come),
+        then let the thinker go on: the rest of the text reaches the request after its move."""
         replica, last = sent[-1]
         if not struck and last.offset > 0 and last.context_before == 0 and last.context_after > 0:
             pid = workers[f"talker{replica}"].proc.pid
             os.kill(pid, signal.SIGKILL)
             struck.append((rid, replica, pid, list(capture.text.get(rid, []))))
+            os.kill(thinker, signal.SIGCONT)
 
-    capture.on_code = strike
+    capture.on_text, capture.on_code = hold, strike
     task = asyncio.create_task(stream_audio(base_url, max_tokens=FAULT_TOKENS))
-    rid, replica, pid, text_at_kill = (
-        await until(lambda: struck, "a later segment begun", timeout_s=60, every_s=0.01)
-    )[0]
+    try:
+        rid, replica, pid, text_at_kill = (
+            await until(lambda: struck, "a later segment begun", timeout_s=60, every_s=0.01)
+        )[0]
+    finally:
+        os.kill(thinker, signal.SIGCONT)
+    assert held == [rid], "the thinker was not held before the kill"
     await until(lambda: gone(pid), f"talker replica {replica} (pid {pid}) gone after SIGKILL", timeout_s=5.0)
     assert not any(t.final for t in text_at_kill), (
         f"the thinker had sent every text chunk ({len(text_at_kill)}) before the kill"
