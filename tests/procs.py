@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
@@ -87,8 +87,26 @@ def stop_process(proc: subprocess.Popen[bytes], sig: int, timeout_s: float) -> i
     if proc.poll() is not None:
         return proc.returncode
     proc.send_signal(sig)
+    return _reaped(proc, time.monotonic() + timeout_s)
+
+
+def stop_all(procs: Iterable[ServiceProcess], timeout_s: float = 30.0) -> None:
+    """SIGTERM every process at once, then wait for each until ``timeout_s`` from now and SIGKILL
+    the process group of any still running: a vLLM worker takes seconds to shut its engine down,
+    and a stack's workers do it side by side rather than in turn."""
+    live = [p.proc for p in procs if p.proc is not None and p.proc.poll() is None]
+    for proc in live:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for proc in live:
+        _reaped(proc, deadline)
+
+
+def _reaped(proc: subprocess.Popen[bytes], deadline: float) -> int:
+    """The exit code of ``proc``, signalled already: waited for until ``deadline``
+    (``time.monotonic()``), then its process group SIGKILLed."""
     try:
-        return proc.wait(timeout_s)
+        return proc.wait(max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         return proc.wait()

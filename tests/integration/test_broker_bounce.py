@@ -39,6 +39,7 @@ from tests.procs import (
     gone,
     process_state,
     start_service,
+    stop_all,
     stop_confirmed,
     write_pipeline,
 )
@@ -102,8 +103,7 @@ def _start(
         procs[1].wait_log("Uvicorn running")
         procs[2].wait_log(": serving omni.", timeout_s=300)
     except BaseException:  # a fixture that fails to set up is not torn down: leave nothing running
-        for p in procs:
-            p.stop()
+        stop_all(procs)
         raise
     return f"http://127.0.0.1:{port}", procs
 
@@ -114,8 +114,7 @@ def bounce_stack(own_nats, tmp_path_factory):
     stages = THINKER_YAML + f"    stall_timeout_s: {STALL_TIMEOUT_S}\n"
     base_url, procs = _start(own_nats.url, PIPELINE, tmp_path_factory.mktemp("bouncestack"), stages)
     yield base_url, procs
-    for p in procs:
-        p.stop()
+    stop_all(procs)
 
 
 async def _reference(client: AsyncOpenAI, model: str) -> list[int]:
@@ -251,8 +250,7 @@ def cluster_stack(cluster, tmp_path):
     urls = client_urls([n.spec for n in cluster])
     base_url, procs = _start(urls, CLUSTER_PIPELINE, tmp_path)
     yield base_url, procs, urls
-    for p in procs:
-        p.stop()
+    stop_all(procs)
 
 
 async def test_streams_on_one_replica_survive_the_death_of_the_stream_leader(cluster, cluster_stack) -> None:

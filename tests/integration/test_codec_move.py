@@ -35,7 +35,7 @@ from libs.common.subjects import Subjects
 from tests.bus import collect
 from tests.integration.test_codec_worker import assert_audio_of
 from tests.metrics_scrape import delta, scrape
-from tests.procs import TALKER_YAML, THINKER_YAML, kill_confirmed, start_service, write_pipeline
+from tests.procs import TALKER_YAML, THINKER_YAML, kill_confirmed, start_service, stop_all, write_pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -74,8 +74,7 @@ def stack(nats_server, tmp_path_factory):
     for w in workers:
         w.wait_log("serving omni.", timeout_s=120)
     yield orch, workers
-    for proc in [orch, *workers]:
-        proc.stop()
+    stop_all([orch, *workers])
 
 
 def chunk(rid: str, seq: int, route: list[int], attempt: int = 1, start_seq: int = 0) -> StageTask:

@@ -48,7 +48,7 @@ from tests.client_streams import (
     until_record,
 )
 from tests.metrics_scrape import delta, scrape
-from tests.procs import THINKER_YAML, ServiceProcess, start_service, write_pipeline
+from tests.procs import THINKER_YAML, ServiceProcess, start_service, stop_all, write_pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -221,7 +221,7 @@ def stack(nats_server, tmp_path_factory):
     for p in (gateway, orchestrator, worker):
         if p.proc.poll() is None:
             os.kill(p.proc.pid, signal.SIGCONT)
-        p.stop()
+    stop_all([gateway, orchestrator, worker])
     link.stop()
 
 

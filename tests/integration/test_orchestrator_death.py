@@ -45,6 +45,7 @@ from tests.procs import (
     ServiceProcess,
     kill_confirmed,
     start_service,
+    stop_all,
     stop_confirmed,
     write_pipeline,
 )
@@ -150,7 +151,7 @@ def stack(nats_server, tmp_path_factory):
     for p in [gateway, *workers.values()]:
         if p.proc.poll() is None:
             os.kill(p.proc.pid, signal.SIGCONT)
-        p.stop()
+    stop_all([gateway, *workers.values()])
 
 
 @dataclass

@@ -34,7 +34,15 @@ from libs.common.records import RequestRecord, RequestStatus, StageAttempt, Stag
 from libs.common.subjects import Subjects
 from tests.bus import collect
 from tests.metrics_scrape import delta, scrape
-from tests.procs import CODE2WAV_YAML, THINKER_YAML, kill_confirmed, start_service, until, write_pipeline
+from tests.procs import (
+    CODE2WAV_YAML,
+    THINKER_YAML,
+    kill_confirmed,
+    start_service,
+    stop_all,
+    until,
+    write_pipeline,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -80,8 +88,7 @@ def stack(nats_server, tmp_path_factory):
     for w in workers:
         w.wait_log("serving omni.", timeout_s=300)
     yield orch, workers
-    for proc in [orch, *workers]:
-        proc.stop()
+    stop_all([orch, *workers])
 
 
 def text_chunk(rid: str, seq: int, talker: int, attempt: int = 1, start_seq: int = 0) -> StageTask:
