@@ -1,14 +1,17 @@
-"""Compare-and-set updates of a request's record in ``omni_requests`` (the record model itself is
-:mod:`libs.common.records`): several orchestrators, and a talker writing its position notes, may
-change one record at once."""
+"""Reads and compare-and-set updates of a request's record in ``omni_requests`` (the record model
+itself is :mod:`libs.common.records`): several orchestrators, and a talker writing its position
+notes, may change one record at once."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable
 
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
+from libs.common.publish import NOT_NOW, STORE_RETRY_MAX_S, STORE_RETRY_S
 from libs.common.records import RequestRecord
 
 KV_RETRIES = 5
@@ -31,3 +34,23 @@ async def update_record(kv: KeyValue, key: str, change: Callable[[RequestRecord]
         except KeyWrongLastSequenceError:
             continue
     raise RuntimeError(f"record {key}: too many concurrent updates")
+
+
+async def read_record(kv: KeyValue, key: str, deadline_ns: int) -> RequestRecord | None:
+    """The record ``key`` as stored now; None when there is none. A read the broker does not answer
+    (it restarts, or a cluster elects the bucket's leader: ``publish.NOT_NOW``) is tried again after
+    ``STORE_RETRY_S``, doubling up to ``STORE_RETRY_MAX_S``, while the retry would start before
+    ``deadline_ns`` (wall clock, ns; the request's deadline); past it, the read's error is raised."""
+    wait_s = STORE_RETRY_S
+    while True:
+        try:
+            entry = await kv.get(key)
+        except (NotFoundError, KeyError):
+            return None
+        except NOT_NOW:
+            if time.time_ns() + wait_s * 1e9 > deadline_ns:
+                raise
+            await asyncio.sleep(wait_s)
+            wait_s = min(2 * wait_s, STORE_RETRY_MAX_S)
+            continue
+        return None if entry.value is None else RequestRecord.model_validate_json(entry.value)

@@ -21,12 +21,11 @@ import zlib
 from collections import deque
 
 import numpy as np
-from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from libs.common.bus import requests_kv
 from libs.common.envelopes import NdArray, StageTask
-from libs.common.record_updates import update_record
+from libs.common.record_updates import read_record, update_record
 from libs.common.records import RequestRecord
 from libs.models.tiny import resolve_model
 from services.stage_worker.chunking import CodeChunker, FrameChunk, FrameChunker
@@ -104,12 +103,11 @@ class TalkerHandler(LLMHandler):
         the request over speaks on in the same voice. A protocol without voices reads nothing."""
         if not self.protocol.voices:
             return None
-        try:
-            entry = await (await self._records_kv(req)).get(req.request_id)
-        except KeyNotFoundError:
+        rec = await read_record(await self._records_kv(req), req.request_id, req.first.deadline_ns)
+        if rec is None:
             log.warning("request %s: no record to read its voice from; the stage's default", req.request_id)
             return None
-        return RequestRecord.model_validate_json(entry.value).voice
+        return rec.voice
 
     def _sub_id(self, req: RequestContext, task: StageTask) -> str:
         """The engine request id of a text chunk."""
@@ -226,11 +224,12 @@ class TalkerHandler(LLMHandler):
         )
         if records is None:
             raise lost
-        try:
-            rec = RequestRecord.model_validate_json((await records.get(first.request_id)).value)
-            return rec.stages[self._spec.stage_id].code_positions[first.seq]
-        except (KeyNotFoundError, IndexError, KeyError) as e:
-            raise lost from e
+        rec = await read_record(records, first.request_id, first.deadline_ns)
+        stage = self._spec.stage_id
+        notes = rec.stages[stage].code_positions if rec is not None and stage < len(rec.stages) else {}
+        if first.seq not in notes:
+            raise lost
+        return notes[first.seq]
 
     async def _note_position(self, req: RequestContext, text_seq: int, chunker: FrameChunker) -> None:
         """Note in the record that text chunk ``text_seq``'s code chunks start where ``chunker``
