@@ -82,8 +82,13 @@ STAGES_YAML = (
 that strikes seconds late still finds requests there."""
 PROBE_WAIT_S = STALL_TIMEOUT_S - 1.0
 """How long the test's own liveness probe waits for its answer, seconds."""
-LONG = 1900
-"""Tokens of each stream (the tiny thinker's context is 2048)."""
+LONG = 600
+"""Tokens of each stream where the fault strikes the engine: with one request at a time per replica,
+the victim's three take seconds, so a fault that strikes late still finds them there."""
+UNDER_WAY_LONG = 1900
+"""Tokens of each stream in the SIGSTOP test, which needs a request still under way on the victim
+when it stops: at 600 the victim's running one had once finished between its liveness answer and
+the stop (the tiny thinker's context is 2048)."""
 
 
 async def engine_core_of(worker: ServiceProcess) -> int:
@@ -175,8 +180,8 @@ class Run:
 
 
 @contextlib.asynccontextmanager
-async def streaming(stack: Stack) -> AsyncIterator[Run]:
-    """Both workers serving, a warm stack, then ``STREAMS`` long greedy streams, admitted."""
+async def streaming(stack: Stack, tokens: int = LONG) -> AsyncIterator[Run]:
+    """Both workers serving, a warm stack, then ``STREAMS`` greedy streams of ``tokens``, admitted."""
     await stack.both_serving()
     client = AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=180)
     nc = await nats.connect(stack.nats_url)
@@ -192,7 +197,7 @@ async def streaming(stack: Stack) -> AsyncIterator[Run]:
             await asyncio.sleep(0.5)
         assert warm.error is None, warm.error
         kv = await requests_kv(nc.jetstream())
-        streams = await Streams.start(client, MODEL, STREAMS, LONG, kv)
+        streams = await Streams.start(client, MODEL, STREAMS, tokens, kv)
         victim, on_victim = await most_bound(kv, streams, PIPELINE)
         yield Run(nc, kv, wire, streams, victim, on_victim)
     finally:
@@ -332,12 +337,12 @@ async def test_a_hung_engine_core_moves_the_requests_and_its_worker_gives_up_on_
 async def test_a_stopped_replica_loses_its_requests_and_stops_them_after_sigcont(stack) -> None:
     """Last in the module: its victim lives on as the incarnation it judged dead, and a second
     death of the same incarnation is not counted again (evictions are per incarnation)."""
-    async with streaming(stack) as run:
+    async with streaming(stack, UNDER_WAY_LONG) as run:
         victim = run.victim
         worker = stack.workers[victim]
         # Streams taken by the victim, two at least, as the victim itself says (its liveness
         # answer): after SIGCONT it must stop those it had taken (the point of the test), and
-        # one of 1,900 tokens is left for the stop to strike; what the clients or the bus show
+        # one of UNDER_WAY_LONG tokens is left for the stop to strike; what the clients or the bus show
         # may lag the worker by seconds on a loaded box.
         subject = Subjects(PIPELINE).alive(0, victim)
         deadline = time.monotonic() + 60
@@ -366,7 +371,9 @@ async def test_a_stopped_replica_loses_its_requests_and_stops_them_after_sigcont
         for rid in under_way:
             await worker.await_log(f"request {rid} moved to another replica; stopping it here", timeout_s=30)
         after = scrape(stack.gateway_metrics)
-    judge_moves(run.streams, run.wire, records, bound, [(1, victim, None), (2, 1 - victim, "stall")], LONG)
+    judge_moves(
+        run.streams, run.wire, records, bound, [(1, victim, None), (2, 1 - victim, "stall")], UNDER_WAY_LONG
+    )
     # Attempt 1 of the moved requests did not end: the worker stopped them, and their inputs
     # were not acknowledged (they were the new attempts').
     for rid in bound:
