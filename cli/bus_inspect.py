@@ -1,12 +1,19 @@
-"""``omnirelay inspect``: what the ``nats`` CLI would show about a pipeline, with stage names."""
+"""``omnirelay inspect``: what the ``nats`` CLI would show about a pipeline, with stage names.
+
+It talks to the NATS :func:`cli.stack_file.resolve_nats_url` chooses (a running ``omnirelay up``
+is found through its ``stack.json``) and ends with a clear error within seconds when that NATS
+cannot be reached."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
+import sys
 import time
 from typing import Any
 
+from cli.stack_file import NatsTarget, probe_nats, unreachable_message
 from libs.common.bus_state import request_record, snapshot
 from libs.common.pipeline import PipelineConfig
 
@@ -65,14 +72,41 @@ def render(snap: dict[str, Any]) -> str:
     )
 
 
-async def run_inspect(nats_url: str, pipeline: PipelineConfig, request_id: str | None, as_json: bool) -> int:
+INSPECT_TIMEOUT_S = 30.0
+"""How long ``inspect`` may take to read the bus once NATS answered, seconds (a server without
+JetStream, or one that stops answering, ends it with an error instead of a wait)."""
+
+
+async def run_inspect(
+    target: NatsTarget,
+    pipeline: PipelineConfig,
+    request_id: str | None,
+    as_json: bool,
+    timeout_s: float = INSPECT_TIMEOUT_S,
+) -> int:
+    """Print the bus's state (or one request's record); 0 on success, 1 when the request has no
+    record, 2 when NATS cannot be reached (said on stderr within
+    :data:`cli.stack_file.PROBE_TIMEOUT_S`) or does not answer within ``timeout_s``."""
+    if (error := await probe_nats(target.url)) is not None:
+        print(unreachable_message(target, error), file=sys.stderr)
+        return 2
+    try:
+        if request_id:
+            rec = await asyncio.wait_for(request_record(target.url, request_id), timeout_s)
+        else:
+            snap = await asyncio.wait_for(snapshot(target.url, pipeline), timeout_s)
+    except TimeoutError:
+        print(
+            f"error: NATS at {target.url} (from {target.source}) accepted the connection but did not "
+            f"answer within {timeout_s:g} s: is JetStream enabled, is the server overloaded?",
+            file=sys.stderr,
+        )
+        return 2
     if request_id:
-        rec = await request_record(nats_url, request_id)
         if rec is None:
             print(f"no record for request {request_id!r} (unknown or expired)")
             return 1
         print(json.dumps(rec, indent=2))
         return 0
-    snap = await snapshot(nats_url, pipeline)
     print(json.dumps(snap, indent=2) if as_json else render(snap))
     return 0

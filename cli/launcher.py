@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from cli.stack_file import remove_stack_file, this_process, write_stack_file
 from libs.common.local_nats import (
     SYNC_INTERVAL,
     client_urls,
@@ -262,6 +263,17 @@ def banner(port: int, nats_url: str, monitor: str | None, model: str) -> str:
     return "\n".join(lines)
 
 
+def announce(
+    data_dir: Path, port: int, nats_url: str, monitor: str | None, pipeline: str, pipeline_path: Path
+) -> Path:
+    """Write ``<data_dir>/stack.json`` for the stack this process runs (NATS client and
+    monitoring URLs, comma-separated as :func:`_start` returns them, the gateway on ``port``);
+    returns the file's path."""
+    monitors = monitor.split(",") if monitor else []
+    info = this_process(nats_url, monitors, f"http://127.0.0.1:{port}", pipeline, pipeline_path)
+    return write_stack_file(data_dir, info)
+
+
 async def run_stack(
     pipeline: PipelineConfig,
     pipeline_path: Path,
@@ -273,6 +285,9 @@ async def run_stack(
 ) -> int:
     """Start everything, print the banner, stream logs until Ctrl-C/SIGTERM; a process that dies
     once the stack is up is restarted (:meth:`Stack.supervise`), never the reason to stop.
+
+    Once the stack is up, ``<data_dir>/stack.json`` says where it is (:mod:`cli.stack_file`: the
+    NATS and gateway URLs, this process's pid) for the commands run beside it; a stop removes it.
 
     A process that dies during start fails the start (a crash there is a configuration error far
     more often than a fault). Signals are handled from the first moment, so an interrupted start
@@ -296,9 +311,11 @@ async def run_stack(
         nats_url, monitor = starting.result()
         print(banner(port, nats_url, monitor, pipeline.served_model_name), flush=True)
         stack.supervise()
+        announce(data_dir, port, nats_url, monitor, pipeline.name, pipeline_path)
         await stop.wait()
         return 0
     finally:
+        remove_stack_file(data_dir, os.getpid())
         await stack.stop()
 
 

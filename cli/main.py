@@ -7,6 +7,7 @@ pydantic settings; a flag given on the command line wins.
 from __future__ import annotations
 
 import asyncio
+import os
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -14,6 +15,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
+from cli.stack_file import DEFAULT_DATA_DIR
 from libs.common.local_nats import SYNC_INTERVAL, check_sync_interval
 from libs.common.logs import setup_logging
 from libs.common.pipeline import PipelineConfigError, load_pipeline
@@ -32,7 +34,14 @@ PipelineOpt = Annotated[
     Path | None,
     typer.Option("--pipeline", help="pipeline YAML [env OMNIRELAY_PIPELINE; default: the shipped one]"),
 ]
-NatsOpt = Annotated[str | None, typer.Option("--nats-url", help="NATS server [env NATS_URL]")]
+NatsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--nats-url",
+        help="NATS server [env NATS_URL; default: the `omnirelay up` running here "
+        "(.omnirelay/stack.json), else nats://127.0.0.1:4222]",
+    ),
+]
 LogStatsOpt = Annotated[
     bool | None,
     typer.Option(
@@ -66,6 +75,20 @@ def _pipeline(settings: ServiceSettings):
         raise typer.Exit(2) from None
 
 
+def _service_nats_url(flag: str | None) -> str:
+    """The NATS URL of a service (:func:`cli.stack_file.resolve_nats_url`). A service given its
+    NATS (flag or variable: the launcher, compose, the tests) waits for it as long as it takes, as
+    on a broker restart; one that found it by itself (the running ``up``'s file, or the default)
+    exits 1 within seconds, saying so, when nothing answers there."""
+    from cli.stack_file import EXPLICIT_SOURCES, probe_nats, resolve_nats_url, unreachable_message
+
+    target = resolve_nats_url(flag)
+    if target.source not in EXPLICIT_SOURCES and (error := asyncio.run(probe_nats(target.url))):
+        typer.echo(unreachable_message(target, error), err=True)
+        raise typer.Exit(1)
+    return target.url
+
+
 def _sync_interval(value: str) -> str:
     """``--nats-sync-interval``: a value nats-server takes (else a usage error, exit 2)."""
     try:
@@ -90,7 +113,7 @@ def gateway(
     s = _settings(
         GatewaySettings,
         pipeline=pipeline,
-        nats_url=nats_url,
+        nats_url=_service_nats_url(nats_url),
         host=host,
         port=port,
         log_stats=log_stats,
@@ -117,7 +140,7 @@ def orchestrator(
     s = _settings(
         OrchestratorSettings,
         pipeline=pipeline,
-        nats_url=nats_url,
+        nats_url=_service_nats_url(nats_url),
         metrics_port=metrics_port,
         log_stats=log_stats,
         log_level=log_level,
@@ -182,7 +205,7 @@ def worker(
         stage=stage,
         replica=replica,
         pipeline=pipeline,
-        nats_url=nats_url,
+        nats_url=_service_nats_url(nats_url),
         metrics_port=metrics_port,
         max_inflight=max_inflight,
         log_stats_interval_s=log_stats_interval_s,
@@ -206,9 +229,13 @@ def up(
     log_stats: Annotated[
         bool, typer.Option("--log-stats/--no-log-stats", help="record metrics and stats logs")
     ] = False,
-    data_dir: Annotated[Path, typer.Option(help="where the local NATS keeps JetStream data")] = Path(
-        ".omnirelay"
-    ),
+    data_dir: Annotated[
+        Path,
+        typer.Option(
+            help="where the local NATS keeps JetStream data and stack.json tells the other commands "
+            "where the stack is"
+        ),
+    ] = DEFAULT_DATA_DIR,
     nats_url: Annotated[
         str | None,
         typer.Option(
@@ -256,13 +283,27 @@ def inspect_cmd(
     request_id: Annotated[str | None, typer.Argument(help="show this request's record")] = None,
     pipeline: PipelineOpt = None,
     nats_url: NatsOpt = None,
+    data_dir: Annotated[
+        Path,
+        typer.Option(help="the data directory of the `omnirelay up` to find (its stack.json)"),
+    ] = DEFAULT_DATA_DIR,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
-    """Streams, per-(stage, replica) consumer state, live services and in-flight requests."""
-    from cli.bus_inspect import run_inspect
+    """Streams, per-(stage, replica) consumer state, live services and in-flight requests.
 
-    s = _settings(ServiceSettings, pipeline=pipeline, nats_url=nats_url)
-    raise typer.Exit(asyncio.run(run_inspect(s.nats_url, _pipeline(s), request_id, as_json)))
+    Talks to --nats-url / NATS_URL, else the `omnirelay up` running with --data-dir (its
+    stack.json, also the source of the pipeline when neither --pipeline nor OMNIRELAY_PIPELINE
+    is given), else
+    nats://127.0.0.1:4222; exits 2 within seconds, saying why, when NATS cannot be reached."""
+    from cli.bus_inspect import run_inspect
+    from cli.stack_file import read_live_stack, resolve_nats_url
+
+    target = resolve_nats_url(nats_url, data_dir)
+    stack = read_live_stack(data_dir)
+    if pipeline is None and "OMNIRELAY_PIPELINE" not in os.environ and stack and target.url == stack.nats_url:
+        pipeline = Path(stack.pipeline_file)
+    s = _settings(ServiceSettings, pipeline=pipeline, nats_url=target.url)
+    raise typer.Exit(asyncio.run(run_inspect(target, _pipeline(s), request_id, as_json)))
 
 
 @models_app.command("make-tiny")
@@ -326,7 +367,6 @@ def bench(
     ] = SYNC_INTERVAL,
 ) -> None:
     """Benchmark the gateway against vLLM's own OpenAI server on the same thinker (prints a table)."""
-    import os
 
     from benchmarks.gateway_vs_vllm import DEFAULT_PIPELINE, BenchOptions, parse_concurrency, run_bench
 
