@@ -36,7 +36,7 @@ def tokenizer(pipeline):
 
 
 def chat_prompt_tokens(tokenizer, messages: list[dict]) -> int:
-    """Prompt tokens of ``messages`` after the model's chat template (README: what ``usage`` counts)."""
+    """Prompt tokens of ``messages`` after the model's chat template (docs/api.md: what ``usage`` counts)."""
     return len(
         tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     )
@@ -148,7 +148,7 @@ def test_chat_audio_non_streaming_is_a_valid_wav_of_the_right_length(client, pip
     )
     message = r.choices[0].message
     audio = message.audio
-    assert audio is not None and message.content is None  # README: the text is the transcript
+    assert audio is not None and message.content is None  # docs/api.md: the text is the transcript
     assert audio.transcript == text_of(tokenizer, r.choices[0].model_extra["token_ids"])
     assert audio.id and audio.expires_at > time.time()
     with wave.open(io.BytesIO(base64.b64decode(audio.data))) as w:

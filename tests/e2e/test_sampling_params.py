@@ -4,7 +4,7 @@ official ``openai`` client: each changes what comes back the way OpenAI's API de
 The ground truth is the engine's own greedy answer to the same prompt (``temperature: 0``,
 ``ignore_eos``: a fixed number of tokens), taken once per module and shown to be reproducible;
 every other request is judged against it or against another request, never against a stored
-value. Token ids come from the ``return_token_ids`` extension (README)."""
+value. Token ids come from the ``return_token_ids`` extension (docs/api.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The gateway's documented answers when the pipeline cannot take a request (README "Errors" and
+"""The gateway's documented answers when the pipeline cannot take a request (docs/api.md, "Errors", and
 ``GET /health``), each caused for real and judged through the official ``openai`` client:
 
 - 429 ``queue_full``: the admission queue (stream ``OMNI_<P>_REQUESTS``, bounded by the broker's
@@ -55,7 +55,7 @@ MODEL = f"{PIPELINE}-model"
 STAGE = "0:thinker"
 FAILED = "vllm:omni_requests_failed_total"
 ERROR_TYPES = {429: "rate_limit_error", 503: "service_unavailable"}
-"""The ``type`` of the gateway's error body per status (README: OpenAI's error shape)."""
+"""The ``type`` of the gateway's error body per status (docs/api.md: OpenAI's error shape)."""
 
 
 @dataclass
