@@ -263,6 +263,7 @@ def up(
 ) -> None:
     """Start NATS (unless --nats-url/NATS_URL), the orchestrator, every worker and the gateway."""
     from cli.launcher import NatsOptions, run_stack
+    from cli.stack_file import NatsTarget, probe_nats, unreachable_message
 
     if nats_nodes not in (1, 3, 5):
         typer.echo(f"error: --nats-nodes: 1, 3 or 5, not {nats_nodes}", err=True)
@@ -272,6 +273,11 @@ def up(
         raise typer.Exit(2)
     s = _settings(ServiceSettings, pipeline=pipeline, nats_url=nats_url)
     p = _pipeline(s)
+    if nats_url and (error := asyncio.run(probe_nats(nats_url))):
+        target = NatsTarget(nats_url, "--nats-url / NATS_URL")
+        hint = "start that server first, or leave --nats-url / NATS_URL out and `up` starts its own"
+        typer.echo(unreachable_message(target, error, hint), err=True)
+        raise typer.Exit(1)
     nats = NatsOptions(nats_nodes, nats_sync_interval)
     raise typer.Exit(
         asyncio.run(run_stack(p, s.pipeline.resolve(), port, log_stats, data_dir.resolve(), nats_url, nats))

@@ -171,11 +171,14 @@ async def probe_nats(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None
     return None
 
 
-def unreachable_message(target: NatsTarget, error: str) -> str:
+FIND_HINT = (
+    "start the stack with `make up` (or `omnirelay up`) in this directory, or name the server with "
+    "--nats-url / NATS_URL"
+)
+
+
+def unreachable_message(target: NatsTarget, error: str, hint: str = FIND_HINT) -> str:
     """What a command that cannot reach NATS prints: the URL, where it came from, what to do."""
     return (
-        f"error: cannot reach NATS at {target.url} ({error})\n"
-        f"  the URL came from {target.source}\n"
-        "  start the stack with `make up` (or `omnirelay up`) in this directory, or name the server "
-        "with --nats-url / NATS_URL"
+        f"error: cannot reach NATS at {target.url} ({error})\n  the URL came from {target.source}\n  {hint}"
     )

@@ -16,8 +16,10 @@ from pathlib import Path
 import nats
 import pytest
 import yaml
+from typer.testing import CliRunner
 
 from cli.launcher import announce
+from cli.main import app
 from cli.stack_file import (
     DEFAULT_NATS_URL,
     PROBE_TIMEOUT_S,
@@ -189,3 +191,14 @@ def test_a_service_that_found_a_dead_url_by_itself_exits_saying_so(tmp_path) -> 
     assert time.monotonic() - t0 < PROBE_TIMEOUT_S + STARTUP_MARGIN_S
     assert r.returncode == 1
     _unreachable(r, url, str(Path(".omnirelay") / "stack.json"))
+
+
+def test_up_given_a_nats_that_does_not_answer_says_so_before_starting_anything(tmp_path) -> None:
+    url = f"nats://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    result = CliRunner().invoke(app, ["up", "--nats-url", url, "--data-dir", str(tmp_path)])
+    assert time.monotonic() - t0 < PROBE_TIMEOUT_S + 1
+    assert result.exit_code == 1
+    assert f"cannot reach NATS at {url}" in result.output
+    assert "`up` starts its own" in result.output
+    assert list(tmp_path.iterdir()) == []  # no store, no stack.json: nothing was started
