@@ -108,8 +108,9 @@ _CODECS = {
     # id3v2_version 0: no ID3 tag, the stream is MPEG frames only. reservoir 0: no bit reservoir,
     # so a frame does not wait for later frames' spare bits (about 2,300 samples less held back).
     AudioFormat.MP3: _Codec("mp3", "libmp3lame", 64_000, {"reservoir": "0"}, {"id3v2_version": "0"}),
-    # page_duration (µs): an Ogg page per 20 ms Opus packet, so each packet leaves when it is made.
-    AudioFormat.OPUS: _Codec("ogg", "libopus", 48_000, muxer_options={"page_duration": "20000"}),
+    # page_duration (µs): an Ogg page per 20 ms Opus packet, so each packet leaves when it is made
+    # (the page headers cost ~11 kbit/s on top of the codec's 32).
+    AudioFormat.OPUS: _Codec("ogg", "libopus", 32_000, muxer_options={"page_duration": "20000"}),
     AudioFormat.AAC: _Codec("adts", "aac", 64_000),
     # metadata_header_padding 0: no 8 KiB PADDING block ahead of the first audio.
     AudioFormat.FLAC: _Codec("flac", "flac", muxer_options={"metadata_header_padding": "0"}),
