@@ -89,6 +89,14 @@ class Sampling(BaseModel):
     ignore_eos: bool = False
 
 
+class SpeechChunk(BaseModel):
+    """One chunk of a speech request's input: its text and its tokens in the thinker's tokenizer
+    (what a thinker's text chunk carries; a ``tiny`` talker speaks the tokens, others the text)."""
+
+    text: str
+    token_ids: list[int]
+
+
 class Admission(_Envelope):
     """Gateway → orchestrator: a new request (subject ``requests``)."""
 
@@ -96,13 +104,20 @@ class Admission(_Envelope):
     gateway_id: str
     arrival_ns: int
     deadline_ns: int
-    prompt_token_ids: list[int]
-    sampling: Sampling
+    prompt_token_ids: list[int] = Field(default_factory=list)
+    sampling: Sampling | None = None
+    """Stage 0's sampling (None for a request that does not run the thinker)."""
     audio: bool = False
     trace_id: str | None = None
     voice: str | None = None
     """The voice the talker speaks the request with, resolved by the gateway
     (:func:`libs.common.voices.resolve_voice`); None (or absent): the talker stage's default."""
+    entry_stage: int = Field(default=0, ge=0)
+    """The stage the request enters at: 0 (the thinker runs the prompt), or the talker's id for a
+    speech request (``/v1/audio/speech``), whose input is ``text_chunks`` (the thinker is not run)."""
+    text_chunks: list[SpeechChunk] = Field(default_factory=list)
+    """A speech request's input text, cut by the gateway into chunks the talker speaks one by one,
+    in order."""
 
 
 class TextDelta(BaseModel):
@@ -216,6 +231,9 @@ class ClientEvent(_Envelope):
     was told of (the request moved on)."""
     in_seq: int | None = None
     """``audio``: the sequence number of the input chunk it was decoded from."""
+    frames: int = 0
+    """``audio``: the codec frames (a chunk's own, context excluded) its PCM was decoded from; a
+    frame is one step of the codec (SNAC: 7 talker tokens; ``tiny``: one code)."""
     stage_gen_s: float | None = None
     """``audio_done``: the audio stage's generation time for the request, seconds: from its first
     input reaching the worker to its last audio sent, on that worker's monotonic clock (after a

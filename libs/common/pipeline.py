@@ -228,9 +228,19 @@ class PipelineConfig(_Strict):
                 return i
         return None
 
-    def stages_for(self, audio: bool) -> list[int]:
-        """Stage ids a request runs through: only the thinker for text, the whole chain for audio."""
-        return list(range(len(self.stages))) if audio else [0]
+    @property
+    def speech_stage(self) -> int | None:
+        """Id of the talker (the ``llm`` stage that emits codec codes), where a speech request
+        (``/v1/audio/speech``) enters; None for a pipeline without one."""
+        for i, s in enumerate(self.stages):
+            if s.type == StageType.LLM and s.emits == Payload.CODEC_CODES:
+                return i
+        return None
+
+    def stages_for(self, audio: bool, entry: int = 0) -> list[int]:
+        """Stage ids a request runs through: only the thinker for text, the whole chain for audio;
+        from stage ``entry`` on (a speech request enters at the talker)."""
+        return list(range(entry, len(self.stages))) if audio else [0]
 
 
 class PipelineConfigError(ValueError):

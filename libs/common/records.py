@@ -90,6 +90,9 @@ class RequestRecord(BaseModel):
     voice: str | None = None
     """The voice the talker speaks the request with (``Admission.voice``, as the gateway resolved
     it); every attempt of the talker reads it here. None (or absent): the stage's default."""
+    entry_stage: int = 0
+    """The stage the request entered at (``Admission.entry_stage``): the stages before it are not
+    run (route ``-1``, no attempts, done at admission)."""
     arrival_ns: int
     admitted_ns: int
     deadline_ns: int

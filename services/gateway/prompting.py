@@ -29,6 +29,10 @@ class Tokenizer:
     def text(self, prompt: str) -> list[int]:
         return self._tok.encode(prompt, add_special_tokens=True)
 
+    def words(self, text: str) -> list[int]:
+        """``text``'s tokens without special ones: what a thinker's text chunk of it would carry."""
+        return self._tok.encode(text, add_special_tokens=False)
+
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     """Messages as plain ``{role, content}`` text; non-text content parts are rejected."""
@@ -104,10 +108,16 @@ def wants_audio(req: ChatCompletionRequest, pipeline: PipelineConfig) -> AudioPa
 def audio_voice(audio: AudioParams, pipeline: PipelineConfig) -> str | None:
     """The voice the talker speaks the request with (None: a talker without voices); an unknown
     voice is a 400 ``invalid_value`` on ``audio.voice`` listing the voices there are."""
+    return voice_of(audio.voice_name, pipeline, "audio.voice")
+
+
+def voice_of(asked: str | None, pipeline: PipelineConfig, param: str, code: str | None = None) -> str | None:
+    """:func:`libs.common.voices.resolve_voice` for parameter ``param``; an unknown voice is a 400
+    (``code``, else ``invalid_value``) listing the voices there are."""
     try:
-        return resolve_voice(talker_config(pipeline), audio.voice_name, "audio.voice")
+        return resolve_voice(talker_config(pipeline), asked, param)
     except UnknownVoice as e:
-        raise APIError(e.status, str(e), e.code, e.param) from None
+        raise APIError(e.status, str(e), code or e.code, e.param) from None
 
 
 def sampling_for(req: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> Sampling:

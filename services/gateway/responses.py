@@ -44,6 +44,12 @@ class Job:
     audio_format: str | None = None
     """Requested audio format, None for a text-only request."""
     return_token_ids: bool = False
+    speech: bool = False
+    """A speech request (``/v1/audio/speech``): no text, done at the audio stage's end."""
+    speech_tokens: int = 0
+    """A speech request: its input's tokens (the thinker's tokenizer)."""
+    speech_frames: int = 0
+    """A speech request: the codec frames of its audio, once it has all come."""
 
     @property
     def id(self) -> str:
@@ -87,8 +93,8 @@ def usage_of(ev: ClientEvent) -> Usage | None:
 
 
 async def events_until_done(job: Job) -> AsyncIterator[ClientEvent]:
-    """A request's events up to completion: the thinker's ``text_done`` and, for audio requests,
-    the audio stage's ``audio_done``. An ``error`` event raises :class:`APIError`."""
+    """A request's events up to completion: the thinker's ``text_done`` (none for a speech
+    request) and, for audio requests, the audio stage's ``audio_done``. An ``error`` event raises :class:`APIError`."""
     text_done = audio_done = False
     try:
         async for ev in job.handle.events():
@@ -112,7 +118,7 @@ async def events_until_done(job: Job) -> AsyncIterator[ClientEvent]:
             yield ev
             text_done = text_done or ev.type == ClientEventType.TEXT_DONE
             audio_done = audio_done or ev.type == ClientEventType.AUDIO_DONE
-            if text_done and (audio_done or job.audio_format is None):
+            if (text_done or job.speech) and (audio_done or job.audio_format is None):
                 return
     except APIError as e:
         job.stats.failure = e.code or "pipeline_error"

@@ -37,11 +37,15 @@ from services.gateway.schemas import (
     Health,
     ModelCard,
     ModelList,
+    SpeechRequest,
 )
+from services.gateway.speech import SpeechEncoding, speech_events, speech_file
 from services.gateway.submission import Arrival
 
 router = APIRouter()
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+REQUEST_ID_HEADER = "X-Request-Id"
+"""A speech response's request id (its key in ``omni_requests``; OpenAI's speech body has none)."""
 
 
 def _arrival(request: Request) -> Arrival:
@@ -92,6 +96,24 @@ def _sse(job: Job, head: list[str], render, tail) -> StreamingResponse:
     return StreamingResponse(
         sse_stream(job, head, render, tail), media_type="text/event-stream", headers=SSE_HEADERS
     )
+
+
+# --- speech -----------------------------------------------------------------------------------
+@router.post("/v1/audio/speech")
+async def audio_speech(body: SpeechRequest, request: Request) -> StreamingResponse:
+    """OpenAI's text to speech: the input enters at the talker; the audio streams back in the
+    asked format as it is encoded (``stream_format: audio``) or as speech events (``sse``). The
+    response begins with the first audio, so a failure before it is an HTTP error."""
+    encoding = SpeechEncoding(body.response_format, body.speed)
+    job = await request.app.state.submitter.speech(body, _arrival(request))
+    request.state.job = job
+    await until_started(request, job)
+    headers = {**SSE_HEADERS, REQUEST_ID_HEADER: job.id}
+    if body.stream_format == "sse":
+        return StreamingResponse(
+            speech_events(job, encoding), media_type="text/event-stream", headers=headers
+        )
+    return StreamingResponse(speech_file(job, encoding), media_type=encoding.content_type, headers=headers)
 
 
 # --- chat -------------------------------------------------------------------------------------

@@ -79,6 +79,42 @@ class CompletionRequest(_Sampling):
     echo: bool = False
 
 
+SpeechFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
+"""``response_format`` of ``/v1/audio/speech`` (OpenAI's list; ``pcm``: 24 kHz 16-bit mono, no header)."""
+MAX_SPEECH_INPUT_CHARS = 4096
+"""OpenAI's limit on ``input`` of ``/v1/audio/speech``, characters."""
+
+
+class SpeechRequest(_Request):
+    """OpenAI's ``POST /v1/audio/speech`` body."""
+
+    model: str
+    input: str = Field(min_length=1, max_length=MAX_SPEECH_INPUT_CHARS)
+    voice: str | VoiceRef
+    """As ``audio.voice`` of chat completions (:class:`AudioParams`)."""
+    response_format: SpeechFormat = "mp3"
+    speed: float = Field(default=1.0, ge=0.25, le=4.0)
+    """Playback speed, pitch kept (1.0: as spoken)."""
+    instructions: str | None = None
+    """Accepted and not used: no talker protocol here takes spoken instructions."""
+    stream_format: Literal["audio", "sse"] = "audio"
+    """``audio``: the file's bytes, streamed as they are encoded; ``sse``: ``speech.audio.delta``
+    events (base64 bytes of the file), then ``speech.audio.done`` with ``usage``."""
+
+    @property
+    def voice_name(self) -> str:
+        return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
+
+
+class SpeechUsage(BaseModel):
+    """``usage`` of ``speech.audio.done``: ``input_tokens`` the input's tokens (the thinker's
+    tokenizer), ``output_tokens`` the PCM samples' codec frames the talker made them from."""
+
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int

@@ -5,14 +5,15 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from libs.common.envelopes import Admission, Sampling
+from libs.common.envelopes import Admission, Sampling, SpeechChunk
 from libs.common.pipeline import PipelineConfig
 from libs.common.tracing import inject_headers, start_span, trace_id_hex
-from services.gateway.errors import APIError
+from services.gateway.errors import APIError, bad_request
 from services.gateway.pipeline_client import PipelineClient
 from services.gateway.prompting import (
     Tokenizer,
@@ -21,11 +22,13 @@ from services.gateway.prompting import (
     max_tokens_for,
     reject_unsupported,
     sampling_for,
+    voice_of,
     wants_audio,
 )
 from services.gateway.request_stats import GatewayStatLogger, RequestStats
 from services.gateway.responses import Job
-from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, SpeechRequest
+from services.gateway.speech_input import speech_chunks
 
 
 class Submitter:
@@ -64,7 +67,16 @@ class Submitter:
         )
         sampling = sampling_for(req, max_tokens_for(asked, len(ids), self.max_model_len, param))
         job = await self._submit(
-            "chatcmpl", ids, sampling, audio is not None, req.stream, arrival, req.model, "chat", voice
+            "chatcmpl",
+            "chat",
+            req.model,
+            req.stream,
+            arrival,
+            _sampling_attributes(sampling),
+            prompt_token_ids=ids,
+            sampling=sampling,
+            audio=audio is not None,
+            voice=voice,
         )
         job.audio_format = audio.format if audio else None
         job.return_token_ids = req.return_token_ids
@@ -82,24 +94,64 @@ class Submitter:
             req, max_tokens_for(req.max_tokens, len(ids), self.max_model_len, "max_tokens")
         )
         job = await self._submit(
-            "cmpl", ids, sampling, False, req.stream, arrival, req.model, "text_completion"
+            "cmpl",
+            "text_completion",
+            req.model,
+            req.stream,
+            arrival,
+            _sampling_attributes(sampling),
+            prompt_token_ids=ids,
+            sampling=sampling,
         )
         job.return_token_ids = req.return_token_ids
+        return job
+
+    async def speech(self, req: SpeechRequest, arrival: Arrival) -> Job:
+        """``/v1/audio/speech``: the input enters the pipeline at its talker, cut into chunks
+        (:func:`speech_chunks`), each with its tokens in the thinker's tokenizer."""
+        self._check_model(req.model)
+        entry = self.pipeline.speech_stage
+        if entry is None:
+            raise bad_request(
+                f"pipeline '{self.pipeline.name}' has no talker stage: it cannot speak",
+                "model",
+                "speech_unsupported",
+            )
+        voice = voice_of(req.voice_name, self.pipeline, "voice", "invalid_voice")
+        chunks = [SpeechChunk(text=t, token_ids=self.tokenizer.words(t)) for t in speech_chunks(req.input)]
+        chunks = [c for c in chunks if c.token_ids]
+        if not chunks:
+            raise bad_request("input has nothing to speak", "input", "empty_input")
+        job = await self._submit(
+            "speech",
+            "speech",
+            req.model,
+            True,
+            arrival,
+            {"omnirelay.speech.format": req.response_format, "omnirelay.speech.chunks": len(chunks)},
+            audio=True,
+            voice=voice,
+            entry_stage=entry,
+            text_chunks=chunks,
+        )
+        job.audio_format, job.speech = req.response_format, True
+        job.speech_tokens = sum(len(c.token_ids) for c in chunks)
         return job
 
     async def _submit(
         self,
         prefix: str,
-        ids: list[int],
-        sampling: Sampling,
-        audio: bool,
+        operation: str,
+        model: str,
         streamed: bool,
         arrival: Arrival,
-        model: str,
-        operation: str,
-        voice: str | None = None,
+        attributes: dict[str, str | int | float | bool],
+        **admission: Any,
     ) -> Job:
+        """Publish an :class:`Admission` with the ``admission`` fields for a new request id; its
+        SERVER span (``operation``, ``model``, plus ``attributes``) is the trace's root."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
+        audio = bool(admission.get("audio", False))
         span = start_span(
             f"{operation} {model}",
             arrival.trace_parent,
@@ -108,11 +160,9 @@ class Submitter:
                 "http.request.method": "POST",
                 "gen_ai.operation.name": operation,
                 "gen_ai.request.model": model,
-                "gen_ai.request.max_tokens": sampling.max_tokens,
-                "gen_ai.request.temperature": sampling.temperature,
-                "gen_ai.request.top_p": sampling.top_p,
                 "omnirelay.request_id": request_id,
                 "omnirelay.audio": audio,
+                **attributes,
             },
             start_time=arrival.wall_ns,
         )
@@ -121,11 +171,8 @@ class Submitter:
             gateway_id=self.client.gateway_id,
             arrival_ns=arrival.wall_ns,
             deadline_ns=arrival.wall_ns + int(self.pipeline.request_timeout_s * 1e9),
-            prompt_token_ids=ids,
-            sampling=sampling,
-            audio=audio,
             trace_id=trace_id_hex(span),
-            voice=voice,
+            **admission,
         )
         headers: dict[str, str] = {}
         inject_headers(headers, span)
@@ -147,6 +194,15 @@ class Submitter:
             log=self.stat_log,
             span=span,
         )
+
+
+def _sampling_attributes(sampling: Sampling) -> dict[str, str | int | float | bool]:
+    """The span attributes of a request's sampling parameters (OpenTelemetry's GenAI names)."""
+    return {
+        "gen_ai.request.max_tokens": sampling.max_tokens,
+        "gen_ai.request.temperature": sampling.temperature,
+        "gen_ai.request.top_p": sampling.top_p,
+    }
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,48 @@ log = logging.getLogger(__name__)
 
 MAX_CONCURRENT_ADMISSIONS = 64
 """Admissions one orchestrator works on at once."""
+SKIPPED = -1
+"""The route's replica of a stage a request does not run (before its ``entry_stage``)."""
+
+
+def entry_tasks(adm: Admission, route: list[int]) -> list[StageTask]:
+    """The input of the stage ``adm`` enters at: stage 0's prompt (one task), or a speech
+    request's text chunks for the talker, numbered from 0, the last one ``final``, each with the
+    position of its first token among the request's (as a thinker's text chunks are)."""
+    common = dict(
+        request_id=adm.request_id,
+        gateway_id=adm.gateway_id,
+        arrival_ns=adm.arrival_ns,
+        deadline_ns=adm.deadline_ns,
+        route=route,
+    )
+    if adm.entry_stage == 0:
+        return [
+            StageTask(
+                **common,
+                kind=TaskKind.START,
+                seq=0,
+                final=True,
+                prompt_token_ids=adm.prompt_token_ids,
+                sampling=adm.sampling,
+            )
+        ]
+    offsets = [0]
+    for c in adm.text_chunks:
+        offsets.append(offsets[-1] + len(c.token_ids))
+    last = len(adm.text_chunks) - 1
+    return [
+        StageTask(
+            **common,
+            kind=TaskKind.CHUNK,
+            seq=i,
+            final=i == last,
+            text=c.text,
+            token_ids=c.token_ids,
+            offset=offsets[i],
+        )
+        for i, c in enumerate(adm.text_chunks)
+    ]
 
 
 class Admissions:
@@ -64,9 +106,9 @@ class Admissions:
             await msg.ack()
             self._count_rejection("expired", delivered)
             return
-        stages = self.ctx.pipeline.stages_for(adm.audio)
+        entry = adm.entry_stage
         try:
-            route = self.ctx.picker.route(stages)
+            route = [SKIPPED] * entry + self.ctx.picker.route(self.ctx.pipeline.stages_for(adm.audio, entry))
         except NoLiveReplica as e:
             name = self.ctx.pipeline.stages[e.stage].name
             message = f"stage {e.stage} ({name}) has no live replica"
@@ -82,11 +124,14 @@ class Admissions:
             route=route,
             stages=[
                 StageProgress(replica=r, attempts=[StageAttempt(attempt=1, replica=r, bound_ns=now)])
-                for r in route
+                if s >= entry
+                else StageProgress(replica=SKIPPED, done_ns=now)
+                for s, r in enumerate(route)
             ],
             attempt=delivered,
             trace_id=adm.trace_id,
             voice=adm.voice,
+            entry_stage=entry,
             arrival_ns=adm.arrival_ns,
             admitted_ns=now,
             deadline_ns=adm.deadline_ns,
@@ -96,19 +141,8 @@ class Admissions:
         if route is None:  # an earlier handling dispatched it, and it has gone on since
             await msg.ack()
             return
-        task = StageTask(
-            request_id=adm.request_id,
-            gateway_id=adm.gateway_id,
-            arrival_ns=adm.arrival_ns,
-            deadline_ns=adm.deadline_ns,
-            route=route,
-            kind=TaskKind.START,
-            seq=0,
-            final=True,
-            prompt_token_ids=adm.prompt_token_ids,
-            sampling=adm.sampling,
-        )
-        hop = Hop(h.FROM_ORCHESTRATOR, h.FROM_ORCHESTRATOR, 0, route[0])
+        tasks = entry_tasks(adm, route)
+        hop = Hop(h.FROM_ORCHESTRATOR, h.FROM_ORCHESTRATOR, entry, route[entry])
         span = start_span(
             "omni.admit",
             context_from_headers(msg.headers),
@@ -116,16 +150,16 @@ class Admissions:
             {"omnirelay.request_id": adm.request_id, "omnirelay.route": route, "messaging.system": "nats"},
         )
         try:
-            ack = await publish_task(self.ctx.js, self.ctx.subjects, task, hop, span)
+            acks = [await publish_task(self.ctx.js, self.ctx.subjects, t, hop, span) for t in tasks]
         finally:
             span.end()
-        if ack.duplicate:  # an earlier handling sent it (and died, or stalled, before its ack)
+        if acks[0].duplicate:  # an earlier handling sent it (and died, or stalled, before its ack)
             log.info(
                 "request %s: admission delivered %d times; its task was sent before",
                 adm.request_id,
                 delivered,
             )
-        else:  # counted by the handling whose task the stream stored: once
+        else:  # counted by the handling whose (first) task the stream stored: once
             self._count("dispatched")
             self._tally.admitted += 1
         await msg.ack()
@@ -141,7 +175,7 @@ class Admissions:
             pass
         entry = await self.ctx.requests.get(record.request_id)
         earlier = RequestRecord.model_validate_json(entry.value)
-        if earlier.status != RequestStatus.ADMITTED or earlier.stages[0].attempt > 1:
+        if earlier.status != RequestStatus.ADMITTED or earlier.stages[earlier.entry_stage].attempt > 1:
             return None
         return earlier.route
 

@@ -273,9 +273,11 @@ class Mover:
             return
         t_asked = time.monotonic()
         held = RouteHeld(held=False)
-        upstream = self.ctx.subjects.route(s - 1, seen.route[s - 1]) if s > 0 else None
+        # The stage a request entered at has no upstream worker: its input is all in the stream.
+        upstream = self.ctx.subjects.route(s - 1, seen.route[s - 1]) if s > seen.entry_stage else None
         if upstream is not None:  # no chunk may go to the dead replica from now on
             held = await self._reroute(upstream, RouteChange(request_id=rid, stage=s, action="hold"))
+        if s > 0:
             inputs = await stored_inputs(
                 self.ctx.js,
                 self.ctx.subjects.stages_stream,

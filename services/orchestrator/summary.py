@@ -31,6 +31,9 @@ def format_summary(rec: RequestRecord, pipeline: PipelineConfig) -> str:
     e2e = f"{(max(done) - rec.arrival_ns) / 1e9:.3f} s" if done else "-"
     stages = []
     for i, s in enumerate(rec.stages):
+        if i < rec.entry_stage:
+            stages.append(f"{pipeline.stages[i].name} skipped")
+            continue
         took = f"{(s.done_ns - s.started_ns) / 1e9:.3f} s" if s.started_ns and s.done_ns else "-"
         stages.append(f"{pipeline.stages[i].name}#{s.replica} {took}")
     edges = [

@@ -67,6 +67,7 @@ class Code2WavHandler(StageHandler):
                             request_id=req.request_id,
                             type=ClientEventType.AUDIO,
                             in_seq=d.task.seq,
+                            frames=chunk.own_frames,
                             pcm16=pcm.tobytes(),
                             sample_rate=self.sample_rate,
                         )

@@ -1,0 +1,99 @@
+"""``POST /v1/audio/speech`` up to the bus, through the gateway's real route and error handlers (the
+pipeline client records the admission and refuses it, as in test_gateway_voice.py), and the
+orchestrator's input for a request that enters at the talker."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from libs.common.envelopes import Admission, SpeechChunk, TaskKind
+from libs.common.pipeline import DEFAULT_PIPELINE_PATH, load_pipeline
+from libs.models.tiny import resolve_model
+from services.orchestrator.admission import entry_tasks
+from tests.unit.test_gateway_voice import REFUSED, _gateway, _orpheus, tokenizer  # noqa: F401
+
+INPUT = "The sea was calm. Was it? Yes, calm as glass!"
+SENTENCES = ["The sea was calm.", "Was it?", "Yes, calm as glass!"]
+
+
+def _speech(pipeline, **fields) -> dict:
+    return {"model": pipeline.served_model_name, "input": INPUT, "voice": "alloy", **fields}
+
+
+async def test_a_speech_request_enters_at_the_talker_with_its_sentences(tokenizer) -> None:  # noqa: F811
+    pipeline = _orpheus()
+    http, client = _gateway(pipeline, tokenizer)
+    r = await http.post("/v1/audio/speech", json=_speech(pipeline, voice="leo", response_format="flac"))
+    assert r.status_code == REFUSED, r.text
+    ((adm),) = client.published
+    # The reference tokens: the thinker's tokenizer loaded here, not the gateway's wrapper.
+    reference = AutoTokenizer.from_pretrained(resolve_model(pipeline.stages[0].model))
+    assert adm.entry_stage == 1 and pipeline.stages[1].name == "talker"
+    assert adm.audio and adm.voice == "leo" and adm.sampling is None and adm.prompt_token_ids == []
+    assert adm.text_chunks == [
+        SpeechChunk(text=s, token_ids=reference.encode(s, add_special_tokens=False)) for s in SENTENCES
+    ]
+
+
+@pytest.mark.parametrize(
+    ("fields", "status", "param", "code"),
+    [
+        ({"input": ""}, 400, "input", "invalid_request"),
+        ({"input": " \n "}, 400, "input", "empty_input"),
+        ({"input": "a" * 4097}, 400, "input", "invalid_request"),
+        ({"response_format": "ogg"}, 400, "response_format", "invalid_request"),
+        ({"speed": 0.2}, 400, "speed", "invalid_request"),
+        ({"speed": 4.5}, 400, "speed", "invalid_request"),
+        ({"stream_format": "chunks"}, 400, "stream_format", "invalid_request"),
+        ({"voice": "nobody"}, 400, "voice", "invalid_voice"),
+        ({"model": "tts-1"}, 404, "model", "model_not_found"),
+    ],
+)
+async def test_bad_input_is_a_4xx_in_openai_shape_and_nothing_is_published(
+    tokenizer,  # noqa: F811
+    fields,
+    status,
+    param,
+    code,
+) -> None:
+    pipeline = _orpheus()
+    http, client = _gateway(pipeline, tokenizer)
+    r = await http.post("/v1/audio/speech", json=_speech(pipeline, **fields))
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == (param, code), err
+    assert client.published == []
+
+
+async def test_a_pipeline_without_a_talker_cannot_speak(tokenizer) -> None:  # noqa: F811
+    pipeline = load_pipeline(DEFAULT_PIPELINE_PATH.with_name("text-only.yaml"))
+    http, client = _gateway(pipeline, tokenizer)
+    r = await http.post("/v1/audio/speech", json=_speech(pipeline))
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("model", "speech_unsupported")
+    assert client.published == []
+
+
+def test_the_talker_gets_the_chunks_in_order_with_their_token_positions() -> None:
+    chunks = [
+        SpeechChunk(text=t, token_ids=ids) for t, ids in (("a.", [5, 6]), ("b", [7]), ("c d", [8, 9, 10]))
+    ]
+    adm = Admission(
+        request_id="r",
+        gateway_id="g",
+        arrival_ns=1,
+        deadline_ns=2,
+        entry_stage=1,
+        text_chunks=chunks,
+        audio=True,
+    )
+    tasks = entry_tasks(adm, [-1, 1, 0])
+    assert [(t.kind, t.seq, t.final, t.text, t.token_ids, t.offset) for t in tasks] == [
+        (TaskKind.CHUNK, 0, False, "a.", [5, 6], 0),
+        (TaskKind.CHUNK, 1, False, "b", [7], 2),
+        (TaskKind.CHUNK, 2, True, "c d", [8, 9, 10], 3),
+    ]
+    assert all(t.route == [-1, 1, 0] and t.attempt == 1 for t in tasks)
+    (start,) = entry_tasks(adm.model_copy(update={"entry_stage": 0, "prompt_token_ids": [1, 2]}), [0, 1, 0])
+    assert (start.kind, start.seq, start.final, start.prompt_token_ids) == (TaskKind.START, 0, True, [1, 2])
