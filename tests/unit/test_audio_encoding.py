@@ -92,7 +92,6 @@ class Decoded:
             stream = c.streams.audio[0]
             self.rate = stream.codec_context.sample_rate
             self.channels = stream.codec_context.layout.nb_channels
-            self.dtype = None
             to_24k = av.AudioResampler(format="flt", layout="mono", rate=RATE)
             native, resampled = [], []
             for frame in c.decode(stream):
