@@ -32,7 +32,6 @@ FLAC's block sizes make theirs exact.
 from __future__ import annotations
 
 import io
-import wave
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
@@ -42,17 +41,6 @@ import numpy as np
 
 PCM16_WIDTH = 2
 """Bytes per sample of PCM16."""
-
-
-def pcm16_to_wav(pcm: bytes, sample_rate: int, channels: int = 1) -> bytes:
-    """A RIFF/WAVE file holding little-endian 16-bit ``pcm`` at ``sample_rate`` Hz."""
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(channels)
-        w.setsampwidth(PCM16_WIDTH)
-        w.setframerate(sample_rate or 24000)
-        w.writeframes(pcm)
-    return buf.getvalue()
 
 
 class AudioFormat(StrEnum):

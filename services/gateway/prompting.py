@@ -9,8 +9,9 @@ from libs.common.voices import UnknownVoice, resolve_voice, talker_config
 from services.gateway.errors import APIError, bad_request
 from services.gateway.schemas import AudioParams, ChatCompletionRequest, ChatMessage, CompletionRequest
 
-AUDIO_FORMATS = ("wav", "pcm16")
-"""``audio.format`` values served. Streamed audio is always raw PCM16 chunks."""
+AUDIO_FORMATS = ("wav", "mp3", "flac", "opus", "pcm16")
+"""``audio.format`` values served (OpenAI's list). Streamed audio is always raw PCM16 chunks, as
+OpenAI streams it; a non-streamed answer is the whole file in the format."""
 
 
 class Tokenizer:

@@ -15,12 +15,14 @@ from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 
 from libs.common.envelopes import ClientEvent, ClientEventType
 from libs.common.playback import AudioChunk
-from services.gateway.audio import pcm16_to_wav
+from services.gateway.audio import encode_whole
 from services.gateway.errors import APIError, ClientGone
 from services.gateway.pipeline_client import PipelineClient, RequestHandle, timed_out
 from services.gateway.request_stats import GatewayStatLogger, RequestStats
 from services.gateway.schemas import AudioOut, Usage
 
+DEFAULT_SAMPLE_RATE = 24_000
+"""The sample rate of an empty audio answer (no chunk said its own), Hz."""
 AUDIO_EXPIRY_S = 3600
 """``audio.expires_at`` is this far in the future (informational: nothing is stored)."""
 DISCONNECT_POLL_S = 0.25
@@ -143,8 +145,9 @@ async def collect(job: Job) -> Collected:
 
 
 def audio_message(job: Job, c: Collected) -> AudioOut:
-    """OpenAI's ``message.audio``: base64 WAV (or raw PCM16 for ``pcm16``) plus the transcript."""
-    raw = bytes(c.pcm) if job.audio_format == "pcm16" else pcm16_to_wav(bytes(c.pcm), c.sample_rate)
+    """OpenAI's ``message.audio``: base64 of the whole file in ``audio.format`` (raw PCM16 for
+    ``pcm16``) plus the transcript."""
+    raw = encode_whole(job.audio_format or "wav", bytes(c.pcm), c.sample_rate or DEFAULT_SAMPLE_RATE)
     return AudioOut(
         id=job.audio_id,
         data=base64.b64encode(raw).decode(),

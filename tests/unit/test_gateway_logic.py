@@ -10,7 +10,7 @@ import pytest
 
 from cli.launcher import plan_services
 from libs.common.pipeline import load_pipeline
-from services.gateway.audio import pcm16_to_wav
+from services.gateway.audio import encode_whole
 from services.gateway.errors import APIError
 from services.gateway.prompting import chat_messages, max_tokens_for, sampling_for, wants_audio
 from services.gateway.schemas import ChatCompletionRequest
@@ -46,13 +46,12 @@ def test_audio_is_requested_through_modalities() -> None:
     p = load_pipeline()
     assert wants_audio(_req(), p) is None
     assert wants_audio(_req(modalities=["text", "audio"]), p).format == "wav"
-    assert (
-        wants_audio(_req(modalities=["text", "audio"], audio={"voice": "v", "format": "pcm16"}), p).format
-        == "pcm16"
-    )
+    for fmt in ("pcm16", "mp3", "flac", "opus"):
+        audio = {"voice": "v", "format": fmt}
+        assert wants_audio(_req(modalities=["text", "audio"], audio=audio), p).format == fmt
     for bad, param in (
         (dict(modalities=["image"]), "modalities"),
-        (dict(modalities=["audio"], audio={"format": "mp3"}), "audio.format"),
+        (dict(modalities=["audio"], audio={"format": "aac"}), "audio.format"),  # not a chat format
     ):
         with pytest.raises(APIError) as e:
             wants_audio(_req(**bad), p)
@@ -89,7 +88,7 @@ def test_sampling_stop_strings_and_n() -> None:
 
 def test_wav_header_matches_the_pcm() -> None:
     pcm = bytes(range(256)) * 10
-    with wave.open(io.BytesIO(pcm16_to_wav(pcm, 24_000))) as w:
+    with wave.open(io.BytesIO(encode_whole("wav", pcm, 24_000))) as w:
         assert (w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()) == (
             1,
             2,
