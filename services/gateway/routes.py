@@ -10,7 +10,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from libs.common.envelopes import ClientEvent, ClientEventType
 from libs.common.metrics_server import render
+from libs.common.pipeline import TALKER_VOICES
 from libs.common.tracing import context_from_headers
+from libs.common.voices import OPENAI_VOICES, default_voice, talker_config
 from services.gateway.discovery import sd_targets
 from services.gateway.responses import (
     AUDIO_EXPIRY_S,
@@ -38,6 +40,8 @@ from services.gateway.schemas import (
     ModelCard,
     ModelList,
     SpeechRequest,
+    VoiceCard,
+    VoiceList,
 )
 from services.gateway.speech import SpeechEncoding, speech_events, speech_file
 from services.gateway.submission import Arrival
@@ -66,6 +70,17 @@ async def list_models(request: Request) -> ModelList:
         max_model_len=p.stages[0].engine.max_model_len,
     )
     return ModelList(data=[card])
+
+
+@router.get("/v1/audio/voices")
+async def list_voices(request: Request) -> VoiceList:
+    talker = talker_config(request.app.state.pipeline)
+    default = default_voice(talker) if talker is not None else None
+    names = TALKER_VOICES[talker.protocol] if talker is not None else ()
+    return VoiceList(
+        data=[VoiceCard(id=v, default=v == default) for v in names],
+        openai_names=list(OPENAI_VOICES) if names else [],
+    )
 
 
 @router.get("/health", response_model=Health)

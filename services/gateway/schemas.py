@@ -106,6 +106,23 @@ class SpeechRequest(_Request):
         return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
 
 
+class VoiceCard(BaseModel):
+    id: str
+    object: Literal["voice"] = "voice"
+    default: bool = False
+    """The voice the talker speaks when none is asked (and for OpenAI's built-in names)."""
+
+
+class VoiceList(BaseModel):
+    """``GET /v1/audio/voices``: the voices of the pipeline's talker (none for a talker with one
+    sound, such as ``tiny``, which takes any voice), and OpenAI's built-in names, each of which
+    speaks in the default voice."""
+
+    object: Literal["list"] = "list"
+    data: list[VoiceCard]
+    openai_names: list[str]
+
+
 class SpeechUsage(BaseModel):
     """``usage`` of ``speech.audio.done``: ``input_tokens`` the input's tokens (the thinker's
     tokenizer), ``output_tokens`` the PCM samples' codec frames the talker made them from."""

@@ -11,7 +11,7 @@ from libs.common.envelopes import Admission, SpeechChunk, TaskKind
 from libs.common.pipeline import DEFAULT_PIPELINE_PATH, load_pipeline
 from libs.models.tiny import resolve_model
 from services.orchestrator.admission import entry_tasks
-from tests.unit.test_gateway_voice import REFUSED, _gateway, _orpheus, tokenizer  # noqa: F401
+from tests.unit.test_gateway_voice import ORPHEUS_VOICES, REFUSED, _gateway, _orpheus, tokenizer  # noqa: F401
 
 INPUT = "The sea was calm. Was it? Yes, calm as glass!"
 SENTENCES = ["The sea was calm.", "Was it?", "Yes, calm as glass!"]
@@ -97,3 +97,17 @@ def test_the_talker_gets_the_chunks_in_order_with_their_token_positions() -> Non
     assert all(t.route == [-1, 1, 0] and t.attempt == 1 for t in tasks)
     (start,) = entry_tasks(adm.model_copy(update={"entry_stage": 0, "prompt_token_ids": [1, 2]}), [0, 1, 0])
     assert (start.kind, start.seq, start.final, start.prompt_token_ids) == (TaskKind.START, 0, True, [1, 2])
+
+
+@pytest.mark.parametrize(("yaml_voice", "default"), [(None, "tara"), ("mia", "mia")])
+async def test_the_voices_are_the_talkers_with_its_default(tokenizer, yaml_voice, default) -> None:  # noqa: F811
+    http, _ = _gateway(_orpheus(yaml_voice), tokenizer)
+    body = (await http.get("/v1/audio/voices")).json()
+    assert [v["id"] for v in body["data"]] == list(ORPHEUS_VOICES)
+    assert [v["id"] for v in body["data"] if v["default"]] == [default]
+    assert "alloy" in body["openai_names"] and "tara" not in body["openai_names"]
+
+
+async def test_a_talker_with_one_sound_lists_no_voices(tokenizer) -> None:  # noqa: F811
+    http, _ = _gateway(load_pipeline(), tokenizer)
+    assert (await http.get("/v1/audio/voices")).json() == {"object": "list", "data": [], "openai_names": []}
