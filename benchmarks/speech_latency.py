@@ -2,32 +2,46 @@
 
 One ``omnirelay up`` stack of the pipeline (default ``compose/pipelines/orpheus-tiny.yaml``:
 tiny thinker → Orpheus talker on tiny-orpheus → SNAC on tiny-snac) with its own NATS, driven as a
-user drives it: the official ``openai`` client, streamed chat completions with
-``modalities=["text", "audio"]`` and ``audio={"voice": ..., "format": "pcm16"}``. At each
-concurrency level, ``requests`` requests run with at most ``concurrency`` in flight.
+user drives it, through the official ``openai`` client, by one of two APIs:
 
-Per request, measured client-side with ``time.perf_counter()`` (seconds):
+- ``chat``: streamed chat completions with ``modalities=["text", "audio"]`` and
+  ``audio={"voice": ..., "format": "pcm16"}`` (the thinker speaks a prompt's answer);
+- ``speech``: ``POST /v1/audio/speech`` (the input enters at the talker), its body streamed in
+  each of the asked ``response_format`` values in turn.
 
-- TTFP: arrival of the first chunk carrying audio data minus send;
-- audio: the PCM16 samples received ÷ the codec's sample rate (seconds of audio);
-- RTF: (arrival of the last chunk carrying audio data − send) ÷ audio seconds (below 1: the
-  audio arrived faster than it plays).
+At each concurrency level (and, for ``speech``, each format), ``requests`` requests run with at
+most ``concurrency`` in flight. Per request, measured client-side with ``time.perf_counter()``
+(seconds):
 
-A request also fails when its audio is not a whole number of codec frames (SNAC: 2,048 samples).
-Per level: p50 and p99 of TTFP and RTF over the successful requests (:func:`summarize`, a pure
-function tested in ``tests/unit/test_speech_latency.py``), failures counted apart.
+- TTFP (chat): arrival of the first chunk carrying audio data minus send; TTFB (speech): arrival
+  of the first non-empty body chunk minus send;
+- audio: chat, the PCM16 samples received ÷ the codec's sample rate; speech, the body decoded
+  whole after the level (PyAV for the containers, bytes ÷ 2 ÷ the rate for ``pcm``), outside
+  every request's timed window (:func:`audio_seconds`);
+- RTF: (arrival of the last audio chunk − send) ÷ audio seconds (below 1: the audio arrived
+  faster than it plays).
+
+A request fails when its PCM (chat, and speech ``pcm``) is not a whole number of codec frames
+(SNAC: 2,048 samples), or when its speech body does not decode. Per level: p50 and p99 of TTFP
+and RTF over the successful requests (:func:`summarize`, a pure function tested in
+``tests/unit/test_speech_latency.py``), failures counted apart; for speech, also the gateway
+process's CPU over the level (where the encoding runs).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import os
 import subprocess
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+import av
+import psutil
 
 from benchmarks.harness import (
     PROMPTS,
@@ -45,36 +59,42 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PIPELINE = ROOT / "compose" / "pipelines" / "orpheus-tiny.yaml"
 PCM16_BYTES = 2
 """Bytes per PCM16 sample."""
+APIS = ("chat", "speech")
+SPEECH_CONTAINERS = {"mp3": "mp3", "opus": "ogg", "aac": "aac", "flac": "flac", "wav": "wav"}
+"""Speech ``response_format`` → the FFmpeg demuxer its body must open with (``pcm`` has none)."""
+SPEECH_FORMATS = (*SPEECH_CONTAINERS, "pcm")
+DEFAULT_SPEECH_FORMATS = ("pcm", "mp3")
+SPEECH_INPUTS = (
+    "The lighthouse keeper climbed the stairs at dusk. Far below, the waves broke white on the rocks.",
+    "A bicycle stays upright because its front wheel steers under it whenever it starts to lean.",
+    "At night the sea is dark and calm. Only the lights of a distant ship move along the horizon.",
+    "Pack warm layers, a rain jacket and good boots. The weather in the mountains changes quickly.",
+)
+"""Speech inputs; request i speaks ``SPEECH_INPUTS[i % len(SPEECH_INPUTS)]`` (the tiny talker's
+cap, 0.5 frames per character, makes each about 4 s of audio)."""
 
 
 @dataclass(frozen=True)
 class SpeechTiming:
-    """One streamed speech request as the client saw it: ``time.perf_counter()`` readings, seconds."""
+    """One streamed request as the client saw it: ``time.perf_counter()`` readings, seconds."""
 
     sent_s: float
     done_s: float
     first_audio_s: float | None
-    """Arrival of the first chunk carrying audio data."""
+    """Arrival of the first chunk carrying audio (chat: audio data; speech: body bytes)."""
     last_audio_s: float | None
-    """Arrival of the last chunk carrying audio data."""
-    samples: int
-    """PCM16 samples received."""
-    sample_rate: int
-    """Hz."""
+    """Arrival of the last chunk carrying audio."""
+    audio_s: float
+    """Seconds of audio received."""
     error: str | None = None
 
     @property
     def ok(self) -> bool:
-        return self.error is None and self.first_audio_s is not None and self.samples > 0
-
-    @property
-    def audio_s(self) -> float:
-        """Seconds of audio received."""
-        return self.samples / self.sample_rate
+        return self.error is None and self.first_audio_s is not None and self.audio_s > 0
 
     @property
     def ttfp_s(self) -> float | None:
-        """Time to first audio packet, seconds from send (None for a failed request)."""
+        """Time to first audio, seconds from send (None for a failed request)."""
         return self.first_audio_s - self.sent_s if self.ok else None
 
     @property
@@ -87,7 +107,7 @@ class SpeechTiming:
 
 @dataclass(frozen=True)
 class LevelResult:
-    """One concurrency level: percentiles over its successful requests."""
+    """One concurrency level (of one speech format): percentiles over its successful requests."""
 
     concurrency: int
     requests: int
@@ -101,15 +121,23 @@ class LevelResult:
     wall_s: float
     """Wall time of the level, seconds."""
     first_error: str | None = None
+    format: str | None = None
+    """The speech ``response_format`` (None: chat completions)."""
+    gateway_cpu_pct: float | None = None
+    """The gateway process's CPU over the level, percent of one core (speech only)."""
 
 
-def summarize(concurrency: int, timings: Sequence[SpeechTiming], wall_s: float) -> LevelResult:
+def summarize(
+    concurrency: int, timings: Sequence[SpeechTiming], wall_s: float, fmt: str | None = None
+) -> LevelResult:
     """p50/p99 of TTFP and RTF over the successful ``timings`` (percentiles interpolated between
-    ranks, :func:`benchmarks.harness.percentile`). Raises ValueError when none succeeded."""
+    ranks, :func:`benchmarks.harness.percentile`) of one level, of speech format ``fmt`` (None:
+    chat). Raises ValueError when none succeeded."""
+    name = f"c={concurrency}" + (f" {fmt}" if fmt else "")
     ok = [t for t in timings if t.ok]
     if not ok:
         errors = [t.error for t in timings if t.error]
-        raise ValueError(f"c={concurrency}: no request succeeded ({errors[0] if errors else 'no audio'})")
+        raise ValueError(f"{name}: no request succeeded ({errors[0] if errors else 'no audio'})")
     ttfp = [t.ttfp_s for t in ok]
     rtf = [t.rtf for t in ok]
     failed = [t for t in timings if not t.ok]
@@ -124,24 +152,73 @@ def summarize(concurrency: int, timings: Sequence[SpeechTiming], wall_s: float) 
         audio_mean_s=sum(t.audio_s for t in ok) / len(ok),
         wall_s=wall_s,
         first_error=next((t.error or "no audio" for t in failed), None),
+        format=fmt,
     )
 
 
 def render(results: Sequence[LevelResult]) -> str:
-    """Markdown table of the levels (TTFP in ms)."""
+    """Markdown table of the levels (TTFP/TTFB in ms). Speech results (with a format) get a
+    ``format`` column after the concurrency and the gateway's CPU at the end; chat's table is
+    the levels alone."""
+    speech = any(r.format for r in results)
+    first = "TTFB" if speech else "TTFP"
+    head = ["concurrency", *(["format"] if speech else []), "requests", "failed"]
+    head += [f"{first} p50, ms", f"{first} p99, ms", "RTF p50", "RTF p99", "audio per request, s"]
+    head += ["level wall, s", *(["gateway CPU, % of a core"] if speech else [])]
     lines = [
-        "| concurrency | requests | failed | TTFP p50, ms | TTFP p99, ms | RTF p50 | RTF p99 "
-        "| audio per request, s | level wall, s |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| " + " | ".join(head) + " |",
+        "| " + " | ".join("---:" if h != "format" else "---" for h in head) + " |",
     ]
     for r in results:
-        lines.append(
-            f"| {r.concurrency} | {r.requests} | {r.failed} | {r.ttfp_p50_s * 1e3:.0f} "
-            f"| {r.ttfp_p99_s * 1e3:.0f} | {r.rtf_p50:.3f} | {r.rtf_p99:.3f} | {r.audio_mean_s:.2f} "
-            f"| {r.wall_s:.1f} |"
-        )
-    lines += [f"c={r.concurrency}: first failure: {r.first_error}" for r in results if r.first_error]
+        cells = [str(r.concurrency), *([r.format or ""] if speech else []), str(r.requests), str(r.failed)]
+        cells += [f"{r.ttfp_p50_s * 1e3:.0f}", f"{r.ttfp_p99_s * 1e3:.0f}", f"{r.rtf_p50:.3f}"]
+        cells += [f"{r.rtf_p99:.3f}", f"{r.audio_mean_s:.2f}", f"{r.wall_s:.1f}"]
+        if speech:
+            cells.append("" if r.gateway_cpu_pct is None else f"{r.gateway_cpu_pct:.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        f"c={r.concurrency}{' ' + r.format if r.format else ''}: first failure: {r.first_error}"
+        for r in results
+        if r.first_error
+    ]
     return "\n".join(lines)
+
+
+def audio_seconds(fmt: str, body: bytes, sample_rate: int) -> float:
+    """Seconds of audio in a speech response's ``body`` of format ``fmt``: ``pcm`` is headerless
+    PCM16 mono at ``sample_rate`` Hz (bytes ÷ 2 ÷ rate); a container is opened with its own
+    demuxer (an mp3 body must be mp3) and decoded whole by PyAV: decoded samples ÷ their rate
+    (Opus decodes at 48,000 Hz). A streamed mp3 or AAC decodes up to ~0.06 s longer than its
+    input (encoder priming a stream cannot signal, docs/audio.md). Raises ValueError when the
+    body does not decode or holds no audio."""
+    if fmt == "pcm":
+        if len(body) % PCM16_BYTES:
+            raise ValueError(f"pcm body of {len(body)} bytes is not whole 16-bit samples")
+        seconds = len(body) / PCM16_BYTES / sample_rate
+    else:
+        try:
+            with av.open(io.BytesIO(body), format=SPEECH_CONTAINERS[fmt]) as container:
+                if not container.streams.audio:
+                    raise ValueError(f"{fmt} body of {len(body)} bytes has no audio stream")
+                stream = container.streams.audio[0]
+                seconds = sum(f.samples / f.sample_rate for f in container.decode(stream))
+        except av.FFmpegError as e:
+            raise ValueError(f"{fmt} body of {len(body)} bytes does not decode: {e}") from None
+    if seconds <= 0:
+        raise ValueError(f"{fmt} body of {len(body)} bytes holds no audio")
+    return seconds
+
+
+def parse_formats(text: str) -> tuple[str, ...]:
+    """Comma-separated speech formats (``"pcm, mp3"``) in their order; ValueError for an empty,
+    unknown or repeated one."""
+    formats = tuple(f.strip() for f in text.split(","))
+    for f in formats:
+        if f not in SPEECH_FORMATS:
+            raise ValueError(f"{f!r} is not one of {', '.join(SPEECH_FORMATS)}")
+    if len(set(formats)) != len(formats):
+        raise ValueError(f"{text!r} names a format twice")
+    return formats
 
 
 def codec_geometry(pipeline: PipelineConfig) -> tuple[int, int]:
@@ -188,7 +265,57 @@ async def speech_request(
     samples = pcm // PCM16_BYTES
     if error is None and (pcm % PCM16_BYTES or samples % frame):
         error = f"{pcm} bytes of PCM16 are not whole frames of {frame} samples"
-    return SpeechTiming(sent, done, first, last, samples, sample_rate, error)
+    return SpeechTiming(sent, done, first, last, samples / sample_rate, error)
+
+
+@dataclass(frozen=True)
+class SpeechBody:
+    """A speech response as received: its timing (``audio_s`` still 0) and the body's bytes."""
+
+    timing: SpeechTiming
+    body: bytes
+
+
+async def speech_api_request(client, model: str, text: str, voice: str, fmt: str) -> SpeechBody:
+    """One ``POST /v1/audio/speech`` of ``text`` in ``fmt`` through ``client`` (an
+    ``openai.AsyncOpenAI``), its body streamed and timed chunk by chunk; nothing is decoded here
+    (:func:`with_audio` does, after the level). A failure is recorded, never raised."""
+    first = last = None
+    body = bytearray()
+    error = None
+    sent = time.perf_counter()
+    try:
+        async with client.audio.speech.with_streaming_response.create(
+            model=model, voice=voice, input=text, response_format=fmt
+        ) as response:
+            async for chunk in response.iter_bytes():
+                if chunk:
+                    now = time.perf_counter()
+                    first = now if first is None else first
+                    last = now
+                    body += chunk
+    except Exception as e:  # a failed request is counted, never fatal
+        error = f"{type(e).__name__}: {e}"[:300]
+    return SpeechBody(SpeechTiming(sent, time.perf_counter(), first, last, 0.0, error), bytes(body))
+
+
+def with_audio(fmt: str, got: SpeechBody, sample_rate: int, frame: int) -> SpeechTiming:
+    """``got``'s timing with the seconds of audio its body decodes to (:func:`audio_seconds`);
+    a body that does not decode, or ``pcm`` that is not whole frames of ``frame`` samples, fails
+    the request."""
+    if got.timing.error is not None or got.timing.first_audio_s is None:
+        return got.timing
+    try:
+        seconds = audio_seconds(fmt, got.body, sample_rate)
+    except ValueError as e:
+        return replace(got.timing, error=str(e))
+    if fmt == "pcm" and (len(got.body) // PCM16_BYTES) % frame:
+        return replace(
+            got.timing,
+            audio_s=seconds,
+            error=f"{len(got.body)} bytes of pcm are not whole frames of {frame} samples",
+        )
+    return replace(got.timing, audio_s=seconds)
 
 
 async def run_level(
@@ -200,12 +327,46 @@ async def run_level(
     voice: str,
     geometry: tuple[int, int],
 ) -> tuple[float, list[SpeechTiming]]:
-    """``requests`` requests with at most ``concurrency`` in flight; (wall seconds, timings)."""
+    """``requests`` chat requests with at most ``concurrency`` in flight; (wall seconds, timings)."""
     return await closed_loop(
         requests,
         concurrency,
         lambda i: speech_request(client, model, PROMPTS[i % len(PROMPTS)], max_tokens, voice, *geometry),
     )
+
+
+async def run_speech_level(
+    client, model: str, concurrency: int, requests: int, voice: str, fmt: str
+) -> tuple[float, list[SpeechBody]]:
+    """``requests`` speech requests in ``fmt`` with at most ``concurrency`` in flight, the inputs
+    in turn; (wall seconds, responses as received)."""
+    return await closed_loop(
+        requests,
+        concurrency,
+        lambda i: speech_api_request(client, model, SPEECH_INPUTS[i % len(SPEECH_INPUTS)], voice, fmt),
+    )
+
+
+def gateway_cpu_meter(root_pid: int) -> Callable[[], float]:
+    """A reader of the CPU seconds (user + system) used so far by the one gateway process
+    (``python -m cli gateway``) below ``root_pid``; RuntimeError when there is not exactly one."""
+    found = [p for p in psutil.Process(root_pid).children(recursive=True) if _is_gateway(p)]
+    if len(found) != 1:
+        raise RuntimeError(f"{len(found)} gateway processes below pid {root_pid}, expected 1")
+    (gateway,) = found
+
+    def cpu_s() -> float:
+        t = gateway.cpu_times()
+        return t.user + t.system
+
+    return cpu_s
+
+
+def _is_gateway(proc: psutil.Process) -> bool:
+    try:
+        return proc.cmdline()[1:4] == ["-m", "cli", "gateway"]
+    except psutil.Error:  # ended while the tree was read
+        return False
 
 
 def _commit() -> str:
@@ -226,6 +387,63 @@ def _commit() -> str:
     )
 
 
+async def _measure_chat(
+    client,
+    pipeline: PipelineConfig,
+    levels: Sequence[int],
+    requests: int,
+    max_tokens: int,
+    voice: str,
+    warmup: int,
+) -> list[LevelResult]:
+    geometry = codec_geometry(pipeline)
+    model = pipeline.served_model_name
+    if warmup:
+        _, timings = await run_level(client, model, 1, warmup, max_tokens, voice, geometry)
+        if not any(t.ok for t in timings):
+            raise RuntimeError(f"warm-up failed: {timings[0].error}")
+    results = []
+    for c in levels:
+        wall, timings = await run_level(client, model, c, requests, max_tokens, voice, geometry)
+        results.append(summarize(c, timings, wall))
+        log(f"c={c}: {len(timings)} requests in {wall:.1f} s, TTFP p50 {results[-1].ttfp_p50_s * 1e3:.0f} ms")
+    return results
+
+
+async def _measure_speech(
+    client,
+    pipeline: PipelineConfig,
+    levels: Sequence[int],
+    requests: int,
+    voice: str,
+    warmup: int,
+    formats: Sequence[str],
+    gateway_cpu_s: Callable[[], float],
+) -> list[LevelResult]:
+    """Every level for every format (level by level, the formats in turn within each); each
+    level's bodies decoded after it, the gateway's CPU read around it."""
+    geometry = codec_geometry(pipeline)
+    model = pipeline.served_model_name
+    for fmt in formats if warmup else ():
+        _, got = await run_speech_level(client, model, 1, warmup, voice, fmt)
+        timings = [with_audio(fmt, g, *geometry) for g in got]
+        if not any(t.ok for t in timings):
+            raise RuntimeError(f"{fmt} warm-up failed: {timings[0].error}")
+    results = []
+    for c in levels:
+        for fmt in formats:
+            cpu_before = gateway_cpu_s()
+            wall, got = await run_speech_level(client, model, c, requests, voice, fmt)
+            cpu_pct = (gateway_cpu_s() - cpu_before) / wall * 100
+            timings = [with_audio(fmt, g, *geometry) for g in got]
+            results.append(replace(summarize(c, timings, wall, fmt), gateway_cpu_pct=cpu_pct))
+            log(
+                f"c={c} {fmt}: {len(timings)} requests in {wall:.1f} s, "
+                f"TTFB p50 {results[-1].ttfp_p50_s * 1e3:.0f} ms, gateway CPU {cpu_pct:.0f}%"
+            )
+    return results
+
+
 async def _measure(
     base_url: str,
     pipeline: PipelineConfig,
@@ -234,25 +452,19 @@ async def _measure(
     max_tokens: int,
     voice: str,
     warmup: int,
+    formats: Sequence[str],
+    gateway_cpu_s: Callable[[], float],
 ) -> list[LevelResult]:
+    """Chat levels when ``formats`` is empty, else speech levels in those formats."""
     from openai import AsyncOpenAI
 
-    geometry = codec_geometry(pipeline)
-    model = pipeline.served_model_name
     client = AsyncOpenAI(base_url=base_url, api_key="bench", timeout=300.0, max_retries=0)
     try:
-        if warmup:
-            _, timings = await run_level(client, model, 1, warmup, max_tokens, voice, geometry)
-            if not any(t.ok for t in timings):
-                raise RuntimeError(f"warm-up failed: {timings[0].error}")
-        results = []
-        for c in levels:
-            wall, timings = await run_level(client, model, c, requests, max_tokens, voice, geometry)
-            results.append(summarize(c, timings, wall))
-            log(
-                f"c={c}: {len(timings)} requests in {wall:.1f} s, TTFP p50 {results[-1].ttfp_p50_s * 1e3:.0f} ms"
+        if formats:
+            return await _measure_speech(
+                client, pipeline, levels, requests, voice, warmup, formats, gateway_cpu_s
             )
-        return results
+        return await _measure_chat(client, pipeline, levels, requests, max_tokens, voice, warmup)
     finally:
         await client.close()
 
@@ -265,23 +477,44 @@ def run_speech_bench(
     voice: str,
     warmup: int,
     keep_logs: bool = False,
+    formats: Sequence[str] = (),
 ) -> int:
-    """Start the stack, measure every level, print the table; 0, or 1 when a level failed entirely."""
+    """Start the stack, measure every level (chat completions, or with ``formats`` the speech
+    API in each of them), print the table; 0, or 1 when a level failed entirely."""
     pipeline = load_pipeline(pipeline_path)
 
     def work(procs: Processes, data_dir: Path) -> None:
         stack = start_stack(procs, "speech", pipeline_path, {}, data_dir)
-        log(f"machine before: {machine_activity()}")
+        gateway_cpu_s = gateway_cpu_meter(stack.root_pid)
+        before = machine_activity()
+        log(f"machine before: {before}")
         try:
             results = asyncio.run(
-                _measure(stack.base_url, pipeline, levels, requests, max_tokens, voice, warmup)
+                _measure(
+                    stack.base_url,
+                    pipeline,
+                    levels,
+                    requests,
+                    max_tokens,
+                    voice,
+                    warmup,
+                    formats,
+                    gateway_cpu_s,
+                )
             )
         except ValueError as e:
             raise RuntimeError(str(e)) from None
-        log(f"machine after: {machine_activity()}")
+        after = machine_activity()
+        log(f"machine after: {after}")
+        what = (
+            f"/v1/audio/speech streamed ({', '.join(formats)}), {len(SPEECH_INPUTS)} inputs in turn"
+            if formats
+            else f"pcm16 streamed, {max_tokens} thinker tokens per request"
+        )
         print(
-            f"{pipeline.name}, voice {voice}, pcm16 streamed, {max_tokens} thinker tokens per request; "
-            f"{time.strftime('%Y-%m-%d %H:%M %Z')}, commit {_commit()}, {len(os.sched_getaffinity(0))} cores",
+            f"{pipeline.name}, voice {voice}, {what}; {time.strftime('%Y-%m-%d %H:%M %Z')}, "
+            f"commit {_commit()}, {len(os.sched_getaffinity(0))} cores, load average (1 min) "
+            f"{before['loadavg_1m']:.1f} before, {after['loadavg_1m']:.1f} after",
             flush=True,
         )
         print(render(results), flush=True)

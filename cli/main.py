@@ -540,38 +540,79 @@ def bench_speech(
             "--pipeline", help="speech pipeline YAML [default: compose/pipelines/orpheus-tiny.yaml]"
         ),
     ] = None,
+    api: Annotated[
+        str, typer.Option(help="chat: streamed chat completions with audio; speech: /v1/audio/speech")
+    ] = "chat",
+    formats: Annotated[
+        str | None,
+        typer.Option(
+            help="comma-separated response_format values, each run at every level (--api speech only)",
+            show_default="pcm,mp3",
+        ),
+    ] = None,
     levels: Annotated[str, typer.Option(help="comma-separated concurrency levels")] = "1,4,16",
     requests: Annotated[
         int,
-        typer.Option(min=1, help="requests per concurrency level (64: about 4 minutes in all on 2 cores)"),
+        typer.Option(
+            min=1, help="requests per concurrency level and format (64: about 4 minutes in all on 2 cores)"
+        ),
     ] = 64,
-    max_tokens: Annotated[int, typer.Option(min=1, help="thinker tokens per request (ignore_eos)")] = 32,
-    voice: Annotated[str, typer.Option(help="audio.voice of every request")] = "tara",
-    warmup: Annotated[int, typer.Option(min=0, help="unmeasured sequential requests first")] = 2,
+    max_tokens: Annotated[
+        int | None,
+        typer.Option(min=1, help="thinker tokens per chat request (ignore_eos)", show_default="32"),
+    ] = None,
+    voice: Annotated[str, typer.Option(help="the voice of every request")] = "tara",
+    warmup: Annotated[
+        int, typer.Option(min=0, help="unmeasured sequential requests first (per format with --api speech)")
+    ] = 2,
     keep_logs: Annotated[
         bool, typer.Option(help="keep the stack's logs (their directory is printed)")
     ] = False,
 ) -> None:
-    """Speech latency: TTFP and RTF p50/p99 of streamed pcm16 chat completions with audio at each
-    concurrency level, through the official openai client (prints a table; see docs/models.md)."""
+    """Speech latency: time to first audio and RTF p50/p99 at each concurrency level through the
+    official openai client, of streamed pcm16 chat completions with audio (--api chat) or of
+    /v1/audio/speech in each of --formats (--api speech); prints a table (see docs/models.md)."""
     from benchmarks.gateway_vs_vllm import parse_concurrency
-    from benchmarks.speech_latency import DEFAULT_PIPELINE, run_speech_bench
+    from benchmarks.speech_latency import (
+        APIS,
+        DEFAULT_PIPELINE,
+        DEFAULT_SPEECH_FORMATS,
+        parse_formats,
+        run_speech_bench,
+    )
 
+    def usage_error(message: str) -> typer.Exit:
+        typer.echo(f"error: {message}", err=True)
+        return typer.Exit(2)
+
+    if api not in APIS:
+        raise usage_error(f"--api {api}: one of {', '.join(APIS)}")
+    if api == "chat" and formats is not None:
+        raise usage_error("--formats applies to --api speech only")
+    if api == "speech" and max_tokens is not None:
+        raise usage_error("--max-tokens applies to --api chat only (speech audio follows its input)")
+    try:
+        chosen = (
+            parse_formats(formats if formats is not None else ",".join(DEFAULT_SPEECH_FORMATS))
+            if api == "speech"
+            else ()
+        )
+    except ValueError as e:
+        raise usage_error(f"--formats: {e}") from None
     try:
         parsed = tuple(parse_concurrency(levels))
     except ValueError as e:
-        typer.echo(f"error: --levels: {e}", err=True)
-        raise typer.Exit(2) from None
+        raise usage_error(f"--levels: {e}") from None
     path = (pipeline or DEFAULT_PIPELINE).resolve()
     try:
         p = load_pipeline(path)
     except PipelineConfigError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        raise usage_error(str(e)) from None
     if p.audio_stage is None:
-        typer.echo(f"error: --pipeline {path}: pipeline '{p.name}' produces no audio", err=True)
-        raise typer.Exit(2)
-    raise typer.Exit(run_speech_bench(path, parsed, requests, max_tokens, voice, warmup, keep_logs))
+        raise usage_error(f"--pipeline {path}: pipeline '{p.name}' produces no audio")
+    raise typer.Exit(
+        run_speech_bench(path, parsed, requests, max_tokens or 32, voice, warmup, keep_logs, chosen)
+    )
 
 
 @app.command("bench-codec-batching")
