@@ -9,9 +9,10 @@ user drives it, through the official ``openai`` client, by one of two APIs:
 - ``speech``: ``POST /v1/audio/speech`` (the input enters at the talker), its body streamed in
   each of the asked ``response_format`` values in turn.
 
-At each concurrency level (and, for ``speech``, each format), ``requests`` requests run with at
-most ``concurrency`` in flight. Per request, measured client-side with ``time.perf_counter()``
-(seconds):
+At each concurrency level, ``requests`` requests run: for ``chat`` with at most ``concurrency``
+in flight (a closed loop); for ``speech`` in each format, the formats taking turns in blocks of
+``concurrency`` requests sent at once. Per request, measured client-side with
+``time.perf_counter()`` (seconds):
 
 - TTFP (chat): arrival of the first chunk carrying audio data minus send; TTFB (speech): arrival
   of the first non-empty body chunk minus send;
@@ -335,15 +336,28 @@ async def run_level(
     )
 
 
-async def run_speech_level(
-    client, model: str, concurrency: int, requests: int, voice: str, fmt: str
+def speech_blocks(requests: int, concurrency: int, formats: Sequence[str]) -> list[tuple[str, int, int]]:
+    """The blocks of one speech level in the order they run: (format, first input index,
+    requests), ``concurrency`` requests each (the last of a format fewer), the formats taking
+    turns, so each format gets ``requests`` requests on inputs 0 … ``requests`` − 1."""
+    return [
+        (fmt, first, min(concurrency, requests - first))
+        for first in range(0, requests, concurrency)
+        for fmt in formats
+    ]
+
+
+async def run_speech_block(
+    client, model: str, requests: int, first: int, voice: str, fmt: str
 ) -> tuple[float, list[SpeechBody]]:
-    """``requests`` speech requests in ``fmt`` with at most ``concurrency`` in flight, the inputs
-    in turn; (wall seconds, responses as received)."""
+    """``requests`` speech requests in ``fmt``, all sent at once, request i speaking input
+    ``first + i`` (the inputs in turn); (wall seconds, responses as received)."""
     return await closed_loop(
         requests,
-        concurrency,
-        lambda i: speech_api_request(client, model, SPEECH_INPUTS[i % len(SPEECH_INPUTS)], voice, fmt),
+        requests,
+        lambda i: speech_api_request(
+            client, model, SPEECH_INPUTS[(first + i) % len(SPEECH_INPUTS)], voice, fmt
+        ),
     )
 
 
@@ -420,27 +434,34 @@ async def _measure_speech(
     formats: Sequence[str],
     gateway_cpu_s: Callable[[], float],
 ) -> list[LevelResult]:
-    """Every level for every format (level by level, the formats in turn within each); each
-    level's bodies decoded after it, the gateway's CPU read around it."""
+    """Every level for every format. Within a level the formats take turns in blocks of
+    ``concurrency`` requests sent at once (pcm's block, mp3's, ..., pcm's next), so they share
+    the machine's drift; a format's wall time and gateway CPU are the sums over its blocks. The
+    bodies are decoded after the level, outside every timed window."""
     geometry = codec_geometry(pipeline)
     model = pipeline.served_model_name
-    for fmt in formats if warmup else ():
-        _, got = await run_speech_level(client, model, 1, warmup, voice, fmt)
-        timings = [with_audio(fmt, g, *geometry) for g in got]
-        if not any(t.ok for t in timings):
+    for fmt in formats:
+        warm = [(await run_speech_block(client, model, 1, i, voice, fmt))[1][0] for i in range(warmup)]
+        timings = [with_audio(fmt, w, *geometry) for w in warm]
+        if timings and not any(t.ok for t in timings):
             raise RuntimeError(f"{fmt} warm-up failed: {timings[0].error}")
     results = []
     for c in levels:
-        for fmt in formats:
+        wall = dict.fromkeys(formats, 0.0)
+        cpu_s = dict.fromkeys(formats, 0.0)
+        got: dict[str, list[SpeechBody]] = {fmt: [] for fmt in formats}
+        for fmt, first, n in speech_blocks(requests, c, formats):
             cpu_before = gateway_cpu_s()
-            wall, got = await run_speech_level(client, model, c, requests, voice, fmt)
-            cpu_pct = (gateway_cpu_s() - cpu_before) / wall * 100
-            timings = [with_audio(fmt, g, *geometry) for g in got]
-            results.append(replace(summarize(c, timings, wall, fmt), gateway_cpu_pct=cpu_pct))
-            log(
-                f"c={c} {fmt}: {len(timings)} requests in {wall:.1f} s, "
-                f"TTFB p50 {results[-1].ttfp_p50_s * 1e3:.0f} ms, gateway CPU {cpu_pct:.0f}%"
-            )
+            block_wall, block = await run_speech_block(client, model, n, first, voice, fmt)
+            cpu_s[fmt] += gateway_cpu_s() - cpu_before
+            wall[fmt] += block_wall
+            got[fmt] += block
+        for fmt in formats:
+            timings = [with_audio(fmt, g, *geometry) for g in got[fmt]]
+            result = summarize(c, timings, wall[fmt], fmt)
+            results.append(replace(result, gateway_cpu_pct=cpu_s[fmt] / wall[fmt] * 100))
+            ttfb_ms = sorted(round(t.ttfp_s * 1e3) for t in timings if t.ok)
+            log(f"c={c} {fmt}: {wall[fmt]:.1f} s, gateway CPU {cpu_s[fmt]:.2f} s, TTFB ms {ttfb_ms}")
     return results
 
 

@@ -27,6 +27,7 @@ from benchmarks.speech_latency import (
     parse_formats,
     render,
     speech_api_request,
+    speech_blocks,
     speech_request,
     summarize,
     with_audio,
@@ -341,3 +342,19 @@ def test_the_chat_table_keeps_its_columns() -> None:
         "| concurrency | requests | failed | TTFP p50, ms | TTFP p99, ms | RTF p50 | RTF p99 "
         "| audio per request, s | level wall, s |"
     )
+
+
+def test_speech_formats_take_turns_in_blocks_of_the_concurrency() -> None:
+    assert speech_blocks(5, 2, ["pcm", "mp3"]) == [
+        ("pcm", 0, 2),
+        ("mp3", 0, 2),
+        ("pcm", 2, 2),
+        ("mp3", 2, 2),
+        ("pcm", 4, 1),
+        ("mp3", 4, 1),
+    ]
+    blocks = speech_blocks(16, 16, SPEECH_FORMATS)
+    assert [(fmt, n) for fmt, _, n in blocks] == [(fmt, 16) for fmt in SPEECH_FORMATS]
+    for fmt in SPEECH_FORMATS:  # every format: every request once, one at a time at concurrency 1
+        firsts = [first for f, first, n in speech_blocks(7, 1, SPEECH_FORMATS) if f == fmt]
+        assert firsts == list(range(7))
