@@ -14,6 +14,9 @@ b) The talker holding a request is killed (``kill -9``, proven gone) mid-utteran
 c) The metrics of a streamed request: the gateway's audio families and every worker's transfer
    families, scraped before and after, equal what the client received (its PCM at SNAC's 24 kHz, its
    own clock, its own real-time player) and what crossed the bus (frames, hops and bytes per edge).
+d) A request's voice reaches the talker (the test's own runs in leo and tara differ).
+e) ``/v1/audio/speech``: the input's sentences are the talker's input, spoken in the asked voice; a
+   client that hangs up mid-stream stops the request in the talker and code2wav.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import base64
 import os
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -34,24 +36,19 @@ from nats.aio.msg import Msg
 
 from libs.common import headers as h
 from libs.common.bus import requests_kv
-from libs.common.envelopes import ClientEvent, ClientEventType, StageTask, TaskKind, decode
+from libs.common.envelopes import ClientEvent, ClientEventType, StageTask, decode
 from libs.common.local_nats import free_port
-from libs.common.publish import Hop, publish_task
-from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
-from libs.common.subjects import Subjects
+from libs.common.records import RequestRecord, RequestStatus
 from libs.models.tiny import resolve_model
 from services.stage_worker.codecs import load_codec_adapter
-from tests.bus import collect
 from tests.client_streams import record
 from tests.e2e.test_metrics import Player, _check_player
 from tests.metrics_scrape import Samples, delta, scrape
+from tests.orpheus_bus import MODEL, PIPELINE, SUBJECTS, Capture, fault_free_run, segments
 from tests.procs import THINKER_YAML, gone, start_service, stop_all, until, write_pipeline
 
 pytestmark = pytest.mark.integration
 
-PIPELINE = "orpheustiny"
-MODEL = f"{PIPELINE}-model"
-SUBJECTS = Subjects(PIPELINE)
 FRAME_SAMPLES = 2048
 """PCM samples per SNAC 24 kHz frame (hop 512 × the coarsest stride 4)."""
 CHUNK_FRAMES = 2
@@ -64,6 +61,9 @@ before the talker's second segment began."""
 PAUSE_AFTER_CHUNKS = 3
 """Text chunks the move test lets the thinker send before it holds it: the talker's second segment
 needs the second chunk's text, and its first code chunk frames past it."""
+MOVE_VOICE = "leo"
+"""The move test's voice, not the stage's default (tara): the attempt that takes the request over
+reads it from the record, and speaks on in it."""
 THINKER_HELD = THINKER_YAML + "    stall_timeout_s: 60\n"
 """The thinker, judged stalled only after a minute unanswered: the move test holds it for seconds."""
 TALKERS_X2 = f"""\
@@ -85,73 +85,6 @@ CODE2WAV_SNAC = """\
     emits: audio
     stream_to_client: true
 """
-
-
-@dataclass
-class Capture:
-    """What went over the bus for the test's requests: text chunks to the talkers, code chunks to
-    code2wav (with the talker replica that sent each)."""
-
-    text: dict[str, list[StageTask]] = field(default_factory=dict)
-    codes: dict[str, list[tuple[int, StageTask]]] = field(default_factory=dict)
-    on_code: Callable[[str, list[tuple[int, StageTask]]], None] | None = None
-    """Called with a request's code chunks so far as each arrives (in the subscription's callback)."""
-    on_text: Callable[[str, list[StageTask]], None] | None = None
-    """Called with a request's text chunks so far as each arrives (in the subscription's callback)."""
-
-    async def listen(self, nc) -> None:
-        async def to_talker(msg: Msg) -> None:
-            task = decode(StageTask, msg.data)
-            sent = self.text.setdefault(task.request_id, [])
-            sent.append(task)
-            if self.on_text is not None:
-                self.on_text(task.request_id, sent)
-
-        async def to_code2wav(msg: Msg) -> None:
-            task = decode(StageTask, msg.data)
-            sent = self.codes.setdefault(task.request_id, [])
-            sent.append((int(msg.headers[h.FROM_REPLICA]), task))
-            if self.on_code is not None:
-                self.on_code(task.request_id, sent)
-
-        await nc.subscribe(f"omni.{PIPELINE}.stage.1.>", cb=to_talker)
-        await nc.subscribe(f"omni.{PIPELINE}.stage.2.>", cb=to_code2wav)
-
-    def chunks(self, rid: str) -> list[StageTask]:
-        """The request's code chunks by seq, each once; a chunk sent twice (a redo after a move)
-        must have been sent with the same frames and place."""
-        by_seq: dict[int, StageTask] = {}
-        for _, t in self.codes.get(rid, []):
-            if t.seq in by_seq:
-                first = by_seq[t.seq]
-                assert (first.offset, first.context_before, first.context_after) == (
-                    t.offset,
-                    t.context_before,
-                    t.context_after,
-                ), f"code chunk {t.seq} re-sent at another place"
-                np.testing.assert_array_equal(first.codes.to_numpy(), t.codes.to_numpy())
-            by_seq.setdefault(t.seq, t)
-        assert sorted(by_seq) == list(range(len(by_seq))), f"code chunks not contiguous: {sorted(by_seq)}"
-        return [by_seq[s] for s in range(len(by_seq))]
-
-
-def segments(chunks: list[StageTask]) -> list[tuple[int, np.ndarray]]:
-    """(first absolute frame, ``[frames, 7]``) of each segment, rebuilt from its code chunks' own
-    frames: a segment's last chunk has no context after it, the next one none before it."""
-    out: list[tuple[int, list[np.ndarray]]] = []
-    new = True
-    for t in chunks:
-        codes = t.codes.to_numpy().reshape(-1, 7)
-        own = codes[t.context_before : len(codes) - t.context_after]
-        if not len(own):
-            continue
-        if new:
-            assert t.context_before == 0, f"chunk {t.seq} opens a segment with context before it"
-            out.append((t.offset, []))
-        assert out[-1][0] + sum(len(f) for f in out[-1][1]) == t.offset, f"chunk {t.seq} leaves a gap"
-        out[-1][1].append(own)
-        new = t.context_after == 0
-    return [(first, np.concatenate(frames)) for first, frames in out]
 
 
 async def stream_audio(base_url: str, max_tokens: int, voice: str = "alloy") -> bytes:
@@ -445,58 +378,6 @@ async def _scraped_once(url: str, before: Samples, name: str) -> Samples | None:
     return got if delta(before, got, name) == 1 else None
 
 
-async def fault_free_run(
-    nc, texts: list[StageTask], talker: int, capture: Capture, voice: str | None = None
-) -> tuple[str, bytes]:
-    """The same talker input (``texts``, one per seq) run as a new request through talker replica
-    ``talker`` without a fault, in ``voice`` (None: the stage's default): the test plays the thinker
-    (it sends the text chunks), the orchestrator (it writes the record, with the voice) and the
-    gateway (it reads the audio events). Returns the request id and its PCM16 bytes in chunk order."""
-    rid, gateway = f"ref-{time.time_ns()}", "gwref"
-    now = time.time_ns()
-    first = [StageAttempt(attempt=1, replica=r, bound_ns=now) for r in (0, talker, 0)]
-    rec = RequestRecord(
-        request_id=rid,
-        pipeline=PIPELINE,
-        gateway_id=gateway,
-        status=RequestStatus.RUNNING,
-        route=[0, talker, 0],
-        stages=[StageProgress(replica=a.replica, started_ns=now, attempts=[a]) for a in first],
-        arrival_ns=now,
-        admitted_ns=now,
-        deadline_ns=now + 120 * 10**9,
-        updated_ns=now,
-        voice=voice,
-    )
-    js = nc.jetstream()
-    await (await requests_kv(js)).put(rid, rec.model_dump_json().encode())
-    events: asyncio.Queue[ClientEvent] = asyncio.Queue()
-    await nc.subscribe(SUBJECTS.out(gateway, rid), cb=collect(events, ClientEvent))
-    for t in texts:
-        task = StageTask(
-            request_id=rid,
-            gateway_id=gateway,
-            arrival_ns=now,
-            deadline_ns=now + 120 * 10**9,
-            route=[0, talker, 0],
-            kind=TaskKind.CHUNK,
-            seq=t.seq,
-            final=t.final,
-            text=t.text,
-            token_ids=t.token_ids,
-            offset=t.offset,
-        )
-        await publish_task(js, SUBJECTS, task, Hop("0", "0", 1, talker))
-    audio: dict[int, bytes] = {}
-    while True:
-        ev = await asyncio.wait_for(events.get(), 60)
-        if ev.type == ClientEventType.AUDIO_DONE:
-            break
-        assert ev.type == ClientEventType.AUDIO and ev.in_seq not in audio
-        audio[ev.in_seq] = ev.pcm16
-    return rid, b"".join(audio[s] for s in sorted(audio))
-
-
 async def test_a_talker_killed_mid_utterance_moves_and_the_audio_is_the_fault_free_run(
     stack, capture, nc, snac
 ) -> None:
@@ -528,7 +409,7 @@ async def test_a_talker_killed_mid_utterance_moves_and_the_audio_is_the_fault_fr
             os.kill(thinker, signal.SIGCONT)
 
     capture.on_text, capture.on_code = hold, strike
-    task = asyncio.create_task(stream_audio(base_url, max_tokens=FAULT_TOKENS))
+    task = asyncio.create_task(stream_audio(base_url, max_tokens=FAULT_TOKENS, voice=MOVE_VOICE))
     try:
         rid, replica, pid, text_at_kill = (
             await until(lambda: struck, "a later segment begun", timeout_s=60, every_s=0.01)
@@ -546,7 +427,9 @@ async def test_a_talker_killed_mid_utterance_moves_and_the_audio_is_the_fault_fr
 
     texts = {t.seq: t for t in capture.text[rid]}
     assert sorted(texts) == list(range(len(texts))) and texts[len(texts) - 1].final
-    ref_id, reference = await fault_free_run(nc, [texts[s] for s in sorted(texts)], 1 - replica, capture)
+    ref_id, reference = await fault_free_run(
+        nc, [texts[s] for s in sorted(texts)], 1 - replica, capture, voice=MOVE_VOICE
+    )
     ref_chunks = capture.chunks(ref_id)
     assert len(ref_chunks) == len(chunks)
     for a, b in zip(ref_chunks, chunks, strict=True):
@@ -628,3 +511,68 @@ async def test_the_requested_voice_reaches_the_talker_and_an_unknown_one_is_refu
     assert pcm == leo_pcm, "the client's audio is not the talker input's in leo"
     assert not np.array_equal(np.concatenate(leo), np.concatenate(tara)) and leo_pcm != tara_pcm
     print(f"voice: {len(texts)} text chunks, {len(sent)} code chunks in leo; tara made other codes")
+
+
+SPEECH_SENTENCES = ["The waves rolled in.", "Far away, a ship sailed on!", "Who saw it?"]
+"""The speech test's input, sentence by sentence: the gateway sends each as one talker chunk."""
+
+
+async def test_speech_in_a_voice_is_its_sentences_spoken_by_the_talker_in_it(stack, capture, nc) -> None:
+    """``/v1/audio/speech`` with the official client: the talker's input (seen on the bus) is the
+    input's sentences, in order, the last one final, sent by the orchestrator (the thinker is not
+    run); the client's PCM is exactly the sent frames × 2,048 samples, and the test's own run of
+    those sentences through the same talker in leo gives the very same PCM. An unknown voice is a
+    400 ``invalid_voice`` and nothing is sent."""
+    base_url, _ = stack
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.audio.speech.create(model=MODEL, voice="nobody", input=" ".join(SPEECH_SENTENCES))
+    assert (refused.value.code, refused.value.param) == ("invalid_voice", "voice")
+    response = await client.audio.speech.create(
+        model=MODEL, voice="leo", input=" ".join(SPEECH_SENTENCES), response_format="pcm"
+    )
+    await client.close()
+    (rid,) = capture.text
+    texts = sorted(capture.text[rid], key=lambda t: t.seq)
+    assert [(t.seq, t.text, t.final) for t in texts] == [
+        (i, s, i == len(SPEECH_SENTENCES) - 1) for i, s in enumerate(SPEECH_SENTENCES)
+    ]
+    rec = await record(await requests_kv(nc.jetstream()), rid)
+    assert (rec.entry_stage, rec.route[0], rec.voice) == (1, -1, "leo")
+    own = sum(
+        len(c.codes.to_numpy().reshape(-1, 7)) - c.context_before - c.context_after
+        for c in capture.chunks(rid)
+    )
+    assert len(response.content) == 2 * own * FRAME_SAMPLES
+    _, reference = await fault_free_run(nc, texts, rec.stages[1].replica, capture, voice="leo")
+    assert response.content == reference, "the client's speech is not its sentences spoken in leo"
+
+
+async def test_a_speech_client_that_hangs_up_mid_stream_stops_the_request_in_every_stage(
+    stack, capture, nc
+) -> None:
+    """The client reads the first bytes of a long speech and closes the connection: the talker and
+    code2wav replicas that held the request stop it (their logs say so) and it ends aborted."""
+    base_url, workers = stack
+    text = " ".join(f"Sentence number {i} rolls on like the sea." for i in range(12))
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        body = {"model": MODEL, "input": text, "voice": "tara", "response_format": "pcm"}
+        async with http.stream("POST", "/v1/audio/speech", json=body) as r:
+            assert r.status_code == 200
+            rid = r.headers["x-request-id"]
+            async for chunk in r.aiter_raw():
+                if chunk:
+                    break
+    talker = capture.codes[rid][0][0]
+    for name in (f"talker{talker}", "code2wav"):
+        await workers[name].await_log(f"request {rid} stopped (client disconnected)", timeout_s=30)
+    sent = len(capture.codes[rid])
+    await asyncio.sleep(0.5)  # a stopped talker sends nothing more
+    assert len(capture.codes[rid]) == sent
+    assert not any(t.final for _, t in capture.codes[rid]), "the talker finished the speech anyway"
+    kv = await requests_kv(nc.jetstream())
+
+    async def aborted() -> bool:
+        return (await record(kv, rid)).status == RequestStatus.ABORTED
+
+    await until(aborted, "the request's record aborted", timeout_s=10)
