@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import openai
 from nats.aio.msg import Msg
 
 from libs.common import headers as h
@@ -141,3 +143,101 @@ async def fault_free_run(
         assert ev.type == ClientEventType.AUDIO and ev.in_seq not in audio
         audio[ev.in_seq] = ev.pcm16
     return rid, b"".join(audio[s] for s in sorted(audio))
+
+
+async def stream_audio(base_url: str, max_tokens: int, voice: str = "alloy") -> bytes:
+    """One greedy streamed chat completion with audio in ``voice``; the PCM16 bytes the client got."""
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me about the sea."}],
+        max_tokens=max_tokens,
+        temperature=0,
+        modalities=["text", "audio"],
+        audio={"voice": voice, "format": "pcm16"},
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    pcm = bytearray()
+    async for chunk in stream:
+        for c in chunk.choices:
+            if c.delta.audio and c.delta.audio.data:
+                pcm += base64.b64decode(c.delta.audio.data)
+    return bytes(pcm)
+
+
+@dataclass
+class ClientAudio:
+    """One streamed text+audio request as its client saw it (``time.monotonic()`` of the test)."""
+
+    id: str = ""
+    pcm: bytearray = field(default_factory=bytearray)
+    arrivals: list[tuple[float, int]] = field(default_factory=list)
+    """(when it arrived, PCM16 bytes) of each audio chunk, in order."""
+    first_audio_s: float | None = None
+    """Seconds from just before the request was sent to the first audio chunk's arrival."""
+    e2e_s: float = 0.0
+    """Seconds from just before the request was sent to the stream's end."""
+
+
+async def stream_audio_timed(base_url: str, max_tokens: int) -> ClientAudio:
+    """:func:`stream_audio`, timing each audio chunk as it arrives."""
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    seen = ClientAudio()
+    t0 = time.monotonic()
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me about the sea."}],
+        max_tokens=max_tokens,
+        temperature=0,
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "pcm16"},
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        seen.id = chunk.id
+        for c in chunk.choices:
+            if c.delta.audio and c.delta.audio.data:
+                now = time.monotonic()
+                data = base64.b64decode(c.delta.audio.data)
+                seen.first_audio_s = seen.first_audio_s or now - t0
+                seen.pcm += data
+                seen.arrivals.append((now, len(data)))
+    seen.e2e_s = time.monotonic() - t0
+    await client.close()
+    return seen
+
+
+Edge = tuple[str, str, str, str]
+"""(from_stage, from_replica, to_stage, to_replica) as the hop's headers name them."""
+
+
+@dataclass
+class BusLog:
+    """Every stage message and client event of the pipeline, seen by a subscriber of the test's own
+    (``time.monotonic()`` when each came)."""
+
+    hops: dict[str, dict[Edge, list[int]]] = field(default_factory=dict)
+    """Request → edge → the payload bytes of each message on it."""
+    first_in: dict[tuple[str, int], float] = field(default_factory=dict)
+    """(request, stage) → when the first message to the stage came."""
+    audio_done: dict[str, float] = field(default_factory=dict)
+    """Request → when its ``audio_done`` event came."""
+
+    async def listen(self, nc) -> None:
+        async def on_stage(msg: Msg) -> None:
+            now, hdr = time.monotonic(), msg.headers
+            rid = decode(StageTask, msg.data).request_id
+            edge = (hdr[h.FROM_STAGE], hdr[h.FROM_REPLICA], hdr[h.TO_STAGE], hdr[h.TO_REPLICA])
+            self.hops.setdefault(rid, {}).setdefault(edge, []).append(len(msg.data))
+            self.first_in.setdefault((rid, int(edge[2])), now)
+
+        async def on_event(msg: Msg) -> None:
+            now, ev = time.monotonic(), decode(ClientEvent, msg.data)
+            if ev.type == ClientEventType.AUDIO_DONE:
+                self.audio_done[ev.request_id] = now
+
+        await nc.subscribe(SUBJECTS.stages_wildcard, cb=on_stage)
+        await nc.subscribe(f"omni.{PIPELINE}.out.>", cb=on_event)
+        await nc.flush()

@@ -22,30 +22,38 @@ e) ``/v1/audio/speech``: the input's sentences are the talker's input, spoken in
 from __future__ import annotations
 
 import asyncio
-import base64
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import httpx
 import numpy as np
 import openai
 import pytest
-from nats.aio.msg import Msg
 
-from libs.common import headers as h
 from libs.common.bus import requests_kv
-from libs.common.envelopes import ClientEvent, ClientEventType, StageTask, decode
+from libs.common.envelopes import StageTask
 from libs.common.local_nats import free_port
-from libs.common.records import RequestRecord, RequestStatus
+from libs.common.records import RequestRecord, RequestStatus, StageAttempt
 from libs.models.tiny import resolve_model
 from services.stage_worker.codecs import load_codec_adapter
 from tests.client_streams import record
 from tests.e2e.test_metrics import Player, _check_player
 from tests.metrics_scrape import Samples, delta, scrape
-from tests.orpheus_bus import MODEL, PIPELINE, SUBJECTS, Capture, fault_free_run, segments
-from tests.procs import THINKER_YAML, gone, start_service, stop_all, until, write_pipeline
+from tests.orpheus_bus import (
+    MODEL,
+    PIPELINE,
+    SUBJECTS,
+    BusLog,
+    Capture,
+    fault_free_run,
+    segments,
+    stream_audio,
+    stream_audio_timed,
+)
+from tests.procs import THINKER_YAML, ServiceProcess, gone, start_service, stop_all, until, write_pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -87,25 +95,22 @@ CODE2WAV_SNAC = """\
 """
 
 
-async def stream_audio(base_url: str, max_tokens: int, voice: str = "alloy") -> bytes:
-    """One greedy streamed chat completion with audio in ``voice``; the PCM16 bytes the client got."""
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-    stream = await client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Tell me about the sea."}],
-        max_tokens=max_tokens,
-        temperature=0,
-        modalities=["text", "audio"],
-        audio={"voice": voice, "format": "pcm16"},
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    pcm = bytearray()
-    async for chunk in stream:
-        for c in chunk.choices:
-            if c.delta.audio and c.delta.audio.data:
-                pcm += base64.b64decode(c.delta.audio.data)
-    return bytes(pcm)
+@dataclass
+class OrpheusStack:
+    """The module's stack; unpacks as ``(base_url, workers)``."""
+
+    base_url: str
+    workers: dict[str, ServiceProcess]
+    """thinker, talker0, talker1, code2wav (a test that kills one may start it again)."""
+    start: Callable[[str], ServiceProcess]
+    """Start the named worker (again), with its log in the same file."""
+
+    def __iter__(self):
+        return iter((self.base_url, self.workers))
+
+
+WORKERS = {"thinker": (0, 0), "talker0": (1, 0), "talker1": (1, 1), "code2wav": (2, 0)}
+"""The stack's workers: name → (stage, replica)."""
 
 
 @pytest.fixture(scope="module")
@@ -115,26 +120,18 @@ def stack(nats_server, tmp_path_factory):
     port = free_port()
     orch = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
     gateway = start_service(["gateway", "--port", str(port)], nats_server.url, path, tmp / "gw.log")
-    workers = {
-        name: start_service(
-            ["worker"],
-            nats_server.url,
-            path,
-            tmp / f"{name}.log",
-            {"OMNIRELAY_STAGE": str(stage), "OMNIRELAY_REPLICA": str(replica)},
-        )
-        for name, stage, replica in (
-            ("thinker", 0, 0),
-            ("talker0", 1, 0),
-            ("talker1", 1, 1),
-            ("code2wav", 2, 0),
-        )
-    }
+
+    def start(name: str) -> ServiceProcess:
+        stage, replica = WORKERS[name]
+        env = {"OMNIRELAY_STAGE": str(stage), "OMNIRELAY_REPLICA": str(replica)}
+        return start_service(["worker"], nats_server.url, path, tmp / f"{name}.log", env)
+
+    workers = {name: start(name) for name in WORKERS}
     orch.wait_log("ready")
     gateway.wait_log("Uvicorn running")
     for w in workers.values():
         w.wait_log("serving omni.", timeout_s=300)
-    yield f"http://127.0.0.1:{port}", workers
+    yield OrpheusStack(f"http://127.0.0.1:{port}", workers, start)
     stop_all([gateway, orch, *workers.values()])
 
 
@@ -180,83 +177,6 @@ async def test_streamed_audio_is_every_sent_frame_decoded_as_whole_segments(stac
         f"orpheus-tiny: {len(texts)} text chunks, {len(chunks)} code chunks, "
         f"{len(pcm) // 2 / 24000:.2f} s of audio in {took:.1f} s"
     )
-
-
-@dataclass
-class ClientAudio:
-    """One streamed text+audio request as its client saw it (``time.monotonic()`` of the test)."""
-
-    id: str = ""
-    pcm: bytearray = field(default_factory=bytearray)
-    arrivals: list[tuple[float, int]] = field(default_factory=list)
-    """(when it arrived, PCM16 bytes) of each audio chunk, in order."""
-    first_audio_s: float | None = None
-    """Seconds from just before the request was sent to the first audio chunk's arrival."""
-    e2e_s: float = 0.0
-    """Seconds from just before the request was sent to the stream's end."""
-
-
-async def stream_audio_timed(base_url: str, max_tokens: int) -> ClientAudio:
-    """:func:`stream_audio`, timing each audio chunk as it arrives."""
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-    seen = ClientAudio()
-    t0 = time.monotonic()
-    stream = await client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Tell me about the sea."}],
-        max_tokens=max_tokens,
-        temperature=0,
-        modalities=["text", "audio"],
-        audio={"voice": "alloy", "format": "pcm16"},
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    async for chunk in stream:
-        seen.id = chunk.id
-        for c in chunk.choices:
-            if c.delta.audio and c.delta.audio.data:
-                now = time.monotonic()
-                data = base64.b64decode(c.delta.audio.data)
-                seen.first_audio_s = seen.first_audio_s or now - t0
-                seen.pcm += data
-                seen.arrivals.append((now, len(data)))
-    seen.e2e_s = time.monotonic() - t0
-    await client.close()
-    return seen
-
-
-Edge = tuple[str, str, str, str]
-"""(from_stage, from_replica, to_stage, to_replica) as the hop's headers name them."""
-
-
-@dataclass
-class BusLog:
-    """Every stage message and client event of the pipeline, seen by a subscriber of the test's own
-    (``time.monotonic()`` when each came)."""
-
-    hops: dict[str, dict[Edge, list[int]]] = field(default_factory=dict)
-    """Request → edge → the payload bytes of each message on it."""
-    first_in: dict[tuple[str, int], float] = field(default_factory=dict)
-    """(request, stage) → when the first message to the stage came."""
-    audio_done: dict[str, float] = field(default_factory=dict)
-    """Request → when its ``audio_done`` event came."""
-
-    async def listen(self, nc) -> None:
-        async def on_stage(msg: Msg) -> None:
-            now, hdr = time.monotonic(), msg.headers
-            rid = decode(StageTask, msg.data).request_id
-            edge = (hdr[h.FROM_STAGE], hdr[h.FROM_REPLICA], hdr[h.TO_STAGE], hdr[h.TO_REPLICA])
-            self.hops.setdefault(rid, {}).setdefault(edge, []).append(len(msg.data))
-            self.first_in.setdefault((rid, int(edge[2])), now)
-
-        async def on_event(msg: Msg) -> None:
-            now, ev = time.monotonic(), decode(ClientEvent, msg.data)
-            if ev.type == ClientEventType.AUDIO_DONE:
-                self.audio_done[ev.request_id] = now
-
-        await nc.subscribe(SUBJECTS.stages_wildcard, cb=on_stage)
-        await nc.subscribe(f"omni.{PIPELINE}.out.>", cb=on_event)
-        await nc.flush()
 
 
 SAMPLE_RATE = 24_000
@@ -422,13 +342,30 @@ async def test_a_talker_killed_mid_utterance_moves_and_the_audio_is_the_fault_fr
         f"the thinker had sent every text chunk ({len(text_at_kill)}) before the kill"
     )
     pcm = await asyncio.wait_for(task, 120)
+    moved_to, resent, chunks, texts = await judge_talker_move(
+        nc, capture, snac, rid, replica, pcm, MOVE_VOICE
+    )
+    print(
+        f"talker move: text chunk {moved_to.start_seq} redone on replica {1 - replica} ({resent} code chunks "
+        f"sent again); {chunks} code chunks, {texts} text chunks, {len(text_at_kill)} sent at the kill"
+    )
+
+
+async def judge_talker_move(
+    nc, capture: Capture, snac, rid: str, replica: int, pcm: bytes, voice: str
+) -> tuple[StageAttempt, int, int, int]:
+    """The client's ``pcm`` of request ``rid``, whose talker replica ``replica`` was killed: every
+    sent frame decoded as whole segments, no chunk missing or repeated, and exactly the fault-free
+    run (the same talker input, run again by the test on the survivor in ``voice``); the talker ran
+    as attempt 1 on ``replica`` then attempt 2 on the other, which took over past text chunk 0.
+    Returns (the new attempt, code chunks sent again, code chunks, text chunks)."""
     chunks = capture.chunks(rid)
     assert_is_whole_decode(pcm, chunks, snac)
 
     texts = {t.seq: t for t in capture.text[rid]}
     assert sorted(texts) == list(range(len(texts))) and texts[len(texts) - 1].final
     ref_id, reference = await fault_free_run(
-        nc, [texts[s] for s in sorted(texts)], 1 - replica, capture, voice=MOVE_VOICE
+        nc, [texts[s] for s in sorted(texts)], 1 - replica, capture, voice=voice
     )
     ref_chunks = capture.chunks(ref_id)
     assert len(ref_chunks) == len(chunks)
@@ -451,11 +388,7 @@ async def test_a_talker_killed_mid_utterance_moves_and_the_audio_is_the_fault_fr
     moved_to = rec.stages[1].attempts[-1]
     assert (moved_to.replica, moved_to.attempt, moved_to.reason) == (1 - replica, 2, "exit")
     assert moved_to.start_seq >= 1, "the move restarted at text chunk 0: no position note was needed"
-    resent = len(capture.codes[rid]) - len(chunks)
-    print(
-        f"talker move: text chunk {moved_to.start_seq} redone on replica {1 - replica} ({resent} code chunks "
-        f"sent again); {len(chunks)} code chunks, {len(texts)} text chunks, {len(text_at_kill)} sent at the kill"
-    )
+    return moved_to, len(capture.codes[rid]) - len(chunks), len(chunks), len(texts)
 
 
 VOICE_TOKENS = 32
@@ -576,3 +509,58 @@ async def test_a_speech_client_that_hangs_up_mid_stream_stops_the_request_in_eve
         return (await record(kv, rid)).status == RequestStatus.ABORTED
 
     await until(aborted, "the request's record aborted", timeout_s=10)
+
+
+MOVE_SENTENCES = [f"Wave number {i} broke on the old stone pier." for i in range(8)]
+"""The speech move test's input: eight sentences, eight segments."""
+
+
+async def test_a_talker_killed_mid_speech_moves_and_the_audio_is_the_fault_free_run(
+    stack, capture, nc, snac
+) -> None:
+    """A speech request has no thinker: its text chunks all wait in the talker's input from the
+    start, and the move takes the dead replica's unacknowledged ones from the stream itself (no
+    upstream to hold). Killed (``kill -9``, proven gone) once its second segment has begun, the
+    talker's successor goes on from the position note, and the client's audio is exactly the
+    fault-free run's in the asked voice."""
+    base_url, workers = stack
+    for name in ("talker0", "talker1"):  # the chat move test killed one: start it again
+        if workers[name].proc.poll() is not None:
+            workers[name] = stack.start(name)
+    for name in ("talker0", "talker1"):
+        await workers[name].await_log("serving omni.", timeout_s=300)
+    async with httpx.AsyncClient(base_url=base_url, timeout=5) as http:
+
+        async def both_talkers_live() -> bool:
+            return (await http.get("/health")).json()["stages"].get("1:talker") == 2
+
+        await until(both_talkers_live, "the gateway's view: both talkers live", timeout_s=30)
+    struck: list[tuple[str, int, int]] = []
+
+    def strike(rid: str, sent: list[tuple[int, StageTask]]) -> None:
+        replica, last = sent[-1]
+        if not struck and last.offset > 0 and last.context_before == 0 and last.context_after > 0:
+            pid = workers[f"talker{replica}"].proc.pid
+            os.kill(pid, signal.SIGKILL)
+            struck.append((rid, replica, pid))
+
+    capture.on_code = strike
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    task = asyncio.create_task(
+        client.audio.speech.create(
+            model=MODEL, voice=MOVE_VOICE, input=" ".join(MOVE_SENTENCES), response_format="pcm"
+        )
+    )
+    rid, replica, pid = (await until(lambda: struck, "a later segment begun", timeout_s=60, every_s=0.01))[0]
+    await until(lambda: gone(pid), f"talker replica {replica} (pid {pid}) gone after SIGKILL", timeout_s=5.0)
+    pcm = (await asyncio.wait_for(task, 120)).content
+    await client.close()
+    sent = {t.seq: t.text for t in capture.text[rid]}  # the moved copies too, by seq
+    assert [sent[s] for s in sorted(sent)] == MOVE_SENTENCES
+    moved_to, resent, chunks, texts = await judge_talker_move(
+        nc, capture, snac, rid, replica, pcm, MOVE_VOICE
+    )
+    print(
+        f"speech talker move: text chunk {moved_to.start_seq} redone on replica {1 - replica} ({resent} code "
+        f"chunks sent again); {chunks} code chunks, {texts} text chunks"
+    )
