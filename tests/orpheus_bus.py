@@ -145,27 +145,6 @@ async def fault_free_run(
     return rid, b"".join(audio[s] for s in sorted(audio))
 
 
-async def stream_audio(base_url: str, max_tokens: int, voice: str = "alloy") -> bytes:
-    """One greedy streamed chat completion with audio in ``voice``; the PCM16 bytes the client got."""
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-    stream = await client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Tell me about the sea."}],
-        max_tokens=max_tokens,
-        temperature=0,
-        modalities=["text", "audio"],
-        audio={"voice": voice, "format": "pcm16"},
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    pcm = bytearray()
-    async for chunk in stream:
-        for c in chunk.choices:
-            if c.delta.audio and c.delta.audio.data:
-                pcm += base64.b64decode(c.delta.audio.data)
-    return bytes(pcm)
-
-
 @dataclass
 class ClientAudio:
     """One streamed text+audio request as its client saw it (``time.monotonic()`` of the test)."""
@@ -180,8 +159,9 @@ class ClientAudio:
     """Seconds from just before the request was sent to the stream's end."""
 
 
-async def stream_audio_timed(base_url: str, max_tokens: int) -> ClientAudio:
-    """:func:`stream_audio`, timing each audio chunk as it arrives."""
+async def stream_audio_timed(base_url: str, max_tokens: int, voice: str = "alloy") -> ClientAudio:
+    """One greedy streamed chat completion with audio (PCM16) in ``voice``, timing each audio chunk
+    as it arrives."""
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
     seen = ClientAudio()
     t0 = time.monotonic()
@@ -191,7 +171,7 @@ async def stream_audio_timed(base_url: str, max_tokens: int) -> ClientAudio:
         max_tokens=max_tokens,
         temperature=0,
         modalities=["text", "audio"],
-        audio={"voice": "alloy", "format": "pcm16"},
+        audio={"voice": voice, "format": "pcm16"},
         stream=True,
         extra_body={"ignore_eos": True},
     )
@@ -241,3 +221,8 @@ class BusLog:
         await nc.subscribe(SUBJECTS.stages_wildcard, cb=on_stage)
         await nc.subscribe(f"omni.{PIPELINE}.out.>", cb=on_event)
         await nc.flush()
+
+
+async def stream_audio(base_url: str, max_tokens: int, voice: str = "alloy") -> bytes:
+    """The PCM16 bytes the client got of :func:`stream_audio_timed`."""
+    return bytes((await stream_audio_timed(base_url, max_tokens, voice)).pcm)
