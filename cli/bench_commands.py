@@ -1,0 +1,324 @@
+"""The ``omnirelay bench-*`` commands: benchmarks that start their own stacks and print a table
+(docs/benchmarks.md). Registered on the main command line by :mod:`cli.main`."""
+
+from __future__ import annotations
+
+import os
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli.params import sync_interval
+from libs.common.local_nats import SYNC_INTERVAL
+from libs.common.pipeline import PipelineConfigError, load_pipeline
+
+bench_app = typer.Typer()
+"""Holds the bench commands until :mod:`cli.main` takes them over (same names, same options)."""
+
+
+@bench_app.command()
+def bench(
+    pipeline: Annotated[
+        Path | None,
+        typer.Option(
+            "--pipeline", help="thinker-only pipeline YAML [default: compose/pipelines/text-only.yaml]"
+        ),
+    ] = None,
+    concurrency: Annotated[str, typer.Option(help="comma-separated concurrency levels")] = "1,16",
+    requests: Annotated[
+        int | None,
+        typer.Option(
+            help="requests per (target, concurrency) over all rounds [default: 240 at c=1, 128 at c=16]"
+        ),
+    ] = None,
+    max_tokens: Annotated[int, typer.Option(help="output tokens per request (ignore_eos)")] = 64,
+    warmup: Annotated[int, typer.Option(help="unmeasured requests per target first")] = 16,
+    rounds: Annotated[int, typer.Option(help="alternating rounds per concurrency (A B, B A, ...)")] = 8,
+    core: Annotated[
+        int | None, typer.Option(help="CPU core both engines bind to [default: the first usable one]")
+    ] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="write the raw numbers here")] = None,
+    log_dir: Annotated[
+        Path | None, typer.Option(help="keep the processes' logs here [default: a temp dir, removed]")
+    ] = None,
+    pause_idle: Annotated[
+        bool,
+        typer.Option(
+            "--pause-idle/--no-pause-idle", help="SIGSTOP the target not being measured (idle vLLM polls)"
+        ),
+    ] = True,
+    isolate_engines: Annotated[
+        bool,
+        typer.Option(
+            "--isolate-engines/--no-isolate-engines",
+            help="vLLM engine processes on --core, every other process (and this client) on the other cores",
+        ),
+    ] = True,
+    nats_sync_interval: Annotated[
+        str,
+        typer.Option(
+            help="JetStream sync_interval of the stack's NATS server ('always', 1s, 2m, ...)",
+            callback=sync_interval,
+        ),
+    ] = SYNC_INTERVAL,
+) -> None:
+    """Benchmark the gateway against vLLM's own OpenAI server on the same thinker (prints a table)."""
+
+    from benchmarks.gateway_vs_vllm import DEFAULT_PIPELINE, BenchOptions, parse_concurrency, run_bench
+
+    try:
+        levels = tuple(parse_concurrency(concurrency))
+    except ValueError as e:
+        typer.echo(f"error: --concurrency: {e}", err=True)
+        raise typer.Exit(2) from None
+    if min(max_tokens, rounds) < 1 or (requests is not None and requests < 1) or warmup < 0:
+        typer.echo("error: --max-tokens, --requests and --rounds must be ≥ 1, --warmup ≥ 0", err=True)
+        raise typer.Exit(2)
+    usable = sorted(os.sched_getaffinity(0))
+    if core is not None and core not in usable:
+        typer.echo(f"error: --core {core}: this process may use cores {usable}", err=True)
+        raise typer.Exit(2)
+    path = (pipeline or DEFAULT_PIPELINE).resolve()
+    try:
+        load_pipeline(path)
+    except PipelineConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    opts = BenchOptions(
+        pipeline_path=path,
+        concurrency=levels,
+        requests=requests,
+        max_tokens=max_tokens,
+        warmup=warmup,
+        rounds=rounds,
+        core=core,
+        json_path=json_path,
+        log_dir=log_dir.resolve() if log_dir else None,
+        pause_idle=pause_idle,
+        isolate_engines=isolate_engines,
+        nats_sync_interval=nats_sync_interval,
+    )
+    raise typer.Exit(run_bench(opts))
+
+
+@bench_app.command("bench-log-stats")
+def bench_log_stats(
+    rounds: Annotated[int, typer.Option(help="alternating rounds (A B, B A, ...)")] = 10,
+    per_round: Annotated[int, typer.Option(help="sequential requests per side and round")] = 25,
+    max_tokens: Annotated[int, typer.Option(help="output tokens per request (ignore_eos)")] = 64,
+) -> None:
+    """What --log-stats costs: the same workload on two stacks, with and without it (prints a table)."""
+    from benchmarks.log_stats_cost import run_log_stats_bench
+
+    raise typer.Exit(run_log_stats_bench(rounds, per_round, max_tokens))
+
+
+@bench_app.command("bench-sync")
+def bench_sync(
+    rounds: Annotated[int, typer.Option(min=2, help="alternating rounds (A B C D, D C B A, ...)")] = 8,
+    per_round: Annotated[int, typer.Option(min=2, help="sequential requests per setup and round")] = 20,
+    max_tokens: Annotated[int, typer.Option(min=1, help="output tokens per request (ignore_eos)")] = 64,
+    publishes: Annotated[int, typer.Option(min=10, help="sequential JetStream publishes per setup")] = 2000,
+) -> None:
+    """What JetStream's sync_interval and a 3-node NATS cluster cost: publish latency and end-to-end
+    latency on one server with 2m (nats-server's default), 1s and always, and on 3 nodes with
+    always (prints two tables)."""
+    from benchmarks.sync_interval_cost import run_sync_bench
+
+    raise typer.Exit(run_sync_bench(rounds, per_round, max_tokens, publishes))
+
+
+@bench_app.command("bench-ab")
+def bench_ab(
+    tree_a: Annotated[Path, typer.Argument(help="omnirelay checkout A (e.g. a `git worktree` of main)")],
+    tree_b: Annotated[Path, typer.Argument(help="omnirelay checkout B (e.g. this one, with a change)")],
+    blocks: Annotated[
+        int, typer.Option(min=10, help="block pairs (A B, B A, ...); fewer give no useful interval")
+    ] = 40,
+    block: Annotated[int, typer.Option(help="sequential requests per block")] = 10,
+    max_tokens: Annotated[int, typer.Option(help="output tokens per request (ignore_eos)")] = 64,
+) -> None:
+    """Is B faster than A? Paired TTFT / e2e of two code trees on the same machine (prints a table)."""
+    from benchmarks.paired_ab import run_ab_bench
+
+    raise typer.Exit(run_ab_bench(tree_a, tree_b, blocks, block, max_tokens))
+
+
+@bench_app.command("bench-bus")
+def bench_bus(
+    messages: Annotated[int, typer.Option(help="measured messages per hop kind and placement")] = 400,
+    interval_ms: Annotated[float, typer.Option(help="pause before each message, ms")] = 10.0,
+    warmup: Annotated[int, typer.Option(help="unmeasured messages first")] = 50,
+) -> None:
+    """The floor of one bus hop between two processes (JetStream stage hop, core-NATS event hop),
+    on any core and with everything on one core (prints a table)."""
+    from benchmarks.bus_hop import render, run_bus_bench
+
+    typer.echo(render(run_bus_bench(messages, interval_ms / 1e3, warmup)))
+
+
+class FaultSuiteMode(StrEnum):
+    """How ``bench-faults`` runs the stack."""
+
+    up = "up"
+    services = "services"
+
+
+@bench_app.command("bench-faults")
+def bench_faults(
+    only: Annotated[str | None, typer.Option(help="run only the faults whose name contains this")] = None,
+    keep_logs: Annotated[
+        bool, typer.Option(help="keep the stacks' logs (their directory is printed)")
+    ] = False,
+    mode: Annotated[
+        FaultSuiteMode,
+        typer.Option(
+            help="how the stack runs: 'up' = `omnirelay up` (its launcher restarts a process that "
+            "exits); 'services' = as docker compose runs it, one process per service (NATS, the "
+            "orchestrator, each worker, the gateway), each restarted after it exits with Docker's "
+            "back-off (0.1 s doubling to 60 s), like `restart: unless-stopped`"
+        ),
+    ] = FaultSuiteMode.up,
+) -> None:
+    """The fault suite: a stack with two replicas of every stage serves streams while one fault at a
+    time is injected and verified; prints a row per fault (see docs/reliability.md)."""
+    from benchmarks.fault_suite import run_fault_suite
+
+    raise typer.Exit(run_fault_suite(only, keep_logs, mode.value))
+
+
+@bench_app.command("bench-nice")
+def bench_nice(
+    rounds: Annotated[int, typer.Option(min=1, help="pairs of blocks (one at each nice value)")] = 3,
+    nice: Annotated[int, typer.Option(min=1, max=19, help="the engines' nice value compared with 0")] = 10,
+    block_s: Annotated[float, typer.Option("--block-s", min=10, help="seconds of load per block")] = 45.0,
+) -> None:
+    """What the engines' nice value gives the control plane under load and costs the engines:
+    alternating blocks of the same load at nice 0 and ``--nice`` on one stack (see
+    docs/reliability.md)."""
+    from benchmarks.engine_priority import run_nice_bench
+
+    raise typer.Exit(run_nice_bench(rounds, nice, block_s))
+
+
+@bench_app.command("bench-chaos")
+def bench_chaos(
+    minutes: Annotated[float, typer.Option(min=0.5, help="how long faults are injected, minutes")] = 10.0,
+    seed: Annotated[int, typer.Option(help="seeds the draws of faults, victims, intervals and requests")] = 0,
+    concurrency: Annotated[int, typer.Option(min=1, help="requests kept in flight")] = 6,
+    all_replicas: Annotated[
+        bool, typer.Option(help="also draw the fault that kills every thinker replica at once")
+    ] = False,
+    keep_logs: Annotated[
+        bool, typer.Option(help="keep the stack's logs (their directory is printed)")
+    ] = False,
+) -> None:
+    """The chaos soak: the fault suite's stack serves a continuous mixed load (text and audio,
+    streamed and not, 32–800 tokens) while a random fault, verified, strikes every 20–40 s; prints
+    a row per fault and a total (see docs/reliability.md). Exits 1 when a request hung or lost or
+    repeated tokens or audio, or an injection was not verified."""
+    from benchmarks.chaos_soak import run_chaos_soak
+
+    raise typer.Exit(run_chaos_soak(minutes, seed, concurrency, all_replicas, keep_logs))
+
+
+@bench_app.command("bench-speech")
+def bench_speech(
+    pipeline: Annotated[
+        Path | None,
+        typer.Option(
+            "--pipeline", help="speech pipeline YAML [default: compose/pipelines/orpheus-tiny.yaml]"
+        ),
+    ] = None,
+    api: Annotated[
+        str, typer.Option(help="chat: streamed chat completions with audio; speech: /v1/audio/speech")
+    ] = "chat",
+    formats: Annotated[
+        str | None,
+        typer.Option(
+            help="comma-separated response_format values, each run at every level (--api speech only)",
+            show_default="pcm,mp3",
+        ),
+    ] = None,
+    levels: Annotated[str, typer.Option(help="comma-separated concurrency levels")] = "1,4,16",
+    requests: Annotated[
+        int,
+        typer.Option(
+            min=1, help="requests per concurrency level and format (64: about 4 minutes in all on 2 cores)"
+        ),
+    ] = 64,
+    max_tokens: Annotated[
+        int | None,
+        typer.Option(min=1, help="thinker tokens per chat request (ignore_eos)", show_default="32"),
+    ] = None,
+    voice: Annotated[str, typer.Option(help="the voice of every request")] = "tara",
+    warmup: Annotated[
+        int, typer.Option(min=0, help="unmeasured sequential requests first (per format with --api speech)")
+    ] = 2,
+    keep_logs: Annotated[
+        bool, typer.Option(help="keep the stack's logs (their directory is printed)")
+    ] = False,
+) -> None:
+    """Speech latency: time to first audio and RTF p50/p99 at each concurrency level through the
+    official openai client, of streamed pcm16 chat completions with audio (--api chat) or of
+    /v1/audio/speech in each of --formats (--api speech); prints a table (see docs/models.md)."""
+    from benchmarks.gateway_vs_vllm import parse_concurrency
+    from benchmarks.speech_latency import (
+        APIS,
+        DEFAULT_PIPELINE,
+        DEFAULT_SPEECH_FORMATS,
+        parse_formats,
+        run_speech_bench,
+    )
+
+    def usage_error(message: str) -> typer.Exit:
+        typer.echo(f"error: {message}", err=True)
+        return typer.Exit(2)
+
+    if api not in APIS:
+        raise usage_error(f"--api {api}: one of {', '.join(APIS)}")
+    if api == "chat" and formats is not None:
+        raise usage_error("--formats applies to --api speech only")
+    if api == "speech" and max_tokens is not None:
+        raise usage_error("--max-tokens applies to --api chat only (speech audio follows its input)")
+    try:
+        chosen = (
+            parse_formats(formats if formats is not None else ",".join(DEFAULT_SPEECH_FORMATS))
+            if api == "speech"
+            else ()
+        )
+    except ValueError as e:
+        raise usage_error(f"--formats: {e}") from None
+    try:
+        parsed = tuple(parse_concurrency(levels))
+    except ValueError as e:
+        raise usage_error(f"--levels: {e}") from None
+    path = (pipeline or DEFAULT_PIPELINE).resolve()
+    try:
+        p = load_pipeline(path)
+    except PipelineConfigError as e:
+        raise usage_error(str(e)) from None
+    if p.audio_stage is None:
+        raise usage_error(f"--pipeline {path}: pipeline '{p.name}' produces no audio")
+    raise typer.Exit(
+        run_speech_bench(path, parsed, requests, max_tokens or 32, voice, warmup, keep_logs, chosen)
+    )
+
+
+@bench_app.command("bench-codec-batching")
+def bench_codec_batching(
+    batches: Annotated[str, typer.Option(help="chunks per forward pass, comma-separated")] = "1,4,16",
+    own_frames: Annotated[str, typer.Option(help="own frames per chunk, comma-separated")] = "2,8",
+    rounds: Annotated[int, typer.Option(min=1, help="paired rounds per cell")] = 7,
+    real_size: Annotated[
+        bool, typer.Option("--real-size", help="also a SNAC with snac_24khz's widths (random weights)")
+    ] = False,
+) -> None:
+    """code2wav's SNAC decode with and without cross-request batching: paired rounds of one forward
+    pass per chunk against one pass for all (prints a table; see docs/models.md)."""
+    from benchmarks.codec_batching import main as run_codec_batching
+
+    argv = ["--batches", batches, "--own-frames", own_frames, "--rounds", str(rounds)]
+    raise typer.Exit(run_codec_batching(argv + (["--real-size"] if real_size else [])))
