@@ -81,7 +81,7 @@ INVALID = "invalid_request"
                 "model": "omni-tiny",
                 "messages": _msgs(),
                 "modalities": ["text", "audio"],
-                "audio": {"format": "mp3"},
+                "audio": {"format": "aac"},  # a speech format, not one of chat's
             },
             400,
             "audio.format",
