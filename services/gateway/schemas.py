@@ -10,6 +10,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.gateway.audio import AudioFormat
+from services.gateway.audio_tempo import MAX_SPEED, MIN_SPEED
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -79,8 +82,6 @@ class CompletionRequest(_Sampling):
     echo: bool = False
 
 
-SpeechFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
-"""``response_format`` of ``/v1/audio/speech`` (OpenAI's list; ``pcm``: 24 kHz 16-bit mono, no header)."""
 MAX_SPEECH_INPUT_CHARS = 4096
 """OpenAI's limit on ``input`` of ``/v1/audio/speech``, characters."""
 
@@ -92,8 +93,9 @@ class SpeechRequest(_Request):
     input: str = Field(min_length=1, max_length=MAX_SPEECH_INPUT_CHARS)
     voice: str | VoiceRef
     """As ``audio.voice`` of chat completions (:class:`AudioParams`)."""
-    response_format: SpeechFormat = "mp3"
-    speed: float = Field(default=1.0, ge=0.25, le=4.0)
+    response_format: AudioFormat = AudioFormat.MP3
+    """OpenAI's list (``pcm``: 24 kHz 16-bit mono, no header)."""
+    speed: float = Field(default=1.0, ge=MIN_SPEED, le=MAX_SPEED)
     """Playback speed, pitch kept (1.0: as spoken)."""
     instructions: str | None = None
     """Accepted and not used: no talker protocol here takes spoken instructions."""

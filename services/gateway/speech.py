@@ -21,9 +21,6 @@ from services.gateway.schemas import SpeechUsage
 
 log = logging.getLogger(__name__)
 
-PCM16_BYTES = 2
-"""Bytes per PCM16 sample."""
-
 
 class SpeechEncoding:
     """A request's PCM16 (mono, as code2wav sends it) → the bytes of its file: the speed change

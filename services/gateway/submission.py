@@ -128,7 +128,7 @@ class Submitter:
             req.model,
             True,
             arrival,
-            {"omnirelay.speech.format": req.response_format, "omnirelay.speech.chunks": len(chunks)},
+            {"omnirelay.speech.format": req.response_format.value, "omnirelay.speech.chunks": len(chunks)},
             audio=True,
             voice=voice,
             entry_stage=entry,
