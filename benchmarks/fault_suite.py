@@ -28,11 +28,10 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from benchmarks.audio_accounting import AudioTally, ChunkJudge
 from benchmarks.fault_injection import (
     CLUSTER_NODE_TARGETS,
-    FAULTS,
     PIPELINE_NAME,
-    PIPELINE_YAML,
     REPLICAS,
     STAGE_NAMES,
     Fault,
@@ -43,6 +42,7 @@ from benchmarks.fault_injection import (
     replaced,
     verdicts_since,
 )
+from benchmarks.fault_pipelines import MODEL, pipelines
 from benchmarks.harness import Processes, Stack, log, run_with_stacks, start_stack
 from benchmarks.service_stack import ServiceStack, start_services
 from libs.common.bus import server_urls
@@ -83,6 +83,10 @@ class Seen:
     """A failure's OpenAI error ``code`` (None: the failure had none, or no failure)."""
     status: int | None = None
     """A failure's HTTP status, where it had one."""
+    keep_audio: bool = False
+    """Keep each audio chunk's PCM16 in :attr:`audio_pieces` (for the chunk judge)."""
+    audio_pieces: list[bytes] = field(default_factory=list)
+    """The PCM16 bytes of each audio chunk, in arrival order (only with :attr:`keep_audio`)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,9 @@ class Row:
     """A worker killed (or one that gave up on its engine): seconds from the fault until its
     replacement registered, its engine started; the orchestrator killed: until a new one
     registered (None: not measured)."""
+    chunks: AudioTally | None = None
+    """The completed audio streams' chunks against the whole decode of the code chunks sent on
+    the bus (the ``orpheus`` pipeline; None: not judged)."""
 
 
 def row_of(
@@ -168,8 +175,11 @@ def _chunk_seen(seen: Seen, chunk, now: float) -> None:
         seen.token_ids += ids
         seen.text += delta.content or (delta.audio.transcript if delta.audio is not None else None) or ""
         if data:
-            seen.audio_bytes += len(base64.b64decode(data))
+            pcm = base64.b64decode(data)
+            seen.audio_bytes += len(pcm)
             seen.audio_chunks += 1
+            if seen.keep_audio:
+                seen.audio_pieces.append(pcm)
     if chunk.usage is not None:
         seen.usage_tokens = chunk.usage.completion_tokens
 
@@ -315,7 +325,8 @@ async def _engine_busy(nc, stage: int, replica: int) -> bool:
     return False
 
 
-async def run_fault(injector: Injector, fault: Fault, model: str) -> Row:
+async def run_fault(injector: Injector, fault: Fault, model: str, judge: ChunkJudge | None = None) -> Row:
+    """One fault's row; ``judge``: also judge the audio streams' chunks against the bus."""
     from openai import AsyncOpenAI
 
     await healthy(injector.stack)
@@ -325,12 +336,41 @@ async def run_fault(injector: Injector, fault: Fault, model: str) -> Row:
     tokens = (await reference(client, model, PROMPT, fault.max_tokens)).token_ids
     befores = [await incarnation(injector.stack, fault.stage, r) for r in range(REPLICAS)]
     log_offset = injector.stack.log_path.stat().st_size
-    seen = [Seen() for _ in range(fault.streams)]
-    tasks = [asyncio.create_task(send(client, model, s, PROMPT, fault.max_tokens, fault.audio)) for s in seen]
+    seen = [Seen(keep_audio=judge is not None) for _ in range(fault.streams)]
+    async with contextlib.AsyncExitStack() as listening:
+        capture = (
+            None if judge is None else await listening.enter_async_context(judge.capture(injector.stack))
+        )
+        tasks = [
+            asyncio.create_task(send(client, model, s, PROMPT, fault.max_tokens, fault.audio)) for s in seen
+        ]
+        row = await _strike_and_watch(injector, fault, seen, tasks, befores, log_offset, tokens)
+        await client.close()
+    if capture is None:
+        return row
+    completed = [
+        (s.id, s.audio_pieces, s.token_ids) for s in seen if s.ended_s is not None and s.error is None
+    ]
+    tally, broken = judge.tally(completed, capture)
+    for rid in broken + [s.id for s in seen if s.id and (s.ended_s is None or s.error is not None)]:
+        log(f"{fault.name}: {capture.summary(rid)}")  # the evidence, in the suite's output
+    return replace(row, chunks=tally)
+
+
+async def _strike_and_watch(
+    injector: Injector,
+    fault: Fault,
+    seen: list[Seen],
+    tasks: list[asyncio.Task],
+    befores: list[int],
+    log_offset: int,
+    tokens: list[int],
+) -> Row:
+    """Strike once the streams are under way, wait for them to end and for the victim's
+    replacement: the row, with what the orchestrators made of the fault."""
     bound = await _strike_moment(injector.stack, fault.stage, seen, tasks)
     if bound is None:  # the stack is broken, or too fast for the streams: say so, and go on
         await asyncio.wait(tasks)
-        await client.close()
         return row_of(fault, "not injected: the streams ended first", time.monotonic(), seen, tokens)
     # The victim: the replica of the stage that most of the streams under way run on.
     replica, on_it = busiest(bound)
@@ -348,7 +388,6 @@ async def run_fault(injector: Injector, fault: Fault, model: str) -> Row:
     await asyncio.wait(tasks, timeout=HUNG_AFTER_S)
     for t in tasks:
         t.cancel()
-    await client.close()
     # What the orchestrators made of the fault (a kill that moved nothing struck nothing).
     dead, moved = verdicts_since(injector.stack.log_path, log_offset)
     verified += f"; then {dead} replica(s) judged dead, {moved} request(s) moved"
@@ -386,6 +425,32 @@ async def _replacement(
     return time.monotonic()
 
 
+CHUNK_COLUMNS = (
+    "audio whole / judged",
+    "audio chunks",
+    "missing",
+    "repeated",
+    "unlike whole decode",
+    "talker input unlike thinker tokens",
+    "re-sent (unlike) / bus gaps",
+)
+"""The chunk judge's columns (:class:`AudioTally`), added when a row has them."""
+
+
+def _chunk_cells(t: AudioTally | None) -> tuple[str, ...]:
+    if t is None:
+        return ("-",) * len(CHUNK_COLUMNS)
+    return (
+        f"{t.whole} / {t.streams}",
+        str(t.expected),
+        str(t.missing),
+        str(t.repeated),
+        str(t.unlike),
+        str(t.input_unlike),
+        f"{t.resent} ({t.resent_unlike}) / {t.gaps}",
+    )
+
+
 def render(rows: list[Row]) -> str:
     head = (
         "fault",
@@ -401,6 +466,9 @@ def render(rows: list[Row]) -> str:
         "to error s",
         "replaced s",
     )
+    judged = any(r.chunks is not None for r in rows)
+    if judged:
+        head += CHUNK_COLUMNS
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
         failed = ", ".join(f"{n} {c}" for c, n in sorted(r.failed.items())) or "0"
@@ -420,22 +488,30 @@ def render(rows: list[Row]) -> str:
             "-" if r.error_s is None else f"{r.error_s:.2f}",
             "-" if r.replaced_s is None else f"{r.replaced_s:.1f}",
         )
+        if judged:
+            cells += _chunk_cells(r.chunks)
         lines.append(" | ".join(str(c) for c in cells))
     return "\n".join(f"| {line} |" for line in lines)
 
 
-def run_fault_suite(only: str | None = None, keep_logs: bool = False, mode: str = "up") -> int:
-    """Start the stacks the selected faults need (every fault, or those whose name contains
-    ``only``) the way ``mode`` says (:data:`MODES`), run the faults in order, print the table (and,
-    with ``keep_logs``, where the stacks' logs are)."""
+def run_fault_suite(
+    only: str | None = None, keep_logs: bool = False, mode: str = "up", pipeline_name: str = "tiny"
+) -> int:
+    """Start the stacks the selected faults of ``pipeline_name`` (:data:`PIPELINES`) need (every
+    fault, or those whose name contains ``only``) the way ``mode`` says (:data:`MODES`), run the
+    faults in order, print the table (and, with ``keep_logs``, where the stacks' logs are)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: one of {', '.join(MODES)}")
+    from libs.models.tiny import resolve_model
+
+    spec = pipelines()[pipeline_name]
     rows: list[Row] = []
-    selected = [f for f in FAULTS if not only or only in f.name]
+    selected = [f for f in spec.faults if not only or only in f.name]
+    judge = ChunkJudge(PIPELINE_NAME, resolve_model(spec.codec_model)) if spec.judge_chunks else None
 
     def work(procs: Processes, data_dir: Path) -> None:
         pipeline = data_dir / "faults.yaml"
-        pipeline.write_text(PIPELINE_YAML)
+        pipeline.write_text(spec.yaml)
         for nodes in sorted({f.nats_nodes for f in selected}):
             name = "faults" if nodes == 1 else f"faults-{nodes}-node-nats"
             if mode == "services":
@@ -450,11 +526,11 @@ def run_fault_suite(only: str | None = None, keep_logs: bool = False, mode: str 
                 )
                 injector = Injector(procs, stack, list(nats.proc.args))
             for fault in (f for f in selected if f.nats_nodes == nodes):
-                rows.append(asyncio.run(run_fault(injector, fault, "faults-model")))
+                rows.append(asyncio.run(run_fault(injector, fault, MODEL, judge)))
                 log(render(rows[-1:]).splitlines()[-1])
             stack.stop()  # the next stack gets the machine to itself
 
     code = run_with_stacks("omnirelay-faults-", work, keep=keep_logs)
-    print(f"fault suite, mode {mode}")
+    print(f"fault suite, pipeline {pipeline_name}, mode {mode}")
     print(render(rows))
     return code

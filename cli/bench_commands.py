@@ -166,6 +166,13 @@ class FaultSuiteMode(StrEnum):
     services = "services"
 
 
+class FaultSuitePipeline(StrEnum):
+    """The pipeline ``bench-faults`` runs (``benchmarks/fault_pipelines.py``)."""
+
+    tiny = "tiny"
+    orpheus = "orpheus"
+
+
 @bench_app.command("bench-faults")
 def bench_faults(
     only: Annotated[str | None, typer.Option(help="run only the faults whose name contains this")] = None,
@@ -181,12 +188,20 @@ def bench_faults(
             "back-off (0.1 s doubling to 60 s), like `restart: unless-stopped`"
         ),
     ] = FaultSuiteMode.up,
+    pipeline: Annotated[
+        FaultSuitePipeline,
+        typer.Option(
+            help="the pipeline: 'tiny' = tiny thinker -> tiny talker -> tiny code2wav; 'orpheus' = "
+            "compose/pipelines/orpheus-tiny.yaml (Orpheus talker on tiny-orpheus, SNAC on tiny-snac), "
+            "each audio stream's chunks judged against a whole decode of the code chunks on the bus"
+        ),
+    ] = FaultSuitePipeline.tiny,
 ) -> None:
     """The fault suite: a stack with two replicas of every stage serves streams while one fault at a
     time is injected and verified; prints a row per fault (see docs/reliability.md)."""
     from benchmarks.fault_suite import run_fault_suite
 
-    raise typer.Exit(run_fault_suite(only, keep_logs, mode.value))
+    raise typer.Exit(run_fault_suite(only, keep_logs, mode.value, pipeline.value))
 
 
 @bench_app.command("bench-nice")

@@ -87,14 +87,16 @@ async def run_inspect(
     """Print the bus's state (or one request's record); 0 on success, 1 when the request has no
     record, 2 when NATS cannot be reached (said on stderr within
     :data:`cli.stack_file.PROBE_TIMEOUT_S`) or does not answer within ``timeout_s``."""
-    if (error := await probe_nats(target.url)) is not None:
+    if (error := await probe_nats(target.url, credentials=target.credentials)) is not None:
         print(unreachable_message(target, error), file=sys.stderr)
         return 2
     try:
         if request_id:
-            rec = await asyncio.wait_for(request_record(target.url, request_id), timeout_s)
+            rec = await asyncio.wait_for(
+                request_record(target.url, request_id, target.credentials), timeout_s
+            )
         else:
-            snap = await asyncio.wait_for(snapshot(target.url, pipeline), timeout_s)
+            snap = await asyncio.wait_for(snapshot(target.url, pipeline, target.credentials), timeout_s)
     except TimeoutError:
         print(
             f"error: NATS at {target.url} (from {target.source}) accepted the connection but did not "

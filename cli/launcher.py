@@ -29,8 +29,10 @@ from libs.common.local_nats import (
     free_port,
     nats_server_argv,
 )
+from libs.common.nats_identities import OPERATOR, worker_identity
+from libs.common.nats_security import SECRETS_DIR, NatsSecurity, prepare
 from libs.common.pipeline import PipelineConfig
-from libs.common.process_plan import plan_services
+from libs.common.process_plan import ServiceSpec, plan_services
 
 STOP_TIMEOUT_S = 20.0
 HEALTH_TIMEOUT_S = 600.0
@@ -264,14 +266,29 @@ def banner(port: int, nats_url: str, monitor: str | None, model: str) -> str:
 
 
 def announce(
-    data_dir: Path, port: int, nats_url: str, monitor: str | None, pipeline: str, pipeline_path: Path
+    data_dir: Path,
+    port: int,
+    nats_url: str,
+    monitor: str | None,
+    pipeline: str,
+    pipeline_path: Path,
+    security: NatsSecurity | None = None,
 ) -> Path:
     """Write ``<data_dir>/stack.json`` for the stack this process runs (NATS client and
-    monitoring URLs, comma-separated as :func:`_start` returns them, the gateway on ``port``);
-    returns the file's path."""
+    monitoring URLs, comma-separated as :func:`_start` returns them, the gateway on ``port``, and
+    where the operator identity's secret is when the launcher's NATS has identities); returns the
+    file's path."""
     monitors = monitor.split(",") if monitor else []
-    info = this_process(nats_url, monitors, f"http://127.0.0.1:{port}", pipeline, pipeline_path)
+    operator = None if security is None else security.env(OPERATOR)
+    info = this_process(nats_url, monitors, f"http://127.0.0.1:{port}", pipeline, pipeline_path, operator)
     return write_stack_file(data_dir, info)
+
+
+def service_identity(spec: ServiceSpec) -> str:
+    """The NATS identity of a planned service: ``gateway``, ``orchestrator``, ``worker-<s>-<r>``."""
+    if spec.args[0] == "worker":
+        return worker_identity(int(spec.env["OMNIRELAY_STAGE"]), int(spec.env["OMNIRELAY_REPLICA"]))
+    return spec.args[0]
 
 
 async def run_stack(
@@ -308,10 +325,10 @@ async def run_stack(
             starting.cancel()
             return 130
         stopping.cancel()
-        nats_url, monitor = starting.result()
+        nats_url, monitor, security = starting.result()
         print(banner(port, nats_url, monitor, pipeline.served_model_name), flush=True)
         stack.supervise()
-        announce(data_dir, port, nats_url, monitor, pipeline.name, pipeline_path)
+        announce(data_dir, port, nats_url, monitor, pipeline.name, pipeline_path, security)
         await stop.wait()
         return 0
     finally:
@@ -328,33 +345,46 @@ async def _start(
     data_dir: Path,
     nats_url: str | None,
     nats: NatsOptions,
-) -> tuple[str, str | None]:
-    """NATS (unless given), then every service; returns (NATS URL(s), monitoring URL(s) or None)."""
+) -> tuple[str, str | None, NatsSecurity | None]:
+    """NATS (unless given), then every service; returns (NATS URL(s), monitoring URL(s) or None,
+    the NATS identities' material or None).
+
+    The NATS started here has one identity per role (:mod:`libs.common.nats_identities`), secrets
+    under ``<data_dir>/nats-secrets``, and each service is given its own (a NATS that was given
+    is used with whatever ``OMNIRELAY_NATS_*`` identity the environment names)."""
     from libs.models.tiny import make_tiny
 
     await asyncio.to_thread(make_tiny)
     monitor = None
+    security = None
     if not nats_url:
-        nats_url, monitors = await _start_nats(stack, data_dir, nats)
+        security = await asyncio.to_thread(prepare, data_dir / SECRETS_DIR, pipeline)
+        nats_url, monitors = await _start_nats(stack, data_dir, nats, security)
         monitor = ",".join(monitors)
         await wait_nats_healthy(monitors, stack)
     for spec in plan_services(pipeline, pipeline_path, nats_url, port, log_stats):
-        await stack.spawn(spec.name, spec.argv, spec.env)
+        env = spec.env if security is None else {**spec.env, **security.env(service_identity(spec))}
+        await stack.spawn(spec.name, spec.argv, env)
     await wait_all_live(f"http://127.0.0.1:{port}/health", pipeline, stack)
-    return nats_url, monitor
+    return nats_url, monitor, security
 
 
-async def _start_nats(stack: Stack, data_dir: Path, nats: NatsOptions) -> tuple[str, list[str]]:
+async def _start_nats(
+    stack: Stack, data_dir: Path, nats: NatsOptions, security: NatsSecurity | None = None
+) -> tuple[str, list[str]]:
     """One server storing in ``data_dir/jetstream``, or a cluster of ``nats.nodes`` storing in
     ``data_dir/cluster/nats-<i>`` (the same server names and stores on every start, so a cluster
-    comes back with its streams); returns (client URLs comma-separated, monitoring URLs)."""
+    comes back with its streams); with ``security``, its identities (and routes that authenticate);
+    returns (client URLs comma-separated, monitoring URLs)."""
+    conf = "" if security is None else security.server_conf
     if nats.nodes == 1:
         nport, mport = free_port(), free_port()
         store = data_dir / "jetstream"
         store.mkdir(parents=True, exist_ok=True)
-        await stack.spawn("nats", nats_server_argv(store, nport, mport, nats.sync_interval), {})
+        await stack.spawn("nats", nats_server_argv(store, nport, mport, nats.sync_interval, conf), {})
         return f"nats://127.0.0.1:{nport}", [f"http://127.0.0.1:{mport}"]
     nodes = cluster_nodes(data_dir / "cluster", nats.nodes)
-    for node, argv in zip(nodes, cluster_argvs(nodes, nats.sync_interval), strict=True):
+    route_pw = None if security is None else security.route_password
+    for node, argv in zip(nodes, cluster_argvs(nodes, nats.sync_interval, conf, route_pw), strict=True):
         await stack.spawn(node.name, argv, {})
     return client_urls(nodes), [n.monitor_url for n in nodes]

@@ -15,6 +15,7 @@ import typer
 from pydantic import ValidationError
 
 from cli.bench_commands import bench_app
+from cli.nats_commands import nats_app
 from cli.params import sync_interval
 from cli.stack_file import DEFAULT_DATA_DIR
 from libs.common.local_nats import SYNC_INTERVAL
@@ -31,6 +32,7 @@ app = typer.Typer(
 models_app = typer.Typer(no_args_is_help=True, help="Model utilities.")
 app.add_typer(models_app, name="models")
 app.registered_commands += bench_app.registered_commands  # bench-*: cli/bench_commands.py
+app.registered_commands += nats_app.registered_commands  # nats-secrets: cli/nats_commands.py
 
 PipelineOpt = Annotated[
     Path | None,
@@ -102,6 +104,7 @@ def gateway(
 ) -> None:
     """Run the OpenAI-compatible HTTP gateway."""
     from services.gateway.app import run_gateway
+    from services.gateway.auth import AuthConfigError
 
     s = _settings(
         GatewaySettings,
@@ -114,7 +117,11 @@ def gateway(
     )
     setup_logging(s.log_level, "gateway")
     yield_on_wakeup(s.sched_batch)
-    run_gateway(s, _pipeline(s))
+    try:
+        run_gateway(s, _pipeline(s))
+    except AuthConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command()

@@ -24,6 +24,7 @@ import psutil
 from nats.errors import Error as NatsError
 
 from libs.common.bus import server_urls
+from libs.common.nats_credentials import NatsAuth, NatsCredentials, auth_from
 
 STACK_FILE = "stack.json"
 DEFAULT_DATA_DIR = Path(".omnirelay")
@@ -56,6 +57,10 @@ class StackInfo:
     """The pipeline's name (subjects ``omni.<name>.*``)."""
     pipeline_file: str
     """The pipeline YAML the stack runs, an absolute path."""
+    nats_operator_env: dict[str, str] | None = None
+    """The environment of a client that connects as the read-only ``operator`` identity
+    (``OMNIRELAY_NATS_USER``, ``OMNIRELAY_NATS_PASSWORD_FILE`` and, with TLS, ``OMNIRELAY_NATS_CA``);
+    None when ``up`` was given a NATS (it then knows no identities)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,9 @@ class NatsTarget:
 
     url: str
     source: str
+    credentials: NatsAuth | None = None
+    """Who to connect as: the stack file's operator when the URL came from it (and the environment
+    names no identity); None: the identity the environment names, if any."""
 
 
 def stack_file(data_dir: Path) -> Path:
@@ -71,11 +79,18 @@ def stack_file(data_dir: Path) -> Path:
 
 
 def this_process(
-    nats_url: str, monitors: list[str], gateway_url: str, pipeline: str, pipeline_file: Path
+    nats_url: str,
+    monitors: list[str],
+    gateway_url: str,
+    pipeline: str,
+    pipeline_file: Path,
+    operator_env: dict[str, str] | None = None,
 ) -> StackInfo:
     """The :class:`StackInfo` of the calling process (the launcher)."""
     me = psutil.Process()
-    return StackInfo(me.pid, me.create_time(), nats_url, monitors, gateway_url, pipeline, str(pipeline_file))
+    return StackInfo(
+        me.pid, me.create_time(), nats_url, monitors, gateway_url, pipeline, str(pipeline_file), operator_env
+    )
 
 
 def write_stack_file(data_dir: Path, info: StackInfo) -> Path:
@@ -138,17 +153,26 @@ def resolve_nats_url(flag: str | None, data_dir: Path = DEFAULT_DATA_DIR) -> Nat
             return NatsTarget(value, var)
     path = stack_file(data_dir)
     if (info := read_live_stack(data_dir)) is not None:
-        return NatsTarget(info.nats_url, f"{path} (written by `omnirelay up`, pid {info.pid})")
+        operator = info.nats_operator_env
+        credentials = None if operator is None or "OMNIRELAY_NATS_USER" in os.environ else auth_from(operator)
+        return NatsTarget(info.nats_url, f"{path} (written by `omnirelay up`, pid {info.pid})", credentials)
     return NatsTarget(
         DEFAULT_NATS_URL, f"the default: no --nats-url, no NATS_URL, no running `omnirelay up` ({path})"
     )
 
 
-async def probe_nats(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+async def probe_nats(
+    url: str, timeout_s: float = PROBE_TIMEOUT_S, credentials: NatsAuth | None = None
+) -> str | None:
     """None if some server of ``url`` accepts a NATS connection (the server's INFO and CONNECT
-    exchanged) within ``timeout_s`` in all; else what went wrong. Each server is tried twice at
-    most, with no pause between tries (nats-py's ``max_reconnect_attempts=0`` would retry for
-    ever)."""
+    exchanged) within ``timeout_s`` in all, as ``credentials`` (default: the identity the
+    environment names, if any); else what went wrong (a refused identity: "Authorization
+    Violation"). Each server is tried twice at most, with no pause between tries (nats-py's
+    ``max_reconnect_attempts=0`` would retry for ever)."""
+    try:
+        options = (credentials if credentials is not None else NatsCredentials()).connect_options()
+    except (ValueError, OSError) as e:  # OMNIRELAY_NATS_* inconsistent, a password file unreadable
+        return f"NATS credentials: {e}"
     errors: list[Exception] = []
 
     async def remember(e: Exception) -> None:
@@ -162,6 +186,7 @@ async def probe_nats(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None
                 reconnect_time_wait=0,
                 connect_timeout=timeout_s / 2,
                 error_cb=remember,
+                **options,
             ),
             timeout_s,
         )

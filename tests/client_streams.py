@@ -92,6 +92,11 @@ class Streams:
     tasks: list[asyncio.Task[None]]
     before: set[str]
     """The keys of ``omni_requests`` before the streams were sent."""
+    sent_ns: int
+    """Wall clock (ns) before the streams were sent: a record that arrived earlier is not one of
+    theirs, though ``before`` missed it (the bucket's key listing can come back short when the
+    broker is slow; seen in a fresh-clone run, where an earlier test's streams were taken for
+    these)."""
     ids: set[str] = field(default_factory=set)
 
     @classmethod
@@ -99,11 +104,10 @@ class Streams:
         cls, client: AsyncOpenAI, model: str, count: int, max_tokens: int, kv: KeyValue
     ) -> Streams:
         """``count`` streams of ``max_tokens`` tokens, started (returns at once)."""
-        before = await _keys(kv)
+        before, sent_ns = await _keys(kv), time.time_ns()
         seen = [Seen() for _ in range(count)]
-        return cls(
-            seen, [asyncio.create_task(stream_chat(client, model, s, max_tokens)) for s in seen], before
-        )
+        tasks = [asyncio.create_task(stream_chat(client, model, s, max_tokens)) for s in seen]
+        return cls(seen, tasks, before, sent_ns)
 
     async def admitted(self, kv: KeyValue, pipeline: str, timeout_s: float = 60.0) -> set[str]:
         """The request ids of the streams, once each has its record."""
@@ -111,8 +115,11 @@ class Streams:
         while len(self.ids) < len(self.seen):
             for key in await _keys(kv) - self.before - self.ids:
                 with contextlib.suppress(KeyNotFoundError):
-                    if (await record(kv, key)).pipeline == pipeline:
+                    rec = await record(kv, key)
+                    if rec.pipeline == pipeline and rec.arrival_ns >= self.sent_ns:
                         self.ids.add(key)
+                    else:
+                        self.before.add(key)
             assert time.monotonic() < deadline, f"{len(self.ids)} of {len(self.seen)} admitted"
             await asyncio.sleep(0.02)
         return self.ids

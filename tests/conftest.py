@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,10 +97,31 @@ _BROKER_WATCHES: list[BrokerWatch] = []
 """The session's broker watches (one per session server), for the summary line."""
 
 
+_MODULE_SECONDS: Counter[str] = Counter()
+"""Test module → seconds its tests' setup, call and teardown took (pytest's own durations)."""
+MODULES_SHOWN = 15
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _MODULE_SECONDS[report.nodeid.split("::")[0]] += report.duration
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """One line per broker watch: the silences of the session's nats-server (tests/broker_watch.py)."""
+    """One line per broker watch: the silences of the session's nats-server (tests/broker_watch.py);
+    then the modules that took longest (the suite's time budget, docs/testing.md)."""
     for watch in _BROKER_WATCHES:
         terminalreporter.write_line(watch.summary())
+    if not _MODULE_SECONDS:
+        return
+    by_dir = Counter({d: 0.0 for d in ("tests/unit", "tests/integration", "tests/e2e")})
+    for module, seconds in _MODULE_SECONDS.items():
+        by_dir["/".join(module.split("/")[:2])] += seconds
+    terminalreporter.write_sep("=", f"slowest {MODULES_SHOWN} test modules (setup + call + teardown)")
+    for module, seconds in _MODULE_SECONDS.most_common(MODULES_SHOWN):
+        terminalreporter.write_line(f"{seconds:8.1f}s {module}")
+    terminalreporter.write_line(
+        "by directory: " + ", ".join(f"{d} {s / 60:.1f} min" for d, s in sorted(by_dir.items()) if s)
+    )
 
 
 @pytest.fixture(autouse=True)

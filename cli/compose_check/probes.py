@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import os
 import signal
@@ -14,12 +15,13 @@ from dataclasses import dataclass
 
 import httpx
 import nats
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
 from openai import AsyncOpenAI
 
 from cli.compose_check.engine import log, sh
 from cli.compose_check.stack import Stack
-from libs.common.bus import requests_kv
+from libs.common.bus import evictions_kv, requests_kv
+from libs.common.nats_credentials import NatsAuth
 from libs.models.tiny import models_dir
 
 IMAGE_MODELS = "/opt/omnirelay/cache/models"
@@ -29,7 +31,9 @@ CONCURRENT_STREAMS = 16
 TOKENS = 32
 DISCOVERY_S = 90.0
 """How long Prometheus may take to list and scrape every service (SD refresh and scrape: 5 s each)."""
-CHECK_BUCKET = "omnirelay_compose_check"
+MARKER_KEY = "compose-check-marker"
+"""The check's own key in ``omni_evictions`` (the orchestrator identity it connects as may write
+there; no eviction key looks like it)."""
 
 
 class CheckFailed(AssertionError):
@@ -41,8 +45,17 @@ def expect(ok: bool, what: str) -> None:
         raise CheckFailed(what)
 
 
-def _client(base_url: str) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+@dataclass(frozen=True)
+class Gateway:
+    """The stack's OpenAI API: its URL on the host and the key it requires (the one the gateway
+    generated into its volume at first start, read with ``docker compose exec``)."""
+
+    url: str
+    api_key: str
+
+
+def _client(gateway: Gateway) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=gateway.api_key, max_retries=0, timeout=300)
 
 
 async def _text(client: AsyncOpenAI, model: str, stream: bool) -> int:
@@ -87,18 +100,18 @@ async def _audio(client: AsyncOpenAI, model: str, stream: bool) -> int:
     return len(pcm)
 
 
-async def _streams(base_url: str, model: str, n: int) -> list[int]:
+async def _streams(gateway: Gateway, model: str, n: int) -> list[int]:
     """``n`` text streams at once; their completion tokens."""
-    client = _client(base_url)
+    client = _client(gateway)
     try:
         return await asyncio.gather(*(_text(client, model, True) for _ in range(n)))
     finally:
         await client.close()
 
 
-async def traffic(base_url: str, model: str) -> str:
+async def traffic(gateway: Gateway, model: str) -> str:
     """Text and audio, streamed and not, then ``CONCURRENT_STREAMS`` text streams at once."""
-    client = _client(base_url)
+    client = _client(gateway)
     try:
         for stream in (False, True):
             tokens = await _text(client, model, stream)
@@ -106,7 +119,7 @@ async def traffic(base_url: str, model: str) -> str:
             audio = await _audio(client, model, stream)
             expect(audio > 0, f"audio (stream={stream}): no audio")
         t = time.monotonic()
-        counts = await _streams(base_url, model, CONCURRENT_STREAMS)
+        counts = await _streams(gateway, model, CONCURRENT_STREAMS)
         expect(counts == [TOKENS] * CONCURRENT_STREAMS, f"concurrent streams: tokens {counts}")
         return f"text and audio, streamed and not; {CONCURRENT_STREAMS} concurrent streams in {time.monotonic() - t:.1f} s"
     finally:
@@ -193,9 +206,9 @@ async def _retrying(what: str, attempt, timeout_s: float = 30.0):
             await asyncio.sleep(0.5)
 
 
-async def _records(nats_url: str) -> dict[str, bytes]:
+async def _records(nats_url: str, auth: NatsAuth) -> dict[str, bytes]:
     """Every request record (``omni_requests``) by key."""
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(nats_url, **auth.connect_options())
     try:
         kv = await requests_kv(nc.jetstream())
         keys = await _retrying("omni_requests keys", kv.keys)
@@ -204,42 +217,57 @@ async def _records(nats_url: str) -> dict[str, bytes]:
         await nc.close()
 
 
-async def _marker(nats_url: str, value: str | None) -> tuple[set[str], str]:
-    """(the JetStream streams, the check's marker in its own bucket), writing ``value`` first when
-    given."""
-    nc = await nats.connect(nats_url)
+async def _marker(
+    nats_url: str, auth: NatsAuth, streams: list[str], value: str | None
+) -> tuple[set[str], str]:
+    """(which of ``streams`` exist, the check's marker in ``omni_evictions``), writing ``value``
+    first when given."""
+    nc = await nats.connect(nats_url, **auth.connect_options())
     try:
         js = nc.jetstream()
-        kv = await _retrying("the check's bucket", lambda: js.create_key_value(bucket=CHECK_BUCKET))
+        kv = await _retrying("omni_evictions", lambda: evictions_kv(js))
         if value is not None:
-            await kv.put("marker", value.encode())
-        streams = {s.config.name for s in await _retrying("streams", js.streams_info)}
+            await kv.put(MARKER_KEY, value.encode())
+
+        async def existing() -> set[str]:
+            found = set()
+            for name in streams:
+                with contextlib.suppress(NotFoundError):
+                    await js.stream_info(name)
+                    found.add(name)
+            return found
+
+        found = await _retrying("streams", existing)
         try:
-            return streams, (await kv.get("marker")).value.decode()
+            return found, (await kv.get(MARKER_KEY)).value.decode()
         except KeyNotFoundError:
-            return streams, ""
+            return found, ""
     finally:
         await nc.close()
 
 
-def jetstream_survives_restart(stack: Stack, nats_url: str, base_url: str, model: str) -> str:
-    """``docker compose restart nats``: every stream, every request record (same key, same value)
-    and a value the check wrote are there after it, and the stack serves again."""
-    streams, _ = asyncio.run(_marker(nats_url, marker := uuid.uuid4().hex))
-    records = asyncio.run(_records(nats_url))
+def jetstream_survives_restart(
+    stack: Stack, nats_url: str, gateway: Gateway, model: str, names: list[str]
+) -> str:
+    """``docker compose restart nats``: every stream of ``names``, every request record (same key,
+    same value) and a value the check wrote are there after it, and the stack serves again. Read and
+    written as the orchestrator's NATS identity (TLS verified against the stack's CA)."""
+    auth = stack.nats_auth("orchestrator")
+    streams, _ = asyncio.run(_marker(nats_url, auth, names, marker := uuid.uuid4().hex))
+    records = asyncio.run(_records(nats_url, auth))
     expect(bool(records), "no request records before the restart")
     pid = stack.state("nats")["Pid"]
     stack.run("restart", "nats", timeout_s=300)
     expect(stack.state("nats")["Pid"] != pid, "nats was not restarted")
     stack.wait_healthy(["nats"], 120)
-    streams_after, value = asyncio.run(_marker(nats_url, None))
+    streams_after, value = asyncio.run(_marker(nats_url, auth, names, None))
     expect(value == marker, f"KV value lost in the restart: {value!r}")
     expect(streams <= streams_after, f"streams lost: {streams - streams_after}")
-    after = asyncio.run(_records(nats_url))
+    after = asyncio.run(_records(nats_url, auth))
     lost = [k for k, v in records.items() if after.get(k) != v]
     expect(not lost, f"{len(lost)} of {len(records)} request records lost or changed: {lost[:3]}")
 
-    expect(asyncio.run(_streams(base_url, model, 1)) == [TOKENS], "no request served after the NATS restart")
+    expect(asyncio.run(_streams(gateway, model, 1)) == [TOKENS], "no request served after the NATS restart")
     return (
         f"{len(streams_after)} streams, all {len(records)} request records and the marker kept; served after"
     )
@@ -255,7 +283,7 @@ class Outage:
     """Requests sent during the outage that completed (all must)."""
 
 
-def worker_dies(stack: Stack, service: str, base_url: str, model: str, n: int = 8) -> Outage:
+def worker_dies(stack: Stack, service: str, gateway: Gateway, model: str, n: int = 8) -> Outage:
     """``docker kill`` of ``service``'s container, then ``kill -9`` of its main process from the host
     (what a crash or the OOM killer does): the restart policy brings the container back, healthy,
     and ``n`` requests sent right after the kill all complete."""
@@ -282,7 +310,7 @@ def worker_dies(stack: Stack, service: str, base_url: str, model: str, n: int = 
         expect(time.monotonic() - t0 < 10, f"{service}: pid {pid} still there 10 s after kill -9")
         time.sleep(0.05)
     log(f"kill -9 of {service}'s process {pid}: gone")
-    counts = asyncio.run(_streams(base_url, model, n))
+    counts = asyncio.run(_streams(gateway, model, n))
     expect(counts == [TOKENS] * n, f"requests during the outage: tokens {counts}")
     deadline = time.monotonic() + 300
     while stack.restart_count(service) <= restarts:

@@ -25,6 +25,7 @@ from cli.compose_check.images import (
 from cli.compose_check.stack import Stack
 from libs.common.local_nats import free_port
 from libs.common.pipeline import load_pipeline
+from libs.common.subjects import EVICTIONS_BUCKET, REQUESTS_BUCKET, SERVICES_BUCKET, Subjects
 
 IMAGE = "omnirelay:cpu"
 HEALTHY_S = 900.0
@@ -83,21 +84,25 @@ def build(repo: Path, base: str, cold: bool, rows: list[tuple[str, str]]) -> Non
 def exercise(stack: Stack, repo: Path, ports: dict[str, str], rows: list[tuple[str, str]]) -> None:
     """Steps 3 to 8 on ``stack``: up, healthy, traffic, discovery, a NATS restart, a worker killed."""
     pipeline = load_pipeline(repo / "compose" / "pipelines" / "default.yaml")
-    gateway = f"http://127.0.0.1:{ports['OMNIRELAY_GATEWAY_PORT']}"
+    url = f"http://127.0.0.1:{ports['OMNIRELAY_GATEWAY_PORT']}"
     t = time.monotonic()
     stack.run("down", "-v", "--remove-orphans", check=False)
     stack.up()
     healthy = stack.wait_healthy(stack.services, HEALTHY_S)
     rows.append(("start to healthy", f"{time.monotonic() - t:.0f} s ({healthy:.0f} s after `up` returned)"))
     log("every container healthy")
+    gateway = probes.Gateway(url, stack.api_key())
     model = pipeline.served_model_name
     rows.append(("traffic", asyncio.run(probes.traffic(gateway, model))))
     if "prometheus" in stack.services:
         workers = {(str(s), str(r)) for s, st in enumerate(pipeline.stages) for r in range(st.replicas)}
         prometheus = f"http://127.0.0.1:{ports['PROMETHEUS_PORT']}"
-        rows.append(("Prometheus discovery", probes.discovery(prometheus, gateway, workers)))
+        rows.append(("Prometheus discovery", probes.discovery(prometheus, url, workers)))
     nats_url = f"nats://127.0.0.1:{ports['NATS_PORT']}"
-    rows.append(("restart nats", probes.jetstream_survives_restart(stack, nats_url, gateway, model)))
+    subjects = Subjects(pipeline.name)
+    streams = [subjects.requests_stream, subjects.stages_stream, subjects.events_stream]
+    streams += [f"KV_{b}" for b in (SERVICES_BUCKET, REQUESTS_BUCKET, EVICTIONS_BUCKET)]
+    rows.append(("restart nats", probes.jetstream_survives_restart(stack, nats_url, gateway, model, streams)))
     outage = probes.worker_dies(stack, KILLED, gateway, model)
     docker_kill = "restarted" if outage.docker_kill_restarted else "not restarted (a manual stop)"
     rows.append(
@@ -121,7 +126,12 @@ def main(repo: Path, cold: bool, keep: bool) -> int:
     log(f"Docker Engine {version}; compose command: {' '.join(compose)}")
     rows: list[tuple[str, str]] = [("engine", f"Docker Engine {version}, {' '.join(compose)}")]
     ports = {var: str(free_port()) for var in PORT_VARS}
-    env = {**ports, "OMNIRELAY_IMAGE": IMAGE, "OMNIRELAY_LOG_STATS": "true"}
+    env = {
+        **ports,
+        "OMNIRELAY_IMAGE": IMAGE,
+        "OMNIRELAY_LOG_STATS": "true",
+        "OMNIRELAY_ALLOW_IGNORE_EOS": "true",
+    }
     stack = Stack(compose, repo / "compose", env, [])
     passed = False
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from urllib.parse import urlsplit
 from weakref import WeakKeyDictionary
 
 from nats.aio.client import Client as NATS
@@ -31,6 +32,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
 
 from libs.common.consumer import Handler, PullConsumer
+from libs.common.nats_credentials import NatsAuth, NatsCredentials
 from libs.common.subjects import (
     EVICTIONS_BUCKET,
     REQUESTS_BUCKET,
@@ -110,18 +112,39 @@ def replicas(js: JetStreamContext) -> int:
     return _replicas.get(js._nc, 1)  # nats-py keeps the client of a context only there
 
 
-async def connect(url: str, name: str) -> NATS:
+def redact(url: str) -> str:
+    """``url`` (one or several servers) as it may be logged: a user or password in it replaced by
+    ``***``."""
+    out = []
+    for server in server_urls(url):
+        parts = urlsplit(server if "://" in server else f"nats://{server}")
+        out.append(
+            server
+            if parts.username is None and parts.password is None
+            else server.replace(parts.netloc, "***@" + parts.netloc.rsplit("@", 1)[1])
+        )
+    return ",".join(out)
+
+
+async def connect(url: str, name: str, credentials: NatsAuth | None = None) -> NATS:
     """Connect to one of the servers in ``url`` (comma-separated: every server of a cluster), with
-    unlimited reconnects to any of them (services survive a broker restart or a node's loss)."""
+    unlimited reconnects to any of them (services survive a broker restart or a node's loss).
+
+    As the identity of ``credentials``, by default the one the environment names
+    (``OMNIRELAY_NATS_USER`` ..., :class:`libs.common.nats_credentials.NatsCredentials`; none: an
+    anonymous client, for a server without authorization), with its own inbox prefix, over TLS
+    verified against ``OMNIRELAY_NATS_CA`` when it is set."""
     servers = server_urls(url)
+    shown = redact(url)
+    options = (credentials if credentials is not None else NatsCredentials()).connect_options()
     nc = NATS()
 
     async def _disconnected() -> None:
         if not nc.is_closed:  # nats-py reports a deliberate close as a disconnect too
-            log.warning("NATS disconnected (%s); reconnecting", url)
+            log.warning("NATS disconnected (%s); reconnecting", shown)
 
     async def _reconnected() -> None:
-        log.info("NATS reconnected (%s)", url)
+        log.info("NATS reconnected (%s)", shown)
 
     async def _error(e: Exception) -> None:
         log.warning("NATS error: %s", e)
@@ -136,6 +159,7 @@ async def connect(url: str, name: str) -> NATS:
         disconnected_cb=_disconnected,
         reconnected_cb=_reconnected,
         error_cb=_error,
+        **options,
     )
     _replicas[nc] = replicas_for(servers)
     return nc

@@ -10,6 +10,7 @@ from typing import Any
 from nats.js.errors import NoKeysError, NotFoundError
 
 from libs.common.bus import connect, requests_kv, services_kv
+from libs.common.nats_credentials import NatsAuth
 from libs.common.pipeline import PipelineConfig
 from libs.common.records import RequestRecord
 from libs.common.registry import ServiceRecord
@@ -32,10 +33,13 @@ async def _records(kv, model) -> list[Any]:
     return out
 
 
-async def snapshot(nats_url: str, pipeline: PipelineConfig) -> dict[str, Any]:
-    """Streams, consumers, live services and in-flight requests as plain data."""
+async def snapshot(
+    nats_url: str, pipeline: PipelineConfig, credentials: NatsAuth | None = None
+) -> dict[str, Any]:
+    """Streams, consumers, live services and in-flight requests as plain data (read as
+    ``credentials``, by default the identity the environment names; the ``operator`` identity may)."""
     subjects = Subjects(pipeline.name)
-    nc = await connect(nats_url, "omnirelay-inspect")
+    nc = await connect(nats_url, "omnirelay-inspect", credentials)
     try:
         js = nc.jetstream()
         streams = []
@@ -92,9 +96,11 @@ async def snapshot(nats_url: str, pipeline: PipelineConfig) -> dict[str, Any]:
         await nc.close()
 
 
-async def request_record(nats_url: str, request_id: str) -> dict[str, Any] | None:
+async def request_record(
+    nats_url: str, request_id: str, credentials: NatsAuth | None = None
+) -> dict[str, Any] | None:
     """The ``omni_requests`` record of ``request_id`` as JSON data, or None when there is none."""
-    nc = await connect(nats_url, "omnirelay-inspect")
+    nc = await connect(nats_url, "omnirelay-inspect", credentials)
     try:
         kv = await requests_kv(nc.jetstream())
         try:

@@ -18,6 +18,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from libs.common.nats_secrets import ROUTE_USER, write_private
+
 SYNC_INTERVAL = "always"
 """``sync_interval`` of the servers ``omnirelay up`` starts: fsync after every write."""
 NATS_DEFAULT_SYNC_INTERVAL = "2m"
@@ -73,19 +75,26 @@ def check_sync_interval(value: str) -> str:
 
 
 def nats_server_argv(
-    store: Path, port: int, monitor_port: int, sync_interval: str | None = None
+    store: Path, port: int, monitor_port: int, sync_interval: str | None = None, security: str = ""
 ) -> list[str]:
     """``nats-server`` with JetStream storing in ``store``, on loopback, with its monitoring port.
 
-    With ``sync_interval`` the server reads it from ``store/nats-server.conf``, written here (there
-    is no command-line flag for it); without, nats-server's default (:data:`NATS_DEFAULT_SYNC_INTERVAL`)
-    is in force, as for the tests' throw-away servers.
+    With ``sync_interval`` or ``security`` (configuration text: the identities' ``authorization``
+    block, a ``tls`` block; :mod:`libs.common.nats_secrets`) the server reads them from
+    ``store/nats-server.conf``, written here readable by its owner only (there is no command-line
+    flag for them); without, nats-server's default sync interval
+    (:data:`NATS_DEFAULT_SYNC_INTERVAL`) and no authorization, as for the tests' throw-away servers.
     """
     argv = [nats_server_binary(), "-js", "-sd", str(store), "-a", "127.0.0.1", "-p", str(port)]
     argv += ["-m", str(monitor_port)]
-    if sync_interval is not None:
+    if sync_interval is not None or security:
         conf = store / "nats-server.conf"
-        conf.write_text(f"jetstream {{\n  sync_interval: {check_sync_interval(sync_interval)}\n}}\n")
+        text = (
+            ""
+            if sync_interval is None
+            else f"jetstream {{\n  sync_interval: {check_sync_interval(sync_interval)}\n}}\n"
+        )
+        write_private(conf, text + security)
         argv += ["-c", str(conf)]
     return argv
 
@@ -122,10 +131,23 @@ def cluster_nodes(root: Path, size: int) -> list[ClusterNode]:
     ]
 
 
-def cluster_config(node: ClusterNode, nodes: list[ClusterNode], sync_interval: str) -> str:
+def cluster_config(
+    node: ClusterNode,
+    nodes: list[ClusterNode],
+    sync_interval: str,
+    security: str = "",
+    route_password: str | None = None,
+) -> str:
     """nats-server configuration of ``node`` in the cluster of ``nodes`` (routes to every node; a
-    server ignores the route to itself)."""
-    routes = "\n".join(f"    nats-route://127.0.0.1:{n.cluster_port}" for n in nodes)
+    server ignores the route to itself), with ``security`` (the clients' authorization and TLS)
+    and, given ``route_password``, routes that authenticate as :data:`ROUTE_USER`."""
+    auth = f"{ROUTE_USER}:{route_password}@" if route_password else ""
+    routes = "\n".join(f"    nats-route://{auth}127.0.0.1:{n.cluster_port}" for n in nodes)
+    route_auth = (
+        f'  authorization {{\n    user: {ROUTE_USER}\n    password: "{route_password}"\n  }}\n'
+        if route_password
+        else ""
+    )
     return (
         f"server_name: {node.name}\n"
         f"listen: 127.0.0.1:{node.port}\n"
@@ -137,18 +159,26 @@ def cluster_config(node: ClusterNode, nodes: list[ClusterNode], sync_interval: s
         "cluster {\n"
         f"  name: {CLUSTER_NAME}\n"
         f"  listen: 127.0.0.1:{node.cluster_port}\n"
+        f"{route_auth}"
         f"  routes: [\n{routes}\n  ]\n"
         "}\n"
+        f"{security}"
     )
 
 
-def cluster_argvs(nodes: list[ClusterNode], sync_interval: str = SYNC_INTERVAL) -> list[list[str]]:
-    """The command line of every node; writes each node's ``<store>/nats-server.conf``."""
+def cluster_argvs(
+    nodes: list[ClusterNode],
+    sync_interval: str = SYNC_INTERVAL,
+    security: str = "",
+    route_password: str | None = None,
+) -> list[list[str]]:
+    """The command line of every node; writes each node's ``<store>/nats-server.conf`` (readable
+    by its owner only)."""
     argvs = []
     for node in nodes:
         node.store.mkdir(parents=True, exist_ok=True)
         conf = node.store / "nats-server.conf"
-        conf.write_text(cluster_config(node, nodes, sync_interval))
+        write_private(conf, cluster_config(node, nodes, sync_interval, security, route_password))
         argvs.append([nats_server_binary(), "-c", str(conf)])
     return argvs
 

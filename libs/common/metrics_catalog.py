@@ -92,6 +92,10 @@ FAMILIES: tuple[Family, ...] = (
     Family("vllm:omni_requests_failed", Kind.COUNTER,
            "Requests that failed, by reason (timeout, stage_error, no_live_replica, queue_full, ...).",
            (*PIPELINE, "reason"), Exporter.GATEWAY, spec=False),
+    Family("vllm:omni_slow_reader_aborts", Kind.COUNTER,
+           "Streamed responses aborted because the client read too slowly: more events waiting for it "
+           "than OMNIRELAY_MAX_BUFFERED_EVENTS, or a write it did not take within "
+           "OMNIRELAY_SLOW_READER_TIMEOUT_S.", PIPELINE, Exporter.GATEWAY, spec=False),
     # --- audio (gateway, client-facing edge) ---------------------------------------------------
     Family("vllm:omni_stale_events_dropped", Kind.COUNTER,
            "Client events dropped by the gateway because they came from an attempt of the stage the "

@@ -73,10 +73,15 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-def start_metrics_server(port: int) -> int:
-    """Serve ``/metrics`` on ``0.0.0.0:port`` in a background thread; returns the bound port
+METRICS_HOST = "127.0.0.1"
+"""Default bind address of the orchestrator's and workers' ``/metrics`` (``OMNIRELAY_METRICS_HOST``):
+this machine only; compose binds ``0.0.0.0`` inside the container network for Prometheus."""
+
+
+def start_metrics_server(port: int, host: str = METRICS_HOST) -> int:
+    """Serve ``/metrics`` on ``host:port`` in a background thread; returns the bound port
     (``port=0`` picks a free one)."""
-    server = ThreadingHTTPServer(("0.0.0.0", port), _Handler)
+    server = ThreadingHTTPServer((host, port), _Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server.server_address[1]

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Annotated
 
 from pydantic import AliasChoices, Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from libs.common.bus import LIMITS, BusLimits, server_urls
+from libs.common.nats_credentials import NatsCredentials
 from libs.common.pipeline import DEFAULT_PIPELINE_PATH
 
 SchedBatch = Annotated[
@@ -32,8 +33,8 @@ def _instance_id() -> str:
     return f"{socket.gethostname().split('.')[0]}-{os.getpid()}-{uuid.uuid4().hex[:6]}".replace("_", "-")
 
 
-class ServiceSettings(BaseSettings):
-    """Settings shared by every service."""
+class ServiceSettings(NatsCredentials):
+    """Settings shared by every service (with its NATS identity and TLS: :class:`NatsCredentials`)."""
 
     model_config = SettingsConfigDict(env_prefix="OMNIRELAY_", extra="ignore")
 
@@ -68,13 +69,84 @@ class ServiceSettings(BaseSettings):
 
 
 class GatewaySettings(ServiceSettings):
+    """The gateway's settings; docs/security.md says what each control guards against."""
+
     host: str = Field(default="127.0.0.1", description="HTTP bind address")
     port: int = Field(default=8000, ge=0, le=65535, description="HTTP port (OpenAI API, /metrics)")
     sched_batch: SchedBatch = True
+    api_keys: str = Field(
+        default="", description="API keys clients send as 'Authorization: Bearer <key>', comma-separated"
+    )
+    api_keys_file: Path | None = Field(
+        default=None, description="file of API keys, one per line ('#' starts a comment)"
+    )
+    generate_api_key: bool = Field(
+        default=False,
+        description=(
+            "api_keys_file is optional: when it does not exist and no key is set, write a new random "
+            "key there (mode 0600)"
+        ),
+    )
+    allow_no_auth: bool = Field(
+        default=False,
+        description="UNSAFE: serve without API keys on a non-loopback address (anyone who reaches the port may use it)",
+    )
+    gateway_docs: bool = Field(default=False, description="serve /docs, /redoc and /openapi.json")
+    max_body_bytes: int = Field(
+        default=4 << 20, ge=1024, description="largest request body, bytes (413 above)"
+    )
+    max_headers: int = Field(default=100, ge=10, description="most headers in a request (431 above)")
+    max_header_bytes: int = Field(
+        default=16 << 10,
+        ge=1024,
+        description="largest request head (headers; the HTTP parser bounds a head still arriving), bytes (431 above)",
+    )
+    request_head_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="a request's head must arrive within this of the connection's start, seconds",
+    )
+    keep_alive_s: int = Field(
+        default=5, ge=1, description="idle keep-alive connections close after this, seconds"
+    )
+    max_messages: int = Field(default=1024, ge=1, description="most messages in a chat request")
+    max_prompt_chars: int = Field(
+        default=500_000,
+        ge=1,
+        description="most characters of a request's prompt (all messages' text together)",
+    )
+    max_stop: int = Field(default=4, ge=0, description="most stop sequences in a request (OpenAI's limit)")
+    max_tokens_limit: int = Field(
+        default=8192,
+        ge=1,
+        description="most tokens a request may generate; the default max_tokens is what the context leaves, at most this",
+    )
+    allow_ignore_eos: bool | None = Field(
+        default=None,
+        description="let clients send vLLM's ignore_eos (unset: only when bound to a loopback address)",
+    )
+    max_buffered_events: int = Field(
+        default=1024,
+        ge=0,
+        description="events a streamed response may have waiting for a slow reader before it is aborted; 0: no limit",
+    )
+    slow_reader_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="a response write the client does not take within this aborts it, seconds",
+    )
+    max_concurrent_per_key: int = Field(
+        default=256,
+        ge=0,
+        description="requests one API key (one client address without keys) may run at once; 0: no limit",
+    )
 
 
 class OrchestratorSettings(ServiceSettings):
     metrics_port: int = Field(default=0, ge=0, le=65535, description="/metrics port (0: any free)")
+    metrics_host: str = Field(
+        default="127.0.0.1", description="/metrics bind address (0.0.0.0: every interface, as in compose)"
+    )
     log_stats_interval_s: float = Field(
         default=5.0, gt=0, description="period of the pipeline stats log line (with --log-stats), seconds"
     )
@@ -85,6 +157,9 @@ class WorkerSettings(ServiceSettings):
     stage: int = Field(default=0, ge=0, description="stage id (0-based position in the pipeline)")
     replica: int = Field(default=0, ge=0, description="replica id of this stage")
     metrics_port: int = Field(default=0, ge=0, le=65535, description="/metrics port (0: any free)")
+    metrics_host: str = Field(
+        default="127.0.0.1", description="/metrics bind address (0.0.0.0: every interface, as in compose)"
+    )
     max_inflight: int = Field(default=128, ge=1, description="requests handled at once")
     engine_nice: int = Field(
         default=10,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from contextlib import asynccontextmanager
 
@@ -15,13 +16,19 @@ from libs.common.runtime import freeze_startup_heap
 from libs.common.settings import GatewaySettings
 from libs.common.tracing import setup_tracing, shutdown_tracing
 from libs.models.tiny import resolve_model
+from services.gateway.auth import load_api_keys
 from services.gateway.errors import install_error_handlers
+from services.gateway.http_protocol import with_head_deadline
+from services.gateway.limits import ConcurrencyLimit, InputLimits, SlotRelease
 from services.gateway.pipeline_client import PipelineClient
 from services.gateway.prompting import Tokenizer
+from services.gateway.request_size import RequestSizeLimit
 from services.gateway.request_stats import GatewayStatLogger
-from services.gateway.responses import body_started, finish
+from services.gateway.responses import SlowReader, abandon, body_started, finish
 from services.gateway.routes import router
 from services.gateway.submission import Submitter
+
+log = logging.getLogger(__name__)
 
 
 class ResponseTimer:
@@ -31,10 +38,15 @@ class ResponseTimer:
     carried to every service) and ``time.monotonic()`` (for intervals measured here) — and, for
     a request with a submitted job (``scope["state"]["job"]``), records when the response body's
     first and last bytes were handed to the HTTP server.
+
+    It also ends a response whose client reads too slowly (:class:`SlowReader`: too many events
+    waiting, or a body write not taken within ``send_timeout_s``): the request is aborted in every
+    stage, counted, and the connection closed.
     """
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, send_timeout_s: float) -> None:
         self.app = app
+        self.send_timeout_s = send_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -56,14 +68,28 @@ class ResponseTimer:
             if first_body:
                 first_body = False
                 body_started(job, now)
-            await send(message)
+            try:
+                async with asyncio.timeout(self.send_timeout_s):
+                    await send(message)
+            except TimeoutError:
+                raise SlowReader(f"a write not taken within {self.send_timeout_s:.0f} s") from None
             if not message.get("more_body", False):
                 finish(job, now)
 
-        await self.app(scope, receive, timed_send)
+        try:
+            await self.app(scope, receive, timed_send)
+        except SlowReader as e:
+            job = state["job"]
+            log.warning("request %s: the client reads too slowly (%s); aborted, connection closed", job.id, e)
+            job.log.slow_reader()
+            abandon(job)  # the server closes the connection: the response was not completed
 
 
 def create_app(settings: GatewaySettings, pipeline: PipelineConfig) -> FastAPI:
+    """The gateway's application; raises :class:`~services.gateway.auth.AuthConfigError` when
+    its API-key set-up must not serve (:func:`~services.gateway.auth.load_api_keys`)."""
+    api_keys = load_api_keys(settings)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         tokenizer = await asyncio.to_thread(Tokenizer, resolve_model(pipeline.stages[0].model))
@@ -73,7 +99,7 @@ def create_app(settings: GatewaySettings, pipeline: PipelineConfig) -> FastAPI:
         client = PipelineClient(settings, pipeline, stat_log.stale_event, stat_log.event_gap)
         await client.start()
         app.state.client = client
-        app.state.submitter = Submitter(pipeline, client, tokenizer, stat_log)
+        app.state.submitter = Submitter(pipeline, client, tokenizer, stat_log, InputLimits.of(settings))
         freeze_startup_heap()
         try:
             yield
@@ -81,14 +107,47 @@ def create_app(settings: GatewaySettings, pipeline: PipelineConfig) -> FastAPI:
             await client.stop()
             shutdown_tracing()
 
-    app = FastAPI(title="omnirelay gateway", lifespan=lifespan)
+    # /docs, /redoc and /openapi.json only when asked for; app.openapi() builds the schema anyway.
+    docs = settings.gateway_docs
+    app = FastAPI(
+        title="omnirelay gateway",
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.state.pipeline = pipeline
+    app.state.api_keys = api_keys
+    app.state.concurrency = concurrency = ConcurrencyLimit(settings.max_concurrent_per_key)
     app.state.started = int(time.time())
     app.include_router(router)
     install_error_handlers(app)
+    # Middleware added first runs innermost: size limits inside the http_* metrics (a 413 counts).
+    app.add_middleware(
+        RequestSizeLimit,
+        max_body_bytes=settings.max_body_bytes,
+        max_headers=settings.max_headers,
+        max_header_bytes=settings.max_header_bytes,
+    )
     Instrumentator(excluded_handlers=["/metrics"]).instrument(app)  # http_* families; served by /metrics
-    app.add_middleware(ResponseTimer)
+    app.add_middleware(SlotRelease, limit=concurrency)
+    app.add_middleware(ResponseTimer, send_timeout_s=settings.slow_reader_timeout_s)
     return app
+
+
+def server_options(settings: GatewaySettings) -> dict[str, object]:
+    """uvicorn's options for the gateway: h11 (not httptools) for its bound on a request head
+    still arriving (a longer one is a 400), as vLLM's server does, with a deadline for the head
+    (:mod:`services.gateway.http_protocol`), and the keep-alive timeout."""
+    return {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": settings.log_level.lower(),
+        "access_log": False,
+        "http": with_head_deadline(settings.request_head_timeout_s),
+        "h11_max_incomplete_event_size": settings.max_header_bytes,
+        "timeout_keep_alive": settings.keep_alive_s,
+    }
 
 
 def run_gateway(settings: GatewaySettings, pipeline: PipelineConfig) -> None:
@@ -96,6 +155,4 @@ def run_gateway(settings: GatewaySettings, pipeline: PipelineConfig) -> None:
 
     setup_tracing("gateway", pipeline.name)
     app = create_app(settings, pipeline)
-    uvicorn.run(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(), access_log=False
-    )
+    uvicorn.run(app, **server_options(settings))

@@ -7,7 +7,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.schemas import ErrorBody, ErrorResponse
@@ -16,6 +16,7 @@ log = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "not_found_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
@@ -28,9 +29,18 @@ _TYPES = {
 class APIError(Exception):
     """An error the client sees: HTTP status, message, OpenAI error code and offending parameter."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
+        self.headers = headers
+        """Response headers of the error (``WWW-Authenticate`` of a 401, ``Retry-After`` of a 429)."""
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(
@@ -63,8 +73,8 @@ def install_error_handlers(app: FastAPI) -> None:
     """Render every error, ours and the framework's, as OpenAI's error JSON."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body().model_dump(), status_code=e.status)
+    async def _api_error(_: Request, e: APIError) -> Response:
+        return response_of(e)
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, e: ClientGone) -> Response:
@@ -79,23 +89,28 @@ def install_error_handlers(app: FastAPI) -> None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def _validation(_: Request, e: RequestValidationError) -> Response:
         first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             msg, param = "request body is not valid JSON", None
-        err = bad_request(f"{param}: {msg}" if param else msg, param)
-        return JSONResponse(err.body().model_dump(), status_code=400)
+        return response_of(bad_request(f"{param}: {msg}" if param else msg, param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        err = APIError(e.status_code, str(e.detail), code=None)
-        return JSONResponse(err.body().model_dump(), status_code=e.status_code)
+    async def _http(_: Request, e: StarletteHTTPException) -> Response:
+        return response_of(APIError(e.status_code, str(e.detail), code=None))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        err = APIError(500, f"internal error: {type(e).__name__}", code="internal_error")
-        return JSONResponse(err.body().model_dump(), status_code=500)
+    async def _unexpected(_: Request, e: Exception) -> Response:
+        log.exception("unhandled error")  # the detail is the operator's; the client learns nothing of it
+        return response_of(APIError(500, "internal error", code="internal_error"))
+
+
+def response_of(e: APIError) -> Response:
+    """``e`` as its HTTP response. The JSON is ASCII (non-ASCII characters escaped), so a message
+    that quotes the client's input renders whatever that input held, a lone surrogate included
+    (Starlette's ``JSONResponse`` encodes UTF-8 and fails on one: a 500)."""
+    body = json.dumps(e.body().model_dump()).encode()
+    return Response(body, status_code=e.status, headers=e.headers, media_type="application/json")

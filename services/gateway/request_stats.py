@@ -96,6 +96,11 @@ class GatewayStatLogger:
         if self._m.enabled:
             self._m["vllm:omni_client_event_gaps"].labels(self._model, str(stage)).inc()
 
+    def slow_reader(self) -> None:
+        """A streamed response was aborted: its client read too slowly."""
+        if self._m.enabled:
+            self._m["vllm:omni_slow_reader_aborts"].labels(self._model).inc()
+
     def rejected(self, reason: str) -> None:
         """A request that could not even be queued (queue full, bus down)."""
         if self._m.enabled:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ DISCONNECT_POLL_S = 0.25
 MAX_CHUNKS_PER_WRITE = 32
 """At most this many SSE events are joined into one write of a streamed response."""
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,6 +54,10 @@ class Job:
     """A speech request: its input's tokens (the thinker's tokenizer)."""
     speech_frames: int = 0
     """A speech request: the codec frames of its audio, once it has all come."""
+    max_buffered: int = 0
+    """Events that may wait for a streamed response's client before it is a slow reader (0: any)."""
+    abandoned: bool = False
+    """Aborted because its client went away or read too slowly (:func:`abandon`, once)."""
 
     @property
     def id(self) -> str:
@@ -96,10 +102,14 @@ def usage_of(ev: ClientEvent) -> Usage | None:
 
 async def events_until_done(job: Job) -> AsyncIterator[ClientEvent]:
     """A request's events up to completion: the thinker's ``text_done`` (none for a speech
-    request) and, for audio requests, the audio stage's ``audio_done``. An ``error`` event raises :class:`APIError`."""
+    request) and, for audio requests, the audio stage's ``audio_done``. An ``error`` event raises
+    :class:`APIError`; for a streamed response, more than ``job.max_buffered`` events waiting (its
+    client reads slower than the pipeline writes) raise :class:`SlowReader`."""
     text_done = audio_done = False
     try:
         async for ev in job.handle.events():
+            if job.stats.streamed and job.max_buffered and job.handle.queue.qsize() > job.max_buffered:
+                raise SlowReader(f"{job.handle.queue.qsize()} events waiting for the client")
             now = time.monotonic()
             job.log.started(job.stats, now)
             if ev.type in (ClientEventType.ERROR, ClientEventType.AUDIO_DONE) and ev.stage:
@@ -127,9 +137,41 @@ async def events_until_done(job: Job) -> AsyncIterator[ClientEvent]:
         raise
 
 
+CONTROL_PLANE_CODES = frozenset(
+    {
+        "timeout",
+        "no_live_replica",
+        "replica_lost",
+        "migration_limit",
+        "events_lost",
+        "queue_full",
+        "bus_unavailable",
+    }
+)
+"""Error codes whose message omnirelay's orchestrator or gateway writes itself (no exception
+text, no internals): the client reads it as it is."""
+FORWARDED_STATUSES = frozenset({400, 404, 429, 500, 502, 503, 504})
+"""HTTP statuses an ``error`` event may give the client; any other is a 500."""
+
+
+class SlowReader(Exception):
+    """The client reads a streamed response too slowly: it is aborted (every stage stops the
+    request) and its connection closed (:class:`services.gateway.app.ResponseTimer`)."""
+
+
 def error_of(ev: ClientEvent) -> APIError:
-    """The client-facing error of an ``error`` event."""
-    return APIError(ev.status or 500, ev.message or "the pipeline failed", ev.code or "pipeline_error")
+    """The client-facing error of an ``error`` event: its status (one of
+    :data:`FORWARDED_STATUSES`) and code; its message only for :data:`CONTROL_PLANE_CODES`. A
+    stage's message (an engine's or codec's exception text) goes to the gateway's log with the
+    request id, and the client gets a generic one naming the code and the request id."""
+    status = ev.status if ev.status in FORWARDED_STATUSES else 500
+    code = ev.code or "pipeline_error"
+    if code in CONTROL_PLANE_CODES:
+        return APIError(status, ev.message or "the pipeline failed", code)
+    log.warning(
+        "request %s failed in stage %s: %s %s: %s", ev.request_id, ev.stage, ev.status, code, ev.message
+    )
+    return APIError(status, f"the request failed in the pipeline ({code}); request id {ev.request_id}", code)
 
 
 def abort_reason(e: BaseException | None) -> str:
@@ -272,7 +314,10 @@ def body_started(job: Job, now: float) -> None:
 
 
 def abandon(job: Job) -> None:
-    """The client went away: abort the request everywhere and record it as aborted."""
+    """The client went away: abort the request everywhere and record it as aborted (once)."""
+    if job.abandoned:
+        return
+    job.abandoned = True
     job.client.abort(job.id, "client disconnected")
     job.stats.finished_reason = "abort"
     finish(job, time.monotonic())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import time
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from libs.common.envelopes import ClientEvent, ClientEventType
@@ -13,7 +13,9 @@ from libs.common.metrics_server import render
 from libs.common.pipeline import TALKER_VOICES
 from libs.common.tracing import context_from_headers
 from libs.common.voices import OPENAI_VOICES, default_voice, talker_config
+from services.gateway.auth import authorize
 from services.gateway.discovery import sd_targets
+from services.gateway.limits import admit
 from services.gateway.responses import (
     AUDIO_EXPIRY_S,
     Collected,
@@ -47,6 +49,10 @@ from services.gateway.speech import SpeechEncoding, speech_events, speech_file
 from services.gateway.submission import Arrival
 
 router = APIRouter()
+"""Open routes: liveness (``/health``), ``/metrics`` and Prometheus's service discovery."""
+api = APIRouter(dependencies=[Depends(authorize), Depends(admit)])
+"""The OpenAI API (``/v1/*``): every route needs a valid API key (:func:`authorize`) and a slot
+of its key's concurrency (:func:`admit`)."""
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 REQUEST_ID_HEADER = "X-Request-Id"
 """A speech response's request id (its key in ``omni_requests``; OpenAI's speech body has none)."""
@@ -61,7 +67,7 @@ def _arrival(request: Request) -> Arrival:
     )
 
 
-@router.get("/v1/models")
+@api.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
     p = request.app.state.pipeline
     card = ModelCard(
@@ -72,7 +78,7 @@ async def list_models(request: Request) -> ModelList:
     return ModelList(data=[card])
 
 
-@router.get("/v1/audio/voices")
+@api.get("/v1/audio/voices")
 async def list_voices(request: Request) -> VoiceList:
     talker = talker_config(request.app.state.pipeline)
     default = default_voice(talker) if talker is not None else None
@@ -114,7 +120,7 @@ def _sse(job: Job, head: list[str], render, tail) -> StreamingResponse:
 
 
 # --- speech -----------------------------------------------------------------------------------
-@router.post("/v1/audio/speech")
+@api.post("/v1/audio/speech")
 async def audio_speech(body: SpeechRequest, request: Request) -> StreamingResponse:
     """OpenAI's text to speech: the input enters at the talker; the audio streams back in the
     asked format as it is encoded (``stream_format: audio``) or as speech events (``sse``). The
@@ -132,7 +138,7 @@ async def audio_speech(body: SpeechRequest, request: Request) -> StreamingRespon
 
 
 # --- chat -------------------------------------------------------------------------------------
-@router.post("/v1/chat/completions", response_model=ChatCompletion)
+@api.post("/v1/chat/completions", response_model=ChatCompletion)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     job = await request.app.state.submitter.chat(body, _arrival(request))
     request.state.job = job
@@ -197,7 +203,7 @@ def _chat_tail(job: Job, c: Collected, include_usage: bool) -> list[str]:
 
 
 # --- completions -------------------------------------------------------------------------------
-@router.post("/v1/completions", response_model=Completion)
+@api.post("/v1/completions", response_model=Completion)
 async def completions(body: CompletionRequest, request: Request):
     job = await request.app.state.submitter.completion(body, _arrival(request))
     request.state.job = job
@@ -238,3 +244,6 @@ def _completion_tail(job: Job, c: Collected, include_usage: bool) -> list[str]:
     if include_usage:
         out.append(_completion_chunk(job, [], usage=c.usage))
     return out
+
+
+router.include_router(api)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass
@@ -9,11 +10,13 @@ from typing import Any
 
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
+from pydantic import BaseModel
 
 from libs.common.envelopes import Admission, Sampling, SpeechChunk
 from libs.common.pipeline import PipelineConfig
 from libs.common.tracing import inject_headers, start_span, trace_id_hex
 from services.gateway.errors import APIError, bad_request
+from services.gateway.limits import DEFAULT_LIMITS, InputLimits, check_text
 from services.gateway.pipeline_client import PipelineClient
 from services.gateway.prompting import (
     Tokenizer,
@@ -38,12 +41,21 @@ class Submitter:
         client: PipelineClient,
         tokenizer: Tokenizer,
         stat_log: GatewayStatLogger,
+        limits: InputLimits = DEFAULT_LIMITS,
     ) -> None:
         self.pipeline = pipeline
         self.client = client
         self.tokenizer = tokenizer
         self.stat_log = stat_log
+        self.limits = limits
         self.max_model_len = pipeline.stages[0].engine.max_model_len
+
+    def _budget(self, asked: int | None, prompt_len: int, param: str) -> int:
+        """The request's generation budget (:func:`max_tokens_for`: past the context is
+        ``context_length_exceeded``), at most the server's cap (asked past it: 400)."""
+        budget = max_tokens_for(asked, prompt_len, self.max_model_len, param)
+        self.limits.check_max_tokens(asked, param)
+        return min(budget, self.limits.max_tokens)
 
     def _check_model(self, model: str) -> None:
         if model != self.pipeline.served_model_name:
@@ -55,17 +67,24 @@ class Submitter:
             )
 
     async def chat(self, req: ChatCompletionRequest, arrival: Arrival) -> Job:
+        check_text(_fields(req))
         self._check_model(req.model)
         reject_unsupported(req)
-        audio = wants_audio(req, self.pipeline)
-        voice = audio_voice(audio, self.pipeline) if audio else None
-        ids = self.tokenizer.chat(chat_messages(req.messages))
+        limits = self.limits
+        limits.check_messages(len(req.messages))
+        messages = chat_messages(req.messages)
+        limits.check_prompt(sum(len(m["content"]) for m in messages), "messages")
+        limits.check_sampling(req.stop, req.ignore_eos)
         asked, param = (
             (req.max_completion_tokens, "max_completion_tokens")
             if req.max_completion_tokens is not None
             else (req.max_tokens, "max_tokens")
         )
-        sampling = sampling_for(req, max_tokens_for(asked, len(ids), self.max_model_len, param))
+        audio = wants_audio(req, self.pipeline)
+        voice = audio_voice(audio, self.pipeline) if audio else None
+        # Off the event loop: a long prompt must not stall every other stream of this gateway.
+        ids = await asyncio.to_thread(self.tokenizer.chat, messages)
+        sampling = sampling_for(req, self._budget(asked, len(ids), param))
         job = await self._submit(
             "chatcmpl",
             "chat",
@@ -83,16 +102,17 @@ class Submitter:
         return job
 
     async def completion(self, req: CompletionRequest, arrival: Arrival) -> Job:
+        check_text(_fields(req))
         self._check_model(req.model)
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if len(prompts) != 1:
             raise APIError(400, "exactly one prompt per request is supported", "invalid_request", "prompt")
         if req.echo:
             raise APIError(400, "'echo' is not supported by this server", "unsupported_parameter", "echo")
-        ids = self.tokenizer.text(prompts[0])
-        sampling = sampling_for(
-            req, max_tokens_for(req.max_tokens, len(ids), self.max_model_len, "max_tokens")
-        )
+        self.limits.check_prompt(len(prompts[0]), "prompt")
+        self.limits.check_sampling(req.stop, req.ignore_eos)
+        ids = await asyncio.to_thread(self.tokenizer.text, prompts[0])
+        sampling = sampling_for(req, self._budget(req.max_tokens, len(ids), "max_tokens"))
         job = await self._submit(
             "cmpl",
             "text_completion",
@@ -109,6 +129,7 @@ class Submitter:
     async def speech(self, req: SpeechRequest, arrival: Arrival) -> Job:
         """``/v1/audio/speech``: the input enters the pipeline at its talker, cut into chunks
         (:func:`speech_chunks`), each with its tokens in the thinker's tokenizer."""
+        check_text(_fields(req))
         self._check_model(req.model)
         entry = self.pipeline.speech_stage
         if entry is None:
@@ -118,8 +139,7 @@ class Submitter:
                 "speech_unsupported",
             )
         voice = voice_of(req.voice_name, self.pipeline, "voice", "invalid_voice")
-        chunks = [SpeechChunk(text=t, token_ids=self.tokenizer.words(t)) for t in speech_chunks(req.input)]
-        chunks = [c for c in chunks if c.token_ids]
+        chunks = await asyncio.to_thread(self._speech_chunks, req.input)
         if not chunks:
             raise bad_request("input has nothing to speak", "input", "empty_input")
         job = await self._submit(
@@ -137,6 +157,11 @@ class Submitter:
         job.audio_format, job.speech = req.response_format, True
         job.speech_tokens = sum(len(c.token_ids) for c in chunks)
         return job
+
+    def _speech_chunks(self, text: str) -> list[SpeechChunk]:
+        """The input's chunks (:func:`speech_chunks`) that have tokens, each with them."""
+        chunks = [SpeechChunk(text=t, token_ids=self.tokenizer.words(t)) for t in speech_chunks(text)]
+        return [c for c in chunks if c.token_ids]
 
     async def _submit(
         self,
@@ -193,7 +218,13 @@ class Submitter:
             stats=stats,
             log=self.stat_log,
             span=span,
+            max_buffered=self.limits.max_buffered_events,
         )
+
+
+def _fields(req: BaseModel) -> dict[str, Any]:
+    """The request's fields the gateway reads (unknown ones, which it ignores, left out)."""
+    return req.model_dump(exclude=set(req.model_extra or ()))
 
 
 def _sampling_attributes(sampling: Sampling) -> dict[str, str | int | float | bool]:

@@ -273,7 +273,16 @@ class ReplicaWatch:
             await self._nc.request(self._own_alive, b"", timeout=PROBE_TIMEOUT_S + PROBE_PERIOD_S)
         except (NatsError, TimeoutError):  # a timeout, a closed or reconnecting connection
             ok = False
-        self._broker.done(sent_at, time.monotonic(), ok)
+        slow_since = self._broker.unproven_until
+        now = time.monotonic()
+        self._broker.done(sent_at, now, ok)
+        if self._broker.unproven_until > slow_since and slow_since < sent_at:  # a slow time begins
+            log.info(
+                "the broker carried this orchestrator's own probe %s after %.2f s: replicas' "
+                "silence counts from the end of this slow time",
+                "with an answer" if ok else "without an answer",
+                now - sent_at,
+            )
 
     async def _probe(self, stage: int, replica: int) -> tuple[str, Liveness | None]:
         try:

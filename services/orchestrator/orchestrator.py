@@ -109,7 +109,7 @@ class Orchestrator:
         await self._watch.start()
         await self.nc.subscribe(self.subjects.resync, queue=ORCHESTRATOR_QUEUE, cb=self._mover.on_resync)
         self._tasks.append(asyncio.create_task(self._mover.unfinished_moves_loop(), name="unfinished-moves"))
-        port = start_metrics_server(self.settings.metrics_port)
+        port = start_metrics_server(self.settings.metrics_port, self.settings.metrics_host)
         record = ServiceRecord(
             service=ServiceKind.ORCHESTRATOR,
             pipeline=self.pipeline.name,

@@ -99,6 +99,10 @@ class StageWorker:
         """The latest attempt of each request that ended here."""
         self._fences = AttemptMarks()
         """The stage-0 attempt each request moved to: chunks of older attempts are stale."""
+        self._moving = AttemptMarks()
+        """The latest attempt of each request that moved off this replica (or whose engine died
+        under it): its late input is left unacknowledged for the move, which sends it on to the
+        new replica and deletes it (acknowledged here, it would be gone from the stream first)."""
         self._backlog: deque[Delivery] = deque()
         self.sent = SentEvents()
         """The client events this worker sent, kept for a replay of lost ones."""
@@ -134,7 +138,7 @@ class StageWorker:
             self.metrics["vllm:omni_stage_info"].labels(*self._labels, st.name, st.type.value, st.model).set(
                 1
             )
-        port = start_metrics_server(self.settings.metrics_port)
+        port = start_metrics_server(self.settings.metrics_port, self.settings.metrics_host)
         record = ServiceRecord(
             service=ServiceKind.WORKER,
             pipeline=self.pipeline.name,
@@ -240,8 +244,19 @@ class StageWorker:
         here (a later attempt, moved back to this replica, is new work), or comes from an attempt
         of stage 0 that the request has moved past (a thinker that resumed after a stall: its
         successor sends every chunk again, from the client's tokens) and is not an input the
-        orchestrator moved here from a dead replica of this stage (that replica had taken it)."""
+        orchestrator moved here from a dead replica of this stage (that replica had taken it).
+        Input of an attempt that moved off this replica is dropped unacknowledged: the move sends
+        it on from the stream."""
         rid = task.request_id
+        if task.attempt <= self._moving.get(rid):
+            log.info(
+                "%s: request %s: chunk %d of attempt %d arrived after it moved; left for the move",
+                self.label,
+                rid,
+                task.seq,
+                task.attempt,
+            )
+            return True
         if task.attempt <= self._closed.get(rid):
             log.debug("%s: dropping late message for closed request %s", self.label, rid)
         elif not task.moved and task.from_attempt < self._fences.get(rid):
@@ -392,7 +407,9 @@ class StageWorker:
                 self._heartbeat.load_dropped()
             self._closed.raise_to(rid, ctx.attempt)
             self.sent.end(rid, ctx.attempt)
-            if ctx.abort_reason not in (MOVED, ENGINE_DEAD):  # else the inputs move with the request
+            if ctx.abort_reason in (MOVED, ENGINE_DEAD):  # the inputs move with the request
+                self._moving.raise_to(rid, ctx.attempt)
+            else:
                 await self._ack_all(ctx)
             await self._admit_backlog()
 
@@ -529,6 +546,7 @@ class StageWorker:
             if notice.stage != self.me.stage:
                 return
             self._closed.raise_to(notice.request_id, notice.attempt - 1)
+            self._moving.raise_to(notice.request_id, notice.attempt - 1)
             if entry is not None and entry[0].attempt < notice.attempt:
                 log.info(
                     "%s: request %s moved to another replica; stopping it here", self.label, notice.request_id

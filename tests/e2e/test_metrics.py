@@ -13,6 +13,7 @@ import base64
 import os
 import signal
 import statistics
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -97,21 +98,36 @@ class Seen:
 
 
 class BusWatch:
-    """Every stage message and client event of the pipeline, per request id."""
+    """Every stage message and client event of the pipeline, per request id.
+
+    The subscriber runs on an event loop of its own in its own thread, so that its timestamps
+    do not wait for the test's loop (which parses the client's stream meanwhile)."""
 
     def __init__(self, nats_url: str, pipeline) -> None:
         self.url, self.subjects = nats_url, Subjects(pipeline.name)
         self.seen: dict[str, Seen] = defaultdict(Seen)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="bus-watch", daemon=True)
+
+    def _on_own_loop(self, coro) -> asyncio.Future:
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
     async def __aenter__(self) -> BusWatch:
+        self._thread.start()
+        await self._on_own_loop(self._subscribe())
+        return self
+
+    async def _subscribe(self) -> None:
         self.nc = await nats.connect(self.url)
         await self.nc.subscribe(self.subjects.stages_wildcard, cb=self._on_stage)
         await self.nc.subscribe(self.subjects.out("*", "*"), cb=self._on_event)
         await self.nc.flush()
-        return self
 
     async def __aexit__(self, *exc) -> None:
-        await self.nc.close()
+        await self._on_own_loop(self.nc.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        await asyncio.to_thread(self._thread.join)
+        self._loop.close()
 
     async def _on_stage(self, msg) -> None:
         now, hdr = time.monotonic(), msg.headers or {}
@@ -139,7 +155,7 @@ class BusWatch:
                 break
             assert time.monotonic() < deadline, f"{rid}: not every stage done within {timeout_s} s: {rec}"
             await asyncio.sleep(0.05)
-        await self.nc.flush()
+        await self._on_own_loop(self.nc.flush())
         return rec
 
 
@@ -340,6 +356,60 @@ async def test_audio_metrics_match_the_decoded_audio_and_client_timing(
             _check_player(before, after, stage, Player.of(seen.arrivals))
     await client.close()
     assert statistics.median(gaps) <= LATENCY_SLACK_S, gaps
+
+
+SPEECH_INPUT = "The tide came in. Gulls cried over the harbour!"
+
+
+async def test_speech_requests_count_in_the_audio_families_as_their_client_heard_them(
+    stack, pipeline, gw
+) -> None:
+    """A ``/v1/audio/speech`` request streamed as raw PCM (the talker is its first stage): the
+    gateway's audio families against the bytes and the clock of the client, and the stage's own
+    generation time against the bus."""
+    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    stage = str(pipeline.audio_stage)
+    async with BusWatch(stack.nats_url, pipeline) as bus:
+        before = await asyncio.to_thread(scrape, gw)
+        seen = AudioSeen()
+        t0 = time.monotonic()
+        async with client.audio.speech.with_streaming_response.create(
+            model=pipeline.served_model_name, voice="alloy", input=SPEECH_INPUT, response_format="pcm"
+        ) as response:
+            seen.id = response.headers["x-request-id"]
+            async for data in response.iter_bytes():
+                now = time.monotonic()
+                seen.first_audio = seen.first_audio or now - t0
+                seen.pcm += data
+                seen.arrivals.append((now, len(data)))
+        seen.e2e = time.monotonic() - t0
+        after = await asyncio.to_thread(
+            scrape_until, gw, lambda g: delta(before, g, "vllm:omni_e2e_request_latency_s_count") == 1
+        )
+        rec = await bus.settle(seen.id)
+    await client.close()
+    assert rec["entry_stage"] == 1 and rec["status"] == "completed", rec
+    frames = len(seen.pcm) // 2
+    assert frames > 0 and len(seen.pcm) % 2 == 0
+    assert delta(before, after, "vllm:omni_audio_frames_total", stage=stage) == frames
+    assert delta(before, after, "vllm:omni_audio_duration_s_count", stage=stage) == 1
+    duration = frames / SR
+    assert delta(before, after, "vllm:omni_audio_duration_s_sum", stage=stage) == pytest.approx(duration)
+    assert delta(before, after, "vllm:omni_audio_ttfp_s_count", stage=stage) == 1
+    ttfp = delta(before, after, "vllm:omni_audio_ttfp_s_sum", stage=stage)
+    assert 0 < ttfp <= seen.first_audio, (seen.first_audio, ttfp)
+    assert delta(before, after, "vllm:omni_audio_rtf_count", stage=stage) == 1
+    window = bus.seen[seen.id].window(pipeline.audio_stage)
+    rtf = delta(before, after, "vllm:omni_audio_rtf_sum", stage=stage)
+    assert abs(rtf * duration - window) <= STAGE_SLACK_S, (rtf * duration, window)
+    client_rtf = delta(before, after, "vllm:omni_audio_client_rtf_sum", stage=stage)
+    assert rtf < client_rtf <= seen.e2e / duration, (rtf, client_rtf, seen.e2e / duration)
+    assert delta(before, after, "vllm:omni_audio_streams_total", stage=stage) == 1
+    assert delta(before, after, "vllm:omni_audio_underrun_s_count", stage=stage) == 1
+    server_s = delta(before, after, "vllm:omni_e2e_request_latency_s_sum")
+    assert 0 < server_s <= seen.e2e, (server_s, seen.e2e)
+    # the thinker never saw it: no hop into stage 0, and the talker's first input came from admission
+    assert 0 not in bus.seen[seen.id].first_in, bus.seen[seen.id]
 
 
 async def test_a_player_that_runs_dry_is_counted_as_discontinuous(stack, pipeline, gw) -> None:

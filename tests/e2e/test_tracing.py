@@ -105,6 +105,54 @@ def test_one_trace_follows_an_audio_request_through_every_service(stack, pipelin
     assert all(j.parent_span_id in stage_spans for j in spans if j.name == "llm_core")
 
 
+def test_one_trace_follows_a_speech_request_from_the_talker_on(stack, pipeline, otlp) -> None:
+    """A ``/v1/audio/speech`` request enters at the talker: its trace is the gateway's root, the
+    admission and one span per stage it ran, with no span of the thinker it skipped."""
+    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+    with client.audio.speech.with_streaming_response.create(
+        model=pipeline.served_model_name, voice="alloy", input="Trace this speech.", response_format="wav"
+    ) as response:
+        request_id = response.headers["x-request-id"]
+        assert len(response.read()) > 44
+    rec = asyncio.run(request_record(stack.nats_url, request_id))
+    trace_id = rec["trace_id"]
+    assert trace_id and len(trace_id) == 32 and rec["entry_stage"] == 1
+    spoken = pipeline.stages[1:]
+    wanted = {
+        f"speech {pipeline.served_model_name}",
+        "omni.admit",
+        *(f"omni.stage {st.name}" for st in spoken),
+    }
+    spans = _wait_spans(
+        otlp,
+        trace_id,
+        lambda spans: wanted <= {s.name for s in spans} and _journeys_below(spans) == {"omni.stage talker"},
+    )
+    roots = [s for s in spans if not s.parent_span_id]
+    assert len(roots) == 1, [(s.service, s.name) for s in roots]
+    root = roots[0]
+    assert (root.service, root.kind, root.name) == (
+        "omnirelay-gateway",
+        SERVER,
+        f"speech {pipeline.served_model_name}",
+    )
+    assert root.attributes["gen_ai.operation.name"] == "speech"
+    assert root.attributes["omnirelay.request_id"] == request_id
+    assert root.attributes["omnirelay.speech.format"] == "wav"
+    by_id = {s.span_id: s for s in spans}
+    assert all(s.parent_span_id in by_id for s in spans if s is not root), "a span's parent is missing"
+    (admit,) = [s for s in spans if s.name == "omni.admit"]
+    assert admit.parent_span_id == root.span_id
+    assert not [s for s in spans if s.attributes.get("omnirelay.stage") == 0], (
+        "the skipped thinker has a span"
+    )
+    parent = admit
+    for i, stage in enumerate(spoken, start=1):
+        (span,) = [s for s in spans if s.attributes.get("omnirelay.stage") == i]
+        assert span.name == f"omni.stage {stage.name}" and span.parent_span_id == parent.span_id, stage.name
+        parent = span
+
+
 def test_inspect_shows_the_trace_id_of_a_request(stack, pipeline) -> None:
     client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
     r = client.chat.completions.create(

@@ -40,6 +40,7 @@ import yaml
 from cli.launcher import plan_services
 from libs.common.bus import replicas_for, server_urls
 from libs.common.local_nats import SYNC_INTERVAL, free_port, nats_server_argv, nats_server_binary
+from libs.common.nats_security import prepare
 from libs.common.pipeline import StageType, load_pipeline
 from libs.common.settings import ServiceSettings
 from tests import needs
@@ -67,14 +68,47 @@ OMNIRELAY_COMMANDS = {"orchestrator", "worker", "gateway"}
 # Variables a compose service sets beyond the launcher's plan, and why:
 #   OMNIRELAY_ADVERTISE_HOST  the container's compose host name (what others and Prometheus dial)
 #   OMNIRELAY_METRICS_PORT    fixed /metrics port of orchestrator and workers (the launcher picks any)
+#   OMNIRELAY_METRICS_HOST    their /metrics binds all interfaces inside the container (Prometheus)
 #   OMNIRELAY_HOST            the gateway binds all interfaces inside its container
+#   OMNIRELAY_API_KEYS*, OMNIRELAY_GENERATE_API_KEY  the gateway's keys: given, or generated into its volume
+#   OMNIRELAY_ALLOW_IGNORE_EOS  user switch: vLLM's ignore_eos on the gateway's public port
 #   OMNIRELAY_LOG_LEVEL       user switch; its default is the services' own default
+#   OMNIRELAY_NATS_*          the service's NATS identity and its secrets (nats-init's volume; the
+#                             launcher gives the same variables to the processes it starts)
 #   OTEL_EXPORTER_OTLP_*      traces to the compose OTel collector (the launcher leaves tracing to the user)
 OTEL_VARS = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL"}
+METRICS_VARS = {"OMNIRELAY_METRICS_PORT", "OMNIRELAY_METRICS_HOST"}
+NATS_IDENTITY_VARS = {"OMNIRELAY_NATS_USER", "OMNIRELAY_NATS_PASSWORD_FILE", "OMNIRELAY_NATS_CA"}
+NATS_SECRETS_MOUNT = "/run/nats"
+API_KEY_VARS = {
+    "OMNIRELAY_API_KEYS",
+    "OMNIRELAY_API_KEYS_FILE",
+    "OMNIRELAY_GENERATE_API_KEY",
+    "OMNIRELAY_ALLOW_IGNORE_EOS",
+}
 COMPOSE_ONLY_VARS = {
-    "orchestrator": {"OMNIRELAY_ADVERTISE_HOST", "OMNIRELAY_METRICS_PORT", "OMNIRELAY_LOG_LEVEL", *OTEL_VARS},
-    "worker": {"OMNIRELAY_ADVERTISE_HOST", "OMNIRELAY_METRICS_PORT", "OMNIRELAY_LOG_LEVEL", *OTEL_VARS},
-    "gateway": {"OMNIRELAY_ADVERTISE_HOST", "OMNIRELAY_HOST", "OMNIRELAY_LOG_LEVEL", *OTEL_VARS},
+    "orchestrator": {
+        "OMNIRELAY_ADVERTISE_HOST",
+        *METRICS_VARS,
+        "OMNIRELAY_LOG_LEVEL",
+        *OTEL_VARS,
+        *NATS_IDENTITY_VARS,
+    },
+    "worker": {
+        "OMNIRELAY_ADVERTISE_HOST",
+        *METRICS_VARS,
+        "OMNIRELAY_LOG_LEVEL",
+        *OTEL_VARS,
+        *NATS_IDENTITY_VARS,
+    },
+    "gateway": {
+        "OMNIRELAY_ADVERTISE_HOST",
+        "OMNIRELAY_HOST",
+        *API_KEY_VARS,
+        "OMNIRELAY_LOG_LEVEL",
+        *OTEL_VARS,
+        *NATS_IDENTITY_VARS,
+    },
 }
 
 HEALTHY_TIMEOUT_S = 240.0
@@ -267,7 +301,10 @@ def test_services_are_exactly_the_planned_processes() -> None:
     assert set(ours) == {spec.name for spec in plan}
     image = model["services"]["gateway"]["image"]
     on_image = {name for name, svc in model["services"].items() if svc.get("image") == image}
-    assert on_image == set(ours), "every service of the omnirelay image runs a planned process"
+    assert on_image == set(ours) | {"nats-init"}, (
+        "every other service of the omnirelay image runs a planned process"
+    )
+    assert model["services"]["nats-init"]["command"][0] == "nats-secrets"
     assert {"nats", "nats-box"} <= model["services"].keys()
 
 
@@ -332,6 +369,40 @@ def test_nats_and_nats_box() -> None:
     assert as_env(box["environment"])["NATS_URL"] == COMPOSE_NATS_URL
     for svc in omnirelay_services(model).values():
         assert as_env(svc["environment"])["NATS_URL"] == COMPOSE_NATS_URL
+
+
+def test_each_service_connects_as_its_own_nats_identity_from_its_own_volume() -> None:
+    """nats-init writes one volume per identity of the default pipeline (thinker x2, talker, code2wav);
+    each omnirelay service mounts only its own, read-only, and names that identity; nats-box gets
+    the operator's. The server reads the users and TLS nats-init wrote."""
+    model = load_compose(COMPOSE_FILE)
+    expected = {
+        "orchestrator": "orchestrator",
+        "gateway": "gateway",
+        "thinker-0": "worker-0-0",
+        "thinker-1": "worker-0-1",
+        "talker-0": "worker-1-0",
+        "code2wav-0": "worker-2-0",
+    }
+    for name, svc in omnirelay_services(model).items():
+        env = as_env(svc["environment"])
+        assert env["OMNIRELAY_NATS_USER"] == expected[name], name
+        assert env["OMNIRELAY_NATS_PASSWORD_FILE"] == f"{NATS_SECRETS_MOUNT}/password"
+        assert env["OMNIRELAY_NATS_CA"] == f"{NATS_SECRETS_MOUNT}/ca.pem"
+        secrets = [v for v in svc["volumes"] if _mount_target(v) == NATS_SECRETS_MOUNT]
+        assert secrets == [f"nats-id-{expected[name]}:{NATS_SECRETS_MOUNT}:ro"], name
+        assert not [v for v in svc["volumes"] if str(v).startswith("nats-") and v not in secrets], name
+    init = model["services"]["nats-init"]
+    written = {_mount_target(v): str(v).split(":")[0] for v in init["volumes"]}
+    for identity in [*expected.values(), "operator"]:
+        assert written[f"/secrets/{identity}"] == f"nats-id-{identity}"
+    assert written["/secrets/server"] == "nats-server-secrets"
+    assert "depends_on" not in init or not init["depends_on"], "nats-init runs before everything"
+    assert f"nats-id-operator:{NATS_SECRETS_MOUNT}:ro" in model["services"]["nats-box"]["volumes"]
+    nats = model["services"]["nats"]
+    assert "nats-server-secrets:/etc/nats/server:ro" in nats["volumes"]
+    assert nats["depends_on"]["nats-init"]["condition"] == "service_completed_successfully"
+    assert 'include "server/auth.conf"' in (COMPOSE_DIR / "nats" / "single.conf").read_text()
 
 
 @pytest.mark.parametrize(
@@ -521,7 +592,12 @@ def test_nats_cluster_override() -> None:
         cmd = svc["command"]
         assert cmd[cmd.index("-n") + 1] == name, "a fixed server name: the cluster knows a node by it"
         assert cmd[cmd.index("-c") + 1] == NATS_CONF
-        data, conf = sorted(svc["volumes"], key=lambda v: _mount_target(v) != "/data")
+        secrets = [v for v in svc["volumes"] if _mount_target(v) == "/etc/nats/server"]
+        assert secrets == ["nats-server-secrets:/etc/nats/server:ro"], name
+        assert svc["depends_on"]["nats-init"]["condition"] == "service_completed_successfully", name
+        data, conf = sorted(
+            (v for v in svc["volumes"] if v not in secrets), key=lambda v: _mount_target(v) != "/data"
+        )
         assert conf == f"./nats/cluster.conf:{NATS_CONF}:ro", name
         volume, target = data.split(":")[:2]
         assert target == "/data" and volume in model["volumes"]
@@ -544,6 +620,7 @@ def test_nats_sync_interval_is_explicit_and_nats_server_reads_it(cluster: bool, 
     ``always``; ``NATS_SYNC_INTERVAL`` changes it), and nats-server, started with the node's flags,
     configuration and environment, runs with that value (``2m`` is two minutes, not 2 million)."""
     files = (COMPOSE_FILE, CLUSTER_FILE) if cluster else (COMPOSE_FILE,)
+    prepare(tmp_path, load_pipeline(DEFAULT_PIPELINE), tls=True)  # server/auth.conf, as nats-init writes it
     for shell, expected_ns, always in (
         ({}, 120 * 10**9, True),
         ({"NATS_SYNC_INTERVAL": "2m"}, 120 * 10**9, None),
@@ -697,18 +774,27 @@ def _wait_http_ok(url: str, group: ProcGroup, timeout_s: float) -> float:
     pytest.fail(f"{url} not 200 after {timeout_s:.0f} s\n{group.logs()}")
 
 
-def _local_env(name: str, compose_env: Mapping[str, str], nats_url: str) -> dict[str, str]:
+def _local_env(
+    name: str, compose_env: Mapping[str, str], nats_url: str, data: Path, secrets: Path
+) -> dict[str, str]:
     """A compose service's environment for a process on this machine: the documented substitutions
-    (NATS address, pipeline path, hosts, ports) and nothing else."""
+    (NATS address, pipeline path, hosts, ports, the gateway's data volume as ``data``, the service's
+    NATS identity volume as its directory under ``secrets``) and nothing else."""
     env = dict(compose_env)
+    for var in ("OMNIRELAY_NATS_PASSWORD_FILE", "OMNIRELAY_NATS_CA"):
+        mounted = Path(env[var]).relative_to(NATS_SECRETS_MOUNT)
+        env[var] = str(secrets / env["OMNIRELAY_NATS_USER"] / mounted)
     assert env.pop("NATS_URL") == COMPOSE_NATS_URL
     env["NATS_URL"] = nats_url
     image_path = Path(env["OMNIRELAY_PIPELINE"])
     env["OMNIRELAY_PIPELINE"] = str(PIPELINES_DIR / image_path.relative_to(IMAGE_PIPELINES_DIR))
     assert env["OMNIRELAY_ADVERTISE_HOST"] == name
     env["OMNIRELAY_ADVERTISE_HOST"] = "127.0.0.1"
-    if "OMNIRELAY_HOST" in env:
-        env["OMNIRELAY_HOST"] = "127.0.0.1"
+    for var in ("OMNIRELAY_HOST", "OMNIRELAY_METRICS_HOST"):
+        if var in env:
+            env[var] = "127.0.0.1"
+    if "OMNIRELAY_API_KEYS_FILE" in env:
+        env["OMNIRELAY_API_KEYS_FILE"] = str(data / Path(env["OMNIRELAY_API_KEYS_FILE"]).relative_to("/data"))
     for var in ("OMNIRELAY_PORT", "OMNIRELAY_METRICS_PORT"):
         if var in env:
             env[var] = str(free_port())
@@ -746,11 +832,12 @@ def test_compose_services_start_natively_and_serve_audio(
     pipeline = load_pipeline(DEFAULT_PIPELINE)
     services = omnirelay_services(load_compose(COMPOSE_FILE))
 
-    # NATS as the launcher starts it, on free loopback ports.
+    # NATS as the launcher starts it, on free loopback ports, with nats-init's identities and TLS.
+    secrets = prepare(tmp_path / "nats-secrets", pipeline, tls=True)
     nport, mport = free_port(), free_port()
     store = tmp_path / "jetstream"
     store.mkdir()
-    argv = nats_server_argv(store, nport, mport, SYNC_INTERVAL)
+    argv = nats_server_argv(store, nport, mport, SYNC_INTERVAL, secrets.server_conf)
     procs.start("nats", argv, os.environ)
     _wait_http_ok(f"http://127.0.0.1:{mport}/healthz", procs, 30)
     nats_url = f"nats://127.0.0.1:{nport}"
@@ -765,7 +852,9 @@ def test_compose_services_start_natively_and_serve_audio(
     envs: dict[str, dict[str, str]] = {}
     t0 = time.monotonic()
     for name, svc in services.items():
-        envs[name] = _local_env(name, as_env(svc["environment"]), nats_url)
+        envs[name] = _local_env(
+            name, as_env(svc["environment"]), nats_url, tmp_path / "gateway-data", secrets.root
+        )
         argv = [sys.executable, "-m", "cli", *svc["command"]]
         procs.start(name, argv, base | envs[name], wave=1)
 
@@ -804,8 +893,13 @@ def test_compose_services_start_natively_and_serve_audio(
         "modalities": ["text", "audio"],
         "max_tokens": 8,
     }
+    # The gateway generated its API key into its data volume at first start and requires it.
+    assert httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=10).status_code == 401
+    key_file = Path(envs["gateway"]["OMNIRELAY_API_KEYS_FILE"])
+    (key,) = [ln for ln in key_file.read_text().splitlines() if not ln.startswith("#")]
+    auth = {"Authorization": f"Bearer {key}"}
     t1 = time.monotonic()
-    resp = httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=CHAT_TIMEOUT_S)
+    resp = httpx.post(f"{gateway}/v1/chat/completions", json=body, headers=auth, timeout=CHAT_TIMEOUT_S)
     chat_s = time.monotonic() - t1
     record_property("seconds_chat_text_audio", round(chat_s, 2))
     print(f"text+audio chat request: HTTP {resp.status_code} in {chat_s:.2f} s")

@@ -181,7 +181,7 @@ def orchestrators(nats_server, stack, tmp_path):
     for o in found:
         if o.proc.proc.poll() is None:
             os.kill(o.proc.proc.pid, signal.SIGCONT)
-        o.proc.stop()
+    stop_all([o.proc for o in found])
 
 
 async def _warm(client: AsyncOpenAI) -> None:

@@ -7,16 +7,18 @@ a whole decode of each segment's frames made here from that capture.
 
 a) A streamed audio request: the client's PCM is exactly the sent frames × 2,048 samples and equals
    the whole decode of each segment (within 1 PCM16 step, the codec tests' float32 tolerance).
-b) The talker holding a request is killed (``kill -9``, proven gone) mid-utterance, after a segment
-   has ended and while the thinker still sends text chunks; the other replica takes over at the
-   oldest unacknowledged text chunk, from the position the dead one noted in the record. The
-   client's audio has no chunk missing or repeated and is exactly the fault-free run's samples.
+b) The EngineCore of the talker holding a request is killed (``kill -9``, proven gone) mid-utterance,
+   after a segment has ended, and the thinker goes on sending text chunks to its worker; the other
+   replica takes over at the oldest unacknowledged text chunk, from the position the dead one noted
+   in the record. The client's audio has no chunk missing or repeated and is exactly the fault-free
+   run's samples. (The speech test kills a talker's whole worker.)
 c) The metrics of a streamed request: the gateway's audio families and every worker's transfer
    families, scraped before and after, equal what the client received (its PCM at SNAC's 24 kHz, its
    own clock, its own real-time player) and what crossed the bus (frames, hops and bytes per edge).
 d) A request's voice reaches the talker (the test's own runs in leo and tara differ).
-e) ``/v1/audio/speech``: the input's sentences are the talker's input, spoken in the asked voice; a
-   client that hangs up mid-stream stops the request in the talker and code2wav.
+e) ``/v1/audio/speech``: the input's sentences are the talker's input, spoken in the asked voice;
+   every format streams and decodes (PyAV) to the frames the talker sent; a client that hangs up
+   mid-stream stops the request in the talker and code2wav.
 """
 
 from __future__ import annotations
@@ -27,20 +29,24 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import numpy as np
 import openai
 import pytest
 
+from benchmarks.harness import descendants
 from libs.common.bus import requests_kv
 from libs.common.envelopes import StageTask
 from libs.common.local_nats import free_port
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt
 from libs.models.tiny import resolve_model
 from services.stage_worker.codecs import load_codec_adapter
+from services.stage_worker.engine_health import ENGINE_DEAD_EXIT_STATUS
 from tests.client_streams import record
 from tests.e2e.test_metrics import Player, _check_player
+from tests.e2e.test_speech import decoded
 from tests.metrics_scrape import Samples, delta, scrape
 from tests.orpheus_bus import (
     MODEL,
@@ -298,10 +304,17 @@ async def _scraped_once(url: str, before: Samples, name: str) -> Samples | None:
     return got if delta(before, got, name) == 1 else None
 
 
-async def test_a_talker_killed_mid_utterance_moves_and_the_audio_is_the_fault_free_run(
+async def test_a_talker_engine_killed_mid_utterance_moves_and_the_audio_is_the_fault_free_run(
     stack, capture, nc, snac
 ) -> None:
-    """The fault-free run is the same talker input (the text chunks the thinker sent in the faulted
+    """The talker's EngineCore is killed (``kill -9``, proven gone) once a later segment has begun,
+    with the thinker held; then the thinker goes on at once, so text chunks reach the talker's
+    worker after its engine died and before the orchestrator moved the request: the worker leaves
+    them in the stream for the move, which sends them to the other replica (acknowledged there,
+    they would be lost and the request would wait for them until its deadline). The worker exits
+    with the engine-dead status.
+
+    The fault-free run is the same talker input (the text chunks the thinker sent in the faulted
     run) sent again, after it, to the surviving talker: a chunk's text is the thinker's deltas' text,
     and where a delta of several tokens falls depends on timing, so a second chat request with the
     same greedy tokens may cut the same tokens into chunks with other texts."""
@@ -309,7 +322,7 @@ async def test_a_talker_killed_mid_utterance_moves_and_the_audio_is_the_fault_fr
     thinker = workers["thinker"].proc.pid
     held: list[str] = []
     struck: list[tuple[str, int, int, list[StageTask]]] = []
-    """(request, talker replica, its pid, the text chunks the thinker had sent) once killed."""
+    """(request, talker replica, its EngineCore's pid, the text chunks the thinker had sent) once killed."""
 
     def hold(rid: str, sent: list[StageTask]) -> None:
         """Stop the thinker's worker once it has sent a few text chunks, none of them the last."""
@@ -318,46 +331,59 @@ async def test_a_talker_killed_mid_utterance_moves_and_the_audio_is_the_fault_fr
             held.append(rid)
 
     def strike(rid: str, sent: list[tuple[int, StageTask]]) -> None:
-        """Kill the talker at once when it has sent the first chunk of a segment after the first one
-        (a segment's first chunk goes out when ``after`` frames past it exist, with more to come),
-        then let the thinker go on: the rest of the text reaches the request after its move."""
+        """Kill the talker's engine at once when it has sent the first chunk of a segment after the
+        first one (a segment's first chunk goes out when ``after`` frames past it exist, with more
+        to come), then let the thinker go on: the rest of the text reaches the dead engine's worker."""
         replica, last = sent[-1]
         if not struck and last.offset > 0 and last.context_before == 0 and last.context_after > 0:
-            pid = workers[f"talker{replica}"].proc.pid
-            os.kill(pid, signal.SIGKILL)
-            struck.append((rid, replica, pid, list(capture.text.get(rid, []))))
+            core = engine_core(workers[f"talker{replica}"].proc.pid)
+            os.kill(core, signal.SIGKILL)
+            struck.append((rid, replica, core, list(capture.text.get(rid, []))))
             os.kill(thinker, signal.SIGCONT)
 
     capture.on_text, capture.on_code = hold, strike
     task = asyncio.create_task(stream_audio(base_url, max_tokens=FAULT_TOKENS, voice=MOVE_VOICE))
     try:
-        rid, replica, pid, text_at_kill = (
+        rid, replica, core, text_at_kill = (
             await until(lambda: struck, "a later segment begun", timeout_s=60, every_s=0.01)
         )[0]
     finally:
         os.kill(thinker, signal.SIGCONT)
     assert held == [rid], "the thinker was not held before the kill"
-    await until(lambda: gone(pid), f"talker replica {replica} (pid {pid}) gone after SIGKILL", timeout_s=5.0)
+    await until(
+        lambda: gone(core), f"talker {replica}'s EngineCore (pid {core}) gone after SIGKILL", timeout_s=5.0
+    )
     assert not any(t.final for t in text_at_kill), (
         f"the thinker had sent every text chunk ({len(text_at_kill)}) before the kill"
     )
     pcm = await asyncio.wait_for(task, 120)
+    worker = workers[f"talker{replica}"]
+    assert await asyncio.to_thread(worker.proc.wait, 30) == ENGINE_DEAD_EXIT_STATUS
     moved_to, resent, chunks, texts = await judge_talker_move(
-        nc, capture, snac, rid, replica, pcm, MOVE_VOICE
+        nc, capture, snac, rid, replica, pcm, MOVE_VOICE, "engine_dead"
     )
+    left = worker.text().count(f"request {rid}: chunk ")
     print(
         f"talker move: text chunk {moved_to.start_seq} redone on replica {1 - replica} ({resent} code chunks "
-        f"sent again); {chunks} code chunks, {texts} text chunks, {len(text_at_kill)} sent at the kill"
+        f"sent again); {chunks} code chunks, {texts} text chunks, {len(text_at_kill)} sent at the kill, "
+        f"{left} reached the dead engine's worker and were left for the move"
     )
+
+
+def engine_core(worker_pid: int) -> int:
+    """The pid of a talker worker's EngineCore process."""
+    (core,) = [p for p in descendants(worker_pid) if "EngineCore" in Path(f"/proc/{p}/cmdline").read_text()]
+    return core
 
 
 async def judge_talker_move(
-    nc, capture: Capture, snac, rid: str, replica: int, pcm: bytes, voice: str
+    nc, capture: Capture, snac, rid: str, replica: int, pcm: bytes, voice: str, reason: str
 ) -> tuple[StageAttempt, int, int, int]:
     """The client's ``pcm`` of request ``rid``, whose talker replica ``replica`` was killed: every
     sent frame decoded as whole segments, no chunk missing or repeated, and exactly the fault-free
     run (the same talker input, run again by the test on the survivor in ``voice``); the talker ran
-    as attempt 1 on ``replica`` then attempt 2 on the other, which took over past text chunk 0.
+    as attempt 1 on ``replica`` then attempt 2 on the other (moved for ``reason``), which took over
+    past text chunk 0.
     Returns (the new attempt, code chunks sent again, code chunks, text chunks)."""
     chunks = capture.chunks(rid)
     assert_is_whole_decode(pcm, chunks, snac)
@@ -386,7 +412,7 @@ async def judge_talker_move(
     assert ran == [(replica, 1), (1 - replica, 2)], ran
     rec: RequestRecord = await record(await requests_kv(nc.jetstream()), rid)
     moved_to = rec.stages[1].attempts[-1]
-    assert (moved_to.replica, moved_to.attempt, moved_to.reason) == (1 - replica, 2, "exit")
+    assert (moved_to.replica, moved_to.attempt, moved_to.reason) == (1 - replica, 2, reason)
     assert moved_to.start_seq >= 1, "the move restarted at text chunk 0: no position note was needed"
     return moved_to, len(capture.codes[rid]) - len(chunks), len(chunks), len(texts)
 
@@ -481,6 +507,43 @@ async def test_speech_in_a_voice_is_its_sentences_spoken_by_the_talker_in_it(sta
     assert response.content == reference, "the client's speech is not its sentences spoken in leo"
 
 
+SPEECH_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+
+
+async def test_every_speech_format_streams_the_frames_the_talker_sent(stack, capture) -> None:
+    """One streamed speech request per format, all at once, through the official client's
+    ``with_streaming_response``: each body, decoded by PyAV (not the gateway's encoder), is mono
+    audio as long as the frames the talker sent for that request (seen on the bus) × 2,048
+    samples at 24 kHz: exactly for the lossless formats, within one SNAC frame for the lossy ones."""
+    base_url, _ = stack
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    async def one(fmt: str) -> tuple[str, bytes, int]:
+        async with client.audio.speech.with_streaming_response.create(
+            model=MODEL, voice="tara", input=" ".join(SPEECH_SENTENCES), response_format=fmt
+        ) as response:
+            reads, body = 0, bytearray()
+            async for data in response.iter_bytes():
+                reads, body = reads + 1, body + data
+            return response.headers["x-request-id"], bytes(body), reads
+
+    got = dict(zip(SPEECH_FORMATS, await asyncio.gather(*map(one, SPEECH_FORMATS)), strict=True))
+    await client.close()
+    for fmt, (rid, body, reads) in got.items():
+        frames = sum(
+            len(c.codes.to_numpy().reshape(-1, 7)) - c.context_before - c.context_after
+            for c in capture.chunks(rid)
+        )
+        samples, rate, channels = decoded(body, fmt)
+        assert channels == 1 and np.abs(samples).max() > 0.01, fmt
+        if fmt in ("flac", "wav", "pcm"):
+            assert (rate, len(samples)) == (SAMPLE_RATE, frames * FRAME_SAMPLES) and frames > 0, fmt
+        else:  # Opus decodes at 48 kHz whatever went in: compare seconds
+            seconds, expected_s = len(samples) / rate, frames * FRAME_SAMPLES / SAMPLE_RATE
+            assert abs(seconds - expected_s) <= FRAME_SAMPLES / SAMPLE_RATE, (fmt, seconds, expected_s)
+        assert reads > 1, f"{fmt}: the body came in one piece"
+
+
 async def test_a_speech_client_that_hangs_up_mid_stream_stops_the_request_in_every_stage(
     stack, capture, nc
 ) -> None:
@@ -558,7 +621,7 @@ async def test_a_talker_killed_mid_speech_moves_and_the_audio_is_the_fault_free_
     sent = {t.seq: t.text for t in capture.text[rid]}  # the moved copies too, by seq
     assert [sent[s] for s in sorted(sent)] == MOVE_SENTENCES
     moved_to, resent, chunks, texts = await judge_talker_move(
-        nc, capture, snac, rid, replica, pcm, MOVE_VOICE
+        nc, capture, snac, rid, replica, pcm, MOVE_VOICE, "exit"
     )
     print(
         f"speech talker move: text chunk {moved_to.start_seq} redone on replica {1 - replica} ({resent} code "

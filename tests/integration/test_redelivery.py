@@ -26,6 +26,7 @@ from tests.procs import (
     TALKER_YAML,
     THINKER_YAML,
     ServiceProcess,
+    stop_all,
     until,
     write_pipeline,
 )
@@ -149,8 +150,7 @@ async def test_redelivered_message_is_finished_by_the_next_worker_with_a_linked_
         ]
     finally:
         await nc.close()
-        second.stop()
-        first.stop()
+        stop_all([second, first])
 
 
 async def test_a_message_past_max_deliver_is_counted_as_dead_lettered(nats_server, tmp_path) -> None:

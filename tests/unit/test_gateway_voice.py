@@ -17,28 +17,15 @@ from libs.common.metrics_catalog import Exporter, MetricSet
 from libs.common.pipeline import DEFAULT_PIPELINE_PATH, Payload, PipelineConfig, load_pipeline
 from libs.common.records import RequestRecord, RequestStatus
 from libs.models.tiny import resolve_model
-from services.gateway.errors import APIError, install_error_handlers
+from services.gateway.errors import install_error_handlers
+from services.gateway.limits import ConcurrencyLimit
 from services.gateway.prompting import Tokenizer
 from services.gateway.request_stats import GatewayStatLogger
 from services.gateway.routes import router
 from services.gateway.submission import Submitter
+from tests.gateway_stubs import REFUSED, RecordingClient
 
 ORPHEUS_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
-REFUSED = 503
-"""The stand-in client's answer to every submission it records."""
-
-
-class RecordingClient:
-    """Records each admission it is handed, then refuses it (as a bus that is away would)."""
-
-    gateway_id = "gw-test"
-
-    def __init__(self) -> None:
-        self.published: list[Admission] = []
-
-    async def submit(self, adm: Admission, trace_headers: dict[str, str]) -> None:
-        self.published.append(Admission.model_validate(adm.model_dump()))
-        raise APIError(REFUSED, "recorded by the test", "bus_unavailable")
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +40,8 @@ def _gateway(pipeline: PipelineConfig, tokenizer: Tokenizer) -> tuple[httpx.Asyn
     client = RecordingClient()
     stat_log = GatewayStatLogger(MetricSet(Exporter.GATEWAY, False), pipeline.served_model_name)
     app.state.pipeline = pipeline
+    app.state.api_keys = None  # no keys: served as a loopback gateway without any is
+    app.state.concurrency = ConcurrencyLimit(0)
     app.state.submitter = Submitter(pipeline, client, tokenizer, stat_log)
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")
     return http, client

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from collections.abc import Iterator
 
 import httpx
@@ -66,3 +68,22 @@ def test_the_http_server_negotiates() -> None:
         and "vllm:omni_test_render_s_bucket" in r.text
     )
     assert httpx.get(f"http://127.0.0.1:{port}/nope").status_code == 404
+
+
+def _outward_address() -> str:
+    """This machine's address on its default route (no packet is sent: UDP connect only)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("203.0.113.1", 9))
+        return s.getsockname()[0]
+
+
+def test_metrics_bind_loopback_unless_told_otherwise() -> None:
+    outward = _outward_address()
+    if ipaddress.ip_address(outward).is_loopback:
+        pytest.skip("no address but loopback here")
+    port = start_metrics_server(0)
+    assert httpx.get(f"http://127.0.0.1:{port}/metrics").status_code == 200
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://{outward}:{port}/metrics")
+    wide = start_metrics_server(0, "0.0.0.0")
+    assert httpx.get(f"http://{outward}:{wide}/metrics").status_code == 200

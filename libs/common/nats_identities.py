@@ -1,0 +1,207 @@
+"""Least-privilege NATS identities of a pipeline: one per role, each allowed exactly the subjects
+and JetStream API calls that role's code uses, and nothing else (a pure function of the pipeline).
+
+| identity | who | may |
+| --- | --- | --- |
+| ``gateway`` | every gateway instance | admit requests, abort them, ask replays and resyncs, read the answers on ``omni.<p>.out.>``, keep its registry key |
+| ``orchestrator`` | every orchestrator instance | consume admissions and lifecycle events, send stage tasks, probe, move, answer clients on failure, write request records and evictions |
+| ``worker-<s>-<r>`` | the worker of stage ``s``, replica ``r`` | consume only its own consumer ``stage-<s>-<r>``, send to the next stage's replicas, send client events and lifecycle events, write only its own registry key (a talker also the request records' position notes) |
+| ``operator`` | ``omnirelay inspect``, the ``nats`` CLI | read stream and consumer state and the KV buckets; publish nothing but JetStream info/list/get calls |
+
+Each identity has its own inbox prefix (``_INBOX.<identity>``, :func:`inbox_prefix`), the only
+inbox it may subscribe to, so nobody else reads its replies. ``allow_responses`` (a reply to a
+request the identity received, once) is on for the three service roles, which answer probes and
+questions; the operator answers nothing.
+
+Every service declares the topology it uses at start (``libs.common.bus.ensure_topology``), so the
+three service roles may create the pipeline's streams and buckets (a create with the same config is
+a no-op on an existing stream); only the orchestrator may update them (scaling their replicas).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from libs.common.pipeline import Payload, PipelineConfig, StageType
+from libs.common.subjects import (
+    EVICTIONS_BUCKET,
+    ORCHESTRATOR_ADMISSION_CONSUMER,
+    ORCHESTRATOR_EVENTS_CONSUMER,
+    REQUESTS_BUCKET,
+    SERVICES_BUCKET,
+    Subjects,
+    consumer_name,
+    max_deliveries_advisory,
+)
+
+GATEWAY = "gateway"
+ORCHESTRATOR = "orchestrator"
+OPERATOR = "operator"
+BUCKETS = (SERVICES_BUCKET, REQUESTS_BUCKET, EVICTIONS_BUCKET)
+API = "$JS.API"
+
+
+def worker_identity(stage: int, replica: int) -> str:
+    """The identity of worker (stage, replica): ``worker-<s>-<r>``."""
+    return f"worker-{stage}-{replica}"
+
+
+def inbox_prefix(identity: str) -> str:
+    """The inbox prefix ``identity`` connects with and may subscribe below: ``_INBOX.<identity>``."""
+    return f"_INBOX.{identity}"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """One NATS user: its name and what it may publish and subscribe to (allow lists: anything
+    not listed is denied)."""
+
+    name: str
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    allow_responses: bool
+
+    @property
+    def inbox_prefix(self) -> str:
+        return inbox_prefix(self.name)
+
+
+def _kv_stream(bucket: str) -> str:
+    return f"KV_{bucket}"
+
+
+def _declare(subjects: Subjects, update: bool) -> list[str]:
+    """Creating (and with ``update`` updating) the pipeline's streams and the KV buckets, and
+    reading their info."""
+    streams = [subjects.requests_stream, subjects.stages_stream, subjects.events_stream]
+    streams += [_kv_stream(b) for b in BUCKETS]
+    calls = ["INFO", "CREATE", "UPDATE"] if update else ["INFO", "CREATE"]
+    return [f"{API}.STREAM.{call}.{s}" for s in streams for call in calls]
+
+
+def _kv_read(bucket: str) -> list[str]:
+    """Reading ``bucket``: a get (direct, or the stream's message get) and a watch (an ephemeral
+    ordered consumer, flow-controlled, whose info nats-py reads)."""
+    s = _kv_stream(bucket)
+    return [
+        f"{API}.DIRECT.GET.{s}.>",
+        f"{API}.STREAM.MSG.GET.{s}",
+        f"{API}.CONSUMER.CREATE.{s}",
+        f"{API}.CONSUMER.CREATE.{s}.>",
+        f"{API}.CONSUMER.INFO.{s}.*",
+        f"$JS.FC.{s}.>",
+    ]
+
+
+def _durable(stream: str, consumer: str) -> list[str]:
+    """Creating durable pull consumer ``consumer`` of ``stream``, reading its info, pulling and
+    acknowledging its messages."""
+    return [
+        f"{API}.CONSUMER.DURABLE.CREATE.{stream}.{consumer}",
+        f"{API}.CONSUMER.INFO.{stream}.{consumer}",
+        f"{API}.CONSUMER.MSG.NEXT.{stream}.{consumer}",
+        f"$JS.ACK.{stream}.{consumer}.>",
+    ]
+
+
+def _replicas(pipeline: PipelineConfig) -> list[tuple[int, int]]:
+    return [(s, r) for s, stage in enumerate(pipeline.stages) for r in range(stage.replicas)]
+
+
+def gateway(pipeline: PipelineConfig) -> Identity:
+    p = Subjects(pipeline.name)
+    publish = [
+        p.requests,
+        p.abort,
+        p.resync,
+        *(p.replay(s, r) for s, r in _replicas(pipeline)),
+        f"$KV.{SERVICES_BUCKET}.{GATEWAY}.{pipeline.name}.*",
+        *_declare(p, update=False),
+        *_kv_read(SERVICES_BUCKET),
+    ]
+    subscribe = [f"omni.{pipeline.name}.out.>", p.resume("*"), p.ended("*"), f"{inbox_prefix(GATEWAY)}.>"]
+    return Identity(GATEWAY, tuple(publish), tuple(subscribe), allow_responses=True)
+
+
+def orchestrator(pipeline: PipelineConfig) -> Identity:
+    p = Subjects(pipeline.name)
+    replicas = _replicas(pipeline)
+    publish = [
+        *(p.stage_in(s, r) for s, r in replicas),
+        *(p.alive(s, r) for s, r in replicas),
+        *(p.route(s, r) for s, r in replicas),
+        p.orchestrator_alive("*"),
+        p.abort,
+        p.resume("*"),
+        p.ended("*"),
+        f"omni.{pipeline.name}.out.>",
+        f"$KV.{REQUESTS_BUCKET}.>",
+        f"$KV.{EVICTIONS_BUCKET}.>",
+        f"$KV.{SERVICES_BUCKET}.{ORCHESTRATOR}.{pipeline.name}.*",
+        *_declare(p, update=True),
+        *_durable(p.requests_stream, ORCHESTRATOR_ADMISSION_CONSUMER),
+        *_durable(p.events_stream, ORCHESTRATOR_EVENTS_CONSUMER),
+        f"{API}.DIRECT.GET.{p.stages_stream}",
+        f"{API}.STREAM.MSG.GET.{p.stages_stream}",
+        f"{API}.STREAM.MSG.DELETE.{p.stages_stream}",
+        *_kv_read(REQUESTS_BUCKET),
+        *_kv_read(SERVICES_BUCKET),
+        *_kv_read(EVICTIONS_BUCKET),
+    ]
+    subscribe = [p.orchestrator_alive("*"), p.resync, f"{inbox_prefix(ORCHESTRATOR)}.>"]
+    return Identity(ORCHESTRATOR, tuple(publish), tuple(subscribe), allow_responses=True)
+
+
+def worker(pipeline: PipelineConfig, stage: int, replica: int) -> Identity:
+    """Worker (stage, replica): its own consumer and registry key; the next stage's inputs; a
+    talker (the ``llm`` stage that emits codec codes) also writes request records."""
+    p = Subjects(pipeline.name)
+    me = pipeline.stages[stage]
+    name = worker_identity(stage, replica)
+    consumer = consumer_name(stage, replica)
+    nxt = stage + 1
+    downstream = pipeline.stages[nxt].replicas if nxt < len(pipeline.stages) else 0
+    publish = [
+        f"omni.{pipeline.name}.out.>",
+        f"omni.{pipeline.name}.events.*",
+        *(p.stage_in(nxt, r) for r in range(downstream)),
+        f"$KV.{SERVICES_BUCKET}.worker.{pipeline.name}.{stage}.{replica}",
+        *_declare(p, update=False),
+        *_durable(p.stages_stream, consumer),
+        *_kv_read(REQUESTS_BUCKET),
+    ]
+    if me.type == StageType.LLM and me.emits == Payload.CODEC_CODES:
+        publish.append(f"$KV.{REQUESTS_BUCKET}.>")
+    subscribe = [
+        p.abort,
+        p.alive(stage, replica),
+        p.route(stage, replica),
+        p.replay(stage, replica),
+        max_deliveries_advisory(p.stages_stream, consumer),
+        f"{inbox_prefix(name)}.>",
+    ]
+    return Identity(name, tuple(publish), tuple(subscribe), allow_responses=True)
+
+
+def operator() -> Identity:
+    """Read-only: stream, consumer and account info and lists, KV gets and key listings (what
+    ``omnirelay inspect``, ``nats stream ls``, ``nats consumer report`` and ``nats kv get`` call);
+    never a message of the work streams, never a subject of the pipeline."""
+    publish = [
+        f"{API}.INFO",
+        f"{API}.STREAM.NAMES",
+        f"{API}.STREAM.LIST",
+        f"{API}.STREAM.INFO.*",
+        f"{API}.CONSUMER.NAMES.*",
+        f"{API}.CONSUMER.LIST.*",
+        f"{API}.CONSUMER.INFO.*.*",
+        *(call for b in BUCKETS for call in _kv_read(b)),
+    ]
+    return Identity(OPERATOR, tuple(publish), (f"{inbox_prefix(OPERATOR)}.>",), allow_responses=False)
+
+
+def identities(pipeline: PipelineConfig) -> list[Identity]:
+    """Every identity of ``pipeline``: gateway, orchestrator, one per worker (stage, replica),
+    operator."""
+    workers = [worker(pipeline, s, r) for s, r in _replicas(pipeline)]
+    return [gateway(pipeline), orchestrator(pipeline), *workers, operator()]
