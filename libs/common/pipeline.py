@@ -104,6 +104,20 @@ class TalkerConfig(_Strict):
         return self
 
 
+class MockEngineConfig(_Strict):
+    """A fake engine in place of vLLM for a thinker stage (``engine.mock``): the worker streams
+    ``max_tokens`` tokens of the stage model's tokenizer without computing anything
+    (:mod:`services.stage_worker.mock_engine`, docs/pipeline.md "The mock engine")."""
+
+    inter_token_ms: float = Field(
+        default=0.0,
+        ge=0,
+        le=10_000,
+        description="time between two tokens of a request, ms; 0: the next token as soon as the worker "
+        "asks for it (one token per output), so only omnirelay's own per-token work sets the pace",
+    )
+
+
 class EngineArgs(_Strict):
     """Engine settings for ``llm`` stages (passed to vLLM's ``AsyncEngineArgs``)."""
 
@@ -130,6 +144,11 @@ class EngineArgs(_Strict):
     )
     extra: dict[str, object] = Field(
         default_factory=dict, description="any other AsyncEngineArgs field, passed through"
+    )
+    mock: MockEngineConfig | None = Field(
+        default=None,
+        description="serve from a fake engine instead of vLLM (thinker stages only; benchmarks of "
+        "omnirelay's own per-token cost); the other engine settings but max_num_seqs are then unused",
     )
 
 
@@ -202,6 +221,10 @@ class PipelineConfig(_Strict):
             is_talker = s.type == StageType.LLM and s.emits == Payload.CODEC_CODES
             if "talker" in s.model_fields_set and not is_talker:
                 raise ValueError(f"stages[{i}].talker: only an llm stage that emits codec_codes has a talker")
+            if s.engine.mock is not None and not (s.type == StageType.LLM and s.emits == Payload.TEXT):
+                raise ValueError(
+                    f"stages[{i}].engine.mock: only an llm stage that emits text runs on the mock engine"
+                )
             has_codec_next = i + 1 < len(self.stages) and self.stages[i + 1].type == StageType.CODEC
             if is_talker and s.talker.protocol != TalkerProtocolName.TINY and not has_codec_next:
                 raise ValueError(

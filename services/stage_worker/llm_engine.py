@@ -158,17 +158,25 @@ def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
     families, prefixed log line) and its scheduler stats are throttled to 1 Hz without losing
     counts.
 
+    A stage with ``engine.mock`` gets :class:`~services.stage_worker.mock_engine.MockAsyncLLM`
+    instead (no vLLM process, no core binding, no stats or tracing inside an engine).
+
     Tracing inside the engine (spec/004, see docs/engine-tracing.md) is switched on by
     :func:`engine_tracing_config`; its settings travel to the EngineCore in
     ``additional_config``. vLLM's frontend ``llm_request`` span needs stats (vLLM 0.32 asserts on
     them), so it is kept only with ``log_stats`` on.
     """
+    eng = spec.stage.engine
+    if eng.mock is not None:  # no vLLM at all: services/stage_worker/mock_engine.py
+        from services.stage_worker.mock_engine import build_mock_engine
+
+        return build_mock_engine(model_path, eng.mock, eng.max_num_seqs, engine_identity(spec).label)
+
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from services.stage_worker.engine_core.scheduler import OMNI_SCHEDULER_CLS
 
-    eng = spec.stage.engine
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(eng.kv_cache_space_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(spec.cpu_core))
     policy = wait_policy(eng)

@@ -1,0 +1,267 @@
+"""A fake engine for a thinker stage: the part of vLLM's ``AsyncLLM`` the ``llm`` handlers use,
+answering from no model at all.
+
+Selected by the stage's ``engine.mock`` (:class:`~libs.common.pipeline.MockEngineConfig`) in
+:func:`~services.stage_worker.llm_engine.build_async_llm`, so every per-token step of omnirelay
+(the handler, sequence numbers, fences, the replay store, publishing, the gateway's SSE) runs
+unchanged and only the model's compute is gone: what a benchmark then measures is omnirelay's own
+ceiling (docs/benchmarks.md, ``omnirelay bench-capacity``).
+
+What it does, per request:
+
+- streams ``max_tokens`` tokens of the stage model's real tokenizer (a fixed English text's
+  tokens, cycled; the token at sequence position *p* — prompt included — is ``cycle[p % len]``, so
+  a moved request's new attempt continues exactly where the first one was), decoded by vLLM's own
+  incremental detokenizer, which also checks the stop strings (``finish_reason`` ``stop``); it
+  never emits EOS, so without a stop string a request ends with ``length``;
+- with ``inter_token_ms`` 0: one token per output, produced when the caller asks for the next one
+  (after one turn of the event loop); otherwise token *k* is due ``(k + 1) × inter_token_ms``
+  after the request got a slot, and the tokens due by the time the caller asks come in one output,
+  as vLLM's ``DELTA`` collector merges the steps a slow reader missed;
+- runs at most ``max_num_seqs`` requests at once (the others wait for a slot, as in vLLM's
+  scheduler);
+- is cancelled like ``AsyncLLM.generate``: closing or cancelling the generator frees the slot and
+  counts the request aborted; :meth:`MockAsyncLLM.abort` ends a running request's stream.
+
+Only ``RequestOutputKind.DELTA`` is served (what the thinker asks for). vLLM's own engine metrics
+(the ``vllm:`` families of ``--log-stats``, the engine processes' ``process_*``) do not exist on
+a mock engine — nothing of vLLM runs — and are left absent rather than faked; every metric
+omnirelay's worker and gateway keep is reported as with a real engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from libs.common.pipeline import MockEngineConfig
+
+if TYPE_CHECKING:
+    from vllm.outputs import RequestOutput
+    from vllm.sampling_params import SamplingParams
+    from vllm.tokenizers import TokenizerLike
+
+log = logging.getLogger(__name__)
+
+MOCK_TEXT = (
+    "The keeper climbed the stairs of the lighthouse at dusk, lit the lamp and watched the ships "
+    "pass far out on the grey sea. Every night the wind came in from the west, and every morning "
+    "he wrote the weather in his book before he slept."
+)
+"""The text whose tokens the mock engine streams, cycled."""
+
+
+def token_cycle(tokenizer: TokenizerLike, text: str = MOCK_TEXT) -> list[int]:
+    """The token ids the mock engine streams: ``text`` tokenized by ``tokenizer`` without
+    special tokens (so no EOS or role token ever appears). Raises ValueError when none remain."""
+    special = set(tokenizer.all_special_ids)
+    ids = [t for t in tokenizer.encode(text, add_special_tokens=False) if t not in special]
+    if not ids:
+        raise ValueError("the mock engine's text has no ordinary tokens in this tokenizer")
+    return ids
+
+
+def prompt_token_ids(prompt: Any) -> list[int]:
+    """The token ids of a prompt as the handlers pass it to ``generate`` (vLLM's
+    ``tokens_input`` mapping, or a plain list of ids)."""
+    if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    if isinstance(prompt, Sequence) and not isinstance(prompt, str):
+        return [int(t) for t in prompt]
+    raise TypeError(f"the mock engine takes token prompts only, got {type(prompt).__name__}")
+
+
+def tokens_due(elapsed_s: float, inter_token_s: float, produced: int, max_tokens: int) -> int:
+    """How many tokens a request should have produced ``elapsed_s`` seconds after it got its slot
+    (token *k* is due at ``(k + 1) × inter_token_s``), at least ``produced`` and at most
+    ``max_tokens``; with ``inter_token_s`` 0, one more than ``produced``."""
+    if inter_token_s <= 0:
+        return min(produced + 1, max_tokens)
+    return max(produced, min(int(elapsed_s / inter_token_s + 1e-9), max_tokens))
+
+
+class MockAsyncLLM:
+    """What :class:`~services.stage_worker.handlers.llm.LLMHandler` and its subclasses call on
+    vLLM's ``AsyncLLM`` (``generate``, ``get_tokenizer``, ``errored``, ``do_log_stats``,
+    ``abort``, ``shutdown``), served without a model (see the module's docstring)."""
+
+    def __init__(
+        self, tokenizer: TokenizerLike, config: MockEngineConfig, max_num_seqs: int, label: str = "mock"
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._cycle = token_cycle(tokenizer)
+        self._inter_token_s = config.inter_token_ms / 1000
+        self._slots = asyncio.Semaphore(max_num_seqs)
+        self._running: set[str] = set()
+        self._aborted: set[str] = set()
+        self._shut_down = False
+        self.label = label
+        self.finished = 0
+        """Requests that ran to their end (``length`` or ``stop``)."""
+        self.aborted = 0
+        """Requests whose stream was closed or cancelled before their end, or aborted."""
+
+    @classmethod
+    def from_model(
+        cls, model_path: str, config: MockEngineConfig, max_num_seqs: int, label: str = "mock"
+    ) -> MockAsyncLLM:
+        """A mock engine streaming the tokens of the tokenizer in ``model_path``."""
+        from vllm.tokenizers import get_tokenizer
+
+        return cls(get_tokenizer(model_path), config, max_num_seqs, label)
+
+    @property
+    def errored(self) -> bool:
+        """Never, until :meth:`shutdown` (nothing can die under it)."""
+        return self._shut_down
+
+    @property
+    def running(self) -> int:
+        """Requests holding a slot now."""
+        return len(self._running)
+
+    def get_tokenizer(self) -> TokenizerLike:
+        return self._tokenizer
+
+    async def do_log_stats(self) -> None:
+        """Nothing to log: vLLM's stats do not exist here (see the module's docstring)."""
+
+    async def abort(self, request_id: str | Sequence[str]) -> None:
+        """End the streams of the running requests ``request_id`` (their generators return
+        without a further output, as an aborted ``AsyncLLM`` request's do)."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self._aborted.update(i for i in ids if i in self._running)
+
+    def shutdown(self) -> None:
+        self._shut_down = True
+
+    async def generate(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        trace_headers: Mapping[str, str] | None = None,
+        **_: Any,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream ``sampling_params.max_tokens`` tokens as ``RequestOutput`` deltas (see the
+        module's docstring). ``trace_headers`` are accepted and unused (no engine spans)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        if self._shut_down:
+            raise RuntimeError(f"{self.label}: the mock engine is shut down")
+        if sampling_params.output_kind != RequestOutputKind.DELTA:
+            raise ValueError(f"{self.label}: the mock engine streams DELTA outputs only")
+        if request_id in self._running:
+            raise ValueError(f"request id {request_id} already running")
+        ids = prompt_token_ids(prompt)
+        max_tokens = sampling_params.max_tokens or 16
+        loop = asyncio.get_running_loop()
+        ended = False
+        async with self._slots:
+            self._running.add(request_id)
+            try:
+                detok = self._detokenizer(request_id, ids, sampling_params)
+                t0, produced = loop.time(), 0
+                while produced < max_tokens:
+                    due = await self._wait_due(t0, produced, max_tokens)
+                    if request_id in self._aborted:
+                        break
+                    start = len(ids) + produced
+                    new = [self._cycle[(start + k) % len(self._cycle)] for k in range(due - produced)]
+                    produced = due
+                    sent = detok.num_output_tokens()
+                    stop = detok.update(new, False)
+                    finish = "stop" if stop is not None else "length" if produced >= max_tokens else None
+                    ended = finish is not None
+                    text = detok.get_next_output_text(ended, delta=True)
+                    yield _output(request_id, ids, detok.output_token_ids[sent:], text, finish, stop)
+                    if ended:
+                        break
+            finally:
+                self._running.discard(request_id)
+                self._aborted.discard(request_id)
+                if ended:
+                    self.finished += 1
+                else:
+                    self.aborted += 1
+
+    async def _wait_due(self, t0: float, produced: int, max_tokens: int) -> int:
+        """Wait until at least one more token is due; how many are due then."""
+        loop = asyncio.get_running_loop()
+        if self._inter_token_s <= 0:
+            await asyncio.sleep(0)
+            return produced + 1
+        while True:
+            due = tokens_due(loop.time() - t0, self._inter_token_s, produced, max_tokens)
+            if due > produced:
+                return due
+            await asyncio.sleep(t0 + (produced + 1) * self._inter_token_s - loop.time())
+
+    def _detokenizer(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
+        """vLLM's incremental detokenizer for one request (none decoding when the request asks
+        for no text: ``detokenize=False``), as vLLM's output processor makes it."""
+        from vllm.v1.engine import EngineCoreRequest
+        from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            mm_features=None,
+            sampling_params=params,
+            pooling_params=None,
+            arrival_time=0.0,
+            lora_request=None,
+            cache_salt=None,
+            data_parallel_rank=None,
+        )
+        return IncrementalDetokenizer.from_new_request(
+            self._tokenizer if params.detokenize else None, request
+        )
+
+
+def _output(
+    request_id: str,
+    prompt_ids: list[int],
+    token_ids: list[int],
+    text: str,
+    finish_reason: str | None,
+    stop_reason: str | None,
+) -> RequestOutput:
+    """One ``RequestOutput`` delta, shaped as vLLM's output processor builds it."""
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    completion = CompletionOutput(
+        index=0,
+        text=text,
+        token_ids=list(token_ids),
+        cumulative_logprob=None,
+        logprobs=None,
+        finish_reason=finish_reason,
+        stop_reason=stop_reason,
+    )
+    return RequestOutput(
+        request_id=request_id,
+        prompt=None,
+        prompt_token_ids=prompt_ids,
+        prompt_logprobs=None,
+        outputs=[completion],
+        finished=finish_reason is not None,
+    )
+
+
+def build_mock_engine(
+    model_path: str, config: MockEngineConfig, max_num_seqs: int, label: str
+) -> MockAsyncLLM:
+    """The mock engine of a stage (logged once, so a run on it is never mistaken for vLLM's)."""
+    log.warning(
+        "%s: MOCK ENGINE (engine.mock): no model runs; %s, at most %d requests at once",
+        label,
+        "one token per output, as fast as the worker takes them"
+        if config.inter_token_ms <= 0
+        else f"a token every {config.inter_token_ms:g} ms",
+        max_num_seqs,
+    )
+    return MockAsyncLLM.from_model(model_path, config, max_num_seqs, label)
