@@ -329,6 +329,9 @@ class ResumeQuery(_Envelope):
     request_id: str
     stage: int
     attempt: int
+    replica: int | None = None
+    """The replica the new attempt runs on: the gateway takes that attempt's events from it only
+    (absent: from the replica its first event names)."""
 
 
 class ResumePoint(_Envelope):

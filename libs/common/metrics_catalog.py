@@ -71,6 +71,13 @@ class Family:
     buckets: tuple[float, ...] | None = None
     spec: bool = True
     """True for the families of spec/000, False for omnirelay's additions (DESIGN §5)."""
+    also: tuple[Exporter, ...] = ()
+    """Other services whose ``/metrics`` carry the family too (the scrape's ``service`` label tells
+    them apart)."""
+
+    @property
+    def exporters(self) -> tuple[Exporter, ...]:
+        return (self.exporter, *self.also)
 
 
 PIPELINE = ("model_name",)
@@ -101,6 +108,11 @@ FAMILIES: tuple[Family, ...] = (
            "Client events dropped by the gateway because they came from an attempt of the stage the "
            "request had moved past (a replica that resumed after a stall, or one still sending as it "
            "died).", ("model_name", "stage"), Exporter.GATEWAY, spec=False),
+    Family("vllm:omni_bus_messages_rejected", Kind.COUNTER,
+           "Bus messages dropped as stale or forged, by reason (subject_mismatch, unknown_request, "
+           "ended_request, bad_stage, bad_attempt, wrong_replica, bad_status, bad_record), counted by "
+           "the process that dropped them.", (*PIPELINE, "reason"), Exporter.GATEWAY, spec=False,
+           also=(Exporter.ORCHESTRATOR,)),
     Family("vllm:omni_client_event_gaps", Kind.COUNTER,
            "Gaps found in the events a stage sent to the gateway (events lost on the way, e.g. held by "
            "a broker that was killed), and streams whose last events never came (told by the stage's "
@@ -225,7 +237,7 @@ def engine_process_names() -> tuple[str, ...]:
 
 
 def families_for(exporter: Exporter) -> tuple[Family, ...]:
-    return tuple(f for f in FAMILIES if f.exporter == exporter)
+    return tuple(f for f in FAMILIES if exporter in f.exporters)
 
 
 def exposed_names(f: Family) -> tuple[str, ...]:
@@ -253,7 +265,7 @@ def markdown_table() -> str:
         shown = exposed_names(f)[0] if f.kind == Kind.COUNTER else f.name
         rows.append(
             f"| `{shown}` | {f.kind.value} | {', '.join(f.labels)} | {names.get(f.buckets, '')} | "
-            f"{f.exporter.value} | {'spec/000' if f.spec else 'omnirelay'} |"
+            f"{', '.join(e.value for e in f.exporters)} | {'spec/000' if f.spec else 'omnirelay'} |"
         )
     return "\n".join(rows)
 

@@ -18,7 +18,9 @@ from nats.js.kv import KeyValue
 from pydantic import BaseModel, ValidationError
 
 from libs.common.bus import LIMITS
+from libs.common.bus_trust import Rejected, metrics_url_problem
 from libs.common.envelopes import Liveness
+from libs.common.pipeline import PipelineConfig
 from libs.common.runtime import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,9 @@ one, seconds."""
 LATE_BEAT_S = 2 * LIMITS.heartbeat_s
 """A write that is stored this long after the one before it is logged as late (the entry expires
 ``service_ttl_s`` after its last write, and readers count the service dead then), seconds."""
+MAX_LOGGED_KEYS = 10_000
+"""Rejected keys remembered so that each is logged once; past this many they are forgotten (and
+logged again)."""
 
 
 class ServiceKind(StrEnum):
@@ -67,6 +72,28 @@ class ServiceRecord(BaseModel):
         if self.service == ServiceKind.WORKER:
             return f"worker.{self.pipeline}.{self.stage}.{self.replica}"
         return f"{self.service.value}.{self.pipeline}.{self.instance}"
+
+
+def record_problem(key: str, rec: ServiceRecord, pipeline: PipelineConfig | None) -> str | None:
+    """Why the record stored under ``key`` must not be used (None: it may). Its fields must give
+    back its key (service kind, pipeline, and stage and replica or instance); a worker of
+    ``pipeline`` must name a stage it declares, by its name, and a replica below the stage's
+    ``replicas`` (records of other pipelines are checked against their key only); a metrics URL,
+    when there is one, must be one Prometheus may be sent to (:func:`metrics_url_problem`)."""
+    if rec.key != key:
+        return f"its fields name {rec.key}"
+    if rec.service == ServiceKind.WORKER and pipeline is not None and rec.pipeline == pipeline.name:
+        stage, replica = rec.stage, rec.replica
+        if stage is None or replica is None or not 0 <= stage < len(pipeline.stages):
+            return f"stage {stage} is not declared"
+        declared = pipeline.stages[stage]
+        if not 0 <= replica < declared.replicas:
+            return f"stage {stage} declares {declared.replicas} replica(s), not replica {replica}"
+        if rec.stage_name is not None and rec.stage_name != declared.name:
+            return f"stage {stage} is {declared.name}, not {rec.stage_name}"
+    if rec.metrics_url and (why := metrics_url_problem(rec.metrics_url)) is not None:
+        return f"metrics URL: {why}"
+    return None
 
 
 class Heartbeat:
@@ -153,12 +180,28 @@ class Heartbeat:
 
 class LiveServices:
     """A watched, in-memory view of one pipeline's part of the registry (every pipeline's when
-    ``pipeline`` is None)."""
+    ``pipeline`` is None).
 
-    def __init__(self, kv: KeyValue, pipeline: str | None, ttl_s: float = LIMITS.service_ttl_s) -> None:
+    Only records that pass :func:`record_problem` enter it (``config``: the pipeline whose workers
+    must be declared ones); an update that does not pass removes what its key held, is logged once
+    per key and told to ``on_rejected(reason, key)``."""
+
+    def __init__(
+        self,
+        kv: KeyValue,
+        pipeline: str | None,
+        ttl_s: float = LIMITS.service_ttl_s,
+        *,
+        config: PipelineConfig | None = None,
+        on_rejected: Callable[[Rejected, str], None] | None = None,
+    ) -> None:
         self._kv = kv
         self._pipeline = pipeline
         self._ttl_s = ttl_s
+        self._config = config
+        self._on_rejected = on_rejected
+        self._logged: set[str] = set()
+        """Keys whose rejection has been logged (once per key: a forger writes every heartbeat)."""
         self._entries: dict[str, tuple[ServiceRecord, float]] = {}
         self._last_update = time.monotonic()
         """When the watch last delivered anything (this process's monotonic clock)."""
@@ -184,10 +227,8 @@ class LiveServices:
                 if entry.operation in ("DEL", "PURGE") or not entry.value:
                     self._entries.pop(entry.key, None)
                     continue
-                try:
-                    rec = ServiceRecord.model_validate_json(entry.value)
-                except ValidationError:
-                    log.warning("ignoring malformed registry entry %s", entry.key)
+                rec = self.accept(entry.key, entry.value)
+                if rec is None:
                     continue
                 self._entries[entry.key] = (rec, time.monotonic())
                 for fn in self._listeners:
@@ -195,6 +236,27 @@ class LiveServices:
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
+
+    def accept(self, key: str, value: bytes) -> ServiceRecord | None:
+        """The record of an update to ``key``, or None when it must not be used (then whatever
+        ``key`` held is dropped too: its latest value is not a record to trust)."""
+        try:
+            rec: ServiceRecord | None = ServiceRecord.model_validate_json(value)
+            why = record_problem(key, rec, self._config)
+        except ValidationError as e:
+            rec, why = None, f"malformed ({e.errors()[0]['msg']})"
+        if why is None:
+            self._logged.discard(key)
+            return rec
+        self._entries.pop(key, None)
+        if key not in self._logged:
+            if len(self._logged) >= MAX_LOGGED_KEYS:
+                self._logged.clear()
+            self._logged.add(key)
+            log.warning("ignoring registry entry %s: %s", key, why)
+        if self._on_rejected is not None:
+            self._on_rejected(Rejected.BAD_RECORD, key)
+        return None
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task)

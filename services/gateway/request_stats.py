@@ -8,8 +8,10 @@ server for sending to the client.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from libs.common.bus_trust import Rejected, rejection_counter
 from libs.common.metrics_catalog import CONTINUITY_THRESHOLDS_MS, MetricSet
 from libs.common.playback import AudioChunk, simulate_playback
 
@@ -73,6 +75,8 @@ class GatewayStatLogger:
     def __init__(self, metrics: MetricSet, model_name: str) -> None:
         self._m = metrics
         self._model = model_name
+        self.bus_rejected: Callable[[Rejected], None] = rejection_counter(metrics, model_name)
+        """Count a bus message dropped as stale or forged (:mod:`services.gateway.event_trust`)."""
 
     def submitted(self, s: RequestStats) -> None:
         if self._m.enabled:

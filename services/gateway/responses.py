@@ -18,6 +18,7 @@ from libs.common.envelopes import ClientEvent, ClientEventType
 from libs.common.playback import AudioChunk
 from services.gateway.audio import encode_whole
 from services.gateway.errors import APIError, ClientGone
+from services.gateway.event_trust import FORWARDED_STATUSES
 from services.gateway.pipeline_client import PipelineClient, RequestHandle, timed_out
 from services.gateway.request_stats import GatewayStatLogger, RequestStats
 from services.gateway.schemas import AudioOut, Usage
@@ -150,8 +151,6 @@ CONTROL_PLANE_CODES = frozenset(
 )
 """Error codes whose message omnirelay's orchestrator or gateway writes itself (no exception
 text, no internals): the client reads it as it is."""
-FORWARDED_STATUSES = frozenset({400, 404, 429, 500, 502, 503, 504})
-"""HTTP statuses an ``error`` event may give the client; any other is a 500."""
 
 
 class SlowReader(Exception):
@@ -164,7 +163,7 @@ def error_of(ev: ClientEvent) -> APIError:
     :data:`FORWARDED_STATUSES`) and code; its message only for :data:`CONTROL_PLANE_CODES`. A
     stage's message (an engine's or codec's exception text) goes to the gateway's log with the
     request id, and the client gets a generic one naming the code and the request id."""
-    status = ev.status if ev.status in FORWARDED_STATUSES else 500
+    status = ev.status if ev.status in FORWARDED_STATUSES else 502  # the bus client replaced it already
     code = ev.code or "pipeline_error"
     if code in CONTROL_PLANE_CODES:
         return APIError(status, ev.message or "the pipeline failed", code)

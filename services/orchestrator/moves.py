@@ -381,7 +381,9 @@ class Mover:
         """Where the client's stream of the moving stage stands (the question fences the older
         attempts off); None when nothing is to be moved: the gateway no longer holds the request,
         or it did not answer (the request is failed then)."""
-        query = ResumeQuery(request_id=move.request_id, stage=move.stage, attempt=move.attempt)
+        query = ResumeQuery(
+            request_id=move.request_id, stage=move.stage, attempt=move.attempt, replica=move.to_replica
+        )
         for tries_left in reversed(range(REROUTE_TRIES)):
             try:  # asked again after a timeout: the gateway's fence only rises, its answer holds
                 reply = await self.ctx.nc.request(

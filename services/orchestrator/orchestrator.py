@@ -30,6 +30,7 @@ from libs.common.bus import (
     requests_kv,
     services_kv,
 )
+from libs.common.bus_trust import rejection_counter
 from libs.common.consumer import Handler, InProgress, PullConsumer
 from libs.common.envelopes import MalformedMessage
 from libs.common.jetstream import JetStream
@@ -82,7 +83,10 @@ class Orchestrator:
         await ensure_topology(self.js, self.subjects)
         self.requests: KeyValue = await requests_kv(self.js)
         skv = await services_kv(self.js)
-        self.services = LiveServices(skv, self.pipeline.name)
+        rejected = rejection_counter(self.metrics, self.model)
+        self.services = LiveServices(
+            skv, self.pipeline.name, config=self.pipeline, on_rejected=lambda reason, _key: rejected(reason)
+        )
         self.picker = ReplicaPicker(self.services, lambda rec: self._watch.judged_dead(rec))
         self._ctx = OrchestratorContext(
             self.nc, self.js, self.subjects, self.pipeline, self.requests, self.picker, self.metrics
