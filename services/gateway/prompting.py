@@ -24,7 +24,17 @@ class Tokenizer:
         self._tok.model_max_length = 1 << 62  # the limit is checked here, against the engine's max_model_len
 
     def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        """The prompt's tokens; 400 ``invalid_request`` on ``messages`` when the model's chat
+        template refuses them (a role it does not take, such as ``tool``: found by the schema
+        fuzzer, tests/e2e/test_fuzz_http.py, as a 500)."""
+        from jinja2 import TemplateError
+
+        try:
+            text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except TemplateError as e:
+            raise bad_request(
+                f"the model's chat template does not take these messages: {e}", "messages"
+            ) from None
         return self._tok.encode(text, add_special_tokens=False)
 
     def text(self, prompt: str) -> list[int]:
