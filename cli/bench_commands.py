@@ -337,3 +337,125 @@ def bench_codec_batching(
 
     argv = ["--batches", batches, "--own-frames", own_frames, "--rounds", str(rounds)]
     raise typer.Exit(run_codec_batching(argv + (["--real-size"] if real_size else [])))
+
+
+@bench_app.command("bench-capacity")
+def bench_capacity(
+    pipeline: Annotated[
+        Path | None,
+        typer.Option(
+            "--pipeline", help="pipeline on the mock engine [default: compose/pipelines/mock-text.yaml]"
+        ),
+    ] = None,
+    gateways: Annotated[str, typer.Option(help="comma-separated gateway counts (1 or 2)")] = "1,2",
+    concurrency: Annotated[str, typer.Option(help="comma-separated concurrency levels")] = "64,256",
+    requests: Annotated[
+        int | None, typer.Option(min=1, help="requests per cell", show_default="5 × the concurrency")
+    ] = None,
+    max_tokens: Annotated[int, typer.Option(min=1, help="output tokens per request")] = 64,
+    clients: Annotated[
+        int, typer.Option(min=1, max=16, help="client processes sharing the load (each a closed loop)")
+    ] = 2,
+    warmup: Annotated[int, typer.Option(min=1, help="unmeasured requests through each gateway first")] = 64,
+    json_path: Annotated[Path | None, typer.Option("--json", help="write the raw numbers here")] = None,
+    keep_logs: Annotated[
+        bool, typer.Option(help="keep the stack's logs (their directory is printed)")
+    ] = False,
+) -> None:
+    """omnirelay's own ceiling on the mock engine: req/s, output tokens/s, TTFT/TPOT p50/p99 and
+    each process's CPU per (gateways, concurrency), with the bottleneck named (prints tables)."""
+    from benchmarks.frontend_capacity import MOCK_PIPELINE, CapacityOptions, run_capacity_bench
+    from benchmarks.gateway_vs_vllm import parse_concurrency
+
+    try:
+        gws, levels = tuple(parse_concurrency(gateways)), tuple(parse_concurrency(concurrency))
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    if max(gws) > 2:
+        typer.echo("error: --gateways: 1 and 2 are measured (omnirelay up's gateway and one more)", err=True)
+        raise typer.Exit(2)
+    path = (pipeline or MOCK_PIPELINE).resolve()
+    try:
+        load_pipeline(path)
+    except PipelineConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    opts = CapacityOptions(
+        pipeline_path=path,
+        gateways=gws,
+        concurrency=levels,
+        requests=requests,
+        max_tokens=max_tokens,
+        clients=clients,
+        warmup=warmup,
+        json_path=json_path,
+        keep_logs=keep_logs,
+    )
+    raise typer.Exit(run_capacity_bench(opts))
+
+
+@bench_app.command("bench-vllm")
+def bench_vllm(
+    pipeline: Annotated[
+        Path | None,
+        typer.Option(
+            "--pipeline", help="thinker-only pipeline YAML [default: compose/pipelines/text-only.yaml]"
+        ),
+    ] = None,
+    concurrency: Annotated[str, typer.Option(help="comma-separated --max-concurrency levels")] = "1,16",
+    rounds: Annotated[int, typer.Option(min=1, help="paired rounds (A B, B A, ...)")] = 5,
+    prompts: Annotated[
+        int | None,
+        typer.Option(min=1, help="--num-prompts per run", show_default="48 at c=1, else 16 × c"),
+    ] = None,
+    input_len: Annotated[int, typer.Option(min=1, help="--random-input-len")] = 48,
+    output_len: Annotated[int, typer.Option(min=2, help="--random-output-len (with --ignore-eos)")] = 64,
+    isolate_engines: Annotated[
+        bool,
+        typer.Option(
+            "--isolate-engines/--no-isolate-engines",
+            help="engines on --core, everything else on the other cores (default: started as a user would)",
+        ),
+    ] = False,
+    core: Annotated[
+        int | None, typer.Option(help="CPU core both engines bind to [default: the first usable one]")
+    ] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="write the raw numbers here")] = None,
+    log_dir: Annotated[
+        Path | None, typer.Option(help="keep the processes' logs and vLLM's result files here")
+    ] = None,
+) -> None:
+    """omnirelay against vLLM's own server, measured by vLLM's own client (vllm bench serve) in
+    paired rounds: median and spread of the per-round omnirelay ÷ vLLM ratios (prints tables)."""
+    from benchmarks.gateway_vs_vllm import DEFAULT_PIPELINE, parse_concurrency
+    from benchmarks.vllm_client_paired import VllmClientOptions, run_vllm_client_bench
+
+    try:
+        levels = tuple(parse_concurrency(concurrency))
+    except ValueError as e:
+        typer.echo(f"error: --concurrency: {e}", err=True)
+        raise typer.Exit(2) from None
+    usable = sorted(os.sched_getaffinity(0))
+    if core is not None and core not in usable:
+        typer.echo(f"error: --core {core}: this process may use cores {usable}", err=True)
+        raise typer.Exit(2)
+    path = (pipeline or DEFAULT_PIPELINE).resolve()
+    try:
+        load_pipeline(path)
+    except PipelineConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    opts = VllmClientOptions(
+        pipeline_path=path,
+        concurrency=levels,
+        rounds=rounds,
+        prompts=prompts,
+        input_len=input_len,
+        output_len=output_len,
+        isolate_engines=isolate_engines,
+        core=core,
+        json_path=json_path,
+        log_dir=log_dir.resolve() if log_dir else None,
+    )
+    raise typer.Exit(run_vllm_client_bench(opts))

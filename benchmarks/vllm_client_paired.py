@@ -1,0 +1,383 @@
+"""``omnirelay bench-vllm``: omnirelay against vLLM's own OpenAI server, measured by vLLM's own
+benchmark client (``vllm bench serve``), in paired rounds.
+
+The targets and their processes are ``omnirelay bench``'s (:mod:`benchmarks.gateway_vs_vllm`):
+the thinker-only pipeline (``compose/pipelines/text-only.yaml``) behind ``omnirelay up``, and
+``python -m vllm.entrypoints.openai.api_server`` serving the same model with the same engine
+settings; both started up front, the one not being measured frozen (SIGSTOP), each resumed one
+answering a few unmeasured requests first. By default nothing is pinned (each target runs as a
+user would start it, as issue 23 measured); ``--isolate-engines`` puts the engines on one core
+and everything else on the others, as ``omnirelay bench`` does.
+
+Each round runs, at every concurrency, vLLM's client against both targets one after the other
+(A B in even rounds, B A in odd ones) with the same seed, so both get the same prompts: the
+random dataset, ``--random-input-len`` / ``--random-output-len`` tokens (48 / 64),
+``--ignore-eos``, ``--max-concurrency c``, ``--temperature 0``, the ``openai-chat`` backend on
+``/v1/chat/completions``, its result saved with ``--save-result``. The client is run through
+:mod:`benchmarks.vllm_bench_client` (``vllm bench serve``'s own parser and ``main``).
+
+Per figure (TPOT p50, TTFT p50, output throughput) and concurrency, each round gives one ratio
+omnirelay ÷ vLLM of the two back-to-back runs; the report is the median of those ratios with
+their min–max spread (and the per-round values), and the median per-round TTFT difference in ms.
+Single runs on a shared 2-core box swing widely; the pairing is what makes a ratio usable. The
+statistics are pure functions (tested in ``tests/unit/test_bench_vllm_client.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from benchmarks.gateway_vs_vllm import (
+    DIRECT,
+    GATEWAY,
+    BenchOptions,
+    _interrupt,
+    _signals,
+    _start_targets,
+    round_order,
+)
+from benchmarks.harness import (
+    DEFAULT_PIPELINE,
+    Processes,
+    Target,
+    front_end_cores,
+    isolate_engines,
+    log,
+    machine_activity,
+    run_load,
+    while_active,
+)
+from libs.common.pipeline import PipelineConfig, load_pipeline
+
+TITLES = {GATEWAY: "omnirelay", DIRECT: "vLLM"}
+
+
+# --- statistics (pure) --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A number of vLLM's client's result file."""
+
+    name: str
+    key: str
+    """Its key in the result JSON."""
+    unit: str
+
+
+FIGURES = (
+    Figure("TPOT p50", "median_tpot_ms", "ms"),
+    Figure("TTFT p50", "median_ttft_ms", "ms"),
+    Figure("output throughput", "output_throughput", "tok/s"),
+)
+
+
+@dataclass(frozen=True)
+class ClientRun:
+    """One run of vLLM's client against one target: its figures (``FIGURES`` keys) and counts."""
+
+    target: str
+    concurrency: int
+    round_no: int
+    figures: dict[str, float]
+    completed: int
+    failed: int
+
+
+def run_from_result(target: str, concurrency: int, round_no: int, result: dict) -> ClientRun:
+    """A :class:`ClientRun` from the JSON ``vllm bench serve --save-result`` wrote."""
+    figures = {f.key: float(result[f.key]) for f in FIGURES if result.get(f.key) is not None}
+    completed = int(result.get("completed", 0))
+    failed = int(result.get("failed", max(int(result.get("num_prompts", completed)) - completed, 0)))
+    return ClientRun(target, concurrency, round_no, figures, completed, failed)
+
+
+def paired(runs: Sequence[ClientRun], key: str, concurrency: int) -> list[tuple[int, float, float]]:
+    """(round, omnirelay's value, vLLM's value) of every round where both targets have ``key``
+    at ``concurrency``, by round."""
+    by: dict[tuple[int, str], float] = {
+        (r.round_no, r.target): r.figures[key]
+        for r in runs
+        if r.concurrency == concurrency and key in r.figures
+    }
+    rounds = sorted({rn for rn, _ in by})
+    return [
+        (rn, by[rn, GATEWAY], by[rn, DIRECT]) for rn in rounds if (rn, GATEWAY) in by and (rn, DIRECT) in by
+    ]
+
+
+def round_ratios(runs: Sequence[ClientRun], key: str, concurrency: int) -> list[float]:
+    """omnirelay ÷ vLLM of ``key`` in each round (rounds where vLLM's value is 0 are left out)."""
+    return [g / d for _, g, d in paired(runs, key, concurrency) if d != 0]
+
+
+def round_differences(runs: Sequence[ClientRun], key: str, concurrency: int) -> list[float]:
+    """omnirelay − vLLM of ``key`` in each round, in the figure's unit."""
+    return [g - d for _, g, d in paired(runs, key, concurrency)]
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The median of per-round values and their range."""
+
+    median: float
+    low: float
+    high: float
+    values: tuple[float, ...]
+
+
+def spread(values: Sequence[float]) -> Spread | None:
+    """Median, min and max of ``values`` (None when there are none)."""
+    if not values:
+        return None
+    return Spread(statistics.median(values), min(values), max(values), tuple(values))
+
+
+def ratio_rows(
+    runs: Sequence[ClientRun], concurrencies: Sequence[int]
+) -> list[tuple[str, int, Spread | None]]:
+    """(figure name, concurrency, spread of the per-round ratios) for every figure × concurrency."""
+    return [(f.name, c, spread(round_ratios(runs, f.key, c))) for f in FIGURES for c in concurrencies]
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    fmt = [lambda s, w: s.ljust(w)] + [lambda s, w: s.rjust(w)] * (len(header) - 1)
+    lines = ["  ".join(f(c, w) for f, c, w in zip(fmt, r, widths, strict=True)) for r in [header, *rows]]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+def render(runs: Sequence[ClientRun], concurrencies: Sequence[int]) -> str:
+    """The ratio table (median of per-round omnirelay ÷ vLLM, min–max, each round's), the TTFT
+    difference line per concurrency, and each target's medians over rounds."""
+    rows = []
+    for name, c, s in ratio_rows(runs, concurrencies):
+        if s is None:
+            rows.append((name, str(c), "-", "-", "-"))
+            continue
+        per = ", ".join(f"{v:.2f}" for v in s.values)
+        rows.append((name, str(c), f"{s.median:.2f}x", f"{s.low:.2f}–{s.high:.2f}", per))
+    lines = [
+        "omnirelay ÷ vLLM, vLLM's own client (vllm bench serve), median of paired rounds",
+        _table(("figure", "c", "median", "min–max", "per round"), rows),
+        "",
+    ]
+    for c in concurrencies:
+        d = spread(round_differences(runs, "median_ttft_ms", c))
+        if d is not None:
+            lines.append(
+                f"TTFT p50 c={c}: omnirelay − vLLM median {d.median:+.2f} ms (per round {d.low:+.2f} to {d.high:+.2f})"
+            )
+    raw = []
+    for f in FIGURES:
+        for c in concurrencies:
+            vals = {
+                t: spread(
+                    [
+                        r.figures[f.key]
+                        for r in runs
+                        if r.target == t and r.concurrency == c and f.key in r.figures
+                    ]
+                )
+                for t in (GATEWAY, DIRECT)
+            }
+            raw.append(
+                (
+                    f"{f.name} ({f.unit})",
+                    str(c),
+                    *("-" if vals[t] is None else f"{vals[t].median:.2f}" for t in (GATEWAY, DIRECT)),
+                )
+            )
+    lines += ["", "medians over rounds", _table(("figure", "c", TITLES[GATEWAY], TITLES[DIRECT]), raw)]
+    failed = [r for r in runs if r.failed]
+    lines += [
+        f"note: {TITLES[r.target]} c={r.concurrency} round {r.round_no}: {r.failed} failed requests"
+        for r in failed
+    ]
+    return "\n".join(lines)
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VllmClientOptions:
+    """What ``omnirelay bench-vllm`` runs (see the CLI for meanings)."""
+
+    pipeline_path: Path = DEFAULT_PIPELINE
+    concurrency: tuple[int, ...] = (1, 16)
+    rounds: int = 5
+    prompts: int | None = None
+    """Per run; None: :func:`default_prompts`."""
+    input_len: int = 48
+    output_len: int = 64
+    isolate_engines: bool = False
+    core: int | None = None
+    json_path: Path | None = None
+    log_dir: Path | None = None
+    settle: int = 2
+
+
+def default_prompts(concurrency: int) -> int:
+    """Requests per run of vLLM's client: 48 at c = 1, else 16 × c (each user sends 16)."""
+    return 48 if concurrency == 1 else 16 * concurrency
+
+
+def client_argv(
+    target: Target, model_path: str, opts: VllmClientOptions, concurrency: int, seed: int, out: Path
+) -> list[str]:
+    """vLLM's client's command line for one run against ``target``, its result written to ``out``."""
+    base = target.base_url.removesuffix("/v1")
+    return [
+        sys.executable,
+        "-m",
+        "benchmarks.vllm_bench_client",
+        "--backend",
+        "openai-chat",
+        "--base-url",
+        base,
+        "--endpoint",
+        "/v1/chat/completions",
+        "--model",
+        model_path,
+        "--tokenizer",
+        model_path,
+        "--served-model-name",
+        target.model,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(opts.input_len),
+        "--random-output-len",
+        str(opts.output_len),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--num-prompts",
+        str(opts.prompts or default_prompts(concurrency)),
+        "--max-concurrency",
+        str(concurrency),
+        "--request-rate",
+        "inf",
+        "--seed",
+        str(seed),
+        "--disable-tqdm",
+        "--ready-check-timeout-sec",
+        "60",
+        "--save-result",
+        "--result-dir",
+        str(out.parent),
+        "--result-filename",
+        out.name,
+    ]
+
+
+async def _client_run(argv: list[str], out: Path, log_path: Path) -> dict:
+    """Run vLLM's client; its result JSON (RuntimeError naming its log when it wrote none)."""
+    with log_path.open("ab") as f:
+        proc = await asyncio.create_subprocess_exec(*argv, stdout=f, stderr=asyncio.subprocess.STDOUT)
+        code = await proc.wait()
+    if code != 0 or not out.exists():
+        tail = log_path.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"vLLM's client exited {code} without a result:\n{tail}")
+    return json.loads(out.read_text())
+
+
+async def measure(
+    targets: dict[str, Target], pipeline: PipelineConfig, opts: VllmClientOptions, work_dir: Path
+) -> list[ClientRun]:
+    """Warm both targets up, then every (round, concurrency) against both, one at a time."""
+    from openai import AsyncOpenAI
+
+    from libs.models.tiny import resolve_model
+
+    model_path = resolve_model(pipeline.stages[0].model)
+    clients = {
+        n: AsyncOpenAI(base_url=t.base_url, api_key="bench", timeout=300.0, max_retries=0)
+        for n, t in targets.items()
+    }
+    runs: list[ClientRun] = []
+
+    def active(name: str):
+        return while_active(targets[name], True, opts.settle, clients[name], opts.output_len)
+
+    try:
+        for t in targets.values():
+            t.process.pause()
+        for name, t in targets.items():
+            async with active(name):
+                _, timings = await run_load(
+                    clients[name], t.model, 16, max(opts.concurrency), opts.output_len
+                )
+            if any(not x.ok for x in timings):
+                raise RuntimeError(f"warm-up of {name} failed: {next(x.error for x in timings if not x.ok)}")
+        for r in range(opts.rounds):
+            for c in opts.concurrency:
+                for name in round_order(r):
+                    out = work_dir / f"r{r}-c{c}-{name}.json"
+                    argv = client_argv(targets[name], model_path, opts, c, seed=r, out=out)
+                    async with active(name):
+                        result = await _client_run(argv, out, work_dir / "vllm-client.log")
+                    run = run_from_result(name, c, r, result)
+                    runs.append(run)
+                    log(
+                        f"round {r} c={c} {name}: TPOT p50 {run.figures.get('median_tpot_ms', 0):.2f} ms, "
+                        f"TTFT p50 {run.figures.get('median_ttft_ms', 0):.2f} ms, "
+                        f"{run.figures.get('output_throughput', 0):.0f} tok/s, {run.failed} failed"
+                    )
+    finally:
+        for client in clients.values():
+            await client.close()
+    return runs
+
+
+def run_vllm_client_bench(opts: VllmClientOptions) -> int:
+    """Start both targets, run the rounds, print the tables; 0 on success, 1 on failure. Every
+    process started is stopped on the way out, also on Ctrl-C, SIGTERM or an error."""
+    pipeline = load_pipeline(opts.pipeline_path)
+    core = opts.core if opts.core is not None else sorted(os.sched_getaffinity(0))[0]
+    keep = opts.log_dir is not None
+    log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="omnirelay-bench-vllm-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log(f"logs in {log_dir}; machine: {machine_activity()}")
+    procs = Processes(log_dir)
+    start = BenchOptions(pipeline_path=opts.pipeline_path, isolate_engines=opts.isolate_engines)
+    ok = False
+    with _signals(_interrupt):
+        try:
+            with front_end_cores(core if opts.isolate_engines else None):
+                targets = _start_targets(procs, pipeline, start, log_dir, core)
+            if opts.isolate_engines:
+                isolate_engines(procs.items, core)
+            runs = asyncio.run(measure(targets, pipeline, opts, log_dir))
+            print(render(runs, opts.concurrency), flush=True)
+            if opts.json_path:
+                data = {
+                    "options": {k: str(v) for k, v in asdict(opts).items()},
+                    "runs": [asdict(r) for r in runs],
+                }
+                opts.json_path.write_text(json.dumps(data, indent=2))
+                log(f"raw numbers written to {opts.json_path}")
+            ok = True
+        except KeyboardInterrupt:
+            log("interrupted")
+        except RuntimeError as e:
+            log(f"failed: {e}")
+        finally:
+            with _signals(signal.SIG_IGN):
+                procs.stop_all()
+    if ok and not keep:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    elif not ok:
+        log(f"logs kept in {log_dir}")
+    return 0 if ok else 1
