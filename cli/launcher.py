@@ -244,15 +244,17 @@ async def wait_nats_healthy(
         raise RuntimeError(f"NATS not healthy after {timeout_s:.0f} s: {', '.join(pending)}")
 
 
-def banner(port: int, nats_url: str, monitor: str | None, model: str) -> str:
+def banner(port: int, nats_url: str, monitor: str | None, model: str, admin_port: int) -> str:
     base = f"http://127.0.0.1:{port}"
+    admin = f"http://127.0.0.1:{admin_port}"
     body = {"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
     lines = [
         "",
         "omnirelay is up",
         f"  OpenAI API   {base}/v1   (model '{model}')",
         f"  health       {base}/health",
-        f"  metrics      {base}/metrics",
+        f"  metrics      {admin}/metrics   (the gateway's admin port: no API key, this machine only)",
+        f"  targets      {admin}/prometheus/targets   (Prometheus service discovery)",
         f"  NATS         {nats_url}" + (f"   monitoring {monitor}" if monitor else ""),
         "",
         "try:",
@@ -273,14 +275,18 @@ def announce(
     pipeline: str,
     pipeline_path: Path,
     security: NatsSecurity | None = None,
+    admin_port: int | None = None,
 ) -> Path:
     """Write ``<data_dir>/stack.json`` for the stack this process runs (NATS client and
-    monitoring URLs, comma-separated as :func:`_start` returns them, the gateway on ``port``, and
-    where the operator identity's secret is when the launcher's NATS has identities); returns the
-    file's path."""
+    monitoring URLs, comma-separated as :func:`_start` returns them, the gateway on ``port`` and
+    its admin listener on ``admin_port``, and where the operator identity's secret is when the
+    launcher's NATS has identities); returns the file's path."""
     monitors = monitor.split(",") if monitor else []
     operator = None if security is None else security.env(OPERATOR)
-    info = this_process(nats_url, monitors, f"http://127.0.0.1:{port}", pipeline, pipeline_path, operator)
+    admin = f"http://127.0.0.1:{admin_port}" if admin_port else None
+    info = this_process(
+        nats_url, monitors, f"http://127.0.0.1:{port}", pipeline, pipeline_path, operator, admin
+    )
     return write_stack_file(data_dir, info)
 
 
@@ -299,9 +305,13 @@ async def run_stack(
     data_dir: Path,
     nats_url: str | None,
     nats: NatsOptions | None = None,
+    admin_port: int = 0,
 ) -> int:
     """Start everything, print the banner, stream logs until Ctrl-C/SIGTERM; a process that dies
     once the stack is up is restarted (:meth:`Stack.supervise`), never the reason to stop.
+
+    The gateway's admin listener (``/metrics``, ``/prometheus/targets``) takes ``admin_port``, or
+    a free port this process picks when it is 0 (the banner and ``stack.json`` name it).
 
     Once the stack is up, ``<data_dir>/stack.json`` says where it is (:mod:`cli.stack_file`: the
     NATS and gateway URLs, this process's pid) for the commands run beside it; a stop removes it.
@@ -315,9 +325,20 @@ async def run_stack(
     stop = shutdown_event()
     stack = Stack()
     stack.width = max(len(f"{s.name}-{r}") for s in pipeline.stages for r in range(s.replicas)) + 1
+    admin_port = admin_port or free_port()
     try:
         starting = asyncio.create_task(
-            _start(stack, pipeline, pipeline_path, port, log_stats, data_dir, nats_url, nats or NatsOptions())
+            _start(
+                stack,
+                pipeline,
+                pipeline_path,
+                port,
+                log_stats,
+                data_dir,
+                nats_url,
+                nats or NatsOptions(),
+                admin_port,
+            )
         )
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -326,9 +347,9 @@ async def run_stack(
             return 130
         stopping.cancel()
         nats_url, monitor, security = starting.result()
-        print(banner(port, nats_url, monitor, pipeline.served_model_name), flush=True)
+        print(banner(port, nats_url, monitor, pipeline.served_model_name, admin_port), flush=True)
         stack.supervise()
-        announce(data_dir, port, nats_url, monitor, pipeline.name, pipeline_path, security)
+        announce(data_dir, port, nats_url, monitor, pipeline.name, pipeline_path, security, admin_port)
         await stop.wait()
         return 0
     finally:
@@ -345,6 +366,7 @@ async def _start(
     data_dir: Path,
     nats_url: str | None,
     nats: NatsOptions,
+    admin_port: int = 0,
 ) -> tuple[str, str | None, NatsSecurity | None]:
     """NATS (unless given), then every service; returns (NATS URL(s), monitoring URL(s) or None,
     the NATS identities' material or None).
@@ -362,7 +384,7 @@ async def _start(
         nats_url, monitors = await _start_nats(stack, data_dir, nats, security)
         monitor = ",".join(monitors)
         await wait_nats_healthy(monitors, stack)
-    for spec in plan_services(pipeline, pipeline_path, nats_url, port, log_stats):
+    for spec in plan_services(pipeline, pipeline_path, nats_url, port, log_stats, admin_port):
         env = spec.env if security is None else {**spec.env, **security.env(service_identity(spec))}
         await stack.spawn(spec.name, spec.argv, env)
     await wait_all_live(f"http://127.0.0.1:{port}/health", pipeline, stack)

@@ -99,6 +99,12 @@ def gateway(
     nats_url: NatsOpt = None,
     host: Annotated[str | None, typer.Option(help="bind address [env OMNIRELAY_HOST]")] = None,
     port: Annotated[int | None, typer.Option(help="HTTP port [env OMNIRELAY_PORT; default 8000]")] = None,
+    admin_port: Annotated[
+        int | None,
+        typer.Option(
+            help="/metrics and /prometheus/targets port, 0 = any [env OMNIRELAY_ADMIN_PORT; default 8001]"
+        ),
+    ] = None,
     log_stats: LogStatsOpt = None,
     log_level: LogLevelOpt = None,
 ) -> None:
@@ -112,6 +118,7 @@ def gateway(
         nats_url=_service_nats_url(nats_url),
         host=host,
         port=port,
+        admin_port=admin_port,
         log_stats=log_stats,
         log_level=log_level,
     )
@@ -226,6 +233,9 @@ def worker(
 def up(
     pipeline: PipelineOpt = None,
     port: Annotated[int, typer.Option(help="gateway HTTP port")] = 8000,
+    admin_port: Annotated[
+        int, typer.Option(help="gateway's /metrics and /prometheus/targets port (127.0.0.1), 0 = any free")
+    ] = 8001,
     log_stats: Annotated[
         bool, typer.Option("--log-stats/--no-log-stats", help="record metrics and stats logs")
     ] = False,
@@ -268,6 +278,9 @@ def up(
     if nats_nodes not in (1, 3, 5):
         typer.echo(f"error: --nats-nodes: 1, 3 or 5, not {nats_nodes}", err=True)
         raise typer.Exit(2)
+    if admin_port and admin_port == port:
+        typer.echo(f"error: --admin-port must differ from --port ({port})", err=True)
+        raise typer.Exit(2)
     if nats_url and nats_nodes != 1:
         typer.echo("error: --nats-nodes starts servers; --nats-url / NATS_URL names servers to use", err=True)
         raise typer.Exit(2)
@@ -280,7 +293,11 @@ def up(
         raise typer.Exit(1)
     nats = NatsOptions(nats_nodes, nats_sync_interval)
     raise typer.Exit(
-        asyncio.run(run_stack(p, s.pipeline.resolve(), port, log_stats, data_dir.resolve(), nats_url, nats))
+        asyncio.run(
+            run_stack(
+                p, s.pipeline.resolve(), port, log_stats, data_dir.resolve(), nats_url, nats, admin_port
+            )
+        )
     )
 
 

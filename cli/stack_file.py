@@ -52,7 +52,7 @@ class StackInfo:
     nats_monitor_urls: list[str]
     """The NATS servers' HTTP monitoring URLs (empty when ``up`` was given ``--nats-url``)."""
     gateway_url: str
-    """The gateway's base URL (``/v1``, ``/health``, ``/metrics`` below it)."""
+    """The gateway's base URL (``/v1`` and ``/health`` below it)."""
     pipeline: str
     """The pipeline's name (subjects ``omni.<name>.*``)."""
     pipeline_file: str
@@ -61,6 +61,9 @@ class StackInfo:
     """The environment of a client that connects as the read-only ``operator`` identity
     (``OMNIRELAY_NATS_USER``, ``OMNIRELAY_NATS_PASSWORD_FILE`` and, with TLS, ``OMNIRELAY_NATS_CA``);
     None when ``up`` was given a NATS (it then knows no identities)."""
+    gateway_admin_url: str | None = None
+    """The gateway's admin listener (``/metrics`` and ``/prometheus/targets`` below it; no API
+    key, bound to 127.0.0.1); None in a file written before the admin port existed."""
 
 
 @dataclass(frozen=True)
@@ -85,11 +88,20 @@ def this_process(
     pipeline: str,
     pipeline_file: Path,
     operator_env: dict[str, str] | None = None,
+    gateway_admin_url: str | None = None,
 ) -> StackInfo:
     """The :class:`StackInfo` of the calling process (the launcher)."""
     me = psutil.Process()
     return StackInfo(
-        me.pid, me.create_time(), nats_url, monitors, gateway_url, pipeline, str(pipeline_file), operator_env
+        me.pid,
+        me.create_time(),
+        nats_url,
+        monitors,
+        gateway_url,
+        pipeline,
+        str(pipeline_file),
+        operator_env,
+        gateway_admin_url,
     )
 
 

@@ -46,6 +46,13 @@ class ServiceProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.metrics_url: str | None = None
 
+    @property
+    def admin_url(self) -> str:
+        """The base URL of :attr:`metrics_url` (a gateway's admin port: ``/metrics``,
+        ``/prometheus/targets``)."""
+        assert self.metrics_url is not None, "started without a metrics port (start_service sets one)"
+        return self.metrics_url.removesuffix("/metrics")
+
     def start(self) -> ServiceProcess:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
@@ -116,13 +123,16 @@ def start_service(
     args: list[str], nats_url: str, pipeline: Path, log: Path, env: dict[str, str] | None = None
 ) -> ServiceProcess:
     """A service of ``pipeline`` with --log-stats on and its ``/metrics`` on a free port
-    (``metrics_url``)."""
+    (``metrics_url``): the orchestrator's and a worker's metrics port, the gateway's admin port
+    (``/metrics`` and ``/prometheus/targets`` below it: ``metrics_url`` is the one way a test
+    finds a gateway's)."""
     port = free_port()
     base = {
         "NATS_URL": nats_url,
         "OMNIRELAY_PIPELINE": str(pipeline),
         "OMNIRELAY_LOG_STATS": "true",
         "OMNIRELAY_METRICS_PORT": str(port),
+        "OMNIRELAY_ADMIN_PORT": str(port),
     }
     proc = ServiceProcess(args, {**base, **(env or {})}, log).start()
     proc.metrics_url = f"http://127.0.0.1:{port}/metrics"

@@ -7,6 +7,7 @@ import asyncio
 import base64
 import contextlib
 import hashlib
+import json
 import os
 import signal
 import time
@@ -166,12 +167,26 @@ def baked_in(image: str) -> str:
     return f"runs as {user}; {len(theirs)} model files, byte-identical to this host's generation"
 
 
-def discovery(prometheus_url: str, gateway_url: str, workers: set[tuple[str, str]]) -> str:
-    """Prometheus found every service the gateway lists (``/prometheus/targets``), scrapes it, and
-    has worker series with ``stage`` and ``replica`` for every (stage, replica) in ``workers``."""
+def admin_get(stack: Stack, path: str) -> str:
+    """The body of ``GET <path>`` on the gateway's admin port (``/metrics``, ``/prometheus/targets``),
+    asked from inside the gateway's container: compose publishes that port on no host port."""
+    port = stack.run("exec", "-T", "gateway", "printenv", "OMNIRELAY_ADMIN_PORT").stdout.strip()
+    code = (
+        "import sys, urllib.request; "
+        f"sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:{port}{path}', timeout=10).read().decode())"
+    )
+    return stack.run("exec", "-T", "gateway", "python", "-c", code).stdout
+
+
+def discovery(prometheus_url: str, gateway_url: str, workers: set[tuple[str, str]], stack: Stack) -> str:
+    """The gateway's public port serves neither ``/metrics`` nor ``/prometheus/targets`` (404);
+    Prometheus found every service the gateway lists on its admin port, scrapes it, and has worker
+    series with ``stage`` and ``replica`` for every (stage, replica) in ``workers``."""
+    for path in ("/metrics", "/prometheus/targets"):
+        status = httpx.get(f"{gateway_url}{path}").status_code
+        expect(status == 404, f"the gateway's public port answers {path} with HTTP {status}, not 404")
     listed = {
-        g["labels"]["__meta_omnirelay_instance"]
-        for g in httpx.get(f"{gateway_url}/prometheus/targets").json()
+        g["labels"]["__meta_omnirelay_instance"] for g in json.loads(admin_get(stack, "/prometheus/targets"))
     }
     deadline = time.monotonic() + DISCOVERY_S
     while True:
@@ -185,7 +200,10 @@ def discovery(prometheus_url: str, gateway_url: str, workers: set[tuple[str, str
         result = httpx.get(f"{prometheus_url}/api/v1/query", params={"query": q}).json()["data"]["result"]
         labelled = {(r["metric"]["stage"], r["metric"]["replica"]) for r in result}
         if listed <= up and workers <= labelled:
-            return f"{len(listed)} services discovered and up; worker series for {sorted(labelled)}"
+            return (
+                f"{len(listed)} services discovered (admin port) and up; worker series for "
+                f"{sorted(labelled)}; public port: 404 for /metrics and /prometheus/targets"
+            )
         if time.monotonic() > deadline:
             raise CheckFailed(
                 f"discovery: listed {listed}, up {up}; worker series for {labelled}, want {workers}"

@@ -97,7 +97,7 @@ def exercise(stack: Stack, repo: Path, ports: dict[str, str], rows: list[tuple[s
     if "prometheus" in stack.services:
         workers = {(str(s), str(r)) for s, st in enumerate(pipeline.stages) for r in range(st.replicas)}
         prometheus = f"http://127.0.0.1:{ports['PROMETHEUS_PORT']}"
-        rows.append(("Prometheus discovery", probes.discovery(prometheus, url, workers)))
+        rows.append(("Prometheus discovery", probes.discovery(prometheus, url, workers, stack)))
     nats_url = f"nats://127.0.0.1:{ports['NATS_PORT']}"
     subjects = Subjects(pipeline.name)
     streams = [subjects.requests_stream, subjects.stages_stream, subjects.events_stream]

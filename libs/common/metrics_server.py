@@ -11,7 +11,7 @@ so we always encode without escaping: the output is plain OpenMetrics 1.0.0.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import REGISTRY, CollectorRegistry, disable_created_metrics
@@ -57,13 +57,24 @@ def render(accept: str) -> tuple[bytes, str]:
     return text_format.generate_latest(EXPOSITION), text_format.CONTENT_TYPE_PLAIN_0_0_4
 
 
+Route = Callable[[], tuple[int, bytes, str]]
+"""An extra ``GET`` path of a metrics server: called on the request's thread, it returns (HTTP
+status, body, content type)."""
+
+
 class _Handler(BaseHTTPRequestHandler):
+    server: MetricsServer
+
     def do_GET(self) -> None:
-        if self.path.split("?")[0] not in ("/metrics", "/"):
+        path = self.path.split("?")[0]
+        if path in ("/metrics", "/"):
+            status, (body, content_type) = 200, render(self.headers.get("Accept", ""))
+        elif (route := self.server.routes.get(path)) is not None:
+            status, body, content_type = route()
+        else:
             self.send_error(404)
             return
-        body, content_type = render(self.headers.get("Accept", ""))
-        self.send_response(200)
+        self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -74,14 +85,44 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 METRICS_HOST = "127.0.0.1"
-"""Default bind address of the orchestrator's and workers' ``/metrics`` (``OMNIRELAY_METRICS_HOST``):
-this machine only; compose binds ``0.0.0.0`` inside the container network for Prometheus."""
+"""Default bind address of every service's ``/metrics`` (``OMNIRELAY_METRICS_HOST``; the gateway's
+admin listener too): this machine only; compose binds ``0.0.0.0`` inside the container network
+for Prometheus."""
+
+
+class MetricsServer(ThreadingHTTPServer):
+    """``/metrics`` (and ``routes``) on ``host:port``, bound and listening once constructed
+    (``port=0`` picks a free one: :attr:`port`); :func:`serve_metrics` serves it."""
+
+    daemon_threads = True
+
+    def __init__(self, host: str, port: int, routes: Mapping[str, Route] | None = None) -> None:
+        super().__init__((host, port), _Handler)
+        self.routes: dict[str, Route] = dict(routes or {})
+
+    @property
+    def port(self) -> int:
+        """The bound port."""
+        return self.server_address[1]
+
+    def close(self) -> None:
+        """Stop serving (waits for the serving loop, at most its 0.5 s poll interval) and close
+        the listening socket."""
+        self.shutdown()
+        self.server_close()
+
+
+def serve_metrics(
+    port: int, host: str = METRICS_HOST, routes: Mapping[str, Route] | None = None
+) -> MetricsServer:
+    """Serve ``/metrics`` (and ``routes``) on ``host:port`` in a background thread; the server, for
+    its bound :attr:`~MetricsServer.port` and :meth:`~MetricsServer.close`."""
+    server = MetricsServer(host, port, routes)
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server
 
 
 def start_metrics_server(port: int, host: str = METRICS_HOST) -> int:
-    """Serve ``/metrics`` on ``host:port`` in a background thread; returns the bound port
-    (``port=0`` picks a free one)."""
-    server = ThreadingHTTPServer((host, port), _Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
-    return server.server_address[1]
+    """Serve ``/metrics`` on ``host:port`` in a background thread for the process's life; returns
+    the bound port (``port=0`` picks a free one)."""
+    return serve_metrics(port, host).port

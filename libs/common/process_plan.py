@@ -33,9 +33,16 @@ class ServiceSpec:
 
 
 def plan_services(
-    pipeline: PipelineConfig, pipeline_path: Path, nats_url: str, port: int, log_stats: bool
+    pipeline: PipelineConfig,
+    pipeline_path: Path,
+    nats_url: str,
+    port: int,
+    log_stats: bool,
+    admin_port: int = 0,
 ) -> list[ServiceSpec]:
-    """Orchestrator, one worker per (stage, replica), gateway — in start order."""
+    """Orchestrator, one worker per (stage, replica), gateway — in start order. The gateway serves
+    the OpenAI API on ``port`` and ``/metrics`` with ``/prometheus/targets`` on ``admin_port``
+    (0: any free port; its registry record says which)."""
     common = {
         "NATS_URL": nats_url,
         "OMNIRELAY_PIPELINE": str(pipeline_path),
@@ -46,5 +53,6 @@ def plan_services(
         for r in range(stage.replicas):
             env = {**common, "OMNIRELAY_STAGE": str(s), "OMNIRELAY_REPLICA": str(r)}
             specs.append(ServiceSpec(f"{stage.name}-{r}", ["worker"], env))
-    specs.append(ServiceSpec("gateway", ["gateway"], {**common, "OMNIRELAY_PORT": str(port)}))
+    gateway = {**common, "OMNIRELAY_PORT": str(port), "OMNIRELAY_ADMIN_PORT": str(admin_port)}
+    specs.append(ServiceSpec("gateway", ["gateway"], gateway))
     return specs

@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, ValidationInfo, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from libs.common.bus import LIMITS, BusLimits, server_urls
@@ -72,7 +72,17 @@ class GatewaySettings(ServiceSettings):
     """The gateway's settings; docs/security.md says what each control guards against."""
 
     host: str = Field(default="127.0.0.1", description="HTTP bind address")
-    port: int = Field(default=8000, ge=0, le=65535, description="HTTP port (OpenAI API, /metrics)")
+    port: int = Field(default=8000, ge=0, le=65535, description="HTTP port (the OpenAI API, /health)")
+    admin_port: int = Field(
+        default=8001,
+        ge=0,
+        le=65535,
+        description="admin port: /metrics and /prometheus/targets, no API key (0: any free)",
+    )
+    metrics_host: str = Field(
+        default="127.0.0.1",
+        description="admin port's bind address (0.0.0.0: every interface, as in compose's network)",
+    )
     sched_batch: SchedBatch = True
     api_keys: str = Field(
         default="", description="API keys clients send as 'Authorization: Bearer <key>', comma-separated"
@@ -140,6 +150,13 @@ class GatewaySettings(ServiceSettings):
         ge=0,
         description="requests one API key (one client address without keys) may run at once; 0: no limit",
     )
+
+    @field_validator("admin_port")
+    @classmethod
+    def _not_the_public_port(cls, value: int, info: ValidationInfo) -> int:
+        if value and value == info.data.get("port"):
+            raise ValueError(f"the admin port must differ from the public port ({value})")
+        return value
 
 
 class OrchestratorSettings(ServiceSettings):

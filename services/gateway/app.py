@@ -16,7 +16,9 @@ from libs.common.runtime import freeze_startup_heap
 from libs.common.settings import GatewaySettings
 from libs.common.tracing import setup_tracing, shutdown_tracing
 from libs.models.tiny import resolve_model
+from services.gateway.admin import AdminListener
 from services.gateway.auth import load_api_keys
+from services.gateway.discovery import sd_targets
 from services.gateway.errors import install_error_handlers
 from services.gateway.http_protocol import with_head_deadline
 from services.gateway.limits import ConcurrencyLimit, InputLimits, SlotRelease
@@ -96,16 +98,23 @@ def create_app(settings: GatewaySettings, pipeline: PipelineConfig) -> FastAPI:
         stat_log = GatewayStatLogger(
             MetricSet(Exporter.GATEWAY, settings.log_stats), pipeline.served_model_name
         )
-        client = PipelineClient(settings, pipeline, stat_log.stale_event, stat_log.event_gap)
-        await client.start()
-        app.state.client = client
-        app.state.submitter = Submitter(pipeline, client, tokenizer, stat_log, InputLimits.of(settings))
-        freeze_startup_heap()
+        # The admin listener first: the registry record names its bound port (admin_port 0: any).
+        admin = AdminListener(settings.metrics_host, settings.admin_port)
+        bound = settings.model_copy(update={"admin_port": admin.port})
         try:
-            yield
+            client = PipelineClient(bound, pipeline, stat_log.stale_event, stat_log.event_gap)
+            await client.start()
+            admin.discover(lambda: sd_targets(client.all_services.live()))
+            app.state.client = client
+            app.state.submitter = Submitter(pipeline, client, tokenizer, stat_log, InputLimits.of(settings))
+            freeze_startup_heap()
+            try:
+                yield
+            finally:
+                await client.stop()
+                shutdown_tracing()
         finally:
-            await client.stop()
-            shutdown_tracing()
+            await admin.close()
 
     # /docs, /redoc and /openapi.json only when asked for; app.openapi() builds the schema anyway.
     docs = settings.gateway_docs
@@ -129,7 +138,7 @@ def create_app(settings: GatewaySettings, pipeline: PipelineConfig) -> FastAPI:
         max_headers=settings.max_headers,
         max_header_bytes=settings.max_header_bytes,
     )
-    Instrumentator(excluded_handlers=["/metrics"]).instrument(app)  # http_* families; served by /metrics
+    Instrumentator().instrument(app)  # http_* families, served on the admin port (services/gateway/admin.py)
     app.add_middleware(SlotRelease, limit=concurrency)
     app.add_middleware(ResponseTimer, send_timeout_s=settings.slow_reader_timeout_s)
     return app

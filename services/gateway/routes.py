@@ -6,15 +6,13 @@ import base64
 import time
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from libs.common.envelopes import ClientEvent, ClientEventType
-from libs.common.metrics_server import render
 from libs.common.pipeline import TALKER_VOICES
 from libs.common.tracing import context_from_headers
 from libs.common.voices import OPENAI_VOICES, default_voice, talker_config
 from services.gateway.auth import authorize
-from services.gateway.discovery import sd_targets
 from services.gateway.limits import admit
 from services.gateway.responses import (
     AUDIO_EXPIRY_S,
@@ -49,7 +47,8 @@ from services.gateway.speech import SpeechEncoding, speech_events, speech_file
 from services.gateway.submission import Arrival
 
 router = APIRouter()
-"""Open routes: liveness (``/health``), ``/metrics`` and Prometheus's service discovery."""
+"""Open routes: liveness (``/health``). ``/metrics`` and Prometheus's service discovery are on the
+admin listener (:mod:`services.gateway.admin`), not on this public port."""
 api = APIRouter(dependencies=[Depends(authorize), Depends(admit)])
 """The OpenAI API (``/v1/*``): every route needs a valid API key (:func:`authorize`) and a slot
 of its key's concurrency (:func:`admit`)."""
@@ -93,20 +92,6 @@ async def list_voices(request: Request) -> VoiceList:
 async def health(request: Request) -> JSONResponse:
     h = request.app.state.client.health()
     return JSONResponse(h.model_dump(), status_code=503 if h.status == "unavailable" else 200)
-
-
-@router.get("/metrics", include_in_schema=False)
-async def metrics(request: Request) -> Response:
-    """Prometheus exposition (OpenMetrics when the scraper asks for it): http_*, process_* and
-    the gateway's vllm:omni_* families."""
-    body, content_type = render(request.headers.get("accept", ""))
-    return Response(body, media_type=content_type)
-
-
-@router.get("/prometheus/targets")
-async def prometheus_targets(request: Request) -> list[dict[str, object]]:
-    """Prometheus HTTP service discovery: every live service of every pipeline."""
-    return sd_targets(request.app.state.client.all_services.live())
 
 
 def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:

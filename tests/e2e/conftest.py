@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cli.stack_file import read_live_stack
 from libs.common.local_nats import free_port
 from libs.common.pipeline import load_pipeline
 from tests.conftest import NatsServer
@@ -32,6 +33,9 @@ class Stack:
     nats_url: str
     log: Path
     proc: subprocess.Popen[bytes]
+    admin_url: str = ""
+    """The gateway's admin listener (``/metrics``, ``/prometheus/targets``; no API key), as the
+    launcher reports it in ``stack.json`` (``up --admin-port 0``: a free port)."""
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -87,6 +91,8 @@ def stack(
         "up",
         "--port",
         str(port),
+        "--admin-port",
+        "0",
         "--data-dir",
         str(tmp),
         "--log-stats",
@@ -96,11 +102,14 @@ def stack(
     s = Stack(f"http://127.0.0.1:{port}", nats_server.url, log, proc)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while "omnirelay is up" not in s.log_text():
+        # Up once the banner is out and stack.json (written just after it) names the admin port.
+        while "omnirelay is up" not in s.log_text() or (info := read_live_stack(tmp)) is None:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"stack did not come up (exit {proc.poll()}):\n{s.log_text()[-5000:]}")
             time.sleep(1)
         assert httpx.get(f"{s.base_url}/health").status_code == 200
+        assert info.gateway_admin_url, f"{tmp}/stack.json names no admin URL"
+        s.admin_url = info.gateway_admin_url
         yield s
     finally:
         stop_process(proc, signal.SIGINT, 60)

@@ -103,7 +103,7 @@ def eventually(fn, ok, timeout_s: float = WAIT_S, every_s: float = 0.25):
 
 
 def sd_groups(stack) -> list[dict[str, Any]]:
-    return httpx.get(f"{stack.base_url}/prometheus/targets", timeout=30).json()
+    return httpx.get(f"{stack.admin_url}/prometheus/targets", timeout=30).json()
 
 
 def local_config(sd_url: str, port: int) -> dict[str, Any]:
@@ -113,7 +113,7 @@ def local_config(sd_url: str, port: int) -> dict[str, Any]:
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
     assert set(jobs) == {"omnirelay", "prometheus", "nats"}, set(jobs)
     (sd,) = jobs["omnirelay"]["http_sd_configs"]
-    assert sd["url"] == "http://gateway:8000/prometheus/targets"
+    assert sd["url"] == "http://gateway:8001/prometheus/targets"  # the gateway's admin port
     sd.update(url=sd_url, refresh_interval=INTERVAL)
     jobs["prometheus"]["static_configs"][0]["targets"] = [f"127.0.0.1:{port}"]
     config["scrape_configs"] = [jobs["omnirelay"], jobs["prometheus"]]  # no NATS exporter here
@@ -129,7 +129,7 @@ def prom(stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus
     port = free_port()
     config = tmp / "prometheus.yml"
     config.write_text(
-        yaml.safe_dump(local_config(f"{stack.base_url}/prometheus/targets", port), sort_keys=False)
+        yaml.safe_dump(local_config(f"{stack.admin_url}/prometheus/targets", port), sort_keys=False)
     )
     log = tmp / "prometheus.log"
     argv = [
@@ -142,7 +142,7 @@ def prom(stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus
     t0 = time.monotonic()
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    p = Prometheus(f"http://127.0.0.1:{port}", proc, log, f"{stack.base_url}/prometheus/targets")
+    p = Prometheus(f"http://127.0.0.1:{port}", proc, log, f"{stack.admin_url}/prometheus/targets")
     try:
         deadline = time.monotonic() + 30
         while True:

@@ -38,7 +38,7 @@ class KeyedGateway:
 
     def in_flight(self) -> float:
         """Requests this gateway holds: waiting for their first stage plus running."""
-        samples = scrape(f"{self.url}/metrics")
+        samples = scrape(self.proc.metrics_url)  # the admin port (127.0.0.1, no key)
         assert total(samples, "vllm:omni_requests_success_total") >= 1, "no request has ended here yet"
         return total(samples, "vllm:omni_num_requests_waiting") + total(
             samples, "vllm:omni_num_requests_running"

@@ -63,7 +63,7 @@ async def _idle(stack, pipeline, timeout_s: float = 15.0) -> None:
 
 
 async def test_a_client_that_leaves_a_non_streamed_request_aborts_it_in_every_stage(stack, pipeline) -> None:
-    metrics = f"{stack.base_url}/metrics"
+    metrics = f"{stack.admin_url}/metrics"
     await _idle(stack, pipeline)  # what a test before left running has ended
     trace_id = secrets.token_hex(16)
     client = openai.AsyncOpenAI(

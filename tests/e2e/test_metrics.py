@@ -59,7 +59,7 @@ time after its handler returns, which is after the client got the last byte)."""
 
 @pytest.fixture(scope="module")
 def gw(stack) -> str:
-    return f"{stack.base_url}/metrics"
+    return f"{stack.admin_url}/metrics"
 
 
 @pytest.fixture(scope="module")

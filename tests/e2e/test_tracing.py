@@ -188,7 +188,7 @@ def test_latency_histograms_carry_the_trace_id_as_exemplar(stack, pipeline) -> N
         modalities=["text", "audio"],
     )
     trace_id = asyncio.run(request_record(stack.nats_url, r.id))["trace_id"]
-    gateway = f"{stack.base_url}/metrics"
+    gateway = f"{stack.admin_url}/metrics"
     assert trace_id in _exemplar_trace_ids(gateway, "vllm:omni_e2e_request_latency_s")
     assert trace_id in _exemplar_trace_ids(gateway, "vllm:omni_audio_ttfp_s")
     snap = asyncio.run(snapshot(stack.nats_url, pipeline))

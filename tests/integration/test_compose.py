@@ -32,6 +32,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -62,7 +63,10 @@ IMAGE_HEALTHCHECK = "/opt/omnirelay/healthcheck.py"
 NATS_CONF = "/etc/nats/omnirelay.conf"
 COMPOSE_NATS_URL = "nats://nats:4222"
 GATEWAY_PORT = 8000
+ADMIN_PORT = 8001
+"""The gateway's admin port in compose: /metrics and /prometheus/targets (the launcher picks any)."""
 METRICS_PORT = 9100
+PROMETHEUS_CONFIG = COMPOSE_DIR / "prometheus.yml"
 OMNIRELAY_COMMANDS = {"orchestrator", "worker", "gateway"}
 
 # Variables a compose service sets beyond the launcher's plan, and why:
@@ -70,6 +74,7 @@ OMNIRELAY_COMMANDS = {"orchestrator", "worker", "gateway"}
 #   OMNIRELAY_METRICS_PORT    fixed /metrics port of orchestrator and workers (the launcher picks any)
 #   OMNIRELAY_METRICS_HOST    their /metrics binds all interfaces inside the container (Prometheus)
 #   OMNIRELAY_HOST            the gateway binds all interfaces inside its container
+#   OMNIRELAY_METRICS_HOST    (gateway) its admin port binds all interfaces inside the container (Prometheus)
 #   OMNIRELAY_API_KEYS*, OMNIRELAY_GENERATE_API_KEY  the gateway's keys: given, or generated into its volume
 #   OMNIRELAY_ALLOW_IGNORE_EOS  user switch: vLLM's ignore_eos on the gateway's public port
 #   OMNIRELAY_LOG_LEVEL       user switch; its default is the services' own default
@@ -104,6 +109,7 @@ COMPOSE_ONLY_VARS = {
     "gateway": {
         "OMNIRELAY_ADVERTISE_HOST",
         "OMNIRELAY_HOST",
+        "OMNIRELAY_METRICS_HOST",
         *API_KEY_VARS,
         "OMNIRELAY_LOG_LEVEL",
         *OTEL_VARS,
@@ -339,6 +345,11 @@ def test_omnirelay_services_have_healthchecks_and_ports() -> None:
             published = [str(p) for p in svc["ports"]]
             assert any(p.endswith(f":{GATEWAY_PORT}") for p in published), published
             assert env["OMNIRELAY_HOST"] == "0.0.0.0"
+            # The admin port (/metrics, /prometheus/targets, no key): the compose network only.
+            assert env["OMNIRELAY_ADMIN_PORT"] == str(ADMIN_PORT)
+            assert env["OMNIRELAY_METRICS_HOST"] == "0.0.0.0"
+            assert [str(p) for p in svc["expose"]] == [str(ADMIN_PORT)], name
+            assert not [p for p in published if str(ADMIN_PORT) in p.split(":")], published
         else:
             assert test[3:] == ["metrics"]
             assert env["OMNIRELAY_METRICS_PORT"] == str(METRICS_PORT)
@@ -353,6 +364,25 @@ def test_omnirelay_services_have_healthchecks_and_ports() -> None:
         assert (COMPOSE_DIR / svc["build"]["context"] / svc["build"]["dockerfile"]).resolve().is_file()
         mounts = [str(v) for v in svc.get("volumes", [])]
         assert f"./pipelines:{IMAGE_PIPELINES_DIR}:ro" in mounts, mounts
+
+
+def test_prometheus_discovers_through_the_gateways_admin_port() -> None:
+    """Prometheus's service discovery is the gateway's admin port on the compose network, not its
+    public port (tests/integration/test_gateway_admin.py: the record names the admin port, the
+    public port answers 404 for both paths)."""
+    model = load_compose(COMPOSE_FILE)
+    gateway = as_env(model["services"]["gateway"]["environment"])
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "omnirelay"]
+    (sd,) = job["http_sd_configs"]
+    url = urlsplit(sd["url"])
+    assert (url.hostname, url.port, url.path) == (
+        "gateway",
+        int(gateway["OMNIRELAY_ADMIN_PORT"]),
+        "/prometheus/targets",
+    )
+    assert url.port != int(gateway["OMNIRELAY_PORT"]), "discovery is not on the public port"
+    assert gateway["OMNIRELAY_ADVERTISE_HOST"] == "gateway", "the host name Prometheus dials"
 
 
 def test_nats_and_nats_box() -> None:
@@ -678,7 +708,9 @@ def test_compose_services_equal_the_launcher_plan(
     shell = {"OMNIRELAY_LOG_STATS": "true"} if log_stats else {}
     services = omnirelay_services(load_compose(COMPOSE_FILE, *overrides, env=shell))
     image_pipeline = Path(IMAGE_PIPELINES_DIR) / DEFAULT_PIPELINE.name
-    plan = plan_services(load_pipeline(DEFAULT_PIPELINE), image_pipeline, nats_url, GATEWAY_PORT, log_stats)
+    plan = plan_services(
+        load_pipeline(DEFAULT_PIPELINE), image_pipeline, nats_url, GATEWAY_PORT, log_stats, ADMIN_PORT
+    )
     assert [s.name for s in plan if s.name not in services] == []
     for spec in plan:
         svc = services[spec.name]
@@ -795,7 +827,7 @@ def _local_env(
             env[var] = "127.0.0.1"
     if "OMNIRELAY_API_KEYS_FILE" in env:
         env["OMNIRELAY_API_KEYS_FILE"] = str(data / Path(env["OMNIRELAY_API_KEYS_FILE"]).relative_to("/data"))
-    for var in ("OMNIRELAY_PORT", "OMNIRELAY_METRICS_PORT"):
+    for var in ("OMNIRELAY_PORT", "OMNIRELAY_ADMIN_PORT", "OMNIRELAY_METRICS_PORT"):
         if var in env:
             env[var] = str(free_port())
     assert env.pop("OTEL_EXPORTER_OTLP_ENDPOINT") == "http://otel-collector:4317"
@@ -918,7 +950,8 @@ def _assert_log_stats_off_exports_no_vllm_family(
 ) -> None:
     """Gating: the compose default (--log-stats off) registers no vllm:* family in any service —
     neither omnirelay's vllm:omni_* nor the engines' — after real traffic went through."""
-    urls = {"gateway": f"{gateway}/metrics"}
+    assert httpx.get(f"{gateway}/metrics", timeout=10).status_code == 404, "not on the public port"
+    urls = {"gateway": f"http://127.0.0.1:{envs['gateway']['OMNIRELAY_ADMIN_PORT']}/metrics"}
     urls |= {
         name: f"http://127.0.0.1:{env['OMNIRELAY_METRICS_PORT']}/metrics"
         for name, env in envs.items()

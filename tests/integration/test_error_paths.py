@@ -67,7 +67,8 @@ class Stack:
 
     @property
     def metrics_url(self) -> str:
-        return f"{self.base_url}/metrics"
+        """The gateway's ``/metrics`` (its admin port)."""
+        return self.gateway.metrics_url
 
     def client(self, **headers: str) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(

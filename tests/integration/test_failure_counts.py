@@ -69,7 +69,7 @@ def stack(nats_server, tmp_path_factory):
     gateway.wait_log("Uvicorn running")
     code2wav.wait_log("serving omni.", timeout_s=120)
     base = f"http://127.0.0.1:{port}"
-    yield Stack(base, f"{base}/metrics", code2wav)
+    yield Stack(base, gateway.metrics_url, code2wav)
     for proc in (code2wav, orch):
         proc.stop()
     assert gateway.stop() in (0, -signal.SIGTERM)

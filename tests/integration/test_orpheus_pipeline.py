@@ -110,6 +110,8 @@ class OrpheusStack:
     """thinker, talker0, talker1, code2wav (a test that kills one may start it again)."""
     start: Callable[[str], ServiceProcess]
     """Start the named worker (again), with its log in the same file."""
+    gateway: ServiceProcess
+    """The gateway (its ``metrics_url``: the admin port)."""
 
     def __iter__(self):
         return iter((self.base_url, self.workers))
@@ -137,7 +139,7 @@ def stack(nats_server, tmp_path_factory):
     gateway.wait_log("Uvicorn running")
     for w in workers.values():
         w.wait_log("serving omni.", timeout_s=300)
-    yield OrpheusStack(f"http://127.0.0.1:{port}", workers, start)
+    yield OrpheusStack(f"http://127.0.0.1:{port}", workers, start, gateway)
     stop_all([gateway, orch, *workers.values()])
 
 
@@ -222,7 +224,7 @@ async def test_audio_and_transfer_metrics_are_what_the_client_and_the_bus_saw(st
     base_url, workers = stack
     bus = BusLog()
     await bus.listen(nc)
-    gw = f"{base_url}/metrics"
+    gw = stack.gateway.metrics_url
     urls = {name: workers[name].metrics_url for name in WORKERS}
     before = await asyncio.to_thread(scrape, gw)
     before_w = {name: await asyncio.to_thread(scrape, url) for name, url in urls.items()}
