@@ -298,12 +298,23 @@ def _cpu_s(roles: dict[str, list[int]]) -> dict[str, float]:
     return out
 
 
-def _start_second_gateway(procs: Processes, stack: Stack, pipeline_path: Path) -> tuple[Managed, str]:
+def stack_env(concurrency: Sequence[int]) -> dict[str, str]:
+    """The services' settings for the bench: a worker takes every request of the highest
+    concurrency at once (``OMNIRELAY_MAX_INFLIGHT``, default 128, so the engine's ``max_num_seqs``
+    is the only queue) and the gateways do not cap one client address
+    (``OMNIRELAY_MAX_CONCURRENT_PER_KEY``, default 256)."""
+    return {"OMNIRELAY_MAX_INFLIGHT": str(max(128, *concurrency)), "OMNIRELAY_MAX_CONCURRENT_PER_KEY": "0"}
+
+
+def _start_second_gateway(
+    procs: Processes, stack: Stack, pipeline_path: Path, env: dict[str, str]
+) -> tuple[Managed, str]:
     """Another ``omnirelay gateway`` on the stack's NATS; (its process, its ``/v1`` URL)."""
     from libs.common.local_nats import free_port
 
     port, admin = free_port(), free_port()
     env = {
+        **env,
         "NATS_URL": stack.nats_url,
         "OMNIRELAY_PIPELINE": str(pipeline_path),
         "OMNIRELAY_PORT": str(port),
@@ -366,12 +377,13 @@ def run_capacity_bench(opts: CapacityOptions) -> int:
     model = pipeline.served_model_name
 
     def work(procs: Processes, data_dir: Path) -> None:
-        stack = start_stack(procs, "mock stack", opts.pipeline_path, {}, data_dir)
+        env = stack_env(opts.concurrency)
+        stack = start_stack(procs, "mock stack", opts.pipeline_path, env, data_dir)
         nats = [m for m in procs.items if m.name.startswith("nats")]
         urls = [stack.base_url]
         second = None
         if max(opts.gateways) > 1:
-            second, url2 = _start_second_gateway(procs, stack, opts.pipeline_path)
+            second, url2 = _start_second_gateway(procs, stack, opts.pipeline_path, env)
             urls.append(url2)
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(opts.clients, mp_context=ctx) as pool:
