@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.frontend_capacity import bottleneck, cell_result
+from benchmarks.frontend_capacity import _role, bottleneck, cell_result, stack_env
 from benchmarks.frontend_capacity import render as render_capacity
 from benchmarks.gateway_vs_vllm import DIRECT, GATEWAY
 from benchmarks.harness import RequestTiming, Target
@@ -164,3 +164,15 @@ def test_a_capacity_cell_from_its_timings() -> None:
 )
 def test_the_bottleneck_rule(cpu: dict[str, float], cores: int, want: str) -> None:
     assert bottleneck(cpu, cores).startswith(want)
+
+
+def test_processes_are_named_by_their_command_line() -> None:
+    assert _role("/venv/bin/nats-server -js -sd /tmp/x -p 4222") == "nats"
+    assert _role("/venv/bin/python -m cli gateway") == "gateway"
+    assert _role("/venv/bin/python -m cli worker") == "worker"
+    assert _role("/venv/bin/python -m cli up --pipeline p.yaml --port 1") == "up"
+
+
+def test_the_stack_takes_the_highest_concurrency_at_once() -> None:
+    assert stack_env((64, 256)) == {"OMNIRELAY_MAX_INFLIGHT": "256", "OMNIRELAY_MAX_CONCURRENT_PER_KEY": "0"}
+    assert stack_env((16,))["OMNIRELAY_MAX_INFLIGHT"] == "128"  # never below the default
