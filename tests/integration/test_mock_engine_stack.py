@@ -1,0 +1,149 @@
+"""A real gateway, orchestrator and thinker worker on the mock engine (``engine.mock``), a real
+nats-server, and the official openai client: the streamed answer has exactly ``max_tokens``
+tokens, and its text is the tiny thinker tokenizer's decode of the tokens the mock engine streams
+at those positions (services/stage_worker/mock_engine.py), so every per-token step between the
+worker and the client carried each token once and in order. The worker exports omnirelay's
+metrics and none of vLLM's engine families (none exist without vLLM)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from vllm.tokenizers import get_tokenizer
+
+from libs.common.local_nats import free_port
+from libs.models.tiny import resolve_model
+from services.stage_worker.mock_engine import token_cycle
+from tests.procs import ServiceProcess, start_service, until, write_pipeline
+
+pytestmark = pytest.mark.integration
+
+PIPELINE = "mockeng"
+MOCK_THINKER_YAML = """\
+  - name: thinker
+    type: llm
+    model: tiny-thinker
+    replicas: 1
+    consumes: text
+    emits: text
+    stream_to_client: true
+    engine: {max_num_seqs: 64, mock: {inter_token_ms: 0}}
+"""
+
+
+@dataclass(frozen=True)
+class Stack:
+    base_url: str
+    worker: ServiceProcess
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server, tmp_path_factory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("mockeng")
+    path = write_pipeline(tmp / "p.yaml", PIPELINE, MOCK_THINKER_YAML)
+    port = free_port()
+    orch = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
+    gateway = start_service(["gateway", "--port", str(port)], nats_server.url, path, tmp / "gw.log")
+    worker = start_service(["worker"], nats_server.url, path, tmp / "w.log", {"OMNIRELAY_STAGE": "0"})
+    try:
+        orch.wait_log("ready")
+        gateway.wait_log("Uvicorn running")
+        worker.wait_log("serving omni.", timeout_s=120)
+        base = f"http://127.0.0.1:{port}"
+
+        def live() -> bool:
+            try:
+                r = httpx.get(f"{base}/health", timeout=2.0)
+                return r.status_code == 200 and r.json()["stages"] == {"0:thinker": 1}
+            except (httpx.HTTPError, ValueError, KeyError):
+                return False
+
+        asyncio.run(until(live, "the thinker replica live behind the gateway", timeout_s=30))
+        yield Stack(base, worker)
+    finally:
+        for proc in (worker, orch):
+            proc.stop()
+        assert gateway.stop() in (0, -signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return get_tokenizer(resolve_model("tiny-thinker"))
+
+
+def _client(stack: Stack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+async def _stream(client: openai.AsyncOpenAI, max_tokens: int, **kw) -> tuple[str, int, int, str | None]:
+    """(content, completion tokens, prompt tokens, finish reason) of one streamed chat completion."""
+    stream = await client.chat.completions.create(
+        model=f"{PIPELINE}-model",
+        messages=[{"role": "user", "content": "Tell me about the sea."}],
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+        **kw,
+    )
+    text, usage, finish = "", None, None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert usage is not None, "include_usage: the last chunk carries the usage"
+    return text, usage.completion_tokens, usage.prompt_tokens, finish
+
+
+def _expected(tokenizer, prompt_tokens: int, n: int) -> str:
+    cycle = token_cycle(tokenizer)
+    return tokenizer.decode([cycle[(prompt_tokens + k) % len(cycle)] for k in range(n)])
+
+
+async def test_a_streamed_completion_has_max_tokens_tokens_and_their_text(stack, tokenizer) -> None:
+    async with _client(stack) as client:
+        text, completion, prompt, finish = await _stream(client, 37)
+    assert completion == 37
+    assert finish == "length"
+    assert prompt > 0
+    assert text == _expected(tokenizer, prompt, 37)
+
+
+async def test_concurrent_streams_each_get_every_token(stack, tokenizer) -> None:
+    async with _client(stack) as client:
+        results = await asyncio.gather(*(_stream(client, 64) for _ in range(24)))
+    assert [r[1] for r in results] == [64] * 24
+    assert all(r[0] == _expected(tokenizer, r[2], 64) for r in results)
+
+
+async def test_a_stop_string_ends_the_answer(stack) -> None:
+    async with _client(stack) as client:
+        free, _, _, _ = await _stream(client, 80)
+        word = "ships"
+        assert word in free
+        text, completion, _, finish = await _stream(client, 80, stop=[word])
+    assert finish == "stop"
+    assert text == free[: free.index(word)]
+    assert completion < 80
+
+
+async def test_the_worker_exports_omnirelay_metrics_and_no_vllm_engine_families(stack) -> None:
+    assert stack.worker.metrics_url is not None
+    families = {
+        f.name: f for f in text_string_to_metric_families(httpx.get(stack.worker.metrics_url, timeout=5).text)
+    }
+    vllm_own = [n for n in families if n.startswith("vllm:") and not n.startswith("vllm:omni_")]
+    assert not vllm_own, f"vLLM engine families on a mock engine: {vllm_own}"
+    engine_procs = [s for n, f in families.items() if n.startswith("vllm:omni_engine_") for s in f.samples]
+    assert not engine_procs, "no engine processes exist to report on"
+    stage = families["vllm:omni_stage_request_s"]
+    count = sum(s.value for s in stage.samples if s.name.endswith("_count"))
+    assert count >= 1, "the stage's request time is recorded as with a real engine"
