@@ -53,7 +53,15 @@ async def _pump(name: str, stream: asyncio.StreamReader, width: int) -> None:
     """Copy a child's output to ours, each line prefixed with its name; a last line without a
     newline gets one, so the next process's line starts on a line of its own."""
     prefix = f"{name:<{width}} | "
-    while line := await stream.readline():
+    while True:
+        try:
+            line = await stream.readline()
+        except ValueError:  # a line over the reader's limit (64 KiB), which it has dropped
+            # Reading on matters: a pump that stopped would leave the child blocked on a full pipe
+            # at its next log line (found by the bus fuzzer, a log line quoting a 64 KiB field).
+            line = b"[a line over 64 KiB was cut]\n"
+        if not line:
+            break
         text = line.decode(errors="replace")
         sys.stdout.write(prefix + text + ("" if text.endswith("\n") else "\n"))
         sys.stdout.flush()

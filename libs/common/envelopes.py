@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import logging
 from enum import StrEnum
-from typing import Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import msgpack
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 
 class MalformedMessage(ValueError):
@@ -22,6 +22,16 @@ class MalformedMessage(ValueError):
     def __init__(self, message: str, reason: str = "invalid_envelope") -> None:
         super().__init__(message)
         self.reason = reason
+
+
+MAX_ID_CHARS = 128
+"""Longest request or gateway id a message may carry (the gateway's are 40-odd characters)."""
+Id = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]+$", max_length=MAX_ID_CHARS)]
+"""A request or gateway id: one NATS subject token and KV key (``subjects.check_token``). Services
+put these ids into subjects (``out.<gateway>.<request>``) and KV keys; one with a space, a dot or
+a wildcard, or longer than the server's control line, would make the server close the publishing
+connection (found by the bus fuzzer, tests/e2e/test_fuzz_bus.py), so a message carrying one is
+malformed."""
 
 
 class _Envelope(BaseModel):
@@ -100,8 +110,8 @@ class SpeechChunk(BaseModel):
 class Admission(_Envelope):
     """Gateway → orchestrator: a new request (subject ``requests``)."""
 
-    request_id: str
-    gateway_id: str
+    request_id: Id
+    gateway_id: Id
     arrival_ns: int
     deadline_ns: int
     prompt_token_ids: list[int] = Field(default_factory=list)
@@ -146,8 +156,8 @@ class StageTask(_Envelope):
     task belongs to, ``from_attempt`` the sender's (1 for the orchestrator).
     """
 
-    request_id: str
-    gateway_id: str
+    request_id: Id
+    gateway_id: Id
     arrival_ns: int
     deadline_ns: int
     route: list[int]
@@ -212,7 +222,7 @@ class ClientEventType(StrEnum):
 class ClientEvent(_Envelope):
     """Worker/orchestrator → gateway (subject ``out.<gateway_id>.<request_id>``)."""
 
-    request_id: str
+    request_id: Id
     type: ClientEventType
     stage: int | None = None
     replica: int | None = None
@@ -263,7 +273,7 @@ class LifecycleEvent(_Envelope):
     ``finished``.
     """
 
-    request_id: str
+    request_id: Id
     kind: Literal["started", "stage_done", "finished", "failed", "aborted"]
     ts_ns: int
     stage: int | None = None
@@ -315,7 +325,7 @@ class AbortNotice(_Envelope):
     With reason :data:`MOVED` only the attempts of ``stage`` older than ``attempt`` stop (the
     request runs on as ``attempt`` on another replica)."""
 
-    request_id: str
+    request_id: Id
     reason: str = "abort"
     stage: int | None = None
     attempt: int = 0
@@ -326,7 +336,7 @@ class ResumeQuery(_Envelope):
     client's stream of ``stage`` stand? From now on the gateway drops events of that stage's
     attempts older than ``attempt``."""
 
-    request_id: str
+    request_id: Id
     stage: int
     attempt: int
     replica: int | None = None
@@ -356,7 +366,7 @@ class StageEnded(_Envelope):
     drop the last of them, which no later event would reveal as a gap; with this the gateway
     notices, and ends the client's stream instead of letting it wait for the deadline."""
 
-    request_id: str
+    request_id: Id
     stage: int
     attempt: int
     replica: int = 0
@@ -372,7 +382,7 @@ class ReplayAsk(_Envelope):
     events ``from_seq`` to ``to_seq - 1`` of attempt ``attempt`` never arrived (a broker restart or
     a cluster node's death drops what it held); send them again."""
 
-    request_id: str
+    request_id: Id
     attempt: int
     from_seq: int
     to_seq: int
@@ -393,7 +403,7 @@ class Resync(_Envelope):
     it held); the gateway has fenced that attempt off, and the request should go on as a new attempt
     from what the client has."""
 
-    request_id: str
+    request_id: Id
     stage: int
     attempt: int
 
@@ -405,7 +415,7 @@ class RouteChange(_Envelope):
     and answer with :class:`RouteHeld`. ``release``: send them on to ``replica`` as ``attempt``,
     the new attempt taking chunks from ``start_seq``."""
 
-    request_id: str
+    request_id: Id
     stage: int
     action: Literal["hold", "release"]
     replica: int = 0

@@ -21,7 +21,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 from opentelemetry.trace import SpanKind
 
 from libs.common import headers as h
-from libs.common.envelopes import Admission, StageTask, TaskKind, decode
+from libs.common.envelopes import Admission, MalformedMessage, StageTask, TaskKind, decode
 from libs.common.publish import Hop, publish_task
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
 from libs.common.tracing import context_from_headers, start_span
@@ -107,6 +107,14 @@ class Admissions:
             self._count_rejection("expired", delivered)
             return
         entry = adm.entry_stage
+        if entry and (not adm.audio or entry >= len(self.ctx.pipeline.stages) or not adm.text_chunks):
+            # Only a speech request enters later, with audio and its text (the gateway's own); an
+            # admission that would send nothing is no request (found by the bus fuzzer: an
+            # IndexError below, the admission delivered again and again).
+            raise MalformedMessage(
+                f"entry stage {entry} with audio={adm.audio} and {len(adm.text_chunks)} text chunks",
+                "bad_entry",
+            )
         try:
             route = [SKIPPED] * entry + self.ctx.picker.route(self.ctx.pipeline.stages_for(adm.audio, entry))
         except NoLiveReplica as e:
