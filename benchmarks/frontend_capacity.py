@@ -43,7 +43,9 @@ from benchmarks.harness import (
     Processes,
     RequestTiming,
     Stack,
+    cpu_share_pct,
     descendants,
+    foreign_cpu_s,
     log,
     percentile,
     run_with_stacks,
@@ -57,6 +59,9 @@ from libs.common.pipeline import load_pipeline
 MOCK_PIPELINE = Path(__file__).resolve().parents[1] / "compose" / "pipelines" / "mock-text.yaml"
 SATURATED_PCT = 90.0
 """A process using at least this share of one core is saturated (its event loop is one thread)."""
+OTHERS = "others"
+"""The role of every process this bench did not start (the rest of a shared machine): counted
+in the machine's total, never named the bottleneck."""
 
 
 # --- statistics (pure) --------------------------------------------------------------------------
@@ -120,15 +125,18 @@ def bottleneck(cpu_pct: dict[str, float], cores: int, saturated_pct: float = SAT
     """Which process bounded the cell, from each role's CPU (percent of one core; a role of
     several processes, such as the clients, is their sum): the busiest single-threaded process
     when it used ``saturated_pct`` of a core or more; else the machine when all together used that
-    share of its ``cores``; else none (the load itself, or waiting, set the pace)."""
-    if not cpu_pct:
+    share of its ``cores`` (processes this bench did not start, :data:`OTHERS`, included); else
+    none (the load itself, or waiting, set the pace)."""
+    own = {k: v for k, v in cpu_pct.items() if k != OTHERS}
+    if not own:
         return "unknown (no CPU readings)"
-    role, top = max(cpu_pct.items(), key=lambda kv: kv[1])
+    role, top = max(own.items(), key=lambda kv: kv[1])
     total = sum(cpu_pct.values())
     if top >= saturated_pct and not role.startswith("clients"):
         return f"{role} ({top:.0f}% of a core)"
     if total >= saturated_pct * cores:
-        return f"the machine: {total:.0f}% of {cores} cores busy, most in {role} ({top:.0f}%)"
+        others = f", {cpu_pct[OTHERS]:.0f}% by other processes" if cpu_pct.get(OTHERS) else ""
+        return f"the machine: {total:.0f}% of {cores} cores busy, most in {role} ({top:.0f}%){others}"
     if top >= saturated_pct:
         return f"the load generator: {role} {top:.0f}% (add --clients)"
     return f"no process saturated (busiest {role} {top:.0f}%, all {total:.0f}% of {cores} cores)"
@@ -344,7 +352,7 @@ def _measure(
         for c in opts.concurrency:
             total = opts.requests or 5 * c
             roles = roles_of()
-            before = _cpu_s(roles)
+            before, others0 = _cpu_s(roles), foreign_cpu_s()
             w0 = time.monotonic()
             jobs = [
                 pool.submit(
@@ -359,6 +367,7 @@ def _measure(
             wall = time.monotonic() - w0
             after = _cpu_s(roles)
             cpu = {r: 100.0 * max(after[r] - before.get(r, 0.0), 0.0) / wall for r in after}
+            cpu[OTHERS] = cpu_share_pct(others0, foreign_cpu_s(), wall)
             cell = cell_result(g, c, timings, cpu, cores)
             log(
                 f"g={g} c={c}: {cell.requests} requests, {cell.errors} errors, {cell.req_per_s:.1f} req/s, "

@@ -160,6 +160,12 @@ def test_a_capacity_cell_from_its_timings() -> None:
         ({"gateway-1": 40.0, "clients (2)": 95.0}, 4, "the load generator: clients (2) 95%"),
         ({"gateway-1": 30.0, "worker": 20.0}, 2, "no process saturated (busiest gateway-1 30%"),
         ({}, 2, "unknown"),
+        (
+            {"others": 150.0, "gateway-1": 40.0},
+            2,
+            "the machine: 190% of 2 cores busy, most in gateway-1 (40%), 150% by other",
+        ),
+        ({"others": 99.0, "worker": 50.0}, 4, "no process saturated (busiest worker 50%"),
     ],
 )
 def test_the_bottleneck_rule(cpu: dict[str, float], cores: int, want: str) -> None:
