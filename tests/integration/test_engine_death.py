@@ -36,7 +36,6 @@ from openai import AsyncOpenAI
 from benchmarks.harness import descendants
 from libs.common.bus import requests_kv
 from libs.common.envelopes import ClientEventType, Liveness, decode
-from libs.common.local_nats import free_port
 from libs.common.settings import WorkerSettings
 from libs.common.subjects import Subjects
 from services.orchestrator.liveness import PROBE_PERIOD_S, PROBE_TIMEOUT_S
@@ -54,34 +53,17 @@ from tests.client_streams import (
 )
 from tests.metrics_scrape import delta, scrape
 from tests.procs import (
-    THINKER_YAML,
     ServiceProcess,
     gone,
     kill_confirmed,
     process_state,
-    start_service,
     stop_all,
     stop_confirmed,
-    write_pipeline,
 )
+from tests.thinker_pair import MODEL, PIPELINE, STALL_TIMEOUT_S, ThinkerPair
 
 pytestmark = pytest.mark.integration
 
-PIPELINE = "enginedeath"
-MODEL = f"{PIPELINE}-model"
-GATEWAY = "gwenginedeath"
-STALL_TIMEOUT_S = 5.0
-"""The stage's ``stall_timeout_s``, seconds. At 3 s, a box starved by the faults (the broker went
-silent for ~3 s once, see docs/reliability.md's open finding) had a healthy replica judged
-stalled too."""
-STAGES_YAML = (
-    THINKER_YAML.replace("replicas: 1", "replicas: 2").replace(
-        "dtype: float32}", "dtype: float32, max_num_seqs: 1}"
-    )
-    + f"    stall_timeout_s: {STALL_TIMEOUT_S}\n"
-)
-"""Two thinker replicas that run one request at a time (the others wait in the engine): a fault
-that strikes seconds late still finds requests there."""
 PROBE_WAIT_S = STALL_TIMEOUT_S - 1.0
 """How long the test's own liveness probe waits for its answer, seconds."""
 LONG = 600
@@ -107,65 +89,20 @@ async def engine_core_of(worker: ServiceProcess) -> int:
 
 @dataclass
 class Stack:
-    base_url: str
-    gateway: ServiceProcess
+    pair: ThinkerPair
+    """The session's gateway and two thinker workers."""
     orchestrator: ServiceProcess
-    workers: dict[int, ServiceProcess]
-    """Thinker replica → its current worker process."""
-    path: Path
-    tmp: Path
-    nats_url: str
-
-    @property
-    def gateway_metrics(self) -> str:
-        """The gateway's ``/metrics`` (on its HTTP port)."""
-        return self.base_url.removesuffix("/v1") + "/metrics"
-
-    def start_worker(self, replica: int) -> ServiceProcess:
-        log = self.tmp / f"worker{replica}-{time.time_ns()}.log"
-        worker = start_service(
-            ["worker", "--stage", "0", "--replica", str(replica)],
-            self.nats_url,
-            self.path,
-            log,
-            {"VLLM_CPU_KVCACHE_SPACE": "1"},
-        )
-        self.workers[replica] = worker
-        return worker
-
-    async def both_serving(self) -> None:
-        """Start anew a worker an earlier test's fault ended, and wait until both serve."""
-        for r, w in list(self.workers.items()):
-            if w.proc.poll() is not None:
-                self.start_worker(r)
-        for w in self.workers.values():
-            await w.await_log(": serving omni.", timeout_s=300)
+    """The module's own orchestrator, which judges the faults."""
 
 
 @pytest.fixture(scope="module")
-def stack(nats_server, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("enginedeath")
-    path = write_pipeline(tmp / "p.yaml", PIPELINE, STAGES_YAML, timeout_s=120)
-    port = free_port()
-    gateway = start_service(
-        ["gateway", "--port", str(port)],
-        nats_server.url,
-        path,
-        tmp / "gw.log",
-        {"OMNIRELAY_INSTANCE_ID": GATEWAY},
-    )
-    orchestrator = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
-    s = Stack(f"http://127.0.0.1:{port}/v1", gateway, orchestrator, {}, path, tmp, nats_server.url)
-    for r in (0, 1):
-        s.start_worker(r)
-    gateway.wait_log("Uvicorn running")
+def stack(thinker_pair, tmp_path_factory):
+    orchestrator = thinker_pair.start_orchestrator(tmp_path_factory.mktemp("enginedeath") / "orch.log")
     orchestrator.wait_log("ready")
-    yield s
-    everyone = [gateway, orchestrator, *s.workers.values()]
-    for p in everyone:
-        if p.proc.poll() is None:
-            os.kill(p.proc.pid, signal.SIGCONT)
-    stop_all(everyone)
+    yield Stack(thinker_pair, orchestrator)
+    if orchestrator.proc.poll() is None:
+        os.kill(orchestrator.proc.pid, signal.SIGCONT)
+    stop_all([orchestrator])
 
 
 STREAMS = 6
@@ -188,9 +125,9 @@ class Run:
 @contextlib.asynccontextmanager
 async def streaming(stack: Stack, tokens: int = LONG, count: int = STREAMS) -> AsyncIterator[Run]:
     """Both workers serving, a warm stack, then ``count`` greedy streams of ``tokens``, admitted."""
-    await stack.both_serving()
-    client = AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=180)
-    nc = await nats.connect(stack.nats_url)
+    await stack.pair.both_serving()
+    client = AsyncOpenAI(base_url=stack.pair.base_url, api_key="unused", max_retries=0, timeout=180)
+    nc = await nats.connect(stack.pair.nats_url)
     wire = Wire()
     await wire.listen(nc, PIPELINE)
     streams: Streams | None = None
@@ -230,7 +167,7 @@ async def _stop_replica(worker: ServiceProcess, what: str) -> list[int]:
 async def test_a_killed_engine_core_moves_the_requests_and_its_worker_exits(stack) -> None:
     async with streaming(stack) as run:
         victim = run.victim
-        worker = stack.workers[victim]
+        worker = stack.pair.workers[victim]
         core = await engine_core_of(worker)
         # The engine yields to the control plane: every thread of its processes at the default
         # nice value, the worker's own (its event loop) untouched.
@@ -293,7 +230,7 @@ async def _probe_until(run: Run, replica: int, done: asyncio.Task[set[str]]) -> 
 async def test_a_hung_engine_core_moves_the_requests_and_its_worker_gives_up_on_it(stack) -> None:
     async with streaming(stack) as run:
         victim = run.victim
-        worker = stack.workers[victim]
+        worker = stack.pair.workers[victim]
         core = await engine_core_of(worker)
         try:
             await stop_confirmed(core, f"the EngineCore of thinker {victim}")
@@ -345,7 +282,7 @@ async def test_a_stopped_replica_loses_its_requests_and_stops_them_after_sigcont
     death of the same incarnation is not counted again (evictions are per incarnation)."""
     async with streaming(stack, UNDER_WAY_LONG, UNDER_WAY_STREAMS) as run:
         victim = run.victim
-        worker = stack.workers[victim]
+        worker = stack.pair.workers[victim]
         # Streams taken by the victim, two at least, as the victim itself says (its liveness
         # answer): after SIGCONT it must stop those it had taken (the point of the test), and
         # one of UNDER_WAY_LONG tokens is left for the stop to strike; what the clients or the bus show
@@ -359,7 +296,7 @@ async def test_a_stopped_replica_loses_its_requests_and_stops_them_after_sigcont
                     break
             assert time.monotonic() < deadline, "the victim never held two of the streams"
             await asyncio.sleep(0.05)
-        before = scrape(stack.gateway_metrics)
+        before = scrape(stack.pair.gateway_metrics)
         try:
             stopped_pids = await _stop_replica(worker, f"thinker {victim}")
             stopped = time.monotonic()
@@ -376,7 +313,7 @@ async def test_a_stopped_replica_loses_its_requests_and_stops_them_after_sigcont
         assert under_way, [records[rid].stages[0].attempts[1].phase for rid in bound]
         for rid in under_way:
             await worker.await_log(f"request {rid} moved to another replica; stopping it here", timeout_s=30)
-        after = scrape(stack.gateway_metrics)
+        after = scrape(stack.pair.gateway_metrics)
     judge_moves(
         run.streams, run.wire, records, bound, [(1, victim, None), (2, 1 - victim, "stall")], UNDER_WAY_LONG
     )

@@ -186,8 +186,9 @@ class Stack:
 
     @property
     def gateway_metrics(self) -> str:
-        """The gateway's ``/metrics`` (on its HTTP port)."""
-        return self.base_url.removesuffix("/v1") + "/metrics"
+        """The gateway's ``/metrics`` (on its admin port)."""
+        assert self.gateway.metrics_url is not None
+        return self.gateway.metrics_url
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,6 @@ from nats.js.errors import KeyNotFoundError
 from openai import AsyncOpenAI
 
 from libs.common.bus import evictions_kv, requests_kv, services_kv
-from libs.common.local_nats import free_port
 from libs.common.records import RequestRecord
 from libs.common.subjects import ORCHESTRATOR_ADMISSION_CONSUMER, Subjects
 from tests.client_streams import (
@@ -41,32 +40,16 @@ from tests.client_streams import (
 )
 from tests.metrics_scrape import delta, scrape, total
 from tests.procs import (
-    THINKER_YAML,
     ServiceProcess,
     kill_confirmed,
-    start_service,
     stop_all,
     stop_confirmed,
-    write_pipeline,
 )
+from tests.thinker_pair import MODEL, NO_REPLICA_WAIT_S, PIPELINE, ThinkerPair
 
 pytestmark = pytest.mark.integration
 
-PIPELINE = "orchdeath"
-MODEL = f"{PIPELINE}-model"
 SUBJECTS = Subjects(PIPELINE)
-GATEWAY = "gworchdeath"
-NO_REPLICA_WAIT_S = 3.0
-"""The stage's ``no_replica_wait_s``: how long a request bound to a dead replica waits for a live
-one before it fails, seconds (both orchestrators probe the dead replica meanwhile)."""
-STAGES_YAML = (
-    THINKER_YAML.replace("replicas: 1", "replicas: 2").replace(
-        "dtype: float32}", "dtype: float32, max_num_seqs: 1}"
-    )
-    + f"    no_replica_wait_s: {NO_REPLICA_WAIT_S}\n"
-)
-"""Two thinker replicas that run one request at a time (the others wait in the engine): a fault
-that strikes seconds late still finds requests there."""
 REQUESTS, MAX_TOKENS = 8, 64
 STREAMS, LONG = 6, 1900
 """Streams under way when a fault strikes (three on each replica), and their tokens (the tiny
@@ -114,67 +97,25 @@ async def _stream(client: AsyncOpenAI, model: str, out: Outcome) -> None:
 
 
 @dataclass
-class Stack:
-    base_url: str
-    gateway: ServiceProcess
-    workers: dict[int, ServiceProcess]
-    """Thinker replica → its worker (the tests kill some: later tests use those still alive)."""
-
-
-@pytest.fixture(scope="module")
-def stack(nats_server, tmp_path_factory):
-    """The gateway and two thinker workers, for the whole module."""
-    tmp = tmp_path_factory.mktemp("orchdeath")
-    path = write_pipeline(tmp / "p.yaml", PIPELINE, STAGES_YAML, timeout_s=60)
-    port = free_port()
-    gateway = start_service(
-        ["gateway", "--port", str(port)],
-        nats_server.url,
-        path,
-        tmp / "gw.log",
-        {"OMNIRELAY_INSTANCE_ID": GATEWAY},
-    )
-    workers = {
-        r: start_service(
-            ["worker", "--stage", "0", "--replica", str(r)],
-            nats_server.url,
-            path,
-            tmp / f"worker{r}.log",
-            {"VLLM_CPU_KVCACHE_SPACE": "1"},
-        )
-        for r in (0, 1)
-    }
-    gateway.wait_log("Uvicorn running")
-    for w in workers.values():
-        w.wait_log(": serving omni.", timeout_s=300)
-    yield Stack(f"http://127.0.0.1:{port}/v1", gateway, workers)
-    for p in [gateway, *workers.values()]:
-        if p.proc.poll() is None:
-            os.kill(p.proc.pid, signal.SIGCONT)
-    stop_all([gateway, *workers.values()])
-
-
-@dataclass
 class Orchestrator:
     instance: str
     proc: ServiceProcess
 
 
 @pytest.fixture
-def orchestrators(nats_server, stack, tmp_path):
+def stack(thinker_pair) -> ThinkerPair:
+    """The session's gateway and two thinker workers (the tests kill some: a later test uses
+    those still alive, or starts them again)."""
+    return thinker_pair
+
+
+@pytest.fixture
+def orchestrators(stack, tmp_path):
     """Two orchestrators of the test's own (a test kills one of them)."""
-    path = tmp_path / "p.yaml"
-    write_pipeline(path, PIPELINE, STAGES_YAML, timeout_s=60)
     found = []
     for i in range(2):
         instance = f"orch{i}-{time.time_ns()}"
-        env = {"OMNIRELAY_INSTANCE_ID": instance}
-        found.append(
-            Orchestrator(
-                instance,
-                start_service(["orchestrator"], nats_server.url, path, tmp_path / f"orch{i}.log", env),
-            )
-        )
+        found.append(Orchestrator(instance, stack.start_orchestrator(tmp_path / f"orch{i}.log", instance)))
     for o in found:
         o.proc.wait_log("ready")
     yield found
@@ -256,13 +197,13 @@ def _claimed(rec: RequestRecord) -> bool:
     return len(rec.stages[0].attempts) > 1 and rec.stages[0].attempts[-1].claimed_by is not None
 
 
-async def _eviction_keys(nc, replica: int) -> list[str]:
+async def _eviction_keys(nc, replica: int) -> set[str]:
     """The keys of ``omni_evictions`` for thinker ``replica`` of this pipeline (one per judged
-    incarnation)."""
+    incarnation; the pipeline is shared with other modules: compare before and after)."""
     kv = await evictions_kv(nc.jetstream())
     with contextlib.suppress(Exception):  # no keys at all
-        return [k for k in await kv.keys() if k.startswith(f"{PIPELINE}.0.{replica}.")]
-    return []
+        return {k for k in await kv.keys() if k.startswith(f"{PIPELINE}.0.{replica}.")}
+    return set()
 
 
 async def test_a_move_claimed_by_a_killed_orchestrator_is_carried_out_by_the_survivor(
@@ -273,8 +214,7 @@ async def test_a_move_claimed_by_a_killed_orchestrator_is_carried_out_by_the_sur
     moves waits at its question "where does the client stand?" (up to 2 s, ``RESUME_TIMEOUT_S``)
     with its claim written; then the victim is killed, and the two others continue."""
     victim, survivor = orchestrators
-    alive = [r for r, w in stack.workers.items() if w.proc.poll() is None]
-    assert len(alive) == 2, f"this test needs both thinker workers, alive: {alive}"
+    await stack.both_serving()
     client = AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=180)
     nc = await nats.connect(nats_server.url)
     kv = await requests_kv(nc.jetstream())
@@ -287,6 +227,7 @@ async def test_a_move_claimed_by_a_killed_orchestrator_is_carried_out_by_the_sur
         streams = await Streams.start(client, MODEL, STREAMS, LONG, kv)
         dead, on_dead = await most_bound(kv, streams, PIPELINE)
         target = 1 - dead
+        judged_before = await _eviction_keys(nc, dead)
         try:
             await stop_confirmed(survivor.proc.proc.pid, "the surviving orchestrator")
             await stop_confirmed(stack.gateway.proc.pid, "the gateway")
@@ -307,7 +248,7 @@ async def test_a_move_claimed_by_a_killed_orchestrator_is_carried_out_by_the_sur
                 os.kill(p.proc.pid, signal.SIGCONT)
         await streams.finish()
         records = await records_at_end(kv, streams)
-        evictions = await _eviction_keys(nc, dead)
+        evictions = await _eviction_keys(nc, dead) - judged_before
         after = scrape(survivor.proc.metrics_url)
     finally:
         if streams is not None:
@@ -349,7 +290,7 @@ async def test_a_replica_death_judged_by_two_orchestrators_is_counted_once(
     """No replica is left to move to, so the request stays bound to the dead replica for
     ``NO_REPLICA_WAIT_S`` and both orchestrators probe it every 0.5 s and judge it; then the
     request fails with ``no_live_replica``, once."""
-    alive = [r for r, w in stack.workers.items() if w.proc.poll() is None]
+    alive = stack.alive()
     assert alive, "no thinker worker left"
     nc = await nats.connect(nats_server.url)
     client = AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
@@ -364,12 +305,13 @@ async def test_a_replica_death_judged_by_two_orchestrators_is_counted_once(
         streams = await Streams.start(client, MODEL, 3, LONG, kv)
         dead, on_dead = await most_bound(kv, streams, PIPELINE)
         assert dead == alive[0] and on_dead == streams.ids, (dead, on_dead)
+        judged_before = await _eviction_keys(nc, dead)
         await kill_confirmed(stack.workers[dead].proc.pid, f"thinker {dead}")
         killed = time.monotonic()
         await asyncio.wait_for(asyncio.gather(*streams.tasks), 60)
         failed_after_s = time.monotonic() - killed
         records = {rid: await until_record(kv, rid, ended, "ended") for rid in streams.ids}
-        evictions = await _eviction_keys(nc, dead)
+        evictions = await _eviction_keys(nc, dead) - judged_before
         after = [scrape(o.proc.metrics_url) for o in orchestrators]
     finally:
         await nc.close()
