@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
@@ -16,11 +16,11 @@ from nats.js.errors import NoStreamResponseError
 
 from libs.common import headers as h
 from libs.common.bus import connect, ensure_topology, services_kv
+from libs.common.bus_trust import Rejected
 from libs.common.envelopes import (
     AbortNotice,
     Admission,
     ClientEvent,
-    ClientEventType,
     LifecycleEvent,
     MalformedMessage,
     Replay,
@@ -29,7 +29,6 @@ from libs.common.envelopes import (
     ResumeQuery,
     Resync,
     StageEnded,
-    TextDelta,
     decode,
     decode_or_log,
 )
@@ -41,6 +40,10 @@ from libs.common.settings import GatewaySettings
 from libs.common.subjects import Subjects
 from libs.common.version import VERSION
 from services.gateway.errors import APIError
+from services.gateway.event_trust import EventTrust
+from services.gateway.request_handle import BACKSTOP_S, RequestHandle, timed_out
+
+__all__ = ["BACKSTOP_S", "JS_STREAM_FULL", "PipelineClient", "RequestHandle", "timed_out"]
 from services.gateway.schemas import Health
 
 log = logging.getLogger(__name__)
@@ -62,208 +65,13 @@ REPAIR_S = 2.0
 RESYNC_CONFIRM_S = 2.0
 """A resync taken is asked again when no new attempt has asked where the client stands this long
 after, seconds."""
-BACKSTOP_S = 3.0
-"""The gateway's own timeout fires this long after a request's deadline, seconds."""
 TAIL_GRACE_S = 1.0
 """After a stage's end notice, how long its missing last events may still be on their way before
 they count as lost, seconds (they left before the notice, which took a longer path)."""
 
 
-class RequestHandle:
-    """The events of one submitted request, in arrival order, bounded by its deadline.
-
-    It also keeps where the client's stream stands — the thinker's text deltas so far and
-    whether its ``text_done`` came — and, per stage, the oldest attempt still let through: when a
-    request moves to another replica the orchestrator asks for that position and raises the
-    fence in one step (:meth:`resume_point`), so the new attempt goes on exactly where the
-    client is and nothing the old one still sends gets through."""
-
-    def __init__(self, request_id: str, deadline_ns: int) -> None:
-        self.request_id = request_id
-        self.deadline_ns = deadline_ns
-        self.queue: asyncio.Queue[ClientEvent] = asyncio.Queue()
-        self.first: ClientEvent | None = None
-        """The request's first event (stays here after it is taken from the queue)."""
-        self.arrived = asyncio.Event()
-        """Set with the first event."""
-        self._fence: dict[int, int] = {}
-        """Stage → the oldest attempt whose events are let through."""
-        self._deltas: list[TextDelta] = []
-        self._text_done = False
-        self._next_seq: dict[tuple[int, int], int] = {}
-        """(stage, attempt) → the ``seq`` of the next event expected from it."""
-        self.gaps = 0
-        """Events found missing (each gap once)."""
-        self.gap: tuple[int, int] | None = None
-        """(stage, attempt) of the thinker attempt fenced off for a gap, until it is resynced."""
-        self.gapped: dict[tuple[int, int], int] = {}
-        """(stage, attempt) with events missing and later ones waiting → the replica that sent them."""
-        self._held: dict[tuple[int, int], dict[int, ClientEvent]] = {}
-        """Events that came after a gap, by ``seq``, until the gap is filled or given up."""
-        self._audio_seq: dict[int, int] = {}
-        """Stage → the last input chunk whose audio arrived."""
-        self._audio_done: set[int] = set()
-        self._sample_rate = 0
-        """Of the last audio event."""
-
-    def put(self, event: ClientEvent) -> bool:
-        """Take ``event`` unless it comes from a fenced-off attempt or was taken already (then
-        False). Events of a stage attempt reach the client in ``seq`` order: one that comes after
-        a gap (events lost on the way: a broker restart drops what it held) waits here, and the
-        gap is named in :attr:`gapped` for the gateway to have the sender replay it
-        (:meth:`PipelineClient._repair`); a gap that cannot be filled is given up
-        (:meth:`give_up`)."""
-        if self.fenced(event):
-            return False
-        if event.stage is None:
-            return self._take(event)
-        key = (event.stage, event.attempt)
-        expected = self._next_seq.get(key, 0)
-        if event.seq < expected:
-            return False  # sent again (a replay) and also arrived the usual way
-        if event.seq > expected:
-            held = self._held.setdefault(key, {})
-            if event.seq in held:
-                return False
-            held[event.seq] = event
-            if key not in self.gapped:
-                self.gapped[key] = event.replica or 0
-                self.gaps += 1
-            return True
-        self._next_seq[key] = expected + 1
-        taken = self._take(event)
-        held = self._held.get(key)
-        if held is not None:  # events waited behind this one
-            while self._next_seq[key] in held:
-                self._take(held.pop(self._next_seq[key]))
-                self._next_seq[key] += 1
-            if not held:
-                del self._held[key]
-                self.gapped.pop(key, None)
-        return taken
-
-    def fenced(self, event: ClientEvent) -> bool:
-        """Whether ``event`` comes from an attempt older than the client's stream now takes."""
-        return event.stage is not None and event.attempt < self._fence.get(event.stage, 1)
-
-    def next_seq(self, key: tuple[int, int]) -> int:
-        """The ``seq`` of the next event the client's stream takes from stage attempt ``key``."""
-        return self._next_seq.get(key, 0)
-
-    def hole(self, key: tuple[int, int]) -> tuple[int, int]:
-        """The first gap of a stage attempt: the ``seq`` of its first missing event and of the
-        first event waiting after it."""
-        return self.next_seq(key), min(self._held[key])
-
-    def give_up(self, key: tuple[int, int]) -> None:
-        """The gap of ``key`` cannot be filled. The thinker's attempt is fenced off at the last
-        event the client has (:attr:`gap`; the request goes on as a new attempt from there); a
-        later stage's stream skips the lost events."""
-        stage, attempt = key
-        held = self._held.pop(key, {})
-        self.gapped.pop(key, None)
-        if stage == 0:
-            self._fence[0] = attempt + 1
-            self.gap = (0, attempt)
-            return
-        for seq in sorted(held):
-            self._next_seq[key] = seq + 1
-            self._take(held[seq])
-
-    def _take(self, event: ClientEvent) -> bool:
-        """Let ``event`` through to the client (False: an audio chunk the client has)."""
-        if event.type == ClientEventType.TEXT:
-            self._deltas.append(TextDelta(token_ids=event.token_ids, text=event.text))
-        elif event.type == ClientEventType.TEXT_DONE:
-            self._text_done = True
-        elif event.type == ClientEventType.AUDIO and event.stage is not None and event.in_seq is not None:
-            if event.in_seq <= self._audio_seq.get(event.stage, -1):
-                return False  # the attempt after a move decoded a chunk the client has
-            self._audio_seq[event.stage] = event.in_seq
-            self._sample_rate = event.sample_rate or self._sample_rate
-        elif event.type == ClientEventType.AUDIO_DONE and event.stage is not None:
-            self._audio_done.add(event.stage)
-        if self.first is None:
-            self.first = event
-            self.arrived.set()
-        self.queue.put_nowait(event)
-        return True
-
-    def resume_point(self, stage: int, attempt: int) -> ResumePoint:
-        """Let only ``attempt`` and later of ``stage`` through from now on, and say where the
-        client's stream stands (a gap of an older attempt is resynced by this)."""
-        self._fence[stage] = max(self._fence.get(stage, 1), attempt)
-        if self.gap is not None and self.gap[0] == stage and self.gap[1] < attempt:
-            self.gap = None
-        if stage != 0:
-            return ResumePoint(
-                known=True, audio_seq=self._audio_seq.get(stage), audio_done=stage in self._audio_done
-            )
-        return ResumePoint(known=True, deltas=list(self._deltas), text_done=self._text_done)
-
-    def missing(self, ended: StageEnded) -> int:
-        """How many of the events that ``ended``'s stage attempt sent have not arrived here, when
-        it is still the attempt the client's stream depends on (0 once a later attempt took over:
-        that one ends the stream)."""
-        superseded = ended.attempt < self._fence.get(ended.stage, 1) and self.gap != (
-            ended.stage,
-            ended.attempt,
-        )
-        if superseded:
-            return 0
-        return max(ended.client_events - self._next_seq.get((ended.stage, ended.attempt), 0), 0)
-
-    def end_tail(self, ended: StageEnded, audio: bool) -> ClientEvent:
-        """End the stage's part of the stream whose last events were lost (:meth:`missing` > 0):
-        the last event alone (``text_done``, ``audio_done``) is made from what ``ended`` says;
-        more is an ``events_lost`` error. Returns the event put in the stream."""
-        missing = self.missing(ended)
-        if missing == 1:
-            last = ClientEvent(
-                request_id=self.request_id,
-                type=ClientEventType.AUDIO_DONE if audio else ClientEventType.TEXT_DONE,
-                stage=ended.stage,
-                attempt=ended.attempt,
-                seq=ended.client_events - 1,
-                finish_reason=None if audio else ended.finish_reason,
-                usage=None if audio else ended.usage,
-                sample_rate=self._sample_rate if audio else 0,
-            )
-        else:
-            last = ClientEvent(
-                request_id=self.request_id,
-                type=ClientEventType.ERROR,
-                status=502,
-                code="events_lost",
-                message=f"the last {missing} events of stage {ended.stage} were lost on their way to the "
-                "gateway (a broker restart drops what it holds); the response is incomplete",
-            )
-        self.put(last)
-        return last
-
-    @property
-    def seconds_left(self) -> float:
-        """Time until the gateway's own timeout: ``BACKSTOP_S`` after the request's deadline
-        (workers and orchestrators normally answer at the deadline itself; this covers a bus or
-        orchestrator outage), seconds."""
-        return (self.deadline_ns - time.time_ns()) / 1e9 + BACKSTOP_S
-
-    async def events(self) -> AsyncIterator[ClientEvent]:
-        """Yield events until the caller stops; raises :func:`timed_out` when nothing has ended
-        the request within :attr:`seconds_left`."""
-        while True:
-            try:
-                # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation
-                # (a client hang-up) that arrives together with an event.
-                async with asyncio.timeout(max(self.seconds_left, 0.0)):
-                    event = await self.queue.get()
-            except TimeoutError:
-                raise timed_out() from None
-            yield event
-
-
-def timed_out() -> APIError:
-    return APIError(504, "the request did not finish before its deadline", "timeout")
+def _uncounted(_reason: Rejected) -> None:
+    """No counter to tell (a client built without one)."""
 
 
 class PipelineClient:
@@ -273,15 +81,22 @@ class PipelineClient:
         pipeline: PipelineConfig,
         on_stale: Callable[[int], None],
         on_gap: Callable[[int], None],
+        on_rejected: Callable[[Rejected], None] | None = None,
     ) -> None:
         """``on_stale(stage)`` is told of every event dropped as coming from an old attempt,
-        ``on_gap(stage)`` of every gap found in a stage's events (events lost on the way)."""
+        ``on_gap(stage)`` of every gap found in a stage's events (events lost on the way),
+        ``on_rejected(reason)`` of every message dropped as forged or stale otherwise
+        (:mod:`services.gateway.event_trust`; when not given, the ``bus_rejected`` of the object
+        ``on_stale`` belongs to, the gateway's stat logger, if it has one)."""
         self._on_stale = on_stale
         self._on_gap = on_gap
+        if on_rejected is None:
+            on_rejected = getattr(getattr(on_stale, "__self__", None), "bus_rejected", _uncounted)
         self.settings = settings
         self.pipeline = pipeline
         self.subjects = Subjects(pipeline.name)
         self.gateway_id = settings.instance_id
+        self.trust = EventTrust(pipeline, self.gateway_id, on_rejected)
         self._handles: dict[str, RequestHandle] = {}
         self._background: set[asyncio.Task[None]] = set()
 
@@ -298,16 +113,20 @@ class PipelineClient:
         await self.nc.subscribe(self.subjects.resume(self.gateway_id), cb=self._on_resume)
         await self.nc.subscribe(self.subjects.ended(self.gateway_id), cb=self._on_ended)
         skv = await services_kv(self.js)
-        self.services = LiveServices(skv, self.pipeline.name)
+        self.services = LiveServices(
+            skv, self.pipeline.name, config=self.pipeline, on_rejected=self._bad_record
+        )
         await self.services.start()
-        self.all_services = LiveServices(skv, None)
+        self.all_services = LiveServices(
+            skv, None, config=self.pipeline, on_rejected=self._bad_record_elsewhere
+        )
         """Every pipeline's services (for Prometheus service discovery)."""
         await self.all_services.start()
         record = ServiceRecord(
             service=ServiceKind.GATEWAY,
             pipeline=self.pipeline.name,
             instance=self.gateway_id,
-            metrics_url=f"http://{self.settings.advertise_host}:{self.settings.port}/metrics",
+            metrics_url=f"http://{self.settings.advertise_host}:{self.settings.admin_port}/metrics",
             version=VERSION,
         )
         self._heartbeat = Heartbeat(skv, record, lambda: len(self._handles))
@@ -324,15 +143,47 @@ class PipelineClient:
     def inflight(self) -> int:
         return len(self._handles)
 
+    def _bad_record(self, reason: Rejected, _key: str) -> None:
+        self.trust.count(reason)
+
+    def _bad_record_elsewhere(self, reason: Rejected, key: str) -> None:
+        """A record of every pipeline's view: counted unless it is of this pipeline (the
+        pipeline's own view has counted it)."""
+        if key.split(".")[1:2] != [self.pipeline.name]:
+            self.trust.count(reason)
+
+    def _rejected(self, reason: Rejected, event: ClientEvent, subject: str) -> None:
+        self.trust.count(reason)
+        log.info(
+            "dropped a %s event (request %s, stage %s, replica %s, attempt %d) on %s: %s",
+            event.type.value,
+            event.request_id,
+            event.stage,
+            event.replica,
+            event.attempt,
+            subject,
+            reason.value,
+        )
+
     async def _on_event(self, msg: Msg) -> None:
         try:
             event = decode(ClientEvent, msg.data)
         except MalformedMessage as e:
             log.error("dropping malformed event on %s: %s", msg.subject, e)
             return
+        if not self.trust.subject_names(msg.subject, event):
+            self._rejected(Rejected.SUBJECT_MISMATCH, event, msg.subject)
+            return
         handle = self._handles.get(event.request_id)
         if handle is None:
+            self.trust.count(self.trust.not_held(event.request_id))
             return
+        if (why := self.trust.origin(event, handle.attempts)) is not None:
+            self._rejected(why, event, msg.subject)
+            return
+        if event.stage is not None:  # the attempt's first event binds its replica (when not announced)
+            handle.attempts.replica.setdefault((event.stage, event.attempt), event.replica or 0)
+        event = self.trust.error_checked(event)
         gaps = handle.gaps
         fenced = handle.fenced(event)
         handle.put(event)
@@ -368,8 +219,18 @@ class PipelineClient:
         """A stage that streams to the client ended its part of a request: if some of its events
         have not arrived ``TAIL_GRACE_S`` later, they were lost, and the stream is ended here."""
         ended = decode_or_log(StageEnded, msg.data, "end notice", log)
-        handle = None if ended is None else self._handles.get(ended.request_id)
-        if ended is None or handle is None or not handle.missing(ended):
+        if ended is None:
+            return
+        handle = self._handles.get(ended.request_id)
+        if handle is None:  # one for a request let go of is usual: its stream ended first
+            if self.trust.never_held(ended.request_id):
+                self.trust.count(Rejected.UNKNOWN_REQUEST)
+            return
+        if (why := self.trust.ended(ended, handle.attempts)) is not None:
+            self.trust.count(why)
+            log.warning("request %s: ignoring an end notice (%s): %s", ended.request_id, why.value, ended)
+            return
+        if not handle.missing(ended):
             return
         self._spawn(self._end_tail(handle, ended))
 
@@ -458,9 +319,17 @@ class PipelineClient:
             reply = decode(Replay, msg.data)
         except Exception:  # no responders (gone, or not reconnected yet), timeout, malformed
             return 0
+        taken = 0
         for raw in reply.events:
-            handle.put(decode(ClientEvent, raw))
-        return len(reply.events)
+            event = decode(ClientEvent, raw)
+            if (event.request_id, event.stage, event.attempt) != (handle.request_id, stage, attempt):
+                self.trust.count(Rejected.SUBJECT_MISMATCH)  # not what was asked for
+            elif (why := self.trust.origin(event, handle.attempts)) is not None or event.replica != replica:
+                self.trust.count(why or Rejected.WRONG_REPLICA)
+            else:
+                handle.put(self.trust.error_checked(event))
+                taken += 1
+        return taken
 
     async def _resync(self, ask: Resync) -> None:
         """Ask an orchestrator to resync a request until the new attempt has asked where the
@@ -491,10 +360,18 @@ class PipelineClient:
             log.error("ignoring malformed resume query: %s", e)
             return
         handle = self._handles.get(query.request_id)
-        point = (
-            ResumePoint(known=False) if handle is None else handle.resume_point(query.stage, query.attempt)
-        )
-        await msg.respond(point.encode())
+        why = self.trust.resume(query)
+        if handle is None and self.trust.never_held(query.request_id):
+            why = Rejected.UNKNOWN_REQUEST
+        if why is not None:
+            self.trust.count(why)
+            log.warning("request %s: not resuming (%s): %s", query.request_id, why.value, query)
+        if handle is None or why is not None:
+            await msg.respond(ResumePoint(known=False).encode())
+            return
+        if query.replica is not None:  # the orchestrator binds the new attempt to its replica
+            handle.attempts.replica[(query.stage, query.attempt)] = query.replica
+        await msg.respond(handle.resume_point(query.stage, query.attempt).encode())
 
     async def submit(self, adm: Admission, trace_headers: dict[str, str]) -> RequestHandle:
         """Queue ``adm`` for the orchestrators; 429 when the admission queue is full, 503 when
@@ -527,7 +404,8 @@ class PipelineClient:
         return handle
 
     def release(self, request_id: str) -> None:
-        self._handles.pop(request_id, None)
+        if self._handles.pop(request_id, None) is not None:
+            self.trust.released(request_id)
 
     def abort(self, request_id: str, reason: str) -> None:
         """Cancel a request in every worker and record it (does not wait)."""

@@ -1,0 +1,215 @@
+"""One submitted request as the gateway holds it: its events in arrival order, where the client's
+stream stands, and which attempts of each stage it takes events from."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from libs.common.envelopes import ClientEvent, ClientEventType, ResumePoint, StageEnded, TextDelta
+from services.gateway.errors import APIError
+from services.gateway.event_trust import Attempts
+
+BACKSTOP_S = 3.0
+"""The gateway's own timeout fires this long after a request's deadline, seconds."""
+
+
+class RequestHandle:
+    """The events of one submitted request, in arrival order, bounded by its deadline.
+
+    It also keeps where the client's stream stands — the thinker's text deltas so far and
+    whether its ``text_done`` came — and, per stage, the oldest attempt still let through: when a
+    request moves to another replica the orchestrator asks for that position and raises the
+    fence in one step (:meth:`resume_point`), so the new attempt goes on exactly where the
+    client is and nothing the old one still sends gets through."""
+
+    def __init__(self, request_id: str, deadline_ns: int) -> None:
+        self.request_id = request_id
+        self.deadline_ns = deadline_ns
+        self.queue: asyncio.Queue[ClientEvent] = asyncio.Queue()
+        self.first: ClientEvent | None = None
+        """The request's first event (stays here after it is taken from the queue)."""
+        self.arrived = asyncio.Event()
+        """Set with the first event."""
+        self.attempts = Attempts()
+        """Per stage the newest attempt announced and the replica bound to each attempt
+        (:mod:`services.gateway.event_trust`)."""
+        self._fence = self.attempts.fence
+        """Stage → the oldest attempt whose events are let through (the newest announced)."""
+        self._deltas: list[TextDelta] = []
+        self._text_done = False
+        self._next_seq: dict[tuple[int, int], int] = {}
+        """(stage, attempt) → the ``seq`` of the next event expected from it."""
+        self.gaps = 0
+        """Events found missing (each gap once)."""
+        self.gap: tuple[int, int] | None = None
+        """(stage, attempt) of the thinker attempt fenced off for a gap, until it is resynced."""
+        self.gapped: dict[tuple[int, int], int] = {}
+        """(stage, attempt) with events missing and later ones waiting → the replica that sent them."""
+        self._held: dict[tuple[int, int], dict[int, ClientEvent]] = {}
+        """Events that came after a gap, by ``seq``, until the gap is filled or given up."""
+        self._audio_seq: dict[int, int] = {}
+        """Stage → the last input chunk whose audio arrived."""
+        self._audio_done: set[int] = set()
+        self._sample_rate = 0
+        """Of the last audio event."""
+
+    def put(self, event: ClientEvent) -> bool:
+        """Take ``event`` unless it comes from a fenced-off attempt or was taken already (then
+        False). Events of a stage attempt reach the client in ``seq`` order: one that comes after
+        a gap (events lost on the way: a broker restart drops what it held) waits here, and the
+        gap is named in :attr:`gapped` for the gateway to have the sender replay it
+        (:meth:`PipelineClient._repair`); a gap that cannot be filled is given up
+        (:meth:`give_up`)."""
+        if self.fenced(event):
+            return False
+        if event.stage is None:
+            return self._take(event)
+        key = (event.stage, event.attempt)
+        expected = self._next_seq.get(key, 0)
+        if event.seq < expected:
+            return False  # sent again (a replay) and also arrived the usual way
+        if event.seq > expected:
+            held = self._held.setdefault(key, {})
+            if event.seq in held:
+                return False
+            held[event.seq] = event
+            if key not in self.gapped:
+                self.gapped[key] = event.replica or 0
+                self.gaps += 1
+            return True
+        self._next_seq[key] = expected + 1
+        taken = self._take(event)
+        held = self._held.get(key)
+        if held is not None:  # events waited behind this one
+            while self._next_seq[key] in held:
+                self._take(held.pop(self._next_seq[key]))
+                self._next_seq[key] += 1
+            if not held:
+                del self._held[key]
+                self.gapped.pop(key, None)
+        return taken
+
+    def fenced(self, event: ClientEvent) -> bool:
+        """Whether ``event`` comes from an attempt older than the client's stream now takes."""
+        return event.stage is not None and event.attempt < self._fence.get(event.stage, 1)
+
+    def next_seq(self, key: tuple[int, int]) -> int:
+        """The ``seq`` of the next event the client's stream takes from stage attempt ``key``."""
+        return self._next_seq.get(key, 0)
+
+    def hole(self, key: tuple[int, int]) -> tuple[int, int]:
+        """The first gap of a stage attempt: the ``seq`` of its first missing event and of the
+        first event waiting after it."""
+        return self.next_seq(key), min(self._held[key])
+
+    def give_up(self, key: tuple[int, int]) -> None:
+        """The gap of ``key`` cannot be filled. The thinker's attempt is fenced off at the last
+        event the client has (:attr:`gap`; the request goes on as a new attempt from there); a
+        later stage's stream skips the lost events."""
+        stage, attempt = key
+        held = self._held.pop(key, {})
+        self.gapped.pop(key, None)
+        if stage == 0:
+            self._fence[0] = attempt + 1
+            self.gap = (0, attempt)
+            return
+        for seq in sorted(held):
+            self._next_seq[key] = seq + 1
+            self._take(held[seq])
+
+    def _take(self, event: ClientEvent) -> bool:
+        """Let ``event`` through to the client (False: an audio chunk the client has)."""
+        if event.type == ClientEventType.TEXT:
+            self._deltas.append(TextDelta(token_ids=event.token_ids, text=event.text))
+        elif event.type == ClientEventType.TEXT_DONE:
+            self._text_done = True
+        elif event.type == ClientEventType.AUDIO and event.stage is not None and event.in_seq is not None:
+            if event.in_seq <= self._audio_seq.get(event.stage, -1):
+                return False  # the attempt after a move decoded a chunk the client has
+            self._audio_seq[event.stage] = event.in_seq
+            self._sample_rate = event.sample_rate or self._sample_rate
+        elif event.type == ClientEventType.AUDIO_DONE and event.stage is not None:
+            self._audio_done.add(event.stage)
+        if self.first is None:
+            self.first = event
+            self.arrived.set()
+        self.queue.put_nowait(event)
+        return True
+
+    def resume_point(self, stage: int, attempt: int) -> ResumePoint:
+        """Let only ``attempt`` and later of ``stage`` through from now on, and say where the
+        client's stream stands (a gap of an older attempt is resynced by this)."""
+        self._fence[stage] = max(self._fence.get(stage, 1), attempt)
+        if self.gap is not None and self.gap[0] == stage and self.gap[1] < attempt:
+            self.gap = None
+        if stage != 0:
+            return ResumePoint(
+                known=True, audio_seq=self._audio_seq.get(stage), audio_done=stage in self._audio_done
+            )
+        return ResumePoint(known=True, deltas=list(self._deltas), text_done=self._text_done)
+
+    def missing(self, ended: StageEnded) -> int:
+        """How many of the events that ``ended``'s stage attempt sent have not arrived here, when
+        it is still the attempt the client's stream depends on (0 once a later attempt took over:
+        that one ends the stream)."""
+        superseded = ended.attempt < self._fence.get(ended.stage, 1) and self.gap != (
+            ended.stage,
+            ended.attempt,
+        )
+        if superseded:
+            return 0
+        return max(ended.client_events - self._next_seq.get((ended.stage, ended.attempt), 0), 0)
+
+    def end_tail(self, ended: StageEnded, audio: bool) -> ClientEvent:
+        """End the stage's part of the stream whose last events were lost (:meth:`missing` > 0):
+        the last event alone (``text_done``, ``audio_done``) is made from what ``ended`` says;
+        more is an ``events_lost`` error. Returns the event put in the stream."""
+        missing = self.missing(ended)
+        if missing == 1:
+            last = ClientEvent(
+                request_id=self.request_id,
+                type=ClientEventType.AUDIO_DONE if audio else ClientEventType.TEXT_DONE,
+                stage=ended.stage,
+                attempt=ended.attempt,
+                seq=ended.client_events - 1,
+                finish_reason=None if audio else ended.finish_reason,
+                usage=None if audio else ended.usage,
+                sample_rate=self._sample_rate if audio else 0,
+            )
+        else:
+            last = ClientEvent(
+                request_id=self.request_id,
+                type=ClientEventType.ERROR,
+                status=502,
+                code="events_lost",
+                message=f"the last {missing} events of stage {ended.stage} were lost on their way to the "
+                "gateway (a broker restart drops what it holds); the response is incomplete",
+            )
+        self.put(last)
+        return last
+
+    @property
+    def seconds_left(self) -> float:
+        """Time until the gateway's own timeout: ``BACKSTOP_S`` after the request's deadline
+        (workers and orchestrators normally answer at the deadline itself; this covers a bus or
+        orchestrator outage), seconds."""
+        return (self.deadline_ns - time.time_ns()) / 1e9 + BACKSTOP_S
+
+    async def events(self) -> AsyncIterator[ClientEvent]:
+        """Yield events until the caller stops; raises :func:`timed_out` when nothing has ended
+        the request within :attr:`seconds_left`."""
+        while True:
+            try:
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation
+                # (a client hang-up) that arrives together with an event.
+                async with asyncio.timeout(max(self.seconds_left, 0.0)):
+                    event = await self.queue.get()
+            except TimeoutError:
+                raise timed_out() from None
+            yield event
+
+
+def timed_out() -> APIError:
+    return APIError(504, "the request did not finish before its deadline", "timeout")
