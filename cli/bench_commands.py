@@ -415,9 +415,10 @@ def bench_vllm(
         bool,
         typer.Option(
             "--isolate-engines/--no-isolate-engines",
-            help="engines on --core, everything else on the other cores (default: started as a user would)",
+            help="engines on --core, everything else on the other cores; --no-isolate-engines: "
+            "nothing pinned, as a user would start them (vLLM's own server then starves on 2 cores)",
         ),
-    ] = False,
+    ] = True,
     core: Annotated[
         int | None, typer.Option(help="CPU core both engines bind to [default: the first usable one]")
     ] = None,

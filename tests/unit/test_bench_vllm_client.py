@@ -15,6 +15,7 @@ from benchmarks.harness import RequestTiming, Target
 from benchmarks.vllm_client_paired import (
     ClientRun,
     VllmClientOptions,
+    burst_notes,
     client_argv,
     default_prompts,
     paired,
@@ -77,6 +78,16 @@ def test_render_shows_medians_spreads_and_failures() -> None:
     assert "vLLM c=16 round 1: 2 failed requests" in text
 
 
+def test_a_stream_that_came_in_one_burst_is_flagged() -> None:
+    fine = ClientRun(DIRECT, 16, 0, {"median_ttft_ms": 20.0, "median_e2el_ms": 160.0}, 10, 0)
+    burst = ClientRun(DIRECT, 1, 1, {"median_ttft_ms": 141.0, "median_e2el_ms": 142.0}, 10, 0)
+    unknown = ClientRun(GATEWAY, 1, 1, {"median_ttft_ms": 141.0}, 10, 0)
+    assert (fine.burst, burst.burst, unknown.burst) == (False, True, False)
+    (note,) = burst_notes([fine, burst, unknown])
+    assert note.startswith("WARNING: vLLM c=1: streams came in one burst") and "rounds 1" in note
+    assert note in render([fine, burst, unknown], (1, 16))
+
+
 def test_a_result_file_becomes_a_run() -> None:
     result = {
         "completed": 46,
@@ -86,9 +97,15 @@ def test_a_result_file_becomes_a_run() -> None:
         "median_ttft_ms": 7.0,
         "output_throughput": 600.5,
         "mean_tpot_ms": 9.9,
+        "median_e2el_ms": 100.0,
     }
     run = run_from_result(GATEWAY, 16, 3, result)
-    assert run.figures == {"median_tpot_ms": 1.5, "median_ttft_ms": 7.0, "output_throughput": 600.5}
+    assert run.figures == {
+        "median_tpot_ms": 1.5,
+        "median_ttft_ms": 7.0,
+        "output_throughput": 600.5,
+        "median_e2el_ms": 100.0,
+    }
     assert (run.completed, run.failed, run.round_no) == (46, 2, 3)
     assert run_from_result(DIRECT, 1, 0, {"completed": 40, "num_prompts": 48}).failed == 8
 
@@ -120,6 +137,7 @@ def test_the_client_command_line_is_one_vllms_parser_accepts(tmp_path: Path) -> 
     assert args.ignore_eos and args.save_result and args.seed == 3 and args.num_prompts == 256
     assert Path(args.result_dir) / args.result_filename == tmp_path / "r.json"
     assert args.served_model_name == "omni-text"
+    assert "e2el" in args.percentile_metrics.split(",")
 
 
 # --- bench-capacity ---------------------------------------------------------------------------------
