@@ -135,6 +135,8 @@ def sampling_for(req: ChatCompletionRequest | CompletionRequest, max_tokens: int
     if req.n != 1:
         raise bad_request("only n=1 is supported", "n")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if "" in stop:  # vLLM refuses it in the worker: a 500 stage_error before (found by the schema fuzzer)
+        raise bad_request("stop cannot contain an empty string", "stop")
     return Sampling(
         max_tokens=max_tokens,
         temperature=req.temperature,
