@@ -163,7 +163,7 @@ def error_of(ev: ClientEvent) -> APIError:
     :data:`FORWARDED_STATUSES`) and code; its message only for :data:`CONTROL_PLANE_CODES`. A
     stage's message (an engine's or codec's exception text) goes to the gateway's log with the
     request id, and the client gets a generic one naming the code and the request id."""
-    status = ev.status if ev.status in FORWARDED_STATUSES else 502  # the bus client replaced it already
+    status = ev.status if ev.status in FORWARDED_STATUSES else 500  # the bus client made it 502 before
     code = ev.code or "pipeline_error"
     if code in CONTROL_PLANE_CODES:
         return APIError(status, ev.message or "the pipeline failed", code)
