@@ -44,6 +44,8 @@ class PlaysPipeline:
         self.nc = nc
         self.admissions: asyncio.Queue[Admission] = asyncio.Queue()
         self.aborts: asyncio.Queue[AbortNotice] = asyncio.Queue()
+        self.sent: dict[str, int] = {}
+        """Request id → events sent as stage 0."""
 
     async def start(self) -> PlaysPipeline:
         async def on_admission(msg) -> None:
@@ -58,6 +60,12 @@ class PlaysPipeline:
         return self
 
     async def send(self, adm: Admission, **event) -> None:
+        """An error as the orchestrator sends it (no stage); anything else as stage 0's replica 0
+        sends it, numbered in order (the gateway takes nothing else: docs/security.md)."""
+        if event["type"] != ClientEventType.ERROR:
+            seq = self.sent.get(adm.request_id, 0)
+            self.sent[adm.request_id] = seq + 1
+            event = {"stage": 0, "replica": 0, "seq": seq, **event}
         ev = ClientEvent(request_id=adm.request_id, **event)
         await self.nc.publish(SUBJECTS.out(adm.gateway_id, adm.request_id), ev.encode())
 
