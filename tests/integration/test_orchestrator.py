@@ -56,7 +56,10 @@ SUBJECTS = Subjects(PIPELINE)
 @pytest.fixture(scope="module")
 def orchestrator(nats_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("orch")
-    path = write_pipeline(tmp / "p.yaml", PIPELINE, THINKER_YAML + TALKER_YAML + CODE2WAV_YAML)
+    # Two thinkers: the registry's views take records only of replicas the pipeline declares.
+    thinkers = THINKER_YAML.replace("replicas: 1", "replicas: 2")
+    assert thinkers != THINKER_YAML
+    path = write_pipeline(tmp / "p.yaml", PIPELINE, thinkers + TALKER_YAML + CODE2WAV_YAML)
     proc = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
     proc.wait_log("ready")
     yield proc
