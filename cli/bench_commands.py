@@ -460,3 +460,43 @@ def bench_vllm(
         log_dir=log_dir.resolve() if log_dir else None,
     )
     raise typer.Exit(run_vllm_client_bench(opts))
+
+
+@bench_app.command("bench-profile")
+def bench_profile(
+    concurrency: Annotated[str, typer.Option(help="comma-separated concurrency levels")] = "1,16",
+    seconds: Annotated[float, typer.Option(min=1, help="load (and recording) per level, seconds")] = 20.0,
+    max_tokens: Annotated[int, typer.Option(min=2, help="output tokens per request (ignore_eos)")] = 64,
+    rate: Annotated[int, typer.Option(min=1, max=1000, help="py-spy samples per second")] = 200,
+    gil: Annotated[
+        bool,
+        typer.Option(
+            "--gil/--all-threads",
+            help="sample only the thread holding the GIL (Python CPU); --all-threads: every thread py-spy sees as busy",
+        ),
+    ] = True,
+    out_dir: Annotated[
+        Path | None, typer.Option(help="keep the raw py-spy files and the tables (profile.md) here")
+    ] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="write the folded numbers here")] = None,
+) -> None:
+    """Sample the gateway's and the worker's Python stacks with py-spy while streamed chat
+    completions run on the mock engine; print where each output token's microseconds go (tables)."""
+    from benchmarks.gateway_vs_vllm import parse_concurrency
+    from benchmarks.token_path_profile import ProfileOptions, run_profile_bench
+
+    try:
+        levels = tuple(parse_concurrency(concurrency))
+    except ValueError as e:
+        typer.echo(f"error: --concurrency: {e}", err=True)
+        raise typer.Exit(2) from None
+    opts = ProfileOptions(
+        concurrency=levels,
+        seconds=seconds,
+        max_tokens=max_tokens,
+        rate=rate,
+        gil=gil,
+        out_dir=out_dir.resolve() if out_dir else None,
+        json_path=json_path,
+    )
+    raise typer.Exit(run_profile_bench(opts))
