@@ -120,7 +120,7 @@ GROUPS: tuple[Group, ...] = (
         ),
     ),
     Group(
-        "SSE chunk rendering (routes/responses: pydantic → JSON)",
+        "SSE chunk rendering (routes: pydantic chunk → JSON)",
         (
             Rule("gateway/routes.py", ("_chat_render", "_chat_chunk", "_chat_tail")),
             Rule("gateway/routes.py", ("_completion_render", "_completion_chunk", "_completion_tail")),
@@ -134,30 +134,36 @@ GROUPS: tuple[Group, ...] = (
             Rule("tokenizers/"),
             Rule("transformers/"),
             Rule("vllm/"),
-            Rule("stage_worker/mock_engine.py", ("_detokenizer", "_output")),
+            Rule("stage_worker/mock_engine.py", ("_detokenizer",)),
             Rule("stage_worker/resumed_text.py"),
             Rule("stage_worker/chunking.py"),
         ),
     ),
+    Group("asyncio.timeout (enter/exit)", (Rule("asyncio/timeouts.py"),)),
+    Group("asyncio.Queue put/get", (Rule("asyncio/queues.py"),)),
     Group(
-        "handle: fences, ordering, trust checks",
-        (Rule("gateway/request_handle.py"), Rule("gateway/event_trust.py")),
-    ),
-    Group("replay store (sent events)", (Rule("stage_worker/sent_events.py"),)),
-    Group(
-        "ResponseTimer + asyncio.timeout",
-        (Rule("gateway/app.py", ("timed_send", "ResponseTimer.__call__")), Rule("asyncio/timeouts.py")),
+        "HTTP write/read (uvicorn send/receive, h11)",
+        (
+            Rule("uvicorn/protocols/http/", ("RequestResponseCycle.send", "RequestResponseCycle.receive")),
+            Rule("h11/"),
+        ),
     ),
     Group(
         "nats-py publish (write, flush)",
         (Rule("nats/aio/client.py", ("publish", "_send_command", "_flush_pending", "_flusher")),),
     ),
     Group(
+        "handle: fences, ordering, trust checks",
+        (Rule("gateway/request_handle.py"), Rule("gateway/event_trust.py")),
+    ),
+    Group("replay store (sent events)", (Rule("stage_worker/sent_events.py"),)),
+    Group("ResponseTimer (own code)", (Rule("gateway/app.py", ("timed_send", "ResponseTimer.__call__")),)),
+    Group(
         "gateway event intake (pipeline_client)",
         (Rule("gateway/pipeline_client.py"), Rule("gateway/submission.py")),
     ),
     Group(
-        "gateway SSE stream (responses.py)",
+        "gateway SSE stream (responses.py, routes.py)",
         (Rule("gateway/responses.py"), Rule("gateway/routes.py")),
     ),
     Group(
@@ -176,11 +182,21 @@ GROUPS: tuple[Group, ...] = (
         ),
     ),
     Group(
-        "HTTP server write/read (uvicorn, h11, starlette)",
-        (Rule("uvicorn/"), Rule("h11/"), Rule("starlette/"), Rule("fastapi/"), Rule("anyio/")),
+        "HTTP framework (uvicorn, starlette, fastapi: parsing, routing, streaming)",
+        (
+            Rule("uvicorn/"),
+            Rule("starlette/"),
+            Rule("fastapi/"),
+            Rule("anyio/"),
+            Rule("gateway/http_protocol.py"),
+            Rule("gateway/app.py"),
+        ),
     ),
     Group("nats-py read loop + subscription tasks", (Rule("nats/"),)),
-    Group("asyncio scheduling (event loop, tasks, selectors)", (Rule("asyncio/"), Rule("selectors.py"))),
+    Group(
+        "event loop (uvloop/asyncio, tasks, selectors)",
+        (Rule("asyncio/"), Rule("uvloop/"), Rule("selectors.py")),
+    ),
 )
 """The frame groups, most specific first (see the module's docstring)."""
 
@@ -280,33 +296,45 @@ def fold(
 
 
 def render_profile(title: str, p: Profile, cpu_us_per_token: float | None, top_groups: int = 10) -> str:
-    """A Markdown table of ``p``'s top groups and one of its costliest functions."""
+    """A Markdown table of ``p``'s top groups and one of its costliest functions. With
+    ``cpu_us_per_token`` (the process's CPU per token, psutil) a column gives each row's share of
+    it: the sampled time includes time the GIL holder waited for a core, the CPU does not."""
     cpu = f"; CPU read by psutil: {cpu_us_per_token:.0f} µs/token" if cpu_us_per_token is not None else ""
+
+    def cpu_col(pct: float) -> str:
+        return f" {pct / 100 * cpu_us_per_token:.1f} |" if cpu_us_per_token is not None else ""
+
+    extra_head, extra_rule = (
+        (" share × CPU, µs / token |", " ---: |") if cpu_us_per_token is not None else ("", "")
+    )
     lines = [
         f"#### {title}",
         "",
         f"{p.samples} samples × {p.interval_s * 1e3:.0f} ms over {p.tokens} output tokens = "
         f"{p.us_per_token:.0f} µs sampled per token{cpu}",
         "",
-        "| group | samples | share | µs / token |",
-        "| --- | ---: | ---: | ---: |",
+        f"| group | samples | share | sampled µs / token |{extra_head}",
+        f"| --- | ---: | ---: | ---: |{extra_rule}",
     ]
     lines += [
-        f"| {s.name} | {s.samples} | {s.pct:.1f} % | {s.us_per_token:.1f} |" for s in p.groups[:top_groups]
+        f"| {s.name} | {s.samples} | {s.pct:.1f} % | {s.us_per_token:.1f} |{cpu_col(s.pct)}"
+        for s in p.groups[:top_groups]
     ]
     rest = p.groups[top_groups:]
     if rest:
-        n = sum(s.samples for s in rest)
+        n, pct = sum(s.samples for s in rest), sum(s.pct for s in rest)
         lines.append(
-            f"| ({len(rest)} more) | {n} | {sum(s.pct for s in rest):.1f} % "
-            f"| {sum(s.us_per_token for s in rest):.1f} |"
+            f"| ({len(rest)} more) | {n} | {pct:.1f} % | {sum(s.us_per_token for s in rest):.1f} |{cpu_col(pct)}"
         )
     lines += [
         "",
-        "| function (self samples) | samples | share | µs / token |",
-        "| --- | ---: | ---: | ---: |",
+        f"| function (self samples) | samples | share | sampled µs / token |{extra_head}",
+        f"| --- | ---: | ---: | ---: |{extra_rule}",
     ]
-    lines += [f"| `{s.name}` | {s.samples} | {s.pct:.1f} % | {s.us_per_token:.1f} |" for s in p.functions]
+    lines += [
+        f"| `{s.name}` | {s.samples} | {s.pct:.1f} % | {s.us_per_token:.1f} |{cpu_col(s.pct)}"
+        for s in p.functions
+    ]
     return "\n".join(lines)
 
 

@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.token_path_profile import GROUPS, OTHER, Frame, Group, Rule, fold, group_of, parse_raw
+from benchmarks.token_path_profile import (
+    GROUPS,
+    OTHER,
+    Frame,
+    Group,
+    Rule,
+    fold,
+    group_of,
+    parse_raw,
+    render_profile,
+)
 
 ROOT = "_run_once (/usr/lib/python3.12/asyncio/base_events.py:1987);_run (/usr/lib/python3.12/asyncio/events.py:88)"
 SITE = "/work/main/.venv/lib/python3.12/site-packages"
@@ -59,8 +69,8 @@ def test_the_first_matching_group_wins_whatever_the_frame_depth() -> None:
     assert names[1] == "gateway event intake (pipeline_client)"  # not nats-py's read loop
     assert names[2] == "logging"  # not rendering
     assert names[3].startswith("SSE chunk rendering")
-    assert names[4].startswith("HTTP server write/read")
-    assert names[5].startswith("asyncio scheduling")
+    assert names[4].startswith("HTTP write/read")
+    assert names[5].startswith("event loop")
     assert names[6] == OTHER
 
 
@@ -105,4 +115,18 @@ def test_rule_functions_match_py_spy_qualified_names() -> None:
     assert not rule.matches(Frame("Client.not_flusher", "/x/nats/aio/client.py"))
     assert not rule.matches(Frame("Client._flusher", "/x/other.py"))
     timed = Frame("ResponseTimer.__call__.<locals>.timed_send", "/w/services/gateway/app.py")
-    assert group_of([timed]) == "ResponseTimer + asyncio.timeout"
+    assert group_of([timed]) == "ResponseTimer (own code)"
+    # the body write under ResponseTimer's send is the HTTP write's, its timeout asyncio's
+    h11 = Frame("Connection.send", "/v/site-packages/h11/_connection.py")
+    assert group_of([timed, h11]).startswith("HTTP write/read")
+    assert group_of([timed, Frame("timeout", "/usr/lib/python3.11/asyncio/timeouts.py")]) == (
+        "asyncio.timeout (enter/exit)"
+    )
+
+
+def test_render_profile_has_the_cpu_column_only_with_a_cpu_reading() -> None:
+    p = fold(parse_raw(RAW), 0.005, tokens=500)
+    with_cpu = render_profile("gateway, c = 1", p, cpu_us_per_token=200.0)
+    assert "share × CPU" in with_cpu
+    assert "| event decode (msgpack + pydantic validate) | 30 | 30.0 % | 300.0 | 60.0 |" in with_cpu
+    assert "share × CPU" not in render_profile("gateway, c = 1", p, None)
