@@ -18,6 +18,37 @@ bench_app = typer.Typer()
 """Holds the bench commands until :mod:`cli.main` takes them over (same names, same options)."""
 
 
+def _levels(option: str, value: str) -> tuple[int, ...]:
+    """A comma-separated list of positive integers (``--concurrency 1,16``), or exit 2 naming
+    ``option``."""
+    from benchmarks.gateway_vs_vllm import parse_concurrency
+
+    try:
+        return tuple(parse_concurrency(value))
+    except ValueError as e:
+        typer.echo(f"error: {option}: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _pipeline_file(path: Path) -> Path:
+    """``path`` resolved, once it loads as a pipeline file; else exit 2 with the reason."""
+    try:
+        load_pipeline(path)
+    except PipelineConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    return path.resolve()
+
+
+def _core(core: int | None) -> int | None:
+    """``--core``, once this process may use it; else exit 2."""
+    usable = sorted(os.sched_getaffinity(0))
+    if core is not None and core not in usable:
+        typer.echo(f"error: --core {core}: this process may use cores {usable}", err=True)
+        raise typer.Exit(2)
+    return core
+
+
 @bench_app.command()
 def bench(
     pipeline: Annotated[
@@ -66,26 +97,14 @@ def bench(
 ) -> None:
     """Benchmark the gateway against vLLM's own OpenAI server on the same thinker (prints a table)."""
 
-    from benchmarks.gateway_vs_vllm import DEFAULT_PIPELINE, BenchOptions, parse_concurrency, run_bench
+    from benchmarks.gateway_vs_vllm import DEFAULT_PIPELINE, BenchOptions, run_bench
 
-    try:
-        levels = tuple(parse_concurrency(concurrency))
-    except ValueError as e:
-        typer.echo(f"error: --concurrency: {e}", err=True)
-        raise typer.Exit(2) from None
+    levels = _levels("--concurrency", concurrency)
     if min(max_tokens, rounds) < 1 or (requests is not None and requests < 1) or warmup < 0:
         typer.echo("error: --max-tokens, --requests and --rounds must be ≥ 1, --warmup ≥ 0", err=True)
         raise typer.Exit(2)
-    usable = sorted(os.sched_getaffinity(0))
-    if core is not None and core not in usable:
-        typer.echo(f"error: --core {core}: this process may use cores {usable}", err=True)
-        raise typer.Exit(2)
-    path = (pipeline or DEFAULT_PIPELINE).resolve()
-    try:
-        load_pipeline(path)
-    except PipelineConfigError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+    core = _core(core)
+    path = _pipeline_file(pipeline or DEFAULT_PIPELINE)
     opts = BenchOptions(
         pipeline_path=path,
         concurrency=levels,
@@ -279,7 +298,6 @@ def bench_speech(
     """Speech latency: time to first audio and RTF p50/p99 at each concurrency level through the
     official openai client, of streamed pcm16 chat completions with audio (--api chat) or of
     /v1/audio/speech in each of --formats (--api speech); prints a table (see docs/models.md)."""
-    from benchmarks.gateway_vs_vllm import parse_concurrency
     from benchmarks.speech_latency import (
         APIS,
         DEFAULT_PIPELINE,
@@ -306,10 +324,7 @@ def bench_speech(
         )
     except ValueError as e:
         raise usage_error(f"--formats: {e}") from None
-    try:
-        parsed = tuple(parse_concurrency(levels))
-    except ValueError as e:
-        raise usage_error(f"--levels: {e}") from None
+    parsed = _levels("--levels", levels)
     path = (pipeline or DEFAULT_PIPELINE).resolve()
     try:
         p = load_pipeline(path)
@@ -365,22 +380,12 @@ def bench_capacity(
     """omnirelay's own ceiling on the mock engine: req/s, output tokens/s, TTFT/TPOT p50/p99 and
     each process's CPU per (gateways, concurrency), with the bottleneck named (prints tables)."""
     from benchmarks.frontend_capacity import MOCK_PIPELINE, CapacityOptions, run_capacity_bench
-    from benchmarks.gateway_vs_vllm import parse_concurrency
 
-    try:
-        gws, levels = tuple(parse_concurrency(gateways)), tuple(parse_concurrency(concurrency))
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+    gws, levels = _levels("--gateways", gateways), _levels("--concurrency", concurrency)
     if max(gws) > 2:
         typer.echo("error: --gateways: 1 and 2 are measured (omnirelay up's gateway and one more)", err=True)
         raise typer.Exit(2)
-    path = (pipeline or MOCK_PIPELINE).resolve()
-    try:
-        load_pipeline(path)
-    except PipelineConfigError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+    path = _pipeline_file(pipeline or MOCK_PIPELINE)
     opts = CapacityOptions(
         pipeline_path=path,
         gateways=gws,
@@ -429,24 +434,12 @@ def bench_vllm(
 ) -> None:
     """omnirelay against vLLM's own server, measured by vLLM's own client (vllm bench serve) in
     paired rounds: median and spread of the per-round omnirelay ÷ vLLM ratios (prints tables)."""
-    from benchmarks.gateway_vs_vllm import DEFAULT_PIPELINE, parse_concurrency
+    from benchmarks.gateway_vs_vllm import DEFAULT_PIPELINE
     from benchmarks.vllm_client_paired import VllmClientOptions, run_vllm_client_bench
 
-    try:
-        levels = tuple(parse_concurrency(concurrency))
-    except ValueError as e:
-        typer.echo(f"error: --concurrency: {e}", err=True)
-        raise typer.Exit(2) from None
-    usable = sorted(os.sched_getaffinity(0))
-    if core is not None and core not in usable:
-        typer.echo(f"error: --core {core}: this process may use cores {usable}", err=True)
-        raise typer.Exit(2)
-    path = (pipeline or DEFAULT_PIPELINE).resolve()
-    try:
-        load_pipeline(path)
-    except PipelineConfigError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+    levels = _levels("--concurrency", concurrency)
+    core = _core(core)
+    path = _pipeline_file(pipeline or DEFAULT_PIPELINE)
     opts = VllmClientOptions(
         pipeline_path=path,
         concurrency=levels,
@@ -482,14 +475,9 @@ def bench_profile(
 ) -> None:
     """Sample the gateway's and the worker's Python stacks with py-spy while streamed chat
     completions run on the mock engine; print where each output token's microseconds go (tables)."""
-    from benchmarks.gateway_vs_vllm import parse_concurrency
     from benchmarks.token_path_profile import ProfileOptions, run_profile_bench
 
-    try:
-        levels = tuple(parse_concurrency(concurrency))
-    except ValueError as e:
-        typer.echo(f"error: --concurrency: {e}", err=True)
-        raise typer.Exit(2) from None
+    levels = _levels("--concurrency", concurrency)
     opts = ProfileOptions(
         concurrency=levels,
         seconds=seconds,
