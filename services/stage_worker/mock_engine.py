@@ -203,23 +203,10 @@ class MockAsyncLLM:
     def _detokenizer(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
         """vLLM's incremental detokenizer for one request (none decoding when the request asks
         for no text: ``detokenize=False``), as vLLM's output processor makes it."""
-        from vllm.v1.engine import EngineCoreRequest
-        from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+        from services.stage_worker.resumed_text import incremental_detokenizer
 
-        request = EngineCoreRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt_ids,
-            mm_features=None,
-            sampling_params=params,
-            pooling_params=None,
-            arrival_time=0.0,
-            lora_request=None,
-            cache_salt=None,
-            data_parallel_rank=None,
-        )
-        return IncrementalDetokenizer.from_new_request(
-            self._tokenizer if params.detokenize else None, request
-        )
+        tokenizer = self._tokenizer if params.detokenize else None
+        return incremental_detokenizer(tokenizer, request_id, prompt_ids, params)
 
 
 def _output(

@@ -36,6 +36,25 @@ def engine_params(params: SamplingParams) -> SamplingParams:
     return engine
 
 
+def incremental_detokenizer(
+    tokenizer: TokenizerLike | None, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+) -> IncrementalDetokenizer:
+    """vLLM's incremental detokenizer for one request, as vLLM's output processor makes it (one
+    that decodes nothing when ``tokenizer`` is None)."""
+    request = EngineCoreRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt_token_ids,
+        mm_features=None,
+        sampling_params=params,
+        pooling_params=None,
+        arrival_time=0.0,
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=None,
+    )
+    return IncrementalDetokenizer.from_new_request(tokenizer, request)
+
+
 class ResumedText:
     """Decodes a resumed attempt's tokens as the fault-free run decoded them."""
 
@@ -47,18 +66,7 @@ class ResumedText:
         resumed_token_ids: list[int],
         params: SamplingParams,
     ) -> None:
-        request = EngineCoreRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt_token_ids,
-            mm_features=None,
-            sampling_params=params,
-            pooling_params=None,
-            arrival_time=0.0,
-            lora_request=None,
-            cache_salt=None,
-            data_parallel_rank=None,
-        )
-        self._detok = IncrementalDetokenizer.from_new_request(tokenizer, request)
+        self._detok = incremental_detokenizer(tokenizer, request_id, prompt_token_ids, params)
         self._detok.update(resumed_token_ids, stop_terminated=False)
         self.client_text = self._detok.get_next_output_text(finished=False, delta=True)
         """The text the fault-free run had streamed with the resumed tokens: what the client has."""
