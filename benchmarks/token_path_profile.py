@@ -65,9 +65,12 @@ class Rule:
 
     path: str
     functions: tuple[str, ...] = ()
+    leaf: bool = False
+    """Match only the sample's leaf frame (the function's own time): for middlewares and the like,
+    which are ancestors of all the work under them."""
 
     def matches(self, frame: Frame) -> bool:
-        """True when ``frame`` is one this rule names."""
+        """True when ``frame`` is one this rule names (``leaf`` is checked by :class:`Group`)."""
         if self.path not in frame.file:
             return False
         f = frame.function
@@ -83,12 +86,19 @@ class Group:
     rules: tuple[Rule, ...]
 
     def matches(self, stack: Sequence[Frame]) -> bool:
-        """True when a frame of ``stack`` matches one of the rules."""
-        return any(r.matches(f) for f in stack for r in self.rules)
+        """True when a frame of ``stack`` matches one of the rules (a ``leaf`` rule: its last)."""
+        return any(r.matches(f) for r in self.rules for f in (stack[-1:] if r.leaf else stack))
 
 
 OTHER = "other"
 """The group of a sample no group's rule matches."""
+EVENT_LOOP = "event loop (uvloop/asyncio, tasks, selectors)"
+"""The group of the event loop's own time (also: samples whose leaf is where the loop runs)."""
+LOOP_ENTRY = Rule("asyncio/runners.py")
+"""Where a service's event loop runs (``asyncio.run``/``uvloop.run`` → ``Runner.run``): py-spy
+puts the running task's coroutine frames right under it, so the frames above it (the command
+line, ``uvicorn.run``, the service's ``main``) are ancestors of every sample and are cut off
+before grouping."""
 
 GROUPS: tuple[Group, ...] = (
     Group("logging", (Rule("/logging/"), Rule("libs/common/logs.py"))),
@@ -96,6 +106,8 @@ GROUPS: tuple[Group, ...] = (
         "metrics / tracing",
         (
             Rule("prometheus_client/"),
+            Rule("prometheus_fastapi_instrumentator/metrics.py"),
+            Rule("prometheus_fastapi_instrumentator/middleware.py", leaf=True),
             Rule("opentelemetry/"),
             Rule("libs/common/tracing.py"),
             Rule("gateway/request_stats.py"),
@@ -108,7 +120,6 @@ GROUPS: tuple[Group, ...] = (
         (
             Rule("libs/common/envelopes.py", ("decode", "decode_or_log")),
             Rule("msgpack/", ("unpackb",)),
-            Rule("pydantic/main.py", ("model_validate",)),
         ),
     ),
     Group(
@@ -116,7 +127,6 @@ GROUPS: tuple[Group, ...] = (
         (
             Rule("libs/common/envelopes.py", ("encode",)),
             Rule("msgpack/", ("packb",)),
-            Rule("pydantic/main.py", ("model_dump",)),
         ),
     ),
     Group(
@@ -157,10 +167,30 @@ GROUPS: tuple[Group, ...] = (
         (Rule("gateway/request_handle.py"), Rule("gateway/event_trust.py")),
     ),
     Group("replay store (sent events)", (Rule("stage_worker/sent_events.py"),)),
-    Group("ResponseTimer (own code)", (Rule("gateway/app.py", ("timed_send", "ResponseTimer.__call__")),)),
+    Group(
+        "ResponseTimer and middlewares (own code)",
+        (
+            Rule("gateway/app.py", ("timed_send",)),
+            Rule("gateway/app.py", ("ResponseTimer.__call__",), leaf=True),
+            Rule("gateway/limits.py", ("SlotRelease.__call__",), leaf=True),
+            Rule("gateway/request_size.py", ("RequestSizeLimit.__call__",), leaf=True),
+        ),
+    ),
+    Group(
+        "request admission (once per request: body, prompt, auth, limits, submit)",
+        (
+            Rule("gateway/submission.py"),
+            Rule("gateway/prompting.py"),
+            Rule("gateway/auth.py"),
+            Rule("gateway/limits.py"),
+            Rule("gateway/request_size.py"),
+            Rule("fastapi/dependencies/"),
+            Rule("starlette/requests.py"),
+        ),
+    ),
     Group(
         "gateway event intake (pipeline_client)",
-        (Rule("gateway/pipeline_client.py"), Rule("gateway/submission.py")),
+        (Rule("gateway/pipeline_client.py"),),
     ),
     Group(
         "gateway SSE stream (responses.py, routes.py)",
@@ -190,13 +220,11 @@ GROUPS: tuple[Group, ...] = (
             Rule("anyio/"),
             Rule("gateway/http_protocol.py"),
             Rule("gateway/app.py"),
+            Rule("prometheus_fastapi_instrumentator/"),
         ),
     ),
     Group("nats-py read loop + subscription tasks", (Rule("nats/"),)),
-    Group(
-        "event loop (uvloop/asyncio, tasks, selectors)",
-        (Rule("asyncio/"), Rule("uvloop/"), Rule("selectors.py")),
-    ),
+    Group(EVENT_LOOP, (Rule("asyncio/"), Rule("uvloop/"), Rule("selectors.py"))),
 )
 """The frame groups, most specific first (see the module's docstring)."""
 
@@ -223,9 +251,21 @@ def parse_raw(text: str) -> list[tuple[tuple[Frame, ...], int]]:
     return out
 
 
+def work_frames(stack: Sequence[Frame]) -> Sequence[Frame]:
+    """The frames of ``stack`` under its last :data:`LOOP_ENTRY` frame (all of them if it has
+    none)."""
+    entries = [i for i, f in enumerate(stack) if LOOP_ENTRY.matches(f)]
+    return stack[entries[-1] + 1 :] if entries else stack
+
+
 def group_of(stack: Sequence[Frame], groups: Sequence[Group] = GROUPS) -> str:
-    """The name of the first of ``groups`` that matches ``stack``, else :data:`OTHER`."""
-    return next((g.name for g in groups if g.matches(stack)), OTHER)
+    """The name of the first of ``groups`` that matches the :func:`work_frames` of ``stack``;
+    :data:`EVENT_LOOP` when the loop's entry is the leaf (the loop's own code, uvloop's C);
+    else :data:`OTHER`."""
+    work = work_frames(stack)
+    if not work and stack:
+        return EVENT_LOOP
+    return next((g.name for g in groups if g.matches(work)), OTHER)
 
 
 @dataclass(frozen=True)

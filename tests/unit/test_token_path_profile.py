@@ -115,7 +115,7 @@ def test_rule_functions_match_py_spy_qualified_names() -> None:
     assert not rule.matches(Frame("Client.not_flusher", "/x/nats/aio/client.py"))
     assert not rule.matches(Frame("Client._flusher", "/x/other.py"))
     timed = Frame("ResponseTimer.__call__.<locals>.timed_send", "/w/services/gateway/app.py")
-    assert group_of([timed]) == "ResponseTimer (own code)"
+    assert group_of([timed]) == "ResponseTimer and middlewares (own code)"
     # the body write under ResponseTimer's send is the HTTP write's, its timeout asyncio's
     h11 = Frame("Connection.send", "/v/site-packages/h11/_connection.py")
     assert group_of([timed, h11]).startswith("HTTP write/read")
@@ -130,3 +130,30 @@ def test_render_profile_has_the_cpu_column_only_with_a_cpu_reading() -> None:
     assert "share × CPU" in with_cpu
     assert "| event decode (msgpack + pydantic validate) | 30 | 30.0 % | 300.0 | 60.0 |" in with_cpu
     assert "share × CPU" not in render_profile("gateway, c = 1", p, None)
+
+
+LOOP = "Runner.run (/usr/lib/python3.11/asyncio/runners.py:118)"
+BOOT = (
+    "<module> (/w/cli/__main__.py:9);serve (/w/services/gateway/app.py:167);"
+    "run (/v/site-packages/uvicorn/main.py:600);Server.run (/v/site-packages/uvicorn/server.py:60)"
+)
+
+
+def test_frames_above_the_event_loop_are_cut_before_grouping() -> None:
+    # the gateway runs under uvicorn.run and app.py: without the cut, every sample would be the
+    # HTTP framework's
+    read = parse_raw(
+        f"{BOOT};{LOOP};Client._read_loop ({SITE}/nats/aio/client.py:2100);"
+        f"Parser.parse ({SITE}/nats/protocol/parser.py:80) 4"
+    )[0][0]
+    assert group_of(read) == "nats-py read loop + subscription tasks"
+    own = parse_raw(f"{BOOT};{LOOP} 3")[0][0]
+    assert group_of(own) == "event loop (uvloop/asyncio, tasks, selectors)"
+
+
+def test_a_leaf_rule_takes_a_middleware_own_time_only() -> None:
+    mw = "ResponseTimer.__call__ (/w/services/gateway/app.py:55)"
+    own = parse_raw(f"{BOOT};{LOOP};{mw} 1")[0][0]
+    below = parse_raw(f"{BOOT};{LOOP};{mw};Submitter.chat (/w/services/gateway/submission.py:90) 1")[0][0]
+    assert group_of(own) == "ResponseTimer and middlewares (own code)"
+    assert group_of(below).startswith("request admission")
