@@ -102,7 +102,9 @@ def create_app(settings: GatewaySettings, pipeline: PipelineConfig) -> FastAPI:
         admin = AdminListener(settings.metrics_host, settings.admin_port)
         bound = settings.model_copy(update={"admin_port": admin.port})
         try:
-            client = PipelineClient(bound, pipeline, stat_log.stale_event, stat_log.event_gap)
+            client = PipelineClient(
+                bound, pipeline, stat_log.stale_event, stat_log.event_gap, stat_log.bus_rejected
+            )
             await client.start()
             admin.discover(lambda: sd_targets(client.all_services.live()))
             app.state.client = client

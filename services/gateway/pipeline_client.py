@@ -42,9 +42,9 @@ from libs.common.version import VERSION
 from services.gateway.errors import APIError
 from services.gateway.event_trust import EventTrust
 from services.gateway.request_handle import BACKSTOP_S, RequestHandle, timed_out
+from services.gateway.schemas import Health
 
 __all__ = ["BACKSTOP_S", "JS_STREAM_FULL", "PipelineClient", "RequestHandle", "timed_out"]
-from services.gateway.schemas import Health
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +70,6 @@ TAIL_GRACE_S = 1.0
 they count as lost, seconds (they left before the notice, which took a longer path)."""
 
 
-def _uncounted(_reason: Rejected) -> None:
-    """No counter to tell (a client built without one)."""
-
-
 class PipelineClient:
     def __init__(
         self,
@@ -81,17 +77,14 @@ class PipelineClient:
         pipeline: PipelineConfig,
         on_stale: Callable[[int], None],
         on_gap: Callable[[int], None],
-        on_rejected: Callable[[Rejected], None] | None = None,
+        on_rejected: Callable[[Rejected], None],
     ) -> None:
         """``on_stale(stage)`` is told of every event dropped as coming from an old attempt,
         ``on_gap(stage)`` of every gap found in a stage's events (events lost on the way),
         ``on_rejected(reason)`` of every message dropped as forged or stale otherwise
-        (:mod:`services.gateway.event_trust`; when not given, the ``bus_rejected`` of the object
-        ``on_stale`` belongs to, the gateway's stat logger, if it has one)."""
+        (:mod:`services.gateway.event_trust`)."""
         self._on_stale = on_stale
         self._on_gap = on_gap
-        if on_rejected is None:
-            on_rejected = getattr(getattr(on_stale, "__self__", None), "bus_rejected", _uncounted)
         self.settings = settings
         self.pipeline = pipeline
         self.subjects = Subjects(pipeline.name)

@@ -72,7 +72,9 @@ class Gateway:
         settings = GatewaySettings(
             nats_url=url, instance_id=f"gw-{uuid.uuid4().hex[:6]}", advertise_host="127.0.0.1"
         )
-        self.client = PipelineClient(settings, PIPELINE, stats.stale_event, stats.event_gap)
+        self.client = PipelineClient(
+            settings, PIPELINE, stats.stale_event, stats.event_gap, stats.bus_rejected
+        )
         self.id = settings.instance_id
 
     def rejected(self) -> dict[str, float]:
