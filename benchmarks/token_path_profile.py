@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
+import os
 import re
 import signal
 import subprocess
@@ -38,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchmarks.frontend_capacity import MOCK_PIPELINE, _roles, client_job, stack_env
-from benchmarks.harness import Processes, log, run_with_stacks, start_stack
+from benchmarks.harness import Processes, log, percentile, run_with_stacks, start_stack
 from libs.common.pipeline import load_pipeline
 
 # --- folding (pure) -------------------------------------------------------------------------------
@@ -411,6 +412,8 @@ class LevelResult:
     errors: int
     tokens: int
     wall_s: float
+    tpot_p50_ms: float | None = None
+    """Client-side TPOT p50 of the level's requests, milliseconds."""
     profiles: dict[str, Profile] = field(default_factory=dict)
     cpu_s: dict[str, float] = field(default_factory=dict)
 
@@ -482,7 +485,9 @@ def _level(
                 proc.wait()
     good = [t for t in timings if t.ok]
     tokens = sum(t.tokens for t in good)
-    result = LevelResult(c, len(timings), len(timings) - len(good), tokens, wall, cpu_s=cpu)
+    tpots = [t.tpot_s for t in good if t.tpot_s is not None]
+    tpot = percentile(tpots, 50) * 1e3 if tpots else None
+    result = LevelResult(c, len(timings), len(timings) - len(good), tokens, wall, tpot, cpu_s=cpu)
     for role, (_, raw) in spies.items():
         if not raw.exists():
             raise RuntimeError(
@@ -496,6 +501,13 @@ def _level(
     return result
 
 
+def box_state() -> str:
+    """When and on what: the UTC time, the usable cores and the load average (one line)."""
+    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    return f"{when}; {len(os.sched_getaffinity(0))} usable cores, load average {load}"
+
+
 def render(results: Sequence[LevelResult]) -> str:
     """Every level's tables (Markdown)."""
     out = []
@@ -503,6 +515,7 @@ def render(results: Sequence[LevelResult]) -> str:
         out.append(
             f"### c = {r.concurrency}: {r.requests} requests ({r.errors} failed), {r.tokens} output tokens, "
             f"{r.wall_s:.1f} s, {r.tokens / r.wall_s:.0f} tokens/s"
+            + (f", TPOT p50 {r.tpot_p50_ms:.2f} ms" if r.tpot_p50_ms is not None else "")
         )
         for role, p in r.profiles.items():
             cpu = r.cpu_s.get(role)
@@ -518,6 +531,7 @@ def run_profile_bench(opts: ProfileOptions) -> int:
     model = pipeline.served_model_name
 
     def work(procs: Processes, data_dir: Path) -> None:
+        started = box_state()
         stack = start_stack(procs, "mock stack", opts.pipeline_path, stack_env(opts.concurrency), data_dir)
         roles = _roles(stack, [], None, [])
         pids = {role: roles[role][0] for role in ("gateway-1", "worker") if role in roles}
@@ -534,7 +548,7 @@ def run_profile_bench(opts: ProfileOptions) -> int:
             if any(not t.ok for t in warm):
                 raise RuntimeError(f"warm-up failed: {next(t.error for t in warm if not t.ok)}")
             results = [_level(opts, c, stack.base_url, model, pids, pool, out_dir) for c in opts.concurrency]
-        text = render(results)
+        text = f"started {started}; ended {box_state()}\n\n{render(results)}"
         print(text, flush=True)
         if opts.out_dir:
             (out_dir / "profile.md").write_text(text)
