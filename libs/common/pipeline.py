@@ -260,6 +260,10 @@ class PipelineConfig(_Strict):
                 return i
         return None
 
+    def declares(self, stage: int, replica: int) -> bool:
+        """Whether (``stage``, ``replica``) is one of this pipeline's stage replicas."""
+        return 0 <= stage < len(self.stages) and 0 <= replica < self.stages[stage].replicas
+
     def stages_for(self, audio: bool, entry: int = 0) -> list[int]:
         """Stage ids a request runs through: only the thinker for text, the whole chain for audio;
         from stage ``entry`` on (a speech request enters at the talker)."""

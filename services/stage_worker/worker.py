@@ -496,6 +496,14 @@ class StageWorker:
         chunks, then send them to the new replica (services/orchestrator/orchestrator.py)."""
         if (change := decode_or_log(RouteChange, msg.data, "route change", log, f"{self.label}: ")) is None:
             return
+        if change.stage != self.settings.stage + 1 or not self.pipeline.declares(
+            change.stage, change.replica
+        ):
+            log.warning(
+                "%s: dropped a route change to stage %d replica %d", self.label, change.stage, change.replica
+            )
+            await msg.respond(RouteHeld(held=False).encode())  # not the next stage, or no such replica
+            return
         entry = self.active.get(change.request_id)
         waiting = [d.task for d in self._backlog if d.task.request_id == change.request_id]
         if entry is None and waiting:

@@ -288,7 +288,9 @@ async def test_a_route_change_for_a_request_still_in_the_backlog_applies_when_it
     """The talker has a request in its backlog (``max_inflight`` reached) when code2wav moves: the
     hold and the release are kept and applied when the request starts, so its chunks go to the new
     replica as the new attempt."""
-    worker = StageWorker(WorkerSettings(stage=1, replica=0, max_inflight=1), load_pipeline())
+    pipeline = load_pipeline()
+    pipeline.stages[2] = pipeline.stages[2].model_copy(update={"replicas": 2})  # a replica to move to
+    worker = StageWorker(WorkerSettings(stage=1, replica=0, max_inflight=1), pipeline)
     first = _delivery(0).task.model_copy(update={"request_id": "waiting", "route": [0, 0, 0]})
     worker._backlog.append(Delivery(msg=None, task=first, received_ns=0))
     hold = _Reply(RouteChange(request_id="waiting", stage=2, action="hold"))
@@ -302,6 +304,12 @@ async def test_a_route_change_for_a_request_still_in_the_backlog_applies_when_it
     unknown = _Reply(RouteChange(request_id="gone", stage=2, action="hold"))
     await worker._on_route(unknown)
     assert unknown.answer == RouteHeld(held=False)
+    # Forged: a replica the pipeline does not declare, a stage that is not the next one.
+    for stage, replica in ((2, 7), (0, 0)):
+        forged = _Reply(RouteChange(request_id="waiting", stage=stage, action="release", replica=replica))
+        await worker._on_route(forged)
+        assert forged.answer == RouteHeld(held=False), (stage, replica)
+        assert "waiting" not in worker._early_routes
 
 
 def test_the_registry_ages_its_entries_only_while_it_hears_updates() -> None:
