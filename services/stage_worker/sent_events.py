@@ -31,21 +31,33 @@ class _Attempt:
 
 
 class SentEvents:
+    """Running attempts by key; ended ones in the order they ended, so that forgetting the old
+    ones looks only at those it forgets (an attempt's end costs no walk over all kept)."""
+
     def __init__(self) -> None:
-        self._attempts: OrderedDict[tuple[str, int], _Attempt] = OrderedDict()
+        self._running: dict[tuple[str, int], _Attempt] = {}
+        self._ended: OrderedDict[tuple[str, int], _Attempt] = OrderedDict()
         self._ended_bytes = 0
+
+    def _kept(self, key: tuple[str, int]) -> _Attempt | None:
+        return self._running.get(key) or self._ended.get(key)
 
     def add(self, request_id: str, attempt: int, seq: int, data: bytes) -> None:
         """Keep event ``seq`` of the attempt (events are added in ``seq`` order from 0)."""
-        kept = self._attempts.setdefault((request_id, attempt), _Attempt())
+        key = (request_id, attempt)
+        kept = self._kept(key)
+        if kept is None:
+            kept = self._running[key] = _Attempt()
         if seq == len(kept.events):
             kept.events.append(data)
             kept.size += len(data)
+            if kept.ended_s is not None:
+                self._ended_bytes += len(data)
 
     def get(self, request_id: str, attempt: int, from_seq: int, to_seq: int) -> list[bytes] | None:
         """Events ``from_seq`` to ``to_seq - 1`` (fewer when they exceed ``MAX_REPLAY_BYTES``,
         never none of those kept); None when the attempt is not kept."""
-        kept = self._attempts.get((request_id, attempt))
+        kept = self._kept((request_id, attempt))
         if kept is None:
             return None
         out: list[bytes] = []
@@ -59,17 +71,16 @@ class SentEvents:
 
     def end(self, request_id: str, attempt: int, now: float | None = None) -> None:
         """The attempt ended here: keep its events ``KEEP_S`` more; forget what is past its time
-        or over ``MAX_BYTES``."""
+        or over ``MAX_BYTES`` (the oldest ended first)."""
         now = time.monotonic() if now is None else now
-        kept = self._attempts.get((request_id, attempt))
-        if kept is not None and kept.ended_s is None:
+        kept = self._running.pop((request_id, attempt), None)
+        if kept is not None:
             kept.ended_s = now
+            self._ended[(request_id, attempt)] = kept
             self._ended_bytes += kept.size
-            self._attempts.move_to_end((request_id, attempt))
-        for key, old in list(self._attempts.items()):
-            if old.ended_s is None:
-                continue
+        while self._ended:
+            old = next(iter(self._ended.values()))
             if now - old.ended_s < KEEP_S and self._ended_bytes <= MAX_BYTES:
                 break  # ended attempts are in the order they ended: the rest are younger
-            del self._attempts[key]
+            self._ended.popitem(last=False)
             self._ended_bytes -= old.size

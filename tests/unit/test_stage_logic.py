@@ -339,6 +339,21 @@ def test_sent_events_are_kept_while_an_attempt_runs_and_for_a_while_after() -> N
     assert sent.get("a", 1, 0, 4) is None
 
 
+def test_sent_events_forget_the_oldest_ended_attempts_first_and_never_a_running_one(monkeypatch) -> None:
+    monkeypatch.setattr(sent_events, "MAX_BYTES", 25)  # two ended attempts of 10 bytes fit, not three
+    sent = SentEvents()
+    sent.add("running", 1, 0, b"r" * 100)  # over the cap alone: running attempts do not count
+    for i, rid in enumerate(("a", "b", "c")):
+        sent.add(rid, 1, 0, b"x" * 10)
+        sent.end(rid, 1, now=100.0 + i)
+    assert [sent.get(rid, 1, 0, 1) is None for rid in ("a", "b", "c")] == [True, False, False]
+    sent.add("c", 1, 1, b"y" * 10)  # a late event of an ended attempt counts against the cap
+    sent.end("d", 1, now=103.0)
+    assert [sent.get(rid, 1, 0, 1) is None for rid in ("b", "c")] == [True, False]
+    sent.end("d", 1, now=102.0 + sent_events.KEEP_S)
+    assert sent.get("c", 1, 0, 2) is None and sent.get("running", 1, 0, 1) == [b"r" * 100]
+
+
 def test_a_replay_answer_stays_under_the_payload_limit() -> None:
     sent = SentEvents()
     big = b"x" * (sent_events.MAX_REPLAY_BYTES // 2 + 1)
