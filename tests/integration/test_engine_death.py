@@ -335,3 +335,6 @@ async def test_a_stopped_replica_loses_its_requests_and_stops_them_after_sigcont
         f"{len(bound)} stream(s) moved {moved_after_s:.1f} s after SIGSTOP of {len(stopped_pids)} processes; "
         f"{len(late)} late event(s) dropped"
     )
+    # The victim's incarnation has been judged, and an incarnation is judged once: stop it, so
+    # that the pair's next user (test_orchestrator_death) judges a fresh one's death.
+    stop_all([worker])
