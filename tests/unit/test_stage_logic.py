@@ -27,10 +27,11 @@ from services.orchestrator.lifecycle import apply_event
 from services.orchestrator.routing import NoLiveReplica, ReplicaPicker
 from services.stage_worker import request_context, sent_events
 from services.stage_worker.chunking import CodeChunker, TextChunker
+from services.stage_worker.control import reroute
 from services.stage_worker.inbox import Delivery, RequestInbox
 from services.stage_worker.request_context import Identity, RequestContext
 from services.stage_worker.sent_events import SentEvents
-from services.stage_worker.worker import StageWorker, reroute
+from services.stage_worker.worker import StageWorker
 
 
 def test_text_chunker_cuts_by_count_and_at_sentence_ends() -> None:
