@@ -582,33 +582,31 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def run_bench(opts: BenchOptions) -> int:
-    """Start both targets, measure, print the table; 0 on success, 1 on failure. Every process
-    started is stopped on the way out, also on Ctrl-C, SIGTERM or an error."""
-    pipeline = load_pipeline(opts.pipeline_path)
-    if pipeline.stages[0].replicas != 1:
-        log(
-            f"warning: stage 0 of {pipeline.source} has {pipeline.stages[0].replicas} replicas (1 compares fairly)"
-        )
-    core = opts.core if opts.core is not None else sorted(os.sched_getaffinity(0))[0]
-    keep = opts.log_dir is not None
-    log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="omnirelay-bench-"))
+def run_against_vllm(
+    pipeline: PipelineConfig,
+    start: BenchOptions,
+    core: int,
+    log_dir_opt: Path | None,
+    prefix: str,
+    work: Callable[[dict[str, Target], Path], None],
+) -> int:
+    """Start vLLM's server and omnirelay for ``pipeline`` (engines on ``core`` when
+    ``start.isolate_engines``), run ``work(targets, log_dir)``; 0 on success, 1 on failure. Every
+    process started is stopped on the way out, also on Ctrl-C, SIGTERM or an error. The logs go to
+    ``log_dir_opt`` (kept) or a temporary directory named ``prefix``… (kept only on failure)."""
+    keep = log_dir_opt is not None
+    log_dir = log_dir_opt or Path(tempfile.mkdtemp(prefix=prefix))
     log_dir.mkdir(parents=True, exist_ok=True)
     log(f"logs in {log_dir}; engines bound to core {core}; machine: {machine_activity()}")
     procs = Processes(log_dir)
     ok = False
     with _signals(_interrupt):
         try:
-            with front_end_cores(core if opts.isolate_engines else None):
-                targets = _start_targets(procs, pipeline, opts, log_dir, core)
-            if opts.isolate_engines:
+            with front_end_cores(core if start.isolate_engines else None):
+                targets = _start_targets(procs, pipeline, start, log_dir, core)
+            if start.isolate_engines:
                 _log_isolation(isolate_engines(procs.items, core), core)
-            results = asyncio.run(measure(targets, opts))
-            text, cells = report(results, opts)
-            print(text, flush=True)
-            if opts.json_path:
-                write_json(opts.json_path, opts, results, cells)
-                log(f"raw numbers written to {opts.json_path}")
+            work(targets, log_dir)
             ok = True
         except KeyboardInterrupt:
             log("interrupted")
@@ -622,3 +620,23 @@ def run_bench(opts: BenchOptions) -> int:
     elif not ok:
         log(f"logs kept in {log_dir}")
     return 0 if ok else 1
+
+
+def run_bench(opts: BenchOptions) -> int:
+    """Start both targets, measure, print the table; 0 on success, 1 on failure."""
+    pipeline = load_pipeline(opts.pipeline_path)
+    if pipeline.stages[0].replicas != 1:
+        log(
+            f"warning: stage 0 of {pipeline.source} has {pipeline.stages[0].replicas} replicas (1 compares fairly)"
+        )
+    core = opts.core if opts.core is not None else sorted(os.sched_getaffinity(0))[0]
+
+    def work(targets: dict[str, Target], log_dir: Path) -> None:
+        results = asyncio.run(measure(targets, opts))
+        text, cells = report(results, opts)
+        print(text, flush=True)
+        if opts.json_path:
+            write_json(opts.json_path, opts, results, cells)
+            log(f"raw numbers written to {opts.json_path}")
+
+    return run_against_vllm(pipeline, opts, core, opts.log_dir, "omnirelay-bench-", work)

@@ -30,11 +30,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
-import signal
 import statistics
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,19 +40,13 @@ from benchmarks.gateway_vs_vllm import (
     DIRECT,
     GATEWAY,
     BenchOptions,
-    _interrupt,
-    _signals,
-    _start_targets,
     round_order,
+    run_against_vllm,
 )
 from benchmarks.harness import (
     DEFAULT_PIPELINE,
-    Processes,
     Target,
-    front_end_cores,
-    isolate_engines,
     log,
-    machine_activity,
     run_load,
     while_active,
 )
@@ -382,38 +373,17 @@ def run_vllm_client_bench(opts: VllmClientOptions) -> int:
     process started is stopped on the way out, also on Ctrl-C, SIGTERM or an error."""
     pipeline = load_pipeline(opts.pipeline_path)
     core = opts.core if opts.core is not None else sorted(os.sched_getaffinity(0))[0]
-    keep = opts.log_dir is not None
-    log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="omnirelay-bench-vllm-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log(f"logs in {log_dir}; machine: {machine_activity()}")
-    procs = Processes(log_dir)
     start = BenchOptions(pipeline_path=opts.pipeline_path, isolate_engines=opts.isolate_engines)
-    ok = False
-    with _signals(_interrupt):
-        try:
-            with front_end_cores(core if opts.isolate_engines else None):
-                targets = _start_targets(procs, pipeline, start, log_dir, core)
-            if opts.isolate_engines:
-                isolate_engines(procs.items, core)
-            runs = asyncio.run(measure(targets, pipeline, opts, log_dir))
-            print(render(runs, opts.concurrency), flush=True)
-            if opts.json_path:
-                data = {
-                    "options": {k: str(v) for k, v in asdict(opts).items()},
-                    "runs": [asdict(r) for r in runs],
-                }
-                opts.json_path.write_text(json.dumps(data, indent=2))
-                log(f"raw numbers written to {opts.json_path}")
-            ok = True
-        except KeyboardInterrupt:
-            log("interrupted")
-        except RuntimeError as e:
-            log(f"failed: {e}")
-        finally:
-            with _signals(signal.SIG_IGN):
-                procs.stop_all()
-    if ok and not keep:
-        shutil.rmtree(log_dir, ignore_errors=True)
-    elif not ok:
-        log(f"logs kept in {log_dir}")
-    return 0 if ok else 1
+
+    def work(targets: dict[str, Target], log_dir: Path) -> None:
+        runs = asyncio.run(measure(targets, pipeline, opts, log_dir))
+        print(render(runs, opts.concurrency), flush=True)
+        if opts.json_path:
+            data = {
+                "options": {k: str(v) for k, v in asdict(opts).items()},
+                "runs": [asdict(r) for r in runs],
+            }
+            opts.json_path.write_text(json.dumps(data, indent=2))
+            log(f"raw numbers written to {opts.json_path}")
+
+    return run_against_vllm(pipeline, start, core, opts.log_dir, "omnirelay-bench-vllm-", work)
