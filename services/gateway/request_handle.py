@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Final
 
 from libs.common.envelopes import ClientEvent, ClientEventType, ResumePoint, StageEnded, TextDelta
 from services.gateway.errors import APIError
@@ -13,6 +14,9 @@ from services.gateway.event_trust import Attempts
 
 BACKSTOP_S = 3.0
 """The gateway's own timeout fires this long after a request's deadline, seconds."""
+EXPIRED: Final = None
+"""Put in a handle's queue by its one deadline timer (:meth:`RequestHandle.events`): nothing
+ended the request in time."""
 
 
 class RequestHandle:
@@ -27,7 +31,8 @@ class RequestHandle:
     def __init__(self, request_id: str, deadline_ns: int) -> None:
         self.request_id = request_id
         self.deadline_ns = deadline_ns
-        self.queue: asyncio.Queue[ClientEvent] = asyncio.Queue()
+        self.queue: asyncio.Queue[ClientEvent | None] = asyncio.Queue()
+        """The events let through, in order; :data:`EXPIRED` after them once the deadline passed."""
         self.first: ClientEvent | None = None
         """The request's first event (stays here after it is taken from the queue)."""
         self.arrived = asyncio.Event()
@@ -199,16 +204,23 @@ class RequestHandle:
 
     async def events(self) -> AsyncIterator[ClientEvent]:
         """Yield events until the caller stops; raises :func:`timed_out` when nothing has ended
-        the request within :attr:`seconds_left`."""
-        while True:
-            try:
-                # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation
-                # (a client hang-up) that arrives together with an event.
-                async with asyncio.timeout(max(self.seconds_left, 0.0)):
-                    event = await self.queue.get()
-            except TimeoutError:
-                raise timed_out() from None
-            yield event
+        the request within :attr:`seconds_left`.
+
+        One timer per iteration, not one timeout per event: :attr:`seconds_left` is read once,
+        and ``loop.call_later`` (the loop's monotonic clock) puts :data:`EXPIRED` behind the events
+        already queued when it has passed; the events before it still go out, as they did when
+        each wait had its own timeout. A cancellation (a client hang-up) is never swallowed: the
+        wait is a plain ``queue.get``."""
+        queue = self.queue
+        timer = asyncio.get_running_loop().call_later(max(self.seconds_left, 0.0), queue.put_nowait, EXPIRED)
+        try:
+            while True:
+                event = queue.get_nowait() if queue.qsize() else await queue.get()
+                if event is EXPIRED:
+                    raise timed_out()
+                yield event
+        finally:
+            timer.cancel()
 
 
 def timed_out() -> APIError:
