@@ -42,7 +42,9 @@ class RequestHandle:
         (:mod:`services.gateway.event_trust`)."""
         self._fence = self.attempts.fence
         """Stage → the oldest attempt whose events are let through (the newest announced)."""
-        self._deltas: list[TextDelta] = []
+        self._deltas: list[tuple[list[int], str]] = []
+        """The thinker's text deltas the client has, as ``(token_ids, text)``: plain tuples, as the
+        events were validated when decoded (:class:`TextDelta` is built for a :meth:`resume_point`)."""
         self._text_done = False
         self._next_seq: dict[tuple[int, int], int] = {}
         """(stage, attempt) → the ``seq`` of the next event expected from it."""
@@ -127,7 +129,7 @@ class RequestHandle:
     def _take(self, event: ClientEvent) -> bool:
         """Let ``event`` through to the client (False: an audio chunk the client has)."""
         if event.type == ClientEventType.TEXT:
-            self._deltas.append(TextDelta(token_ids=event.token_ids, text=event.text))
+            self._deltas.append((event.token_ids, event.text))
         elif event.type == ClientEventType.TEXT_DONE:
             self._text_done = True
         elif event.type == ClientEventType.AUDIO and event.stage is not None and event.in_seq is not None:
@@ -153,7 +155,8 @@ class RequestHandle:
             return ResumePoint(
                 known=True, audio_seq=self._audio_seq.get(stage), audio_done=stage in self._audio_done
             )
-        return ResumePoint(known=True, deltas=list(self._deltas), text_done=self._text_done)
+        deltas = [TextDelta(token_ids=ids, text=text) for ids, text in self._deltas]
+        return ResumePoint(known=True, deltas=deltas, text_done=self._text_done)
 
     def missing(self, ended: StageEnded) -> int:
         """How many of the events that ``ended``'s stage attempt sent have not arrived here, when
