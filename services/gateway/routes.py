@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import base64
+import json
 import time
+from collections.abc import Callable
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -94,6 +96,38 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(h.model_dump(), status_code=503 if h.status == "unavailable" else 200)
 
 
+# --- a streamed text delta's chunk, pre-rendered per request ------------------------------------
+_MARK = "<delta>"
+"""Stands for the delta's text when a request's chunk is rendered once by pydantic."""
+_json_str = json.JSONEncoder(ensure_ascii=False).encode
+"""A str as a JSON string, escaped as pydantic's ``model_dump_json`` escapes it (UTF-8 kept)."""
+
+
+class DeltaChunks:
+    """The chunks of one request's text deltas: its chunk is rendered once through the schemas'
+    pydantic models (:func:`_chat_chunk`, :func:`_completion_chunk`: the reference) with a
+    marker for the text, and per token only the text is JSON-escaped into it (and the token ids
+    written), so no model is built per token. The same bytes as the reference (proven by
+    ``tests/unit/test_gateway_sse_chunks.py``): the marker is cut at its last occurrence, and after
+    it come only fixed keys and the ids, so an id or model name that holds the marker is kept."""
+
+    __slots__ = ("_head", "_ids_close", "_ids_open", "_tail")
+
+    def __init__(self, reference: Callable[[str, list[int] | None], str]) -> None:
+        """``reference(text, token_ids)``: the pydantic rendering of a delta's chunk."""
+        marker = _json_str(_MARK)
+        self._head, _, self._tail = reference(_MARK, None).rpartition(marker)
+        ids_open, _, ids_close = reference(_MARK, []).rpartition(marker)[2].rpartition("[]")
+        self._ids_open, self._ids_close = f"{ids_open}[", f"]{ids_close}"
+
+    def __call__(self, text: str, token_ids: list[int] | None) -> str:
+        """The chunk of one delta (``token_ids`` None: the chunk has none)."""
+        if token_ids is None:
+            return f"{self._head}{_json_str(text)}{self._tail}"
+        ids = ",".join(map(str, token_ids))
+        return f"{self._head}{_json_str(text)}{self._ids_open}{ids}{self._ids_close}"
+
+
 def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
@@ -131,7 +165,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         await until_started(request, job)
         usage = _include_usage(body)
         head = [_chat_chunk(job, Delta(role="assistant", content=""))]
-        return _sse(job, head, lambda ev: _chat_render(job, ev), lambda c: _chat_tail(job, c, usage))
+        deltas = _chat_deltas(job)
+        return _sse(job, head, lambda ev: _chat_render(job, deltas, ev), lambda c: _chat_tail(job, c, usage))
     return await guarded(request, job, _chat_body(job))
 
 
@@ -161,14 +196,20 @@ def _chat_chunk(
     return chunk.model_dump_json(exclude_none=True)
 
 
-def _chat_render(job: Job, ev: ClientEvent) -> list[str]:
-    ids = ev.token_ids if job.return_token_ids else None
+def _chat_delta(job: Job, text: str) -> Delta:
+    """A text delta of a chat stream: ``content``, or the transcript of an audio answer."""
+    if job.audio_format:
+        return Delta(audio=AudioOut(id=job.audio_id, transcript=text))
+    return Delta(content=text)
+
+
+def _chat_deltas(job: Job) -> DeltaChunks:
+    return DeltaChunks(lambda text, ids: _chat_chunk(job, _chat_delta(job, text), token_ids=ids))
+
+
+def _chat_render(job: Job, deltas: DeltaChunks, ev: ClientEvent) -> list[str]:
     if ev.type == ClientEventType.TEXT:
-        if job.audio_format:
-            return [
-                _chat_chunk(job, Delta(audio=AudioOut(id=job.audio_id, transcript=ev.text)), token_ids=ids)
-            ]
-        return [_chat_chunk(job, Delta(content=ev.text), token_ids=ids)]
+        return [deltas(ev.text, ev.token_ids if job.return_token_ids else None)]
     if ev.type == ClientEventType.AUDIO:
         data = base64.b64encode(ev.pcm16).decode()
         audio = AudioOut(id=job.audio_id, data=data, expires_at=int(time.time()) + AUDIO_EXPIRY_S)
@@ -195,8 +236,9 @@ async def completions(body: CompletionRequest, request: Request):
     if body.stream:
         await until_started(request, job)
         usage = _include_usage(body)
+        deltas = _completion_deltas(job)
         return _sse(
-            job, [], lambda ev: _completion_render(job, ev), lambda c: _completion_tail(job, c, usage)
+            job, [], lambda ev: _completion_render(job, deltas, ev), lambda c: _completion_tail(job, c, usage)
         )
     return await guarded(request, job, _completion_body(job))
 
@@ -217,11 +259,18 @@ def _completion_chunk(job: Job, choices: list[CompletionChoice], usage=None) -> 
     ).model_dump_json(exclude_none=True)
 
 
-def _completion_render(job: Job, ev: ClientEvent) -> list[str]:
+def _completion_deltas(job: Job) -> DeltaChunks:
+    return DeltaChunks(
+        lambda text, ids: _completion_chunk(
+            job, [CompletionChoice(text=text, finish_reason=None, token_ids=ids)]
+        )
+    )
+
+
+def _completion_render(job: Job, deltas: DeltaChunks, ev: ClientEvent) -> list[str]:
     if ev.type != ClientEventType.TEXT:
         return []
-    ids = ev.token_ids if job.return_token_ids else None
-    return [_completion_chunk(job, [CompletionChoice(text=ev.text, finish_reason=None, token_ids=ids)])]
+    return [deltas(ev.text, ev.token_ids if job.return_token_ids else None)]
 
 
 def _completion_tail(job: Job, c: Collected, include_usage: bool) -> list[str]:
