@@ -20,7 +20,7 @@ from services.gateway.admin import AdminListener
 from services.gateway.auth import load_api_keys
 from services.gateway.discovery import sd_targets
 from services.gateway.errors import install_error_handlers
-from services.gateway.http_protocol import with_head_deadline
+from services.gateway.http_protocol import bounded_http
 from services.gateway.limits import ConcurrencyLimit, InputLimits, SlotRelease
 from services.gateway.pipeline_client import PipelineClient
 from services.gateway.prompting import Tokenizer
@@ -147,16 +147,15 @@ def create_app(settings: GatewaySettings, pipeline: PipelineConfig) -> FastAPI:
 
 
 def server_options(settings: GatewaySettings) -> dict[str, object]:
-    """uvicorn's options for the gateway: h11 (not httptools) for its bound on a request head
-    still arriving (a longer one is a 400), as vLLM's server does, with a deadline for the head
+    """uvicorn's options for the gateway: httptools, as vLLM's server runs, with a bound on the
+    size of a request head still arriving (a larger one is a 400) and a deadline for the head
     (:mod:`services.gateway.http_protocol`), and the keep-alive timeout."""
     return {
         "host": settings.host,
         "port": settings.port,
         "log_level": settings.log_level.lower(),
         "access_log": False,
-        "http": with_head_deadline(settings.request_head_timeout_s),
-        "h11_max_incomplete_event_size": settings.max_header_bytes,
+        "http": bounded_http(settings.request_head_timeout_s, settings.max_header_bytes),
         "timeout_keep_alive": settings.keep_alive_s,
     }
 

@@ -3,9 +3,8 @@
 
 The body is checked twice: against ``Content-Length`` before a byte of it is read, and while it
 is read, for chunked bodies (which have no length) and for a length that lies. A head that is
-still arriving is bounded by the HTTP parser (h11's ``max_incomplete_event_size``,
-:func:`services.gateway.app.server_options`, a 400), which lets a complete head that came in one
-read through: its bytes are checked here.
+still arriving is bounded by the gateway's HTTP protocol (:mod:`services.gateway.http_protocol`,
+a 400), which lets a complete head that came in one read through: its bytes are checked here.
 """
 
 from __future__ import annotations
