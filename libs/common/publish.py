@@ -66,7 +66,8 @@ async def publish_core(nc: NATS, subject: str, data: bytes) -> None:
     """Core NATS publish that waits out a lost connection (:func:`until_connected`) and sends
     again what the client could not buffer; it returns once nats-py has taken the message."""
     while True:
-        await until_connected(nc)
+        if not nc.is_connected:  # (no coroutine to wait on per message while it is)
+            await until_connected(nc)
         try:
             await nc.publish(subject, data)
             return

@@ -6,13 +6,14 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from opentelemetry.trace import INVALID_SPAN, Span
 
 from libs.common import tracing
-from libs.common.envelopes import ClientEvent, EdgeSummary, LifecycleEvent, StageTask, TaskKind
+from libs.common.envelopes import ClientEvent, EdgeSummary, LifecycleEvent, StageTask, TaskKind, pack_text
 from libs.common.publish import (
     NOT_NOW,
     Hop,
@@ -248,10 +249,29 @@ class RequestContext:
         event.stage, event.replica, event.seq = self.me.stage, self.me.replica, self._client_seq
         event.attempt = self.attempt
         self._client_seq += 1
-        data = event.encode()
+        await self._send_client(event.seq, event.encode())
+
+    async def client_text(self, text: str, token_ids: list[int]) -> None:
+        """:meth:`client` for a text delta (one per streamed token), packed from its fields
+        without a pydantic model (``envelopes.pack_text``)."""
+        self._check_aborted()
+        seq = self._client_seq
+        self._client_seq += 1
+        me, attempt = self.me, self.attempt
+        await self._send_client(
+            seq, pack_text(self.request_id, me.stage, me.replica, seq, attempt, text, token_ids)
+        )
+
+    async def _send_client(self, seq: int, data: bytes) -> None:
+        """Keep client event ``seq`` for a replay, then publish it to the request's gateway."""
         if self.sent is not None:
-            self.sent.add(self.request_id, self.attempt, event.seq, data)
-        await publish_core(self.bus.nc, self.bus.subjects.out(self.first.gateway_id, self.request_id), data)
+            self.sent.add(self.request_id, self.attempt, seq, data)
+        await publish_core(self.bus.nc, self._out_subject, data)
+
+    @cached_property
+    def _out_subject(self) -> str:
+        """Where the request's client events go: ``out.<gateway>.<request>``."""
+        return self.bus.subjects.out(self.first.gateway_id, self.request_id)
 
     def _add_transfer(self, t: TransferStats) -> None:
         e = self._edges.get((t.from_stage, t.from_replica))

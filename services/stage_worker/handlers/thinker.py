@@ -128,11 +128,7 @@ class ThinkerHandler(LLMHandler):
                     ids, delta, stop = text.feed(ids, out.finished, eos)
                 generated += len(ids)
                 if ids or delta:
-                    await req.client(
-                        ClientEvent(
-                            request_id=req.request_id, type=ClientEventType.TEXT, text=delta, token_ids=ids
-                        )
-                    )
+                    await req.client_text(delta, ids)
                 if forward:
                     for chunk in chunker.feed(ids, delta):
                         await req.downstream(token_ids=chunk.token_ids, text=chunk.text, offset=chunk.offset)
