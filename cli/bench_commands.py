@@ -488,3 +488,76 @@ def bench_profile(
         json_path=json_path,
     )
     raise typer.Exit(run_profile_bench(opts))
+
+
+@bench_app.command("bench-token-cost")
+def bench_token_cost(
+    concurrency: Annotated[str, typer.Option(help="comma-separated concurrency levels")] = "1,16",
+    rounds: Annotated[int, typer.Option(min=1, help="paired rounds (A B, B A, ...)")] = 5,
+    requests: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="requests per side per round and level",
+            show_default="96 at c=1, 256 at c=16, else max(96, 16 × c)",
+        ),
+    ] = None,
+    max_tokens: Annotated[int, typer.Option(min=2, help="output tokens per request (ignore_eos)")] = 64,
+    warmup: Annotated[int, typer.Option(min=1, help="unmeasured requests per side first")] = 32,
+    tree_a: Annotated[
+        Path | None, typer.Option(help="checkout A (with --tree-b: stack against stack, not the reference)")
+    ] = None,
+    tree_b: Annotated[Path | None, typer.Option(help="checkout B")] = None,
+    write_baseline: Annotated[
+        bool, typer.Option("--write-baseline", help="record the ratios in --baseline (default mode only)")
+    ] = False,
+    check: Annotated[
+        bool, typer.Option("--check", help="exit 1 when a ratio's median exceeds the baseline's × --factor")
+    ] = False,
+    baseline: Annotated[
+        Path | None, typer.Option(help="baseline file", show_default="benchmarks/baselines/token_cost.json")
+    ] = None,
+    factor: Annotated[
+        float | None,
+        typer.Option(
+            min=1.0, help="--check's bound on measured ÷ baseline", show_default="1.5, the CI guard's"
+        ),
+    ] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="write every round's samples here")] = None,
+) -> None:
+    """CPU µs per output token of the gateway and the worker and TPOT p50 on the mock engine, as
+    paired ratios: omnirelay ÷ a bare uvicorn + Starlette SSE server, or tree B ÷ tree A (prints
+    per-round ratios and their medians with the range)."""
+    from benchmarks.token_cost import BASELINE_PATH, GUARD_FACTOR, TokenCostOptions, run_token_cost_bench
+
+    levels = _levels("--concurrency", concurrency)
+    if (tree_a is None) != (tree_b is None):
+        typer.echo("error: --tree-a and --tree-b go together", err=True)
+        raise typer.Exit(2)
+    trees = [t.resolve() for t in (tree_a, tree_b) if t is not None]
+    if any(not (t / "cli" / "__main__.py").is_file() for t in trees):
+        typer.echo("error: --tree-a/--tree-b: not an omnirelay checkout", err=True)
+        raise typer.Exit(2)
+    if trees and (write_baseline or check):
+        typer.echo(
+            "error: the baseline is omnirelay ÷ the reference: no --write-baseline/--check with trees",
+            err=True,
+        )
+        raise typer.Exit(2)
+    defaults = TokenCostOptions()
+    opts = TokenCostOptions(
+        concurrency=levels,
+        rounds=rounds,
+        requests={c: requests for c in levels} if requests else defaults.requests,
+        max_tokens=max_tokens,
+        warmup=warmup,
+        tree_a=trees[0] if trees else None,
+        tree_b=trees[1] if trees else None,
+        json_path=json_path,
+    )
+    path = baseline or BASELINE_PATH
+    raise typer.Exit(
+        run_token_cost_bench(
+            opts, path if write_baseline else None, path if check else None, factor or GUARD_FACTOR
+        )
+    )

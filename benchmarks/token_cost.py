@@ -1,0 +1,455 @@
+"""``omnirelay bench-token-cost``: what each streamed token costs omnirelay, as a ratio measured in
+paired rounds (issue 23 items 1 and 5; docs/performance.md, "Token cost").
+
+Two sides, A and B, are measured one after the other in each round (A B in even rounds, B A in odd
+ones), at each concurrency. Default: A is the reference (:mod:`benchmarks.sse_reference`, a bare
+uvicorn + Starlette server streaming the same chat-completion chunks, the floor any server pays per
+token) and B is this tree's ``omnirelay up`` on the mock engine (``compose/pipelines/mock-text.yaml``:
+every per-token step of omnirelay runs, no model computes). With ``tree_a``/``tree_b``: two such
+stacks, each from its own checkout. Per side and level the load is one client process, a closed loop
+of the official openai client (:func:`benchmarks.frontend_capacity.client_job`), streamed chat
+completions of ``max_tokens`` tokens with ``ignore_eos``.
+
+The figures of a side: CPU microseconds per output token of each of its server processes (psutil,
+user + system, read before and after the load; the gateway and the thinker worker of a stack, the
+one server process of the reference), their sum, and the client's TPOT p50 (ms). The figure of a
+round is B ÷ A of each, so what the machine's speed does to both cancels; the result is the median
+of the per-round ratios with their range. The ratio of the sum is what ``--write-baseline`` records
+(``benchmarks/baselines/token_cost.json``) and the CI guard (tests/integration/test_token_cost_guard.py)
+holds to at most :data:`GUARD_FACTOR` × the baseline.
+
+Clocks and units: CPU seconds from ``/proc`` (psutil); request timings ``time.perf_counter()``
+seconds in the client process; per-token CPU in µs, TPOT in ms. The statistics, the baseline file
+and the comparison are pure functions (tested in ``tests/unit/test_token_cost.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from benchmarks.frontend_capacity import MOCK_PIPELINE, _cpu_s, _roles, client_job, stack_env
+from benchmarks.harness import Processes, RequestTiming, log, percentile, start_stack, wait_http_ok
+
+ROOT = Path(__file__).resolve().parents[1]
+BASELINE_PATH = ROOT / "benchmarks" / "baselines" / "token_cost.json"
+GUARD_FACTOR = 1.5
+"""The guard fails when a measured ratio's median exceeds the baseline's × this (docs/testing.md
+gives the spread it was chosen from)."""
+GUARDED = ("cpu",)
+"""The figures the guard holds: the summed server CPU per token (TPOT is reported, not guarded)."""
+REFERENCE_MODEL = "reference"
+
+
+# --- statistics (pure) ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One side's load at one concurrency in one round, as the client and psutil saw it."""
+
+    requests: int
+    """Requests sent."""
+    completed: int
+    """Requests that streamed content and ended without an error."""
+    tokens: int
+    """Output tokens of the completed requests (``usage.completion_tokens`` the client read)."""
+    short: int
+    """Completed requests whose token count was not ``max_tokens``."""
+    cpu_s: dict[str, float]
+    """Role → CPU seconds (user + system) its processes used over the load."""
+    tpot_p50_ms: float | None
+    wall_s: float
+    error_sample: str | None = None
+
+    def cpu_us_per_token(self, role: str | None = None) -> float:
+        """CPU µs per output token of ``role``, or of every role together (None)."""
+        used = sum(self.cpu_s.values()) if role is None else self.cpu_s[role]
+        return 1e6 * used / self.tokens if self.tokens else float("nan")
+
+
+def sample_of(
+    timings: Sequence[RequestTiming], cpu_s: dict[str, float], wall_s: float, max_tokens: int
+) -> Sample:
+    """A :class:`Sample` from the client's timings and the roles' CPU over the load."""
+    good = [t for t in timings if t.ok]
+    tpots = [t.tpot_s for t in good if t.tpot_s is not None]
+    errors = [t.error for t in timings if not t.ok]
+    return Sample(
+        requests=len(timings),
+        completed=len(good),
+        tokens=sum(t.tokens for t in good),
+        short=sum(t.tokens != max_tokens for t in good),
+        cpu_s=dict(cpu_s),
+        tpot_p50_ms=percentile(tpots, 50) * 1e3 if tpots else None,
+        wall_s=wall_s,
+        error_sample=errors[0] if errors else None,
+    )
+
+
+def sanity_problems(sample: Sample, requests: int, max_tokens: int) -> list[str]:
+    """Why ``sample`` does not measure what it claims: requests missing or failed, a token count
+    other than ``requests × max_tokens``, or no CPU read. Empty when sound."""
+    out = []
+    if sample.requests != requests or sample.completed != requests:
+        out.append(
+            f"{sample.completed} of {requests} requests completed (sent {sample.requests}; {sample.error_sample})"
+        )
+    if sample.tokens != requests * max_tokens or sample.short:
+        out.append(
+            f"{sample.tokens} tokens, expected {requests} × {max_tokens}; {sample.short} requests short"
+        )
+    if sum(sample.cpu_s.values()) <= 0:
+        out.append("no CPU time read for the servers")
+    return out
+
+
+def ratios(a: Sample, b: Sample) -> dict[str, float]:
+    """B ÷ A of one round: ``cpu`` (every role's CPU per token summed), ``cpu:<role>`` for each role
+    of B (over A's same role when A has it, else over A's sum), ``tpot`` (p50)."""
+    out = {"cpu": b.cpu_us_per_token() / a.cpu_us_per_token()}
+    for role in b.cpu_s:
+        out[f"cpu:{role}"] = b.cpu_us_per_token(role) / a.cpu_us_per_token(role if role in a.cpu_s else None)
+    if a.tpot_p50_ms and b.tpot_p50_ms:
+        out["tpot"] = b.tpot_p50_ms / a.tpot_p50_ms
+    return out
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The median of per-round values and their range."""
+
+    median: float
+    low: float
+    high: float
+    n: int
+
+    @property
+    def relative(self) -> float:
+        """(high − low) ÷ median: the range as a share of the median."""
+        return (self.high - self.low) / self.median if self.median else float("nan")
+
+
+def spread(values: Sequence[float]) -> Spread:
+    """Median, min and max of ``values`` (ValueError when there are none)."""
+    if not values:
+        raise ValueError("spread of no values")
+    return Spread(statistics.median(values), min(values), max(values), len(values))
+
+
+@dataclass(frozen=True)
+class Round:
+    """Both sides at one concurrency in one round; ``first`` is the side measured first."""
+
+    index: int
+    concurrency: int
+    first: str
+    a: Sample
+    b: Sample
+
+
+def summarize(rounds: Sequence[Round]) -> dict[int, dict[str, Spread]]:
+    """Concurrency → figure → the spread of its per-round B ÷ A."""
+    per: dict[int, dict[str, list[float]]] = {}
+    for r in rounds:
+        for name, value in ratios(r.a, r.b).items():
+            per.setdefault(r.concurrency, {}).setdefault(name, []).append(value)
+    return {c: {name: spread(v) for name, v in figs.items()} for c, figs in per.items()}
+
+
+# --- the baseline (pure) --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The committed ratio omnirelay ÷ reference at each concurrency, and how it was measured."""
+
+    date: str
+    commit: str
+    rounds: int
+    max_tokens: int
+    requests: dict[int, int]
+    """Concurrency → requests per side per round."""
+    ratios: dict[int, dict[str, Spread]]
+    note: str = ""
+
+
+def baseline_json(b: Baseline) -> str:
+    """The baseline file's text (JSON; concurrency keys as strings)."""
+    doc = asdict(b)
+    doc["requests"] = {str(c): n for c, n in b.requests.items()}
+    doc["ratios"] = {
+        str(c): {k: {**asdict(s), "relative": round(s.relative, 4)} for k, s in figs.items()}
+        for c, figs in b.ratios.items()
+    }
+    return json.dumps(doc, indent=2) + "\n"
+
+
+def parse_baseline(text: str) -> Baseline:
+    """A :class:`Baseline` from :func:`baseline_json`'s text (ValueError when a field is missing)."""
+    try:
+        doc = json.loads(text)
+        return Baseline(
+            date=doc["date"],
+            commit=doc["commit"],
+            rounds=int(doc["rounds"]),
+            max_tokens=int(doc["max_tokens"]),
+            requests={int(c): int(n) for c, n in doc["requests"].items()},
+            ratios={
+                int(c): {k: Spread(s["median"], s["low"], s["high"], int(s["n"])) for k, s in figs.items()}
+                for c, figs in doc["ratios"].items()
+            },
+            note=doc.get("note", ""),
+        )
+    except (KeyError, TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"not a token-cost baseline: {e!r}") from None
+
+
+def violations(
+    measured: dict[int, dict[str, Spread]],
+    baseline: Baseline,
+    factor: float = GUARD_FACTOR,
+    figures: Sequence[str] = GUARDED,
+) -> list[str]:
+    """Each guarded figure whose measured median exceeds the baseline's median × ``factor``, or that
+    the baseline or the measurement lacks at a measured concurrency. Empty when within bounds."""
+    out = []
+    for c, figs in sorted(measured.items()):
+        for name in figures:
+            base = baseline.ratios.get(c, {}).get(name)
+            got = figs.get(name)
+            if base is None or got is None:
+                out.append(f"c={c} {name}: {'no baseline' if base is None else 'not measured'}")
+            elif got.median > base.median * factor:
+                out.append(
+                    f"c={c} {name}: ratio {got.median:.2f} (rounds {got.low:.2f}..{got.high:.2f}) > "
+                    f"baseline {base.median:.2f} × {factor} = {base.median * factor:.2f}"
+                )
+    return out
+
+
+# --- rendering (pure) -----------------------------------------------------------------------------
+
+
+def _fmt(x: float | None, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def render(rounds: Sequence[Round], labels: dict[str, str]) -> str:
+    """Per round: each side's CPU µs/token (sum and per role) and TPOT p50, and B ÷ A; then per
+    concurrency the median of the ratios with their range."""
+    lines = [
+        f"A = {labels['A']}",
+        f"B = {labels['B']}",
+        "CPU in µs per output token (psutil); TPOT p50 in ms",
+    ]
+    for r in rounds:
+        ra = ratios(r.a, r.b)
+        roles = lambda s: ", ".join(f"{k} {s.cpu_us_per_token(k):.0f}" for k in s.cpu_s)  # noqa: E731
+        lines.append(
+            f"c={r.concurrency:<3} round {r.index} ({r.first} first)  "
+            f"A: cpu {r.a.cpu_us_per_token():.0f} ({roles(r.a)}), tpot {_fmt(r.a.tpot_p50_ms, '.3f')}  "
+            f"B: cpu {r.b.cpu_us_per_token():.0f} ({roles(r.b)}), tpot {_fmt(r.b.tpot_p50_ms, '.3f')}  "
+            f"B÷A: cpu {ra['cpu']:.2f}, tpot {_fmt(ra.get('tpot'), '.2f')}"
+        )
+    lines.append("")
+    lines.append("B ÷ A, median of the per-round ratios [min .. max] (n rounds)")
+    for c, figs in sorted(summarize(rounds).items()):
+        cells = [f"{k} {s.median:.2f} [{s.low:.2f} .. {s.high:.2f}]" for k, s in figs.items()]
+        lines.append(f"c={c:<3} " + "; ".join(cells) + f" ({next(iter(figs.values())).n})")
+    return "\n".join(lines)
+
+
+# --- the run --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenCostOptions:
+    """What ``omnirelay bench-token-cost`` runs (see the CLI for meanings)."""
+
+    concurrency: tuple[int, ...] = (1, 16)
+    rounds: int = 5
+    requests: dict[int, int] = field(default_factory=lambda: {1: 96, 16: 256})
+    """Concurrency → requests per side per round; a level not named gets 16 × c (at least
+    96). Enough that the reference's CPU spans many of psutil's 10 ms ticks."""
+    max_tokens: int = 64
+    warmup: int = 32
+    tree_a: Path | None = None
+    tree_b: Path | None = None
+    json_path: Path | None = None
+
+    def requests_at(self, c: int) -> int:
+        return self.requests.get(c, max(96, 16 * c))
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of the pair: where to send requests and which processes' CPU is its cost."""
+
+    name: str
+    label: str
+    base_url: str
+    model: str
+    roles: dict[str, list[int]]
+
+
+def _stack_side(procs: Processes, name: str, tree: Path | None, env: dict[str, str], data_dir: Path) -> Side:
+    """``omnirelay up`` on the mock pipeline (of ``tree``, default this one); its cost roles are
+    the gateway and the thinker worker."""
+    from libs.common.pipeline import load_pipeline
+
+    pipeline_path = (tree or ROOT) / "compose" / "pipelines" / "mock-text.yaml"
+    pipeline_path = pipeline_path if pipeline_path.is_file() else MOCK_PIPELINE
+    stack = start_stack(procs, f"stack {name}", pipeline_path, env, data_dir, tree=tree)
+    found = _roles(stack, [], None, [])
+    roles = {"gateway": found.get("gateway-1", []), "worker": found.get("worker", [])}
+    if not all(roles.values()):
+        raise RuntimeError(f"stack {name}: gateway or worker process not found among {sorted(found)}")
+    label = f"omnirelay up, mock engine ({tree or ROOT})"
+    return Side(name, label, stack.base_url, load_pipeline(pipeline_path).served_model_name, roles)
+
+
+def _start_reference(procs: Processes, name: str):
+    """The reference server (not yet waited for); returns (process, port)."""
+    from libs.common.local_nats import free_port
+
+    port = free_port()
+    argv = [sys.executable, "-m", "benchmarks.sse_reference", "--port", str(port)]
+    return procs.start(f"reference {name}", argv, {}, signal.SIGTERM, cwd=ROOT), port
+
+
+def _sides(opts: TokenCostOptions, procs: Processes, data_dir: Path) -> dict[str, Side]:
+    env = stack_env(opts.concurrency)
+    if opts.tree_a is not None and opts.tree_b is not None:
+        return {
+            n: _stack_side(procs, n, t, env, data_dir) for n, t in (("A", opts.tree_a), ("B", opts.tree_b))
+        }
+    ref, port = _start_reference(procs, "A")
+    stack = _stack_side(procs, "B", None, env, data_dir)
+    wait_http_ok(ref, f"http://127.0.0.1:{port}/health", 60)
+    label = "reference: bare uvicorn + Starlette SSE server (benchmarks/sse_reference.py)"
+    return {
+        "A": Side("A", label, f"http://127.0.0.1:{port}/v1", REFERENCE_MODEL, {"server": [ref.proc.pid]}),
+        "B": stack,
+    }
+
+
+def _load(pool: ProcessPoolExecutor, side: Side, requests: int, c: int, max_tokens: int) -> Sample:
+    """``requests`` streamed requests at concurrency ``c`` through ``side``, its roles' CPU around it."""
+    before = _cpu_s(side.roles)
+    t0 = time.monotonic()
+    timings = pool.submit(client_job, [side.base_url], side.model, requests, c, max_tokens, 0).result()
+    wall = time.monotonic() - t0
+    after = _cpu_s(side.roles)
+    return sample_of(timings, {r: after[r] - before[r] for r in after}, wall, max_tokens)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Every round of a run and what its sides were."""
+
+    labels: dict[str, str]
+    rounds: list[Round]
+
+
+def _measure_sides(opts: TokenCostOptions, sides: dict[str, Side], pool: ProcessPoolExecutor) -> list[Round]:
+    for side in sides.values():
+        warm = _load(pool, side, opts.warmup, max(opts.concurrency), opts.max_tokens)
+        if warm.completed != warm.requests:
+            raise RuntimeError(f"warm-up of {side.label} failed: {warm.error_sample}")
+    rounds = []
+    for i in range(opts.rounds):
+        order = ("A", "B") if i % 2 == 0 else ("B", "A")
+        for c in opts.concurrency:
+            got = {n: _load(pool, sides[n], opts.requests_at(c), c, opts.max_tokens) for n in order}
+            rounds.append(Round(i, c, order[0], got["A"], got["B"]))
+            log(f"round {i} c={c}: B÷A cpu {ratios(got['A'], got['B'])['cpu']:.2f}")
+    return rounds
+
+
+def measure(opts: TokenCostOptions) -> Measurement:
+    """Start both sides, warm them, run the rounds; every process started is stopped at the end.
+    Raises RuntimeError when a side fails to start or its warm-up fails (logs then kept, named)."""
+    data_dir = Path(tempfile.mkdtemp(prefix="omnirelay-token-cost-"))
+    procs = Processes(data_dir)
+    try:
+        sides = _sides(opts, procs, data_dir)
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            rounds = _measure_sides(opts, sides, pool)
+    except RuntimeError as e:
+        raise RuntimeError(f"{e} (logs kept in {data_dir})") from None
+    finally:
+        procs.stop_all()
+    shutil.rmtree(data_dir, ignore_errors=True)
+    return Measurement({n: s.label for n, s in sides.items()}, rounds)
+
+
+def _commit() -> str:
+    """This tree's HEAD (``+dirty`` when tracked files differ from it)."""
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode != 0
+    return head + ("+dirty" if dirty else "")
+
+
+def baseline_of(opts: TokenCostOptions, rounds: Sequence[Round]) -> Baseline:
+    """The baseline a default-mode run measured (today's UTC date, this tree's commit)."""
+    return Baseline(
+        date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        commit=_commit(),
+        rounds=opts.rounds,
+        max_tokens=opts.max_tokens,
+        requests={c: opts.requests_at(c) for c in opts.concurrency},
+        ratios=summarize(rounds),
+        note="omnirelay (gateway + thinker worker, mock engine) ÷ reference (benchmarks/sse_reference.py)",
+    )
+
+
+def run_token_cost_bench(
+    opts: TokenCostOptions,
+    write_baseline: Path | None = None,
+    check: Path | None = None,
+    factor: float = GUARD_FACTOR,
+) -> int:
+    """Measure, print the table; write the baseline or check against one. 0 on success, 1 when the
+    run failed, a sample is not sound or the check found a ratio over its bound."""
+    try:
+        m = measure(opts)
+    except RuntimeError as e:
+        log(f"failed: {e}")
+        return 1
+    print(render(m.rounds, m.labels), flush=True)
+    if opts.json_path:
+        opts.json_path.write_text(json.dumps([asdict(r) for r in m.rounds], indent=2))
+    bad = [
+        f"round {r.index} c={r.concurrency} {side}: {p}"
+        for r in m.rounds
+        for side, s in (("A", r.a), ("B", r.b))
+        for p in sanity_problems(s, opts.requests_at(r.concurrency), opts.max_tokens)
+    ]
+    for line in bad:
+        log(f"unsound sample: {line}")
+    if bad:
+        return 1
+    if write_baseline:
+        write_baseline.parent.mkdir(parents=True, exist_ok=True)
+        write_baseline.write_text(baseline_json(baseline_of(opts, m.rounds)))
+        log(f"baseline written to {write_baseline}")
+    if check:
+        over = violations(summarize(m.rounds), parse_baseline(check.read_text()), factor)
+        for line in over:
+            log(f"over the bound: {line}")
+        return 1 if over else 0
+    return 0
