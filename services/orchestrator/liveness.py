@@ -129,6 +129,22 @@ def verdict(
     return None
 
 
+def judgment_lifted(judged: Death, heartbeat: ServiceRecord) -> bool:
+    """Whether ``heartbeat`` (a registry record of the judged replica) makes it routable again:
+    a new incarnation always does; otherwise, after an ``engine_dead`` verdict nothing does (the
+    worker heartbeats on until it exits, but its engine does not come back: in one full-suite run
+    a heartbeat arriving between the verdict and the move made the move pick the dead replica
+    again), after a hung engine's verdict a heartbeat showing more progress does, and after a
+    silence any heartbeat does (the replica is heard again)."""
+    if heartbeat.started_ns > judged.started_ns:
+        return True
+    if judged.reason == DeathReason.ENGINE_DEAD:
+        return False
+    if judged.progress is not None:
+        return heartbeat.progress > judged.progress
+    return True
+
+
 @dataclass
 class BrokerProof:
     """Whether the broker carried this orchestrator's messages promptly: every probe period a
@@ -210,8 +226,7 @@ class ReplicaWatch:
         """No "exit" verdict before this (``time.monotonic()``): see :data:`RECONNECT_GRACE_S`."""
         self._task: asyncio.Task[None] | None = None
         self._judged: dict[tuple[int, int], Death] = {}
-        """(stage, replica) → its death, until it heartbeats again (a replica that resumed after a
-        stall) or, for a hung engine, until a heartbeat shows progress or a new incarnation."""
+        """(stage, replica) → its death, until a heartbeat lifts it (:func:`judgment_lifted`)."""
         services.on_update(self._on_heartbeat)
 
     def judged_dead(self, rec: ServiceRecord) -> bool:
@@ -226,9 +241,7 @@ class ReplicaWatch:
             return
         key = (rec.stage or 0, rec.replica or 0)
         judged = self._judged.get(key)
-        if judged is None:
-            return
-        if judged.progress is None or rec.progress != judged.progress or rec.started_ns > judged.started_ns:
+        if judged is not None and judgment_lifted(judged, rec):
             del self._judged[key]
 
     async def start(self) -> None:

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 from libs.common.envelopes import Liveness
 from libs.common.records import RequestRecord, RequestStatus, StageProgress
+from libs.common.registry import ServiceKind, ServiceRecord
 from services.orchestrator.inflight import InflightRequests
-from services.orchestrator.liveness import PROBE_TIMEOUT_S, BrokerProof, DeathReason, ProgressSeen, verdict
+from services.orchestrator.liveness import (
+    PROBE_TIMEOUT_S,
+    BrokerProof,
+    Death,
+    DeathReason,
+    ProgressSeen,
+    judgment_lifted,
+    verdict,
+)
 from services.stage_worker.progress import HUNG_AFTER_STALLS, EngineProgress, HungEngineWatch
 
 
@@ -172,3 +181,38 @@ def test_a_move_away_from_an_engine_that_produces_is_no_suspicion() -> None:
     for _ in range(20):
         watch.observe(p, 0.5)
     assert watch.flat_s == 0.0 and not watch.hung
+
+
+def _beat(started_ns: int, progress: int) -> ServiceRecord:
+    return ServiceRecord(
+        service=ServiceKind.WORKER,
+        pipeline="p",
+        instance="w",
+        stage=0,
+        replica=0,
+        progress=progress,
+        started_ns=started_ns,
+    )
+
+
+def test_an_engine_dead_replica_stays_judged_until_a_new_incarnation() -> None:
+    """Its worker heartbeats on (with any progress) until it exits; only its successor is routable
+    (a heartbeat between the verdict and a move once made the move pick the dead replica)."""
+    dead = Death(0, 0, started_ns=100, reason=DeathReason.ENGINE_DEAD, silent_s=0.5)
+    assert not judgment_lifted(dead, _beat(100, 7))
+    assert not judgment_lifted(dead, _beat(100, 8))
+    assert not judgment_lifted(dead, _beat(99, 9))
+    assert judgment_lifted(dead, _beat(101, 0))
+
+
+def test_a_hung_engine_is_lifted_only_by_more_progress_or_a_new_incarnation() -> None:
+    hung = Death(0, 0, started_ns=100, reason=DeathReason.STALL, silent_s=10.0, progress=7)
+    assert not judgment_lifted(hung, _beat(100, 7))
+    assert not judgment_lifted(hung, _beat(100, 6)), "a heartbeat older than the verdict"
+    assert judgment_lifted(hung, _beat(100, 8))
+    assert judgment_lifted(hung, _beat(101, 0))
+
+
+def test_a_silent_replica_is_lifted_by_any_heartbeat() -> None:
+    silent = Death(0, 0, started_ns=100, reason=DeathReason.STALL, silent_s=10.0)
+    assert judgment_lifted(silent, _beat(100, 7))
