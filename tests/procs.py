@@ -45,6 +45,8 @@ class ServiceProcess:
         self.args, self.env, self.log = args, env, log
         self.proc: subprocess.Popen[bytes] | None = None
         self.metrics_url: str | None = None
+        self._offset = 0
+        """Where this process's output begins in :attr:`log` (bytes)."""
 
     @property
     def admin_url(self) -> str:
@@ -54,6 +56,7 @@ class ServiceProcess:
         return self.metrics_url.removesuffix("/metrics")
 
     def start(self) -> ServiceProcess:
+        self._offset = self.log.stat().st_size if self.log.exists() else 0
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "cli", *self.args],
@@ -65,7 +68,14 @@ class ServiceProcess:
         return self
 
     def text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
+        """What this process wrote: its part of the log, which a process started before it with
+        the same log file (an earlier incarnation of the same service) may have begun (a restart
+        once found the first incarnation's "serving" line and went on before it served)."""
+        if not self.log.exists():
+            return ""
+        with self.log.open("rb") as f:
+            f.seek(self._offset)
+            return f.read().decode(errors="replace")
 
     def wait_log(self, *needles: str, timeout_s: float = 60.0) -> str:
         """The first line of the log containing all ``needles`` (waits for it; fails if the
