@@ -186,11 +186,20 @@ class Baseline:
 
 
 def baseline_json(b: Baseline) -> str:
-    """The baseline file's text (JSON; concurrency keys as strings)."""
+    """The baseline file's text (JSON; concurrency keys as strings, ratios to 4 decimals)."""
     doc = asdict(b)
     doc["requests"] = {str(c): n for c, n in b.requests.items()}
     doc["ratios"] = {
-        str(c): {k: {**asdict(s), "relative": round(s.relative, 4)} for k, s in figs.items()}
+        str(c): {
+            k: {
+                "median": round(s.median, 4),
+                "low": round(s.low, 4),
+                "high": round(s.high, 4),
+                "n": s.n,
+                "relative": round(s.relative, 4),
+            }
+            for k, s in figs.items()
+        }
         for c, figs in b.ratios.items()
     }
     return json.dumps(doc, indent=2) + "\n"

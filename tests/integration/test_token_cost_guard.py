@@ -1,0 +1,55 @@
+"""The CI guard on omnirelay's per-token cost (issue 23 item 5; docs/performance.md, "Token cost").
+
+A short run of ``omnirelay bench-token-cost``'s default mode: this tree's ``omnirelay up`` on the
+mock engine (a real nats-server, gateway, orchestrator and thinker worker) against the reference
+server (a bare uvicorn + Starlette SSE server), alternated in paired rounds, streamed through the
+official openai client. It fails when the median over rounds of (gateway + worker CPU per output
+token) ÷ (the reference's) exceeds the committed baseline (benchmarks/baselines/token_cost.json) ×
+``GUARD_FACTOR`` at c = 1 or c = 16: a ratio, so the machine's speed cancels out. First it checks
+that each measurement measured what it claims: every request completed, and the client counted
+exactly requests × max_tokens output tokens on both sides.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from benchmarks.token_cost import (
+    BASELINE_PATH,
+    GUARD_FACTOR,
+    TokenCostOptions,
+    measure,
+    parse_baseline,
+    render,
+    sanity_problems,
+    summarize,
+    violations,
+)
+
+pytestmark = pytest.mark.integration
+
+OPTIONS = TokenCostOptions(concurrency=(1, 16), rounds=2, requests={1: 64, 16: 128}, max_tokens=64, warmup=16)
+"""About 40 s on the shared two-core box, the stack's start included (docs/testing.md)."""
+
+
+def test_per_token_cost_within_the_baseline_bound():
+    baseline = parse_baseline(BASELINE_PATH.read_text())
+    assert baseline.max_tokens == OPTIONS.max_tokens, "the baseline was measured with other requests"
+    t0 = time.monotonic()
+    m = measure(OPTIONS)
+    table = render(m.rounds, m.labels)
+    print(f"{table}\nmeasured in {time.monotonic() - t0:.1f} s")
+    unsound = [
+        f"round {r.index} c={r.concurrency} {side}: {p}"
+        for r in m.rounds
+        for side, s in (("A", r.a), ("B", r.b))
+        for p in sanity_problems(s, OPTIONS.requests_at(r.concurrency), OPTIONS.max_tokens)
+    ]
+    assert not unsound, "\n".join(unsound)
+    assert {r.concurrency for r in m.rounds} == set(OPTIONS.concurrency)
+    over = violations(summarize(m.rounds), baseline, GUARD_FACTOR)
+    assert not over, f"per-token cost over its bound ({baseline.commit}, {baseline.date}):\n" + "\n".join(
+        [*over, table]
+    )
