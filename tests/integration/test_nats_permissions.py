@@ -1,6 +1,6 @@
-"""The NATS identities as shipped: ``omnirelay up`` (text-only pipeline, one vLLM thinker) starts
-its nats-server with the configuration it generates (libs/common/nats_security.py) and gives each
-service its identity; the attacks below run against that server with the secrets ``up`` wrote, and
+"""The NATS identities as shipped: ``omnirelay up`` (text-only pipeline, its thinker on the mock
+engine: the bus plumbing is the same) starts its nats-server with the configuration it generates
+(libs/common/nats_security.py) and gives each service its identity; the attacks below run against that server with the secrets ``up`` wrote, and
 a real request goes through the stack they protect.
 
 Every refusal is shown two ways: the server's permissions violation reaches the client's error
@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import nats
 import pytest
+import yaml
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeout
@@ -58,16 +59,24 @@ class Up:
         return {"OMNIRELAY_NATS_USER": identity, "OMNIRELAY_NATS_PASSWORD_FILE": str(d / "password")}
 
 
+def _on_the_mock_engine(path: Path) -> Path:
+    """compose/pipelines/text-only.yaml with its thinker on the mock engine (docs/pipeline.md):
+    the same pipeline name, stages and replicas, so the same identities and permissions, and the
+    same bus traffic per request; no vLLM engine starting beside the attacks (it took ~40 s of
+    both cores)."""
+    doc = yaml.safe_load((REPO / "compose/pipelines/text-only.yaml").read_text())
+    doc["stages"][0]["engine"] = {"mock": {"inter_token_ms": 0}}
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     data_dir = tmp_path_factory.mktemp("up")
     log = data_dir / "up.log"
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NATS_", "OMNIRELAY_NATS_"))}
-    env |= {
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "OMNIRELAY_PIPELINE": str(REPO / "compose/pipelines/text-only.yaml"),
-    }
+    env |= {"OMNIRELAY_PIPELINE": str(_on_the_mock_engine(data_dir / "text-only-mock.yaml"))}
     argv = [sys.executable, "-m", "cli", "up", "--port", str(port), "--data-dir", str(data_dir)]
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
