@@ -320,7 +320,10 @@ def _stack_side(procs: Processes, name: str, tree: Path | None, env: dict[str, s
 
     pipeline_path = (tree or ROOT) / "compose" / "pipelines" / "mock-text.yaml"
     pipeline_path = pipeline_path if pipeline_path.is_file() else MOCK_PIPELINE
-    stack = start_stack(procs, f"stack {name}", pipeline_path, env, data_dir, tree=tree)
+    # Any free admin port: the default (8001) is taken by the other stack or one already running.
+    stack = start_stack(
+        procs, f"stack {name}", pipeline_path, env, data_dir, ("--admin-port", "0"), tree=tree
+    )
     found = _roles(stack, [], None, [])
     roles = {"gateway": found.get("gateway-1", []), "worker": found.get("worker", [])}
     if not all(roles.values()):
