@@ -67,6 +67,9 @@ class Sample:
     """Output tokens of the completed requests (``usage.completion_tokens`` the client read)."""
     short: int
     """Completed requests whose token count was not ``max_tokens``."""
+    chunks: int
+    """Stream chunks with content the client counted in the completed requests (one per token
+    from both servers)."""
     cpu_s: dict[str, float]
     """Role → CPU seconds (user + system) its processes used over the load."""
     tpot_p50_ms: float | None
@@ -91,6 +94,7 @@ def sample_of(
         completed=len(good),
         tokens=sum(t.tokens for t in good),
         short=sum(t.tokens != max_tokens for t in good),
+        chunks=sum(t.chunks for t in good),
         cpu_s=dict(cpu_s),
         tpot_p50_ms=percentile(tpots, 50) * 1e3 if tpots else None,
         wall_s=wall_s,
@@ -100,7 +104,8 @@ def sample_of(
 
 def sanity_problems(sample: Sample, requests: int, max_tokens: int) -> list[str]:
     """Why ``sample`` does not measure what it claims: requests missing or failed, a token count
-    other than ``requests × max_tokens``, or no CPU read. Empty when sound."""
+    other than ``requests × max_tokens`` (the usage the servers reported, and the content chunks the
+    client counted itself), or no CPU read. Empty when sound."""
     out = []
     if sample.requests != requests or sample.completed != requests:
         out.append(
@@ -110,6 +115,8 @@ def sanity_problems(sample: Sample, requests: int, max_tokens: int) -> list[str]
         out.append(
             f"{sample.tokens} tokens, expected {requests} × {max_tokens}; {sample.short} requests short"
         )
+    if sample.chunks != requests * max_tokens:
+        out.append(f"the client counted {sample.chunks} content chunks, expected {requests} × {max_tokens}")
     if sum(sample.cpu_s.values()) <= 0:
         out.append("no CPU time read for the servers")
     return out
@@ -255,6 +262,10 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _roles_text(s: Sample) -> str:
+    return ", ".join(f"{k} {s.cpu_us_per_token(k):.0f}" for k in s.cpu_s)
+
+
 def render(rounds: Sequence[Round], labels: dict[str, str]) -> str:
     """Per round: each side's CPU µs/token (sum and per role) and TPOT p50, and B ÷ A; then per
     concurrency the median of the ratios with their range."""
@@ -265,11 +276,10 @@ def render(rounds: Sequence[Round], labels: dict[str, str]) -> str:
     ]
     for r in rounds:
         ra = ratios(r.a, r.b)
-        roles = lambda s: ", ".join(f"{k} {s.cpu_us_per_token(k):.0f}" for k in s.cpu_s)  # noqa: E731
         lines.append(
             f"c={r.concurrency:<3} round {r.index} ({r.first} first)  "
-            f"A: cpu {r.a.cpu_us_per_token():.0f} ({roles(r.a)}), tpot {_fmt(r.a.tpot_p50_ms, '.3f')}  "
-            f"B: cpu {r.b.cpu_us_per_token():.0f} ({roles(r.b)}), tpot {_fmt(r.b.tpot_p50_ms, '.3f')}  "
+            f"A: cpu {r.a.cpu_us_per_token():.0f} ({_roles_text(r.a)}), tpot {_fmt(r.a.tpot_p50_ms, '.3f')}  "
+            f"B: cpu {r.b.cpu_us_per_token():.0f} ({_roles_text(r.b)}), tpot {_fmt(r.b.tpot_p50_ms, '.3f')}  "
             f"B÷A: cpu {ra['cpu']:.2f}, tpot {_fmt(ra.get('tpot'), '.2f')}"
         )
     lines.append("")

@@ -28,7 +28,14 @@ from benchmarks.token_cost import (
 
 def _sample(cpu_s: dict[str, float], tokens: int = 1000, tpot: float | None = 2.0) -> Sample:
     return Sample(
-        requests=10, completed=10, tokens=tokens, short=0, cpu_s=cpu_s, tpot_p50_ms=tpot, wall_s=1.0
+        requests=10,
+        completed=10,
+        tokens=tokens,
+        short=0,
+        chunks=tokens,
+        cpu_s=cpu_s,
+        tpot_p50_ms=tpot,
+        wall_s=1.0,
     )
 
 
@@ -75,14 +82,16 @@ def test_summarize_takes_the_median_of_per_round_ratios_per_concurrency():
     assert got[16]["cpu"].median == pytest.approx(2.0) and got[16]["cpu"].n == 1
 
 
-def _timing(tokens: int, error: str | None = None, tpot_s: float = 0.001) -> RequestTiming:
+def _timing(
+    tokens: int, error: str | None = None, tpot_s: float = 0.001, chunks: int | None = None
+) -> RequestTiming:
     return RequestTiming(
         sent_s=0.0,
         done_s=1.0,
         first_token_s=None if error else 0.1,
         last_token_s=None if error else 0.1 + tpot_s * (tokens - 1),
         tokens=tokens,
-        chunks=tokens,
+        chunks=tokens if chunks is None else chunks,
         error=error,
     )
 
@@ -90,7 +99,7 @@ def _timing(tokens: int, error: str | None = None, tpot_s: float = 0.001) -> Req
 def test_sample_of_counts_only_completed_requests_and_short_ones():
     timings = [_timing(64), _timing(64, tpot_s=0.003), _timing(10), _timing(0, error="boom")]
     s = sample_of(timings, {"server": 0.5}, 2.0, max_tokens=64)
-    assert (s.requests, s.completed, s.tokens, s.short) == (4, 3, 138, 1)
+    assert (s.requests, s.completed, s.tokens, s.short, s.chunks) == (4, 3, 138, 1, 138)
     assert s.tpot_p50_ms == pytest.approx(1.0)  # the median of 1, 3 and 1 ms
     assert s.error_sample == "boom"
 
@@ -103,6 +112,9 @@ def test_sanity_flags_missing_requests_and_wrong_token_counts():
     assert any("3 of 4" in p for p in sanity_problems(failed, 4, 64))
     short = sample_of([_timing(64)] * 3 + [_timing(63)], {"server": 0.1}, 1.0, 64)
     assert any("255 tokens" in p for p in sanity_problems(short, 4, 64))
+    # usage says 64 each, but the client saw fewer content chunks: a server that miscounts
+    batched = sample_of([_timing(64)] * 3 + [_timing(64, chunks=32)], {"server": 0.1}, 1.0, 64)
+    assert sanity_problems(batched, 4, 64) == ["the client counted 224 content chunks, expected 4 × 64"]
     idle = sample_of([_timing(64)] * 4, {"server": 0.0}, 1.0, 64)
     assert any("CPU" in p for p in sanity_problems(idle, 4, 64))
 
