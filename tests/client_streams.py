@@ -104,7 +104,7 @@ class Streams:
         cls, client: AsyncOpenAI, model: str, count: int, max_tokens: int, kv: KeyValue
     ) -> Streams:
         """``count`` streams of ``max_tokens`` tokens, started (returns at once)."""
-        before, sent_ns = await _keys(kv), time.time_ns()
+        before, sent_ns = await bucket_keys(kv), time.time_ns()
         seen = [Seen() for _ in range(count)]
         tasks = [asyncio.create_task(stream_chat(client, model, s, max_tokens)) for s in seen]
         return cls(seen, tasks, before, sent_ns)
@@ -113,7 +113,7 @@ class Streams:
         """The request ids of the streams, once each has its record."""
         deadline = time.monotonic() + timeout_s
         while len(self.ids) < len(self.seen):
-            for key in await _keys(kv) - self.before - self.ids:
+            for key in await bucket_keys(kv) - self.before - self.ids:
                 with contextlib.suppress(KeyNotFoundError):
                     rec = await record(kv, key)
                     if rec.pipeline == pipeline and rec.arrival_ns >= self.sent_ns:
@@ -161,7 +161,7 @@ async def struck(kv: KeyValue, on_victim: set[str], timeout_s: float = 60.0) -> 
     return hit
 
 
-async def _keys(kv: KeyValue, timeout_s: float = 30.0) -> set[str]:
+async def bucket_keys(kv: KeyValue, timeout_s: float = 30.0) -> set[str]:
     """The keys of the bucket (none: empty), asked again while the broker does not answer in
     time (it goes quiet for seconds on a loaded box, docs/reliability.md)."""
     deadline = time.monotonic() + timeout_s

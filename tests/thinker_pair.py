@@ -7,13 +7,18 @@ slowest part of those modules to start, start once per session (``thinker_pair``
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import nats
+from nats.errors import Error as NatsError
+
 from libs.common.local_nats import free_port
+from libs.common.subjects import Subjects
 from tests.procs import THINKER_YAML, ServiceProcess, start_service, stop_all, write_pipeline
 
 PIPELINE = "thinkerpair"
@@ -37,6 +42,9 @@ STAGES_YAML = (
 that strikes seconds late still finds requests there."""
 SERVING = ": serving omni."
 """What a worker logs once it takes requests."""
+SETTLED_PROBES, PROBE_EVERY_S, PROBE_WAIT_S = 6, 0.5, 1.0
+"""A restarted worker is settled once it answered this many liveness probes in a row, sent this
+far apart (seconds), each within this (seconds)."""
 
 
 @dataclass
@@ -75,12 +83,37 @@ class ThinkerPair:
         return start_service(["orchestrator"], self.nats_url, self.path, log, env)
 
     async def both_serving(self) -> None:
-        """Start anew a worker an earlier test's fault ended, and wait until both serve."""
-        for r, w in list(self.workers.items()):
-            if w.proc.poll() is not None:
-                self.start_worker(r)
+        """Start anew a worker an earlier test's fault ended, and wait until both serve and answer
+        their liveness probes promptly (:meth:`_settled`)."""
+        restarted = [r for r, w in list(self.workers.items()) if w.proc.poll() is not None]
+        for r in restarted:
+            self.start_worker(r)
         for w in self.workers.values():
             await w.await_log(SERVING, timeout_s=300)
+        if restarted:
+            await self._settled(restarted)
+
+    async def _settled(self, replicas: list[int], timeout_s: float = 60.0) -> None:
+        """Wait until each of ``replicas`` has answered :data:`SETTLED_PROBES` liveness probes in a
+        row, :data:`PROBE_EVERY_S` apart, each within :data:`PROBE_WAIT_S`: a worker fresh from its
+        start once answered nothing for 16 s right after it logged that it serves (run2 of
+        2026-11-26), and the test's orchestrators judged it stalled besides the replica the test
+        killed."""
+        nc = await nats.connect(self.nats_url)
+        try:
+            for r in replicas:
+                subject, in_row = Subjects(PIPELINE).alive(0, r), 0
+                deadline = time.monotonic() + timeout_s
+                while in_row < SETTLED_PROBES:
+                    assert time.monotonic() < deadline, f"thinker {r} did not answer its probes promptly"
+                    try:
+                        await nc.request(subject, b"", timeout=PROBE_WAIT_S)
+                        in_row += 1
+                    except NatsError:
+                        in_row = 0
+                    await asyncio.sleep(PROBE_EVERY_S)
+        finally:
+            await nc.close()
 
     def alive(self) -> list[int]:
         """The replicas whose worker process runs."""

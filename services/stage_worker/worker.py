@@ -126,6 +126,10 @@ class StageWorker(ControlAnswers):
         t0 = time.monotonic()
         await self.handler.start()
         log.info("%s: engine ready in %.1f s", self.label, time.monotonic() - t0)
+        # Before the replica is reachable: the full collection walks the whole start-up heap
+        # (torch, vLLM, the engine's client) with the event loop held; on a loaded box that can
+        # take seconds, and a replica that answers no probe meanwhile is judged stalled.
+        freeze_startup_heap()
         nc = await connect(self.settings.nats_url, f"omnirelay-worker-{self.me.stage}-{self.me.replica}")
         js = JetStream(nc)
         await ensure_topology(js, self.subjects)
@@ -493,7 +497,6 @@ async def run_worker(settings: WorkerSettings, pipeline: PipelineConfig) -> None
     tracing.setup_tracing("worker", pipeline.name, settings.stage, settings.replica)
     worker = StageWorker(settings, pipeline)
     await worker.start()
-    freeze_startup_heap()
     await wait_for_shutdown()
     log.info("%s: shutting down", worker.label)
     await worker.stop()
