@@ -1,7 +1,7 @@
 """The reference of ``omnirelay bench-token-cost``: the floor any server pays per streamed token.
 
-A bare Starlette app on uvicorn — the HTTP implementation the gateway runs (h11, uvicorn's default
-event loop, no access log) — that answers ``POST /v1/chat/completions`` with a stream of
+A bare Starlette app on uvicorn — the HTTP implementation the gateway runs (httptools, as vLLM's
+server runs too; uvicorn's default event loop; no access log) — that answers ``POST /v1/chat/completions`` with a stream of
 chat-completion-shaped chunks: the role chunk, ``max_tokens`` content chunks of one token each, the
 finish chunk, the usage chunk when ``stream_options.include_usage`` asks for it, and ``[DONE]``;
 one write per chunk. No NATS, no workers, no model, no validation beyond reading the JSON body: what
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args(argv)
     uvicorn.run(
-        create_app(), host="127.0.0.1", port=args.port, http="h11", access_log=False, log_level="info"
+        create_app(), host="127.0.0.1", port=args.port, http="httptools", access_log=False, log_level="info"
     )
 
 
