@@ -138,7 +138,7 @@ class GatewaySettings(ServiceSettings):
     max_buffered_events: int = Field(
         default=1024,
         ge=0,
-        description="events a streamed response may have waiting for a slow reader before it is aborted; 0: no limit",
+        description="events a streamed response may have waiting for a slow reader for 1 s (or 8 × this at once) before it is aborted; 0: no limit",
     )
     slow_reader_timeout_s: float = Field(
         default=30.0,

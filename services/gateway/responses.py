@@ -28,6 +28,14 @@ DEFAULT_SAMPLE_RATE = 24_000
 AUDIO_EXPIRY_S = 3600
 """``audio.expires_at`` is this far in the future (informational: nothing is stored)."""
 DISCONNECT_POLL_S = 0.25
+BACKLOG_GRACE_S = 1.0
+"""How long a streamed response's backlog must stay over its ``max_buffered`` events before its
+client counts as too slow, seconds: a burst is no slowness. After the gateway's own pause (a stop,
+a long collection) the bus's backlog lands in the handles at once (1,182 events for one stream in
+a test that stopped the gateway), and a client that reads takes it in milliseconds."""
+BACKLOG_HARD_FACTOR = 8
+"""... but a backlog over this many times ``max_buffered`` is too slow at once (the memory bound:
+a writer blocked on a client that reads nothing checks nothing until its write times out)."""
 MAX_CHUNKS_PER_WRITE = 32
 """At most this many SSE events are joined into one write of a streamed response."""
 T = TypeVar("T")
@@ -104,14 +112,21 @@ def usage_of(ev: ClientEvent) -> Usage | None:
 async def events_until_done(job: Job) -> AsyncIterator[ClientEvent]:
     """A request's events up to completion: the thinker's ``text_done`` (none for a speech
     request) and, for audio requests, the audio stage's ``audio_done``. An ``error`` event raises
-    :class:`APIError`; for a streamed response, more than ``job.max_buffered`` events waiting (its
-    client reads slower than the pipeline writes) raise :class:`SlowReader`."""
+    :class:`APIError`; for a streamed response, more than ``job.max_buffered`` events waiting for
+    :data:`BACKLOG_GRACE_S`, or :data:`BACKLOG_HARD_FACTOR` times that at once (its client reads
+    slower than the pipeline writes), raise :class:`SlowReader`."""
     text_done = audio_done = False
+    over_since: float | None = None  # when the backlog went over max_buffered (time.monotonic())
     try:
         async for ev in job.handle.events():
-            if job.stats.streamed and job.max_buffered and job.handle.queue.qsize() > job.max_buffered:
-                raise SlowReader(f"{job.handle.queue.qsize()} events waiting for the client")
             now = time.monotonic()
+            waiting = job.handle.queue.qsize()
+            if job.stats.streamed and job.max_buffered and waiting > job.max_buffered:
+                over_since = now if over_since is None else over_since
+                if now - over_since >= BACKLOG_GRACE_S or waiting > BACKLOG_HARD_FACTOR * job.max_buffered:
+                    raise SlowReader(f"{waiting} events waiting for the client")
+            else:
+                over_since = None
             job.log.started(job.stats, now)
             if ev.type in (ClientEventType.ERROR, ClientEventType.AUDIO_DONE) and ev.stage:
                 job.stats.audio_stage_ended(ev.stage, ev.replica)
