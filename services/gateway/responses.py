@@ -120,8 +120,11 @@ async def events_until_done(job: Job) -> AsyncIterator[ClientEvent]:
     try:
         async for ev in job.handle.events():
             now = time.monotonic()
-            waiting = job.handle.queue.qsize()
-            if job.stats.streamed and job.max_buffered and waiting > job.max_buffered:
+            if (
+                job.stats.streamed
+                and job.max_buffered
+                and (waiting := job.handle.queue.qsize()) > job.max_buffered
+            ):
                 over_since = now if over_since is None else over_since
                 if now - over_since >= BACKLOG_GRACE_S or waiting > BACKLOG_HARD_FACTOR * job.max_buffered:
                     raise SlowReader(f"{waiting} events waiting for the client")
