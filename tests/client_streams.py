@@ -150,14 +150,16 @@ async def struck(kv: KeyValue, on_victim: set[str], timeout_s: float = 60.0) -> 
     """Of the streams bound to a replica a fault struck: wait until each has moved or ended, and
     return those that moved (one the replica finished before the fault was not struck). At least
     one must have been."""
-    hit = set()
+    hit, ended = set(), {}
     for rid in on_victim:
         rec = await until_record(
             kv, rid, lambda r: moved(r) or r.status.terminal, "moved or ended", timeout_s
         )
         if moved(rec):
             hit.add(rid)
-    assert hit, "the fault struck no stream: the victim had finished them all"
+        else:
+            ended[rid] = (rec.status.value, rec.error)
+    assert hit, f"the fault struck no stream: each had ended on the victim {ended}"
     return hit
 
 

@@ -68,6 +68,11 @@ CLUSTER_EXIT_CONFIRM_S = 1.0
 the worker reconnects to another one and its subscription is missing meanwhile."""
 
 
+ANSWERED_RECENTLY_S = PROBE_PERIOD_S + PROBE_TIMEOUT_S
+"""A replica that answered a probe this recently counts as alive for a move even when its
+registration has expired (:meth:`ReplicaWatch.answering`), seconds."""
+
+
 class DeathReason(StrEnum):
     EXIT = "exit"
     STALL = "stall"
@@ -218,6 +223,8 @@ class ReplicaWatch:
         self._on_dead = on_dead
         self._last_answer: dict[tuple[int, int], float] = {}
         """(stage, replica) → when it last answered, or when probing it began."""
+        self._answered: dict[tuple[int, int], float] = {}
+        """(stage, replica) → when it last answered a probe with a live engine."""
         self._progress: dict[tuple[int, int], ProgressSeen] = {}
         """(stage, replica) → what its answers showed of its engine's progress."""
         self._broker = BrokerProof()
@@ -235,6 +242,12 @@ class ReplicaWatch:
         engine keeps heartbeating and stays judged until its engine moves again)."""
         judged = self._judged.get((rec.stage or 0, rec.replica or 0))
         return judged is not None and rec.started_ns <= judged.started_ns
+
+    def answering(self, stage: int, replica: int) -> bool:
+        """Whether the replica answered a probe, with its engine alive, within the last
+        :data:`ANSWERED_RECENTLY_S` (only busy replicas are probed)."""
+        at = self._answered.get((stage, replica))
+        return at is not None and time.monotonic() - at <= ANSWERED_RECENTLY_S
 
     def _on_heartbeat(self, rec: ServiceRecord) -> None:
         if rec.service != ServiceKind.WORKER:
@@ -318,7 +331,7 @@ class ReplicaWatch:
         now = time.monotonic()
         flat_s, progress = 0.0, None
         if answer == "ok":
-            self._last_answer[key] = now
+            self._last_answer[key] = self._answered[key] = now
             if liveness is not None:
                 flat_s = self._progress.setdefault(key, ProgressSeen(liveness.progress, now)).update(
                     liveness, now

@@ -69,6 +69,19 @@ def plan_move(
     return Move(rec.request_id, stage, dead_replica, to_replica, progress.attempt + 1, reason, phase)
 
 
+def still_bound(rec: RequestRecord, stage: int, replica: int) -> bool:
+    """Whether ``rec``'s ``stage`` still runs on ``replica``: the request has not ended, and the
+    stage has neither finished nor moved elsewhere (an orchestrator's in-memory index lags the
+    bucket: a request it hands over again after a verdict may have moved already)."""
+    progress = rec.stages[stage] if stage < len(rec.stages) else None
+    return (
+        not rec.status.terminal
+        and progress is not None
+        and progress.done_ns is None
+        and rec.route[stage] == replica
+    )
+
+
 def apply_move(rec: RequestRecord, move: Move, now_ns: int, claimed_by: str | None = None) -> None:
     """Bind ``rec``'s stage to the new replica and list the new attempt (the stage has not
     started there yet), carried out by orchestrator ``claimed_by``."""

@@ -48,6 +48,7 @@ from services.orchestrator.migration import (
     Phase,
     apply_move,
     plan_move,
+    still_bound,
     stored_inputs,
     unfinished_moves,
 )
@@ -129,7 +130,7 @@ class Mover:
             message = (
                 f"{where} died ({death.reason}) and the stage has no live replica to move the request to"
             )
-            await self._fail(seen, "no_live_replica", message)
+            await self._fail(seen, "no_live_replica", message, (s, death.replica))
             return
         inputs: list[RawStreamMsg] = []
         if s == 0:  # a later stage's input is read once its upstream holds it (_move)
@@ -433,14 +434,18 @@ class Mover:
             return decode(RouteHeld, reply.data)
         raise AssertionError("not reached")
 
-    async def _fail(self, seen: RequestRecord, code: str, message: str) -> None:
+    async def _fail(
+        self, seen: RequestRecord, code: str, message: str, bound: tuple[int, int] | None = None
+    ) -> None:
         """Fail a request now (503 ``code``) unless it has ended meanwhile or another orchestrator
-        failed it: mark its record, abort it everywhere and answer the client."""
+        failed it — or, with ``bound`` (stage, replica), unless that stage no longer runs on that
+        replica (it moved meanwhile, :func:`still_bound`): mark its record, abort it everywhere
+        and answer the client."""
         failed = False
 
         def change(rec: RequestRecord) -> bool:
             nonlocal failed  # as of the last try: a retried compare-and-set calls this again
-            failed = not rec.status.terminal
+            failed = not rec.status.terminal and (bound is None or still_bound(rec, *bound))
             if failed:
                 rec.status, rec.error, rec.updated_ns = RequestStatus.FAILED, code, time.time_ns()
             return failed

@@ -87,7 +87,11 @@ class Orchestrator:
         self.services = LiveServices(
             skv, self.pipeline.name, config=self.pipeline, on_rejected=lambda reason, _key: rejected(reason)
         )
-        self.picker = ReplicaPicker(self.services, lambda rec: self._watch.judged_dead(rec))
+        self.picker = ReplicaPicker(
+            self.services,
+            lambda rec: self._watch.judged_dead(rec),
+            lambda stage, replica: self._watch.answering(stage, replica),
+        )
         self._ctx = OrchestratorContext(
             self.nc, self.js, self.subjects, self.pipeline, self.requests, self.picker, self.metrics
         )

@@ -33,11 +33,17 @@ class NoLiveReplica(Exception):
 
 class ReplicaPicker:
     def __init__(
-        self, services: LiveServices, dead: Callable[[ServiceRecord], bool] = lambda _: False
+        self,
+        services: LiveServices,
+        dead: Callable[[ServiceRecord], bool] = lambda _: False,
+        answering: Callable[[int, int], bool] = lambda _stage, _replica: False,
     ) -> None:
-        """``dead(record)``: whether that incarnation of a replica has been judged dead."""
+        """``dead(record)``: whether that incarnation of a replica has been judged dead;
+        ``answering(stage, replica)``: whether the replica answered a liveness probe just now
+        (:meth:`~services.orchestrator.liveness.ReplicaWatch.answering`)."""
         self._services = services
         self._dead = dead
+        self._answering = answering
         self._since_beat: dict[tuple[int, int], int] = {}
         self._last_pick: dict[tuple[int, int], int] = {}
         self._clock = itertools.count()
@@ -49,8 +55,16 @@ class ReplicaPicker:
 
     def pick(self, stage: int) -> int:
         """Bind a replica of ``stage`` (raises :class:`NoLiveReplica`); a replica judged dead
-        whose registration has not expired yet is passed over."""
+        whose registration has not expired yet is passed over. When no registration of the stage
+        is live, a replica whose last one expired but which answers its liveness probes is
+        taken (its heartbeat is late, not its process: a move to it beats failing the request)."""
         live = [rec for rec in self._services.live(ServiceKind.WORKER, stage) if not self._dead(rec)]
+        if not live:  # heartbeats are JetStream writes, which lag behind core NATS under load
+            live = [
+                rec
+                for rec, _ in self._services.last_heard(ServiceKind.WORKER, stage)
+                if rec.replica is not None and self._answering(stage, rec.replica) and not self._dead(rec)
+            ]
         if not live:
             heard = self._services.last_heard(ServiceKind.WORKER, stage)
             raise NoLiveReplica(stage, {rec.replica: age for rec, age in heard if rec.replica is not None})

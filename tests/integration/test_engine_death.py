@@ -150,6 +150,23 @@ async def streaming(stack: Stack, tokens: int = LONG, count: int = STREAMS) -> A
         await client.close()
 
 
+async def _holds_two(run: Run) -> None:
+    """Wait until the victim holds two of the streams at least, as the victim itself says (its
+    liveness answer): with one request at a time, one of them is still waiting, so a fault that
+    strikes now finds a stream there. What the clients or the bus show may lag the worker by
+    seconds on a loaded box (the CI run of 2026-11-26 killed an engine whose three streams had
+    all ended)."""
+    subject = Subjects(PIPELINE).alive(0, run.victim)
+    deadline = time.monotonic() + 60
+    while True:
+        with contextlib.suppress(NatsTimeoutError):
+            answer = decode(Liveness, (await run.nc.request(subject, b"", timeout=PROBE_WAIT_S)).data)
+            if answer.in_flight >= 2:
+                return
+        assert time.monotonic() < deadline, "the victim never held two of the streams"
+        await asyncio.sleep(0.05)
+
+
 async def _stop_replica(worker: ServiceProcess, what: str) -> list[int]:
     """``SIGSTOP`` a worker's whole process group — the worker and its engine processes, as
     ``docker pause`` stops a container — and wait until each is stopped (state ``T``); their pids.
@@ -180,6 +197,7 @@ async def test_a_killed_engine_core_moves_the_requests_and_its_worker_exits(stac
         )
         assert os.getpriority(os.PRIO_PROCESS, worker.proc.pid) == 0
         before = scrape(stack.orchestrator.metrics_url)
+        await _holds_two(run)
         await kill_confirmed(core, f"the EngineCore of thinker {victim}")
         killed = time.monotonic()
         bound = await struck(run.kv, run.on_victim, 30)
@@ -233,6 +251,7 @@ async def test_a_hung_engine_core_moves_the_requests_and_its_worker_gives_up_on_
         worker = stack.pair.workers[victim]
         core = await engine_core_of(worker)
         try:
+            await _holds_two(run)
             await stop_confirmed(core, f"the EngineCore of thinker {victim}")
             stopped = time.monotonic()
             hit = asyncio.create_task(struck(run.kv, run.on_victim, STALL_TIMEOUT_S + 30))
@@ -294,19 +313,9 @@ async def _stopped_replica(stack: Stack, judged: list[ServiceProcess]) -> None:
         victim = run.victim
         worker = stack.pair.workers[victim]
         judged.append(worker)
-        # Streams taken by the victim, two at least, as the victim itself says (its liveness
-        # answer): after SIGCONT it must stop those it had taken (the point of the test), and
-        # one of UNDER_WAY_LONG tokens is left for the stop to strike; what the clients or the bus show
-        # may lag the worker by seconds on a loaded box.
-        subject = Subjects(PIPELINE).alive(0, victim)
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(NatsTimeoutError):
-                answer = decode(Liveness, (await run.nc.request(subject, b"", timeout=PROBE_WAIT_S)).data)
-                if answer.in_flight >= 2:
-                    break
-            assert time.monotonic() < deadline, "the victim never held two of the streams"
-            await asyncio.sleep(0.05)
+        # After SIGCONT it must stop those it had taken (the point of the test), and one of
+        # UNDER_WAY_LONG tokens is left for the stop to strike.
+        await _holds_two(run)
         before = scrape(stack.pair.gateway_metrics)
         try:
             stopped_pids = await _stop_replica(worker, f"thinker {victim}")

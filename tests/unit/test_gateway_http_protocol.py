@@ -82,6 +82,15 @@ def response(s: socket.socket) -> tuple[str, bytes]:
     return status, body
 
 
+def closed_by_server(s: socket.socket) -> bool:
+    """Whether the server has closed the connection: an orderly end of stream, or a reset (the
+    server closed with bytes of ours still unread, which the kernel answers with RST)."""
+    try:
+        return s.recv(4096) == b""
+    except ConnectionResetError:
+        return True
+
+
 def test_the_gateway_serves_on_httptools() -> None:
     protocol = server_options(GatewaySettings())["http"]
     assert isinstance(protocol, type) and issubclass(protocol, HttpToolsProtocol)
@@ -92,7 +101,7 @@ def test_a_head_arriving_in_pieces_past_the_bound_is_refused() -> None:
         send_in_pieces(s, head(BOUND + 4 * PIECE))  # never finished
         status, body = response(s)
         assert status.startswith("HTTP/1.1 400") and body == HEAD_TOO_LARGE.encode()
-        assert s.recv(4096) == b"", "the connection stayed open"
+        assert closed_by_server(s), "the connection stayed open"
 
 
 def test_a_head_under_the_bound_arriving_in_pieces_is_served() -> None:

@@ -22,7 +22,15 @@ from libs.common.publish import task_msg_id
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
 from services.gateway.pipeline_client import RequestHandle
 from services.orchestrator.lifecycle import apply_event, ends_client_stream
-from services.orchestrator.migration import Move, NoMove, Phase, apply_move, plan_move, unfinished_moves
+from services.orchestrator.migration import (
+    Move,
+    NoMove,
+    Phase,
+    apply_move,
+    plan_move,
+    still_bound,
+    unfinished_moves,
+)
 from services.orchestrator.moves import _moved_task
 
 
@@ -75,6 +83,19 @@ def test_no_move_for_a_request_that_ended_or_moved_already() -> None:
     stage_done.stages[0].done_ns = time.time_ns()
     assert plan_move(stage_done, 0, 1, 0, "exit", 3) == NoMove.ENDED
     assert plan_move(_rec([0]), 0, 1, 0, "exit", 3) == NoMove.MOVED
+
+
+def test_a_request_handed_over_again_after_its_move_is_no_longer_bound_to_the_dead_replica() -> None:
+    """The index lags the bucket: a verdict's later hand-over of a request that has moved, ended
+    or finished the stage must not fail it (``no_live_replica`` is only for one still there)."""
+    rec = _rec([1, 0], started=True)
+    assert still_bound(rec, 0, 1) and not still_bound(rec, 0, 0) and still_bound(rec, 1, 0)
+    apply_move(rec, plan_move(rec, 0, 1, 0, "stall", 3), time.time_ns())
+    assert not still_bound(rec, 0, 1) and still_bound(rec, 0, 0)
+    rec.stages[0].done_ns = time.time_ns()
+    assert not still_bound(rec, 0, 0) and still_bound(rec, 1, 0)
+    rec.status = RequestStatus.COMPLETED
+    assert not still_bound(rec, 1, 0)
 
 
 @pytest.mark.parametrize("limit", [0, 1, 3])

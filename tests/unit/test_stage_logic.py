@@ -170,6 +170,26 @@ def test_no_live_replica_says_when_each_expired_replica_was_last_heard() -> None
     assert e.value.why().startswith("replica 0 last heard 1.5 s ago, replica 1 last heard 1.5 s ago (")
 
 
+def test_an_expired_replica_that_answers_its_probes_is_picked_when_none_is_live() -> None:
+    class Expired(FakeLive):
+        def live(self, service=None, stage=None):
+            return [r for r in self.records if r.replica == 0] if self.zero_live else []
+
+    view = Expired({0: 0, 1: 2})
+    view.zero_live = False
+    answering = {(0, 1)}
+    picker = ReplicaPicker(view, lambda rec: False, lambda s, r: (s, r) in answering)
+    assert picker.pick(0) == 1
+    judged = ReplicaPicker(view, lambda rec: rec.replica == 1, lambda s, r: (s, r) in answering)
+    with pytest.raises(NoLiveReplica):
+        judged.pick(0)
+    answering.clear()
+    with pytest.raises(NoLiveReplica):
+        picker.pick(0)
+    view.zero_live, answering = True, {(0, 1)}  # a live registration comes first
+    assert [picker.pick(0) for _ in range(3)] == [0, 0, 0]
+
+
 def _record() -> RequestRecord:
     return RequestRecord(
         request_id="r", pipeline="p", gateway_id="g", status=RequestStatus.ADMITTED, route=[0, 1],
