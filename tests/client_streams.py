@@ -135,13 +135,19 @@ class Streams:
             t.cancel()
 
 
-async def most_bound(kv: KeyValue, streams: Streams, pipeline: str) -> tuple[int, set[str]]:
-    """Once the streams are admitted: the thinker replica most of them were bound to, and those.
+async def bound_by_replica(kv: KeyValue, streams: Streams, pipeline: str) -> dict[int, set[str]]:
+    """Once the streams are admitted: the thinker replica each was bound to → those streams.
     Read right after admission (the broker is quick then; under the streams' full flow its
     answers have lagged the engines by seconds)."""
     by: dict[int, set[str]] = {}
     for rid in await streams.admitted(kv, pipeline):
         by.setdefault((await record(kv, rid)).route[0], set()).add(rid)
+    return by
+
+
+async def most_bound(kv: KeyValue, streams: Streams, pipeline: str) -> tuple[int, set[str]]:
+    """The thinker replica most of the streams were bound to, and those (:func:`bound_by_replica`)."""
+    by = await bound_by_replica(kv, streams, pipeline)
     victim = max(by, key=lambda r: len(by[r]))
     return victim, by[victim]
 

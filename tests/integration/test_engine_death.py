@@ -45,8 +45,8 @@ from tests.client_streams import (
     Seen,
     Streams,
     Wire,
+    bound_by_replica,
     judge_moves,
-    most_bound,
     records_at_end,
     stream_chat,
     struck,
@@ -117,9 +117,14 @@ class Run:
     kv: KeyValue
     wire: Wire
     streams: Streams
-    victim: int
-    """The replica most streams were bound to."""
-    on_victim: set[str]
+    bound: dict[int, set[str]]
+    """Thinker replica → the streams bound to it at admission."""
+    victim: int = -1
+    """The replica the fault strikes (:func:`_choose_victim`)."""
+
+    @property
+    def on_victim(self) -> set[str]:
+        return self.bound.get(self.victim, set())
 
 
 @contextlib.asynccontextmanager
@@ -141,8 +146,7 @@ async def streaming(stack: Stack, tokens: int = LONG, count: int = STREAMS) -> A
         assert warm.error is None, warm.error
         kv = await requests_kv(nc.jetstream())
         streams = await Streams.start(client, MODEL, count, tokens, kv)
-        victim, on_victim = await most_bound(kv, streams, PIPELINE)
-        yield Run(nc, kv, wire, streams, victim, on_victim)
+        yield Run(nc, kv, wire, streams, await bound_by_replica(kv, streams, PIPELINE))
     finally:
         if streams is not None:
             streams.cancel()
@@ -150,20 +154,23 @@ async def streaming(stack: Stack, tokens: int = LONG, count: int = STREAMS) -> A
         await client.close()
 
 
-async def _holds_two(run: Run) -> None:
-    """Wait until the victim holds two of the streams at least, as the victim itself says (its
-    liveness answer): with one request at a time, one of them is still waiting, so a fault that
-    strikes now finds a stream there. What the clients or the bus show may lag the worker by
-    seconds on a loaded box (the CI run of 2026-11-26 killed an engine whose three streams had
-    all ended)."""
-    subject = Subjects(PIPELINE).alive(0, run.victim)
+async def _choose_victim(run: Run) -> int:
+    """The replica to strike: one that holds two of the streams at least, as the replica itself
+    says (its liveness answer). With one request at a time, one of them still waits, so a fault
+    that strikes now finds a stream there. What the clients or the bus show may lag the worker by
+    seconds on a loaded box, and so may an admission (the CI run of 2026-11-26 killed an engine
+    whose three streams had all ended; one of 2026-11-28 waited for a replica whose third
+    admission was redelivered after its first two had ended, while the other held three)."""
     deadline = time.monotonic() + 60
     while True:
-        with contextlib.suppress(NatsTimeoutError):
-            answer = decode(Liveness, (await run.nc.request(subject, b"", timeout=PROBE_WAIT_S)).data)
-            if answer.in_flight >= 2:
-                return
-        assert time.monotonic() < deadline, "the victim never held two of the streams"
+        for replica in sorted(run.bound, key=lambda r: -len(run.bound[r])):
+            subject = Subjects(PIPELINE).alive(0, replica)
+            with contextlib.suppress(NatsTimeoutError):
+                answer = decode(Liveness, (await run.nc.request(subject, b"", timeout=PROBE_WAIT_S)).data)
+                if answer.in_flight >= 2:
+                    run.victim = replica
+                    return replica
+        assert time.monotonic() < deadline, "no replica held two of the streams"
         await asyncio.sleep(0.05)
 
 
@@ -183,7 +190,8 @@ async def _stop_replica(worker: ServiceProcess, what: str) -> list[int]:
 
 async def test_a_killed_engine_core_moves_the_requests_and_its_worker_exits(stack) -> None:
     async with streaming(stack) as run:
-        victim = run.victim
+        before = scrape(stack.orchestrator.metrics_url)
+        victim = await _choose_victim(run)
         worker = stack.pair.workers[victim]
         core = await engine_core_of(worker)
         # The engine yields to the control plane: every thread of its processes at the default
@@ -196,8 +204,6 @@ async def test_a_killed_engine_core_moves_the_requests_and_its_worker_exits(stac
             nices
         )
         assert os.getpriority(os.PRIO_PROCESS, worker.proc.pid) == 0
-        before = scrape(stack.orchestrator.metrics_url)
-        await _holds_two(run)
         await kill_confirmed(core, f"the EngineCore of thinker {victim}")
         killed = time.monotonic()
         bound = await struck(run.kv, run.on_victim, 30)
@@ -247,11 +253,10 @@ async def _probe_until(run: Run, replica: int, done: asyncio.Task[set[str]]) -> 
 
 async def test_a_hung_engine_core_moves_the_requests_and_its_worker_gives_up_on_it(stack) -> None:
     async with streaming(stack) as run:
-        victim = run.victim
+        victim = await _choose_victim(run)
         worker = stack.pair.workers[victim]
         core = await engine_core_of(worker)
         try:
-            await _holds_two(run)
             await stop_confirmed(core, f"the EngineCore of thinker {victim}")
             stopped = time.monotonic()
             hit = asyncio.create_task(struck(run.kv, run.on_victim, STALL_TIMEOUT_S + 30))
@@ -310,13 +315,12 @@ async def test_a_stopped_replica_loses_its_requests_and_stops_them_after_sigcont
 
 async def _stopped_replica(stack: Stack, judged: list[ServiceProcess]) -> None:
     async with streaming(stack, UNDER_WAY_LONG, UNDER_WAY_STREAMS) as run:
-        victim = run.victim
+        before = scrape(stack.pair.gateway_metrics)
+        # After SIGCONT the victim must stop those it had taken (the point of the test), and
+        # one of UNDER_WAY_LONG tokens is left for the stop to strike.
+        victim = await _choose_victim(run)
         worker = stack.pair.workers[victim]
         judged.append(worker)
-        # After SIGCONT it must stop those it had taken (the point of the test), and one of
-        # UNDER_WAY_LONG tokens is left for the stop to strike.
-        await _holds_two(run)
-        before = scrape(stack.pair.gateway_metrics)
         try:
             stopped_pids = await _stop_replica(worker, f"thinker {victim}")
             stopped = time.monotonic()
