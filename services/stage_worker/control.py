@@ -46,7 +46,6 @@ class ControlAnswers:
     sent: SentEvents
     active: dict[str, tuple[RequestContext, asyncio.Task[None]]]
     _backlog: deque[Delivery]
-    _starting: dict[str, list[Delivery]]
     _early_routes: dict[str, RouteChange]
     _records: KeyValue | None
     _closed: AttemptMarks
@@ -88,11 +87,7 @@ class ControlAnswers:
             await msg.respond(RouteHeld(held=False).encode())  # not the next stage, or no such replica
             return
         entry = self.active.get(change.request_id)
-        waiting = [
-            d.task
-            for d in [*self._backlog, *self._starting.get(change.request_id, [])]
-            if d.task.request_id == change.request_id
-        ]
+        waiting = [d.task for d in self._backlog if d.task.request_id == change.request_id]
         if entry is None and waiting:
             self._early_routes[change.request_id] = change  # it has sent nothing yet
             first = min(waiting, key=lambda t: t.seq)

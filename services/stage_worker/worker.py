@@ -103,12 +103,6 @@ class StageWorker(ControlAnswers):
         under it): its late input is left unacknowledged for the move, which sends it on to the
         new replica and deletes it (acknowledged here, it would be gone from the stream first)."""
         self._backlog: deque[Delivery] = deque()
-        self._starting: dict[str, list[Delivery]] = {}
-        """Requests whose record is being read before they start here (record_check.py), with
-        their inputs that arrived meanwhile. Each read runs in a task of its own: a burst of new
-        requests does not wait for the reads one after another (the consumer hands over one
-        message at a time)."""
-        self._start_tasks: set[asyncio.Task[None]] = set()
         self.sent = SentEvents()
         """The client events this worker sent, kept for a replay of lost ones."""
         self._early_routes: dict[str, RouteChange] = {}
@@ -203,7 +197,7 @@ class StageWorker(ControlAnswers):
             await asyncio.wait(pending, timeout=drain_s)
         for _, task in list(self.active.values()):
             task.cancel()
-        for t in [*self._tasks, *self._start_tasks]:
+        for t in self._tasks:
             t.cancel()
         if self._heartbeat:
             await self._heartbeat.stop()
@@ -241,19 +235,12 @@ class StageWorker(ControlAnswers):
         rid = task.request_id
         if await self._dropped(msg, task):
             return
+        entry = self.active.get(rid)
         delivery = Delivery(msg, task, received_ns, transfer)
-        if self._taken(rid) or self._in_hand() < self.settings.max_inflight:
-            await self._accept(delivery)
-        else:
+        if entry is None and len(self.active) >= self.settings.max_inflight:
             self._backlog.append(delivery)  # started when a request ends (kept alive meanwhile)
-
-    def _taken(self, rid: str) -> bool:
-        """Whether request ``rid`` runs here or is starting here."""
-        return rid in self.active or rid in self._starting
-
-    def _in_hand(self) -> int:
-        """Requests running or starting here (bounded by ``max_inflight``)."""
-        return len(self.active) + len(self._starting)
+            return
+        await self._accept(delivery)
 
     async def _dropped(self, msg: Msg, task: StageTask) -> bool:
         """Acknowledge and drop ``task`` if it belongs to an attempt of its request that has ended
@@ -297,9 +284,6 @@ class StageWorker(ControlAnswers):
         rid = task.request_id
         if await self._dropped(msg, task):  # it waited in the backlog while its request ended or moved
             return
-        if (starting := self._starting.get(rid)) is not None:  # it joins once its request starts
-            starting.append(d)
-            return
         entry = self.active.get(rid)
         if entry is not None and entry[0].attempt < task.attempt:
             # The request moved here while its older attempt still winds down here (a resync
@@ -309,24 +293,7 @@ class StageWorker(ControlAnswers):
             await asyncio.wait([entry[1]])
             entry = self.active.get(rid)
         if entry is None:
-            self._starting[rid] = [d]
-            started = asyncio.create_task(self._start(d), name=f"start:{rid}")
-            self._start_tasks.add(started)
-            started.add_done_callback(self._start_tasks.discard)
-            return
-        ctx = entry[0]
-        if not ctx.inbox.put(d):
-            log.info("%s: request %s: duplicate seq %d acked and dropped", self.label, rid, task.seq)
-            await msg.ack()
-
-    async def _start(self, d: Delivery) -> None:
-        """Start ``d``'s request here once its record is read (:func:`read_verdict`), then hand
-        it the inputs that arrived meanwhile."""
-        msg, task, rid = d.msg, d.task, d.task.request_id
-        try:
             verdict = await read_verdict(self._records, self.me.stage, task)
-            if await self._dropped(msg, task):  # an abort notice came while the record was read
-                return
             if verdict.drop is not None:  # a notice that would have said so missed this worker
                 log.info("%s: request %s: input dropped: %s", self.label, rid, verdict.drop)
                 self._closed.raise_to(rid, task.attempt)
@@ -353,15 +320,13 @@ class StageWorker(ControlAnswers):
                     down.replica,
                     down.attempt,
                 )
-            run = asyncio.create_task(self._run_request(ctx), name=f"request:{rid}")
-            self.active[rid] = (ctx, run)
-            if not ctx.inbox.put(d):
-                await msg.ack()
-        except Exception:  # left unacknowledged: redelivered after ack_wait
-            log.exception("%s: request %s: starting it failed", self.label, rid)
-        finally:
-            for later in self._starting.pop(rid, [])[1:]:
-                await self._accept(later)
+            task_ = asyncio.create_task(self._run_request(ctx), name=f"request:{rid}")
+            self.active[rid] = (ctx, task_)
+        else:
+            ctx = entry[0]
+        if not ctx.inbox.put(d):
+            log.info("%s: request %s: duplicate seq %d acked and dropped", self.label, rid, task.seq)
+            await msg.ack()
 
     def _request_span(self, msg: Msg, task: StageTask) -> Span:
         """The span of this request in this stage: a child of the sender's span; a redelivered
@@ -453,7 +418,7 @@ class StageWorker(ControlAnswers):
 
     async def _admit_backlog(self) -> None:
         """Start backlogged requests while there is room (their later chunks join them)."""
-        while self._backlog and self._in_hand() < self.settings.max_inflight:
+        while self._backlog and len(self.active) < self.settings.max_inflight:
             await self._accept(self._backlog.popleft())
 
     async def _report_failure(self, ctx: RequestContext, status: int, code: str, message: str) -> None:
@@ -481,8 +446,7 @@ class StageWorker(ControlAnswers):
         while True:
             await asyncio.sleep(period)
             held = [d.msg for ctx, _ in list(self.active.values()) for d in ctx.unacked()]
-            waiting = [d.msg for ds in list(self._starting.values()) for d in ds]
-            for msg in [*held, *waiting, *(d.msg for d in self._backlog)]:
+            for msg in [*held, *(d.msg for d in self._backlog)]:
                 with contextlib.suppress(Exception):
                     await msg.in_progress()
 

@@ -7,7 +7,6 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from nats.js.errors import KeyNotFoundError
 
 from libs.common.envelopes import (
     EdgeSummary,
@@ -332,49 +331,6 @@ async def test_a_route_change_for_a_request_still_in_the_backlog_applies_when_it
         await worker._on_route(forged)
         assert forged.answer == RouteHeld(held=False), (stage, replica)
         assert "waiting" not in worker._early_routes
-
-
-class _HeldRecords:
-    """The requests bucket as ``read_verdict`` uses it, each read held until the test lets it go
-    (the request then has no record: it starts as its input says)."""
-
-    def __init__(self) -> None:
-        self.reads: dict[str, asyncio.Event] = {}
-
-    async def get(self, key: str):
-        await self.reads.setdefault(key, asyncio.Event()).wait()
-        raise KeyNotFoundError
-
-
-async def test_new_requests_start_without_waiting_for_each_others_record_reads() -> None:
-    """A burst of new requests reaches a worker one message at a time (the consumer's callback);
-    each reads its record before it starts. A read held up holds up its own request only; an
-    input of that request arriving meanwhile joins it when it starts."""
-    worker = StageWorker(WorkerSettings(stage=1, replica=0), load_pipeline())
-    records = worker._records = _HeldRecords()
-    started: dict[str, list[int]] = {}
-
-    async def run(ctx: RequestContext) -> None:  # instead of the engine: what the request got
-        inputs = 2 if ctx.request_id == "a" else 1
-        started[ctx.request_id] = [(await ctx.inbox.next()).task.seq for _ in range(inputs)]
-
-    worker._run_request = run
-
-    def chunk(rid: str, seq: int) -> Delivery:
-        task = _delivery(seq).task.model_copy(update={"request_id": rid, "route": [0, 0, 0]})
-        return Delivery(msg=None, task=task, received_ns=0)
-
-    for d in (chunk("a", 0), chunk("b", 0), chunk("a", 1)):  # no call waits for a record read
-        await asyncio.wait_for(worker._accept(d), timeout=5)
-    assert set(worker._starting) == {"a", "b"} and [d.task.seq for d in worker._starting["a"]] == [0, 1]
-    starts = {t.get_name(): t for t in worker._start_tasks}
-    records.reads["b"].set()
-    await asyncio.wait_for(starts["start:b"], timeout=5)
-    assert "b" in worker.active and "a" in worker._starting
-    records.reads["a"].set()
-    await asyncio.wait_for(asyncio.gather(*worker._start_tasks), timeout=5)
-    await asyncio.wait_for(asyncio.gather(*(t for _, t in worker.active.values())), timeout=5)
-    assert started == {"b": [0], "a": [0, 1]} and not worker._starting
 
 
 def test_the_registry_ages_its_entries_only_while_it_hears_updates() -> None:
