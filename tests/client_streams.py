@@ -22,8 +22,9 @@ from nats.js.errors import KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
 from openai import AsyncOpenAI
 
-from libs.common.envelopes import ClientEvent, ClientEventType, decode
+from libs.common.envelopes import ClientEvent, ClientEventType, Liveness, decode
 from libs.common.records import RequestRecord
+from libs.common.subjects import Subjects
 
 PROMPT = "Tell me everything about the sea."
 
@@ -150,6 +151,32 @@ async def most_bound(kv: KeyValue, streams: Streams, pipeline: str) -> tuple[int
     by = await bound_by_replica(kv, streams, pipeline)
     victim = max(by, key=lambda r: len(by[r]))
     return victim, by[victim]
+
+
+async def holding(
+    nc: Client, pipeline: str, replicas: list[int], n: int = 2, timeout_s: float = 60.0
+) -> int | None:
+    """The first of thinker ``replicas`` that holds ``n`` requests at least, as the replica itself
+    says (its liveness answer; all are asked at once, again every 50 ms), or None when none did
+    within ``timeout_s``. With one request at a time, one of them still waits, so a fault that
+    strikes now finds a stream there. What the clients or the buckets show may lag the worker by
+    seconds on a loaded box (fresh-clone runs of 2026-11-26 and -28 struck replicas whose streams
+    had all ended: the broker was silent for 5 s once)."""
+
+    async def in_flight(replica: int) -> int:
+        with contextlib.suppress(NatsTimeoutError):
+            reply = await nc.request(Subjects(pipeline).alive(0, replica), b"", timeout=2.0)
+            return decode(Liveness, reply.data).in_flight
+        return 0
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        counts = await asyncio.gather(*(in_flight(r) for r in replicas))
+        for replica, count in zip(replicas, counts, strict=True):
+            if count >= n:
+                return replica
+        await asyncio.sleep(0.05)
+    return None
 
 
 async def struck(kv: KeyValue, on_victim: set[str], timeout_s: float = 60.0) -> set[str]:

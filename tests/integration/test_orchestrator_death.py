@@ -31,7 +31,9 @@ from libs.common.subjects import ORCHESTRATOR_ADMISSION_CONSUMER, Subjects
 from tests.client_streams import (
     Streams,
     Wire,
+    bound_by_replica,
     ended,
+    holding,
     judge_moves,
     most_bound,
     record,
@@ -229,10 +231,12 @@ async def test_a_move_claimed_by_a_killed_orchestrator_is_carried_out_by_the_sur
     try:
         await _warm(client)
         before = scrape(survivor.proc.metrics_url)
+        judged = {r: await _eviction_keys(nc, r) for r in (0, 1)}
         streams = await Streams.start(client, MODEL, STREAMS, LONG, kv)
-        dead, on_dead = await most_bound(kv, streams, PIPELINE)
-        target = 1 - dead
-        judged_before = await _eviction_keys(nc, dead)
+        by = await bound_by_replica(kv, streams, PIPELINE)
+        dead = await holding(nc, PIPELINE, sorted(by, key=lambda r: -len(by[r])))
+        assert dead is not None, "no thinker held two of the streams"
+        on_dead, target, judged_before = by[dead], 1 - dead, judged[dead]
         try:
             await stop_confirmed(survivor.proc.proc.pid, "the surviving orchestrator")
             await stop_confirmed(stack.gateway.proc.pid, "the gateway")
@@ -313,13 +317,14 @@ async def test_a_replica_death_judged_by_two_orchestrators_is_counted_once(
             await _forgotten(nc, r, orchestrators)
         await _warm(client)
         before = [scrape(o.proc.metrics_url) for o in orchestrators]
+        judged_before = await _eviction_keys(nc, alive[0])
         kv = await requests_kv(nc.jetstream())
         streams = await Streams.start(client, MODEL, 3, LONG, kv)
+        assert await holding(nc, PIPELINE, alive[:1]) is not None, "the thinker never held two of the streams"
+        await kill_confirmed(stack.workers[alive[0]].proc.pid, f"thinker {alive[0]}")
+        killed = time.monotonic()
         dead, on_dead = await most_bound(kv, streams, PIPELINE)
         assert dead == alive[0] and on_dead == streams.ids, (dead, on_dead)
-        judged_before = await _eviction_keys(nc, dead)
-        await kill_confirmed(stack.workers[dead].proc.pid, f"thinker {dead}")
-        killed = time.monotonic()
         await asyncio.wait_for(asyncio.gather(*streams.tasks), 60)
         failed_after_s = time.monotonic() - killed
         records = {rid: await until_record(kv, rid, ended, "ended") for rid in streams.ids}
