@@ -69,8 +69,8 @@ the worker reconnects to another one and its subscription is missing meanwhile."
 
 
 ANSWERED_RECENTLY_S = PROBE_PERIOD_S + PROBE_TIMEOUT_S
-"""A replica that answered a probe this recently counts as alive for a move even when its
-registration has expired (:meth:`ReplicaWatch.answering`), seconds."""
+"""A replica that answered a probe this recently may be routed to (a move, an admission) even
+when its registration has expired, if no other is live (:meth:`ReplicaWatch.answering`), seconds."""
 
 
 class DeathReason(StrEnum):
