@@ -128,7 +128,7 @@ class Run:
 
     @property
     def on_victim(self) -> set[str]:
-        return self.bound.get(self.victim, set())
+        return self.bound[self.victim]
 
 
 @contextlib.asynccontextmanager
