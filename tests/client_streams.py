@@ -157,27 +157,32 @@ async def most_bound(kv: KeyValue, streams: Streams, pipeline: str) -> tuple[int
 async def holding(
     nc: Client, pipeline: str, replicas: list[int], n: int = 2, timeout_s: float = 60.0
 ) -> int | None:
-    """The first of thinker ``replicas`` that holds ``n`` requests at least, as the replica itself
-    says (its liveness answer; all are asked at once, again every 50 ms), or None when none did
-    within ``timeout_s``. With one request at a time, one of them still waits, so a fault that
-    strikes now finds a stream there. What the clients or the buckets show may lag the worker by
-    seconds on a loaded box (fresh-clone runs of 2026-11-26 and -28 struck replicas whose streams
-    had all ended: the broker was silent for 5 s once)."""
+    """A thinker replica of ``replicas`` that holds ``n`` requests at least, as the replica itself
+    says in its liveness answer, or None when none did within ``timeout_s``. Each replica is asked
+    on its own, again 50 ms after each answer, and the first that holds ``n`` is taken the moment
+    it says so: asked together, one answer waits for the slowest (in CI of 2026-11-28 a replica's
+    count sat 2 s behind its starved peer's timeout, and its streams ended before the fault
+    struck). With one request at a time, one of the ``n`` still waits, so a fault that strikes
+    now finds a stream there. What the clients or the buckets show may lag the worker by seconds
+    on a loaded box (the broker was silent for 5 s once)."""
 
-    async def in_flight(replica: int) -> int:
-        with contextlib.suppress(NatsError):  # no answer in time, or none subscribed (exited)
-            reply = await nc.request(Subjects(pipeline).alive(0, replica), b"", timeout=2.0)
-            return decode(Liveness, reply.data).in_flight
-        return 0
+    async def until_holding(replica: int) -> int:
+        subject = Subjects(pipeline).alive(0, replica)
+        while True:
+            with contextlib.suppress(NatsError):  # no answer in time, or none subscribed (exited)
+                reply = await nc.request(subject, b"", timeout=2.0)
+                if decode(Liveness, reply.data).in_flight >= n:
+                    return replica
+            await asyncio.sleep(0.05)
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        counts = await asyncio.gather(*(in_flight(r) for r in replicas))
-        for replica, count in zip(replicas, counts, strict=True):
-            if count >= n:
-                return replica
-        await asyncio.sleep(0.05)
-    return None
+    watches = [asyncio.create_task(until_holding(r)) for r in replicas]
+    try:
+        done, _ = await asyncio.wait(watches, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in watches:
+            w.cancel()
+        await asyncio.gather(*watches, return_exceptions=True)
+    return min(done, key=watches.index).result() if done else None
 
 
 async def struck(kv: KeyValue, on_victim: set[str], timeout_s: float = 60.0) -> set[str]:

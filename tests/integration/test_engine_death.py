@@ -134,13 +134,22 @@ class Run:
 @contextlib.asynccontextmanager
 async def streaming(stack: Stack, tokens: int = LONG, count: int = STREAMS) -> AsyncIterator[Run]:
     """Both workers serving, a warm stack, then ``count`` greedy streams of ``tokens``, admitted,
-    and a replica that holds two of them (up to :data:`TRIES` sets of streams)."""
+    and a replica that holds two of them (up to :data:`TRIES` sets of streams).
+
+    The fault's victim never serves another test: its worker is stopped on the way out, pass or
+    fail, unless it has exited already (its faults end it when the test passes), and the next
+    test's :meth:`~tests.thinker_pair.ThinkerPair.both_serving` starts a fresh one. A victim left
+    running would be an incarnation the orchestrator has judged dead (evictions are per
+    incarnation, docs/reliability.md's known limits), or a worker about to exit: in CI of
+    2026-11-28 one test's failure left its victim dying, the next test's moves went to it, and
+    three more tests failed with ``no_live_replica``."""
     await stack.pair.both_serving()
     client = AsyncOpenAI(base_url=stack.pair.base_url, api_key="unused", max_retries=0, timeout=180)
     nc = await nats.connect(stack.pair.nats_url)
     wire = Wire()
     await wire.listen(nc, PIPELINE)
     streams: Streams | None = None
+    victim: int | None = None
     try:
         for _ in range(60):  # the orchestrator's registry view may not have a new worker yet
             warm = Seen()
@@ -165,6 +174,11 @@ async def streaming(stack: Stack, tokens: int = LONG, count: int = STREAMS) -> A
             streams.cancel()
         await nc.close()
         await client.close()
+        if victim is not None:
+            worker = stack.pair.workers[victim]
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.proc.pid, signal.SIGCONT)  # a stopped one must run to stop
+            await asyncio.to_thread(stop_all, [worker])
 
 
 async def _stop_replica(worker: ServiceProcess, what: str) -> list[int]:
@@ -182,9 +196,11 @@ async def _stop_replica(worker: ServiceProcess, what: str) -> list[int]:
 
 
 async def test_a_killed_engine_core_moves_the_requests_and_its_worker_exits(stack) -> None:
+    # Nothing slow between the victim's word that it holds two streams and the kill: the fast
+    # replica ends a stream a second (a scrape on a loaded box has taken longer).
+    before = scrape(stack.orchestrator.metrics_url)
     async with streaming(stack) as run:
         victim = run.victim
-        before = scrape(stack.orchestrator.metrics_url)
         worker = stack.pair.workers[victim]
         core = await engine_core_of(worker)
         # The engine yields to the control plane: every thread of its processes at the default
@@ -295,25 +311,14 @@ async def test_a_hung_engine_core_moves_the_requests_and_its_worker_gives_up_on_
 
 
 async def test_a_stopped_replica_loses_its_requests_and_stops_them_after_sigcont(stack) -> None:
-    """Its victim runs on after SIGCONT as the incarnation judged dead, and a later death of the
-    same incarnation would not be counted (evictions are per incarnation, docs/reliability.md's
-    known limits): the victim is stopped at the end, pass or fail, so that the pair's next user
-    (test_orchestrator_death) judges fresh incarnations."""
-    judged: list[ServiceProcess] = []
-    try:
-        await _stopped_replica(stack, judged)
-    finally:
-        stop_all(judged)
-
-
-async def _stopped_replica(stack: Stack, judged: list[ServiceProcess]) -> None:
+    """Its victim runs on after SIGCONT as the incarnation judged dead, until :func:`streaming`
+    stops it."""
     async with streaming(stack, UNDER_WAY_LONG, UNDER_WAY_STREAMS) as run:
         before = scrape(stack.pair.gateway_metrics)
         # After SIGCONT the victim must stop those it had taken (the point of the test), and
         # one of UNDER_WAY_LONG tokens is left for the stop to strike.
         victim = run.victim
         worker = stack.pair.workers[victim]
-        judged.append(worker)
         try:
             stopped_pids = await _stop_replica(worker, f"thinker {victim}")
             stopped = time.monotonic()

@@ -154,6 +154,7 @@ async def test_admissions_held_by_a_killed_orchestrator_go_on_within_a_second(
     stack, orchestrators, nats_server
 ) -> None:
     victim = orchestrators[0].proc
+    await stack.both_serving()  # an earlier module's faults may have ended both workers
     client = AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=90)
     await _warm(client)
     nc = await nats.connect(nats_server.url)
