@@ -7,6 +7,7 @@ ids in one go; for the pace, the event loop's clock."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from pathlib import Path
 
 import pytest
@@ -104,9 +105,18 @@ async def test_a_paced_engine_keeps_its_pace_for_a_fast_reader(tokenizer) -> Non
     engine = _engine(tokenizer, inter_token_ms=4.0)
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    arrivals = [loop.time() - t0 async for _ in engine.generate(tokens_input(PROMPT), _params(10), "f")]
-    assert len(arrivals) == 10  # each token on its own
-    assert all(a >= (k + 1) * 0.004 - 1e-4 for k, a in enumerate(arrivals))
+    outs = [
+        (loop.time() - t0, len(o.outputs[0].token_ids))
+        async for o in engine.generate(tokens_input(PROMPT), _params(10), "f")
+    ]
+    assert sum(n for _, n in outs) == 10
+    # No token before its time: an output's last token is due (its position) × 4 ms after the start.
+    due = itertools.accumulate(n for _, n in outs)
+    assert all(at >= last * 0.004 - 1e-4 for (at, _), last in zip(outs, due, strict=True)), outs
+    # Each token on its own, but for a wake-up a loaded box delayed past the next token's time
+    # (its two tokens then come together: CI of 2026-11-28 had one such pair in ten); an engine
+    # that batched its pace away would send a handful.
+    assert len(outs) >= 8, outs
 
 
 async def test_closing_the_stream_aborts_and_frees_the_slot(tokenizer) -> None:
