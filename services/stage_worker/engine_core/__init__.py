@@ -2,8 +2,8 @@
 
 vLLM starts an ``AsyncLLM``'s engine as a process of its own (``VLLM::EngineCore``, which runs
 the model itself, or spawns a ``VLLM::Worker`` for it where vLLM's multiprocessing executor is
-used: :mod:`services.stage_worker.engine_executor`). The worker names this package's code to vLLM by string, and
-vLLM imports it there:
+used: :mod:`services.stage_worker.engine_executor`). The worker names this package's code to
+vLLM by string, and vLLM imports it there:
 
 - :mod:`.scheduler` — ``OmniScheduler`` (``AsyncEngineArgs(scheduler_cls=...)``): the loss-free
   1 Hz scheduler-stats throttle and the hooks of engine tracing; EngineCore process.
