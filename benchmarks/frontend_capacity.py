@@ -8,7 +8,8 @@ process with the pipeline, the NATS URL and ports of its own, as a deployment wo
 Streaming chat completions are sent by client processes (``--clients``, each a closed loop of
 the official openai client, requests spread round-robin over the cell's gateways) at each
 concurrency; per (gateways, concurrency) it prints requests/s, output tokens/s, TTFT and TPOT
-p50/p99, and the CPU each process used over the cell, read from ``/proc`` (psutil), with the
+p50/p99, and the CPU each process used over the cell, read from the kernel's per-process CPU clock
+(:func:`benchmarks.harness.process_cpu_s`), with the
 process that bounded the throughput named (:func:`bottleneck`).
 
 Clocks: request timings are ``time.perf_counter()`` readings (CLOCK_MONOTONIC, shared by the
@@ -26,6 +27,7 @@ figure instead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -48,6 +50,7 @@ from benchmarks.harness import (
     foreign_cpu_s,
     log,
     percentile,
+    process_cpu_s,
     run_with_stacks,
     start_stack,
     timed_request,
@@ -291,17 +294,13 @@ def _roles(
 
 
 def _cpu_s(roles: dict[str, list[int]]) -> dict[str, float]:
-    import psutil
-
+    """Role → CPU seconds its living processes have used so far (:func:`process_cpu_s`)."""
     out: dict[str, float] = {}
     for role, pids in roles.items():
         total = 0.0
         for pid in pids:
-            try:
-                t = psutil.Process(pid).cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                continue
+            with contextlib.suppress(ProcessLookupError):
+                total += process_cpu_s(pid)
         out[role] = total
     return out
 

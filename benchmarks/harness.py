@@ -3,7 +3,8 @@ processes a benchmark starts (NATS servers, ``omnirelay up`` stacks, vLLM's own 
 what else runs on the machine meanwhile, and which CPU cores engines and front ends run on.
 
 Clocks: request timings are ``time.perf_counter()`` readings of this process, seconds; process
-CPU times come from ``/proc`` (seconds). The statistics are pure functions (tested in
+CPU times come from the kernel's per-process CPU clock (:func:`process_cpu_s`) or ``/proc``
+(seconds). The statistics are pure functions (tested in
 ``tests/unit/test_bench_stats.py``); the process and load code is exercised by the benchmarks.
 """
 
@@ -190,6 +191,21 @@ def machine_activity() -> dict[str, float]:
         "foreign_vllm_engines": sum(c.startswith("VLLM::EngineCore") for c in foreign),
         "loadavg_1m": os.getloadavg()[0],
     }
+
+
+_CPUCLOCK_SCHED = 2
+"""Linux's process-wide CPU clock kind that counts the scheduler's run time in nanoseconds."""
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread, living or exited) process ``pid`` has run so
+    far, from the kernel's per-process CPU clock (what glibc's ``clock_getcpuclockid`` names):
+    the scheduler's own nanosecond count, not ``/proc``'s 10 ms ticks, so a load of tens of
+    milliseconds reads true to the microsecond. Raises ProcessLookupError when ``pid`` is gone."""
+    try:
+        return time.clock_gettime((~pid << 3) | _CPUCLOCK_SCHED)
+    except OSError as e:
+        raise ProcessLookupError(pid) from e
 
 
 def foreign_cpu_s() -> dict[int, float]:

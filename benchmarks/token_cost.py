@@ -10,15 +10,17 @@ stacks, each from its own checkout. Per side and level the load is one client pr
 of the official openai client (:func:`benchmarks.frontend_capacity.client_job`), streamed chat
 completions of ``max_tokens`` tokens with ``ignore_eos``.
 
-The figures of a side: CPU microseconds per output token of each of its server processes (psutil,
-user + system, read before and after the load; the gateway and the thinker worker of a stack, the
+The figures of a side: CPU microseconds per output token of each of its server processes (user +
+system, every thread; the kernel's per-process CPU clock, :func:`benchmarks.harness.process_cpu_s`,
+read before and after the load; the gateway and the thinker worker of a stack, the
 one server process of the reference), their sum, and the client's TPOT p50 (ms). The figure of a
 round is B ÷ A of each, so what the machine's speed does to both cancels; the result is the median
 of the per-round ratios with their range. The ratio of the sum is what ``--write-baseline`` records
 (``benchmarks/baselines/token_cost.json``) and the CI guard (tests/integration/test_token_cost_guard.py)
 holds to at most :data:`GUARD_FACTOR` × the baseline.
 
-Clocks and units: CPU seconds from ``/proc`` (psutil); request timings ``time.perf_counter()``
+Clocks and units: CPU seconds from the kernel's per-process CPU clock (nanosecond
+resolution); request timings ``time.perf_counter()``
 seconds in the client process; per-token CPU in µs, TPOT in ms. The statistics, the baseline file
 and the comparison are pure functions (tested in ``tests/unit/test_token_cost.py``).
 """
@@ -272,7 +274,7 @@ def render(rounds: Sequence[Round], labels: dict[str, str]) -> str:
     lines = [
         f"A = {labels['A']}",
         f"B = {labels['B']}",
-        "CPU in µs per output token (psutil); TPOT p50 in ms",
+        "CPU in µs per output token (the kernel's per-process CPU clock); TPOT p50 in ms",
     ]
     for r in rounds:
         ra = ratios(r.a, r.b)
@@ -301,7 +303,7 @@ class TokenCostOptions:
     rounds: int = 5
     requests: dict[int, int] = field(default_factory=lambda: {1: 96, 16: 256})
     """Concurrency → requests per side per round; a level not named gets 16 × c (at least
-    96). Enough that the reference's CPU spans many of psutil's 10 ms ticks."""
+    96)."""
     max_tokens: int = 64
     warmup: int = 32
     tree_a: Path | None = None

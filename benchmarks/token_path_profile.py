@@ -8,8 +8,8 @@ omnirelay runs. Per concurrency level, streamed chat completions (the official o
 ``bench-capacity``, :func:`benchmarks.frontend_capacity.client_job`) while ``py-spy record
 --format raw --rate R --pid P`` samples the gateway's and the thinker worker's Python stacks.
 py-spy drops samples of idle threads, so a process's samples × the interval (1/R s) approximate
-the time its threads ran Python (or native code called from it); the CPU psutil reads for the
-same window is printed beside it as a check.
+the time its threads ran Python (or native code called from it); the process's CPU over the
+same window (:func:`benchmarks.harness.process_cpu_s`) is printed beside it as a check.
 
 The samples are folded (:func:`fold`, pure) into frame groups (:data:`GROUPS`): each sample
 belongs to the first group, in the list's order, one of whose rules matches any frame of its
@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchmarks.frontend_capacity import MOCK_PIPELINE, _roles, client_job, stack_env
-from benchmarks.harness import Processes, log, percentile, run_with_stacks, start_stack
+from benchmarks.harness import Processes, log, percentile, process_cpu_s, run_with_stacks, start_stack
 from libs.common.pipeline import load_pipeline
 
 # --- folding (pure) -------------------------------------------------------------------------------
@@ -338,9 +338,11 @@ def fold(
 
 def render_profile(title: str, p: Profile, cpu_us_per_token: float | None, top_groups: int = 10) -> str:
     """A Markdown table of ``p``'s top groups and one of its costliest functions. With
-    ``cpu_us_per_token`` (the process's CPU per token, psutil) a column gives each row's share of
+    ``cpu_us_per_token`` (the process's CPU per token, the kernel's CPU clock) a column gives each row's share of
     it: the sampled time includes time the GIL holder waited for a core, the CPU does not."""
-    cpu = f"; CPU read by psutil: {cpu_us_per_token:.0f} µs/token" if cpu_us_per_token is not None else ""
+    cpu = (
+        f"; CPU read from the kernel: {cpu_us_per_token:.0f} µs/token" if cpu_us_per_token is not None else ""
+    )
 
     def cpu_col(pct: float) -> str:
         return f" {pct / 100 * cpu_us_per_token:.1f} |" if cpu_us_per_token is not None else ""
@@ -405,7 +407,7 @@ class ProfileOptions:
 
 @dataclass
 class LevelResult:
-    """One concurrency level: its load and, per role, the folded profile and psutil's CPU."""
+    """One concurrency level: its load and, per role, the folded profile and its CPU."""
 
     concurrency: int
     requests: int
@@ -438,13 +440,6 @@ def _wait_sampling(proc: subprocess.Popen, log_path: Path, timeout_s: float) -> 
     raise RuntimeError(f"py-spy did not start sampling within {timeout_s:.0f} s")
 
 
-def _cpu(pid: int) -> float:
-    import psutil
-
-    t = psutil.Process(pid).cpu_times()
-    return t.user + t.system
-
-
 def _level(
     opts: ProfileOptions,
     c: int,
@@ -468,11 +463,11 @@ def _level(
             with err.open("w") as fh:
                 spies[role] = (subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT), raw)
             _wait_sampling(spies[role][0], err, 30)
-        cpu0 = {role: _cpu(pid) for role, pid in pids.items()}
+        cpu0 = {role: process_cpu_s(pid) for role, pid in pids.items()}
         w0 = time.monotonic()
         timings = pool.submit(client_job, [url], model, requests, c, opts.max_tokens, 0).result()
         wall = time.monotonic() - w0
-        cpu = {role: _cpu(pid) - cpu0[role] for role, pid in pids.items()}
+        cpu = {role: process_cpu_s(pid) - cpu0[role] for role, pid in pids.items()}
     finally:
         for proc, _ in spies.values():
             if proc.poll() is None:
