@@ -8,7 +8,9 @@ asked this worker to hold the request's chunks (the worker did not hold it yet, 
 "not held", and the orchestrator moved the next stage with nothing to re-send). The record in
 the ``omni_requests`` bucket is written before any notice is sent, so a worker that reads it when
 it starts a request here catches up: it drops an input of an attempt its stage has moved past, and
-sends its chunks to the next stage's current attempt.
+sends its chunks to the next stage's current attempt. The worker reads it beside the request's
+handler (``Worker._check_record``): the engine starts at once, and nothing of the request leaves
+the worker until the verdict (``RequestContext.await_clearance``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from libs.common.envelopes import StageTask
 from libs.common.records import RequestRecord
 
 log = logging.getLogger(__name__)
+
+STALE_START = "stale_start"
+"""Why a request whose start the record refused was stopped (``RequestContext.refuse``)."""
 
 
 @dataclass(frozen=True)

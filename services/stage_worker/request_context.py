@@ -90,10 +90,18 @@ class RequestContext:
     _sending: asyncio.Lock = field(default_factory=asyncio.Lock)
     _released: asyncio.Event = field(default_factory=asyncio.Event)
     """Set unless the orchestrator holds this request's chunks while the next stage moves."""
+    route_notices: int = 0
+    """Holds and releases applied to this request here (:meth:`hold_now`, :meth:`release`)."""
+    _cleared: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set unless this request's start here awaits its record's verdict (:meth:`await_clearance`):
+    until then nothing of it leaves this worker."""
+    _refused: bool = False
+    """The record refused the start (:meth:`refuse`): every send is abandoned."""
 
     def __post_init__(self) -> None:
         self.route = list(self.first.route)
         self._released.set()
+        self._cleared.set()
         self._next_attempt, self._next_start = self.first.next_attempt, self.first.next_start_seq
         if self.first.attempt > 1:
             self.inbox = RequestInbox(self.first.start_seq)
@@ -130,6 +138,34 @@ class RequestContext:
     def _check_aborted(self) -> None:
         if self.aborted:
             raise asyncio.CancelledError(f"request {self.request_id} aborted")
+
+    def await_clearance(self) -> None:
+        """Send nothing of this request (client events, chunks, lifecycle events) until
+        :meth:`clear` or :meth:`refuse`: its handler may start while the record is being read
+        (``Worker._check_record``), so the engine's work overlaps the read."""
+        self._cleared.clear()
+
+    @property
+    def awaits_clearance(self) -> bool:
+        """True while the record's verdict on this start is pending."""
+        return not self._cleared.is_set()
+
+    def clear(self) -> None:
+        """The record allows this start: what waited is sent, in order."""
+        self._cleared.set()
+
+    def refuse(self, reason: str) -> None:
+        """The record refuses this start: abort the request; nothing it produced is sent."""
+        self._refused = True
+        self.abort(reason)
+        self._cleared.set()
+
+    async def _cleared_to_send(self) -> bool:
+        """Wait for the record's verdict (at once when there is none pending); False when it
+        refused the start."""
+        if not self._cleared.is_set():
+            await self._cleared.wait()
+        return not self._refused
 
     async def next(self) -> Delivery:
         """The next input in sequence order; the first call stamps the stage's start (see
@@ -169,6 +205,8 @@ class RequestContext:
     async def downstream(self, *, final: bool = False, **payload: object) -> None:
         """Send one chunk to the next stage's bound replica, numbered in order (it waits while
         the orchestrator holds the request's chunks, :meth:`hold`)."""
+        self._check_aborted()
+        await self._cleared_to_send()
         self._check_aborted()
         while True:
             await self._released.wait()
@@ -230,11 +268,13 @@ class RequestContext:
 
     def hold_now(self) -> None:
         """:meth:`hold` for a request that has sent nothing yet (no send can be under way)."""
+        self.route_notices += 1
         self._released.clear()
 
     def release(self, stage: int, replica: int, attempt: int, start_seq: int) -> None:
         """Send on to ``replica`` of ``stage``, whose attempt ``attempt`` takes chunks from
         ``start_seq``."""
+        self.route_notices += 1
         self.route[stage] = replica
         self._next_attempt, self._next_start = attempt, start_seq
         self._released.set()
@@ -246,6 +286,8 @@ class RequestContext:
         While the broker is away this waits for the connection: the request's production pauses
         (its engine's outputs wait in vLLM's output collector) and nothing fails."""
         self._check_aborted()
+        await self._cleared_to_send()
+        self._check_aborted()
         event.stage, event.replica, event.seq = self.me.stage, self.me.replica, self._client_seq
         event.attempt = self.attempt
         self._client_seq += 1
@@ -255,6 +297,9 @@ class RequestContext:
         """:meth:`client` for a text delta (one per streamed token), packed from its fields
         without a pydantic model (``envelopes.pack_text``)."""
         self._check_aborted()
+        if not self._cleared.is_set():  # only a request's first tokens can meet a pending verdict
+            await self._cleared_to_send()
+            self._check_aborted()
         seq = self._client_seq
         self._client_seq += 1
         me, attempt = self.me, self.attempt
@@ -344,6 +389,8 @@ class RequestContext:
         with it the client's end notice, depends on it. ``Nats-Msg-Id`` makes a retry of an event
         that was stored after all a duplicate."""
         what = f"request {self.request_id}: lifecycle event {event.kind}"
+        if not await self._cleared_to_send():
+            return
         try:
             await until_stored(
                 self.bus.nc,

@@ -55,7 +55,7 @@ from services.stage_worker.engine_health import EngineHealth
 from services.stage_worker.handlers import make_handler
 from services.stage_worker.handlers.base import StageError, StageHandler
 from services.stage_worker.inbox import Delivery
-from services.stage_worker.record_check import read_verdict
+from services.stage_worker.record_check import STALE_START, read_verdict
 from services.stage_worker.request_context import Bus, Identity, RequestContext
 from services.stage_worker.sent_events import SentEvents
 from services.stage_worker.transfer_stats import TransferStatLogger, transfer_stats
@@ -293,12 +293,6 @@ class StageWorker(ControlAnswers):
             await asyncio.wait([entry[1]])
             entry = self.active.get(rid)
         if entry is None:
-            verdict = await read_verdict(self._records, self.me.stage, task)
-            if verdict.drop is not None:  # a notice that would have said so missed this worker
-                log.info("%s: request %s: input dropped: %s", self.label, rid, verdict.drop)
-                self._closed.raise_to(rid, task.attempt)
-                await msg.ack()
-                return
             ctx = RequestContext(
                 self.me,
                 self.bus,
@@ -310,16 +304,8 @@ class StageWorker(ControlAnswers):
             early = self._early_routes.pop(rid, None)
             if early is not None:  # its next stage moved while it waited in the backlog
                 reroute(ctx, early)
-            elif (down := verdict.downstream) is not None:  # ... or while it waited in the stream
-                ctx.release(down.stage, down.replica, down.attempt, down.start_seq)
-                log.info(
-                    "%s: request %s: stage %d moved before it started here; its chunks go to replica %d (attempt %d)",
-                    self.label,
-                    rid,
-                    down.stage,
-                    down.replica,
-                    down.attempt,
-                )
+            if self._records is not None:
+                ctx.await_clearance()  # the engine starts while the record is read
             task_ = asyncio.create_task(self._run_request(ctx), name=f"request:{rid}")
             self.active[rid] = (ctx, task_)
         else:
@@ -373,8 +359,36 @@ class StageWorker(ControlAnswers):
         return task
 
     # --- running a request ---------------------------------------------------------------
+    async def _check_record(self, ctx: RequestContext, run: asyncio.Task[None]) -> None:
+        """Judge the start of ``ctx`` by its record (record_check.py) while its handler runs:
+        refuse it (``run`` stops, nothing it produced is sent, its input is acknowledged) when
+        a notice that would have said so missed this worker, point its chunks at the next
+        stage's current attempt when that stage moved before it started and no notice about it
+        has reached it here since, then clear it to send."""
+        rid = ctx.request_id
+        verdict = await read_verdict(self._records, self.me.stage, ctx.first)
+        if verdict.drop is not None:
+            log.info("%s: request %s: input dropped: %s", self.label, rid, verdict.drop)
+            ctx.refuse(STALE_START)
+            run.cancel()
+            return
+        if (down := verdict.downstream) is not None and ctx.route_notices == 0:
+            ctx.release(down.stage, down.replica, down.attempt, down.start_seq)
+            log.info(
+                "%s: request %s: stage %d moved before it started here; its chunks go to replica %d (attempt %d)",
+                self.label,
+                rid,
+                down.stage,
+                down.replica,
+                down.attempt,
+            )
+        ctx.clear()
+
     async def _run_request(self, ctx: RequestContext) -> None:
         rid = ctx.request_id
+        check = None
+        if ctx.awaits_clearance:
+            check = asyncio.create_task(self._check_record(ctx, asyncio.current_task()), name=f"record:{rid}")
         try:
             async with asyncio.timeout(max(ctx.seconds_left, 0.0)):
                 await self.handler.run(ctx)
@@ -403,6 +417,8 @@ class StageWorker(ControlAnswers):
                 ctx, status, code, f"stage {self.me.stage} ({self.stage_cfg.name}) failed: {e}"
             )
         finally:
+            if check is not None:
+                check.cancel()
             ctx.close()
             ctx.span.end()
             self.active.pop(rid, None)
