@@ -18,20 +18,39 @@ from nats.js.api import ConsumerInfo
 
 from libs.common.bus import services_kv
 from libs.common.bus_state import snapshot
-from libs.common.envelopes import Liveness, StageTask, decode
+from libs.common.envelopes import ClientEvent, Liveness, StageTask, decode, unpack_batch
 from libs.common.publish import Hop, publish_task
 from libs.common.registry import ServiceKind, ServiceRecord
-from libs.common.subjects import SERVICES_BUCKET, Subjects, consumer_name, max_deliveries_advisory
+from libs.common.subjects import (
+    BATCH_TOKEN,
+    SERVICES_BUCKET,
+    Subjects,
+    consumer_name,
+    max_deliveries_advisory,
+)
 from tests.procs import stop_confirmed, until
 
 E = TypeVar("E")
 
 
+def client_event_bodies(msg: Msg) -> list[bytes]:
+    """The bodies of the client events one message carries: its own, or each event's of a
+    worker's batch (on ``out.<gateway>.~``, ``Subjects.out_batch``), in order."""
+    return unpack_batch(msg.data) if msg.subject.endswith(f".{BATCH_TOKEN}") else [msg.data]
+
+
+def client_events(msg: Msg) -> list[ClientEvent]:
+    """:func:`client_event_bodies`, decoded."""
+    return [decode(ClientEvent, body) for body in client_event_bodies(msg)]
+
+
 def collect(queue: asyncio.Queue[E], cls: type[E]) -> Callable[[Msg], Awaitable[None]]:
-    """A subscription callback that decodes every message as ``cls`` into ``queue``."""
+    """A subscription callback that decodes every message as ``cls`` into ``queue`` (each event of
+    a batch of client events, for ``ClientEvent``)."""
 
     async def put(msg: Msg) -> None:
-        queue.put_nowait(decode(cls, msg.data))
+        for item in client_events(msg) if cls is ClientEvent else [decode(cls, msg.data)]:
+            queue.put_nowait(item)
 
     return put
 

@@ -26,6 +26,7 @@ from openai import AsyncOpenAI
 from libs.common.envelopes import ClientEvent, ClientEventType, Liveness, decode
 from libs.common.records import RequestRecord
 from libs.common.subjects import Subjects
+from tests.bus import client_events
 
 PROMPT = "Tell me everything about the sea."
 
@@ -226,8 +227,9 @@ class Wire:
 
     async def listen(self, nc: Client, pipeline: str) -> None:
         async def on_event(msg: Msg) -> None:
-            event = decode(ClientEvent, msg.data)
-            self.events.setdefault(event.request_id, []).append((time.monotonic(), event))
+            now = time.monotonic()
+            for event in client_events(msg):
+                self.events.setdefault(event.request_id, []).append((now, event))
 
         await nc.subscribe(f"omni.{pipeline}.out.>", cb=on_event)
 

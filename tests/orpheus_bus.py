@@ -19,7 +19,7 @@ from libs.common.envelopes import ClientEvent, ClientEventType, StageTask, TaskK
 from libs.common.publish import Hop, publish_task
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
 from libs.common.subjects import Subjects
-from tests.bus import collect
+from tests.bus import client_events, collect
 
 PIPELINE = "orpheustiny"
 MODEL = f"{PIPELINE}-model"
@@ -214,9 +214,10 @@ class BusLog:
             self.first_in.setdefault((rid, int(edge[2])), now)
 
         async def on_event(msg: Msg) -> None:
-            now, ev = time.monotonic(), decode(ClientEvent, msg.data)
-            if ev.type == ClientEventType.AUDIO_DONE:
-                self.audio_done[ev.request_id] = now
+            now = time.monotonic()
+            for ev in client_events(msg):
+                if ev.type == ClientEventType.AUDIO_DONE:
+                    self.audio_done[ev.request_id] = now
 
         await nc.subscribe(SUBJECTS.stages_wildcard, cb=on_stage)
         await nc.subscribe(f"omni.{PIPELINE}.out.>", cb=on_event)

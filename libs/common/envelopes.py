@@ -305,6 +305,21 @@ def pack_text(
     )
 
 
+def pack_batch(bodies: list[bytes]) -> bytes:
+    """One message's body carrying several client events: a msgpack array of their bodies, each
+    exactly as it would travel alone (binary items: nothing inside is packed again)."""
+    return msgpack.packb(bodies, use_bin_type=True)
+
+
+def unpack_batch(data: bytes) -> list[bytes]:
+    """The event bodies of a :func:`pack_batch` body, in order, or :class:`MalformedMessage` when
+    it is not a msgpack array of binary items (then none is taken)."""
+    items = unpack(data)
+    if type(items) is not list or not all(type(b) is bytes for b in items):
+        raise MalformedMessage("a batch body must be an array of binary event bodies", "not_a_batch")
+    return items
+
+
 def plain_text(items: list) -> bool:
     """True when ``items`` is :data:`TEXT_LAYOUT` with each value of exactly the type
     :class:`ClientEvent` declares (``str``, ``int``, a list of ``int``) and an :data:`Id`: what

@@ -42,6 +42,11 @@ def max_deliveries_advisory(stream: str, consumer: str) -> str:
     return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{consumer}"
 
 
+BATCH_TOKEN = "~"
+"""The last token of :meth:`Subjects.out_batch`: outside a request id's alphabet
+(``[A-Za-z0-9_-]``), so no request's own subject can be a batch's."""
+
+
 def consumer_name(stage: int, replica: int) -> str:
     """Durable consumer of worker (stage, replica): ``stage-<s>-<r>``."""
     return f"stage-{stage}-{replica}"
@@ -77,6 +82,12 @@ class Subjects:
     def out(self, gateway_id: str, request_id: str) -> str:
         """Client-visible deltas and the terminal event of one request (core NATS)."""
         return f"omni.{self.pipeline}.out.{gateway_id}.{request_id}"
+
+    def out_batch(self, gateway_id: str) -> str:
+        """Client events of several requests of one gateway sent by one worker in one message
+        (core NATS; :data:`BATCH_TOKEN` is no request id, and the gateway's one subscription to
+        :meth:`out_wildcard` takes these in order with the single events)."""
+        return f"omni.{self.pipeline}.out.{gateway_id}.{BATCH_TOKEN}"
 
     def out_wildcard(self, gateway_id: str) -> str:
         return f"omni.{self.pipeline}.out.{gateway_id}.*"

@@ -31,6 +31,7 @@ from libs.common.envelopes import (
     StageEnded,
     decode,
     decode_or_log,
+    unpack_batch,
 )
 from libs.common.jetstream import JetStream
 from libs.common.pipeline import Payload, PipelineConfig
@@ -92,6 +93,7 @@ class PipelineClient:
         self.trust = EventTrust(pipeline, self.gateway_id, on_rejected)
         self._handles: dict[str, RequestHandle] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self._batch_subject = self.subjects.out_batch(self.gateway_id)
 
     async def start(self) -> None:
         self.nc = await connect(self.settings.nats_url, f"omnirelay-gateway-{self.gateway_id}")
@@ -159,20 +161,36 @@ class PipelineClient:
         )
 
     async def _on_event(self, msg: Msg) -> None:
+        """One client event on its request's subject, or several (of any requests of this
+        gateway) in a worker's batch on ``out.<gateway>.~``, each taken as if it came alone."""
+        if msg.subject == self._batch_subject:
+            try:
+                bodies = unpack_batch(msg.data)
+            except MalformedMessage as e:
+                log.error("dropping a malformed batch of events on %s: %s", msg.subject, e)
+                return
+            for body in bodies:
+                self._take(body, msg.subject, batched=True)
+        else:
+            self._take(msg.data, msg.subject)
+
+    def _take(self, data: bytes, subject: str, batched: bool = False) -> None:
+        """Judge one event (docs/security.md, "What the application checks") and hand it to
+        its request; a batched event's subject names only this gateway."""
         try:
-            event = decode(ClientEvent, msg.data)
+            event = decode(ClientEvent, data)
         except MalformedMessage as e:
-            log.error("dropping malformed event on %s: %s", msg.subject, e)
+            log.error("dropping malformed event on %s: %s", subject, e)
             return
-        if not self.trust.subject_names(msg.subject, event):
-            self._rejected(Rejected.SUBJECT_MISMATCH, event, msg.subject)
+        if not batched and not self.trust.subject_names(subject, event):
+            self._rejected(Rejected.SUBJECT_MISMATCH, event, subject)
             return
         handle = self._handles.get(event.request_id)
         if handle is None:
             self.trust.count(self.trust.not_held(event.request_id))
             return
         if (why := self.trust.origin(event, handle.attempts)) is not None:
-            self._rejected(why, event, msg.subject)
+            self._rejected(why, event, subject)
             return
         if event.stage is not None:  # the attempt's first event binds its replica (when not announced)
             handle.attempts.replica.setdefault((event.stage, event.attempt), event.replica or 0)

@@ -24,6 +24,7 @@ from libs.common.publish import (
     until_stored,
 )
 from libs.common.subjects import Subjects
+from services.stage_worker.event_batcher import ClientEventBatcher
 from services.stage_worker.inbox import Delivery, RequestInbox
 from services.stage_worker.sent_events import SentEvents
 from services.stage_worker.transfer_stats import TransferStats
@@ -49,6 +50,8 @@ class Bus:
     nc: NATS
     js: JetStreamContext
     subjects: Subjects
+    events: ClientEventBatcher | None = None
+    """Sends the client events of a turn together (a worker's; None: each on its own)."""
 
 
 @dataclass
@@ -308,10 +311,16 @@ class RequestContext:
         )
 
     async def _send_client(self, seq: int, data: bytes) -> None:
-        """Keep client event ``seq`` for a replay, then publish it to the request's gateway."""
+        """Keep client event ``seq`` for a replay, then send it to the request's gateway: with
+        the other events of this turn (``Bus.events``), or alone."""
         if self.sent is not None:
             self.sent.add(self.request_id, self.attempt, seq, data)
-        await publish_core(self.bus.nc, self._out_subject, data)
+        if self.bus.events is None:
+            await publish_core(self.bus.nc, self._out_subject, data)
+            return
+        if not self.bus.nc.is_connected:  # the request's production pauses while the broker is away
+            await until_connected(self.bus.nc)
+        await self.bus.events.add(self.first.gateway_id, self.request_id, data)
 
     @cached_property
     def _out_subject(self) -> str:

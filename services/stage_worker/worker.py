@@ -52,6 +52,7 @@ from libs.common.version import VERSION
 from services.stage_worker.attempt_marks import AttemptMarks
 from services.stage_worker.control import ControlAnswers, reroute
 from services.stage_worker.engine_health import EngineHealth
+from services.stage_worker.event_batcher import ClientEventBatcher
 from services.stage_worker.handlers import make_handler
 from services.stage_worker.handlers.base import StageError, StageHandler
 from services.stage_worker.inbox import Delivery
@@ -133,7 +134,7 @@ class StageWorker(ControlAnswers):
         nc = await connect(self.settings.nats_url, f"omnirelay-worker-{self.me.stage}-{self.me.replica}")
         js = JetStream(nc)
         await ensure_topology(js, self.subjects)
-        self.bus = Bus(nc, js, self.subjects)
+        self.bus = Bus(nc, js, self.subjects, ClientEventBatcher(nc, self.subjects))
         self._records = await requests_kv(js)
         await nc.subscribe(self.subjects.abort, cb=self._on_abort)
         if self.metrics.enabled:

@@ -23,6 +23,7 @@ from typing import Any
 import msgpack
 
 from libs.common import headers as h
+from libs.common.envelopes import pack_batch
 from libs.common.pipeline import Payload, PipelineConfig
 from libs.common.subjects import EVENT_KINDS, Subjects, consumer_name, max_deliveries_advisory
 
@@ -72,6 +73,8 @@ class Target:
     headers: dict[str, str] | None = None
     reply: bool = False
     """A request/reply subject: sent with a reply inbox (the answers are counted, not judged)."""
+    batch: bool = False
+    """A worker's batch of client events (``out.<gateway>.~``): :func:`batch_body`."""
 
 
 def _pack(value: Any) -> bytes:
@@ -128,6 +131,19 @@ def mutate(rng: random.Random, kind: str, template: dict[str, Any]) -> bytes:
         return _pack(body)
     except (OverflowError, ValueError, TypeError):  # an int msgpack cannot hold: send the template
         return _pack(template)
+
+
+def batch_body(rng: random.Random, kind: str, template: Callable[[random.Random], dict[str, Any]]) -> bytes:
+    """A batch body (``envelopes.pack_batch``) of mutation ``kind``: the batch itself broken for
+    the kinds that break an envelope, else one to four events, each mutated by ``kind``."""
+    if kind in ("garbage", "not_msgpack"):
+        return mutate(rng, kind, template(rng))
+    whole = pack_batch([mutate(rng, kind, template(rng)) for _ in range(rng.randint(1, 4))])
+    if kind == "truncated":
+        return whole[: rng.randrange(1, len(whole))]
+    if kind == "not_a_map":  # not an array of binary items
+        return _pack(rng.choice(([1, 2, 3], {"a": b"x"}, [b"x", 7], "batch")))
+    return whole
 
 
 # --- the templates: one valid envelope per message type, for an unknown request ------------------
@@ -295,6 +311,7 @@ def targets(pipeline: PipelineConfig, gateway_ids: list[str], orchestrator_ids: 
     out += [Target(s.orchestrator_alive(o), liveness, reply=True) for o in orchestrator_ids]
     for g in gateway_ids:
         out += [Target(s.resume(g), resume_query, reply=True), Target(s.ended(g), stage_ended)]
+        out += [Target(s.out_batch(g), client_event, batch=True)]
     out += [Target(s.abort, abort)]
     for i, stage in enumerate(pipeline.stages):
         for r in range(stage.replicas):

@@ -17,8 +17,9 @@ import openai
 import pytest
 
 from libs.common.bus_state import request_record
-from libs.common.envelopes import ClientEvent, ClientEventType, decode
+from libs.common.envelopes import ClientEvent, ClientEventType
 from libs.common.subjects import Subjects
+from tests.bus import client_events
 
 pytestmark = pytest.mark.e2e
 
@@ -76,9 +77,9 @@ async def test_32_concurrent_streams_complete_independently_on_both_replicas(sta
     sent: dict[str, list[ClientEvent]] = defaultdict(list)  # request id → its text events on the bus
 
     async def on_event(msg) -> None:
-        ev = decode(ClientEvent, msg.data)
-        if ev.type == ClientEventType.TEXT:
-            sent[msg.subject.rsplit(".", 1)[1]].append(ev)
+        for ev in client_events(msg):  # a batch's subject names no request: the event does
+            if ev.type == ClientEventType.TEXT:
+                sent[ev.request_id].append(ev)
 
     nc = await nats.connect(stack.nats_url)
     try:

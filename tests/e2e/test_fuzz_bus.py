@@ -44,6 +44,7 @@ from tests.e2e.bus_fuzz import (
     KINDS,
     Target,
     admission,
+    batch_body,
     client_event,
     mutate,
     out_target,
@@ -177,7 +178,7 @@ async def send_round(
     for t in fuzz_targets:
         for _ in range(PER_TARGET):
             kind = rng.choice(KINDS)
-            body = mutate(rng, kind, t.template(rng))
+            body = batch_body(rng, kind, t.template) if t.batch else mutate(rng, kind, t.template(rng))
             sent.by_kind[kind] = sent.by_kind.get(kind, 0) + 1
             if t.jetstream:
                 headers = {**(t.headers or {}), "Nats-Msg-Id": f"fuzz-{rng.getrandbits(64):x}"}

@@ -25,8 +25,9 @@ import pytest
 
 from libs.common import headers as h
 from libs.common.bus_state import request_record, snapshot
-from libs.common.envelopes import ClientEvent, StageTask, decode
+from libs.common.envelopes import StageTask, decode
 from libs.common.subjects import Subjects
+from tests.bus import client_events
 from tests.metrics_scrape import Samples, delta, scrape, total
 from tests.procs import process_state, stop_confirmed, worker_pid
 
@@ -140,9 +141,10 @@ class BusWatch:
             s.last_out[int(edge[0])] = now
 
     async def _on_event(self, msg) -> None:
-        now, ev = time.monotonic(), decode(ClientEvent, msg.data)
-        if ev.stage is not None:
-            self.seen[ev.request_id].last_out[ev.stage] = now
+        now = time.monotonic()
+        for ev in client_events(msg):
+            if ev.stage is not None:
+                self.seen[ev.request_id].last_out[ev.stage] = now
 
     async def settle(self, rid: str, timeout_s: float = WAIT_S) -> dict:
         """Wait until every stage of ``rid``'s route is done (its record says so; a stage is done

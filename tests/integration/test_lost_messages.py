@@ -33,9 +33,9 @@ from nats.js.errors import NoStreamResponseError
 from openai import AsyncOpenAI
 
 from libs.common.bus import requests_kv
-from libs.common.envelopes import ClientEvent, ClientEventType, ReplayAsk, decode
+from libs.common.envelopes import ClientEvent, ClientEventType, ReplayAsk, decode, pack_batch, unpack_batch
 from libs.common.local_nats import free_port
-from libs.common.subjects import EVENT_KINDS, Subjects
+from libs.common.subjects import BATCH_TOKEN, EVENT_KINDS, Subjects
 from tests.client_streams import (
     Seen,
     Wire,
@@ -100,12 +100,14 @@ class LossyLink:
     """A TCP proxy between NATS clients and nats-server, on a thread of its own (the services keep
     talking while a test's sync code blocks). It forwards every byte except the messages that
     ``lose_sent`` (client → server) or ``lose_received`` (server → client) choose, given their
-    subject and payload."""
+    subject and payload: True loses the message, bytes replace a published message's payload (it
+    is sent as a ``PUB`` without reply or headers: a worker's batch of client events, less the
+    lost one)."""
 
     def __init__(
         self,
         server_url: str,
-        lose_sent: Callable[[str, bytes], bool],
+        lose_sent: Callable[[str, bytes], bool | bytes],
         lose_received: Callable[[str, bytes], bool],
     ) -> None:
         self.server_port = urlparse(server_url).port
@@ -143,7 +145,7 @@ class LossyLink:
 
     @staticmethod
     async def _pump(
-        src: asyncio.StreamReader, dst: asyncio.StreamWriter, lose: Callable[[str, bytes], bool]
+        src: asyncio.StreamReader, dst: asyncio.StreamWriter, lose: Callable[[str, bytes], bool | bytes]
     ) -> None:
         buf = bytearray()
         while data := await src.read(1 << 16):
@@ -151,8 +153,11 @@ class LossyLink:
             out = bytearray()
             while (frame := _frame(buf)) is not None:
                 taken, subject, payload = frame
-                if subject is None or not lose(subject, payload):
+                verdict = False if subject is None else lose(subject, payload)
+                if verdict is False:
                     out += buf[:taken]
+                elif verdict is not True:
+                    out += b"PUB %s %d\r\n%s\r\n" % (subject.encode(), len(verdict), verdict)
                 del buf[:taken]
             dst.write(bytes(out))
             await dst.drain()
@@ -167,14 +172,18 @@ class LostEvent:
     lost: ClientEvent | None = None
     replays_lost: int = 0
 
-    def sent(self, subject: str, payload: bytes) -> bool:
+    def sent(self, subject: str, payload: bytes) -> bool | bytes:
+        """Lose the event: its message, or its place in a worker's batch (the rest go on)."""
         if not self.armed or self.lost is not None or not subject.startswith(f"omni.{PIPELINE}.out."):
             return False
-        event = decode(ClientEvent, payload)
-        if (event.type, event.attempt, event.seq) != (ClientEventType.TEXT, 1, DROP_SEQ):
-            return False
-        self.lost = event
-        return True
+        batched = subject.endswith(f".{BATCH_TOKEN}")
+        bodies = unpack_batch(payload) if batched else [payload]
+        for i, body in enumerate(bodies):
+            event = decode(ClientEvent, body)
+            if (event.type, event.attempt, event.seq) == (ClientEventType.TEXT, 1, DROP_SEQ):
+                self.lost = event
+                return pack_batch(bodies[:i] + bodies[i + 1 :]) if batched else True
+        return False
 
     def received(self, subject: str, payload: bytes) -> bool:
         if self.lost is None or subject != SUBJECTS.replay(0, 0):

@@ -18,7 +18,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from vllm.tokenizers import get_tokenizer
 
+from libs.common.envelopes import ClientEvent, decode, unpack_batch
 from libs.common.local_nats import free_port
+from libs.common.subjects import Subjects
 from libs.models.tiny import resolve_model
 from services.stage_worker.mock_engine import token_cycle
 from tests.procs import ServiceProcess, start_service, until, write_pipeline
@@ -117,11 +119,25 @@ async def test_a_streamed_completion_has_max_tokens_tokens_and_their_text(stack,
     assert text == _expected(tokenizer, prompt, 37)
 
 
-async def test_concurrent_streams_each_get_every_token(stack, tokenizer) -> None:
+async def test_concurrent_streams_each_get_every_token(stack, tokenizer, nc) -> None:
+    """With 24 streams under way, the worker sends a turn's events of several requests in one
+    batch (services/stage_worker/event_batcher.py); the gateway unpacks each batch, so every
+    stream still gets each of its tokens once, in order."""
+    batches: list[list[ClientEvent]] = []
+
+    async def on_batch(msg) -> None:
+        batches.append([decode(ClientEvent, b) for b in unpack_batch(msg.data)])
+
+    sub = await nc.subscribe(Subjects(PIPELINE).out_batch("*"), cb=on_batch)
+    await nc.flush()
     async with _client(stack) as client:
         results = await asyncio.gather(*(_stream(client, 64) for _ in range(24)))
+    await sub.unsubscribe()
     assert [r[1] for r in results] == [64] * 24
     assert all(r[0] == _expected(tokenizer, r[2], 64) for r in results)
+    assert batches, "no batch: every event went alone"
+    assert all(len(b) >= 2 for b in batches)
+    assert max(len({e.request_id for e in b}) for b in batches) >= 2, "no batch carried two requests"
 
 
 async def test_a_stop_string_ends_the_answer(stack) -> None:

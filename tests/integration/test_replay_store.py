@@ -32,6 +32,7 @@ from libs.common.envelopes import (
 from libs.common.publish import Hop, publish_task
 from libs.common.subjects import Subjects
 from services.stage_worker.sent_events import KEEP_S, MAX_BYTES
+from tests.bus import client_event_bodies
 from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, start_service, write_pipeline
 
 pytestmark = pytest.mark.integration
@@ -77,16 +78,17 @@ class Talker:
 
     async def listen(self) -> None:
         async def on_event(msg: Msg) -> None:
-            event = decode(ClientEvent, msg.data)
-            kept = self.sent.setdefault(event.request_id, Sent())
-            if kept.events == 0:
-                kept.first = msg.data
-            kept.events += 1
-            kept.bytes += len(msg.data)
-            if event.type == ClientEventType.ERROR:
-                kept.error = f"{event.code}: {event.message}"
-            if event.type in (ClientEventType.AUDIO_DONE, ClientEventType.ERROR):
-                kept.done.set()
+            for body in client_event_bodies(msg):
+                event = decode(ClientEvent, body)
+                kept = self.sent.setdefault(event.request_id, Sent())
+                if kept.events == 0:
+                    kept.first = body
+                kept.events += 1
+                kept.bytes += len(body)
+                if event.type == ClientEventType.ERROR:
+                    kept.error = f"{event.code}: {event.message}"
+                if event.type in (ClientEventType.AUDIO_DONE, ClientEventType.ERROR):
+                    kept.done.set()
 
         await self.nc.subscribe(SUBJECTS.out_wildcard(GATEWAY), cb=on_event, pending_bytes_limit=1 << 30)
 

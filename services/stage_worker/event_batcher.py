@@ -1,0 +1,115 @@
+"""A worker's client events, sent once per event-loop turn: one message per gateway.
+
+An engine step gives every running request its next tokens at once: vLLM's output handler wakes
+each request's handler in the same turn of the event loop, and each hands its event to
+:meth:`ClientEventBatcher.add`. The first event of a turn starts a send task, which runs in the
+next turn, after every handler of this one has added its event, and publishes what was added as
+one message per gateway (:func:`frames`): the events of several requests in one batch on
+``out.<gateway>.~`` (``Subjects.out_batch``; the body is ``envelopes.pack_batch``), those of a
+single request (the only one under way, say) each on its request's own subject, as before. The gateway's one subscription takes both in the order they were sent,
+and each event in a batch is judged as if it had come alone.
+
+Order: events go out in the order they were added, per gateway and so per request; one send task
+runs at a time, and one started while the connection is down waits for it (``publish_core``)
+with what came later queued behind. Back-pressure: past :data:`MAX_WAITING_BYTES` waiting, adding
+waits for the send task (a broker that does not read stops the requests' production, as it did
+when each event was published alone). Nothing here keeps events for a replay: the caller has put
+each in the replay store (``SentEvents``) before adding it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+
+from nats.aio.client import Client as NATS
+
+from libs.common.envelopes import pack_batch
+from libs.common.publish import publish_core
+from libs.common.subjects import Subjects
+
+log = logging.getLogger(__name__)
+
+MAX_WAITING_BYTES = 1 << 20
+"""Bytes of events added and not yet taken by the send task beyond which :meth:`ClientEventBatcher.add`
+waits (while the broker does not read: nats-py's own buffer then holds its 2 MiB and the send task
+waits on it), so that a request's production pauses as when each event was published alone."""
+MAX_BATCH_BYTES = 64 << 10
+"""A batch carries events up to this many bytes of bodies; an event this large or larger (an
+audio chunk) goes alone on its request's subject, in its place in the order."""
+
+
+def frames(
+    subjects: Subjects, gateway_id: str, events: list[tuple[str, bytes]], max_bytes: int = MAX_BATCH_BYTES
+) -> Iterator[tuple[str, bytes]]:
+    """The messages (subject, body) that carry ``events`` ((request id, body) in the order they
+    were added) to gateway ``gateway_id``, in that order. Events of one request only go each on
+    its request's subject, as they always did. Events of several requests go as runs of small
+    events in batches of at most ``max_bytes`` of bodies, an event alone on its request's
+    subject when its run holds only it or it is ``max_bytes`` or larger."""
+    if len({request_id for request_id, _ in events}) < 2:
+        for request_id, body in events:
+            yield subjects.out(gateway_id, request_id), body
+        return
+    run: list[tuple[str, bytes]] = []
+    size = 0
+
+    def close() -> Iterator[tuple[str, bytes]]:
+        if len(run) == 1:
+            yield subjects.out(gateway_id, run[0][0]), run[0][1]
+        elif run:
+            yield subjects.out_batch(gateway_id), pack_batch([body for _, body in run])
+
+    for request_id, body in events:
+        if len(body) >= max_bytes:
+            yield from close()
+            run, size = [], 0
+            yield subjects.out(gateway_id, request_id), body
+            continue
+        if size + len(body) > max_bytes:
+            yield from close()
+            run, size = [], 0
+        run.append((request_id, body))
+        size += len(body)
+    yield from close()
+
+
+class ClientEventBatcher:
+    """Collects a worker's client events and sends them per gateway once per turn."""
+
+    def __init__(self, nc: NATS, subjects: Subjects) -> None:
+        self._nc = nc
+        self._subjects = subjects
+        self._pending: dict[str, list[tuple[str, bytes]]] = {}
+        """Gateway id → (request id, event body) added since the send task last took them."""
+        self._waiting = 0
+        """Bytes of :attr:`_pending`."""
+        self._room = asyncio.Event()
+        """Set when the send task has taken what waited."""
+        self._sending: asyncio.Task[None] | None = None
+
+    async def add(self, gateway_id: str, request_id: str, body: bytes) -> None:
+        """Send ``body`` (one client event of ``request_id``) to ``gateway_id`` with the other
+        events of this turn; returns at once unless :data:`MAX_WAITING_BYTES` wait already."""
+        self._pending.setdefault(gateway_id, []).append((request_id, body))
+        self._waiting += len(body)
+        if self._sending is None:
+            self._sending = asyncio.get_running_loop().create_task(self._send(), name="client-events")
+        while self._waiting > MAX_WAITING_BYTES and self._sending is not None:
+            self._room.clear()
+            await self._room.wait()
+
+    async def _send(self) -> None:
+        try:
+            while self._pending:
+                pending, self._pending, self._waiting = self._pending, {}, 0
+                self._room.set()
+                for gateway_id, events in pending.items():
+                    for subject, body in frames(self._subjects, gateway_id, events):
+                        await publish_core(self._nc, subject, body)
+        except Exception:  # the events are in the replay store: the gateway asks for a gap
+            log.exception("client events not sent")
+        finally:
+            self._sending = None
+            self._room.set()
