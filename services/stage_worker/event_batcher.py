@@ -2,12 +2,13 @@
 
 An engine step gives every running request its next tokens at once: vLLM's output handler wakes
 each request's handler in the same turn of the event loop, and each hands its event to
-:meth:`ClientEventBatcher.add`. The first event of a turn starts a send task, which runs in the
-next turn, after every handler of this one has added its event, and publishes what was added as
+:meth:`ClientEventBatcher.add`. The first event of a turn goes at once, alone (so one request in
+flight pays nothing for this); the second starts a send task, which runs in the next turn, after
+every handler of this one has added its event, and publishes what was added after the first as
 one message per gateway (:func:`frames`): the events of several requests in one batch on
 ``out.<gateway>.~`` (``Subjects.out_batch``; the body is ``envelopes.pack_batch``), those of a
-single request (the only one under way, say) each on its request's own subject, as before. The gateway's one subscription takes both in the order they were sent,
-and each event in a batch is judged as if it had come alone.
+single request each on its request's own subject, as before. The gateway's one subscription takes
+both in the order they were sent, and each event in a batch is judged as if it had come alone.
 
 Order: events go out in the order they were added, per gateway and so per request; one send task
 runs at a time, and one started while the connection is down waits for it (``publish_core``)
@@ -88,17 +89,39 @@ class ClientEventBatcher:
         self._room = asyncio.Event()
         """Set when the send task has taken what waited."""
         self._sending: asyncio.Task[None] | None = None
+        self._direct = False
+        """An event is being published at once (:meth:`add`)."""
+        self._turn_used = False
+        """An event went at once in this turn of the event loop."""
 
     async def add(self, gateway_id: str, request_id: str, body: bytes) -> None:
-        """Send ``body`` (one client event of ``request_id``) to ``gateway_id`` with the other
-        events of this turn; returns at once unless :data:`MAX_WAITING_BYTES` wait already."""
+        """Send ``body`` (one client event of ``request_id``) to ``gateway_id``. The first event
+        of a turn, when nothing waits, goes at once on its request's subject: a lone request
+        pays no extra turn, and an engine step's first event does not wait for the rest. The
+        turn's later events go together in the next turn (:func:`frames`). Returns at once
+        unless :data:`MAX_WAITING_BYTES` wait already."""
+        if not (self._turn_used or self._direct or self._pending or self._sending):
+            self._turn_used, self._direct = True, True
+            asyncio.get_running_loop().call_soon(self._next_turn)
+            try:
+                await publish_core(self._nc, self._subjects.out(gateway_id, request_id), body)
+            finally:
+                self._direct = False
+                self._start_sending()  # what came while it waited for the connection
+            return
         self._pending.setdefault(gateway_id, []).append((request_id, body))
         self._waiting += len(body)
-        if self._sending is None:
-            self._sending = asyncio.get_running_loop().create_task(self._send(), name="client-events")
+        self._start_sending()
         while self._waiting > MAX_WAITING_BYTES and self._sending is not None:
             self._room.clear()
             await self._room.wait()
+
+    def _next_turn(self) -> None:
+        self._turn_used = False
+
+    def _start_sending(self) -> None:
+        if self._pending and self._sending is None and not self._direct:
+            self._sending = asyncio.get_running_loop().create_task(self._send(), name="client-events")
 
     async def _send(self) -> None:
         try:
