@@ -25,11 +25,12 @@ import pytest
 from libs.common.bus import requests_kv
 from libs.common.envelopes import ClientEvent, ClientEventType, Sampling, StageTask, TaskKind
 from libs.common.publish import Hop, publish_task
-from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
+from libs.common.records import RequestRecord
 from libs.common.subjects import Subjects, consumer_name
 from services.orchestrator.migration import apply_move, plan_move
 from tests.bus import collect
 from tests.procs import TALKER_YAML, THINKER_YAML, start_service, until, write_pipeline
+from tests.records import bound_record
 
 pytestmark = pytest.mark.integration
 
@@ -55,22 +56,7 @@ def worker(nats_server, tmp_path_factory):
 
 
 def _record(rid: str, route: list[int]) -> RequestRecord:
-    now = time.time_ns()
-    return RequestRecord(
-        request_id=rid,
-        pipeline=PIPELINE,
-        gateway_id=GATEWAY,
-        status=RequestStatus.ADMITTED,
-        route=route,
-        stages=[
-            StageProgress(replica=r, attempts=[StageAttempt(attempt=1, replica=r, bound_ns=now)])
-            for r in route
-        ],
-        arrival_ns=now,
-        admitted_ns=now,
-        deadline_ns=now + 60 * 10**9,
-        updated_ns=now,
-    )
+    return bound_record(rid, route, pipeline=PIPELINE, gateway_id=GATEWAY)
 
 
 def _moved(rec: RequestRecord, stage: int, to: int) -> None:

@@ -7,28 +7,14 @@ from __future__ import annotations
 import time
 
 from libs.common.envelopes import StageTask, TaskKind
-from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
+from libs.common.records import RequestRecord, RequestStatus
 from services.orchestrator.migration import apply_move, plan_move
 from services.stage_worker.record_check import Downstream, StartVerdict, judge_start
+from tests.records import bound_record
 
 
 def _rec(route: list[int]) -> RequestRecord:
-    now = time.time_ns()
-    return RequestRecord(
-        request_id="r",
-        pipeline="p",
-        gateway_id="g",
-        status=RequestStatus.RUNNING,
-        route=route,
-        stages=[
-            StageProgress(replica=r, attempts=[StageAttempt(attempt=1, replica=r, bound_ns=now)])
-            for r in route
-        ],
-        arrival_ns=now,
-        admitted_ns=now,
-        deadline_ns=now + 10**10,
-        updated_ns=now,
-    )
+    return bound_record("r", route, status=RequestStatus.RUNNING, deadline_s=10)
 
 
 def _chunk(route: list[int], attempt: int = 1, next_attempt: int = 1) -> StageTask:
