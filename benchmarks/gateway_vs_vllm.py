@@ -432,7 +432,12 @@ def _start_targets(
     )
     return {
         GATEWAY: Target(
-            GATEWAY, f"http://127.0.0.1:{gw_port}/v1", model, f"http://127.0.0.1:{gw_port}/health", stack
+            GATEWAY,
+            f"http://127.0.0.1:{gw_port}/v1",
+            model,
+            f"http://127.0.0.1:{gw_port}/health",
+            stack,
+            companions=(nats,),
         ),
         DIRECT: Target(
             DIRECT, f"http://127.0.0.1:{vllm_port}/v1", model, f"http://127.0.0.1:{vllm_port}/health", vllm

@@ -573,6 +573,8 @@ class Target:
     model: str
     health_url: str
     process: Managed
+    companions: tuple[Managed, ...] = ()
+    """Processes it needs and did not start (omnirelay's nats-server): counted in its CPU."""
 
 
 async def timed_request(client, model: str, prompt: str, max_tokens: int) -> RequestTiming:

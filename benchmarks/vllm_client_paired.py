@@ -28,6 +28,7 @@ statistics are pure functions (tested in ``tests/unit/test_bench_vllm_client.py`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -36,6 +37,15 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks.cpu_split import (
+    CLIENT_KEY,
+    ENGINE_KEY,
+    FRONT_END_KEY,
+    PROCESS_KEY_PREFIX,
+    children_cpu_s,
+    cpu_per_token,
+    snapshot,
+)
 from benchmarks.gateway_vs_vllm import (
     DIRECT,
     GATEWAY,
@@ -47,9 +57,11 @@ from benchmarks.harness import (
     DEFAULT_PIPELINE,
     Target,
     log,
+    process_cpu_s,
     run_load,
     while_active,
 )
+from libs.common.local_nats import SYNC_INTERVAL
 from libs.common.pipeline import PipelineConfig, load_pipeline
 
 TITLES = {GATEWAY: "omnirelay", DIRECT: "vLLM"}
@@ -72,6 +84,9 @@ FIGURES = (
     Figure("TPOT p50", "median_tpot_ms", "ms"),
     Figure("TTFT p50", "median_ttft_ms", "ms"),
     Figure("output throughput", "output_throughput", "tok/s"),
+    Figure("front-end CPU per token", FRONT_END_KEY, "µs"),
+    Figure("engine CPU per token", ENGINE_KEY, "µs"),
+    Figure("client CPU per token", CLIENT_KEY, "µs"),
 )
 
 
@@ -105,6 +120,7 @@ class ClientRun:
 def run_from_result(target: str, concurrency: int, round_no: int, result: dict) -> ClientRun:
     """A :class:`ClientRun` from the JSON ``vllm bench serve --save-result`` wrote."""
     keys = [f.key for f in FIGURES] + [E2E_KEY]
+    keys += [k for k in result if k.startswith(PROCESS_KEY_PREFIX)]
     figures = {k: float(result[k]) for k in keys if result.get(k) is not None}
     completed = int(result.get("completed", 0))
     failed = int(result.get("failed", max(int(result.get("num_prompts", completed)) - completed, 0)))
@@ -208,6 +224,14 @@ def render(runs: Sequence[ClientRun], concurrencies: Sequence[int]) -> str:
                 )
             )
     lines += ["", "medians over rounds", _table(("figure", "c", TITLES[GATEWAY], TITLES[DIRECT]), raw)]
+    lines += ["", "CPU per output token by process (µs, median over rounds)", _table(*by_process(runs))]
+    lines += [""] + [
+        f"c={c} {TITLES[t]}: front end + client busy {load.median:.0%} of a core (per round "
+        f"{load.low:.0%}–{load.high:.0%})"
+        for c in concurrencies
+        for t in (GATEWAY, DIRECT)
+        if (load := spread(front_side_loads(runs, t, c))) is not None
+    ]
     failed = [r for r in runs if r.failed]
     lines += [
         f"note: {TITLES[r.target]} c={r.concurrency} round {r.round_no}: {r.failed} failed requests"
@@ -215,6 +239,41 @@ def render(runs: Sequence[ClientRun], concurrencies: Sequence[int]) -> str:
     ]
     lines += burst_notes(runs)
     return "\n".join(lines)
+
+
+def by_process(runs: Sequence[ClientRun]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """Header and rows of the CPU per token of each kind of process (``PROCESS_KEY_PREFIX``
+    figures), one column per (target, concurrency), medians over rounds, largest first."""
+    cells = sorted({(r.target, r.concurrency) for r in runs}, key=lambda tc: (tc[1], tc[0] != GATEWAY))
+    labels: dict[str, float] = {}
+    medians: dict[tuple[str, str, int], float] = {}
+    for t, c in cells:
+        keys = {k for r in runs if (r.target, r.concurrency) == (t, c) for k in r.figures}
+        for k in sorted(k for k in keys if k.startswith(PROCESS_KEY_PREFIX)):
+            vals = [r.figures[k] for r in runs if (r.target, r.concurrency) == (t, c) and k in r.figures]
+            label = k.removeprefix(PROCESS_KEY_PREFIX)
+            medians[label, t, c] = statistics.median(vals)
+            labels[label] = max(labels.get(label, 0.0), medians[label, t, c])
+    header = ("process", *(f"{TITLES[t]} c={c}" for t, c in cells))
+    rows = [
+        (label, *(f"{medians[label, t, c]:.1f}" if (label, t, c) in medians else "-" for t, c in cells))
+        for label in sorted(labels, key=lambda x: -labels[x])
+    ]
+    return header, rows
+
+
+def front_side_loads(runs: Sequence[ClientRun], target: str, concurrency: int) -> list[float]:
+    """Per run of ``target`` at ``concurrency``: the CPU its front end and vLLM's client used
+    over the measured requests, in cores ((front end + client) µs per token × tokens per µs);
+    with the engines isolated both share the front-end cores, so near 1.0 per core means they
+    are saturated."""
+    return [
+        (r.figures[FRONT_END_KEY] + r.figures[CLIENT_KEY]) * r.figures["output_throughput"] / 1e6
+        for r in runs
+        if r.target == target
+        and r.concurrency == concurrency
+        and all(k in r.figures for k in (FRONT_END_KEY, CLIENT_KEY, "output_throughput"))
+    ]
 
 
 def burst_notes(runs: Sequence[ClientRun]) -> list[str]:
@@ -248,6 +307,8 @@ class VllmClientOptions:
     output_len: int = 64
     isolate_engines: bool = True
     core: int | None = None
+    nats_sync_interval: str = SYNC_INTERVAL
+    """JetStream ``sync_interval`` of omnirelay's NATS server."""
     json_path: Path | None = None
     log_dir: Path | None = None
     settle: int = 2
@@ -309,15 +370,48 @@ def client_argv(
     ]
 
 
-async def _client_run(argv: list[str], out: Path, log_path: Path) -> dict:
-    """Run vLLM's client; its result JSON (RuntimeError naming its log when it wrote none)."""
+MAIN_RUN_LINE = b"Starting main benchmark run"
+"""What vLLM's client prints once its start-up (imports, tokenizer, dataset, the one-request
+readiness test) is over and the measured requests begin."""
+
+
+async def _main_run_started(log_path: Path, offset: int, proc: asyncio.subprocess.Process) -> bool:
+    """Wait until vLLM's client has written ``MAIN_RUN_LINE`` to its log past ``offset`` (True) or
+    has exited (False); the log is read every 5 ms."""
+    while proc.returncode is None:
+        with log_path.open("rb") as f:
+            f.seek(offset)
+            if MAIN_RUN_LINE in f.read():
+                return True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.wait(), 0.005)
+    return False
+
+
+async def _client_run(argv: list[str], out: Path, log_path: Path, roots: Sequence[int]) -> dict:
+    """Run vLLM's client; its result JSON (RuntimeError naming its log when it wrote none), with
+    the CPU per output token of the target's processes (the trees under ``roots``) and of the
+    client over the measured requests (:func:`~benchmarks.cpu_split.cpu_per_token`) added."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its log line marks where the measured run starts
     with log_path.open("ab") as f:
-        proc = await asyncio.create_subprocess_exec(*argv, stdout=f, stderr=asyncio.subprocess.STDOUT)
+        offset = f.tell()
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdout=f, stderr=asyncio.subprocess.STDOUT, env=env
+        )
+        started = await _main_run_started(log_path, offset, proc)
+        if started:
+            before, children_before = snapshot(roots), children_cpu_s()
+            with contextlib.suppress(ProcessLookupError):
+                children_before += process_cpu_s(proc.pid)  # the client's start-up is not counted
         code = await proc.wait()
     if code != 0 or not out.exists():
         tail = log_path.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"vLLM's client exited {code} without a result:\n{tail}")
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    if started:
+        client_s = children_cpu_s() - children_before
+        result |= cpu_per_token(before, snapshot(roots), client_s, int(result.get("total_output_tokens", 0)))
+    return result
 
 
 async def measure(
@@ -353,8 +447,9 @@ async def measure(
                 for name in round_order(r):
                     out = work_dir / f"r{r}-c{c}-{name}.json"
                     argv = client_argv(targets[name], model_path, opts, c, seed=r, out=out)
+                    roots = [targets[name].process.proc.pid, *(m.proc.pid for m in targets[name].companions)]
                     async with active(name):
-                        result = await _client_run(argv, out, work_dir / "vllm-client.log")
+                        result = await _client_run(argv, out, work_dir / "vllm-client.log", roots)
                     run = run_from_result(name, c, r, result)
                     runs.append(run)
                     log(
@@ -373,9 +468,14 @@ def run_vllm_client_bench(opts: VllmClientOptions) -> int:
     process started is stopped on the way out, also on Ctrl-C, SIGTERM or an error."""
     pipeline = load_pipeline(opts.pipeline_path)
     core = opts.core if opts.core is not None else sorted(os.sched_getaffinity(0))[0]
-    start = BenchOptions(pipeline_path=opts.pipeline_path, isolate_engines=opts.isolate_engines)
+    start = BenchOptions(
+        pipeline_path=opts.pipeline_path,
+        isolate_engines=opts.isolate_engines,
+        nats_sync_interval=opts.nats_sync_interval,
+    )
 
     def work(targets: dict[str, Target], log_dir: Path) -> None:
+        log(f"omnirelay's NATS server: sync_interval {opts.nats_sync_interval}")
         runs = asyncio.run(measure(targets, pipeline, opts, log_dir))
         print(render(runs, opts.concurrency), flush=True)
         if opts.json_path:

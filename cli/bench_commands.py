@@ -427,6 +427,13 @@ def bench_vllm(
     core: Annotated[
         int | None, typer.Option(help="CPU core both engines bind to [default: the first usable one]")
     ] = None,
+    nats_sync_interval: Annotated[
+        str,
+        typer.Option(
+            help="JetStream sync_interval of omnirelay's NATS server ('always', 1s, 2m, ...)",
+            callback=sync_interval,
+        ),
+    ] = SYNC_INTERVAL,
     json_path: Annotated[Path | None, typer.Option("--json", help="write the raw numbers here")] = None,
     log_dir: Annotated[
         Path | None, typer.Option(help="keep the processes' logs and vLLM's result files here")
@@ -449,6 +456,7 @@ def bench_vllm(
         output_len=output_len,
         isolate_engines=isolate_engines,
         core=core,
+        nats_sync_interval=nats_sync_interval,
         json_path=json_path,
         log_dir=log_dir.resolve() if log_dir else None,
     )

@@ -106,6 +106,15 @@ def replicas_for(servers: list[str]) -> int:
     return min(len(set(servers)), MAX_REPLICAS)
 
 
+def direct_reads(n_replicas: int) -> bool:
+    """Whether a bucket of ``n_replicas`` answers reads by direct get (``allow_direct``): a plain
+    request its stream answers with the stored message, instead of a JetStream API call whose
+    reply is JSON with the message in base64. Only with one replica: with more, every replica
+    answers direct gets, and a follower's answer can lag a write its leader has acknowledged, so
+    a record read could miss the route an orchestrator just wrote."""
+    return n_replicas == 1
+
+
 def replicas(js: JetStreamContext) -> int:
     """Replicas of the streams and buckets declared through ``js``: :func:`replicas_for` the servers
     its client was given by :func:`connect`; 1 for a client made otherwise (a tool, a test)."""
@@ -236,9 +245,10 @@ async def _ensure_kv_replicas(js: JetStreamContext, bucket: str, ttl_s: float) -
     except NotFoundError:
         await _kv(js, bucket, ttl_s)
         return
-    if info.config.num_replicas != replicas(js):
-        log.info("KV bucket %s: %s -> %s replicas", bucket, info.config.num_replicas, replicas(js))
-        await js.update_stream(replace(info.config, num_replicas=replicas(js)))
+    n = replicas(js)
+    if info.config.num_replicas != n or bool(info.config.allow_direct) != direct_reads(n):
+        log.info("KV bucket %s: %s -> %s replicas", bucket, info.config.num_replicas, n)
+        await js.update_stream(replace(info.config, num_replicas=n, allow_direct=direct_reads(n)))
 
 
 async def _kv(js: JetStreamContext, bucket: str, ttl_s: float) -> KeyValue:
@@ -249,7 +259,12 @@ async def _kv(js: JetStreamContext, bucket: str, ttl_s: float) -> KeyValue:
     except Exception:  # bucket not found (nats-py raises BucketNotFoundError / NotFoundError)
         return await js.create_key_value(
             KeyValueConfig(
-                bucket=bucket, history=1, ttl=ttl_s, storage=StorageType.FILE, replicas=replicas(js)
+                bucket=bucket,
+                history=1,
+                ttl=ttl_s,
+                storage=StorageType.FILE,
+                replicas=replicas(js),
+                direct=direct_reads(replicas(js)),
             )
         )
 

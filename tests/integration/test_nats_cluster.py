@@ -48,6 +48,12 @@ async def test_topology_gets_a_replica_on_every_server_and_scales_what_exists(cl
     one = await connect(cluster[0].spec.url, "one-url")
     await ensure_topology(one.jetstream(), subjects)
     assert (await one.jetstream().stream_info(subjects.stages_stream)).config.num_replicas == 1
+    # ... whose buckets answer reads by direct get (one replica: no follower can lag) ...
+    for b in (SERVICES_BUCKET, REQUESTS_BUCKET, EVICTIONS_BUCKET):
+        assert (await one.jetstream().stream_info(f"KV_{b}")).config.allow_direct is True, b
+    kv = await one.jetstream().key_value(REQUESTS_BUCKET)
+    await kv.create("r1", b"{}")
+    assert (await kv.get("r1")).value == b"{}"
     await one.close()
     # ... a client given every server scales them to 3.
     nc = await connect(client_urls([n.spec for n in cluster]), "all-urls")
@@ -60,6 +66,8 @@ async def test_topology_gets_a_replica_on_every_server_and_scales_what_exists(cl
         for name in names:
             info = await js.stream_info(name)
             assert info.config.num_replicas == 3, name
+            # a follower's direct-get answer could lag what its leader acknowledged
+            assert not info.config.allow_direct, name
             while len(info.cluster.replicas or []) < 2 and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
                 info = await js.stream_info(name)
