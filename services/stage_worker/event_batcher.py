@@ -3,16 +3,12 @@
 An engine step gives every running request its next tokens at once: vLLM's output handler wakes
 each request's handler in the same turn of the event loop, and each hands its event to
 :meth:`ClientEventBatcher.add`. The first event of a turn goes at once, alone (so one request in
-flight pays nothing for this), and starts a send task, which runs in the next turn, after every
-handler of this one has added its event, and publishes what was added after the first as one
-message per gateway (:func:`frames`): the events of several requests in one batch on
+flight pays nothing for this); the second starts a send task, which runs in the next turn, after
+every handler of this one has added its event, and publishes what was added after the first as
+one message per gateway (:func:`frames`): the events of several requests in one batch on
 ``out.<gateway>.~`` (``Subjects.out_batch``; the body is ``envelopes.pack_batch``), those of a
 single request each on its request's own subject, as before. The gateway's one subscription takes
 both in the order they were sent, and each event in a batch is judged as if it had come alone.
-Started before the first event's publish wakes nats-py's flusher, the send task runs before the
-flusher does, so the flusher writes the turn's first event and its batch in one system call (a
-write that wakes the broker costs tens of microseconds of CPU on this box, one right after it a
-few).
 
 Order: events go out in the order they were added, per gateway and so per request; one send task
 runs at a time, and one started while the connection is down waits for it (``publish_core``)
@@ -93,9 +89,8 @@ class ClientEventBatcher:
         self._room = asyncio.Event()
         """Set when the send task has taken what waited."""
         self._sending: asyncio.Task[None] | None = None
-        self._direct_done = asyncio.Event()
-        """Clear while an event is being published at once (:meth:`add`)."""
-        self._direct_done.set()
+        self._direct = False
+        """An event is being published at once (:meth:`add`)."""
         self._turn_used = False
         """An event went at once in this turn of the event loop."""
 
@@ -105,18 +100,14 @@ class ClientEventBatcher:
         pays no extra turn, and an engine step's first event does not wait for the rest. The
         turn's later events go together in the next turn (:func:`frames`). Returns at once
         unless :data:`MAX_WAITING_BYTES` wait already."""
-        if not (self._turn_used or self._pending or self._sending):
-            self._turn_used = True
-            self._direct_done.clear()
-            loop = asyncio.get_running_loop()
-            loop.call_soon(self._next_turn)
-            # Started before the publish wakes nats-py's flusher, the send task runs first in the
-            # next turn: the turn's later events join this one in the flusher's single write.
-            self._sending = loop.create_task(self._send(), name="client-events")
+        if not (self._turn_used or self._direct or self._pending or self._sending):
+            self._turn_used, self._direct = True, True
+            asyncio.get_running_loop().call_soon(self._next_turn)
             try:
                 await publish_core(self._nc, self._subjects.out(gateway_id, request_id), body)
             finally:
-                self._direct_done.set()
+                self._direct = False
+                self._start_sending()  # what came while it waited for the connection
             return
         self._pending.setdefault(gateway_id, []).append((request_id, body))
         self._waiting += len(body)
@@ -129,13 +120,11 @@ class ClientEventBatcher:
         self._turn_used = False
 
     def _start_sending(self) -> None:
-        if self._pending and self._sending is None:
+        if self._pending and self._sending is None and not self._direct:
             self._sending = asyncio.get_running_loop().create_task(self._send(), name="client-events")
 
     async def _send(self) -> None:
         try:
-            if not self._direct_done.is_set():  # it waits for the connection: keep the order
-                await self._direct_done.wait()
             while self._pending:
                 pending, self._pending, self._waiting = self._pending, {}, 0
                 self._room.set()
