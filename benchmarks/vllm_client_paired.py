@@ -23,6 +23,12 @@ omnirelay ÷ vLLM of the two back-to-back runs; the report is the median of thos
 their min–max spread (and the per-round values), and the median per-round TTFT difference in ms.
 Single runs on a shared 2-core box swing widely; the pairing is what makes a ratio usable. The
 statistics are pure functions (tested in ``tests/unit/test_bench_vllm_client.py``).
+
+Each run also reads the CPU of every process of its target (and of vLLM's client) over the
+measured requests, from vLLM's client's ``Starting main benchmark run`` to its exit
+(:mod:`benchmarks.cpu_split`): front-end, engine and client CPU per output token are figures like
+the others, with a table by kind of process and the front-end core's load
+(:func:`by_process`, :func:`front_side_loads`; tested in ``tests/unit/test_cpu_split.py``).
 """
 
 from __future__ import annotations
