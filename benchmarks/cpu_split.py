@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.harness import descendants, is_engine, process_cpu_s
+from benchmarks.harness import descendants, process_cpu_s
 
 FRONT_END_KEY = "front_end_cpu_us_per_token"
 ENGINE_KEY = "engine_cpu_us_per_token"
@@ -30,12 +30,15 @@ PROCESS_KEY_PREFIX = "cpu_us_per_token:"
 class ProcessCpu:
     """One process's CPU clock at a snapshot."""
 
-    engine: bool
-    """A vLLM engine process (:func:`~benchmarks.harness.is_engine`)."""
     label: str
     """What kind of process it is (:func:`process_label`)."""
     cpu_s: float
     """CPU seconds it has run so far."""
+
+    @property
+    def engine(self) -> bool:
+        """A vLLM engine process (the title :func:`~benchmarks.harness.is_engine` looks for)."""
+        return self.label.startswith("VLLM::")
 
 
 def label_of(comm: str, argv: Sequence[str]) -> str:
@@ -73,7 +76,7 @@ def snapshot(roots: Sequence[int]) -> dict[int, ProcessCpu]:
     for root in roots:
         for pid in [root, *descendants(root)]:
             with contextlib.suppress(ProcessLookupError):
-                out[pid] = ProcessCpu(is_engine(pid), process_label(pid), process_cpu_s(pid))
+                out[pid] = ProcessCpu(process_label(pid), process_cpu_s(pid))
     return out
 
 

@@ -250,20 +250,20 @@ def render(runs: Sequence[ClientRun], concurrencies: Sequence[int]) -> str:
 def by_process(runs: Sequence[ClientRun]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
     """Header and rows of the CPU per token of each kind of process (``PROCESS_KEY_PREFIX``
     figures), one column per (target, concurrency), medians over rounds, largest first."""
+    values: dict[tuple[str, str, int], list[float]] = {}
+    for r in runs:
+        for k, v in r.figures.items():
+            if k.startswith(PROCESS_KEY_PREFIX):
+                values.setdefault((k.removeprefix(PROCESS_KEY_PREFIX), r.target, r.concurrency), []).append(v)
+    medians = {key: statistics.median(v) for key, v in values.items()}
+    largest: dict[str, float] = {}
+    for (label, _, _), m in medians.items():
+        largest[label] = max(largest.get(label, 0.0), m)
     cells = sorted({(r.target, r.concurrency) for r in runs}, key=lambda tc: (tc[1], tc[0] != GATEWAY))
-    labels: dict[str, float] = {}
-    medians: dict[tuple[str, str, int], float] = {}
-    for t, c in cells:
-        keys = {k for r in runs if (r.target, r.concurrency) == (t, c) for k in r.figures}
-        for k in sorted(k for k in keys if k.startswith(PROCESS_KEY_PREFIX)):
-            vals = [r.figures[k] for r in runs if (r.target, r.concurrency) == (t, c) and k in r.figures]
-            label = k.removeprefix(PROCESS_KEY_PREFIX)
-            medians[label, t, c] = statistics.median(vals)
-            labels[label] = max(labels.get(label, 0.0), medians[label, t, c])
     header = ("process", *(f"{TITLES[t]} c={c}" for t, c in cells))
     rows = [
         (label, *(f"{medians[label, t, c]:.1f}" if (label, t, c) in medians else "-" for t, c in cells))
-        for label in sorted(labels, key=lambda x: -labels[x])
+        for label in sorted(largest, key=lambda x: -largest[x])
     ]
     return header, rows
 

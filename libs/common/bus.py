@@ -257,14 +257,15 @@ async def _kv(js: JetStreamContext, bucket: str, ttl_s: float) -> KeyValue:
     try:
         return await js.key_value(bucket)
     except Exception:  # bucket not found (nats-py raises BucketNotFoundError / NotFoundError)
+        n = replicas(js)
         return await js.create_key_value(
             KeyValueConfig(
                 bucket=bucket,
                 history=1,
                 ttl=ttl_s,
                 storage=StorageType.FILE,
-                replicas=replicas(js),
-                direct=direct_reads(replicas(js)),
+                replicas=n,
+                direct=direct_reads(n),
             )
         )
 

@@ -25,16 +25,16 @@ from benchmarks.vllm_client_paired import ClientRun, by_process, front_side_load
 
 def test_cpu_per_token_splits_by_role_and_kind() -> None:
     before = {
-        1: ProcessCpu(False, "gateway", 10.0),
-        2: ProcessCpu(True, "VLLM::EngineCore", 5.0),
-        3: ProcessCpu(False, "nats-server", 1.0),
-        4: ProcessCpu(False, "worker", 2.0),  # ends during the run: not seen afterwards
+        1: ProcessCpu("gateway", 10.0),
+        2: ProcessCpu("VLLM::EngineCore", 5.0),
+        3: ProcessCpu("nats-server", 1.0),
+        4: ProcessCpu("worker", 2.0),  # ends during the run: not seen afterwards
     }
     after = {
-        1: ProcessCpu(False, "gateway", 10.5),
-        2: ProcessCpu(True, "VLLM::EngineCore", 7.0),
-        3: ProcessCpu(False, "nats-server", 1.25),
-        5: ProcessCpu(False, "worker", 0.25),  # born during the run: counts whole
+        1: ProcessCpu("gateway", 10.5),
+        2: ProcessCpu("VLLM::EngineCore", 7.0),
+        3: ProcessCpu("nats-server", 1.25),
+        5: ProcessCpu("worker", 0.25),  # born during the run: counts whole
     }
     out = cpu_per_token(before, after, client_s=0.5, tokens=1000)
     assert out[FRONT_END_KEY] == pytest.approx((0.5 + 0.25 + 0.25) * 1000)  # µs per token
