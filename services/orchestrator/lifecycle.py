@@ -58,7 +58,7 @@ class Lifecycle:
             if attempt < UNKNOWN_EVENT_TRIES:  # its admission may still be writing the record
                 await msg.nak(delay=UNKNOWN_EVENT_RETRY_S)
                 return
-            log.debug("event %s for unknown request %s dropped", ev.kind, ev.request_id)
+            log.warning("event %s of request %s dropped: the request has no record", ev.kind, ev.request_id)
         await msg.ack()
         for gateway_id in gateway:  # the gateway checks that the stream's last events came
             ended = StageEnded(

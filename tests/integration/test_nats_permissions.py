@@ -37,6 +37,7 @@ from libs.common.nats_credentials import auth_from
 from libs.common.nats_security import SECRETS_DIR, NatsSecurity, prepare
 from libs.common.nats_tls import ensure_ca
 from libs.common.pipeline import load_pipeline
+from libs.common.records import RequestStatus
 from libs.common.subjects import Subjects
 from tests.conftest import wait_port
 from tests.procs import stop_process
@@ -188,7 +189,7 @@ async def test_the_operator_reads_the_bus_and_publishes_nothing(up: Up) -> None:
     try:
         js = operator.nc.jetstream(timeout=3)
         names = {s.config.name for s in await js.streams_info()}
-        assert {"OMNI_TEXT_REQUESTS", "OMNI_TEXT_STAGES", "OMNI_TEXT_EVENTS", "KV_omni_services"} <= names
+        assert {"OMNI_TEXT_REQUESTS", "OMNI_TEXT_STAGES", "KV_omni_services"} <= names
         kv = await js.key_value("omni_services")
         record = json.loads((await kv.get("worker.text.0.0")).value)
         assert (record["stage"], record["replica"]) == (0, 0)
@@ -300,6 +301,22 @@ def test_a_request_goes_through_the_stack_of_identities(up: Up) -> None:
     r = httpx.post(f"{up.base_url}/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] > 0
+    # the worker's ending lifecycle event reached an orchestrator and its answer came back
+    assert asyncio.run(_final_status(up, r.json()["id"])) == "completed"
+
+
+async def _final_status(up: Up, request_id: str) -> str:
+    """The status of the request's record once it is terminal, read as the operator."""
+    operator = await _as(up, "operator")
+    try:
+        kv = await operator.nc.jetstream(timeout=3).key_value("omni_requests")
+        deadline = time.monotonic() + WAIT_S
+        while not RequestStatus(status := json.loads((await kv.get(request_id)).value)["status"]).terminal:
+            assert time.monotonic() < deadline, f"record {request_id} still {status}"
+            await asyncio.sleep(0.05)
+        return status
+    finally:
+        await operator.nc.close()
 
 
 @pytest.mark.parametrize("nodes", [1, 3])
