@@ -189,7 +189,7 @@ async def test_the_operator_reads_the_bus_and_publishes_nothing(up: Up) -> None:
     try:
         js = operator.nc.jetstream(timeout=3)
         names = {s.config.name for s in await js.streams_info()}
-        assert {"OMNI_TEXT_REQUESTS", "OMNI_TEXT_STAGES", "KV_omni_services"} <= names
+        assert {"OMNI_TEXT_REQUESTS", "OMNI_TEXT_STAGES", "OMNI_TEXT_EVENTS", "KV_omni_services"} <= names
         kv = await js.key_value("omni_services")
         record = json.loads((await kv.get("worker.text.0.0")).value)
         assert (record["stage"], record["replica"]) == (0, 0)
@@ -301,7 +301,8 @@ def test_a_request_goes_through_the_stack_of_identities(up: Up) -> None:
     r = httpx.post(f"{up.base_url}/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] > 0
-    # the worker's ending lifecycle event reached an orchestrator and its answer came back
+    # the worker's ending lifecycle event reached the orchestrator, which folded it into the record
+    # (each through its own identity's permissions)
     assert asyncio.run(_final_status(up, r.json()["id"])) == "completed"
 
 
