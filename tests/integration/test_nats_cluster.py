@@ -19,6 +19,7 @@ import httpx
 import nats
 import pytest
 from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig
 
@@ -52,7 +53,16 @@ async def test_topology_gets_a_replica_on_every_server_and_scales_what_exists(cl
     for b in (SERVICES_BUCKET, REQUESTS_BUCKET, EVICTIONS_BUCKET):
         assert (await one.jetstream().stream_info(f"KV_{b}")).config.allow_direct is True, b
     kv = await one.jetstream().key_value(REQUESTS_BUCKET)
-    await kv.create("r1", b"{}")
+    # A stream just created on one node of a cluster is not heard on every node at once: a write
+    # may meet "no responders" for a moment (a service's write is tried again when that happens).
+    deadline = time.monotonic() + 10.0
+    while True:
+        try:
+            await kv.create("r1", b"{}")
+            break
+        except NoRespondersError:
+            assert time.monotonic() < deadline, "the new bucket never took a write"
+            await asyncio.sleep(0.1)
     assert (await kv.get("r1")).value == b"{}"
     await one.close()
     # ... a client given every server scales them to 3.
