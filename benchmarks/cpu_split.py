@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.harness import descendants, process_cpu_s
+from benchmarks.harness import ENGINE_TITLE, descendants, process_cpu_s
 
 FRONT_END_KEY = "front_end_cpu_us_per_token"
 ENGINE_KEY = "engine_cpu_us_per_token"
@@ -37,8 +37,8 @@ class ProcessCpu:
 
     @property
     def engine(self) -> bool:
-        """A vLLM engine process (the title :func:`~benchmarks.harness.is_engine` looks for)."""
-        return self.label.startswith("VLLM::")
+        """A vLLM engine process (its title begins with :data:`~benchmarks.harness.ENGINE_TITLE`)."""
+        return self.label.startswith(ENGINE_TITLE)
 
 
 def label_of(comm: str, argv: Sequence[str]) -> str:
@@ -49,7 +49,7 @@ def label_of(comm: str, argv: Sequence[str]) -> str:
     (``nats-server``)."""
     if not argv:
         return comm
-    if comm.startswith("VLLM::"):
+    if comm.startswith(ENGINE_TITLE):
         return argv[0].split()[0]  # its title, which ``comm`` cuts at 15 characters
     if Path(argv[0]).name.startswith("python") and "-m" in argv[:-1]:
         i = argv.index("-m") + 1

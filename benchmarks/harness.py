@@ -188,7 +188,7 @@ def machine_activity() -> dict[str, float]:
     return {
         "foreign_omnirelay": sum(_is_omnirelay(c) for c in foreign),
         "foreign_pytest": sum(_is_pytest(c) for c in foreign),
-        "foreign_vllm_engines": sum(c.startswith("VLLM::EngineCore") for c in foreign),
+        "foreign_vllm_engines": sum(c.startswith(f"{ENGINE_TITLE}EngineCore") for c in foreign),
         "loadavg_1m": os.getloadavg()[0],
     }
 
@@ -504,10 +504,14 @@ def _set_affinity(pid: int, cores: set[int]) -> None:
             os.sched_setaffinity(tid, cores)
 
 
+ENGINE_TITLE = "VLLM::"
+"""How vLLM's engine-side processes begin their title (``VLLM::EngineCore``, ``VLLM::Worker``)."""
+
+
 def is_engine(pid: int) -> bool:
-    """True for vLLM's engine-side processes (``VLLM::EngineCore``, ``VLLM::Worker``)."""
+    """True for vLLM's engine-side processes (their ``comm`` begins with :data:`ENGINE_TITLE`)."""
     try:
-        return Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::")
+        return Path(f"/proc/{pid}/comm").read_text().startswith(ENGINE_TITLE)
     except OSError:
         return False
 

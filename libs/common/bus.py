@@ -253,10 +253,13 @@ async def _ensure_kv_replicas(js: JetStreamContext, bucket: str, ttl_s: float) -
 
 async def _kv(js: JetStreamContext, bucket: str, ttl_s: float) -> KeyValue:
     """``bucket``, created with :func:`replicas` replicas when missing (an existing one is taken as
-    it is: only :func:`ensure_topology` scales)."""
+    it is: only :func:`ensure_topology` scales). Only a bucket JetStream says it does not have is
+    created: a read that timed out or met a stream without a leader raises, for the caller to ask
+    again (creating then would meet an existing bucket, perhaps with more replicas than this
+    client's servers count, and fail with "stream name already in use")."""
     try:
         return await js.key_value(bucket)
-    except Exception:  # bucket not found (nats-py raises BucketNotFoundError / NotFoundError)
+    except NotFoundError:  # nats-py's BucketNotFoundError is one
         n = replicas(js)
         return await js.create_key_value(
             KeyValueConfig(

@@ -14,7 +14,6 @@ Every fault is made exact and proven before the system is judged: a process is s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import time
@@ -32,6 +31,7 @@ from tests.client_streams import (
     Streams,
     Wire,
     bound_by_replica,
+    bucket_keys,
     ended,
     holding,
     judge_moves,
@@ -208,10 +208,8 @@ def _claimed(rec: RequestRecord) -> bool:
 async def _eviction_keys(nc, replica: int) -> set[str]:
     """The keys of ``omni_evictions`` for thinker ``replica`` of this pipeline (one per judged
     incarnation; the pipeline is shared with other modules: compare before and after)."""
-    kv = await evictions_kv(nc.jetstream())
-    with contextlib.suppress(Exception):  # no keys at all
-        return {k for k in await kv.keys() if k.startswith(f"{PIPELINE}.0.{replica}.")}
-    return set()
+    keys = await bucket_keys(await evictions_kv(nc.jetstream()))
+    return {k for k in keys if k.startswith(f"{PIPELINE}.0.{replica}.")}
 
 
 async def test_a_move_claimed_by_a_killed_orchestrator_is_carried_out_by_the_survivor(
