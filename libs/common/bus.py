@@ -254,23 +254,29 @@ async def _ensure_kv_replicas(js: JetStreamContext, bucket: str, ttl_s: float) -
 async def _kv(js: JetStreamContext, bucket: str, ttl_s: float) -> KeyValue:
     """``bucket``, created with :func:`replicas` replicas when missing (an existing one is taken as
     it is: only :func:`ensure_topology` scales). Only a bucket JetStream says it does not have is
-    created: a read that timed out or met a stream without a leader raises, for the caller to ask
-    again (creating then would meet an existing bucket, perhaps with more replicas than this
-    client's servers count, and fail with "stream name already in use")."""
-    try:
-        return await js.key_value(bucket)
-    except NotFoundError:  # nats-py's BucketNotFoundError is one
-        n = replicas(js)
-        return await js.create_key_value(
-            KeyValueConfig(
-                bucket=bucket,
-                history=1,
-                ttl=ttl_s,
-                storage=StorageType.FILE,
-                replicas=n,
-                direct=direct_reads(n),
-            )
+    created: a look-up that timed out is made again (``TOPOLOGY_TRIES`` in all), and one that met
+    a stream without a leader raises. Creating then would meet an existing bucket, perhaps with
+    more replicas than this client's servers count, and fail with "stream name already in use"."""
+    for tries_left in range(TOPOLOGY_TRIES - 1, -1, -1):
+        try:
+            return await js.key_value(bucket)
+        except NotFoundError:  # nats-py's BucketNotFoundError is one
+            break
+        except NatsTimeoutError:
+            if not tries_left:
+                raise
+            log.warning("JetStream did not answer the look-up of bucket %s in time; asking again", bucket)
+    n = replicas(js)
+    return await js.create_key_value(
+        KeyValueConfig(
+            bucket=bucket,
+            history=1,
+            ttl=ttl_s,
+            storage=StorageType.FILE,
+            replicas=n,
+            direct=direct_reads(n),
         )
+    )
 
 
 async def services_kv(js: JetStreamContext, limits: BusLimits = LIMITS) -> KeyValue:
