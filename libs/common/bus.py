@@ -182,8 +182,9 @@ async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
 
 
 TOPOLOGY_TRIES = 3
-"""Declaring the topology is tried this often when JetStream does not answer in time (a cluster
-creating replicated streams elects a leader for each, which can outlast one API timeout)."""
+"""Declaring the topology, or looking a KV bucket up (:func:`_kv`), is tried this often when
+JetStream does not answer in time (a cluster creating replicated streams elects a leader for
+each, which can outlast one API timeout)."""
 
 
 async def ensure_topology(js: JetStreamContext, subjects: Subjects, limits: BusLimits = LIMITS) -> None:
