@@ -12,7 +12,9 @@ goes, and the streams and KV buckets it declares get one replica per server it w
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 from urllib.parse import urlsplit
 from weakref import WeakKeyDictionary
 
@@ -181,6 +183,8 @@ async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
         await js.update_stream(cfg)
 
 
+T = TypeVar("T")
+
 TOPOLOGY_TRIES = 3
 """Declaring the topology, or looking a KV bucket up (:func:`_kv`), is tried this often when
 JetStream does not answer in time (a cluster creating replicated streams elects a leader for
@@ -191,14 +195,18 @@ async def ensure_topology(js: JetStreamContext, subjects: Subjects, limits: BusL
     """Declare the pipeline's streams and KV buckets, each with :func:`replicas` replicas (an
     existing stream or bucket with another number is scaled to it). Every declaration is
     idempotent, so a declaration that timed out is simply made again (``TOPOLOGY_TRIES``)."""
-    for tries_left in range(TOPOLOGY_TRIES - 1, -1, -1):
+    await _asked_again("a topology declaration", lambda: _declare_topology(js, subjects, limits))
+
+
+async def _asked_again(what: str, ask: Callable[[], Awaitable[T]]) -> T:
+    """``ask()``, made again when JetStream does not answer it in time (``TOPOLOGY_TRIES`` in all;
+    the last timeout is raised). ``what`` names it in the log."""
+    for tries_left in range(TOPOLOGY_TRIES - 1, 0, -1):
         try:
-            await _declare_topology(js, subjects, limits)
-            return
+            return await ask()
         except NatsTimeoutError:
-            if not tries_left:
-                raise
-            log.warning("JetStream did not answer a topology declaration in time; declaring again")
+            log.warning("JetStream did not answer %s in time (%d more tries)", what, tries_left)
+    return await ask()
 
 
 async def _declare_topology(js: JetStreamContext, subjects: Subjects, limits: BusLimits) -> None:
@@ -258,15 +266,10 @@ async def _kv(js: JetStreamContext, bucket: str, ttl_s: float) -> KeyValue:
     created: a look-up that timed out is made again (``TOPOLOGY_TRIES`` in all), and one that met
     a stream without a leader raises. Creating then would meet an existing bucket, perhaps with
     more replicas than this client's servers count, and fail with "stream name already in use"."""
-    for tries_left in range(TOPOLOGY_TRIES - 1, -1, -1):
-        try:
-            return await js.key_value(bucket)
-        except NotFoundError:  # nats-py's BucketNotFoundError is one
-            break
-        except NatsTimeoutError:
-            if not tries_left:
-                raise
-            log.warning("JetStream did not answer the look-up of bucket %s in time; asking again", bucket)
+    try:
+        return await _asked_again(f"the look-up of bucket {bucket}", lambda: js.key_value(bucket))
+    except NotFoundError:  # nats-py's BucketNotFoundError is one
+        pass
     n = replicas(js)
     return await js.create_key_value(
         KeyValueConfig(

@@ -37,8 +37,8 @@ from libs.common.nats_credentials import auth_from
 from libs.common.nats_security import SECRETS_DIR, NatsSecurity, prepare
 from libs.common.nats_tls import ensure_ca
 from libs.common.pipeline import load_pipeline
-from libs.common.records import RequestStatus
 from libs.common.subjects import Subjects
+from tests.client_streams import ended, until_record
 from tests.conftest import wait_port
 from tests.procs import stop_process
 
@@ -311,11 +311,7 @@ async def _final_status(up: Up, request_id: str) -> str:
     operator = await _as(up, "operator")
     try:
         kv = await operator.nc.jetstream(timeout=3).key_value("omni_requests")
-        deadline = time.monotonic() + WAIT_S
-        while not RequestStatus(status := json.loads((await kv.get(request_id)).value)["status"]).terminal:
-            assert time.monotonic() < deadline, f"record {request_id} still {status}"
-            await asyncio.sleep(0.05)
-        return status
+        return (await until_record(kv, request_id, ended, "ended", WAIT_S)).status.value
     finally:
         await operator.nc.close()
 
