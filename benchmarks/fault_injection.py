@@ -27,7 +27,7 @@ from pathlib import Path
 
 from benchmarks.harness import Managed, Processes, Stack, descendants, wait_http_ok, wait_port
 from benchmarks.service_stack import Service, ServiceStack
-from libs.common.bus import server_urls
+from libs.common.bus import bucket_keys, server_urls
 from libs.common.subjects import EVICTIONS_BUCKET, REQUESTS_BUCKET, SERVICES_BUCKET, Subjects
 
 PIPELINE_YAML = """\
@@ -434,7 +434,7 @@ async def orchestrator_replaced(stack: Stack | ServiceStack, after_ns: int, time
         try:
             kv = await services_kv(nc.jetstream())
             started = [0]
-            for key in await kv.keys():
+            for key in await bucket_keys(nc, SERVICES_BUCKET):
                 if key.startswith(f"orchestrator.{PIPELINE_NAME}."):
                     with contextlib.suppress(Exception):
                         started.append(json.loads((await kv.get(key)).value)["started_ns"])

@@ -19,13 +19,14 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 from openai import AsyncOpenAI
 
+from libs.common.bus import bucket_keys as listed_keys
 from libs.common.envelopes import ClientEvent, ClientEventType, Liveness, decode
 from libs.common.records import RequestRecord
-from libs.common.subjects import Subjects
+from libs.common.subjects import REQUESTS_BUCKET, Subjects
 from tests.bus import client_events
 
 PROMPT = "Tell me everything about the sea."
@@ -93,30 +94,28 @@ class Streams:
 
     seen: list[Seen]
     tasks: list[asyncio.Task[None]]
+    nc: Client
+    """The connection the keys of ``omni_requests`` are listed on."""
     before: set[str]
     """The keys of ``omni_requests`` before the streams were sent."""
     sent_ns: int
     """Wall clock (ns) before the streams were sent: a record that arrived earlier is not one of
-    theirs, though ``before`` missed it (the bucket's key listing can come back short when the
-    broker is slow; seen in a fresh-clone run, where an earlier test's streams were taken for
-    these)."""
+    theirs (a second guard beside ``before``)."""
     ids: set[str] = field(default_factory=set)
 
     @classmethod
-    async def start(
-        cls, client: AsyncOpenAI, model: str, count: int, max_tokens: int, kv: KeyValue
-    ) -> Streams:
+    async def start(cls, client: AsyncOpenAI, model: str, count: int, max_tokens: int, nc: Client) -> Streams:
         """``count`` streams of ``max_tokens`` tokens, started (returns at once)."""
-        before, sent_ns = await bucket_keys(kv), time.time_ns()
+        before, sent_ns = await bucket_keys(nc, REQUESTS_BUCKET), time.time_ns()
         seen = [Seen() for _ in range(count)]
         tasks = [asyncio.create_task(stream_chat(client, model, s, max_tokens)) for s in seen]
-        return cls(seen, tasks, before, sent_ns)
+        return cls(seen, tasks, nc, before, sent_ns)
 
     async def admitted(self, kv: KeyValue, pipeline: str, timeout_s: float = 60.0) -> set[str]:
         """The request ids of the streams, once each has its record."""
         deadline = time.monotonic() + timeout_s
         while len(self.ids) < len(self.seen):
-            for key in await bucket_keys(kv) - self.before - self.ids:
+            for key in await bucket_keys(self.nc, REQUESTS_BUCKET) - self.before - self.ids:
                 with contextlib.suppress(KeyNotFoundError):
                     rec = await record(kv, key)
                     if rec.pipeline == pipeline and rec.arrival_ns >= self.sent_ns:
@@ -203,15 +202,13 @@ async def struck(kv: KeyValue, on_victim: set[str], timeout_s: float = 60.0) -> 
     return hit
 
 
-async def bucket_keys(kv: KeyValue, timeout_s: float = 30.0) -> set[str]:
-    """The keys of the bucket (none: empty), asked again while the broker does not answer in
-    time (it goes quiet for seconds on a loaded box, docs/reliability.md)."""
+async def bucket_keys(nc: Client, bucket: str, timeout_s: float = 30.0) -> set[str]:
+    """The keys of ``bucket`` (:func:`libs.common.bus.bucket_keys`), asked again while the broker
+    does not answer in time (it goes quiet for seconds on a loaded box, docs/reliability.md)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return set(await kv.keys())
-        except NoKeysError:
-            return set()
+            return await listed_keys(nc, bucket)
         except NatsTimeoutError:
             if time.monotonic() > deadline:
                 raise

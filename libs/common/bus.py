@@ -11,6 +11,7 @@ goes, and the streams and KV buckets it declares get one replica per server it w
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -19,6 +20,7 @@ from urllib.parse import urlsplit
 from weakref import WeakKeyDictionary
 
 from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -30,17 +32,20 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 
 from libs.common.consumer import Handler, PullConsumer
 from libs.common.nats_credentials import NatsAuth, NatsCredentials
 from libs.common.subjects import (
     EVICTIONS_BUCKET,
+    JS_API,
     REQUESTS_BUCKET,
     SERVICES_BUCKET,
     Subjects,
     consumer_name,
+    kv_stream,
+    kv_subject,
 )
 
 log = logging.getLogger(__name__)
@@ -250,7 +255,7 @@ async def _declare_topology(js: JetStreamContext, subjects: Subjects, limits: Bu
 async def _ensure_kv_replicas(js: JetStreamContext, bucket: str, ttl_s: float) -> None:
     """Create ``bucket``, or scale the stream behind it (``KV_<bucket>``) to :func:`replicas`."""
     try:
-        info = await js.stream_info(f"KV_{bucket}")
+        info = await js.stream_info(kv_stream(bucket))
     except NotFoundError:
         await _kv(js, bucket, ttl_s)
         return
@@ -346,3 +351,36 @@ async def consume(
     consumer = PullConsumer(nc, stream, config.durable_name, handle, batch=batch, name=name)
     await consumer.start()
     return consumer
+
+
+async def bucket_keys(nc: NATS, bucket: str, timeout_s: float = 5.0) -> set[str]:
+    """Every key ``bucket`` holds a message for: a value, or the marker a delete or purge left
+    (a get of such a key says it is gone). Read from the subjects the stream's leader counts, in
+    one answer per page of up to 100,000 keys; ``timeout_s`` bounds each answer, seconds.
+
+    ``KeyValue.keys()`` is not used: it stops at the first delivery that reports nothing pending,
+    and while keys are written (every service's heartbeat) that can come before the last key
+    (nats-io/nats.py#995). Raises :class:`NotFoundError` when there is no such bucket, and
+    :class:`ServiceUnavailableError` when no server answers for it. A key written between two
+    pages may be missed or repeated; one page always holds a bucket of fewer keys whole."""
+    prefix = kv_subject(bucket, "")
+    asked = {"subjects_filter": kv_subject(bucket)}
+    keys: set[str] = set()
+    offset = 0
+    while True:
+        try:
+            msg = await nc.request(
+                f"{JS_API}.STREAM.INFO.{kv_stream(bucket)}",
+                json.dumps(asked | {"offset": offset}).encode(),
+                timeout=timeout_s,
+            )
+        except NoRespondersError:
+            raise ServiceUnavailableError from None
+        answer = json.loads(msg.data)
+        if "error" in answer:
+            APIError.from_error(answer["error"])
+        page = answer["state"].get("subjects") or {}
+        keys.update(subject.removeprefix(prefix) for subject in page)
+        offset += len(page)
+        if not page or offset >= answer.get("total", 0):
+            return keys

@@ -7,23 +7,22 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from nats.js.errors import NoKeysError, NotFoundError
+from nats.aio.client import Client as NATS
+from nats.js.errors import NotFoundError
+from nats.js.kv import KeyValue
 
-from libs.common.bus import connect, requests_kv, services_kv
+from libs.common.bus import bucket_keys, connect, requests_kv, services_kv
 from libs.common.nats_credentials import NatsAuth
 from libs.common.pipeline import PipelineConfig
 from libs.common.records import RequestRecord
 from libs.common.registry import ServiceRecord
-from libs.common.subjects import Subjects, consumer_name
+from libs.common.subjects import REQUESTS_BUCKET, SERVICES_BUCKET, Subjects, consumer_name
 
 
-async def _records(kv, model) -> list[Any]:
-    try:
-        keys = await kv.keys()
-    except NoKeysError:
-        return []
+async def _records(nc: NATS, kv: KeyValue, bucket: str, model) -> list[Any]:
+    """The value of every key of ``bucket`` (``kv``) as a ``model``, deleted keys left out."""
     out = []
-    for key in keys:
+    for key in sorted(await bucket_keys(nc, bucket)):
         try:
             entry = await kv.get(key)
         except (NotFoundError, KeyError):
@@ -77,12 +76,16 @@ async def snapshot(
                     row["missing"] = True
                 consumers.append(row)
         services = sorted(
-            (r for r in await _records(await services_kv(js), ServiceRecord) if r.pipeline == pipeline.name),
+            (
+                r
+                for r in await _records(nc, await services_kv(js), SERVICES_BUCKET, ServiceRecord)
+                if r.pipeline == pipeline.name
+            ),
             key=lambda r: r.key,
         )
         requests = [
             r
-            for r in await _records(await requests_kv(js), RequestRecord)
+            for r in await _records(nc, await requests_kv(js), REQUESTS_BUCKET, RequestRecord)
             if r.pipeline == pipeline.name and not r.status.terminal
         ]
         return {

@@ -25,12 +25,15 @@ from dataclasses import dataclass
 from libs.common.pipeline import Payload, PipelineConfig, StageType
 from libs.common.subjects import (
     EVICTIONS_BUCKET,
+    JS_API,
     ORCHESTRATOR_ADMISSION_CONSUMER,
     ORCHESTRATOR_EVENTS_CONSUMER,
     REQUESTS_BUCKET,
     SERVICES_BUCKET,
     Subjects,
     consumer_name,
+    kv_stream,
+    kv_subject,
     max_deliveries_advisory,
 )
 
@@ -38,7 +41,6 @@ GATEWAY = "gateway"
 ORCHESTRATOR = "orchestrator"
 OPERATOR = "operator"
 BUCKETS = (SERVICES_BUCKET, REQUESTS_BUCKET, EVICTIONS_BUCKET)
-API = "$JS.API"
 
 
 def worker_identity(stage: int, replica: int) -> str:
@@ -66,29 +68,25 @@ class Identity:
         return inbox_prefix(self.name)
 
 
-def _kv_stream(bucket: str) -> str:
-    return f"KV_{bucket}"
-
-
 def _declare(subjects: Subjects, update: bool) -> list[str]:
     """Creating (and with ``update`` updating) the pipeline's streams and the KV buckets, and
     reading their info."""
     streams = [subjects.requests_stream, subjects.stages_stream, subjects.events_stream]
-    streams += [_kv_stream(b) for b in BUCKETS]
+    streams += [kv_stream(b) for b in BUCKETS]
     calls = ["INFO", "CREATE", "UPDATE"] if update else ["INFO", "CREATE"]
-    return [f"{API}.STREAM.{call}.{s}" for s in streams for call in calls]
+    return [f"{JS_API}.STREAM.{call}.{s}" for s in streams for call in calls]
 
 
 def _kv_read(bucket: str) -> list[str]:
     """Reading ``bucket``: a get (direct, or the stream's message get) and a watch (an ephemeral
     ordered consumer, flow-controlled, whose info nats-py reads)."""
-    s = _kv_stream(bucket)
+    s = kv_stream(bucket)
     return [
-        f"{API}.DIRECT.GET.{s}.>",
-        f"{API}.STREAM.MSG.GET.{s}",
-        f"{API}.CONSUMER.CREATE.{s}",
-        f"{API}.CONSUMER.CREATE.{s}.>",
-        f"{API}.CONSUMER.INFO.{s}.*",
+        f"{JS_API}.DIRECT.GET.{s}.>",
+        f"{JS_API}.STREAM.MSG.GET.{s}",
+        f"{JS_API}.CONSUMER.CREATE.{s}",
+        f"{JS_API}.CONSUMER.CREATE.{s}.>",
+        f"{JS_API}.CONSUMER.INFO.{s}.*",
         f"$JS.FC.{s}.>",
     ]
 
@@ -97,9 +95,9 @@ def _durable(stream: str, consumer: str) -> list[str]:
     """Creating durable pull consumer ``consumer`` of ``stream``, reading its info, pulling and
     acknowledging its messages."""
     return [
-        f"{API}.CONSUMER.DURABLE.CREATE.{stream}.{consumer}",
-        f"{API}.CONSUMER.INFO.{stream}.{consumer}",
-        f"{API}.CONSUMER.MSG.NEXT.{stream}.{consumer}",
+        f"{JS_API}.CONSUMER.DURABLE.CREATE.{stream}.{consumer}",
+        f"{JS_API}.CONSUMER.INFO.{stream}.{consumer}",
+        f"{JS_API}.CONSUMER.MSG.NEXT.{stream}.{consumer}",
         f"$JS.ACK.{stream}.{consumer}.>",
     ]
 
@@ -115,7 +113,7 @@ def gateway(pipeline: PipelineConfig) -> Identity:
         p.abort,
         p.resync,
         *(p.replay(s, r) for s, r in _replicas(pipeline)),
-        f"$KV.{SERVICES_BUCKET}.{GATEWAY}.{pipeline.name}.*",
+        kv_subject(SERVICES_BUCKET, f"{GATEWAY}.{pipeline.name}.*"),
         *_declare(p, update=False),
         *_kv_read(SERVICES_BUCKET),
     ]
@@ -135,15 +133,15 @@ def orchestrator(pipeline: PipelineConfig) -> Identity:
         p.resume("*"),
         p.ended("*"),
         f"omni.{pipeline.name}.out.>",
-        f"$KV.{REQUESTS_BUCKET}.>",
-        f"$KV.{EVICTIONS_BUCKET}.>",
-        f"$KV.{SERVICES_BUCKET}.{ORCHESTRATOR}.{pipeline.name}.*",
+        kv_subject(REQUESTS_BUCKET),
+        kv_subject(EVICTIONS_BUCKET),
+        kv_subject(SERVICES_BUCKET, f"{ORCHESTRATOR}.{pipeline.name}.*"),
         *_declare(p, update=True),
         *_durable(p.requests_stream, ORCHESTRATOR_ADMISSION_CONSUMER),
         *_durable(p.events_stream, ORCHESTRATOR_EVENTS_CONSUMER),
-        f"{API}.DIRECT.GET.{p.stages_stream}",
-        f"{API}.STREAM.MSG.GET.{p.stages_stream}",
-        f"{API}.STREAM.MSG.DELETE.{p.stages_stream}",
+        f"{JS_API}.DIRECT.GET.{p.stages_stream}",
+        f"{JS_API}.STREAM.MSG.GET.{p.stages_stream}",
+        f"{JS_API}.STREAM.MSG.DELETE.{p.stages_stream}",
         *_kv_read(REQUESTS_BUCKET),
         *_kv_read(SERVICES_BUCKET),
         *_kv_read(EVICTIONS_BUCKET),
@@ -165,13 +163,13 @@ def worker(pipeline: PipelineConfig, stage: int, replica: int) -> Identity:
         f"omni.{pipeline.name}.out.>",
         f"omni.{pipeline.name}.events.*",
         *(p.stage_in(nxt, r) for r in range(downstream)),
-        f"$KV.{SERVICES_BUCKET}.worker.{pipeline.name}.{stage}.{replica}",
+        kv_subject(SERVICES_BUCKET, f"worker.{pipeline.name}.{stage}.{replica}"),
         *_declare(p, update=False),
         *_durable(p.stages_stream, consumer),
         *_kv_read(REQUESTS_BUCKET),
     ]
     if me.type == StageType.LLM and me.emits == Payload.CODEC_CODES:
-        publish.append(f"$KV.{REQUESTS_BUCKET}.>")
+        publish.append(kv_subject(REQUESTS_BUCKET))
     subscribe = [
         p.abort,
         p.alive(stage, replica),
@@ -188,13 +186,13 @@ def operator() -> Identity:
     ``omnirelay inspect``, ``nats stream ls``, ``nats consumer report`` and ``nats kv get`` call);
     never a message of the work streams, never a subject of the pipeline."""
     publish = [
-        f"{API}.INFO",
-        f"{API}.STREAM.NAMES",
-        f"{API}.STREAM.LIST",
-        f"{API}.STREAM.INFO.*",
-        f"{API}.CONSUMER.NAMES.*",
-        f"{API}.CONSUMER.LIST.*",
-        f"{API}.CONSUMER.INFO.*.*",
+        f"{JS_API}.INFO",
+        f"{JS_API}.STREAM.NAMES",
+        f"{JS_API}.STREAM.LIST",
+        f"{JS_API}.STREAM.INFO.*",
+        f"{JS_API}.CONSUMER.NAMES.*",
+        f"{JS_API}.CONSUMER.LIST.*",
+        f"{JS_API}.CONSUMER.INFO.*.*",
         *(call for b in BUCKETS for call in _kv_read(b)),
     ]
     return Identity(OPERATOR, tuple(publish), (f"{inbox_prefix(OPERATOR)}.>",), allow_responses=False)

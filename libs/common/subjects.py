@@ -15,6 +15,19 @@ REQUESTS_BUCKET = "omni_requests"
 EVICTIONS_BUCKET = "omni_evictions"
 """KV bucket: one key per replica incarnation declared dead (``<pipeline>.<stage>.<replica>.<started_ns>``);
 created once, so exactly one orchestrator counts and logs the eviction."""
+JS_API = "$JS.API"
+"""Prefix of JetStream's API subjects (no domain)."""
+
+
+def kv_stream(bucket: str) -> str:
+    """The JetStream stream that holds KV ``bucket``."""
+    return f"KV_{bucket}"
+
+
+def kv_subject(bucket: str, key: str = ">") -> str:
+    """The subject ``key`` of KV ``bucket`` is stored under (by default, every key's)."""
+    return f"$KV.{bucket}.{key}"
+
 
 ORCHESTRATOR_ADMISSION_CONSUMER = "orchestrator"
 """Durable pull consumer on the requests stream, shared by every orchestrator instance."""

@@ -36,6 +36,8 @@ from libs.common.registry import ServiceRecord
 from libs.common.subjects import (
     ORCHESTRATOR_ADMISSION_CONSUMER,
     ORCHESTRATOR_EVENTS_CONSUMER,
+    REQUESTS_BUCKET,
+    SERVICES_BUCKET,
     Subjects,
     consumer_name,
 )
@@ -315,11 +317,11 @@ def service_pids(root: int) -> dict[int, str]:
     return out
 
 
-async def registry(js: Any, pipeline: str) -> tuple[list[str], list[str], dict[str, int]]:
+async def registry(nc: Any, pipeline: str) -> tuple[list[str], list[str], dict[str, int]]:
     """Gateway and orchestrator instance ids of ``pipeline``, and every service's load."""
-    kv = await services_kv(js)
+    kv = await services_kv(nc.jetstream())
     gateways, orchestrators, loads = [], [], {}
-    for key in await kv.keys():
+    for key in await bucket_keys(nc, SERVICES_BUCKET):
         with contextlib.suppress(KeyNotFoundError, ValueError):
             rec = ServiceRecord.model_validate_json((await kv.get(key)).value)
             if rec.pipeline != pipeline:
@@ -351,11 +353,11 @@ async def held_messages(js: Any, pipeline: Any) -> dict[str, int]:
     return out
 
 
-async def open_records(js: Any, pipeline: str) -> set[str]:
+async def open_records(nc: Any, pipeline: str) -> set[str]:
     """Request records of ``pipeline`` that have not ended (garbage ones skipped)."""
-    kv = await requests_kv(js)
+    kv = await requests_kv(nc.jetstream())
     out = set()
-    for key in await bucket_keys(kv):  # an empty bucket is no error (run2 of 2026-11-26 found one)
+    for key in await bucket_keys(nc, REQUESTS_BUCKET):
         with contextlib.suppress(KeyNotFoundError, ValueError):
             rec = RequestRecord.model_validate_json((await kv.get(key)).value)
             if rec.pipeline == pipeline and not rec.status.terminal:
@@ -397,11 +399,11 @@ async def test_bus_fuzz_leaves_live_requests_unharmed(stack, pipeline) -> None:
     garbage: list[tuple[Any, str]] = []
     try:
         js = nc.jetstream()
-        gateways, orchestrators, _ = await registry(js, pipeline.name)
+        gateways, orchestrators, _ = await registry(nc, pipeline.name)
         assert gateways and orchestrators, (gateways, orchestrators)
         pids = service_pids(stack.proc.pid)
         assert len(pids) >= 2 + sum(s.replicas for s in pipeline.stages), pids
-        open_before = await open_records(js, pipeline.name)
+        open_before = await open_records(nc, pipeline.name)
         inbox = nc.new_inbox()
         sent = Sent()
 
@@ -455,8 +457,8 @@ async def test_bus_fuzz_leaves_live_requests_unharmed(stack, pipeline) -> None:
         garbage = []
         deadline = time.monotonic() + SETTLE_S
         while True:
-            _, _, loads = await registry(js, pipeline.name)
-            still = await open_records(js, pipeline.name) - open_before
+            _, _, loads = await registry(nc, pipeline.name)
+            still = await open_records(nc, pipeline.name) - open_before
             held = await held_messages(js, pipeline)
             health = httpx.get(f"{stack.base_url}/health", timeout=10)
             if (

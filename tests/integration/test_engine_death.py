@@ -160,7 +160,7 @@ async def streaming(stack: Stack, tokens: int = LONG, count: int = STREAMS) -> A
         assert warm.error is None, warm.error
         kv = await requests_kv(nc.jetstream())
         for _ in range(TRIES):
-            streams = await Streams.start(client, MODEL, count, tokens, kv)
+            streams = await Streams.start(client, MODEL, count, tokens, nc)
             bound = await bound_by_replica(kv, streams, PIPELINE)
             victim = await holding(nc, PIPELINE, sorted(bound, key=lambda r: -len(bound[r])), timeout_s=30)
             if victim is not None:

@@ -18,9 +18,10 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from libs.common.bus import services_kv
+from libs.common.bus import bucket_keys, services_kv
 from libs.common.local_nats import free_port
 from libs.common.registry import ServiceRecord
+from libs.common.subjects import SERVICES_BUCKET
 from tests.metrics_scrape import scrape, total
 from tests.procs import THINKER_YAML, ServiceProcess, start_service, until, write_pipeline
 
@@ -97,7 +98,7 @@ async def test_the_registry_record_points_at_the_admin_listener(gateway: Gateway
         kv = await services_kv(nc.jetstream())
 
         async def gateway_record() -> ServiceRecord | None:
-            for key in await kv.keys():
+            for key in await bucket_keys(nc, SERVICES_BUCKET):
                 if key.startswith(f"gateway.{PIPELINE}."):
                     return ServiceRecord.model_validate_json((await kv.get(key)).value)
             return None

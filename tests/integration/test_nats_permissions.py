@@ -31,13 +31,13 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import ConsumerConfig
 
 from cli.stack_file import StackInfo, read_live_stack
-from libs.common.bus import connect, ensure_topology, server_urls
+from libs.common.bus import bucket_keys, connect, ensure_topology, server_urls
 from libs.common.local_nats import free_port, nats_server_argv
 from libs.common.nats_credentials import auth_from
 from libs.common.nats_security import SECRETS_DIR, NatsSecurity, prepare
 from libs.common.nats_tls import ensure_ca
 from libs.common.pipeline import load_pipeline
-from libs.common.subjects import Subjects
+from libs.common.subjects import SERVICES_BUCKET, Subjects
 from tests.client_streams import ended, until_record
 from tests.conftest import wait_port
 from tests.procs import stop_process
@@ -176,7 +176,7 @@ async def test_a_worker_cannot_read_answers_cancel_requests_or_forge_a_registry_
         seen = await gateway.nc.jetstream().key_value("omni_services")  # a worker reads no registry
         own = await seen.get("worker.text.0.0")
         assert (await kv.put("worker.text.0.0", own.value)) > own.revision
-        keys = await seen.keys()
+        keys = await bucket_keys(gateway.nc, SERVICES_BUCKET)
         assert "worker.text.0.7" not in keys and "gateway.text.decoy" not in keys
     finally:
         for c in (worker, orchestrator, gateway, other_worker):

@@ -24,9 +24,9 @@ import pytest
 from nats.js.errors import KeyNotFoundError
 from openai import AsyncOpenAI
 
-from libs.common.bus import LIMITS, evictions_kv, requests_kv, services_kv
+from libs.common.bus import LIMITS, requests_kv, services_kv
 from libs.common.records import RequestRecord
-from libs.common.subjects import ORCHESTRATOR_ADMISSION_CONSUMER, Subjects
+from libs.common.subjects import EVICTIONS_BUCKET, ORCHESTRATOR_ADMISSION_CONSUMER, Subjects
 from tests.client_streams import (
     Streams,
     Wire,
@@ -208,7 +208,7 @@ def _claimed(rec: RequestRecord) -> bool:
 async def _eviction_keys(nc, replica: int) -> set[str]:
     """The keys of ``omni_evictions`` for thinker ``replica`` of this pipeline (one per judged
     incarnation; the pipeline is shared with other modules: compare before and after)."""
-    keys = await bucket_keys(await evictions_kv(nc.jetstream()))
+    keys = await bucket_keys(nc, EVICTIONS_BUCKET)
     return {k for k in keys if k.startswith(f"{PIPELINE}.0.{replica}.")}
 
 
@@ -231,7 +231,7 @@ async def test_a_move_claimed_by_a_killed_orchestrator_is_carried_out_by_the_sur
         await _warm(client)
         before = scrape(survivor.proc.metrics_url)
         judged = {r: await _eviction_keys(nc, r) for r in (0, 1)}
-        streams = await Streams.start(client, MODEL, STREAMS, LONG, kv)
+        streams = await Streams.start(client, MODEL, STREAMS, LONG, nc)
         by = await bound_by_replica(kv, streams, PIPELINE)
         dead = await holding(nc, PIPELINE, sorted(by, key=lambda r: -len(by[r])))
         assert dead is not None, "no thinker held two of the streams"
@@ -318,7 +318,7 @@ async def test_a_replica_death_judged_by_two_orchestrators_is_counted_once(
         before = [scrape(o.proc.metrics_url) for o in orchestrators]
         judged_before = await _eviction_keys(nc, alive[0])
         kv = await requests_kv(nc.jetstream())
-        streams = await Streams.start(client, MODEL, 3, LONG, kv)
+        streams = await Streams.start(client, MODEL, 3, LONG, nc)
         assert await holding(nc, PIPELINE, alive[:1]) is not None, "the thinker never held two of the streams"
         await kill_confirmed(stack.workers[alive[0]].proc.pid, f"thinker {alive[0]}")
         killed = time.monotonic()

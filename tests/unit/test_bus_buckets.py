@@ -3,17 +3,22 @@ connected to two nodes of a three-node cluster once took a timed-out look-up for
 and created it with two replicas over the cluster's three: "stream name already in use with a
 different configuration" (err 10058, a CI run of 2026-11-29). A look-up timing out on demand
 needs a broker stalled at the right moment, so JetStream is scripted here; the cluster itself is
-``tests/integration/test_broker_bounce.py``."""
+``tests/integration/test_broker_bounce.py``.
+
+A bucket's key listing comes in pages of 100,000 keys; so many keys are not written for a unit
+test, so the pages are scripted too (the listing itself is ``tests/integration/test_bucket_keys.py``)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import BucketNotFoundError, ServiceUnavailableError
 
-from libs.common.bus import TOPOLOGY_TRIES, requests_kv
+from libs.common.bus import TOPOLOGY_TRIES, bucket_keys, requests_kv
 
 
 class _Client:
@@ -68,3 +73,44 @@ async def test_only_a_bucket_jetstream_says_it_lacks_is_created() -> None:
     assert await requests_kv(js) == "created"  # type: ignore[arg-type]
     (config,) = js.created
     assert config.bucket == "omni_requests" and config.replicas == 1  # a client made outside connect()
+
+
+@dataclass
+class ScriptedPages:
+    """Answers each stream-info request with the next page of ``subjects`` (``limit`` at a time),
+    as the server does when asked for a subject filter: ``total``, ``offset``, and the page."""
+
+    subjects: list[str]
+    limit: int
+    asked: list[dict] = field(default_factory=list)
+
+    async def request(self, subject: str, payload: bytes, timeout: float) -> SimpleNamespace:
+        asked = json.loads(payload)
+        self.asked.append(asked | {"subject": subject})
+        page = self.subjects[asked["offset"] : asked["offset"] + self.limit]
+        answer = {"total": len(self.subjects), "offset": asked["offset"], "state": {}}
+        if page:
+            answer["state"]["subjects"] = dict.fromkeys(page, 1)
+        return SimpleNamespace(data=json.dumps(answer).encode())
+
+
+async def test_a_listing_reads_every_page() -> None:
+    nc = ScriptedPages([f"$KV.omni_requests.r{i}" for i in range(5)], limit=2)
+    assert await bucket_keys(nc, "omni_requests") == {f"r{i}" for i in range(5)}  # type: ignore[arg-type]
+    assert [a["offset"] for a in nc.asked] == [0, 2, 4]
+    assert {(a["subject"], a["subjects_filter"]) for a in nc.asked} == {
+        ("$JS.API.STREAM.INFO.KV_omni_requests", "$KV.omni_requests.>")
+    }
+
+
+async def test_a_listing_of_a_bucket_that_lost_keys_meanwhile_ends() -> None:
+    """Keys that expired between two pages shrink the total: the listing ends on an empty page."""
+    nc = ScriptedPages([f"$KV.omni_services.s{i}" for i in range(3)], limit=2)
+
+    async def shrinking(subject: str, payload: bytes, timeout: float) -> SimpleNamespace:
+        answer = await ScriptedPages.request(nc, subject, payload, timeout)
+        del nc.subjects[-1:]  # one key expires after each answer
+        return answer
+
+    nc.request = shrinking  # type: ignore[method-assign]
+    assert await bucket_keys(nc, "omni_services") == {"s0", "s1"}  # type: ignore[arg-type]
