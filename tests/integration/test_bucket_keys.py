@@ -58,7 +58,9 @@ async def test_every_key_is_listed_while_every_key_is_written(nats_server) -> No
     rewritten = next(writes)
     # the fault: the keys were rewritten while they were listed, many times over
     assert rewritten >= 10 * KEYS, f"only {rewritten} writes during {LISTINGS} listings"
-    assert short == [], f"{len(short)} of {LISTINGS} listings left keys out (nats-py's keys(): {theirs_short})"
+    assert short == [], (
+        f"{len(short)} of {LISTINGS} listings left keys out (nats-py's keys(): {theirs_short})"
+    )
 
 
 async def test_a_deleted_key_is_listed_and_reads_as_gone(nats_server) -> None:
