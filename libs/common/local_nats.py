@@ -11,6 +11,7 @@ docs/reliability.md, "The broker is not a single point of failure", for the meas
 
 from __future__ import annotations
 
+import random
 import re
 import shutil
 import socket
@@ -50,8 +51,47 @@ def raise_broker_share(pid: int) -> bool:
     return True
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+"""The ports the kernel gives the local end of an outgoing connection (Linux)."""
+LOWEST_FREE_PORT = 10_000
+""":func:`free_port` picks at or above this port and below the ephemeral range."""
+MAX_PORT_TRIES = 2_000
+"""Ports :func:`free_port` tries before it lets the OS pick."""
+_handed_out: set[int] = set()
+"""Ports :func:`free_port` has returned in this process (not returned again)."""
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default, 32768, where it is not
+    readable)."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
+    """A TCP port on 127.0.0.1 that is free now, for a process started later to listen on.
+
+    Picked at random below the kernel's ephemeral range: a port the OS picks (``bind`` to 0) comes
+    from that range, and in the seconds before the process binds it, any outgoing connection on
+    the machine may get it as its local port (a worker's metrics server then failed to start with
+    "Address already in use", a CI run of 2026-11-29). The ports from a random one on are tried
+    in turn (at most ``MAX_PORT_TRIES``); never the same port twice in one process. Where none is
+    free, or the range leaves no room below it, the OS picks."""
+    span = _ephemeral_low() - LOWEST_FREE_PORT
+    start = random.randrange(span) if span > 0 else 0
+    for i in range(min(span, MAX_PORT_TRIES)):
+        port = LOWEST_FREE_PORT + (start + i) % span
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
