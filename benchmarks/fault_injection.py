@@ -28,7 +28,12 @@ from pathlib import Path
 from benchmarks.harness import Managed, Processes, Stack, descendants, wait_http_ok, wait_port
 from benchmarks.service_stack import Service, ServiceStack
 from libs.common.bus import bucket_keys, server_urls
-from libs.common.subjects import EVICTIONS_BUCKET, REQUESTS_BUCKET, SERVICES_BUCKET, Subjects
+from libs.common.subjects import (
+    BUCKETS,
+    SERVICES_BUCKET,
+    Subjects,
+    kv_stream,
+)
 
 PIPELINE_YAML = """\
 name: faults
@@ -173,7 +178,7 @@ async def _leaders(stack: Stack | ServiceStack) -> dict[str, str]:
 
     subjects = Subjects(PIPELINE_NAME)
     names = [subjects.requests_stream, subjects.stages_stream, subjects.events_stream]
-    names += [f"KV_{b}" for b in (SERVICES_BUCKET, REQUESTS_BUCKET, EVICTIONS_BUCKET)]
+    names += [kv_stream(b) for b in BUCKETS]
     nc = await nats.connect(servers=server_urls(stack.nats_url))
     try:
         js = nc.jetstream()

@@ -26,6 +26,8 @@ from libs.common.subjects import (
     SERVICES_BUCKET,
     Subjects,
     consumer_name,
+    kv_stream,
+    kv_subject,
     max_deliveries_advisory,
 )
 from tests.procs import stop_confirmed, until
@@ -87,7 +89,7 @@ async def registry_watchers_have(
     (``delivered.stream_seq``) and whether a client still listens (``push_bound``; a watcher of a
     process that has exited lingers unbound for minutes). What the server has sent, a view has
     applied as soon as its event loop reads the connection, before any later message on it."""
-    stream, subject = f"KV_{SERVICES_BUCKET}", f"$KV.{SERVICES_BUCKET}.{key}"
+    stream, subject = kv_stream(SERVICES_BUCKET), kv_subject(SERVICES_BUCKET, key)
 
     async def delivered() -> int:
         watching = [
@@ -96,7 +98,9 @@ async def registry_watchers_have(
             if c.push_bound
             and any(
                 subject_matches(f, subject)
-                for f in (c.config.filter_subjects or [c.config.filter_subject or f"$KV.{SERVICES_BUCKET}.>"])
+                for f in (
+                    c.config.filter_subjects or [c.config.filter_subject or kv_subject(SERVICES_BUCKET)]
+                )
             )
         ]
         return len(watching) if watching and all(c.delivered.stream_seq >= revision for c in watching) else 0

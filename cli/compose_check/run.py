@@ -25,7 +25,7 @@ from cli.compose_check.images import (
 from cli.compose_check.stack import Stack
 from libs.common.local_nats import free_port
 from libs.common.pipeline import load_pipeline
-from libs.common.subjects import EVICTIONS_BUCKET, REQUESTS_BUCKET, SERVICES_BUCKET, Subjects
+from libs.common.subjects import BUCKETS, Subjects, kv_stream
 
 IMAGE = "omnirelay:cpu"
 HEALTHY_S = 900.0
@@ -101,7 +101,7 @@ def exercise(stack: Stack, repo: Path, ports: dict[str, str], rows: list[tuple[s
     nats_url = f"nats://127.0.0.1:{ports['NATS_PORT']}"
     subjects = Subjects(pipeline.name)
     streams = [subjects.requests_stream, subjects.stages_stream, subjects.events_stream]
-    streams += [f"KV_{b}" for b in (SERVICES_BUCKET, REQUESTS_BUCKET, EVICTIONS_BUCKET)]
+    streams += [kv_stream(b) for b in BUCKETS]
     rows.append(("restart nats", probes.jetstream_survives_restart(stack, nats_url, gateway, model, streams)))
     outage = probes.worker_dies(stack, KILLED, gateway, model)
     docker_kill = "restarted" if outage.docker_kill_restarted else "not restarted (a manual stop)"

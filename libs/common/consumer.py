@@ -26,12 +26,14 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from libs.common.subjects import JS_API
+
 log = logging.getLogger(__name__)
 
 PENDING_MESSAGES = "Nats-Pending-Messages"
 """Header of a 408/409 status: messages its pull request left unfulfilled."""
 STATUS = "Status"
-NEXT_API = "$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+NEXT_API = JS_API + ".CONSUMER.MSG.NEXT.{stream}.{consumer}"
 LOST_GRACE_S = 2.0
 """Silence beyond a request's lifetime after which the standing requests count as lost, seconds."""
 WATCH_PERIOD_S = 1.0

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from libs.common.pipeline import Payload, PipelineConfig, StageType
 from libs.common.subjects import (
+    BUCKETS,
     EVICTIONS_BUCKET,
     JS_API,
     ORCHESTRATOR_ADMISSION_CONSUMER,
@@ -40,7 +41,6 @@ from libs.common.subjects import (
 GATEWAY = "gateway"
 ORCHESTRATOR = "orchestrator"
 OPERATOR = "operator"
-BUCKETS = (SERVICES_BUCKET, REQUESTS_BUCKET, EVICTIONS_BUCKET)
 
 
 def worker_identity(stage: int, replica: int) -> str:

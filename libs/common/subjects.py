@@ -15,6 +15,8 @@ REQUESTS_BUCKET = "omni_requests"
 EVICTIONS_BUCKET = "omni_evictions"
 """KV bucket: one key per replica incarnation declared dead (``<pipeline>.<stage>.<replica>.<started_ns>``);
 created once, so exactly one orchestrator counts and logs the eviction."""
+BUCKETS = (SERVICES_BUCKET, REQUESTS_BUCKET, EVICTIONS_BUCKET)
+"""Every KV bucket of omnirelay (shared by every pipeline)."""
 JS_API = "$JS.API"
 """Prefix of JetStream's API subjects (no domain)."""
 
