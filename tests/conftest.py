@@ -17,6 +17,7 @@ from libs.common.local_nats import free_port, nats_server_argv, raise_broker_sha
 from libs.common.runtime import freeze_startup_heap
 from tests import needs
 from tests.broker_watch import BrokerWatch
+from tests.procs import STARTED, stop_left
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -122,6 +123,22 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.write_line(
         "by directory: " + ", ".join(f"{d} {s / 60:.1f} min" for d, s in sorted(by_dir.items()) if s)
     )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_service_outlives_its_module() -> Iterator[None]:
+    """Stop every service process started during the module and still running at its end, but a
+    session-wide fixture's (``ServiceProcess.shared``). A module fixture whose setup fails after
+    starting some never reaches its own teardown: in a CI run of 2026-11-29 an orchestrator, a
+    gateway and three workers ran on through the rest of the session, and after it."""
+    first = len(STARTED)
+    yield
+    stop_left([p for p in STARTED[first:] if not p.shared])
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Nothing the tests started runs on after them."""
+    stop_left(STARTED)
 
 
 @pytest.fixture(autouse=True)

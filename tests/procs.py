@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import signal
@@ -45,6 +46,8 @@ class ServiceProcess:
         self.args, self.env, self.log = args, env, log
         self.proc: subprocess.Popen[bytes] | None = None
         self.metrics_url: str | None = None
+        self.shared = False
+        """Belongs to a session-wide fixture: outlives the module that started it."""
         self._offset = 0
         """Where this process's output begins in :attr:`log` (bytes)."""
 
@@ -65,6 +68,7 @@ class ServiceProcess:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        STARTED.append(self)
         return self
 
     def text(self) -> str:
@@ -105,6 +109,21 @@ def stop_process(proc: subprocess.Popen[bytes], sig: int, timeout_s: float) -> i
         return proc.returncode
     proc.send_signal(sig)
     return _reaped(proc, time.monotonic() + timeout_s)
+
+
+STARTED: list[ServiceProcess] = []
+"""Every service process the tests started, in order (``tests/conftest.py`` stops what a module,
+or the session, left running)."""
+
+
+def stop_left(procs: Iterable[ServiceProcess]) -> None:
+    """Stop every one of ``procs`` still running (continued first: a fault test may have left it
+    stopped)."""
+    left = [p for p in procs if p.proc is not None and p.proc.poll() is None]
+    for p in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.proc.pid, signal.SIGCONT)
+    stop_all(left)
 
 
 def stop_all(procs: Iterable[ServiceProcess], timeout_s: float = 30.0) -> None:

@@ -74,6 +74,7 @@ class ThinkerPair:
             log,
             {"VLLM_CPU_KVCACHE_SPACE": "1"},
         )
+        worker.shared = True
         self.workers[replica] = worker
         return worker
 
@@ -128,6 +129,7 @@ def start_pair(nats_url: str, tmp: Path) -> ThinkerPair:
     gateway = start_service(
         ["gateway", "--port", str(port)], nats_url, path, tmp / "gw.log", {"OMNIRELAY_INSTANCE_ID": GATEWAY}
     )
+    gateway.shared = True
     pair = ThinkerPair(f"http://127.0.0.1:{port}/v1", gateway, path, tmp, nats_url)
     for r in (0, 1):
         pair.start_worker(r)
