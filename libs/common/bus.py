@@ -28,6 +28,7 @@ from nats.js.api import (
     ConsumerConfig,
     DiscardPolicy,
     KeyValueConfig,
+    PersistMode,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -142,14 +143,17 @@ def redact(url: str) -> str:
     return ",".join(out)
 
 
-async def connect(url: str, name: str, credentials: NatsAuth | None = None) -> NATS:
+async def connect(
+    url: str, name: str, credentials: NatsAuth | None = None, on_reconnect: Callable[[], None] | None = None
+) -> NATS:
     """Connect to one of the servers in ``url`` (comma-separated: every server of a cluster), with
     unlimited reconnects to any of them (services survive a broker restart or a node's loss).
 
     As the identity of ``credentials``, by default the one the environment names
     (``OMNIRELAY_NATS_USER`` ..., :class:`libs.common.nats_credentials.NatsCredentials`; none: an
     anonymous client, for a server without authorization), with its own inbox prefix, over TLS
-    verified against ``OMNIRELAY_NATS_CA`` when it is set."""
+    verified against ``OMNIRELAY_NATS_CA`` when it is set. ``on_reconnect`` is called (on the
+    event loop, not awaited: start a task for any work) each time the client is connected again."""
     servers = server_urls(url)
     shown = redact(url)
     options = (credentials if credentials is not None else NatsCredentials()).connect_options()
@@ -161,6 +165,8 @@ async def connect(url: str, name: str, credentials: NatsAuth | None = None) -> N
 
     async def _reconnected() -> None:
         log.info("NATS reconnected (%s)", shown)
+        if on_reconnect is not None:
+            on_reconnect()
 
     async def _error(e: Exception) -> None:
         log.warning("NATS error: %s", e)
@@ -182,10 +188,49 @@ async def connect(url: str, name: str, credentials: NatsAuth | None = None) -> N
 
 
 async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+    """Create the stream ``cfg`` describes, or update the one that exists to it.
+
+    JetStream fixes a stream's persist mode when it creates it, and takes ``async`` only on a
+    single replica (ADR-56): a stream whose mode must change (the requests stream of one server,
+    ``async``, given a cluster's replicas, or a stream made before in the default mode) is made
+    anew when nothing uses it (no message, no consumer) and this identity may delete it; otherwise
+    it keeps its mode and its replicas, and the log says so."""
     try:
         await js.add_stream(cfg)
+        return
     except BadRequestError:
+        pass
+    info = await js.stream_info(cfg.name)
+    if _persist_mode(info.config) == _persist_mode(cfg):
         await js.update_stream(cfg)
+        return
+    if info.state.messages == 0 and info.state.consumer_count == 0:
+        try:
+            await js.delete_stream(cfg.name)
+        except Exception as e:  # not this identity's to delete (docs/security.md): kept below
+            log.info("stream %s not made anew in persist mode %s: %s", cfg.name, _persist_mode(cfg).value, e)
+        else:
+            log.info("stream %s: made anew in persist mode %s", cfg.name, _persist_mode(cfg).value)
+            await js.add_stream(cfg)
+            return
+    log.warning(
+        "stream %s keeps persist mode %s and %d replica(s) (%d messages, %d consumers)",
+        cfg.name,
+        _persist_mode(info.config).value,
+        info.config.num_replicas,
+        info.state.messages,
+        info.state.consumer_count,
+    )
+    kept = replace(cfg, persist_mode=info.config.persist_mode, num_replicas=info.config.num_replicas)
+    try:  # the stream as it is: taken as declared, by an identity that may only create streams
+        await js.add_stream(kept)
+    except BadRequestError:
+        await js.update_stream(kept)
+
+
+def _persist_mode(cfg: StreamConfig) -> PersistMode:
+    """``cfg``'s persist mode (JetStream leaves the default unset)."""
+    return PersistMode(cfg.persist_mode) if cfg.persist_mode else PersistMode.DEFAULT
 
 
 T = TypeVar("T")
@@ -228,6 +273,7 @@ async def _declare_topology(js: JetStreamContext, subjects: Subjects, limits: Bu
             name=subjects.requests_stream,
             subjects=[subjects.requests],
             max_msgs=limits.requests_max_msgs,
+            persist_mode=PersistMode.ASYNC if work_queue["num_replicas"] == 1 else None,
             **work_queue,
         ),
     )

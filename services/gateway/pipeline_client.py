@@ -35,7 +35,7 @@ from libs.common.envelopes import (
 )
 from libs.common.jetstream import JetStream
 from libs.common.pipeline import Payload, PipelineConfig
-from libs.common.publish import PUBLISH_TIMEOUT_S, publish_lifecycle
+from libs.common.publish import PUBLISH_TIMEOUT_S, publish_lifecycle, until_stored
 from libs.common.registry import Heartbeat, LiveServices, ServiceKind, ServiceRecord
 from libs.common.settings import GatewaySettings
 from libs.common.subjects import Subjects
@@ -96,7 +96,11 @@ class PipelineClient:
         self._batch_subject = self.subjects.out_batch(self.gateway_id)
 
     async def start(self) -> None:
-        self.nc = await connect(self.settings.nats_url, f"omnirelay-gateway-{self.gateway_id}")
+        self.nc = await connect(
+            self.settings.nats_url,
+            f"omnirelay-gateway-{self.gateway_id}",
+            on_reconnect=lambda: self._spawn(self._admit_again()),
+        )
         self.js = JetStream(self.nc)
         await ensure_topology(self.js, self.subjects)
         await self.nc.subscribe(
@@ -399,9 +403,10 @@ class PipelineClient:
             h.MSG_ID: adm.request_id,
             **trace_headers,
         }
+        handle.admission = (adm.encode(), headers)
         try:
             await self.js.publish(
-                self.subjects.requests, adm.encode(), headers=headers, timeout=PUBLISH_TIMEOUT_S
+                self.subjects.requests, handle.admission[0], headers=headers, timeout=PUBLISH_TIMEOUT_S
             )
         except JSAPIError as e:
             self.release(adm.request_id)
@@ -413,6 +418,35 @@ class PipelineClient:
             self.release(adm.request_id)
             raise APIError(503, f"the bus is unavailable: {type(e).__name__}", "bus_unavailable") from None
         return handle
+
+    async def _admit_again(self) -> None:
+        """After a reconnect, send again the admission of every request that has had no event
+        yet. The requests stream acknowledges a write before it is on disk (its persist mode is
+        ``async``, docs/reliability.md), so a broker killed just after may come back without
+        admissions it acknowledged. A copy of one the stream still holds, or took before within
+        its duplicate window, is dropped by its ``Nats-Msg-Id``; one an orchestrator has handled
+        is handled again to the same end (``services/orchestrator/admission.py``)."""
+        waiting = [
+            hd for hd in self._handles.values() if hd.admission is not None and not hd.arrived.is_set()
+        ]
+        for handle in waiting:
+            try:
+                await self._admission_stored(handle)
+            except Exception as e:  # its deadline passed: the handle's own timer answers the client
+                log.warning("request %s: its admission was not sent again: %s", handle.request_id, e)
+        if waiting:
+            log.info("sent %d admission(s) again after a reconnect", len(waiting))
+
+    async def _admission_stored(self, handle: RequestHandle) -> None:
+        """Publish ``handle``'s admission until the stream takes it or its deadline passes."""
+        assert handle.admission is not None
+        data, headers = handle.admission
+        await until_stored(
+            self.nc,
+            lambda: self.js.publish(self.subjects.requests, data, headers=headers, timeout=PUBLISH_TIMEOUT_S),
+            f"the admission of {handle.request_id}",
+            lambda: time.time_ns() >= handle.deadline_ns,
+        )
 
     def release(self, request_id: str) -> None:
         if self._handles.pop(request_id, None) is not None:

@@ -37,6 +37,9 @@ class RequestHandle:
         """The request's first event (stays here after it is taken from the queue)."""
         self.arrived = asyncio.Event()
         """Set with the first event."""
+        self.admission: tuple[bytes, dict[str, str]] | None = None
+        """The admission as it was published (body, headers), to be sent again after a reconnect
+        (``PipelineClient._admit_again``)."""
         self.attempts = Attempts()
         """Per stage the newest attempt announced and the replica bound to each attempt
         (:mod:`services.gateway.event_trust`)."""

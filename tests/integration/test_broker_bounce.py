@@ -37,10 +37,12 @@ from tests.procs import (
     THINKER_YAML,
     ServiceProcess,
     gone,
+    kill_confirmed,
     process_state,
     start_service,
     stop_all,
     stop_confirmed,
+    until,
     write_pipeline,
 )
 
@@ -244,6 +246,56 @@ async def test_a_stopped_broker_gets_no_replica_judged(own_nats, bounce_stack) -
         rec = await request_record(own_nats.url, s.id)
         assert [a["attempt"] for a in rec["stages"][0]["attempts"]] in ([], [1]), rec["stages"][0]
     assert " is dead (" not in procs[0].text(), "the orchestrator judged a replica for the broker's silence"
+
+
+async def test_an_admission_the_broker_lost_is_sent_again_when_the_gateway_reconnects(
+    own_nats, bounce_stack
+) -> None:
+    """The requests stream acknowledges a write before it is on disk (persist mode ``async``), so
+    a broker killed just after may come back without an admission it acknowledged. No kill can be
+    timed into that window, so the loss is made: with the orchestrator killed (so that no pull of
+    its holds a copy), a request's admission waits in the stream; the stream is purged (the loss)
+    and the broker stopped and started again. The gateway sends the admission again when it
+    reconnects, and the request completes once an orchestrator runs again (without that, it would
+    wait out its 120 s deadline)."""
+    base_url, procs = bounce_stack
+    model = f"{PIPELINE}-model"
+    subjects = Subjects(PIPELINE)
+    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=180)
+    await _reference(client, model)  # the stack routes
+    await kill_confirmed(procs[0].proc.pid, "the orchestrator")
+    asked = asyncio.create_task(
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "lost"}], max_tokens=8, temperature=0
+        )
+    )
+    nc = await connect(own_nats.url, "bounce-test")
+    js = nc.jetstream()
+
+    async def waiting() -> int:
+        return (await js.stream_info(subjects.requests_stream)).state.messages
+
+    await until(waiting, "the admission waiting in the requests stream", 30)
+    await js.purge_stream(subjects.requests_stream)
+    assert await waiting() == 0, "the admission is still there"
+    await nc.close()
+    pid = own_nats.proc.pid
+    own_nats.stop()
+    assert gone(pid), "nats-server still runs"
+    own_nats.start()  # the same ports, the same store
+    await procs[1].await_log("sent 1 admission(s) again after a reconnect", timeout_s=30)
+    nc = await connect(own_nats.url, "bounce-test")
+    js = nc.jetstream()
+    try:
+        assert await until(waiting, "the admission sent again", 30) == 1
+    finally:
+        await nc.close()
+    assert not asked.done(), "the request ended while its admission was lost"
+    procs[0].start()  # the orchestrator again
+    await procs[0].await_log("ready")
+    answer = await asyncio.wait_for(asked, 90)
+    await client.close()
+    assert answer.usage.completion_tokens == 8 and answer.choices[0].finish_reason == "length"
 
 
 @pytest.fixture
