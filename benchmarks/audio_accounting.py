@@ -1,18 +1,20 @@
-"""The fault suite's audio accounting for a talker that speaks a variable number of frames per text
-chunk (the ``orpheus`` protocol; ``omnirelay bench-faults --pipeline orpheus``).
+"""The fault suite's audio accounting: each completed audio stream's chunks against the whole
+decode of the code chunks the pipeline sent (``omnirelay bench-faults``, both pipelines).
 
-With the tiny talker a stream's audio length is fixed by its tokens, so a length tells a missing or
-repeated chunk. An Orpheus talker speaks each text chunk until end-of-speech or its cap (a function of
-the chunk's text, whose cut depends on how vLLM grouped the thinker's tokens into deltas), so no
-fault-free request is a reference for another one's length. The reference is the frames themselves:
-the suite listens on the bus to every code chunk sent to code2wav (:class:`CodeCapture`), and after
-the row decodes each *segment* (one text chunk's frames) **whole** with the codec adapter, the noise
-seeded by absolute frame as in a streamed decode. Its samples, cut by the code chunks' own frames,
-are the chunk pieces a client must receive, each once, in order (:func:`judge_chunks`), equal to
-within 1 LSB of PCM16 (a streamed and a whole float32 decode differ by at most that,
-``tests/unit/test_snac_codec.py``). A code chunk sent again (a redo after a talker move) must carry
+An Orpheus talker speaks each text chunk until end-of-speech or its cap (a function of the chunk's
+text, whose cut depends on how vLLM grouped the thinker's tokens into deltas), so no fault-free
+request is a reference for another one's length, and a length alone says nothing of order. The
+reference is the frames themselves: the suite reads every code chunk the stages stream stored for
+code2wav from a mirror of that stream (:mod:`benchmarks.stage_mirror`: it misses nothing that a
+broker restart hides from a subscriber, and says when it lacks a message), and after the row decodes
+each *segment* (one text chunk's frames) **whole** with the codec adapter, the noise seeded by
+absolute frame as in a streamed decode. Its samples, cut by the code chunks' own frames, are the
+chunk pieces a client must receive, each once, in order (:func:`judge_chunks`), equal to within
+1 LSB of PCM16 (a streamed and a whole float32 decode differ by at most that,
+``tests/unit/test_snac_codec.py``). A code chunk stored again (a redo after a talker move) must carry
 the same offset, contexts and codes as its first copy, and the own frames of consecutive chunks must
-be consecutive (:func:`sent_in_order`). See docs/reliability.md, "The Orpheus pipeline's rows".
+be consecutive (:func:`sent_in_order`). The talker's input must be the thinker's tokens the client
+got, each once (:func:`talker_input_unlike`). See docs/reliability.md, "The Orpheus pipeline's rows".
 
 Units: frames (one frame = ``samples_per_frame`` samples, 2,048 for SNAC 24 kHz), PCM16 samples.
 """
@@ -214,41 +216,41 @@ def talker_input_unlike(copies: Sequence[SentText], tokens: Sequence[int]) -> bo
 @dataclass
 class CodeCapture:
     """Every text chunk sent to the talker (stage ``stage - 1``) and every code chunk sent to
-    code2wav (stage ``stage``) of pipeline ``pipeline``, by request, seen by a core NATS
-    subscription of the suite's own (a redo's copies too)."""
+    code2wav (stage ``stage``) of pipeline ``pipeline``, by request (a redo's copies too), as the
+    stages stream stored them (:meth:`ChunkJudge.capture` reads them from its mirror)."""
 
     pipeline: str
     stage: int = 2
+    codes_per_frame: int = 7
     sent: dict[str, list[SentChunk]] = field(default_factory=dict)
     texts: dict[str, list[SentText]] = field(default_factory=dict)
+    unread: int = 0
+    """Messages the stages stream stored while the capture ran that it could not read: the
+    reference is incomplete, and a stream it does not find whole is not judged."""
 
-    async def listen(self, nc) -> None:
-        """Subscribe on ``nc`` (a connected ``nats.aio.client.Client``) and flush."""
+    def add(self, subject: str, headers: dict[str, str] | None, data: bytes) -> None:
+        """Take one stored stage message (``subject`` ``omni.<pipeline>.stage.<s>.<r>.in``)."""
+        from libs.common import headers as h
         from libs.common.envelopes import StageTask, TaskKind, decode
 
-        async def on_chunk(msg) -> None:
-            task = decode(StageTask, msg.data)
-            if task.kind != TaskKind.CHUNK:
-                return
-            codes = task.codes.to_numpy() if task.codes is not None else np.zeros((0, 7), np.int64)
+        stage = int(subject.split(".")[3])
+        if stage not in (self.stage - 1, self.stage):
+            return
+        task = decode(StageTask, data)
+        if task.kind != TaskKind.CHUNK:
+            return
+        if stage == self.stage:
+            empty = np.zeros((0, self.codes_per_frame), np.int64)
+            codes = empty if task.codes is None else task.codes.to_numpy().reshape(-1, self.codes_per_frame)
             chunk = SentChunk(
                 task.seq, task.offset, task.context_before, task.context_after, codes, task.final
             )
             self.sent.setdefault(task.request_id, []).append(chunk)
-
-        async def on_text(msg) -> None:
-            from libs.common import headers as h
-
-            task = decode(StageTask, msg.data)
-            if task.kind == TaskKind.CHUNK:
-                hdr = msg.headers or {}
-                to = f"{hdr.get(h.TO_REPLICA, '?')}<{hdr.get(h.FROM_STAGE, '?')}.{hdr.get(h.FROM_REPLICA, '?')}"
-                text = SentText(task.seq, task.offset, tuple(task.token_ids or ()), task.final, to)
-                self.texts.setdefault(task.request_id, []).append(text)
-
-        await nc.subscribe(f"omni.{self.pipeline}.stage.{self.stage}.>", cb=on_chunk)
-        await nc.subscribe(f"omni.{self.pipeline}.stage.{self.stage - 1}.>", cb=on_text)
-        await nc.flush()
+            return
+        hdr = headers or {}
+        to = f"{hdr.get(h.TO_REPLICA, '?')}<{hdr.get(h.FROM_STAGE, '?')}.{hdr.get(h.FROM_REPLICA, '?')}"
+        text = SentText(task.seq, task.offset, tuple(task.token_ids or ()), task.final, to)
+        self.texts.setdefault(task.request_id, []).append(text)
 
     def summary(self, rid: str) -> str:
         """What the bus carried for request ``rid``, in one line (for a stream that failed or was
@@ -314,6 +316,10 @@ class AudioTally:
     resent_unlike: int
     gaps: int
     """Seq gaps and frame gaps on the bus."""
+    unread: int = 0
+    """Messages the stages stream stored during the row that the capture could not read."""
+    unjudged: int = 0
+    """Streams not whole against a reference that lacks :attr:`unread` messages: not judged."""
 
     @classmethod
     def of(cls, verdicts: Sequence[StreamAudio]) -> AudioTally:
@@ -346,11 +352,12 @@ class ChunkJudge:
 
     @contextlib.asynccontextmanager
     async def capture(self, stack) -> AsyncIterator[CodeCapture]:
-        """A :class:`CodeCapture` listening on its own connection to ``stack``'s NATS while the
-        block runs; it reconnects at once after a broker restart (every 0.1 s, without end), so it
-        is back before the workers resend what they buffered."""
+        """A :class:`CodeCapture` of what ``stack``'s stages stream stores while the block runs,
+        filled from its mirror (:class:`~benchmarks.stage_mirror.StageMirror`) when the block
+        ends; the connection reconnects without end while the block runs (a broker restart)."""
         import nats
 
+        from benchmarks.stage_mirror import StageMirror
         from libs.common.bus import server_urls
 
         async def quiet(_: Exception) -> None:
@@ -362,10 +369,16 @@ class ChunkJudge:
             reconnect_time_wait=0.1,
             max_reconnect_attempts=-1,
         )
-        capture = CodeCapture(self.pipeline)
+        capture = CodeCapture(self.pipeline, codes_per_frame=self.codec.codes_per_frame)
         try:
-            await capture.listen(nc)
+            mirror = StageMirror(nc, self.pipeline)
+            await mirror.ensure()
+            first = await mirror.last_seq()
             yield capture
+            read = await mirror.read_after(first)
+            for m in read.messages:
+                capture.add(m.subject, m.headers, m.data)
+            capture.unread = read.unread
         finally:
             await nc.close()
 
@@ -379,11 +392,14 @@ class ChunkJudge:
             return self.codec.decode(frames, first_frame)
 
         per_frame = self.codec.samples_per_frame
-        verdicts, broken = [], []
+        verdicts, broken, unjudged = [], [], 0
         for rid, got, tokens in streams:
             verdict = judge_stream(capture.sent.get(rid, []), got, decode, per_frame)
             verdict = replace(verdict, input_unlike=talker_input_unlike(capture.texts.get(rid, []), tokens))
-            verdicts.append(verdict)
+            if not verdict.whole and capture.unread:
+                unjudged += 1  # its reference may lack what the client got
+            else:
+                verdicts.append(verdict)
             if not verdict.whole:
                 broken.append(rid)
-        return AudioTally.of(verdicts), broken
+        return replace(AudioTally.of(verdicts), unread=capture.unread, unjudged=unjudged), broken

@@ -82,6 +82,9 @@ class Fault:
     """NATS servers of the stack the fault is injected in (1, or a cluster of 3)."""
 
 
+AUDIO_STREAMS = {"streams": 4, "audio": True, "max_tokens": 400}
+"""The broker rows' audio streams: several seconds of audio each, so a stream is still being
+spoken, and its text still crossing the thinker → talker hop, when the broker goes."""
 FAULTS = (
     Fault("kill -9 a thinker replica", "worker", 0),
     Fault("kill -9 a talker replica", "worker", 1, streams=4, audio=True, max_tokens=120),
@@ -94,9 +97,16 @@ FAULTS = (
     Fault("kill -9 every thinker replica (down while their engines start)", "all_replicas", 0),
     Fault("kill -9 the orchestrator", "orchestrator"),
     Fault("kill -9 nats-server, back 2 s later", "nats"),
+    Fault("kill -9 nats-server, back 2 s later (audio streams)", "nats", 1, **AUDIO_STREAMS),
     Fault("kill -9 one node of a 3-node NATS cluster, the streams' leader", "nats_leader", nats_nodes=3),
     Fault(
         "kill -9 the node of a 3-node NATS cluster a busy thinker is on", "nats_node_of_worker", nats_nodes=3
+    ),
+    Fault(
+        "kill -9 the node of a 3-node NATS cluster a busy thinker is on (audio streams)",
+        "nats_node_of_worker",
+        nats_nodes=3,
+        **AUDIO_STREAMS,
     ),
 )
 CLUSTER_NODE_TARGETS = ("nats_leader", "nats_node_of_worker")

@@ -79,8 +79,8 @@ class FaultPipeline:
     faults: tuple[Fault, ...]
     judge_chunks: bool
     """Judge each completed audio stream's chunks against the whole decode of the code chunks
-    sent on the bus (:mod:`benchmarks.audio_accounting`): a talker with a variable number of
-    frames per text chunk, whose audio length no fault-free request predicts."""
+    the stages stream stored (:mod:`benchmarks.audio_accounting`), and the talker's input against
+    the thinker's tokens."""
 
     @property
     def codec_model(self) -> str:
@@ -91,7 +91,7 @@ class FaultPipeline:
 def pipelines() -> dict[str, FaultPipeline]:
     """The suite's pipelines by ``--pipeline`` name."""
     return {
-        "tiny": FaultPipeline("tiny", PIPELINE_YAML, FAULTS, judge_chunks=False),
+        "tiny": FaultPipeline("tiny", PIPELINE_YAML, FAULTS, judge_chunks=True),
         "orpheus": FaultPipeline("orpheus", orpheus_pipeline_yaml(), ORPHEUS_FAULTS, judge_chunks=True),
     }
 

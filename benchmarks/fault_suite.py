@@ -433,6 +433,7 @@ CHUNK_COLUMNS = (
     "unlike whole decode",
     "talker input unlike thinker tokens",
     "re-sent (unlike) / bus gaps",
+    "reference unread (streams not judged)",
 )
 """The chunk judge's columns (:class:`AudioTally`), added when a row has them."""
 
@@ -448,6 +449,7 @@ def _chunk_cells(t: AudioTally | None) -> tuple[str, ...]:
         str(t.unlike),
         str(t.input_unlike),
         f"{t.resent} ({t.resent_unlike}) / {t.gaps}",
+        f"{t.unread} ({t.unjudged})",
     )
 
 

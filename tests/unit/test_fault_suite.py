@@ -137,7 +137,7 @@ def test_every_fault_of_one_service_names_a_service_of_the_process_plan(tmp_path
         s.name for s in plan_services(load_pipeline(pipeline_path), pipeline_path, "nats://x", 1, True)
     }
     single = [f for f in FAULTS if f.target in ("worker", "engine_core", "orchestrator", "nats")]
-    assert len(single) == 8
+    assert len(single) == 9
     names = {victim_service(f, r) for f in single for r in range(REPLICAS)}
     assert names == {"thinker-0", "thinker-1", "talker-0", "talker-1", "code2wav-0", "code2wav-1"} | {
         "orchestrator",

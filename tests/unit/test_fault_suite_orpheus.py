@@ -175,9 +175,9 @@ def test_a_judged_row_gets_the_chunk_columns_and_a_tiny_row_keeps_its_own() -> N
     )
     row = Row("kill -9 a talker replica", "pid 7 gone", 4, 4, {}, 0, 0, 0, 0.5, (20.0, 30.0), chunks=tally)
     plain = Row("kill -9 a talker replica", "pid 7 gone", 4, 4, {}, 0, 0, 0, 0.5, (20.0, 30.0))
-    assert render([row]).splitlines()[-1].endswith("| 3 / 4 | 80 | 1 | 0 | 0 | 1 | 5 (0) / 0 |")
+    assert render([row]).splitlines()[-1].endswith("| 3 / 4 | 80 | 1 | 0 | 0 | 1 | 5 (0) / 0 | 0 (0) |")
     assert render([plain]).splitlines()[-1].endswith("| 20.00–30.00 | - | - |")
-    assert render([plain, row]).splitlines()[-2].endswith("| - | - | - | - | - | - | - |")
+    assert render([plain, row]).splitlines()[-2].endswith("| - | - | - | - | - | - | - | - |")
 
 
 def test_the_talker_input_must_be_the_thinkers_tokens_each_once() -> None:
