@@ -46,6 +46,9 @@ class SentChunk:
     codes: np.ndarray
     """``[frames, codes_per_frame]`` integer codes, contexts included (``[0, ...]`` when empty)."""
     final: bool = False
+    stripped: bool = False
+    """A copy a move re-sent without its codes: the client already had the chunk's audio, so the
+    new attempt only takes note of it (``services/orchestrator/moves.py``)."""
 
     @property
     def own(self) -> np.ndarray:
@@ -53,13 +56,12 @@ class SentChunk:
         return self.codes[self.before : len(self.codes) - self.after]
 
     def same_as(self, other: SentChunk) -> bool:
-        """True when ``other`` is this chunk sent again: the same place and the same codes."""
-        return (self.offset, self.before, self.after, self.final) == (
-            other.offset,
-            other.before,
-            other.after,
-            other.final,
-        ) and np.array_equal(self.codes, other.codes)
+        """True when ``other`` is this chunk sent again: the same place and the same codes (a
+        stripped copy has none to compare)."""
+        place = (self.offset, self.before, self.after, self.final)
+        if place != (other.offset, other.before, other.after, other.final):
+            return False
+        return other.stripped or np.array_equal(self.codes, other.codes)
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,16 @@ def test_a_redo_must_resend_the_same_chunk_and_the_bus_must_have_every_seq() -> 
     other = SentChunk(again.seq, again.offset, again.before, again.after, again.codes + 1, again.final)
     redo_other = sent_in_order([*chunks, other])
     assert (redo_other.resent, redo_other.resent_unlike) == (1, 1)
+    # a move re-sends a chunk whose audio the client has without its codes: the same chunk
+    empty = again.codes[:0]
+    stripped = SentChunk(
+        again.seq, again.offset, again.before, again.after, empty, again.final, stripped=True
+    )
+    assert sent_in_order([*chunks, stripped]).resent_unlike == 0
+    elsewhere = SentChunk(again.seq, again.offset + 1, again.before, again.after, empty, again.final, True)
+    assert sent_in_order([*chunks, elsewhere]).resent_unlike == 1  # stripped, but not in its place
+    unstripped = SentChunk(again.seq, again.offset, again.before, again.after, empty, again.final)
+    assert sent_in_order([*chunks, unstripped]).resent_unlike == 1  # codes lost on a plain copy
     assert sent_in_order(chunks[:1] + chunks[2:]).seq_gaps == 1  # seq 1 never seen
     assert sent_in_order(chunks[:-1]).seq_gaps == 1  # no final chunk
     moved = SentChunk(again.seq, again.offset + 1, again.before, again.after, again.codes, again.final)
