@@ -11,7 +11,7 @@ from typing import Any
 
 import uvicorn
 
-from libs.common.envelopes import Admission
+from libs.common.envelopes import Admission, decode
 from services.gateway.errors import APIError
 from services.gateway.schemas import Health
 
@@ -29,7 +29,7 @@ class RecordingClient:
         self.published: list[Admission] = []
 
     async def submit(self, adm: Admission, trace_headers: dict[str, str]) -> None:
-        self.published.append(Admission.model_validate(adm.model_dump()))
+        self.published.append(decode(Admission, adm.encode()))
         raise APIError(REFUSED, "recorded by the test", "bus_unavailable")
 
     def health(self) -> Health:

@@ -133,12 +133,10 @@ class EventTrust:
             BAD_STATUS,
             event.message,
         )
-        return event.model_copy(
-            update={
-                "status": 502,
-                "code": BAD_STATUS,
-                "message": "the pipeline answered with an error the gateway does not forward",
-            }
+        return event.replace(
+            status=502,
+            code=BAD_STATUS,
+            message="the pipeline answered with an error the gateway does not forward",
         )
 
     # --- control messages --------------------------------------------------------------------

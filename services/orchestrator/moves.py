@@ -503,4 +503,4 @@ def _moved_task(
         update["start_seq"] = start_seq
         if point.audio_seq is not None and task.seq <= point.audio_seq:
             update["codes"] = None
-    return task.model_copy(update=update)
+    return task.replace(**update)

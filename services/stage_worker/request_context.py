@@ -13,7 +13,14 @@ from nats.js import JetStreamContext
 from opentelemetry.trace import INVALID_SPAN, Span
 
 from libs.common import tracing
-from libs.common.envelopes import ClientEvent, EdgeSummary, LifecycleEvent, StageTask, TaskKind, pack_text
+from libs.common.envelopes import (
+    ClientEvent,
+    ClientEventType,
+    EdgeSummary,
+    LifecycleEvent,
+    StageTask,
+    TaskKind,
+)
 from libs.common.publish import (
     NOT_NOW,
     Hop,
@@ -297,8 +304,7 @@ class RequestContext:
         await self._send_client(event.seq, event.encode())
 
     async def client_text(self, text: str, token_ids: list[int]) -> None:
-        """:meth:`client` for a text delta (one per streamed token), packed from its fields
-        without a pydantic model (``envelopes.pack_text``)."""
+        """:meth:`client` for a text delta (one per streamed token)."""
         self._check_aborted()
         if not self._cleared.is_set():  # only a request's first tokens can meet a pending verdict
             await self._cleared_to_send()
@@ -306,9 +312,17 @@ class RequestContext:
         seq = self._client_seq
         self._client_seq += 1
         me, attempt = self.me, self.attempt
-        await self._send_client(
-            seq, pack_text(self.request_id, me.stage, me.replica, seq, attempt, text, token_ids)
+        event = ClientEvent(
+            type=ClientEventType.TEXT,
+            request_id=self.request_id,
+            stage=me.stage,
+            replica=me.replica,
+            seq=seq,
+            attempt=attempt,
+            text=text,
+            token_ids=token_ids,
         )
+        await self._send_client(seq, event.encode())
 
     async def _send_client(self, seq: int, data: bytes) -> None:
         """Keep client event ``seq`` for a replay, then send it to the request's gateway: with

@@ -390,7 +390,7 @@ def dead_lettered(stack, prom, tmp_path_factory: pytest.TempPathFactory) -> Iter
         held = _bad_chunk(
             {"request_id": f"dead-{uuid.uuid4().hex}", "gateway_id": "nobody", "route": [0, 0, 0]}, [1, 2]
         )
-        held = held.model_copy(update={"seq": 1, "final": False})  # chunk 0 never comes: it is held
+        held = held.replace(seq=1, final=False)  # chunk 0 never comes: it is held
 
         async def lose() -> int:
             nc = await nats.connect(stack.nats_url)

@@ -102,7 +102,7 @@ async def answer_as_thinker(nc, task: StageTask, events: list[ClientEvent], ever
     every ``every_s`` seconds."""
     out = SUBJECTS.out(task.gateway_id, task.request_id)
     for seq, ev in enumerate(events):
-        await nc.publish(out, ev.model_copy(update={"stage": 0, "replica": 0, "seq": seq}).encode())
+        await nc.publish(out, ev.replace(stage=0, replica=0, seq=seq).encode())
         await asyncio.sleep(every_s)
 
 

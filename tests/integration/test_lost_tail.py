@@ -76,9 +76,7 @@ async def play(nc, task: StageTask, lose: int, lose_seq: int | None = None, repl
         )
     )
     out = SUBJECTS.out(task.gateway_id, task.request_id)
-    sent = [
-        ev.model_copy(update={"stage": 0, "replica": 0, "seq": seq}).encode() for seq, ev in enumerate(events)
-    ]
+    sent = [ev.replace(stage=0, replica=0, seq=seq).encode() for seq, ev in enumerate(events)]
 
     async def replay(msg) -> None:
         ask = decode(ReplayAsk, msg.data)

@@ -311,10 +311,10 @@ async def test_chunks_of_a_thinker_attempt_the_request_moved_past_are_dropped(st
     await workers[1].await_log(
         f"request {rid}: stage 0 moved to attempt 2; chunks of older attempts are stale here", timeout_s=10
     )
-    stale = text_chunk(rid, 1, 1).model_copy(update={"token_ids": [t + 1 for t in TEXT[1]]})
+    stale = text_chunk(rid, 1, 1).replace(token_ids=[t + 1 for t in TEXT[1]])
     await publish_task(js, SUBJECTS, stale, hop)
     for seq in range(len(TEXT)):
-        await publish_task(js, SUBJECTS, text_chunk(rid, seq, 1).model_copy(update={"from_attempt": 2}), hop)
+        await publish_task(js, SUBJECTS, text_chunk(rid, seq, 1).replace(from_attempt=2), hop)
     got = await audio_until_done(events)
     assert [e.in_seq for e in got[:-1]] == list(range(9)), "a code chunk's audio is missing or repeated"
     assert [e.pcm16 for e in got[:-1]] == [e.pcm16 for e in reference[:-1]], "the stale chunk was converted"

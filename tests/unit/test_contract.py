@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 
@@ -58,15 +59,16 @@ def test_stage_task_round_trips_with_arrays() -> None:
 @pytest.mark.parametrize(
     ("body", "reason"),
     [
-        (b"\xc1", "not msgpack"),
-        (msgpack.packb([1, 2]), "must be a map"),
-        (msgpack.packb({"request_id": "r"}), "not a valid StageTask"),
-        (msgpack.packb({**task().model_dump(mode="python"), "seq": -1}), "not a valid StageTask"),
+        (b"\xc1", "not_msgpack"),
+        (msgpack.packb([1, 2]), "not_a_map"),
+        (msgpack.packb({"request_id": "r"}), "invalid_envelope"),
+        (msgpack.packb({**msgspec.to_builtins(task()), "seq": -1}), "invalid_envelope"),
     ],
 )
 def test_malformed_bodies_raise_with_a_reason(body: bytes, reason: str) -> None:
-    with pytest.raises(MalformedMessage, match=reason):
+    with pytest.raises(MalformedMessage) as e:
         decode(StageTask, body)
+    assert e.value.reason == reason
 
 
 def test_bad_array_payload_is_malformed() -> None:

@@ -168,15 +168,15 @@ def test_a_moved_task_is_new_to_the_stream_and_so_is_a_chunk_of_a_later_sender_a
     first = StageTask(
         request_id="r", gateway_id="g", arrival_ns=1, deadline_ns=2, route=[0], kind="start", seq=0
     )
-    moved = first.model_copy(update={"attempt": 2})
+    moved = first.replace(attempt=2)
     assert task_msg_id(first, 0) == "r.0.0" and task_msg_id(moved, 0) == "r.0.0.2"
-    chunk = first.model_copy(update={"kind": "chunk", "seq": 3})
+    chunk = first.replace(kind="chunk", seq=3)
     assert task_msg_id(chunk, 1) == "r.1.3"
     # A chunk the same sender attempt sends again is a duplicate; a later sender attempt's chunk
     # of the same number is not (a stale sender that got its chunk in first must not block it).
-    later = chunk.model_copy(update={"from_attempt": 2})
+    later = chunk.replace(from_attempt=2)
     assert task_msg_id(later, 1) == "r.1.3.f2"
-    assert task_msg_id(later.model_copy(update={"attempt": 3}), 1) == "r.1.3.3.f2"
+    assert task_msg_id(later.replace(attempt=3), 1) == "r.1.3.3.f2"
 
 
 def test_inspect_lists_each_move_of_a_request() -> None:
@@ -218,7 +218,7 @@ def test_an_audio_gap_that_cannot_be_filled_is_skipped() -> None:
     handle = RequestHandle("r", time.time_ns() + 10**10)
     chunk = ClientEvent(request_id="r", type=ClientEventType.AUDIO, stage=2, pcm16=b"\0\0", in_seq=0, seq=0)
     assert handle.put(chunk)
-    assert handle.put(chunk.model_copy(update={"seq": 2, "in_seq": 2}))
+    assert handle.put(chunk.replace(seq=2, in_seq=2))
     assert handle.queue.qsize() == 1
     handle.give_up((2, 1))
     assert (handle.gaps, handle.gap, handle.queue.qsize()) == (1, None, 2)
@@ -275,14 +275,14 @@ def test_only_the_current_attempts_ending_event_is_announced_to_the_gateway() ->
     rec = _rec([0], started=True)
     done = LifecycleEvent(request_id="r", kind="stage_done", ts_ns=1, stage=0, client_events=5)
     assert ends_client_stream(rec, done)
-    assert not ends_client_stream(rec, done.model_copy(update={"client_events": None}))
-    assert not ends_client_stream(rec, done.model_copy(update={"kind": "started"}))
+    assert not ends_client_stream(rec, done.replace(client_events=None))
+    assert not ends_client_stream(rec, done.replace(kind="started"))
     rec.stages[0].attempts = [
         StageAttempt(attempt=1, replica=0, bound_ns=1),
         StageAttempt(attempt=2, replica=1, bound_ns=2),
     ]
     assert not ends_client_stream(rec, done), "an attempt the stage moved past"
-    assert ends_client_stream(rec, done.model_copy(update={"attempt": 2}))
+    assert ends_client_stream(rec, done.replace(attempt=2))
 
 
 def test_an_attempt_a_move_took_over_from_is_not_the_one_that_ends_the_stream() -> None:

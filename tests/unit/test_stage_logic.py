@@ -229,10 +229,10 @@ def test_an_event_delivered_twice_is_folded_once() -> None:
     edge = EdgeSummary(from_stage="0", from_replica="0", to_stage="1", to_replica="1", hops=3, bytes=90)
     done = _ev("stage_done", 0, 9, started_ns=4, finish_reason="stop", edges=[edge])
     assert apply_event(rec, done) is True
-    assert apply_event(rec, done.model_copy()) is False
+    assert apply_event(rec, done.replace()) is False
     assert [e.hops for e in rec.edges] == [3] and rec.events == ["stage_done.0.1"]
     # The same kind from the stage's next attempt (after a move) is another event.
-    assert apply_event(rec, done.model_copy(update={"attempt": 2})) is True
+    assert apply_event(rec, done.replace(attempt=2)) is True
     assert len(rec.edges) == 2
 
 
@@ -312,7 +312,7 @@ async def test_a_route_change_for_a_request_still_in_the_backlog_applies_when_it
     pipeline = load_pipeline()
     pipeline.stages[2] = pipeline.stages[2].model_copy(update={"replicas": 2})  # a replica to move to
     worker = StageWorker(WorkerSettings(stage=1, replica=0, max_inflight=1), pipeline)
-    first = _delivery(0).task.model_copy(update={"request_id": "waiting", "route": [0, 0, 0]})
+    first = _delivery(0).task.replace(request_id="waiting", route=[0, 0, 0])
     worker._backlog.append(Delivery(msg=None, task=first, received_ns=0))
     hold = _Reply(RouteChange(request_id="waiting", stage=2, action="hold"))
     await worker._on_route(hold)
