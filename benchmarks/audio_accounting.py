@@ -244,8 +244,9 @@ class CodeCapture:
         if stage == self.stage:
             empty = np.zeros((0, self.codes_per_frame), np.int64)
             codes = empty if task.codes is None else task.codes.to_numpy().reshape(-1, self.codes_per_frame)
+            stripped = task.moved and task.codes is None  # the client had its audio (a move)
             chunk = SentChunk(
-                task.seq, task.offset, task.context_before, task.context_after, codes, task.final
+                task.seq, task.offset, task.context_before, task.context_after, codes, task.final, stripped
             )
             self.sent.setdefault(task.request_id, []).append(chunk)
             return

@@ -326,7 +326,8 @@ async def _engine_busy(nc, stage: int, replica: int) -> bool:
 
 
 async def run_fault(injector: Injector, fault: Fault, model: str, judge: ChunkJudge | None = None) -> Row:
-    """One fault's row; ``judge``: also judge the audio streams' chunks against the bus."""
+    """One fault's row; ``judge``: also judge the chunks of its streams against the bus, when
+    they carry audio (a text stream has no chunk to judge)."""
     from openai import AsyncOpenAI
 
     await healthy(injector.stack)
@@ -336,6 +337,7 @@ async def run_fault(injector: Injector, fault: Fault, model: str, judge: ChunkJu
     tokens = (await reference(client, model, PROMPT, fault.max_tokens)).token_ids
     befores = [await incarnation(injector.stack, fault.stage, r) for r in range(REPLICAS)]
     log_offset = injector.stack.log_path.stat().st_size
+    judge = judge if fault.audio else None
     seen = [Seen(keep_audio=judge is not None) for _ in range(fault.streams)]
     async with contextlib.AsyncExitStack() as listening:
         capture = (

@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from libs.common.subjects import Subjects
 
+T = TypeVar("T")
 CATCH_UP_S = 60.0
 """How long a read waits for the mirror to hold everything the stream stored, seconds."""
 
@@ -88,7 +91,23 @@ class StageMirror:
 
     async def last_seq(self) -> int:
         """The stages stream's last sequence number now."""
-        return (await self._js.stream_info(self._origin)).state.last_seq
+        return (await self._answered(lambda: self._js.stream_info(self._origin))).state.last_seq
+
+    async def _answered(self, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()``, asked again while JetStream does not answer in time (a cluster electing a
+        stream's leader after a node's death), for at most :data:`CATCH_UP_S`."""
+        from nats.errors import NoRespondersError
+        from nats.errors import TimeoutError as NatsTimeoutError
+        from nats.js.errors import ServiceUnavailableError
+
+        deadline = time.monotonic() + CATCH_UP_S
+        while True:
+            try:
+                return await call()
+            except (NatsTimeoutError, NoRespondersError, ServiceUnavailableError):
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.5)
 
     async def read_after(self, seq: int) -> MirrorRead:
         """Every message the stream stored after ``seq``, up to its last now, once the mirror has
@@ -97,12 +116,14 @@ class StageMirror:
 
         last = await self.last_seq()
         deadline = time.monotonic() + CATCH_UP_S
-        while (await self._js.stream_info(self.name)).state.last_seq < last and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            if (await self._answered(lambda: self._js.stream_info(self.name))).state.last_seq >= last:
+                break
             await asyncio.sleep(0.5)
         messages, unread = [], 0
         for s in range(seq + 1, last + 1):
             try:
-                m = await self._js.get_msg(self.name, s)
+                m = await self._answered(lambda s=s: self._js.get_msg(self.name, s))
             except NotFoundError:
                 unread += 1
                 continue

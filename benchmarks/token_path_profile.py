@@ -167,7 +167,7 @@ GROUPS: tuple[Group, ...] = (
         "handle: fences, ordering, trust checks",
         (Rule("gateway/request_handle.py"), Rule("gateway/event_trust.py")),
     ),
-    Group("replay store (sent events)", (Rule("stage_worker/sent_events.py"),)),
+    Group("client-event delivery (kept until confirmed)", (Rule("stage_worker/client_stream.py"),)),
     Group(
         "ResponseTimer and middlewares (own code)",
         (

@@ -18,7 +18,7 @@ from nats.js.api import ConsumerInfo
 
 from libs.common.bus import services_kv
 from libs.common.bus_state import snapshot
-from libs.common.envelopes import ClientEvent, Liveness, StageTask, decode, unpack_batch
+from libs.common.envelopes import ClientEvent, Liveness, ResumePoint, StageTask, decode, unpack_batch
 from libs.common.publish import Hop, publish_task
 from libs.common.registry import ServiceKind, ServiceRecord
 from libs.common.subjects import (
@@ -33,11 +33,16 @@ from libs.common.subjects import (
 from tests.procs import stop_confirmed, until
 
 E = TypeVar("E")
+EVERY_EVENT = 1 << 31
+"""A ``ResumePoint.next_seq`` past any attempt's last event."""
 
 
 def client_event_bodies(msg: Msg) -> list[bytes]:
     """The bodies of the client events one message carries: its own, or each event's of a
-    worker's batch (on ``out.<gateway>.~``, ``Subjects.out_batch``), in order."""
+    worker's batch (on ``out.<gateway>.~``, ``Subjects.out_batch``), in order; none for a
+    worker's question to the gateway (a request, ``ResumeQuery``)."""
+    if msg.reply:
+        return []
     return unpack_batch(msg.data) if msg.subject.endswith(f".{BATCH_TOKEN}") else [msg.data]
 
 
@@ -48,9 +53,14 @@ def client_events(msg: Msg) -> list[ClientEvent]:
 
 def collect(queue: asyncio.Queue[E], cls: type[E]) -> Callable[[Msg], Awaitable[None]]:
     """A subscription callback that decodes every message as ``cls`` into ``queue`` (each event of
-    a batch of client events, for ``ClientEvent``)."""
+    a batch of client events, for ``ClientEvent``). On a request's ``out`` subject it plays the
+    gateway: a worker's question about its events is answered with all of them arrived (the test
+    takes every event its subscription gets)."""
 
     async def put(msg: Msg) -> None:
+        if msg.reply and cls is ClientEvent:
+            await msg.respond(ResumePoint(known=True, next_seq=EVERY_EVENT).encode())
+            return
         for item in client_events(msg) if cls is ClientEvent else [decode(cls, msg.data)]:
             queue.put_nowait(item)
 

@@ -24,10 +24,10 @@ class Rejected(StrEnum):
     """Why a bus message was dropped: the closed set of the family's ``reason`` label."""
 
     SUBJECT_MISMATCH = "subject_mismatch"
-    """A client event whose subject does not name its request on this gateway, or a replayed event
-    that is not of the request and attempt asked for."""
+    """A client event, or a worker's question, whose subject does not name its request on this
+    gateway."""
     UNKNOWN_REQUEST = "unknown_request"
-    """A client event, end notice or resume question for a request this gateway never held."""
+    """A client event or resume question for a request this gateway never held."""
     ENDED_REQUEST = "ended_request"
     """A client event for a request this gateway held and has let go of (its stream ended, or its
     client went away): late events of a live request's last moments land here too."""

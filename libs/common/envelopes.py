@@ -338,12 +338,6 @@ class LifecycleEvent(_Envelope, kw_only=True):
     ``finished``, with --log-stats)."""
     attempt: int = 1
     """The reporting stage's attempt; the record ignores events of an attempt it has moved past."""
-    client_events: int | None = None
-    """An ending event (``stage_done``, ``finished``) of a stage that streams to the client: how
-    many client events this attempt sent (``seq`` 0 to n − 1), the last one its ``text_done`` or
-    ``audio_done``."""
-    usage: Usage | None = None
-    """The thinker's ``stage_done``: the usage its ``text_done`` reported."""
 
 
 MOVED = "moved"
@@ -382,23 +376,33 @@ class AbortNotice(_Envelope, kw_only=True):
 
 
 class ResumeQuery(_Envelope, kw_only=True):
-    """Orchestrator → the request's gateway (subject ``ctl.resume.<gateway>``): where does the
-    client's stream of ``stage`` stand? From now on the gateway drops events of that stage's
-    attempts older than ``attempt``."""
+    """Where does the client's stream of ``stage`` attempt ``attempt`` stand? Asked of the
+    request's gateway by an orchestrator moving the request (subject ``ctl.resume.<gateway>``:
+    from then on the gateway drops events of that stage's attempts older than ``attempt``), and by
+    the worker running the attempt (a request on the request's own ``out`` subject), which keeps
+    its client events until the answer confirms them (services/stage_worker/client_stream.py)."""
 
     request_id: Id
     stage: int
     attempt: int
     replica: int | None = None
-    """The replica the new attempt runs on: the gateway takes that attempt's events from it only
-    (absent: from the replica its first event names)."""
+    """The replica running the attempt. A move's question binds the new attempt to it (the
+    gateway takes that attempt's events from it only; absent: from the replica its first event
+    names); a worker's must name the replica the attempt is bound to."""
 
 
 class ResumePoint(_Envelope, kw_only=True):
-    """The gateway's answer to :class:`ResumeQuery`, taken after the fence was raised."""
+    """Where a stream stands: the gateway's answer to :class:`ResumeQuery` (a move's is taken
+    after the fence was raised; a worker's carries ``known`` and ``next_seq`` only), or an upstream
+    worker's answer to a :class:`RouteChange` ``hold`` (``known`` and ``next_seq`` of the request's
+    chunks for the stage)."""
 
     known: bool
-    """False when the gateway no longer holds the request (its client is gone)."""
+    """False when the gateway no longer takes events of the attempt: it no longer holds the
+    request (its client is gone), or the request has moved past the attempt."""
+    next_seq: NonNegative = 0
+    """The ``seq`` of the next event of the asked attempt the client's stream takes: every
+    event before it has arrived."""
     deltas: list[TextDelta] = msgspec.field(default_factory=list)
     """Stage 0's text deltas the gateway has received, in order."""
     text_done: bool = False
@@ -409,60 +413,12 @@ class ResumePoint(_Envelope, kw_only=True):
     """The asked stage's ``audio_done`` has arrived."""
 
 
-class StageEnded(_Envelope, kw_only=True):
-    """Orchestrator → the request's gateway (subject ``ctl.ended.<gateway>``): a stage that streams
-    to the client ended its part of the request (its ending lifecycle event, durable in JetStream,
-    has reached the orchestrator). Client events travel over core NATS and a broker restart may
-    drop the last of them, which no later event would reveal as a gap; with this the gateway
-    notices, and ends the client's stream instead of letting it wait for the deadline."""
-
-    request_id: Id
-    stage: int
-    attempt: int
-    replica: int = 0
-    """The replica that ran the attempt (it keeps the events it sent, for a replay)."""
-    client_events: int
-    """How many client events the attempt sent."""
-    finish_reason: str | None = None
-    usage: Usage | None = None
-
-
-class ReplayAsk(_Envelope, kw_only=True):
-    """Gateway → the worker that sent a request's client events (subject ``ctl.replay.<s>.<r>``):
-    events ``from_seq`` to ``to_seq - 1`` of attempt ``attempt`` never arrived (a broker restart or
-    a cluster node's death drops what it held); send them again."""
-
-    request_id: Id
-    attempt: int
-    from_seq: int
-    to_seq: int
-
-
-class Replay(_Envelope, kw_only=True):
-    """The worker's answer to :class:`ReplayAsk`: the events it still holds, oldest first, as
-    they were sent (encoded :class:`ClientEvent` s; a first part when they are many)."""
-
-    known: bool
-    """False when the worker no longer holds that attempt's events."""
-    events: list[bytes] = msgspec.field(default_factory=list)
-
-
-class Resync(_Envelope, kw_only=True):
-    """Gateway → one orchestrator (subject ``ctl.resync``, a queue group): events of the request's
-    ``stage`` attempt ``attempt`` were lost on their way to the gateway (a broker restart drops what
-    it held); the gateway has fenced that attempt off, and the request should go on as a new attempt
-    from what the client has."""
-
-    request_id: Id
-    stage: int
-    attempt: int
-
-
 class RouteChange(_Envelope, kw_only=True):
     """Orchestrator → the upstream worker of a stage that moved (subject ``ctl.route.<s>.<r>``).
 
     ``hold``: stop sending the request's chunks to ``stage`` (a chunk being sent finishes first)
-    and answer with :class:`RouteHeld`. ``release``: send them on to ``replica`` as ``attempt``,
+    and answer with a :class:`ResumePoint`: ``known`` false when this worker no longer works on
+    the request (it has sent everything), ``next_seq`` the chunk it will send next. ``release``: send them on to ``replica`` as ``attempt``,
     the new attempt taking chunks from ``start_seq``."""
 
     request_id: Id
@@ -471,12 +427,3 @@ class RouteChange(_Envelope, kw_only=True):
     replica: int = 0
     attempt: int = 1
     start_seq: int = 0
-
-
-class RouteHeld(_Envelope, kw_only=True):
-    """The upstream worker's answer to a ``hold``."""
-
-    held: bool
-    """False when this worker no longer works on the request (it has sent everything)."""
-    next_seq: int = 0
-    """The sequence number of the next chunk it will send to the stage."""

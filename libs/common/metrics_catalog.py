@@ -114,11 +114,10 @@ FAMILIES: tuple[Family, ...] = (
            "the process that dropped them.", (*PIPELINE, "reason"), Exporter.GATEWAY, spec=False,
            also=(Exporter.ORCHESTRATOR,)),
     Family("vllm:omni_client_event_gaps", Kind.COUNTER,
-           "Gaps found in the events a stage sent to the gateway (events lost on the way, e.g. held by "
-           "a broker that was killed), and streams whose last events never came (told by the stage's "
-           "end notice). A thinker's gap is repaired: the request goes on as a new attempt from what "
-           "the client has; a lost last event is made from the notice; lost content at the end is a "
-           "502 events_lost.", ("model_name", "stage"), Exporter.GATEWAY, spec=False),
+           "Gaps found in the events a stage attempt sent to the gateway (events lost on the way, e.g. "
+           "held by a broker that was killed): the events after a gap wait at the gateway until the "
+           "worker, which keeps its events until the gateway confirms them, sends the lost ones again.",
+           ("model_name", "stage"), Exporter.GATEWAY, spec=False),
     Family("vllm:omni_audio_ttfp_s", Kind.HISTOGRAM,
            "Time from HTTP arrival to the first audio bytes written to the client, seconds.",
            AUDIO, Exporter.GATEWAY, SECONDS_BUCKETS),

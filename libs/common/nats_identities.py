@@ -3,7 +3,7 @@ and JetStream API calls that role's code uses, and nothing else (a pure function
 
 | identity | who | may |
 | --- | --- | --- |
-| ``gateway`` | every gateway instance | admit requests, abort them, ask replays and resyncs, read the answers on ``omni.<p>.out.>``, keep its registry key |
+| ``gateway`` | every gateway instance | admit requests, abort them, read the client events on ``omni.<p>.out.>`` and answer their senders' questions, keep its registry key |
 | ``orchestrator`` | every orchestrator instance | consume admissions and lifecycle events, send stage tasks, probe, move, answer clients on failure, write request records and evictions |
 | ``worker-<s>-<r>`` | the worker of stage ``s``, replica ``r`` | consume only its own consumer ``stage-<s>-<r>``, send to the next stage's replicas, send client events and lifecycle events, write only its own registry key (a talker also the request records' position notes) |
 | ``operator`` | ``omnirelay inspect``, the ``nats`` CLI | read stream and consumer state and the KV buckets; publish nothing but JetStream info/list/get calls |
@@ -111,13 +111,11 @@ def gateway(pipeline: PipelineConfig) -> Identity:
     publish = [
         p.requests,
         p.abort,
-        p.resync,
-        *(p.replay(s, r) for s, r in _replicas(pipeline)),
         kv_subject(SERVICES_BUCKET, f"{GATEWAY}.{pipeline.name}.*"),
         *_declare(p, update=False),
         *_kv_read(SERVICES_BUCKET),
     ]
-    subscribe = [f"omni.{pipeline.name}.out.>", p.resume("*"), p.ended("*"), f"{inbox_prefix(GATEWAY)}.>"]
+    subscribe = [f"omni.{pipeline.name}.out.>", p.resume("*"), f"{inbox_prefix(GATEWAY)}.>"]
     return Identity(GATEWAY, tuple(publish), tuple(subscribe), allow_responses=True)
 
 
@@ -131,7 +129,6 @@ def orchestrator(pipeline: PipelineConfig) -> Identity:
         p.orchestrator_alive("*"),
         p.abort,
         p.resume("*"),
-        p.ended("*"),
         f"omni.{pipeline.name}.out.>",
         kv_subject(REQUESTS_BUCKET),
         kv_subject(EVICTIONS_BUCKET),
@@ -146,7 +143,7 @@ def orchestrator(pipeline: PipelineConfig) -> Identity:
         *_kv_read(SERVICES_BUCKET),
         *_kv_read(EVICTIONS_BUCKET),
     ]
-    subscribe = [p.orchestrator_alive("*"), p.resync, f"{inbox_prefix(ORCHESTRATOR)}.>"]
+    subscribe = [p.orchestrator_alive("*"), f"{inbox_prefix(ORCHESTRATOR)}.>"]
     return Identity(ORCHESTRATOR, tuple(publish), tuple(subscribe), allow_responses=True)
 
 
@@ -174,7 +171,6 @@ def worker(pipeline: PipelineConfig, stage: int, replica: int) -> Identity:
         p.abort,
         p.alive(stage, replica),
         p.route(stage, replica),
-        p.replay(stage, replica),
         max_deliveries_advisory(p.stages_stream, consumer),
         f"{inbox_prefix(name)}.>",
     ]

@@ -35,8 +35,6 @@ ORCHESTRATOR_ADMISSION_CONSUMER = "orchestrator"
 """Durable pull consumer on the requests stream, shared by every orchestrator instance."""
 ORCHESTRATOR_EVENTS_CONSUMER = "orchestrator-events"
 """Durable pull consumer on the events stream, shared by every orchestrator instance."""
-ORCHESTRATOR_QUEUE = "orchestrators"
-"""Queue group of the orchestrators' core-NATS subscriptions that one instance should handle."""
 
 
 EVENT_KINDS = ("started", "stage_done", "finished", "failed", "aborted")
@@ -95,7 +93,9 @@ class Subjects:
         return f"omni.{self.pipeline}.stage.>"
 
     def out(self, gateway_id: str, request_id: str) -> str:
-        """Client-visible deltas and the terminal event of one request (core NATS)."""
+        """Client-visible deltas and the terminal event of one request (core NATS); a request
+        (with a reply subject) on it is the sending worker asking how far the client's stream of
+        its attempt has got (``ResumeQuery`` → ``ResumePoint``)."""
         return f"omni.{self.pipeline}.out.{gateway_id}.{request_id}"
 
     def out_batch(self, gateway_id: str) -> str:
@@ -138,23 +138,6 @@ class Subjects:
         gateway ``gateway_id``): asked when the request moves to another replica; the question
         also fences the stage's older attempts out of the client's stream."""
         return f"omni.{self.pipeline}.ctl.resume.{gateway_id}"
-
-    def ended(self, gateway_id: str) -> str:
-        """A stage's part of a request ended, with how many client events it sent (core NATS,
-        orchestrator → the request's gateway ``gateway_id``): the gateway finds out whether the
-        last of them were lost on the way."""
-        return f"omni.{self.pipeline}.ctl.ended.{gateway_id}"
-
-    def replay(self, stage: int, replica: int) -> str:
-        """Client events lost on their way, gateway → the worker (stage, replica) that sent them
-        (core NATS request/reply): it sends them again from what it keeps."""
-        return f"omni.{self.pipeline}.ctl.replay.{stage}.{replica}"
-
-    @property
-    def resync(self) -> str:
-        """A client stream with lost events, gateway → one orchestrator (core NATS, queue group
-        ``orchestrators``)."""
-        return f"omni.{self.pipeline}.ctl.resync"
 
     def route(self, stage: int, replica: int) -> str:
         """Re-routing of a request's output, orchestrator → worker (stage, replica) (core NATS

@@ -17,6 +17,9 @@ application checks"):
   hears of) the replica of the attempt's first event that passed every other check;
 - an error's status is one the gateway forwards and its code a plain word (else the client gets
   502 ``bad_status``).
+
+A worker's question about how far its attempt's events got (a ``ResumeQuery`` sent as a request on
+the request's subject) passes the same checks of subject, stage, attempt and replica.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from libs.common.bus_trust import Rejected
-from libs.common.envelopes import ClientEvent, ClientEventType, ResumeQuery, StageEnded
+from libs.common.envelopes import ClientEvent, ClientEventType, ResumeQuery
 from libs.common.pipeline import PipelineConfig
 from libs.common.subjects import Subjects
 
@@ -87,9 +90,9 @@ class EventTrust:
         return request_id not in self._released
 
     # --- client events -----------------------------------------------------------------------
-    def subject_names(self, subject: str, event: ClientEvent) -> bool:
-        """Whether ``subject`` is ``out.<this gateway>.<event.request_id>``."""
-        return subject.startswith(self._prefix) and subject[len(self._prefix) :] == event.request_id
+    def subject_names(self, subject: str, request_id: str) -> bool:
+        """Whether ``subject`` is ``out.<this gateway>.<request_id>``."""
+        return subject.startswith(self._prefix) and subject[len(self._prefix) :] == request_id
 
     def origin(self, event: ClientEvent, attempts: Attempts) -> Rejected | None:
         """Why ``event`` cannot come from the attempt the request binds (None: it can). An event
@@ -153,14 +156,13 @@ class EventTrust:
             return Rejected.WRONG_REPLICA
         return None
 
-    def ended(self, ended: StageEnded, attempts: Attempts) -> Rejected | None:
-        """Why an end notice cannot be of a stage attempt that streamed to this request's client
-        (None: it can)."""
-        stage = ended.stage
-        if not 0 <= stage < len(self._replicas) or stage not in (0, self._audio_stage):
+    def question(self, query: ResumeQuery, attempts: Attempts) -> Rejected | None:
+        """Why a worker's question about its attempt's events cannot come from the attempt the
+        request binds (None: it can): of a stage that streams to the client, an attempt
+        announced, from the replica bound to it (its subject is checked first, as an event's)."""
+        stage = query.stage
+        if stage not in (0, self._audio_stage):
             return Rejected.BAD_STAGE
-        if not 1 <= ended.attempt <= min(attempts.announced(stage), self._max_attempt[stage]):
+        if not 1 <= query.attempt <= min(attempts.announced(stage), self._max_attempt[stage]):
             return Rejected.BAD_ATTEMPT
-        if ended.client_events < 0:
-            return Rejected.BAD_ATTEMPT
-        return self._replica(stage, ended.attempt, ended.replica, attempts)
+        return self._replica(stage, query.attempt, query.replica, attempts)

@@ -23,18 +23,13 @@ from libs.common.envelopes import (
     ClientEvent,
     LifecycleEvent,
     MalformedMessage,
-    Replay,
-    ReplayAsk,
     ResumePoint,
     ResumeQuery,
-    Resync,
-    StageEnded,
     decode,
-    decode_or_log,
     unpack_batch,
 )
 from libs.common.jetstream import JetStream
-from libs.common.pipeline import Payload, PipelineConfig
+from libs.common.pipeline import PipelineConfig
 from libs.common.publish import PUBLISH_TIMEOUT_S, publish_lifecycle, until_stored
 from libs.common.registry import Heartbeat, LiveServices, ServiceKind, ServiceRecord
 from libs.common.settings import GatewaySettings
@@ -51,24 +46,6 @@ log = logging.getLogger(__name__)
 
 JS_STREAM_FULL = 10077
 """JetStream error code: maximum messages exceeded (the admission queue is full)."""
-
-
-RESYNC_TIMEOUT_S = 2.0
-"""How long the gateway waits for an orchestrator to take a resync, seconds."""
-RESYNC_RETRY_S = 0.5
-"""Pause before a resync not taken is asked again, seconds."""
-REPLAY_TIMEOUT_S = 1.0
-"""How long the gateway waits for a worker to send lost events again, seconds."""
-REPLAY_RETRY_S = 0.2
-"""Pause before a replay that got no answer is asked again, seconds."""
-REPAIR_S = 2.0
-"""A gap not filled by replays this long after it was found is given up, seconds."""
-RESYNC_CONFIRM_S = 2.0
-"""A resync taken is asked again when no new attempt has asked where the client stands this long
-after, seconds."""
-TAIL_GRACE_S = 1.0
-"""After a stage's end notice, how long its missing last events may still be on their way before
-they count as lost, seconds (they left before the notice, which took a longer path)."""
 
 
 class PipelineClient:
@@ -110,7 +87,6 @@ class PipelineClient:
             pending_bytes_limit=1 << 30,
         )
         await self.nc.subscribe(self.subjects.resume(self.gateway_id), cb=self._on_resume)
-        await self.nc.subscribe(self.subjects.ended(self.gateway_id), cb=self._on_ended)
         skv = await services_kv(self.js)
         self.services = LiveServices(
             skv, self.pipeline.name, config=self.pipeline, on_rejected=self._bad_record
@@ -166,8 +142,11 @@ class PipelineClient:
 
     async def _on_event(self, msg: Msg) -> None:
         """One client event on its request's subject, or several (of any requests of this
-        gateway) in a worker's batch on ``out.<gateway>.~``, each taken as if it came alone."""
-        if msg.subject == self._batch_subject:
+        gateway) in a worker's batch on ``out.<gateway>.~``, each taken as if it came alone; or a
+        worker's question about its attempt's events (a request: :meth:`_on_question`)."""
+        if msg.reply:
+            await self._on_question(msg)
+        elif msg.subject == self._batch_subject:
             try:
                 bodies = unpack_batch(msg.data)
             except MalformedMessage as e:
@@ -186,7 +165,7 @@ class PipelineClient:
         except MalformedMessage as e:
             log.error("dropping malformed event on %s: %s", subject, e)
             return
-        if not batched and not self.trust.subject_names(subject, event):
+        if not batched and not self.trust.subject_names(subject, event.request_id):
             self._rejected(Rejected.SUBJECT_MISMATCH, event, subject)
             return
         handle = self._handles.get(event.request_id)
@@ -205,15 +184,14 @@ class PipelineClient:
         if handle.gaps > gaps and event.stage is not None:
             self._on_gap(event.stage)
             log.warning(
-                "request %s: events of stage %s attempt %d were lost on the way (got seq %d); asking "
-                "replica %s to send them again",
+                "request %s: events of stage %s attempt %d were lost on the way (got seq %d); replica %s "
+                "sends them again when it next asks what arrived",
                 event.request_id,
                 event.stage,
                 event.attempt,
                 event.seq,
                 event.replica,
             )
-            self._spawn(self._repair(handle, (event.stage, event.attempt)))
         elif fenced:
             log.info(
                 "request %s: dropped a %s event of stage %s attempt %d (the request moved on)",
@@ -230,142 +208,27 @@ class PipelineClient:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _on_ended(self, msg: Msg) -> None:
-        """A stage that streams to the client ended its part of a request: if some of its events
-        have not arrived ``TAIL_GRACE_S`` later, they were lost, and the stream is ended here."""
-        ended = decode_or_log(StageEnded, msg.data, "end notice", log)
-        if ended is None:
-            return
-        handle = self._handles.get(ended.request_id)
-        if handle is None:  # one for a request let go of is usual: its stream ended first
-            if self.trust.never_held(ended.request_id):
-                self.trust.count(Rejected.UNKNOWN_REQUEST)
-            return
-        if (why := self.trust.ended(ended, handle.attempts)) is not None:
-            self.trust.count(why)
-            log.warning("request %s: ignoring an end notice (%s): %s", ended.request_id, why.value, ended)
-            return
-        if not handle.missing(ended):
-            return
-        self._spawn(self._end_tail(handle, ended))
-
-    async def _end_tail(self, handle: RequestHandle, ended: StageEnded) -> None:
-        await asyncio.sleep(TAIL_GRACE_S)  # the events may still be on their way
-        key = (ended.stage, ended.attempt)
-        deadline = time.monotonic() + REPAIR_S + REPLAY_TIMEOUT_S
-        while key in handle.gapped and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)  # a replay is filling a gap
-        deadline = time.monotonic() + REPAIR_S  # the last events: the worker may still have them
-        replayed = 0
-        while handle.missing(ended) and key not in handle.gapped and time.monotonic() < deadline:
-            got = await self._replay(handle, key, ended.replica, handle.next_seq(key), ended.client_events)
-            replayed += got
-            if not got:
-                await asyncio.sleep(REPLAY_RETRY_S)
-        if replayed:
-            log.info(
-                "request %s: the last %d event(s) of stage %d attempt %d were sent again",
-                ended.request_id,
-                replayed,
-                ended.stage,
-                ended.attempt,
-            )
-        missing = handle.missing(ended)
-        if not missing or self._handles.get(ended.request_id) is not handle:
-            return
-        self._on_gap(ended.stage)
-        audio = self.pipeline.stages[ended.stage].emits == Payload.AUDIO
-        last = handle.end_tail(ended, audio)
-        log.warning(
-            "request %s: the last %d event(s) of stage %d attempt %d never arrived; the stream ends with %s",
-            ended.request_id,
-            missing,
-            ended.stage,
-            ended.attempt,
-            last.code or last.type.value,
-        )
-
-    async def _repair(self, handle: RequestHandle, key: tuple[int, int]) -> None:
-        """Have the worker that sent a stage attempt's events send the lost ones again (it keeps
-        what it sent: services/stage_worker/sent_events.py), until the gap is filled; when it
-        cannot be within ``REPAIR_S`` (the worker is gone, or forgot them), give the gap up: the
-        thinker's request then goes on as a new attempt (:meth:`_resync`), a later stage's stream
-        skips what was lost."""
-        stage, attempt = key
-        replica, rid = handle.gapped.get(key, 0), handle.request_id
-        deadline = time.monotonic() + REPAIR_S
-        replayed = 0
-        while key in handle.gapped and self._handles.get(rid) is handle and time.monotonic() < deadline:
-            got = await self._replay(handle, key, replica, *handle.hole(key))
-            replayed += got
-            if not got:
-                await asyncio.sleep(REPLAY_RETRY_S)
-        if key not in handle.gapped or self._handles.get(rid) is not handle:
-            log.info(
-                "request %s: %d lost event(s) of stage %d attempt %d sent again",
-                rid,
-                replayed,
-                stage,
-                attempt,
-            )
-            return
-        handle.give_up(key)
-        log.warning(
-            "request %s: the lost events of stage %d attempt %d could not be sent again%s",
-            rid,
-            stage,
-            attempt,
-            "; resyncing it" if stage == 0 else "; the audio skips them",
-        )
-        if stage == 0:
-            self._spawn(self._resync(Resync(request_id=rid, stage=0, attempt=attempt)))
-
-    async def _replay(
-        self, handle: RequestHandle, key: tuple[int, int], replica: int, first: int, upto: int
-    ) -> int:
-        """Ask worker (stage, ``replica``) for events ``first`` to ``upto - 1`` of the attempt
-        ``key`` and put those it sends in the stream; how many it sent."""
-        stage, attempt = key
-        ask = ReplayAsk(request_id=handle.request_id, attempt=attempt, from_seq=first, to_seq=upto)
+    async def _on_question(self, msg: Msg) -> None:
+        """Answer the worker running a stage attempt: how far the client's stream of the attempt
+        has got (it keeps its events until they are confirmed, and sends the missing ones again:
+        services/stage_worker/client_stream.py)."""
         try:
-            msg = await self.nc.request(
-                self.subjects.replay(stage, replica), ask.encode(), timeout=REPLAY_TIMEOUT_S
-            )
-            reply = decode(Replay, msg.data)
-        except Exception:  # no responders (gone, or not reconnected yet), timeout, malformed
-            return 0
-        taken = 0
-        for raw in reply.events:
-            event = decode(ClientEvent, raw)
-            if (event.request_id, event.stage, event.attempt) != (handle.request_id, stage, attempt):
-                self.trust.count(Rejected.SUBJECT_MISMATCH)  # not what was asked for
-            elif (why := self.trust.origin(event, handle.attempts)) is not None or event.replica != replica:
-                self.trust.count(why or Rejected.WRONG_REPLICA)
-            else:
-                handle.put(self.trust.error_checked(event))
-                taken += 1
-        return taken
-
-    async def _resync(self, ask: Resync) -> None:
-        """Ask an orchestrator to resync a request until the new attempt has asked where the
-        client stands (:meth:`RequestHandle.resume_point` clears the gap), or the request has
-        ended here. The gap is usually found right after a broker restart, when the orchestrators
-        may not have resubscribed yet, or may take it while JetStream is still recovering and
-        find nothing to move: asking again is safe (a request that moved is not moved twice)."""
-        while (handle := self._handles.get(ask.request_id)) is not None and handle.gap == (0, ask.attempt):
-            try:
-                await self.nc.request(self.subjects.resync, ask.encode(), timeout=RESYNC_TIMEOUT_S)
-            except Exception as e:  # no responders, timeout, reconnecting: ask again
-                log.info(
-                    "request %s: resync not taken yet (%s); asking again", ask.request_id, type(e).__name__
-                )
-                await asyncio.sleep(RESYNC_RETRY_S)
-                continue
-            deadline = time.monotonic() + RESYNC_CONFIRM_S
-            while handle.gap == (0, ask.attempt) and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if handle.gap == (0, ask.attempt) and ask.request_id in self._handles:
-                log.info("request %s: resync taken but nothing moved yet; asking again", ask.request_id)
+            query = decode(ResumeQuery, msg.data)
+        except MalformedMessage as e:
+            log.error("ignoring a malformed question on %s: %s", msg.subject, e)
+            return
+        if not self.trust.subject_names(msg.subject, query.request_id):
+            self.trust.count(Rejected.SUBJECT_MISMATCH)
+            return
+        handle = self._handles.get(query.request_id)
+        if handle is None:  # its stream has ended (it had every event), or its client left
+            await msg.respond(ResumePoint(known=False).encode())
+            return
+        if (why := self.trust.question(query, handle.attempts)) is not None:
+            self.trust.count(why)
+            log.warning("request %s: not answering a question (%s): %s", query.request_id, why.value, query)
+            return
+        await msg.respond(handle.received(query.stage, query.attempt).encode())
 
     async def _on_resume(self, msg: Msg) -> None:
         """Answer an orchestrator moving a request: where its client's stream stands."""

@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Final
 
-from libs.common.envelopes import ClientEvent, ClientEventType, ResumePoint, StageEnded, TextDelta
+from libs.common.envelopes import ClientEvent, ClientEventType, ResumePoint, TextDelta
 from services.gateway.errors import APIError
 from services.gateway.event_trust import Attempts
 
@@ -53,25 +53,18 @@ class RequestHandle:
         """(stage, attempt) → the ``seq`` of the next event expected from it."""
         self.gaps = 0
         """Events found missing (each gap once)."""
-        self.gap: tuple[int, int] | None = None
-        """(stage, attempt) of the thinker attempt fenced off for a gap, until it is resynced."""
-        self.gapped: dict[tuple[int, int], int] = {}
-        """(stage, attempt) with events missing and later ones waiting → the replica that sent them."""
         self._held: dict[tuple[int, int], dict[int, ClientEvent]] = {}
-        """Events that came after a gap, by ``seq``, until the gap is filled or given up."""
+        """Events that came after a gap, by ``seq``, until their sender has sent the missing ones
+        again (it keeps them until this gateway confirms them)."""
         self._audio_seq: dict[int, int] = {}
         """Stage → the last input chunk whose audio arrived."""
         self._audio_done: set[int] = set()
-        self._sample_rate = 0
-        """Of the last audio event."""
 
     def put(self, event: ClientEvent) -> bool:
         """Take ``event`` unless it comes from a fenced-off attempt or was taken already (then
         False). Events of a stage attempt reach the client in ``seq`` order: one that comes after
-        a gap (events lost on the way: a broker restart drops what it held) waits here, and the
-        gap is named in :attr:`gapped` for the gateway to have the sender replay it
-        (:meth:`PipelineClient._repair`); a gap that cannot be filled is given up
-        (:meth:`give_up`)."""
+        a gap (events lost on the way: a broker restart drops what it held) waits here until its
+        sender, told by its next question (:meth:`next_seq`), has sent the missing ones again."""
         if self.fenced(event):
             return False
         if event.stage is None:
@@ -79,15 +72,14 @@ class RequestHandle:
         key = (event.stage, event.attempt)
         expected = self._next_seq.get(key, 0)
         if event.seq < expected:
-            return False  # sent again (a replay) and also arrived the usual way
+            return False  # sent again, and it had arrived
         if event.seq > expected:
             held = self._held.setdefault(key, {})
             if event.seq in held:
                 return False
-            held[event.seq] = event
-            if key not in self.gapped:
-                self.gapped[key] = event.replica or 0
+            if not held:
                 self.gaps += 1
+            held[event.seq] = event
             return True
         self._next_seq[key] = expected + 1
         taken = self._take(event)
@@ -98,7 +90,6 @@ class RequestHandle:
                 self._next_seq[key] += 1
             if not held:
                 del self._held[key]
-                self.gapped.pop(key, None)
         return taken
 
     def fenced(self, event: ClientEvent) -> bool:
@@ -109,38 +100,28 @@ class RequestHandle:
         """The ``seq`` of the next event the client's stream takes from stage attempt ``key``."""
         return self._next_seq.get(key, 0)
 
-    def hole(self, key: tuple[int, int]) -> tuple[int, int]:
-        """The first gap of a stage attempt: the ``seq`` of its first missing event and of the
-        first event waiting after it."""
-        return self.next_seq(key), min(self._held[key])
-
-    def give_up(self, key: tuple[int, int]) -> None:
-        """The gap of ``key`` cannot be filled. The thinker's attempt is fenced off at the last
-        event the client has (:attr:`gap`; the request goes on as a new attempt from there); a
-        later stage's stream skips the lost events."""
-        stage, attempt = key
-        held = self._held.pop(key, {})
-        self.gapped.pop(key, None)
-        if stage == 0:
-            self._fence[0] = attempt + 1
-            self.gap = (0, attempt)
-            return
-        for seq in sorted(held):
-            self._next_seq[key] = seq + 1
-            self._take(held[seq])
+    def received(self, stage: int, attempt: int) -> ResumePoint:
+        """How far the client's stream of a stage attempt has got, for the worker running it: not
+        ``known`` once the request has moved past the attempt (nothing more of it is taken)."""
+        if attempt < self._fence.get(stage, 1):
+            return ResumePoint(known=False)
+        return ResumePoint(known=True, next_seq=self.next_seq((stage, attempt)))
 
     def _take(self, event: ClientEvent) -> bool:
         """Let ``event`` through to the client (False: an audio chunk the client has)."""
         if event.type == ClientEventType.TEXT:
             self._deltas.append((event.token_ids, event.text))
         elif event.type == ClientEventType.TEXT_DONE:
+            if self._text_done:
+                return False  # an attempt after a move that found the text complete
             self._text_done = True
         elif event.type == ClientEventType.AUDIO and event.stage is not None and event.in_seq is not None:
             if event.in_seq <= self._audio_seq.get(event.stage, -1):
                 return False  # the attempt after a move decoded a chunk the client has
             self._audio_seq[event.stage] = event.in_seq
-            self._sample_rate = event.sample_rate or self._sample_rate
         elif event.type == ClientEventType.AUDIO_DONE and event.stage is not None:
+            if event.stage in self._audio_done:
+                return False
             self._audio_done.add(event.stage)
         if self.first is None:
             self.first = event
@@ -150,56 +131,14 @@ class RequestHandle:
 
     def resume_point(self, stage: int, attempt: int) -> ResumePoint:
         """Let only ``attempt`` and later of ``stage`` through from now on, and say where the
-        client's stream stands (a gap of an older attempt is resynced by this)."""
+        client's stream stands."""
         self._fence[stage] = max(self._fence.get(stage, 1), attempt)
-        if self.gap is not None and self.gap[0] == stage and self.gap[1] < attempt:
-            self.gap = None
         if stage != 0:
             return ResumePoint(
                 known=True, audio_seq=self._audio_seq.get(stage), audio_done=stage in self._audio_done
             )
         deltas = [TextDelta(token_ids=ids, text=text) for ids, text in self._deltas]
         return ResumePoint(known=True, deltas=deltas, text_done=self._text_done)
-
-    def missing(self, ended: StageEnded) -> int:
-        """How many of the events that ``ended``'s stage attempt sent have not arrived here, when
-        it is still the attempt the client's stream depends on (0 once a later attempt took over:
-        that one ends the stream)."""
-        superseded = ended.attempt < self._fence.get(ended.stage, 1) and self.gap != (
-            ended.stage,
-            ended.attempt,
-        )
-        if superseded:
-            return 0
-        return max(ended.client_events - self._next_seq.get((ended.stage, ended.attempt), 0), 0)
-
-    def end_tail(self, ended: StageEnded, audio: bool) -> ClientEvent:
-        """End the stage's part of the stream whose last events were lost (:meth:`missing` > 0):
-        the last event alone (``text_done``, ``audio_done``) is made from what ``ended`` says;
-        more is an ``events_lost`` error. Returns the event put in the stream."""
-        missing = self.missing(ended)
-        if missing == 1:
-            last = ClientEvent(
-                request_id=self.request_id,
-                type=ClientEventType.AUDIO_DONE if audio else ClientEventType.TEXT_DONE,
-                stage=ended.stage,
-                attempt=ended.attempt,
-                seq=ended.client_events - 1,
-                finish_reason=None if audio else ended.finish_reason,
-                usage=None if audio else ended.usage,
-                sample_rate=self._sample_rate if audio else 0,
-            )
-        else:
-            last = ClientEvent(
-                request_id=self.request_id,
-                type=ClientEventType.ERROR,
-                status=502,
-                code="events_lost",
-                message=f"the last {missing} events of stage {ended.stage} were lost on their way to the "
-                "gateway (a broker restart drops what it holds); the response is incomplete",
-            )
-        self.put(last)
-        return last
 
     @property
     def seconds_left(self) -> float:

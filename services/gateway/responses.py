@@ -162,7 +162,6 @@ CONTROL_PLANE_CODES = frozenset(
         "no_live_replica",
         "replica_lost",
         "migration_limit",
-        "events_lost",
         "queue_full",
         "bus_unavailable",
     }

@@ -1,16 +1,14 @@
 """The lifecycle: the stages' lifecycle events (``omni.<p>.events.*``) folded into the request's
-record, the gateway told where a stage's part of the client's stream ended, and the summary of a
-request that has ended."""
+record, and the summary of a request that has ended."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from nats.aio.msg import Msg
 
-from libs.common.envelopes import LifecycleEvent, StageEnded, decode
+from libs.common.envelopes import LifecycleEvent, decode
 from libs.common.record_updates import update_record
 from libs.common.records import RequestRecord, RequestStatus
 from services.orchestrator.context import OrchestratorContext
@@ -42,12 +40,10 @@ class Lifecycle:
         ev = decode(LifecycleEvent, msg.data)
         await asyncio.sleep(EVENT_DEFER_S)
         summary: list[RequestRecord] = []
-        gateway: list[str] = []
 
         def change(rec: RequestRecord) -> bool:
-            gateway[:] = [rec.gateway_id] if ends_client_stream(rec, ev) else []
             if not apply_event(rec, ev):
-                return False  # folded before: only the gateway's notice may have been lost
+                return False  # folded before
             if self.log_stats and ready_to_summarize(rec):
                 rec.summary_logged = True
                 summary[:] = [rec]
@@ -60,18 +56,6 @@ class Lifecycle:
                 return
             log.warning("event %s of request %s dropped: the request has no record", ev.kind, ev.request_id)
         await msg.ack()
-        for gateway_id in gateway:  # the gateway checks that the stream's last events came
-            ended = StageEnded(
-                request_id=ev.request_id,
-                stage=ev.stage or 0,
-                attempt=ev.attempt,
-                replica=ev.replica or 0,
-                client_events=ev.client_events or 0,
-                finish_reason=ev.finish_reason,
-                usage=ev.usage,
-            )
-            with contextlib.suppress(Exception):
-                await self.ctx.nc.publish(self.ctx.subjects.ended(gateway_id), ended.encode())
         for rec in summary:  # only the writer whose update stuck gets here
             log.info("%s", format_summary(rec, self.ctx.pipeline))
             self._tally.end(rec)
@@ -119,16 +103,3 @@ def apply_event(rec: RequestRecord, ev: LifecycleEvent) -> bool:
             rec.finish_reason = "abort"
     rec.updated_ns = max(rec.updated_ns, ev.ts_ns)
     return True
-
-
-def ends_client_stream(rec: RequestRecord, ev: LifecycleEvent) -> bool:
-    """Whether ``ev`` ends the part of the client's stream that a stage's current attempt sends
-    (the gateway is then told how many events that was)."""
-    s = ev.stage
-    return (
-        ev.kind in ("stage_done", "finished")
-        and ev.client_events is not None
-        and s is not None
-        and 0 <= s < len(rec.stages)
-        and ev.attempt == rec.stages[s].attempt
-    )

@@ -77,8 +77,6 @@ class DeathReason(StrEnum):
     EXIT = "exit"
     STALL = "stall"
     ENGINE_DEAD = "engine_dead"
-    LOST_EVENTS = "lost_events"
-    """Not a death: the gateway lost events of the replica's attempt and asked for a new one."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +103,6 @@ class Death:
             DeathReason.EXIT: "its connection is gone",
             DeathReason.STALL: "no answer to its probe",
             DeathReason.ENGINE_DEAD: "its engine died",
-            DeathReason.LOST_EVENTS: "events to the client were lost",
         }[self.reason]
 
 

@@ -1,9 +1,8 @@
 """Moving requests off dead replicas: the sequence that drives the bus (the decisions on the
 record are :mod:`~services.orchestrator.migration`'s pure functions).
 
-A request bound to a replica judged dead (:mod:`~services.orchestrator.liveness`), or whose
-gateway lost events of its thinker attempt (a resync), moves to a live replica of the stage as the
-stage's next attempt, or fails now; a move whose claimer died before carrying it out is taken over
+A request bound to a replica judged dead (:mod:`~services.orchestrator.liveness`) moves to a
+live replica of the stage as the stage's next attempt, or fails now; a move whose claimer died before carrying it out is taken over
 by another orchestrator (docs/reliability.md)."""
 
 from __future__ import annotations
@@ -13,11 +12,9 @@ import contextlib
 import logging
 import time
 
-from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import RawStreamMsg
-from nats.js.errors import NotFoundError
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind
 
@@ -27,12 +24,9 @@ from libs.common.envelopes import (
     AbortNotice,
     ResumePoint,
     ResumeQuery,
-    Resync,
     RouteChange,
-    RouteHeld,
     StageTask,
     decode,
-    decode_or_log,
 )
 from libs.common.publish import Hop, publish_task
 from libs.common.record_updates import update_record
@@ -41,7 +35,7 @@ from libs.common.registry import LiveServices, ServiceKind
 from libs.common.tracing import context_from_headers, start_span
 from services.orchestrator.context import OrchestratorContext
 from services.orchestrator.inflight import InflightRequests
-from services.orchestrator.liveness import Death, DeathReason
+from services.orchestrator.liveness import Death
 from services.orchestrator.migration import (
     Move,
     NoMove,
@@ -77,7 +71,7 @@ CLAIMER_PROBE_TIMEOUT_S = 0.5
 
 class Mover:
     """What one orchestrator does about dead replicas: counts its own verdicts, moves or fails the
-    requests bound to them, answers resyncs and takes over moves whose claimer died."""
+    requests bound to them and takes over moves whose claimer died."""
 
     def __init__(
         self, ctx: OrchestratorContext, index: InflightRequests, services: LiveServices, instance_id: str
@@ -134,12 +128,13 @@ class Mover:
             return
         inputs: list[RawStreamMsg] = []
         if s == 0:  # a later stage's input is read once its upstream holds it (_move)
-            subject = self.ctx.subjects.stage_in(s, death.replica)
-            inputs = await stored_inputs(
-                self.ctx.js, self.ctx.subjects.stages_stream, subject, seen.request_id
-            )
+            inputs = await self._stored_inputs(0, death.replica, seen.request_id)
             if not inputs:  # the replica had handled its input: the stage's own events end it
-                log.info("request %s: no stored input on %s; nothing to move", seen.request_id, subject)
+                log.info(
+                    "request %s: no stored input of stage 0 replica %d; nothing to move",
+                    seen.request_id,
+                    death.replica,
+                )
                 return
         decision: Move | NoMove | None = None
 
@@ -228,10 +223,7 @@ class Mover:
         )
         inputs: list[RawStreamMsg] = []
         if move.stage == 0:
-            subject = self.ctx.subjects.stage_in(0, move.from_replica)
-            inputs = await stored_inputs(
-                self.ctx.js, self.ctx.subjects.stages_stream, subject, move.request_id
-            )
+            inputs = await self._stored_inputs(0, move.from_replica, move.request_id)
             if not inputs:  # sent and deleted: only the record's note was missing
 
                 def sent(rec: RequestRecord) -> bool:
@@ -262,76 +254,32 @@ class Mover:
         learn where the client's stream stands, and send the new attempt its input — stage 0 the
         stored task going on after what the client has; a later stage the chunks the dead replica
         had not acknowledged, its upstream holding the request's chunks meanwhile — then drop the
-        stored originals."""
+        stored originals. Every step can be done twice (:meth:`_take_over`)."""
         rid, s = move.request_id, move.stage
         t_claimed = time.monotonic()
-        await self.ctx.nc.publish(
-            self.ctx.subjects.abort,
-            AbortNotice(request_id=rid, reason=MOVED, stage=s, attempt=move.attempt).encode(),
-        )
+        notice = AbortNotice(request_id=rid, reason=MOVED, stage=s, attempt=move.attempt)
+        await self.ctx.nc.publish(self.ctx.subjects.abort, notice.encode())
         point = await self._ask_gateway(seen, move)
         if point is None:
             return
         t_asked = time.monotonic()
-        held = RouteHeld(held=False)
+        held = ResumePoint(known=False)
         # The stage a request entered at has no upstream worker: its input is all in the stream.
         upstream = self.ctx.subjects.route(s - 1, seen.route[s - 1]) if s > seen.entry_stage else None
         if upstream is not None:  # no chunk may go to the dead replica from now on
             held = await self._reroute(upstream, RouteChange(request_id=rid, stage=s, action="hold"))
         if s > 0:
-            inputs = await stored_inputs(
-                self.ctx.js,
-                self.ctx.subjects.stages_stream,
-                self.ctx.subjects.stage_in(s, move.from_replica),
-                rid,
-            )
+            inputs = await self._stored_inputs(s, move.from_replica, rid)
         tasks = [decode(StageTask, m.data) for m in inputs]
         start = min((t.seq for t in tasks), default=held.next_seq)
         resumed = sum(len(d.token_ids) for d in point.deltas)
         phase = Phase.IN_PROGRESS if resumed or point.audio_seq is not None else move.phase
-        parent = context_from_headers(inputs[0].headers) if inputs else None
-        span = start_span(
-            "omni.migrate",
-            parent,
-            SpanKind.PRODUCER,
-            {
-                "omnirelay.request_id": rid,
-                "omnirelay.stage": s,
-                "omnirelay.from_replica": move.from_replica,
-                "omnirelay.to_replica": move.to_replica,
-                "omnirelay.attempt": move.attempt,
-            },
-            links=[Link(trace.get_current_span(parent).get_span_context(), {"omnirelay.link": "moved_from"})]
-            if parent is not None
-            else None,
-        )
-        span.add_event(
-            "request.moved",
-            {
-                "omnirelay.reason": move.reason,
-                "omnirelay.phase": phase.value,
-                "omnirelay.resumed_tokens": resumed,
-                "omnirelay.start_seq": start,
-            },
-        )
-        try:
-            for msg, task in zip(inputs, tasks, strict=True):
-                moved = _moved_task(task, move, start, point, seen)
-                hdr = msg.headers or {}
-                hop = Hop(
-                    hdr.get(h.FROM_STAGE, h.FROM_ORCHESTRATOR),
-                    hdr.get(h.FROM_REPLICA, h.FROM_ORCHESTRATOR),
-                    s,
-                    move.to_replica,
-                )
-                await publish_task(self.ctx.js, self.ctx.subjects, moved, hop, span)
-        finally:
-            span.end()
+        await self._send_inputs(move, seen, inputs, tasks, point, start, phase)
         t_sent = time.monotonic()
         for msg in inputs:
             with contextlib.suppress(Exception):
                 await self.ctx.js.delete_msg(self.ctx.subjects.stages_stream, msg.seq)
-        if upstream is not None and held.held:
+        if upstream is not None and held.known:
             release = RouteChange(
                 request_id=rid,
                 stage=s,
@@ -341,42 +289,109 @@ class Mover:
                 start_seq=start,
             )
             await self._reroute(upstream, release)
+        await self._note_sent(move, phase, resumed, start)
+        steps_ms = [
+            (t1 - t0_) * 1e3 for t0_, t1 in ((t0, t_claimed), (t_claimed, t_asked), (t_asked, t_sent))
+        ]
+        self._report(move, phase, point, len(inputs), start, steps_ms)
 
-        def note(rec: RequestRecord) -> bool:
-            attempts = rec.stages[s].attempts
-            if not attempts or attempts[-1].attempt != move.attempt:
-                return False
-            attempts[-1].phase, attempts[-1].resumed_tokens = phase.value, resumed
-            attempts[-1].start_seq = start if s > 0 else 0
-            attempts[-1].sent_ns = time.time_ns()
-            return True
-
-        with contextlib.suppress(Exception):
-            await update_record(self.ctx.requests, rid, note)
+    def _report(
+        self, move: Move, phase: Phase, point: ResumePoint, inputs: int, start: int, steps_ms: list[float]
+    ) -> None:
+        """Log and count a move carried out; ``steps_ms``: verdict → claimed → the gateway's answer
+        → inputs sent, milliseconds."""
         log.warning(
             "request %s moved: stage %d replica %d -> %d (attempt %d, %s, %s; the client had %d token(s), "
             "audio up to chunk %s; %d stored input(s) re-sent from seq %d); sent %.0f ms after the verdict "
             "(claimed %.0f, gateway %.0f, inputs %.0f)",
-            rid,
-            s,
+            move.request_id,
+            move.stage,
             move.from_replica,
             move.to_replica,
             move.attempt,
             move.reason,
             phase.value,
-            resumed,
+            sum(len(d.token_ids) for d in point.deltas),
             point.audio_seq,
-            len(inputs),
+            inputs,
             start,
-            (t_sent - t0) * 1e3,
-            (t_claimed - t0) * 1e3,
-            (t_asked - t_claimed) * 1e3,
-            (t_sent - t_asked) * 1e3,
+            sum(steps_ms),
+            *steps_ms,
         )
         if self.ctx.metrics.enabled:
-            self.ctx.metrics["vllm:omni_requests_migrated"].labels(
-                self.ctx.model, str(s), str(move.from_replica), str(move.to_replica), move.reason, phase.value
-            ).inc()
+            labels = (str(move.stage), str(move.from_replica), str(move.to_replica), move.reason, phase.value)
+            self.ctx.metrics["vllm:omni_requests_migrated"].labels(self.ctx.model, *labels).inc()
+
+    async def _stored_inputs(self, stage: int, replica: int, request_id: str) -> list[RawStreamMsg]:
+        """The request's inputs still stored for replica ``replica`` of ``stage`` (unacknowledged)."""
+        subject = self.ctx.subjects.stage_in(stage, replica)
+        return await stored_inputs(self.ctx.js, self.ctx.subjects.stages_stream, subject, request_id)
+
+    async def _send_inputs(
+        self,
+        move: Move,
+        seen: RequestRecord,
+        inputs: list[RawStreamMsg],
+        tasks: list[StageTask],
+        point: ResumePoint,
+        start: int,
+        phase: Phase,
+    ) -> None:
+        """Send the stored ``inputs`` to the new attempt (:func:`_moved_task`) under an
+        ``omni.migrate`` span: a child of the request's trace, linked to the attempt that died."""
+        parent = context_from_headers(inputs[0].headers) if inputs else None
+        link = Link(trace.get_current_span(parent).get_span_context(), {"omnirelay.link": "moved_from"})
+        attributes = {
+            "omnirelay.request_id": move.request_id,
+            "omnirelay.stage": move.stage,
+            "omnirelay.from_replica": move.from_replica,
+            "omnirelay.to_replica": move.to_replica,
+            "omnirelay.attempt": move.attempt,
+        }
+        span = start_span(
+            "omni.migrate",
+            parent,
+            SpanKind.PRODUCER,
+            attributes,
+            links=[link] if parent is not None else None,
+        )
+        span.add_event(
+            "request.moved",
+            {
+                "omnirelay.reason": move.reason,
+                "omnirelay.phase": phase.value,
+                "omnirelay.resumed_tokens": sum(len(d.token_ids) for d in point.deltas),
+                "omnirelay.start_seq": start,
+            },
+        )
+        try:
+            for msg, task in zip(inputs, tasks, strict=True):
+                hdr = msg.headers or {}
+                sender = (
+                    hdr.get(h.FROM_STAGE, h.FROM_ORCHESTRATOR),
+                    hdr.get(h.FROM_REPLICA, h.FROM_ORCHESTRATOR),
+                )
+                hop = Hop(*sender, move.stage, move.to_replica)
+                await publish_task(
+                    self.ctx.js, self.ctx.subjects, _moved_task(task, move, start, point, seen), hop, span
+                )
+        finally:
+            span.end()
+
+    async def _note_sent(self, move: Move, phase: Phase, resumed: int, start: int) -> None:
+        """Write into the record that ``move`` was carried out (its takeover then stops)."""
+
+        def note(rec: RequestRecord) -> bool:
+            attempts = rec.stages[move.stage].attempts
+            if not attempts or attempts[-1].attempt != move.attempt:
+                return False
+            attempts[-1].phase, attempts[-1].resumed_tokens = phase.value, resumed
+            attempts[-1].start_seq = start if move.stage > 0 else 0
+            attempts[-1].sent_ns = time.time_ns()
+            return True
+
+        with contextlib.suppress(Exception):
+            await update_record(self.ctx.requests, move.request_id, note)
 
     async def _ask_gateway(self, seen: RequestRecord, move: Move) -> ResumePoint | None:
         """Where the client's stream of the moving stage stands (the question fences the older
@@ -411,7 +426,7 @@ class Mover:
             return None
         return point
 
-    async def _reroute(self, subject: str, change: RouteChange) -> RouteHeld:
+    async def _reroute(self, subject: str, change: RouteChange) -> ResumePoint:
         """Ask the upstream worker to hold or release the request's chunks; not held when it no
         longer works on the request, or nobody takes the question (it died too). A question that
         goes unanswered is asked again (``REROUTE_TRIES`` in all): a live worker that did not hear
@@ -420,10 +435,10 @@ class Mover:
             try:
                 reply = await self.ctx.nc.request(subject, change.encode(), timeout=RESUME_TIMEOUT_S)
             except NoRespondersError:
-                return RouteHeld(held=False)
+                return ResumePoint(known=False)
             except NatsTimeoutError:
                 if not tries_left:
-                    return RouteHeld(held=False)
+                    return ResumePoint(known=False)
                 log.info(
                     "request %s: no answer to the route change (%s) on %s; asking again",
                     change.request_id,
@@ -431,7 +446,7 @@ class Mover:
                     subject,
                 )
                 continue
-            return decode(RouteHeld, reply.data)
+            return decode(ResumePoint, reply.data)
         raise AssertionError("not reached")
 
     async def _fail(
@@ -456,31 +471,6 @@ class Mover:
         self._index.forget(seen.request_id)
         log.warning("request %s failed: %s", seen.request_id, message)
         await self.ctx.end_everywhere(seen, 503, code, message)
-
-    async def on_resync(self, msg: Msg) -> None:
-        """A gateway lost events of a thinker attempt (a broker restart): the request goes on as
-        a new attempt from what the client has, on the least loaded live replica (the same one
-        may take it), exactly as if its replica had died."""
-        if (ask := decode_or_log(Resync, msg.data, "resync", log)) is None:
-            return
-        await msg.respond(b"")  # taken: the gateway stops asking
-        try:
-            entry = await self.ctx.requests.get(ask.request_id)
-        except (NotFoundError, KeyError):
-            return
-        rec = RequestRecord.model_validate_json(entry.value)
-        if ask.stage != 0 or rec.status.terminal or rec.stages[0].attempt != ask.attempt:
-            log.info(
-                "request %s: resync of stage %d attempt %d not needed (record: %s, attempt %d)",
-                ask.request_id,
-                ask.stage,
-                ask.attempt,
-                rec.status.value,
-                rec.stages[0].attempt,
-            )
-            return
-        lost = Death(0, rec.route[0], 0, DeathReason.LOST_EVENTS, 0.0)
-        await self.replica_died(lost, rec)
 
 
 def _moved_task(

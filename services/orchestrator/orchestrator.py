@@ -44,7 +44,6 @@ from libs.common.settings import OrchestratorSettings
 from libs.common.subjects import (
     ORCHESTRATOR_ADMISSION_CONSUMER,
     ORCHESTRATOR_EVENTS_CONSUMER,
-    ORCHESTRATOR_QUEUE,
     Subjects,
 )
 from libs.common.tracing import setup_tracing, shutdown_tracing
@@ -115,7 +114,6 @@ class Orchestrator:
         )
         await self.nc.subscribe(self.subjects.orchestrator_alive(self.settings.instance_id), cb=_answer)
         await self._watch.start()
-        await self.nc.subscribe(self.subjects.resync, queue=ORCHESTRATOR_QUEUE, cb=self._mover.on_resync)
         self._tasks.append(asyncio.create_task(self._mover.unfinished_moves_loop(), name="unfinished-moves"))
         port = start_metrics_server(self.settings.metrics_port, self.settings.metrics_host)
         record = ServiceRecord(

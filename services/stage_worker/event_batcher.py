@@ -14,8 +14,8 @@ Order: events go out in the order they were added, per gateway and so per reques
 runs at a time, and one started while the connection is down waits for it (``publish_core``)
 with what came later queued behind. Back-pressure: past :data:`MAX_WAITING_BYTES` waiting, adding
 waits for the send task (a broker that does not read stops the requests' production, as it did
-when each event was published alone). Nothing here keeps events for a replay: the caller has put
-each in the replay store (``SentEvents``) before adding it.
+when each event was published alone). Nothing here keeps events for sending again: the caller
+keeps each until the gateway confirms it (``ClientStream``).
 """
 
 from __future__ import annotations
@@ -93,6 +93,12 @@ class ClientEventBatcher:
         """An event is being published at once (:meth:`add`)."""
         self._turn_used = False
         """An event went at once in this turn of the event loop."""
+        self._added = 0
+        """Events added so far."""
+        self._handed = 0
+        """Events handed to nats-py so far: always the oldest of those added."""
+        self._progress = asyncio.Event()
+        """Set whenever :attr:`_handed` grows."""
 
     async def add(self, gateway_id: str, request_id: str, body: bytes) -> None:
         """Send ``body`` (one client event of ``request_id``) to ``gateway_id``. The first event
@@ -100,6 +106,7 @@ class ClientEventBatcher:
         pays no extra turn, and an engine step's first event does not wait for the rest. The
         turn's later events go together in the next turn (:func:`frames`). Returns at once
         unless :data:`MAX_WAITING_BYTES` wait already."""
+        self._added += 1
         if not (self._turn_used or self._direct or self._pending or self._sending):
             self._turn_used, self._direct = True, True
             asyncio.get_running_loop().call_soon(self._next_turn)
@@ -107,6 +114,7 @@ class ClientEventBatcher:
                 await publish_core(self._nc, self._subjects.out(gateway_id, request_id), body)
             finally:
                 self._direct = False
+                self._handed_over(1)
                 self._start_sending()  # what came while it waited for the connection
             return
         self._pending.setdefault(gateway_id, []).append((request_id, body))
@@ -115,6 +123,18 @@ class ClientEventBatcher:
         while self._waiting > MAX_WAITING_BYTES and self._sending is not None:
             self._room.clear()
             await self._room.wait()
+
+    async def flushed(self) -> None:
+        """Return once every event added before the call has been handed to nats-py (so a message
+        published next leaves after them, on the same connection)."""
+        target = self._added
+        while self._handed < target:
+            self._progress.clear()
+            await self._progress.wait()
+
+    def _handed_over(self, n: int) -> None:
+        self._handed += n
+        self._progress.set()
 
     def _next_turn(self) -> None:
         self._turn_used = False
@@ -128,10 +148,13 @@ class ClientEventBatcher:
             while self._pending:
                 pending, self._pending, self._waiting = self._pending, {}, 0
                 self._room.set()
-                for gateway_id, events in pending.items():
-                    for subject, body in frames(self._subjects, gateway_id, events):
-                        await publish_core(self._nc, subject, body)
-        except Exception:  # the events are in the replay store: the gateway asks for a gap
+                try:
+                    for gateway_id, events in pending.items():
+                        for subject, body in frames(self._subjects, gateway_id, events):
+                            await publish_core(self._nc, subject, body)
+                finally:
+                    self._handed_over(sum(len(events) for events in pending.values()))
+        except Exception:  # their senders keep them until confirmed, and send them again
             log.exception("client events not sent")
         finally:
             self._sending = None

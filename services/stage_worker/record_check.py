@@ -53,7 +53,7 @@ def judge_start(rec: RequestRecord, stage: int, task: StageTask) -> StartVerdict
     """The verdict on starting ``task`` (the first input of its request at this worker of ``stage``)
     given the request's record ``rec``."""
     # A terminal status is no reason to drop: an older attempt's end can complete the record
-    # while the newer one, which the client waits for, has yet to start (a resync to the same
+    # while the newer one, which the client waits for, has yet to start (a move to the same
     # replica: the old attempt winds down first; services/orchestrator/lifecycle.py).
     if stage < len(rec.stages) and rec.stages[stage].attempt > task.attempt:
         return StartVerdict(

@@ -18,6 +18,7 @@ from libs.common.envelopes import (
     ClientEventType,
     EdgeSummary,
     LifecycleEvent,
+    ResumeQuery,
     StageTask,
     TaskKind,
 )
@@ -31,9 +32,9 @@ from libs.common.publish import (
     until_stored,
 )
 from libs.common.subjects import Subjects
+from services.stage_worker.client_stream import ClientStream
 from services.stage_worker.event_batcher import ClientEventBatcher
 from services.stage_worker.inbox import Delivery, RequestInbox
-from services.stage_worker.sent_events import SentEvents
 from services.stage_worker.transfer_stats import TransferStats
 
 log = logging.getLogger(__name__)
@@ -72,8 +73,9 @@ class RequestContext:
     inbox: RequestInbox = field(default_factory=RequestInbox)
     span: Span = INVALID_SPAN
     """This request's span in this stage (non-recording when tracing is off)."""
-    sent: SentEvents | None = None
-    """Where the worker keeps the client events it sent, for a replay of lost ones."""
+    stream: ClientStream | None = None
+    """The client events this attempt sent and the gateway has not confirmed (created with the
+    first one)."""
     _out_seq: int = 0
     _client_seq: int = 0
     _started_ns: int | None = None
@@ -292,9 +294,9 @@ class RequestContext:
     async def client(self, event: ClientEvent) -> None:
         """Send a client-visible event to the request's gateway, stamped with stage and replica.
 
-        The event is kept for a replay before it is sent (the gateway asks for what it lost).
-        While the broker is away this waits for the connection: the request's production pauses
-        (its engine's outputs wait in vLLM's output collector) and nothing fails."""
+        The event is kept until the gateway confirms it (:class:`ClientStream`). While the
+        broker is away this waits for the connection: the request's production pauses (its
+        engine's outputs wait in vLLM's output collector) and nothing fails."""
         self._check_aborted()
         await self._cleared_to_send()
         self._check_aborted()
@@ -325,16 +327,21 @@ class RequestContext:
         await self._send_client(seq, event.encode())
 
     async def _send_client(self, seq: int, data: bytes) -> None:
-        """Keep client event ``seq`` for a replay, then send it to the request's gateway: with
-        the other events of this turn (``Bus.events``), or alone."""
-        if self.sent is not None:
-            self.sent.add(self.request_id, self.attempt, seq, data)
+        """Send client event ``seq`` to the request's gateway (with the other events of this turn,
+        ``Bus.events``, or alone), and keep it until the gateway confirms it."""
+        if self.stream is None:
+            query = ResumeQuery(
+                request_id=self.request_id, stage=self.me.stage, attempt=self.attempt, replica=self.me.replica
+            )
+            flushed = self.bus.events.flushed if self.bus.events is not None else None
+            self.stream = ClientStream(self.bus.nc, self._out_subject, query, flushed)
         if self.bus.events is None:
             await publish_core(self.bus.nc, self._out_subject, data)
-            return
-        if not self.bus.nc.is_connected:  # the request's production pauses while the broker is away
-            await until_connected(self.bus.nc)
-        await self.bus.events.add(self.first.gateway_id, self.request_id, data)
+        else:
+            if not self.bus.nc.is_connected:  # the request's production pauses while the broker is away
+                await until_connected(self.bus.nc)
+            await self.bus.events.add(self.first.gateway_id, self.request_id, data)
+        self.stream.add(data)  # after the sender has it: a question asked from now on leaves after it
 
     @cached_property
     def _out_subject(self) -> str:
@@ -363,7 +370,14 @@ class RequestContext:
             self._send(LifecycleEvent(**self._event_fields("started", self._started_ns)))
 
     def close(self) -> None:
-        """The request has ended here: no late ``started``."""
+        """The request has ended here: no late ``started``. Its client events are still delivered
+        until the gateway has them all (until the request's deadline), unless it was aborted (moved
+        elsewhere, or its client left: nobody takes them any more)."""
+        self._no_late_started()
+        if self.stream is not None:
+            self.stream.finish(0.0 if self.aborted else self.seconds_left)
+
+    def _no_late_started(self) -> None:
         if self._started_timer is not None:
             self._started_timer.cancel()
         self._started_sent = True
@@ -379,9 +393,7 @@ class RequestContext:
         """
         if not self._started_sent and self._started_ns is not None:
             fields = {**fields, "started_ns": self._started_ns}
-            self.close()
-        if kind in ("stage_done", "finished") and self._client_seq:
-            fields = {**fields, "client_events": self._client_seq}
+            self._no_late_started()
         if kind == "stage_done":
             fields = {**fields, "edges": list(self._edges.values())}
             if self.is_last_stage:

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
 
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
@@ -49,7 +48,6 @@ from libs.common.runtime import freeze_startup_heap
 from libs.common.settings import WorkerSettings
 from libs.common.subjects import Subjects, consumer_name, max_deliveries_advisory
 from libs.common.version import VERSION
-from services.stage_worker.attempt_marks import AttemptMarks
 from services.stage_worker.control import ControlAnswers, reroute
 from services.stage_worker.engine_health import EngineHealth
 from services.stage_worker.event_batcher import ClientEventBatcher
@@ -58,7 +56,7 @@ from services.stage_worker.handlers.base import StageError, StageHandler
 from services.stage_worker.inbox import Delivery
 from services.stage_worker.record_check import STALE_START, read_verdict
 from services.stage_worker.request_context import Bus, Identity, RequestContext
-from services.stage_worker.sent_events import SentEvents
+from services.stage_worker.request_table import Phase, RequestTable, Verdict
 from services.stage_worker.transfer_stats import TransferStatLogger, transfer_stats
 
 log = logging.getLogger(__name__)
@@ -69,9 +67,10 @@ PULL_BATCH = 64
 in the backlog, kept alive by in-progress acks)."""
 
 
-class StageWorker(ControlAnswers):
+class StageWorker:
     """One stage replica: takes its stage's tasks from JetStream, runs them on its engine, publishes
-    what they produce (the control-message answers are :class:`ControlAnswers`')."""
+    what they produce; what it knows of each request is in :attr:`requests`, and its answers to
+    control messages are :attr:`control`'s."""
 
     def __init__(self, settings: WorkerSettings, pipeline: PipelineConfig) -> None:
         if settings.stage >= len(pipeline.stages):
@@ -94,20 +93,7 @@ class StageWorker(ControlAnswers):
         self.metrics = MetricSet(Exporter.WORKER, settings.log_stats)
         self.transfers = TransferStatLogger(self.metrics, pipeline.served_model_name)
         self._labels = (pipeline.served_model_name, str(settings.stage), str(settings.replica))
-        self.active: dict[str, tuple[RequestContext, asyncio.Task[None]]] = {}
-        self._closed = AttemptMarks()
-        """The latest attempt of each request that ended here."""
-        self._fences = AttemptMarks()
-        """The stage-0 attempt each request moved to: chunks of older attempts are stale."""
-        self._moving = AttemptMarks()
-        """The latest attempt of each request that moved off this replica (or whose engine died
-        under it): its late input is left unacknowledged for the move, which sends it on to the
-        new replica and deletes it (acknowledged here, it would be gone from the stream first)."""
-        self._backlog: deque[Delivery] = deque()
-        self.sent = SentEvents()
-        """The client events this worker sent, kept for a replay of lost ones."""
-        self._early_routes: dict[str, RouteChange] = {}
-        """Route changes for requests still in the backlog, applied when they start there."""
+        self.requests = RequestTable()
         self.bus: Bus | None = None
         self._records: KeyValue | None = None
         """The ``omni_requests`` bucket, read when a request starts here (record_check.py)."""
@@ -115,8 +101,9 @@ class StageWorker(ControlAnswers):
         self._tasks: list[asyncio.Task[None]] = []
         self._consumer: PullConsumer | None = None
         self.health = EngineHealth(
-            self.handler, self.stage_cfg.stall_timeout_s, lambda: len(self.active), self.label
+            self.handler, self.stage_cfg.stall_timeout_s, lambda: self.requests.running_count, self.label
         )
+        self.control = ControlAnswers(self.me, pipeline, self.handler, self.health, self.requests, self.label)
 
     @property
     def label(self) -> str:
@@ -135,8 +122,8 @@ class StageWorker(ControlAnswers):
         js = JetStream(nc)
         await ensure_topology(js, self.subjects)
         self.bus = Bus(nc, js, self.subjects, ClientEventBatcher(nc, self.subjects))
-        self._records = await requests_kv(js)
-        await nc.subscribe(self.subjects.abort, cb=self._on_abort)
+        self._records = self.control.records = await requests_kv(js)
+        await nc.subscribe(self.subjects.abort, cb=self.control.on_abort)
         if self.metrics.enabled:
             st = self.stage_cfg
             self.metrics["vllm:omni_stage_info"].labels(*self._labels, st.name, st.type.value, st.model).set(
@@ -164,11 +151,10 @@ class StageWorker(ControlAnswers):
         )
         # Orchestrators probe this while the replica has work (services/orchestrator/liveness.py);
         # it answers before the replica is routable.
-        await nc.subscribe(self.subjects.alive(self.me.stage, self.me.replica), cb=self._on_alive)
-        await nc.subscribe(self.subjects.route(self.me.stage, self.me.replica), cb=self._on_route)
-        await nc.subscribe(self.subjects.replay(self.me.stage, self.me.replica), cb=self._on_replay)
+        await nc.subscribe(self.subjects.alive(self.me.stage, self.me.replica), cb=self.control.on_alive)
+        await nc.subscribe(self.subjects.route(self.me.stage, self.me.replica), cb=self.control.on_route)
         self._heartbeat = Heartbeat(
-            await services_kv(js), record, lambda: len(self.active), self.health.liveness
+            await services_kv(js), record, lambda: self.requests.running_count, self.health.liveness
         )
         await self._heartbeat.start()
         self._tasks = [
@@ -192,12 +178,13 @@ class StageWorker(ControlAnswers):
         """Stop taking work, let in-flight requests finish for up to ``drain_s``, then leave."""
         if self._consumer:
             await self._consumer.stop()
-        pending = [task for _, task in self.active.values()]
+        pending = [e.run for e in self.requests.running() if e.run is not None]
         if pending:
             log.info("%s: draining %d in-flight request(s)", self.label, len(pending))
             await asyncio.wait(pending, timeout=drain_s)
-        for _, task in list(self.active.values()):
-            task.cancel()
+        for e in self.requests.running():
+            if e.run is not None:
+                e.run.cancel()
         for t in self._tasks:
             t.cancel()
         if self._heartbeat:
@@ -233,26 +220,27 @@ class StageWorker(ControlAnswers):
             with contextlib.suppress(Exception):
                 await msg.term()
             return
-        rid = task.request_id
         if await self._dropped(msg, task):
             return
-        entry = self.active.get(rid)
+        entry = self.requests.get(task.request_id)
         delivery = Delivery(msg, task, received_ns, transfer)
-        if entry is None and len(self.active) >= self.settings.max_inflight:
-            self._backlog.append(delivery)  # started when a request ends (kept alive meanwhile)
+        waits = entry is not None and entry.phase == Phase.QUEUED
+        full = self.requests.running_count >= self.settings.max_inflight
+        if waits or (full and (entry is None or entry.phase != Phase.RUNNING)):
+            self.requests.queue(delivery)  # started when a request ends (kept alive meanwhile)
             return
         await self._accept(delivery)
 
     async def _dropped(self, msg: Msg, task: StageTask) -> bool:
-        """Acknowledge and drop ``task`` if it belongs to an attempt of its request that has ended
-        here (a later attempt, moved back to this replica, is new work), or comes from an attempt
-        of stage 0 that the request has moved past (a thinker that resumed after a stall: its
-        successor sends every chunk again, from the client's tokens) and is not an input the
-        orchestrator moved here from a dead replica of this stage (that replica had taken it).
-        Input of an attempt that moved off this replica is dropped unacknowledged: the move sends
-        it on from the stream."""
+        """Drop ``task`` when the request table says so (:meth:`RequestTable.judge`): input of an
+        attempt that ended here, or of a stage-0 attempt the request moved past, is acknowledged;
+        input of an attempt that moved off this replica is left for the move, which sends it on
+        from the stream (acknowledged here, it would be gone from the stream first)."""
         rid = task.request_id
-        if task.attempt <= self._moving.get(rid):
+        verdict = self.requests.judge(task)
+        if verdict == Verdict.TAKE:
+            return False
+        if verdict == Verdict.LEAVE:
             log.info(
                 "%s: request %s: chunk %d of attempt %d arrived after it moved; left for the move",
                 self.label,
@@ -261,56 +249,50 @@ class StageWorker(ControlAnswers):
                 task.attempt,
             )
             return True
-        if task.attempt <= self._closed.get(rid):
-            log.debug("%s: dropping late message for closed request %s", self.label, rid)
-        elif not task.moved and task.from_attempt < self._fences.get(rid):
+        if verdict == Verdict.STALE:
             log.info(
-                "%s: request %s: dropping chunk %d of stage %d's attempt %d (it moved to attempt %d)",
+                "%s: request %s: dropping chunk %d of stage %d's attempt %d (it moved on)",
                 self.label,
                 rid,
                 task.seq,
                 self.me.stage - 1,
                 task.from_attempt,
-                self._fences.get(rid),
             )
             if self.metrics.enabled:
                 self.metrics["vllm:omni_stale_chunks_dropped"].labels(*self._labels).inc()
         else:
-            return False
+            log.debug("%s: dropping late message for ended request %s", self.label, rid)
         await msg.ack()
         return True
 
-    async def _accept(self, d: Delivery) -> None:
+    async def _accept(self, d: Delivery, route: RouteChange | None = None) -> None:
+        """Hand ``d`` to its running request, or start the request with it (applying ``route``,
+        a hold or release that came while it was queued)."""
         msg, task = d.msg, d.task
         rid = task.request_id
-        if await self._dropped(msg, task):  # it waited in the backlog while its request ended or moved
+        if await self._dropped(msg, task):  # it was queued while its request ended or moved
             return
-        entry = self.active.get(rid)
-        if entry is not None and entry[0].attempt < task.attempt:
-            # The request moved here while its older attempt still winds down here (a resync
-            # picks the same replica): that attempt ends first, then the new one starts.
-            entry[0].abort(MOVED)
-            entry[1].cancel()
-            await asyncio.wait([entry[1]])
-            entry = self.active.get(rid)
-        if entry is None:
+        entry = self.requests.get(rid)
+        running = entry is not None and entry.phase == Phase.RUNNING
+        if running and entry.ctx is not None and entry.run is not None and entry.ctx.attempt < task.attempt:
+            # The request moved here while its older attempt still winds down here (a replica
+            # that resumed after a stall can be chosen again): that attempt ends first.
+            entry.ctx.abort(MOVED)
+            entry.run.cancel()
+            await asyncio.wait([entry.run])
+            entry = self.requests.get(rid)
+            running = entry is not None and entry.phase == Phase.RUNNING
+        if running and entry is not None and entry.ctx is not None:
+            ctx = entry.ctx
+        else:
             ctx = RequestContext(
-                self.me,
-                self.bus,
-                task,
-                span=self._request_span(msg, task),
-                sent=self.sent,
-                received_s=d.received_s,
+                self.me, self.bus, task, span=self._request_span(msg, task), received_s=d.received_s
             )
-            early = self._early_routes.pop(rid, None)
-            if early is not None:  # its next stage moved while it waited in the backlog
-                reroute(ctx, early)
+            if route is not None:
+                reroute(ctx, route)
             if self._records is not None:
                 ctx.await_clearance()  # the engine starts while the record is read
-            task_ = asyncio.create_task(self._run_request(ctx), name=f"request:{rid}")
-            self.active[rid] = (ctx, task_)
-        else:
-            ctx = entry[0]
+            self.requests.start(ctx, asyncio.create_task(self._run_request(ctx), name=f"request:{rid}"))
         if not ctx.inbox.put(d):
             log.info("%s: request %s: duplicate seq %d acked and dropped", self.label, rid, task.seq)
             await msg.ack()
@@ -422,21 +404,22 @@ class StageWorker(ControlAnswers):
                 check.cancel()
             ctx.close()
             ctx.span.end()
-            self.active.pop(rid, None)
+            moved_away = ctx.abort_reason in (MOVED, ENGINE_DEAD)  # the inputs move with the request
+            self.requests.end(ctx, moved_away)
             if self._heartbeat:
                 self._heartbeat.load_dropped()
-            self._closed.raise_to(rid, ctx.attempt)
-            self.sent.end(rid, ctx.attempt)
-            if ctx.abort_reason in (MOVED, ENGINE_DEAD):  # the inputs move with the request
-                self._moving.raise_to(rid, ctx.attempt)
-            else:
+            if not moved_away:
                 await self._ack_all(ctx)
-            await self._admit_backlog()
+            await self._start_queued()
 
-    async def _admit_backlog(self) -> None:
-        """Start backlogged requests while there is room (their later chunks join them)."""
-        while self._backlog and len(self.active) < self.settings.max_inflight:
-            await self._accept(self._backlog.popleft())
+    async def _start_queued(self) -> None:
+        """Start queued requests, oldest first, while there is room."""
+        while self.requests.running_count < self.settings.max_inflight:
+            if (queued := self.requests.next_queued()) is None:
+                return
+            inputs, route = queued
+            for d in inputs:
+                await self._accept(d, route)
 
     async def _report_failure(self, ctx: RequestContext, status: int, code: str, message: str) -> None:
         """Tell the client (its gateway) and the orchestrator that the request failed here (not
@@ -462,8 +445,8 @@ class StageWorker(ControlAnswers):
         period = self.settings.bus_limits.ack_wait_s / 6
         while True:
             await asyncio.sleep(period)
-            held = [d.msg for ctx, _ in list(self.active.values()) for d in ctx.unacked()]
-            for msg in [*held, *(d.msg for d in self._backlog)]:
+            held = [d for e in self.requests.running() if e.ctx is not None for d in e.ctx.unacked()]
+            for msg in [d.msg for d in [*held, *self.requests.queued_inputs()]]:
                 with contextlib.suppress(Exception):
                     await msg.in_progress()
 

@@ -46,9 +46,6 @@ FORGED_FIELDS = {
     "seq": (-1, 1, 10**9),
     "start_seq": (-5, 10**9),
     "in_seq": (-1, 10**9),
-    "client_events": (-1, 0, 10**9),
-    "from_seq": (-1, 10**9),
-    "to_seq": (-1, 2**63 - 1),
     "route": ([], [9, 9, 9], [-1], [0, 0, 0, 0, 0, 0]),
     "entry_stage": (1, 2, 99),
     "status": (-1, 0, 200, 418, 999),
@@ -253,7 +250,6 @@ def lifecycle(kind: str) -> Callable[[random.Random], dict[str, Any]]:
             "replica": 0,
             "finish_reason": "stop",
             "attempt": 1,
-            "client_events": 3,
             "edges": [],
         }
 
@@ -280,27 +276,13 @@ def route_change(rng: random.Random) -> dict[str, Any]:
     }
 
 
-def replay_ask(rng: random.Random) -> dict[str, Any]:
-    return {"request_id": unknown_id(rng), "attempt": 1, "from_seq": 0, "to_seq": 10}
-
-
 def resume_query(rng: random.Random) -> dict[str, Any]:
     return {"request_id": unknown_id(rng), "stage": rng.choice((0, 2)), "attempt": 2}
 
 
-def stage_ended(rng: random.Random) -> dict[str, Any]:
-    return {
-        "request_id": unknown_id(rng),
-        "stage": rng.choice((0, 2)),
-        "attempt": 1,
-        "replica": 0,
-        "client_events": 5,
-        "finish_reason": "stop",
-    }
-
-
-def resync(rng: random.Random) -> dict[str, Any]:
-    return {"request_id": unknown_id(rng), "stage": 0, "attempt": 1}
+def question(rng: random.Random) -> dict[str, Any]:
+    """A worker's question about its attempt's events (on a request's ``out`` subject)."""
+    return {"request_id": unknown_id(rng), "stage": rng.choice((0, 2)), "attempt": 1, "replica": 0}
 
 
 def liveness(rng: random.Random) -> dict[str, Any]:
@@ -315,10 +297,9 @@ def targets(pipeline: PipelineConfig, gateway_ids: list[str], orchestrator_ids: 
     gw = gateway_ids[0]
     out: list[Target] = [Target(s.requests, admission(gw), jetstream=True)]
     out += [Target(s.event(kind), lifecycle(kind), jetstream=True) for kind in EVENT_KINDS]
-    out += [Target(s.resync, resync, reply=True)]
     out += [Target(s.orchestrator_alive(o), liveness, reply=True) for o in orchestrator_ids]
     for g in gateway_ids:
-        out += [Target(s.resume(g), resume_query, reply=True), Target(s.ended(g), stage_ended)]
+        out += [Target(s.resume(g), resume_query, reply=True), Target(s.out(g, "fuzz"), question, reply=True)]
         out += [Target(s.out_batch(g), client_event, batch=True)]
     out += [Target(s.abort, abort)]
     for i, stage in enumerate(pipeline.stages):
@@ -330,7 +311,6 @@ def targets(pipeline: PipelineConfig, gateway_ids: list[str], orchestrator_ids: 
                 Target(s.stage_in(i, r), task, jetstream=True),  # no address headers
                 Target(s.alive(i, r), liveness, reply=True),
                 Target(s.route(i, r), route_change, reply=True),
-                Target(s.replay(i, r), replay_ask, reply=True),
                 Target(max_deliveries_advisory(s.stages_stream, consumer_name(i, r)), liveness),
             ]
     return out

@@ -50,9 +50,6 @@ from tests.e2e.bus_fuzz import (
     client_event,
     mutate,
     out_target,
-    replay_ask,
-    resync,
-    stage_ended,
     stage_task,
     targets,
     unknown_id,
@@ -70,7 +67,7 @@ SAMPLES_PER_CODE = 480
 AUDIO_TOKENS = 128
 TEXT_TOKENS = 160
 FORGE_LIVE = True
-"""Also send forged client events, end notices and resume questions naming the live requests, each
+"""Also send forged client events, resume questions and workers' questions naming the live requests, each
 wrong in a way the gateway's message checks refuse (docs/security.md, "What the application
 checks")."""
 SETTLE_S = 45.0
@@ -195,39 +192,29 @@ async def send_round(
 
 
 async def live_id_messages(
-    nc: Any, js: Any, pipeline: Any, gateway_id: str, rng: random.Random, live: list[str], inbox: str
+    js: Any, pipeline: Any, gateway_id: str, rng: random.Random, live: list[str]
 ) -> int:
-    """Messages naming the live requests that the services must shrug off: a replay asked for a
-    range nobody sent (answered to the asker only), a resync of an attempt the request is not at
-    (the orchestrator finds it not needed), a duplicate admission (the record exists: harmless).
-    Not sent: an abort, a route hold, a resume query, an end notice, lifecycle events or client
-    events naming a live request, which the protocol honours by design from any sender the bus's
-    identities let through (docs/security.md, the bus)."""
+    """Messages naming the live requests that the services must shrug off: a duplicate admission
+    (the record exists: harmless). Not sent: an abort, a route hold, a resume query, lifecycle
+    events or client events naming a live request, which the protocol honours by design from any
+    sender the bus's identities let through (docs/security.md, the bus)."""
     s = Subjects(pipeline.name)
-    n = 0
     for rid in live:
-        for i, stage in enumerate(pipeline.stages):
-            for r in range(stage.replicas):
-                ask = {**replay_ask(rng), "request_id": rid, "from_seq": 10**6, "to_seq": 2**62}
-                await nc.publish(s.replay(i, r), msgpack.packb(ask), reply=inbox)
-                n += 1
-        for attempt in (99, 10**6):
-            await nc.publish(s.resync, msgpack.packb({**resync(rng), "request_id": rid, "attempt": attempt}))
-            n += 1
         again = {**admission(gateway_id)(rng), "request_id": rid}
         await js.publish(s.requests, msgpack.packb(again), timeout=10)  # no Nats-Msg-Id: not deduplicated
-        n += 1
-    return n
+    return len(live)
 
 
 def forged_live(
     pipeline: Any, gateway_id: str, rng: random.Random, live: list[str]
-) -> list[tuple[str, bytes]]:
-    """(subject, body) of messages naming the live requests that the gateway must drop: client
-    events of a stage that does not send their kind, of an attempt never announced, of a replica
-    the pipeline does not declare, or on another request's subject; end notices and resume
-    questions of an attempt never announced or a replica not declared. (A stage-less error or an
-    event of the bound replica are accepted by design: "What is still open" there.)"""
+) -> list[tuple[str, bytes, bool]]:
+    """(subject, body, sent as a request) of messages naming the live requests that the gateway
+    must drop: client events of a stage that does not send their kind, of an attempt never
+    announced, of a replica the pipeline does not declare, or on another request's subject; resume
+    questions of an attempt never announced or a replica not declared; workers' questions of a
+    stage that streams nothing to the client, an attempt never announced or a replica not bound.
+    (A stage-less error or an event of the bound replica are accepted by design: "What is still
+    open" there.)"""
     s = Subjects(pipeline.name)
     audio_stage = len(pipeline.stages) - 1
     out = []
@@ -241,13 +228,15 @@ def forged_live(
             {**base, "type": "text_done", "stage": 0, "replica": 9},  # a replica not declared
             {**base, "type": "audio_done", "stage": audio_stage, "replica": 9},
         ]
-        out += [(s.out(gateway_id, rid), msgpack.packb(e)) for e in events]
-        out.append((s.out(gateway_id, other), msgpack.packb({**base, "stage": 0, "type": "text_done"})))
-        ended = {**stage_ended(rng), "request_id": rid, "stage": 0, "attempt": 99, "client_events": 10**6}
-        out.append((s.ended(gateway_id), msgpack.packb(ended)))
-        out.append((s.ended(gateway_id), msgpack.packb({**ended, "attempt": 1, "replica": 9})))
+        out += [(s.out(gateway_id, rid), msgpack.packb(e), False) for e in events]
+        out.append(
+            (s.out(gateway_id, other), msgpack.packb({**base, "stage": 0, "type": "text_done"}), False)
+        )
         for query in ({"stage": 0, "attempt": 99}, {"stage": 0, "attempt": 2, "replica": 9}):
-            out.append((s.resume(gateway_id), msgpack.packb({"request_id": rid, **query})))
+            out.append((s.resume(gateway_id), msgpack.packb({"request_id": rid, **query}), True))
+        for query in ({"stage": 1}, {"attempt": 99}, {"replica": 9}):
+            asked = {"request_id": rid, "stage": 0, "attempt": 1, "replica": 0, **query}
+            out.append((s.out(gateway_id, rid), msgpack.packb(asked), True))
     return out
 
 
@@ -267,24 +256,22 @@ it would attract prompts to a subject nobody consumes if routing took it."""
 async def garbage_record_inputs(
     nc: Any, js: Any, pipeline: Any, gateway_id: str, rng: random.Random, ids: list[str]
 ) -> int:
-    """For each request whose record is garbage: a resync (the orchestrator reads the record) and a
-    first input of the talker, addressed and bound to it (the worker reads the record before it
-    starts a request)."""
+    """For each request whose record is garbage: a first input of the talker, addressed and bound
+    to it (the worker reads the record before it starts a request)."""
     s = Subjects(pipeline.name)
     talker = 1
     for rid in ids:
-        await nc.publish(s.resync, msgpack.packb({**resync(rng), "request_id": rid}), reply=nc.new_inbox())
         task = {**stage_task(gateway_id, talker, 0, pipeline.stages[talker].consumes)(rng), "request_id": rid}
         headers = {h.TO_STAGE: str(talker), h.TO_REPLICA: "0", "Nats-Msg-Id": f"fuzz-{rid}"}
         await js.publish(s.stage_in(talker, 0), msgpack.packb(task), headers=headers, timeout=10)
-    return 2 * len(ids)
+    return len(ids)
 
 
 async def kv_garbage(js: Any, rng: random.Random, pipeline: str) -> list[tuple[Any, str]]:
     """Garbage records under valid keys no live service or request uses (a live service's own key
     is rewritten by its heartbeat every 2 s; a live request's record is its state): records that do
     not parse, wrong-typed JSON, a replica the pipeline does not declare; a request record that is
-    garbage under an id the fuzz then sends resyncs and stage inputs for. Returns (bucket, key) to
+    garbage under an id the fuzz then sends stage inputs for. Returns (bucket, key) to
     delete afterwards."""
     services, requests, evictions = await services_kv(js), await requests_kv(js), await evictions_kv(js)
     written = []
@@ -426,13 +413,13 @@ async def test_bus_fuzz_leaves_live_requests_unharmed(stack, pipeline) -> None:
         outs = [out_target(pipeline, g, rid) for g in gateways for rid in [*live_ids, unknown_id(rng)]]
         fuzz_targets = base_targets + outs
         open_after_first: list[bool] = []
-        live_msgs += await live_id_messages(nc, js, pipeline, gateways[0], rng, live_ids, inbox)
+        live_msgs += await live_id_messages(js, pipeline, gateways[0], rng, live_ids)
         forged = forged_live(pipeline, gateways[0], rng, live_ids) if FORGE_LIVE else []
         # Rounds while the live requests run: the first one with every request open.
         while sent.rounds < MAX_ROUNDS and (sent.rounds == 0 or not all(o.done for o in live)):
             await send_round(nc, js, rng, fuzz_targets, inbox, sent)
-            for subject, body in forged:
-                await nc.publish(subject, body, reply=inbox)
+            for subject, body, asks in forged:
+                await nc.publish(subject, body, reply=inbox if asks else "")
             if sent.rounds == 1:
                 open_after_first = [not o.done for o in live]
         await asyncio.wait_for(asyncio.gather(*tasks), 180)

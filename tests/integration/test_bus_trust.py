@@ -28,7 +28,6 @@ from libs.common.envelopes import (
     ResumePoint,
     ResumeQuery,
     Sampling,
-    StageEnded,
     decode,
 )
 from libs.common.jetstream import JetStream
@@ -178,19 +177,24 @@ async def test_forged_and_stale_events_leave_the_stream_as_the_genuine_senders_s
     ):
         answer = await forger.request(SUBJECTS.resume(gateway.id), query.encode(), timeout=5)
         assert not decode(ResumePoint, answer.data).known
-    for ended in (
-        StageEnded(request_id=rid, stage=1, attempt=1, client_events=99),  # the talker streams nothing
-        StageEnded(request_id=rid, stage=0, attempt=1, replica=1, client_events=99),  # not the bound replica
-        StageEnded(request_id="chatcmpl-nobody", stage=0, attempt=1, client_events=9),
+    # Questions no worker of this request's attempts could ask (workers may publish on every
+    # gateway's out subjects): unanswered, and counted.
+    inbox = forger.new_inbox()
+    answers = await forger.subscribe(inbox)
+    asked = ResumeQuery(request_id=rid, stage=0, attempt=1, replica=0)
+    for subject, query in (
+        (out, asked.replace(stage=1)),  # the talker streams nothing
+        (out, asked.replace(replica=1)),  # not the bound replica
+        (SUBJECTS.out(gateway.id, "chatcmpl-other"), asked),  # another request's subject
     ):
-        await forger.publish(SUBJECTS.ended(gateway.id), ended.encode())
+        await forger.publish(subject, query.encode(), reply=inbox)
     await forger.flush()
     before_move = {
-        "subject_mismatch": 2,
+        "subject_mismatch": 3,
         "wrong_replica": 4,
         "bad_stage": 4,
         "bad_attempt": 2,
-        "unknown_request": 3,
+        "unknown_request": 2,
     }
     before_move["wrong_replica"] -= 1  # one of them comes after the move
     # Judged before the move: an unannounced attempt would not be one after it.
@@ -214,7 +218,7 @@ async def test_forged_and_stale_events_leave_the_stream_as_the_genuine_senders_s
     await real(type=ClientEventType.TEXT, text="lo", token_ids=[6], **moved, seq=0)
     await real(type=ClientEventType.TEXT_DONE, finish_reason="stop", **moved, seq=1)
     await genuine.flush()
-    forged_events = 12  # every client event forged above, on this gateway's subjects
+    forged_events = 15  # every client event and question forged above, on this gateway's subjects
     await until(lambda: len(seen) >= len(sent) + forged_events, "the tap has seen every event published")
     assert len(seen) == len(sent) + forged_events
 
@@ -225,6 +229,7 @@ async def test_forged_and_stale_events_leave_the_stream_as_the_genuine_senders_s
             break
     assert got == sent
     assert handle.queue.empty()
+    assert answers.pending_msgs == 0, "a forged question was answered"
     expected = {**before_move, "wrong_replica": 4, "bad_attempt": 3}
     await until(lambda: gateway.rejected() == expected and gateway.stale() == 1, "every forgery counted", 5)
     # Nothing is counted twice: the genuine senders' last messages came after every forgery, on a

@@ -23,7 +23,6 @@ from libs.common.envelopes import (
     ResumePoint,
     ResumeQuery,
     RouteChange,
-    RouteHeld,
     StageTask,
     TaskKind,
     decode,
@@ -132,7 +131,7 @@ async def test_a_killed_code2wav_replica_moves_its_chunks_and_no_audio_is_lost_o
     async def talker(msg) -> None:
         change = decode(RouteChange, msg.data)
         route_changes.put_nowait(change)
-        await msg.respond(RouteHeld(held=True, next_seq=4).encode())
+        await msg.respond(ResumePoint(known=True, next_seq=4).encode())
 
     await nc.subscribe(SUBJECTS.resume(GATEWAY), cb=gateway)
     await nc.subscribe(SUBJECTS.route(1, 0), cb=talker)
@@ -156,10 +155,14 @@ async def test_a_killed_code2wav_replica_moves_its_chunks_and_no_audio_is_lost_o
     hold = await asyncio.wait_for(route_changes.get(), 10)
     assert (hold.request_id, hold.stage, hold.action) == (rid, 2, "hold")
     release = await asyncio.wait_for(route_changes.get(), 5)
-    assert (release.action, release.replica, release.attempt, release.start_seq) == ("release", 1, 2, 2)
+    assert (release.action, release.replica, release.attempt) == ("release", 1, 2)
+    # From the first chunk replica 0 had not acknowledged: 2 at the latest (it acknowledges a chunk
+    # once the gateway has confirmed its audio, so 0 and 1 may still be there, sent on without codes).
+    assert release.start_seq <= 2
     assert [(q.stage, q.attempt) for q in questions] == [(2, 2)]
     # The talker sends on as told: its last chunk to replica 1, attempt 2.
-    await publish_task(js, SUBJECTS, chunk(rid, 4, [0, 0, 1], attempt=2, start_seq=2), Hop("1", "0", 2, 1))
+    last = chunk(rid, 4, [0, 0, 1], attempt=2, start_seq=release.start_seq)
+    await publish_task(js, SUBJECTS, last, Hop("1", "0", 2, 1))
 
     rest = []
     while not rest or rest[-1].type != ClientEventType.AUDIO_DONE:
@@ -258,7 +261,7 @@ async def test_a_move_whose_orchestrator_died_before_sending_it_is_carried_out_b
 
     async def talker(msg) -> None:
         route_changes.put_nowait(decode(RouteChange, msg.data))
-        await msg.respond(RouteHeld(held=True, next_seq=4).encode())
+        await msg.respond(ResumePoint(known=True, next_seq=4).encode())
 
     await nc.subscribe(SUBJECTS.resume(GATEWAY), cb=gateway)
     await nc.subscribe(SUBJECTS.route(1, 0), cb=talker)

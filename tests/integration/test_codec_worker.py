@@ -23,12 +23,12 @@ from libs.common.envelopes import (
     NdArray,
     StageTask,
     TaskKind,
-    decode,
 )
 from libs.common.publish import Hop, publish_task
 from libs.common.settings import WorkerSettings
 from libs.common.subjects import Subjects, consumer_name
 from libs.models.tiny import resolve_model
+from tests.bus import collect
 from tests.metrics_scrape import delta, scrape, total
 from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, start_service, write_pipeline
 
@@ -107,11 +107,7 @@ def chunk(rid: str, seq: int, codes: list[int], final: bool = False, deadline_s:
 
 async def events_of(nc, rid: str) -> asyncio.Queue:
     q: asyncio.Queue = asyncio.Queue()
-
-    async def cb(msg) -> None:
-        await q.put(decode(ClientEvent, msg.data))
-
-    await nc.subscribe(SUBJECTS.out(GATEWAY, rid), cb=cb)
+    await nc.subscribe(SUBJECTS.out(GATEWAY, rid), cb=collect(q, ClientEvent))
     return q
 
 

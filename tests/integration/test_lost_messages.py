@@ -1,18 +1,18 @@
 """Messages the bus loses or does not take, with a real gateway, a real orchestrator, a real thinker
 worker and the official ``openai`` client (docs/reliability.md, "Who notices what"):
 
-- **a client event lost on the way, and not sent again** (the worker's replies to the gateway's
-  replay requests are lost too): the gateway fences the thinker's attempt off at the last event
-  its client has and publishes ``ctl.resync``; the orchestrator moves the request (reason
-  ``lost_events``) and the client gets every token exactly once; the gap is counted in
-  ``vllm:omni_client_event_gaps_total``, once per gap made;
+- **a client event lost on the way** (in the middle of a stream, or its last one, which no later
+  event shows missing), with the gateway's first answers to the worker's questions lost too: the
+  worker, which keeps its events until the gateway confirms them, sends the lost one again and the
+  client gets every token exactly once, in order, from the one attempt; a gap is counted in
+  ``vllm:omni_client_event_gaps_total``;
 - **a lifecycle event no stream takes** (no stream listens on its subject, as while a cluster
   elects a stream's leader: "no response from stream"): the worker publishes it again until a
   stream takes it, and the request's record ends with it instead of waiting for its deadline.
 
 A real part cannot drop one core-NATS message on demand, so the first fault is made by a proxy
 between the worker and nats-server (:class:`LossyLink`) that forwards the NATS protocol verbatim
-except one client event and the replay requests for its request. Everything else is real. The
+except one client event and some answers to the worker's questions. Everything else is real. The
 second fault is made on the real broker: the events stream stops listening on
 ``omni.<p>.events.finished`` for a while (a stream update)."""
 
@@ -33,14 +33,21 @@ from nats.js.errors import NoStreamResponseError
 from openai import AsyncOpenAI
 
 from libs.common.bus import requests_kv
-from libs.common.envelopes import ClientEvent, ClientEventType, ReplayAsk, decode, pack_batch, unpack_batch
+from libs.common.envelopes import (
+    ClientEvent,
+    ClientEventType,
+    MalformedMessage,
+    ResumePoint,
+    decode,
+    pack_batch,
+    unpack_batch,
+)
 from libs.common.local_nats import free_port
 from libs.common.subjects import BATCH_TOKEN, EVENT_KINDS, Subjects
 from tests.client_streams import (
     Seen,
     Wire,
     attempts_of,
-    client_tokens,
     ended,
     record,
     stream_chat,
@@ -57,20 +64,18 @@ MODEL = f"{PIPELINE}-model"
 SUBJECTS = Subjects(PIPELINE)
 GATEWAY = "gwlostmsgs"
 STREAMS, LONG = 4, 1900
-"""Streams under way together when the client event is lost, and their tokens: the thinker must
-still run the request when the gateway gives the gap up (~4 s later, three replays lost)."""
+"""Streams under way together when the client event is lost, and their tokens."""
 INTER_TOKEN_MS = 5
-"""The thinker runs on the mock engine (``engine.mock``: the real worker, publishing path and
-replay store, no model compute), paced at this many ms per token, so each stream lasts ~9.5 s on
-any box. On the tiny vLLM thinker four streams of 1,900 tokens once took 4.5 s on a quiet box:
-the request completed before the resync, and there was nothing to move (the stream then ends
-with ``events_lost``, as documented). What is judged here is the bus and the gateway, not the
-engine."""
+"""The thinker runs on the mock engine (``engine.mock``: the real worker and publishing path, no
+model compute), paced at this many ms per token, so each stream lasts ~9.5 s on any box: what is
+judged here is the bus, the worker's delivery and the gateway, not the engine."""
 STAGES_YAML = THINKER_YAML.replace(
     "dtype: float32}", f"dtype: float32, mock: {{inter_token_ms: {INTER_TOKEN_MS}}}}}"
 )
 DROP_SEQ = 3
-"""The ``seq`` of the client event the link loses (of the first stream that sends one)."""
+"""The ``seq`` of the client event the link loses in the middle of a stream."""
+ANSWERS_LOST = 2
+"""Answers to the worker's questions the link loses after it lost the event."""
 
 Frame = tuple[int, str | None, bytes]
 """(bytes the frame takes, its subject, its payload without headers); the subject is None for a
@@ -165,32 +170,43 @@ class LossyLink:
 
 @dataclass
 class LostEvent:
-    """The link's fault: event ``DROP_SEQ`` of the first stage-0 attempt that sends one while
-    armed, and every replay request for its request after it."""
+    """The link's fault: the first client event that ``pick`` chooses, of the first stage-0
+    attempt that sends one while armed (a copy sent again passes), then the next
+    :data:`ANSWERS_LOST` answers to the worker's questions."""
 
-    armed: bool = False
+    pick: Callable[[ClientEvent], bool] | None = None
+    """Armed while set."""
     lost: ClientEvent | None = None
-    replays_lost: int = 0
+    answers_lost: int = 0
+
+    def arm(self, pick: Callable[[ClientEvent], bool]) -> None:
+        self.pick, self.lost, self.answers_lost = pick, None, 0
 
     def sent(self, subject: str, payload: bytes) -> bool | bytes:
         """Lose the event: its message, or its place in a worker's batch (the rest go on)."""
-        if not self.armed or self.lost is not None or not subject.startswith(f"omni.{PIPELINE}.out."):
+        if self.pick is None or self.lost is not None or not subject.startswith(f"omni.{PIPELINE}.out."):
             return False
         batched = subject.endswith(f".{BATCH_TOKEN}")
-        bodies = unpack_batch(payload) if batched else [payload]
-        for i, body in enumerate(bodies):
-            event = decode(ClientEvent, body)
-            if (event.type, event.attempt, event.seq) == (ClientEventType.TEXT, 1, DROP_SEQ):
+        try:
+            bodies = unpack_batch(payload) if batched else [payload]
+            events = [decode(ClientEvent, body) for body in bodies]
+        except MalformedMessage:  # a worker's question
+            return False
+        for i, event in enumerate(events):
+            if event.stage == 0 and event.attempt == 1 and self.pick(event):
                 self.lost = event
                 return pack_batch(bodies[:i] + bodies[i + 1 :]) if batched else True
         return False
 
     def received(self, subject: str, payload: bytes) -> bool:
-        if self.lost is None or subject != SUBJECTS.replay(0, 0):
+        """Lose an answer to a question of the worker (a reply on its inbox), after the event."""
+        if self.lost is None or self.answers_lost >= ANSWERS_LOST or not subject.startswith("_INBOX."):
             return False
-        if decode(ReplayAsk, payload).request_id != self.lost.request_id:
+        try:
+            decode(ResumePoint, payload)
+        except MalformedMessage:  # a JetStream reply
             return False
-        self.replays_lost += 1
+        self.answers_lost += 1
         return True
 
 
@@ -262,41 +278,47 @@ async def client_of(stack: Stack):
         await client.close()
 
 
-async def test_an_unrepaired_gap_moves_the_request_with_reason_lost_events(stack, nc) -> None:
+@pytest.mark.parametrize(
+    "where",
+    ["middle", "last"],
+)
+async def test_a_lost_client_event_is_sent_again_by_its_worker(stack, nc, where) -> None:
+    """An event lost in the middle of a stream leaves a gap the gateway sees; the last one
+    (``text_done``) leaves none. Either way the worker, asking until the gateway has every event,
+    sends it again: no move, every token once."""
     wire = Wire()
     await wire.listen(nc, PIPELINE)
     kv = await requests_kv(nc.jetstream())
     async with client_of(stack) as client:
         before = scrape(stack.gateway_metrics), scrape(stack.orchestrator.metrics_url)
-        stack.fault.armed = True
+        if where == "middle":
+            stack.fault.arm(lambda e: e.type == ClientEventType.TEXT and e.seq == DROP_SEQ)
+        else:
+            stack.fault.arm(lambda e: e.type == ClientEventType.TEXT_DONE)
         seen = [Seen() for _ in range(STREAMS)]
+        t0 = time.monotonic()
         await asyncio.wait_for(asyncio.gather(*(stream_chat(client, MODEL, s, LONG) for s in seen)), 180)
+        took_s = time.monotonic() - t0
         after = scrape(stack.gateway_metrics), scrape(stack.orchestrator.metrics_url)
+    stack.fault.pick = None
     lost = stack.fault.lost
     assert lost is not None, "the link lost no client event: the fault did not happen"
-    assert stack.fault.replays_lost >= 1, "the gateway asked for no replay of the lost event"
-    (hit,) = [s for s in seen if s.id == lost.request_id]
-    rec = await until_record(kv, hit.id, ended, "ended")
-    # The lost event never reached the broker; the client had the events before it when the
-    # gateway gave the gap up, and the new attempt went on from there.
-    first = wire.text_events(hit.id, 1)
-    assert DROP_SEQ not in [e.seq for e in first]
-    assert attempts_of(rec) == [(1, 0, None), (2, 0, "lost_events")]
-    assert rec.stages[0].attempts[1].resumed_tokens == len(tokens_of([e for e in first if e.seq < DROP_SEQ]))
+    assert stack.fault.answers_lost == ANSWERS_LOST, "the worker asked the gateway too few times"
     for s in seen:
         assert s.error is None, s.error
         assert (s.tokens, len(s.token_ids), s.finish_reason) == (LONG, LONG, "length"), s.id
-    assert hit.token_ids == client_tokens(wire, rec), "a token missing or repeated at the client"
-    for s in seen:
-        if s is not hit:  # untouched by the fault: one attempt, every token it sent
-            assert attempts_of(await record(kv, s.id)) == [(1, 0, None)]
-            assert s.token_ids == tokens_of(wire.text_events(s.id, 1))
-    assert delta(before[0], after[0], "vllm:omni_client_event_gaps_total", stage="0") == 1
-    labels = {"stage": "0", "from_replica": "0", "to_replica": "0", "reason": "lost_events"}
-    assert delta(before[1], after[1], "vllm:omni_requests_migrated_total", **labels) == 1
+        rec = await until_record(kv, s.id, ended, "ended")
+        assert attempts_of(rec) == [(1, 0, None)], "a stream moved"
+        assert s.token_ids == tokens_of(wire.text_events(s.id, 1)), (
+            "a token missing or repeated at the client"
+        )
+    copies = [e for _, e in wire.events[lost.request_id] if (e.attempt, e.seq) == (lost.attempt, lost.seq)]
+    assert copies == [lost], "the lost event was not sent again (once it reached the broker)"
+    gaps = delta(before[0], after[0], "vllm:omni_client_event_gaps_total", stage="0")
+    assert gaps == (1 if where == "middle" else 0)
+    assert delta(before[1], after[1], "vllm:omni_requests_migrated_total") == 0
     print(
-        f"lost event {lost.seq} of {lost.request_id}; {stack.fault.replays_lost} replay request(s) lost; "
-        f"the client had {rec.stages[0].attempts[1].resumed_tokens} token(s) at the resync"
+        f"lost event {lost.seq} ({lost.type.value}) of {lost.request_id}; {STREAMS} streams in {took_s:.1f} s"
     )
 
 
@@ -308,7 +330,7 @@ doubling to 2 s: about four tries meanwhile)."""
 async def test_a_lifecycle_event_no_stream_takes_is_published_again_until_one_does(stack, nc) -> None:
     js = nc.jetstream()
     kv = await requests_kv(js)
-    stack.fault.armed = False
+    stack.fault.pick = None
     config = (await js.stream_info(SUBJECTS.events_stream)).config
     listening = [SUBJECTS.event(k) for k in EVENT_KINDS if k != "finished"]
     async with client_of(stack) as client:

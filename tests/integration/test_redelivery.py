@@ -13,12 +13,12 @@ import nats
 import numpy as np
 import pytest
 
-from libs.common.envelopes import ClientEvent, ClientEventType, NdArray, StageTask, TaskKind, decode
+from libs.common.envelopes import ClientEvent, ClientEventType, NdArray, StageTask, TaskKind
 from libs.common.local_nats import free_port
 from libs.common.publish import Hop, publish_task
 from libs.common.subjects import Subjects, consumer_name
 from libs.common.tracing import start_span
-from tests.bus import consumer_holds, dead_letter
+from tests.bus import collect, consumer_holds, dead_letter
 from tests.metrics_scrape import delta, scrape, total
 from tests.otlp_receiver import Receiver, start_receiver, tracing_in_this_process
 from tests.procs import (
@@ -110,7 +110,7 @@ async def test_redelivered_message_is_finished_by_the_next_worker_with_a_linked_
         await first.await_log("serving omni.", timeout_s=120)
         rid = f"redeliver-{time.time_ns()}"
         events: asyncio.Queue = asyncio.Queue()
-        await nc.subscribe(SUBJECTS.out("gw3", rid), cb=events.put)
+        await nc.subscribe(SUBJECTS.out("gw3", rid), cb=collect(events, ClientEvent))
         sender = start_span("talker (test)")
         ack = await publish_task(nc.jetstream(), SUBJECTS, _chunk(rid, 1, final=True), HOP, sender)
         # delivered; seq 0 has not come, so seq 1 is held un-acked
@@ -125,7 +125,7 @@ async def test_redelivered_message_is_finished_by_the_next_worker_with_a_linked_
         await publish_task(nc.jetstream(), SUBJECTS, _chunk(rid, 0, final=False), HOP, sender)
         got = []
         while not got or got[-1].type != ClientEventType.AUDIO_DONE:
-            got.append(decode(ClientEvent, (await asyncio.wait_for(events.get(), 30)).data))
+            got.append(await asyncio.wait_for(events.get(), 30))
         assert [e.type for e in got] == [
             ClientEventType.AUDIO,
             ClientEventType.AUDIO,

@@ -24,7 +24,6 @@ from libs.common.envelopes import (
     Liveness,
     ResumePoint,
     RouteChange,
-    RouteHeld,
     StageTask,
     TaskKind,
     decode,
@@ -164,7 +163,7 @@ async def test_a_killed_talker_replica_moves_its_request_and_the_audio_is_as_wit
 
     async def thinker_route(msg) -> None:
         route_changes.put_nowait(decode(RouteChange, msg.data))
-        await msg.respond(RouteHeld(held=True, next_seq=3).encode())
+        await msg.respond(ResumePoint(known=True, next_seq=3).encode())
 
     await nc.subscribe(SUBJECTS.alive(0, 0), cb=thinker_alive)
     await nc.subscribe(SUBJECTS.resume(GATEWAY), cb=gateway)
@@ -276,11 +275,11 @@ async def test_a_talker_attempt_waiting_in_the_backlog_answers_a_hold_with_its_f
     await publish_task(js, SUBJECTS, moved, Hop("0", "0", 1, 0))
     hold = RouteChange(request_id=waiting, stage=2, action="hold")
     for _ in range(100):
-        held = decode(RouteHeld, (await nc.request(SUBJECTS.route(1, 0), hold.encode(), timeout=5)).data)
-        if held.held:
+        held = decode(ResumePoint, (await nc.request(SUBJECTS.route(1, 0), hold.encode(), timeout=5)).data)
+        if held.known:
             break
         await asyncio.sleep(0.1)
-    assert held.held, "the worker never held the waiting request"
+    assert held.known, "the worker never held the waiting request"
     # Text chunk 2 starts at token 22, code 88: code chunk 3 (codes 75-99) went out before the
     # move, with the end of text chunk 1; the attempt sends code chunk 4 first.
     assert held.next_seq == 4, held

@@ -17,7 +17,6 @@ from libs.common.envelopes import (
     ClientEventType,
     ResumePoint,
     ResumeQuery,
-    StageEnded,
     decode,
 )
 from libs.common.metrics_catalog import Exporter, MetricSet
@@ -69,11 +68,11 @@ def trust(counted) -> EventTrust:
 # --- client events ---------------------------------------------------------------------------
 def test_the_subject_must_name_the_events_request_on_this_gateway(trust) -> None:
     ev = event()
-    assert trust.subject_names(SUBJECTS.out(GW, "r1"), ev)
-    assert not trust.subject_names(SUBJECTS.out(GW, "r2"), ev)
-    assert not trust.subject_names(SUBJECTS.out(GW, "r1") + ".x", ev)
-    assert not trust.subject_names(SUBJECTS.out("gw-2", "r1"), ev)
-    assert not trust.subject_names(Subjects("other").out(GW, "r1"), ev)
+    assert trust.subject_names(SUBJECTS.out(GW, "r1"), ev.request_id)
+    assert not trust.subject_names(SUBJECTS.out(GW, "r2"), ev.request_id)
+    assert not trust.subject_names(SUBJECTS.out(GW, "r1") + ".x", ev.request_id)
+    assert not trust.subject_names(SUBJECTS.out("gw-2", "r1"), ev.request_id)
+    assert not trust.subject_names(Subjects("other").out(GW, "r1"), ev.request_id)
 
 
 @pytest.mark.parametrize(
@@ -179,23 +178,20 @@ def test_a_resume_question_must_be_a_move_the_pipeline_may_make(trust, fields, r
 @pytest.mark.parametrize(
     ("fields", "reason"),
     [
-        ({"stage": 1}, Rejected.BAD_STAGE),  # the talker streams nothing to the client
+        ({"stage": 1}, Rejected.BAD_STAGE),  # the talker streams nothing
         ({"stage": 4}, Rejected.BAD_STAGE),
-        ({"attempt": 2}, Rejected.BAD_ATTEMPT),
-        ({"client_events": -1}, Rejected.BAD_ATTEMPT),
+        ({"attempt": 2}, Rejected.BAD_ATTEMPT),  # never announced
         ({"replica": 1}, Rejected.WRONG_REPLICA),  # (0, 1) is bound to replica 0
         ({"replica": 9}, Rejected.WRONG_REPLICA),
         ({}, None),
         ({"stage": 2, "replica": 1}, None),
     ],
 )
-def test_an_end_notice_must_be_of_an_attempt_that_streamed_to_the_client(trust, fields, reason) -> None:
+def test_a_workers_question_must_come_from_the_attempt_it_asks_about(trust, fields, reason) -> None:
     attempts = Attempts()
     attempts.replica[(0, 1)] = 0
-    ended = StageEnded(
-        **{"request_id": "r1", "stage": 0, "attempt": 1, "replica": 0, "client_events": 3, **fields}
-    )
-    assert trust.ended(ended, attempts) == reason
+    query = ResumeQuery(**{"request_id": "r1", "stage": 0, "attempt": 1, "replica": 0, **fields})
+    assert trust.question(query, attempts) == reason
 
 
 # --- the checks wired into the gateway's bus client ------------------------------------------------
@@ -207,8 +203,11 @@ class Reply:
         self.data = data
 
 
-def msg(subject: str, body, reply: Reply | None = None) -> SimpleNamespace:
-    return SimpleNamespace(subject=subject, data=body.encode(), respond=(reply or Reply()).respond)
+def msg(subject: str, body, reply: Reply | None = None, inbox: str | None = None) -> SimpleNamespace:
+    """A message as a subscription sees it; ``inbox``: sent as a request."""
+    return SimpleNamespace(
+        subject=subject, data=body.encode(), reply=inbox, respond=(reply or Reply()).respond
+    )
 
 
 @pytest.fixture
@@ -280,7 +279,7 @@ async def test_a_move_binds_the_new_attempt_to_the_replica_the_orchestrator_name
     assert counted == Counter({Rejected.WRONG_REPLICA: 1}) and client.stale == [0]  # type: ignore[attr-defined]
 
 
-async def test_resume_questions_and_end_notices_that_no_move_could_send_are_refused(client, counted) -> None:
+async def test_resume_questions_that_no_move_could_send_are_refused(client, counted) -> None:
     handle = hold(client)
     for query in (
         ResumeQuery(request_id="r1", stage=0, attempt=9),
@@ -291,13 +290,27 @@ async def test_resume_questions_and_end_notices_that_no_move_could_send_are_refu
         await client._on_resume(msg(SUBJECTS.resume(GW), query, reply))
         assert not decode(ResumePoint, reply.data).known
     assert handle.attempts.announced(0) == 1  # nothing fenced the genuine attempt off
-    for ended in (
-        StageEnded(request_id="r1", stage=1, attempt=1, client_events=5),
-        StageEnded(request_id="nobody", stage=0, attempt=1, client_events=5),
-    ):
-        await client._on_ended(msg(SUBJECTS.ended(GW), ended))
-    assert not client._background  # no tail was waited for
-    assert counted == Counter({Rejected.BAD_ATTEMPT: 1, Rejected.BAD_STAGE: 2, Rejected.UNKNOWN_REQUEST: 2})
+    assert counted == Counter({Rejected.BAD_ATTEMPT: 1, Rejected.BAD_STAGE: 1, Rejected.UNKNOWN_REQUEST: 1})
+
+
+async def test_a_workers_question_is_answered_with_how_far_its_attempt_got_and_a_forged_one_not_at_all(
+    client, counted
+) -> None:
+    handle = hold(client)
+    for seq in (0, 1, 3):  # 2 was lost
+        await client._on_event(msg(SUBJECTS.out(GW, "r1"), event(seq=seq)))
+    asked = ResumeQuery(request_id="r1", stage=0, attempt=1, replica=0)
+    reply = Reply()
+    await client._on_event(msg(SUBJECTS.out(GW, "r1"), asked, reply, inbox="_INBOX.w"))
+    assert decode(ResumePoint, reply.data) == ResumePoint(known=True, next_seq=2)
+    for forged in (asked.replace(replica=1), asked.replace(stage=1), asked.replace(request_id="r2")):
+        reply = Reply()
+        await client._on_event(msg(SUBJECTS.out(GW, "r1"), forged, reply, inbox="_INBOX.x"))
+        assert reply.data is None
+    assert counted == Counter(
+        {Rejected.WRONG_REPLICA: 1, Rejected.BAD_STAGE: 1, Rejected.SUBJECT_MISMATCH: 1}
+    )
+    assert [e.seq for e in [handle.queue.get_nowait() for _ in range(handle.queue.qsize())]] == [0, 1]
 
 
 async def test_an_unknown_status_reaches_the_client_as_502(client, counted) -> None:

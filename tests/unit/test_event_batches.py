@@ -3,6 +3,8 @@ which messages carry a turn's events, and that a batch body gives back exactly t
 
 from __future__ import annotations
 
+import asyncio
+
 import msgpack
 import pytest
 
@@ -15,7 +17,7 @@ from libs.common.envelopes import (
     unpack_batch,
 )
 from libs.common.subjects import Subjects
-from services.stage_worker.event_batcher import frames
+from services.stage_worker.event_batcher import ClientEventBatcher, frames
 
 
 def pack_text(rid: str, stage: int, replica: int, seq: int, attempt: int, text: str, ids: list[int]) -> bytes:
@@ -109,3 +111,35 @@ def test_the_batch_subject_is_no_requests_subject() -> None:
 def test_a_malformed_batch_gives_nothing(body: bytes) -> None:
     with pytest.raises(MalformedMessage):
         unpack_batch(body)
+
+
+class _SlowNats:
+    """A connection whose publishes wait until the test lets them through, recording what went."""
+
+    is_connected = True
+
+    def __init__(self) -> None:
+        self.open = asyncio.Event()
+        self.sent: list[tuple[str, bytes]] = []
+
+    async def publish(self, subject: str, data: bytes) -> None:
+        await self.open.wait()
+        self.sent.append((subject, data))
+
+
+async def test_flushed_returns_once_every_event_added_before_is_on_the_connection() -> None:
+    """What a worker's question to the gateway waits for: it must leave after those events."""
+    nc = _SlowNats()
+    batcher = ClientEventBatcher(nc, S)  # type: ignore[arg-type]
+    first = asyncio.create_task(batcher.add("gw", "a", _ev("a", 0)[1]))  # goes at once, alone
+    await asyncio.sleep(0)
+    for rid, seq in (("a", 1), ("b", 0)):  # the same turn: batched behind it
+        await batcher.add("gw", rid, _ev(rid, seq)[1])
+    flushed = asyncio.create_task(batcher.flushed())
+    await asyncio.sleep(0.01)
+    assert not flushed.done(), "flushed before the events left"
+    nc.open.set()
+    await asyncio.wait_for(asyncio.gather(first, flushed), 5)
+    assert _carried(nc.sent) == [("a", 0), ("a", 1), ("b", 0)]
+    await batcher.add("gw", "c", _ev("c", 0)[1])  # added after the call: not waited for
+    await asyncio.wait_for(batcher.flushed(), 5)

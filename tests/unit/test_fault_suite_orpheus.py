@@ -25,6 +25,7 @@ from benchmarks.audio_accounting import (
 from benchmarks.fault_injection import REPLICAS, STAGE_NAMES, victim_service
 from benchmarks.fault_pipelines import ORPHEUS_FAULTS, pipelines
 from benchmarks.fault_suite import Row, render, replaced_by_a_new_process
+from libs.common.envelopes import NdArray, StageTask, TaskKind
 from libs.common.pipeline import load_pipeline
 from libs.common.process_plan import plan_services
 from libs.models.tiny_snac import CODEBOOK_SIZE, build_tiny_snac
@@ -222,3 +223,26 @@ def test_the_capture_summarises_what_the_bus_carried_for_a_stream() -> None:
     assert capture.summary("other").endswith(
         "text chunks to the talker: none; code chunks none, 0 re-sent, final none"
     )
+
+
+def test_the_capture_takes_a_chunk_a_move_sent_on_without_its_codes_as_that_chunk() -> None:
+    """What the stages stream stored: code chunk 0 as the talker sent it, then as a move sent it
+    on without its codes (the client had its audio), then a copy that lost its codes otherwise."""
+    capture = CodeCapture("faults", codes_per_frame=1)
+    task = StageTask(
+        request_id="r",
+        gateway_id="g",
+        arrival_ns=0,
+        deadline_ns=1,
+        route=[0, 0, 0],
+        kind=TaskKind.CHUNK,
+        seq=0,
+        final=True,
+        codes=NdArray.of(np.arange(4, dtype=np.int32).reshape(4, 1)),
+    )
+    subject = "omni.faults.stage.2.0.in"
+    capture.add(subject, None, task.encode())
+    capture.add(subject, None, task.replace(codes=None, moved=True, attempt=2).encode())
+    assert sent_in_order(capture.sent["r"]).resent_unlike == 0
+    capture.add(subject, None, task.replace(codes=None).encode())
+    assert sent_in_order(capture.sent["r"]).resent_unlike == 1

@@ -13,7 +13,6 @@ from libs.common.envelopes import (
     ClientEventType,
     LifecycleEvent,
     ResumePoint,
-    StageEnded,
     StageTask,
     TextDelta,
     Usage,
@@ -21,7 +20,7 @@ from libs.common.envelopes import (
 from libs.common.publish import task_msg_id
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
 from services.gateway.pipeline_client import RequestHandle
-from services.orchestrator.lifecycle import apply_event, ends_client_stream
+from services.orchestrator.lifecycle import apply_event
 from services.orchestrator.migration import (
     Move,
     NoMove,
@@ -186,117 +185,51 @@ def test_inspect_lists_each_move_of_a_request() -> None:
     assert _moves(_rec([0]).model_dump(mode="json")) == "-"
 
 
-def test_events_after_a_gap_wait_until_a_replay_fills_it_then_reach_the_client_in_order() -> None:
-    """Events 0..1 arrive, 2 is lost (a broker restart), 3 and 4 arrive: they wait; the sender's
-    replay of 2 lets all three through in order."""
+def test_events_after_a_gap_wait_until_their_sender_sends_the_missing_one_again() -> None:
+    """Events 0..1 arrive, 2 is lost (a broker restart), 3 and 4 arrive: they wait, and the
+    sender's question is answered with 2; its copy of 2 lets all three through in order."""
     handle = RequestHandle("r", time.time_ns() + 10**10)
     _thinker_stream(handle, 1)
     assert handle.put(_text(1, [7], "c", 3)) and handle.put(_text(1, [8], "d", 4))
-    assert (handle.gaps, handle.gapped, handle.hole((0, 1))) == (1, {(0, 1): 0}, (2, 3))
+    assert handle.gaps == 1 and handle.received(0, 1) == ResumePoint(known=True, next_seq=2)
     assert handle.queue.qsize() == 2, "an event after the gap reached the client"
-    assert handle.put(_text(1, [6], "b", 2))  # the replay
+    assert handle.put(_text(1, [6], "b", 2))  # sent again
     assert not handle.put(_text(1, [7], "c", 3)), "an event taken twice"
-    assert handle.gapped == {} and handle.gap is None
+    assert handle.received(0, 1).next_seq == 5
     got = [handle.queue.get_nowait() for _ in range(handle.queue.qsize())]
     assert [e.seq for e in got] == [0, 1, 2, 3, 4]
 
 
-def test_a_thinker_gap_that_cannot_be_filled_fences_its_attempt_off_at_the_last_event_the_client_has() -> (
-    None
-):
+def test_the_worker_of_an_attempt_the_request_moved_past_is_told_its_events_are_not_taken() -> None:
     handle = RequestHandle("r", time.time_ns() + 10**10)
     _thinker_stream(handle, 1)
-    assert handle.put(_text(1, [7], "c", 3))
-    handle.give_up((0, 1))
-    assert (handle.gaps, handle.gap, handle.gapped) == (1, (0, 1), {})
-    assert not handle.put(_text(1, [8], "d", 4)), "the gapped attempt still gets through"
+    assert handle.put(_text(1, [7], "c", 3))  # seq 2 lost; then the thinker died and the request moved
     assert handle.resume_point(0, 2).deltas == [TextDelta(token_ids=[0], text="x")]
+    assert handle.received(0, 1) == ResumePoint(known=False)
+    assert not handle.put(_text(1, [6], "b", 2)), "the old attempt still gets through"
+    assert handle.received(0, 2) == ResumePoint(known=True, next_seq=0)
     assert handle.put(_text(2, [6], "b", 0))
 
 
-def test_an_audio_gap_that_cannot_be_filled_is_skipped() -> None:
+def test_an_ending_event_a_later_attempt_sends_again_reaches_the_client_once() -> None:
+    """A thinker dies after its ``text_done`` arrived and before its input was acknowledged: the
+    attempt after the move finds the text complete and ends it again."""
     handle = RequestHandle("r", time.time_ns() + 10**10)
-    chunk = ClientEvent(request_id="r", type=ClientEventType.AUDIO, stage=2, pcm16=b"\0\0", in_seq=0, seq=0)
-    assert handle.put(chunk)
-    assert handle.put(chunk.replace(seq=2, in_seq=2))
-    assert handle.queue.qsize() == 1
-    handle.give_up((2, 1))
-    assert (handle.gaps, handle.gap, handle.queue.qsize()) == (1, None, 2)
+    _thinker_stream(handle, 1)
+    done = ClientEvent(request_id="r", type=ClientEventType.TEXT_DONE, stage=0, seq=2, finish_reason="stop")
+    assert handle.put(done)
+    assert handle.resume_point(0, 2).text_done
+    assert not handle.put(done.replace(attempt=2, seq=0, finish_reason="length"))
+    assert [handle.queue.get_nowait().type for _ in range(handle.queue.qsize())][
+        -1
+    ] == ClientEventType.TEXT_DONE
+    assert handle.queue.qsize() == 0
 
 
 def _thinker_stream(handle: RequestHandle, deltas: int) -> None:
     assert handle.put(ClientEvent(request_id="r", type=ClientEventType.STARTED, stage=0, seq=0))
     for i in range(deltas):
         assert handle.put(_text(1, [i], "x", i + 1))
-
-
-def test_a_lost_text_done_alone_is_made_from_the_end_notice() -> None:
-    """started, 3 deltas, text_done: 5 events; the text_done (seq 4) never came."""
-    handle = RequestHandle("r", time.time_ns() + 10**10)
-    _thinker_stream(handle, 3)
-    usage = Usage(prompt_tokens=4, completion_tokens=3)
-    ended = StageEnded(
-        request_id="r", stage=0, attempt=1, client_events=5, finish_reason="length", usage=usage
-    )
-    assert handle.missing(ended) == 1
-    last = handle.end_tail(ended, audio=False)
-    assert (last.type, last.finish_reason, last.usage, last.seq) == (
-        ClientEventType.TEXT_DONE,
-        "length",
-        usage,
-        4,
-    )
-    assert handle.missing(ended) == 0
-    assert handle.queue.qsize() == 5 and handle.resume_point(0, 1).text_done
-
-
-def test_lost_content_at_the_end_is_an_error_not_a_made_up_ending() -> None:
-    handle = RequestHandle("r", time.time_ns() + 10**10)
-    _thinker_stream(handle, 2)  # the third delta and the text_done never came
-    ended = StageEnded(request_id="r", stage=0, attempt=1, client_events=5, finish_reason="length")
-    assert handle.missing(ended) == 2
-    last = handle.end_tail(ended, audio=False)
-    assert (last.type, last.status, last.code) == (ClientEventType.ERROR, 502, "events_lost")
-    assert "last 2 events of stage 0" in last.message
-
-
-def test_a_lost_audio_done_is_made_with_the_streams_sample_rate() -> None:
-    handle = RequestHandle("r", time.time_ns() + 10**10)
-    chunk = ClientEvent(
-        request_id="r", type=ClientEventType.AUDIO, stage=2, pcm16=b"\0\0", sample_rate=24000, in_seq=0, seq=0
-    )
-    assert handle.put(chunk)
-    ended = StageEnded(request_id="r", stage=2, attempt=1, client_events=2)
-    last = handle.end_tail(ended, audio=True)
-    assert (last.type, last.sample_rate, last.seq) == (ClientEventType.AUDIO_DONE, 24000, 1)
-
-
-def test_only_the_current_attempts_ending_event_is_announced_to_the_gateway() -> None:
-    rec = _rec([0], started=True)
-    done = LifecycleEvent(request_id="r", kind="stage_done", ts_ns=1, stage=0, client_events=5)
-    assert ends_client_stream(rec, done)
-    assert not ends_client_stream(rec, done.replace(client_events=None))
-    assert not ends_client_stream(rec, done.replace(kind="started"))
-    rec.stages[0].attempts = [
-        StageAttempt(attempt=1, replica=0, bound_ns=1),
-        StageAttempt(attempt=2, replica=1, bound_ns=2),
-    ]
-    assert not ends_client_stream(rec, done), "an attempt the stage moved past"
-    assert ends_client_stream(rec, done.replace(attempt=2))
-
-
-def test_an_attempt_a_move_took_over_from_is_not_the_one_that_ends_the_stream() -> None:
-    """The end notice of attempt 1 comes after the request moved on to attempt 2 (its gap was
-    resynced): attempt 2 ends the stream, whatever attempt 1 sent. Until the resync, the gapped
-    attempt is still the one the stream depends on."""
-    handle = RequestHandle("r", time.time_ns() + 10**10)
-    _thinker_stream(handle, 1)
-    assert handle.put(_text(1, [7], "c", 3))  # seq 2 lost, and no replay came: fenced
-    handle.give_up((0, 1))
-    ended = StageEnded(request_id="r", stage=0, attempt=1, client_events=6)
-    assert handle.gap == (0, 1) and handle.missing(ended) == 4  # 2..5 never reached the client
-    handle.resume_point(0, 2)  # the new attempt asks where the client stands
-    assert handle.gap is None and handle.missing(ended) == 0
 
 
 def test_a_move_claimed_by_a_gone_orchestrator_and_never_sent_is_found_again() -> None:

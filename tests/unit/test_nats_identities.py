@@ -61,16 +61,11 @@ EXPECTED = {
         [
             "omni.omni.requests",
             "omni.omni.ctl.abort",
-            "omni.omni.ctl.resync",
-            "omni.omni.ctl.replay.0.0",
-            "omni.omni.ctl.replay.0.1",
-            "omni.omni.ctl.replay.1.0",
-            "omni.omni.ctl.replay.2.0",
             "$KV.omni_services.gateway.omni.*",
             *declare(False),
             *kv_read("KV_omni_services"),
         ],
-        ["omni.omni.out.>", "omni.omni.ctl.resume.*", "omni.omni.ctl.ended.*", "_INBOX.gateway.>"],
+        ["omni.omni.out.>", "omni.omni.ctl.resume.*", "_INBOX.gateway.>"],
     ),
     "orchestrator": (
         [
@@ -80,7 +75,6 @@ EXPECTED = {
             "omni.omni.ctl.alive.orchestrator.*",
             "omni.omni.ctl.abort",
             "omni.omni.ctl.resume.*",
-            "omni.omni.ctl.ended.*",
             "omni.omni.out.>",
             "$KV.omni_requests.>",
             "$KV.omni_evictions.>",
@@ -95,7 +89,7 @@ EXPECTED = {
             *kv_read("KV_omni_services"),
             *kv_read("KV_omni_evictions"),
         ],
-        ["omni.omni.ctl.alive.orchestrator.*", "omni.omni.ctl.resync", "_INBOX.orchestrator.>"],
+        ["omni.omni.ctl.alive.orchestrator.*", "_INBOX.orchestrator.>"],
     ),
     "operator": (
         [
@@ -132,7 +126,6 @@ def expected_worker(s: int, r: int) -> tuple[list[str], list[str]]:
         "omni.omni.ctl.abort",
         f"omni.omni.ctl.alive.{s}.{r}",
         f"omni.omni.ctl.route.{s}.{r}",
-        f"omni.omni.ctl.replay.{s}.{r}",
         f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.OMNI_OMNI_STAGES.stage-{s}-{r}",
         f"_INBOX.worker-{s}-{r}.>",
     ]
@@ -180,7 +173,7 @@ def _matches(pattern: str, subject: str) -> bool:
         ("worker-0-1", "publish", "$JS.API.STREAM.UPDATE.OMNI_OMNI_REQUESTS"),
         ("worker-0-1", "publish", "$JS.API.STREAM.DELETE.OMNI_OMNI_STAGES"),
         ("worker-0-1", "publish", "omni.omni.stage.0.0.in"),  # its own stage's queue
-        ("worker-0-1", "publish", "omni.omni.ctl.ended.gw1"),
+        ("worker-0-1", "publish", "omni.omni.ctl.resume.gw1"),  # fence a request's attempts
         ("worker-0-1", "subscribe", "_INBOX.gateway.x"),
         ("worker-2-0", "publish", "omni.omni.requests"),
         ("gateway", "publish", "omni.omni.stage.0.0.in"),  # skip admission

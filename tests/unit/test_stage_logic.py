@@ -7,14 +7,16 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from nats.errors import NoRespondersError
 
 from libs.common.envelopes import (
+    ClientEvent,
+    ClientEventType,
     EdgeSummary,
     LifecycleEvent,
-    Replay,
-    ReplayAsk,
+    ResumePoint,
+    ResumeQuery,
     RouteChange,
-    RouteHeld,
     StageTask,
     TaskKind,
     decode,
@@ -25,12 +27,13 @@ from libs.common.registry import LiveServices, ServiceKind, ServiceRecord
 from libs.common.settings import WorkerSettings
 from services.orchestrator.lifecycle import apply_event
 from services.orchestrator.routing import NoLiveReplica, ReplicaPicker
-from services.stage_worker import request_context, sent_events
+from services.stage_worker import client_stream, request_context, request_table
 from services.stage_worker.chunking import CodeChunker, TextChunker
+from services.stage_worker.client_stream import ClientStream
 from services.stage_worker.control import reroute
 from services.stage_worker.inbox import Delivery, RequestInbox
 from services.stage_worker.request_context import Identity, RequestContext
-from services.stage_worker.sent_events import SentEvents
+from services.stage_worker.request_table import Phase, RequestTable, Verdict
 from services.stage_worker.worker import StageWorker
 
 
@@ -299,38 +302,94 @@ class _Reply:
 
     def __init__(self, change: RouteChange) -> None:
         self.data = change.encode()
-        self.answer: RouteHeld | None = None
+        self.answer: ResumePoint | None = None
 
     async def respond(self, data: bytes) -> None:
-        self.answer = decode(RouteHeld, data)
+        self.answer = decode(ResumePoint, data)
 
 
-async def test_a_route_change_for_a_request_still_in_the_backlog_applies_when_it_starts() -> None:
-    """The talker has a request in its backlog (``max_inflight`` reached) when code2wav moves: the
-    hold and the release are kept and applied when the request starts, so its chunks go to the new
+async def test_a_route_change_for_a_queued_request_applies_when_it_starts() -> None:
+    """The talker has a request queued (``max_inflight`` reached) when code2wav moves: the hold
+    and the release are kept and applied when the request starts, so its chunks go to the new
     replica as the new attempt."""
     pipeline = load_pipeline()
     pipeline.stages[2] = pipeline.stages[2].model_copy(update={"replicas": 2})  # a replica to move to
     worker = StageWorker(WorkerSettings(stage=1, replica=0, max_inflight=1), pipeline)
     first = _delivery(0).task.replace(request_id="waiting", route=[0, 0, 0])
-    worker._backlog.append(Delivery(msg=None, task=first, received_ns=0))
+    worker.requests.queue(Delivery(msg=None, task=first, received_ns=0))
     hold = _Reply(RouteChange(request_id="waiting", stage=2, action="hold"))
-    await worker._on_route(hold)
-    assert hold.answer == RouteHeld(held=True, next_seq=0)
+    await worker.control.on_route(hold)
+    assert hold.answer == ResumePoint(known=True, next_seq=0)
     release = _Reply(RouteChange(request_id="waiting", stage=2, action="release", replica=1, attempt=2))
-    await worker._on_route(release)
-    ctx = RequestContext(Identity(1, 0, 3), bus=None, first=first)
-    reroute(ctx, worker._early_routes.pop("waiting"))
-    assert ctx.route[2] == 1 and ctx._next_attempt == 2 and ctx._released.is_set()
+    await worker.control.on_route(release)
     unknown = _Reply(RouteChange(request_id="gone", stage=2, action="hold"))
-    await worker._on_route(unknown)
-    assert unknown.answer == RouteHeld(held=False)
+    await worker.control.on_route(unknown)
+    assert unknown.answer == ResumePoint(known=False)
     # Forged: a replica the pipeline does not declare, a stage that is not the next one.
     for stage, replica in ((2, 7), (0, 0)):
         forged = _Reply(RouteChange(request_id="waiting", stage=stage, action="release", replica=replica))
-        await worker._on_route(forged)
-        assert forged.answer == RouteHeld(held=False), (stage, replica)
-        assert "waiting" not in worker._early_routes
+        await worker.control.on_route(forged)
+        assert forged.answer == ResumePoint(known=False), (stage, replica)
+    inputs, route = worker.requests.next_queued()
+    assert [d.task for d in inputs] == [first]
+    ctx = RequestContext(Identity(1, 0, 3), bus=None, first=first)
+    reroute(ctx, route)
+    assert ctx.route[2] == 1 and ctx._next_attempt == 2 and ctx._released.is_set()
+
+
+def _task(rid: str = "r", attempt: int = 1, from_attempt: int = 1, moved: bool = False) -> StageTask:
+    return _delivery(0).task.replace(request_id=rid, attempt=attempt, from_attempt=from_attempt, moved=moved)
+
+
+def _running(table: RequestTable, task: StageTask) -> RequestContext:
+    ctx = RequestContext(Identity(1, 0, 3), bus=None, first=task)
+    table.start(ctx, SimpleNamespace(cancel=lambda: None))  # type: ignore[arg-type]
+    return ctx
+
+
+def test_a_request_ends_or_moves_away_and_its_late_inputs_are_dropped_or_left_for_the_move() -> None:
+    table = RequestTable()
+    assert table.judge(_task()) == Verdict.TAKE
+    ctx = _running(table, _task())
+    assert table.get("r").phase == Phase.RUNNING and table.judge(_task()) == Verdict.TAKE
+    table.end(ctx, moved_away=False)
+    assert table.get("r").phase == Phase.ENDED and table.judge(_task()) == Verdict.DROP
+    assert table.judge(_task(attempt=2)) == Verdict.TAKE, "a later attempt moved back here is new work"
+    ctx = _running(table, _task(attempt=2))
+    table.end(ctx, moved_away=True)  # its engine died: the move sends its inputs on
+    assert table.get("r").phase == Phase.MOVED_AWAY and table.judge(_task(attempt=2)) == Verdict.LEAVE
+
+
+def test_a_move_notice_stops_older_attempts_and_makes_older_upstream_chunks_stale() -> None:
+    table = RequestTable()
+    ctx = _running(table, _task())
+    assert table.moved("r", stage=1, attempt=2, my_stage=1).ctx is ctx, "the older attempt is not stopped"
+    assert table.judge(_task()) == Verdict.LEAVE
+    assert table.moved("q", stage=0, attempt=3, my_stage=1) is None  # stage 0 moved: a fence here
+    assert table.judge(_task("q", from_attempt=2)) == Verdict.STALE
+    assert table.judge(_task("q", from_attempt=2, moved=True)) == Verdict.TAKE, "a dead talker's input"
+    assert table.judge(_task("q", from_attempt=3)) == Verdict.TAKE
+    assert table.aborted("unseen") is None and table.judge(_task("unseen", attempt=5)) == Verdict.DROP
+
+
+def test_queued_requests_start_in_arrival_order_and_old_entries_are_forgotten_past_the_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(request_table, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    table = RequestTable(keep_s=10.0, max_entries=2)
+    for rid in ("b", "a", "b"):
+        table.queue(Delivery(msg=None, task=_task(rid), received_ns=0))
+    assert [d.task.request_id for d in table.queued_inputs()] == ["b", "b", "a"]
+    assert [d.task.request_id for d in table.next_queued()[0]] == ["b", "b"]
+    old = _running(table, _task("b"))
+    table.end(old, moved_away=False)
+    now[0] += 9.9
+    table.end(_running(table, _task("c")), moved_away=False)  # past the limit, "b" is young enough
+    assert table.get("b") is not None and table.get("a").phase == Phase.QUEUED
+    now[0] += 0.2
+    table.end(_running(table, _task("d")), moved_away=False)
+    assert table.get("b") is None and table.get("a") is not None, "a queued request was forgotten"
 
 
 def test_the_registry_ages_its_entries_only_while_it_hears_updates() -> None:
@@ -348,59 +407,130 @@ def test_the_registry_ages_its_entries_only_while_it_hears_updates() -> None:
     assert views.last_heard(ServiceKind.WORKER)[0][1] >= 7.0  # the real age stays known
 
 
-def test_sent_events_are_kept_while_an_attempt_runs_and_for_a_while_after() -> None:
-    sent = SentEvents()
-    for seq in range(4):
-        sent.add("a", 1, seq, f"event {seq}".encode())
-    assert sent.get("a", 1, 1, 3) == [b"event 1", b"event 2"]
-    assert sent.get("a", 2, 0, 1) is None, "another attempt's events"
-    sent.end("a", 1, now=100.0)
-    assert sent.get("a", 1, 3, 4) == [b"event 3"]  # the last ones may be the lost ones
-    sent.end("b", 1, now=100.0 + sent_events.KEEP_S)  # any later end sweeps what is past its time
-    assert sent.get("a", 1, 0, 4) is None
+class _Gateway:
+    """A gateway as a worker's :class:`ClientStream` meets it: what it received of one attempt,
+    with the events that ``lose`` names never arriving, answering questions with its position."""
+
+    def __init__(self, lose: set[int] = frozenset(), known: bool = True) -> None:
+        self.got: list[int] = []
+        self.lose = set(lose)
+        self.known = known
+        self.questions = 0
+        self.responders = True
+        self.is_connected, self.is_closed = True, False
+
+    async def publish(self, subject: str, data: bytes) -> None:
+        seq = int(data.decode()) if data.isdigit() else decode(ClientEvent, data).seq
+        if seq in self.lose:
+            self.lose.discard(seq)  # lost once
+        else:
+            self.got.append(seq)
+
+    async def request(self, subject: str, data: bytes, timeout: float) -> SimpleNamespace:
+        self.questions += 1
+        if not self.responders:
+            raise NoRespondersError
+        next_seq = 0
+        while next_seq in self.got:
+            next_seq += 1
+        return SimpleNamespace(data=ResumePoint(known=self.known, next_seq=next_seq).encode())
 
 
-def test_sent_events_forget_the_oldest_ended_attempts_first_and_never_a_running_one(monkeypatch) -> None:
-    monkeypatch.setattr(sent_events, "MAX_BYTES", 25)  # two ended attempts of 10 bytes fit, not three
-    sent = SentEvents()
-    sent.add("running", 1, 0, b"r" * 100)  # over the cap alone: running attempts do not count
-    for i, rid in enumerate(("a", "b", "c")):
-        sent.add(rid, 1, 0, b"x" * 10)
-        sent.end(rid, 1, now=100.0 + i)
-    assert [sent.get(rid, 1, 0, 1) is None for rid in ("a", "b", "c")] == [True, False, False]
-    sent.add("c", 1, 1, b"y" * 10)  # a late event of an ended attempt counts against the cap
-    sent.end("d", 1, now=103.0)
-    assert [sent.get(rid, 1, 0, 1) is None for rid in ("b", "c")] == [True, False]
-    sent.end("d", 1, now=102.0 + sent_events.KEEP_S)
-    assert sent.get("c", 1, 0, 2) is None and sent.get("running", 1, 0, 1) == [b"r" * 100]
+def _stream(gateway: _Gateway) -> ClientStream:
+    return ClientStream(gateway, "out.g.r", ResumeQuery(request_id="r", stage=0, attempt=1, replica=0))  # type: ignore[arg-type]
 
 
-def test_a_replay_answer_stays_under_the_payload_limit() -> None:
-    sent = SentEvents()
-    big = b"x" * (sent_events.MAX_REPLAY_BYTES // 2 + 1)
+async def _send(stream: ClientStream, gateway: _Gateway, seqs: range) -> None:
+    for seq in seqs:
+        stream.add(str(seq).encode())
+        await gateway.publish("out.g.r", str(seq).encode())
+
+
+async def test_a_worker_keeps_its_client_events_until_the_gateway_has_them_and_sends_lost_ones_again() -> (
+    None
+):
+    gateway = _Gateway(lose={2, 3})
+    stream = _stream(gateway)
+    await _send(stream, gateway, range(6))
+    assert gateway.got == [0, 1, 4, 5]
+    await stream.confirm(6)
+    assert set(gateway.got) == set(range(6)) and gateway.got[4:6] == [2, 3], "sent again in order"
+    assert (stream.confirmed, stream.sent, stream.ended) == (6, 6, False)
+
+
+async def test_a_question_leaves_after_the_events_sent_before_it_so_none_is_sent_twice() -> None:
+    """Events still in the worker's sender when the question is asked go out first (``flushed``):
+    the gateway has them all, and nothing is sent again."""
+    gateway = _Gateway()
+    waiting: list[bytes] = []
+
+    async def flushed() -> None:
+        for data in waiting:
+            await gateway.publish("out.g.r", data)
+        waiting.clear()
+
+    query = ResumeQuery(request_id="r", stage=0, attempt=1, replica=0)
+    stream = ClientStream(gateway, "out.g.r", query, flushed)  # type: ignore[arg-type]
     for seq in range(3):
-        sent.add("a", 1, seq, big)
-    assert len(sent.get("a", 1, 0, 3)) == 1  # the gateway asks again from the next one
+        waiting.append(str(seq).encode())
+        stream.add(str(seq).encode())
+    await stream.confirm(3)
+    assert gateway.got == [0, 1, 2] and gateway.questions == 1
 
 
-class _Asked:
-    """A replay request as the worker's subscription sees it."""
+async def test_a_client_stream_ends_when_the_gateway_no_longer_takes_it_or_is_gone(monkeypatch) -> None:
+    moved = _Gateway(lose={0}, known=False)  # the request moved past the attempt, or its client left
+    stream = _stream(moved)
+    await _send(stream, moved, range(2))
+    await stream.confirm(2)
+    assert stream.ended and stream.confirmed == 0
+    gone = _Gateway()
+    gone.responders = False
+    monkeypatch.setattr(client_stream, "GATEWAY_GONE_S", 0.0)
+    stream = _stream(gone)
+    await _send(stream, gone, range(1))
+    async with asyncio.timeout(5):
+        await stream.confirm(1)
+    assert stream.ended
 
-    def __init__(self, ask: ReplayAsk) -> None:
-        self.data = ask.encode()
-        self.answer: Replay | None = None
 
-    async def respond(self, data: bytes) -> None:
-        self.answer = decode(Replay, data)
+async def test_an_attempt_that_ended_delivers_its_lost_last_event_all_the_same(monkeypatch) -> None:
+    """The last event (``audio_done``) is lost and the gateway is away for a while (reconnecting):
+    the attempt ends at once here (its input acknowledged, nothing waits for the gateway) and its
+    worker goes on asking until the gateway has the event."""
+    monkeypatch.setattr(client_stream, "RETRY_S", 0.01)
+    gateway = _Gateway(lose={0})
+    gateway.responders = False
+    ctx = RequestContext(
+        Identity(2, 0, 3),
+        request_context.Bus(gateway, SimpleNamespace(), SimpleNamespace(out=lambda g, r: "out.g.r")),  # type: ignore[arg-type]
+        StageTask(
+            request_id="r",
+            gateway_id="g",
+            arrival_ns=0,
+            deadline_ns=time.time_ns() + 10**10,
+            route=[0, 0, 0],
+            kind=TaskKind.CHUNK,
+            seq=0,
+        ),
+    )
+    acked: list[int] = []
 
+    async def ack() -> None:
+        acked.append(0)
 
-async def test_a_worker_sends_lost_client_events_again_from_what_it_kept() -> None:
-    worker = StageWorker(WorkerSettings(stage=0, replica=0), load_pipeline())
-    for seq in range(3):
-        worker.sent.add("r", 1, seq, f"event {seq}".encode())
-    asked = _Asked(ReplayAsk(request_id="r", attempt=1, from_seq=1, to_seq=3))
-    await worker._on_replay(asked)
-    assert asked.answer == Replay(known=True, events=[b"event 1", b"event 2"])
-    unknown = _Asked(ReplayAsk(request_id="gone", attempt=1, from_seq=0, to_seq=1))
-    await worker._on_replay(unknown)
-    assert unknown.answer == Replay(known=False)
+    d = Delivery(SimpleNamespace(ack=ack), ctx.first, 0)  # type: ignore[arg-type]
+    ctx.inbox.put(d)
+    assert await ctx.next() is d
+    await ctx.client(ClientEvent(request_id="r", type=ClientEventType.AUDIO_DONE))
+    await ctx.ack(d)
+    ctx.close()
+    assert acked == [0] and gateway.got == []
+    await asyncio.sleep(0.05)
+    gateway.responders = True
+    for _ in range(200):
+        if ctx.stream.confirmed:
+            break
+        await asyncio.sleep(0.01)
+    assert gateway.got == [0], "the lost last event was not sent again"
+    assert ctx.stream.confirmed == 1

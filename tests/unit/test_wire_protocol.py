@@ -26,7 +26,6 @@ from libs.common.envelopes import (
 )
 from libs.common.subjects import Subjects
 from services.stage_worker.request_context import Bus, Identity, RequestContext
-from services.stage_worker.sent_events import SentEvents
 
 MSGPACK_INTS = st.integers(min_value=-(2**63), max_value=2**64 - 1)
 IDS = st.from_regex(rf"[A-Za-z0-9_-]{{1,{MAX_ID_CHARS}}}", fullmatch=True)
@@ -89,8 +88,9 @@ def test_every_kind_round_trips() -> None:
         StageTask(
             request_id="r", gateway_id="g", arrival_ns=1, deadline_ns=2, route=[0], kind=TaskKind.START, seq=0
         ),
-        LifecycleEvent(
-            request_id="r", kind="stage_done", ts_ns=5, usage=Usage(prompt_tokens=1, completion_tokens=2)
+        LifecycleEvent(request_id="r", kind="stage_done", ts_ns=5, finish_reason="stop"),
+        ClientEvent(
+            type=ClientEventType.TEXT_DONE, request_id="r", usage=Usage(prompt_tokens=1, completion_tokens=2)
         ),
         ClientEvent(
             type=ClientEventType.AUDIO, request_id="r", pcm16=b"\x00\x01", sample_rate=24000, in_seq=3
@@ -158,7 +158,7 @@ async def test_the_worker_numbers_keeps_and_sends_text_and_other_events_alike() 
         seq=0,
         attempt=2,
     )
-    ctx = RequestContext(Identity(0, 3, 1), Bus(nc, SimpleNamespace(), subjects), first, sent=SentEvents())
+    ctx = RequestContext(Identity(0, 3, 1), Bus(nc, SimpleNamespace(), subjects), first)
     await ctx.client(ClientEvent(request_id="req1", type=ClientEventType.STARTED))
     await ctx.client_text("Hi", [7, 8])
     await ctx.client(ClientEvent(request_id="req1", type=ClientEventType.TEXT, text="!", token_ids=[9]))
@@ -170,4 +170,6 @@ async def test_the_worker_numbers_keeps_and_sends_text_and_other_events_alike() 
         (ClientEventType.TEXT, 2, 0, 3, 2),
     ]
     assert (events[1].text, events[1].token_ids) == ("Hi", [7, 8])
-    assert ctx.sent.get("req1", 2, 0, 3) == [data for _, data in nc.sent], "kept for a replay as sent"
+    kept = list(ctx.stream._events)
+    assert kept == [data for _, data in nc.sent], "kept until confirmed, as sent"
+    ctx.close()

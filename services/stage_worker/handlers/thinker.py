@@ -170,7 +170,7 @@ class ThinkerHandler(LLMHandler):
             )
         )
         await req.ack(d)
-        req.lifecycle("stage_done", finish_reason=finish_reason, usage=usage)
+        req.lifecycle("stage_done", finish_reason=finish_reason)
 
     def _outputs(self, prompt, params, req: RequestContext) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs for ``req`` (a later attempt has an engine request id of its own:

@@ -1,0 +1,159 @@
+"""One attempt's client events, kept by the worker that sent them until the gateway confirms them.
+
+Client events travel over core NATS, at most once: a broker restart or the death of a cluster node
+drops what it held, and no later event may come to show the gap. So the sender keeps what it sent
+and asks the request's gateway how far the attempt's stream has got: a :class:`ResumeQuery` sent as
+a request on the request's own ``out`` subject, answered with a :class:`ResumePoint` whose
+``next_seq`` is the first event the gateway lacks. The question leaves after every event sent
+before it (the worker's sender is flushed first, and one connection keeps the order), so event
+``next_seq`` was lost: it and the later ones sent before the question are sent again (the gateway
+drops those it has by their ``seq``), and the events before ``next_seq`` are forgotten. The worker
+asks every :data:`ASK_PERIOD_S` while some events are unconfirmed and the attempt runs, and once it
+has ended goes on asking (:meth:`ClientStream.finish`) until the gateway has them all or the
+request's deadline passes: its last events are confirmed too, though no later event would show
+them missing. Acknowledgements and lifecycle events do not wait for it (a stage's end is not held
+up by a round trip to the gateway).
+
+The stream ends (nothing more to deliver) when the gateway answers that it no longer takes the
+attempt's events — its client is gone, or the request moved past the attempt — or when nobody has
+taken the question for :data:`GATEWAY_GONE_S` (the gateway died; a gateway reconnecting after a
+broker restart answers again well within it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from libs.common.envelopes import MalformedMessage, ResumePoint, ResumeQuery, decode
+from libs.common.publish import NOT_NOW, publish_core, until_connected
+
+log = logging.getLogger(__name__)
+
+ASK_PERIOD_S = 0.5
+"""How often a running attempt with unconfirmed events asks the gateway, seconds."""
+ASK_TIMEOUT_S = 1.0
+"""How long one question waits for the gateway's answer, seconds."""
+RETRY_S = 0.1
+"""Pause before asking again while the attempt waits for its confirmation, seconds."""
+GATEWAY_GONE_S = 5.0
+"""The gateway is taken for gone once nobody has taken the question for this long, seconds."""
+
+
+class ClientStream:
+    """The client events of one (request, stage attempt) sent to the request's gateway, from the
+    first unconfirmed one on. Clock: ``time.monotonic()``."""
+
+    def __init__(
+        self, nc: NATS, subject: str, query: ResumeQuery, flushed: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        """``flushed()`` returns once the events handed to the worker's sender so far are on the
+        connection (None: events are published at once)."""
+        self._nc = nc
+        self._subject = subject
+        self._query = query.encode()
+        self._flushed = flushed
+        self._events: list[bytes] = []
+        """Events ``confirmed`` … ``sent - 1``."""
+        self.confirmed = 0
+        """Events ``0 … confirmed - 1`` have reached the gateway."""
+        self.ended = False
+        """Nothing more is delivered: the gateway no longer takes the attempt's events."""
+        self._unanswered_since: float | None = None
+        self._asking = asyncio.Lock()
+        self._watch: asyncio.Task[None] | None = None
+        """The periodic questions while the attempt runs; its last ones once it has ended."""
+
+    @property
+    def sent(self) -> int:
+        """Events handed to the bus so far (the next event's ``seq``)."""
+        return self.confirmed + len(self._events)
+
+    def add(self, data: bytes) -> None:
+        """Keep event ``seq`` = :attr:`sent`, once handed to the worker's sender; starts the
+        periodic questions."""
+        self._events.append(data)
+        if self._watch is None:
+            self._watch = asyncio.get_running_loop().create_task(self._ask_periodically())
+
+    async def confirm(self, upto: int) -> None:
+        """Ask until events ``0 … upto - 1`` are confirmed or the stream has ended (the caller
+        bounds the wait by the request's deadline)."""
+        while self.confirmed < upto and not self.ended:
+            await self.ask()
+            if self.confirmed < upto and not self.ended:
+                await asyncio.sleep(RETRY_S)
+
+    def finish(self, timeout_s: float) -> None:
+        """The attempt ended here: go on asking until every event is confirmed or the stream has
+        ended, for at most ``timeout_s`` (its request's deadline; 0: stop now), in the background."""
+        if self._watch is not None:
+            self._watch.cancel()
+        if timeout_s <= 0 or self.ended or not self._events:
+            return
+        self._watch = asyncio.get_running_loop().create_task(self._finish(timeout_s))
+
+    async def _finish(self, timeout_s: float) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.confirm(self.sent)
+        except TimeoutError:
+            log.warning("%s: %d event(s) not confirmed by the deadline", self._subject, len(self._events))
+        except Exception:
+            log.exception("%s: delivering the last events failed", self._subject)
+
+    async def _ask_periodically(self) -> None:
+        while not self.ended:
+            await asyncio.sleep(ASK_PERIOD_S)
+            try:
+                await self.ask()
+            except Exception:
+                log.exception("%s: asking the gateway failed", self._subject)
+
+    async def ask(self) -> None:
+        """Ask the gateway how far the stream has got; forget what it has, send again what it
+        lacks of the events sent before the question."""
+        async with self._asking:
+            if self.ended or not self._events:
+                return
+            asked_after = self.sent
+            if self._flushed is not None:
+                await self._flushed()
+            await until_connected(self._nc)
+            try:
+                reply = await self._nc.request(self._subject, self._query, timeout=ASK_TIMEOUT_S)
+                point = decode(ResumePoint, reply.data)
+            except NoRespondersError:
+                now = time.monotonic()
+                self._unanswered_since = self._unanswered_since or now
+                if now - self._unanswered_since >= GATEWAY_GONE_S:
+                    log.info(
+                        "%s: the gateway is gone; %d event(s) not delivered", self._subject, len(self._events)
+                    )
+                    self._end()
+                return
+            except (NatsTimeoutError, MalformedMessage, *NOT_NOW):
+                return
+            self._unanswered_since = None
+            if not point.known:
+                self._end()
+                return
+            self._confirm(point.next_seq)
+            for data in self._events[: max(asked_after - self.confirmed, 0)]:
+                await publish_core(self._nc, self._subject, data)
+
+    def _confirm(self, next_seq: int) -> None:
+        done = min(max(next_seq - self.confirmed, 0), len(self._events))
+        if done:
+            del self._events[:done]
+            self.confirmed += done
+
+    def _end(self) -> None:
+        self.ended = True
+        self._events.clear()
