@@ -11,7 +11,7 @@ real gateway, the official ``openai`` client and a second real thinker worker to
   flat progress counter; the request moves (``stall``) and after ``HUNG_AFTER_STALLS ×
   stall_timeout_s`` the worker kills its engine and exits with status 4.
 
-Six streams run on the two replicas (four in the SIGSTOP test); in every case each client gets every token exactly once:
+Six streams run on the two replicas (four in the tests that stop a process); in every case each client gets every token exactly once:
 its tokens are compared with those each attempt put on the wire (``tests/client_streams.py``)."""
 
 from __future__ import annotations
@@ -70,11 +70,11 @@ LONG = 600
 """Tokens of each stream where the fault strikes the engine: with one request at a time per replica,
 the victim's three take seconds, so a fault that strikes late still finds them there."""
 UNDER_WAY_LONG = 1900
-"""Tokens of each stream in the SIGSTOP test, which needs a request still under way on the victim
-when it stops: at 600 the victim's running one had once finished between its liveness answer and
-the stop (the tiny thinker's context is 2048)."""
+"""Tokens of each stream in the tests that stop a process (the worker, or its EngineCore), which
+need a request still under way on the victim when it stops: 600 tokens can all be generated
+between the victim's liveness answer and the stop (the tiny thinker's context is 2048)."""
 UNDER_WAY_STREAMS = 4
-"""Streams of the SIGSTOP test: two on each replica, one running and one waiting (it needs two on
+"""Streams of the tests that stop a process: two on each replica, one running and one waiting (it needs two on
 the victim); each of its tokens is generated once or twice, so fewer keep its time down."""
 
 
@@ -265,7 +265,7 @@ async def _probe_until(run: Run, replica: int, done: asyncio.Task[set[str]]) -> 
 
 
 async def test_a_hung_engine_core_moves_the_requests_and_its_worker_gives_up_on_it(stack) -> None:
-    async with streaming(stack) as run:
+    async with streaming(stack, UNDER_WAY_LONG, UNDER_WAY_STREAMS) as run:
         victim = run.victim
         worker = stack.pair.workers[victim]
         core = await engine_core_of(worker)
@@ -284,7 +284,9 @@ async def test_a_hung_engine_core_moves_the_requests_and_its_worker_gives_up_on_
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(core, signal.SIGCONT)
-    judge_moves(run.streams, run.wire, records, bound, [(1, victim, None), (2, 1 - victim, "stall")], LONG)
+    judge_moves(
+        run.streams, run.wire, records, bound, [(1, victim, None), (2, 1 - victim, "stall")], UNDER_WAY_LONG
+    )
     # A verdict of the engine's progress, not of silence: the worker answered every probe, never
     # a stall timeout apart (a verdict of silence needs that much), and until a verdict was
     # possible (a stall timeout after the stop; then its requests move and it stops them) it
