@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
@@ -41,40 +42,6 @@ async def snapshot(
     nc = await connect(nats_url, "omnirelay-inspect", credentials)
     try:
         js = nc.jetstream()
-        streams = []
-        for name in (subjects.requests_stream, subjects.stages_stream, subjects.events_stream):
-            try:
-                info = await js.stream_info(name)
-                streams.append(
-                    {
-                        "stream": name,
-                        "messages": info.state.messages,
-                        "bytes": info.state.bytes,
-                        "consumers": info.state.consumer_count,
-                    }
-                )
-            except NotFoundError:
-                streams.append({"stream": name, "missing": True})
-        consumers = []
-        for s, stage in enumerate(pipeline.stages):
-            for r in range(stage.replicas):
-                row: dict[str, Any] = {
-                    "stage": s,
-                    "name": stage.name,
-                    "replica": r,
-                    "consumer": consumer_name(s, r),
-                }
-                try:
-                    ci = await js.consumer_info(subjects.stages_stream, consumer_name(s, r))
-                    row.update(
-                        pending=ci.num_pending,
-                        ack_pending=ci.num_ack_pending,
-                        redelivered=ci.num_redelivered,
-                        waiting=ci.num_waiting,
-                    )
-                except NotFoundError:
-                    row["missing"] = True
-                consumers.append(row)
         services = sorted(
             (
                 r
@@ -90,13 +57,61 @@ async def snapshot(
         ]
         return {
             "pipeline": pipeline.name,
-            "streams": streams,
-            "consumers": consumers,
+            "streams": await _streams(js, subjects),
+            "consumers": await _consumers(js, subjects, pipeline),
             "services": [s.model_dump(mode="json") | {"key": s.key} for s in services],
             "inflight": [r.model_dump(mode="json") for r in requests],
         }
     finally:
         await nc.close()
+
+
+async def _streams(js: JetStreamContext, subjects: Subjects) -> list[dict[str, Any]]:
+    """Messages, bytes and consumers of the pipeline's three streams."""
+    streams: list[dict[str, Any]] = []
+    for name in (subjects.requests_stream, subjects.stages_stream, subjects.events_stream):
+        try:
+            info = await js.stream_info(name)
+        except NotFoundError:
+            streams.append({"stream": name, "missing": True})
+            continue
+        state = info.state
+        streams.append(
+            {
+                "stream": name,
+                "messages": state.messages,
+                "bytes": state.bytes,
+                "consumers": state.consumer_count,
+            }
+        )
+    return streams
+
+
+async def _consumers(
+    js: JetStreamContext, subjects: Subjects, pipeline: PipelineConfig
+) -> list[dict[str, Any]]:
+    """What waits for each declared stage replica's consumer."""
+    consumers: list[dict[str, Any]] = []
+    for s, stage in enumerate(pipeline.stages):
+        for r in range(stage.replicas):
+            row: dict[str, Any] = {
+                "stage": s,
+                "name": stage.name,
+                "replica": r,
+                "consumer": consumer_name(s, r),
+            }
+            try:
+                ci = await js.consumer_info(subjects.stages_stream, consumer_name(s, r))
+                row.update(
+                    pending=ci.num_pending,
+                    ack_pending=ci.num_ack_pending,
+                    redelivered=ci.num_redelivered,
+                    waiting=ci.num_waiting,
+                )
+            except NotFoundError:
+                row["missing"] = True
+            consumers.append(row)
+    return consumers
 
 
 async def request_record(

@@ -77,7 +77,8 @@ def decode(cls: type[E], data: bytes) -> E:
     except msgspec.ValidationError as e:
         text = str(e)
         reason = "not_a_map" if _WRONG_SHAPE.fullmatch(text) else "invalid_envelope"
-        raise MalformedMessage(f"not a valid {cls.__name__}: {text}", reason) from None
+        name = getattr(cls, "__name__", str(cls))
+        raise MalformedMessage(f"not a valid {name}: {text}", reason) from None
     except msgspec.DecodeError as e:
         raise MalformedMessage(f"body is not msgpack: {e}", "not_msgpack") from None
 
@@ -363,24 +364,39 @@ class Liveness(_Envelope, kw_only=True):
     decoded chunks): a counter that is flat while ``busy`` > 0 only when the engine is stuck."""
 
 
-class AbortNotice(_Envelope, kw_only=True):
-    """Gateway/orchestrator → every worker (subject ``ctl.abort``): stop work on a request.
+class AbortNotice(_Envelope, kw_only=True, tag="abort"):
+    """Stop work on a request. Gateway/orchestrator → every worker (subject ``ctl.abort``).
 
-    With reason :data:`MOVED` only the attempts of ``stage`` older than ``attempt`` stop (the
-    request runs on as ``attempt`` on another replica)."""
+    With reason :data:`MOVED` only the attempts of ``stage`` older than ``attempt`` stop: the
+    request runs on as ``attempt`` on another replica. Sent by a move as a request to the worker
+    upstream of ``stage`` (subject ``ctl.route.<s - 1>.<r>``), a moved notice also ends the hold
+    that the move's :class:`ResumeQuery` put on the request's chunks: they go on to ``replica`` as
+    ``attempt``, whose first chunk is ``start_seq``; the answer is a :class:`ResumePoint`
+    (``known`` false: this worker no longer works on the request)."""
 
     request_id: Id
     reason: str = "abort"
     stage: int | None = None
     attempt: int = 0
+    replica: int | None = None
+    """Where ``stage`` now runs (a moved notice sent to the upstream worker)."""
+    start_seq: NonNegative = 0
+    """The first chunk the new attempt takes (a moved notice sent to the upstream worker)."""
 
 
-class ResumeQuery(_Envelope, kw_only=True):
-    """Where does the client's stream of ``stage`` attempt ``attempt`` stand? Asked of the
-    request's gateway by an orchestrator moving the request (subject ``ctl.resume.<gateway>``:
-    from then on the gateway drops events of that stage's attempts older than ``attempt``), and by
-    the worker running the attempt (a request on the request's own ``out`` subject), which keeps
-    its client events until the answer confirms them (services/stage_worker/client_stream.py)."""
+class ResumeQuery(_Envelope, kw_only=True, tag="resume"):
+    """Where does the stream of ``stage`` attempt ``attempt`` stand? One question, asked of
+    whoever sends that stage's stream:
+
+    - of the request's gateway (the client's events) by an orchestrator moving the request
+      (subject ``ctl.resume.<gateway>``: from then on the gateway drops events of that stage's
+      attempts older than ``attempt``), and by the worker running the attempt (a request on the
+      request's own ``out`` subject), which keeps its client events until the answer confirms
+      them (services/stage_worker/client_stream.py);
+    - of the worker upstream of ``stage`` (its chunks) by an orchestrator moving a later stage
+      (subject ``ctl.route.<s - 1>.<r>``): that worker stops sending the request's chunks (a
+      chunk being sent finishes first) until the move's :class:`AbortNotice` tells it where the
+      stage now runs, and answers with the next chunk's ``seq``."""
 
     request_id: Id
     stage: int
@@ -391,11 +407,15 @@ class ResumeQuery(_Envelope, kw_only=True):
     names); a worker's must name the replica the attempt is bound to."""
 
 
+RouteNotice = ResumeQuery | AbortNotice
+"""What a move sends the worker upstream of the stage it moves (subject ``ctl.route.<s>.<r>``):
+the question that holds the request's chunks, then the moved notice that releases them."""
+
+
 class ResumePoint(_Envelope, kw_only=True):
-    """Where a stream stands: the gateway's answer to :class:`ResumeQuery` (a move's is taken
-    after the fence was raised; a worker's carries ``known`` and ``next_seq`` only), or an upstream
-    worker's answer to a :class:`RouteChange` ``hold`` (``known`` and ``next_seq`` of the request's
-    chunks for the stage)."""
+    """Where a stream stands: the answer to :class:`ResumeQuery`. The gateway's to a move is taken
+    after the fence was raised; a worker's, and an upstream worker's (of the request's chunks for
+    the stage), carry ``known`` and ``next_seq`` only."""
 
     known: bool
     """False when the gateway no longer takes events of the attempt: it no longer holds the
@@ -411,19 +431,3 @@ class ResumePoint(_Envelope, kw_only=True):
     """The asked stage's audio: the last input chunk whose audio the gateway has (None: none)."""
     audio_done: bool = False
     """The asked stage's ``audio_done`` has arrived."""
-
-
-class RouteChange(_Envelope, kw_only=True):
-    """Orchestrator → the upstream worker of a stage that moved (subject ``ctl.route.<s>.<r>``).
-
-    ``hold``: stop sending the request's chunks to ``stage`` (a chunk being sent finishes first)
-    and answer with a :class:`ResumePoint`: ``known`` false when this worker no longer works on
-    the request (it has sent everything), ``next_seq`` the chunk it will send next. ``release``: send them on to ``replica`` as ``attempt``,
-    the new attempt taking chunks from ``start_seq``."""
-
-    request_id: Id
-    stage: int
-    action: Literal["hold", "release"]
-    replica: int = 0
-    attempt: int = 1
-    start_seq: int = 0

@@ -98,59 +98,18 @@ class Admissions:
             self._count(outcome)
 
     async def admit(self, msg: Msg) -> None:
+        """Route one admission, create its record and send the entry stage its input, or answer
+        the client why not; acknowledged once one of those is done."""
         adm = decode(Admission, msg.data)
-        now = time.time_ns()
         delivered = msg.metadata.num_delivered if msg.metadata else 1
-        if now >= adm.deadline_ns:
-            await self._reject(adm, 504, "timeout", "request expired while waiting for admission")
-            await msg.ack()
-            self._count_rejection("expired", delivered)
-            return
-        entry = adm.entry_stage
-        if entry and (not adm.audio or entry >= len(self.ctx.pipeline.stages) or not adm.text_chunks):
-            # Only a speech request enters later, with audio and its text (the gateway's own); an
-            # admission that would send nothing is no request (found by the bus fuzzer: an
-            # IndexError below, the admission delivered again and again).
-            raise MalformedMessage(
-                f"entry stage {entry} with audio={adm.audio} and {len(adm.text_chunks)} text chunks",
-                "bad_entry",
-            )
-        try:
-            route = [SKIPPED] * entry + self.ctx.picker.route(self.ctx.pipeline.stages_for(adm.audio, entry))
-        except NoLiveReplica as e:
-            name = self.ctx.pipeline.stages[e.stage].name
-            message = f"stage {e.stage} ({name}) has no live replica"
-            await self._reject(adm, 503, "no_live_replica", message, e.why())
-            await msg.ack()
-            self._count_rejection("no_live_replica", delivered)
-            return
-        record = RequestRecord(
-            request_id=adm.request_id,
-            pipeline=self.ctx.pipeline.name,
-            gateway_id=adm.gateway_id,
-            status=RequestStatus.ADMITTED,
-            route=route,
-            stages=[
-                StageProgress(replica=r, attempts=[StageAttempt(attempt=1, replica=r, bound_ns=now)])
-                if s >= entry
-                else StageProgress(replica=SKIPPED, done_ns=now)
-                for s, r in enumerate(route)
-            ],
-            attempt=delivered,
-            trace_id=adm.trace_id,
-            voice=adm.voice,
-            entry_stage=entry,
-            arrival_ns=adm.arrival_ns,
-            admitted_ns=now,
-            deadline_ns=adm.deadline_ns,
-            updated_ns=now,
-        )
-        route = await self._bind(record)
-        if route is None:  # an earlier handling dispatched it, and it has gone on since
+        route = await self._route(adm, delivered)
+        if route is not None:
+            route = await self._bind(self._record(adm, route, delivered))
+        if route is None:  # rejected, or an earlier handling dispatched it and it has gone on since
             await msg.ack()
             return
         tasks = entry_tasks(adm, route)
-        hop = Hop(h.FROM_ORCHESTRATOR, h.FROM_ORCHESTRATOR, entry, route[entry])
+        hop = Hop(h.FROM_ORCHESTRATOR, h.FROM_ORCHESTRATOR, adm.entry_stage, route[adm.entry_stage])
         span = start_span(
             "omni.admit",
             context_from_headers(msg.headers),
@@ -171,6 +130,57 @@ class Admissions:
             self._count("dispatched")
             self._tally.admitted += 1
         await msg.ack()
+
+    async def _route(self, adm: Admission, delivered: int) -> list[int] | None:
+        """A live replica per stage the request runs (:data:`SKIPPED` before its entry stage), or
+        None when the request is answered with an error instead: it expired, or a stage has no
+        live replica."""
+        if time.time_ns() >= adm.deadline_ns:
+            await self._reject(adm, 504, "timeout", "request expired while waiting for admission")
+            self._count_rejection("expired", delivered)
+            return None
+        entry = adm.entry_stage
+        if entry and (not adm.audio or entry >= len(self.ctx.pipeline.stages) or not adm.text_chunks):
+            # Only a speech request enters later, with audio and its text (the gateway's own); an
+            # admission that would send nothing is no request (found by the bus fuzzer: an
+            # IndexError below, the admission delivered again and again).
+            raise MalformedMessage(
+                f"entry stage {entry} with audio={adm.audio} and {len(adm.text_chunks)} text chunks",
+                "bad_entry",
+            )
+        try:
+            return [SKIPPED] * entry + self.ctx.picker.route(self.ctx.pipeline.stages_for(adm.audio, entry))
+        except NoLiveReplica as e:
+            name = self.ctx.pipeline.stages[e.stage].name
+            message = f"stage {e.stage} ({name}) has no live replica"
+            await self._reject(adm, 503, "no_live_replica", message, e.why())
+            self._count_rejection("no_live_replica", delivered)
+            return None
+
+    def _record(self, adm: Admission, route: list[int], delivered: int) -> RequestRecord:
+        """The request's record as admitted now, every stage it runs bound to ``route``."""
+        now, entry = time.time_ns(), adm.entry_stage
+        return RequestRecord(
+            request_id=adm.request_id,
+            pipeline=self.ctx.pipeline.name,
+            gateway_id=adm.gateway_id,
+            status=RequestStatus.ADMITTED,
+            route=route,
+            stages=[
+                StageProgress(replica=r, attempts=[StageAttempt(attempt=1, replica=r, bound_ns=now)])
+                if s >= entry
+                else StageProgress(replica=SKIPPED, done_ns=now)
+                for s, r in enumerate(route)
+            ],
+            attempt=delivered,
+            trace_id=adm.trace_id,
+            voice=adm.voice,
+            entry_stage=entry,
+            arrival_ns=adm.arrival_ns,
+            admitted_ns=now,
+            deadline_ns=adm.deadline_ns,
+            updated_ns=now,
+        )
 
     async def _bind(self, record: RequestRecord) -> list[int] | None:
         """Create ``record`` and return its route; when an earlier handling of the same admission

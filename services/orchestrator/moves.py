@@ -24,7 +24,7 @@ from libs.common.envelopes import (
     AbortNotice,
     ResumePoint,
     ResumeQuery,
-    RouteChange,
+    RouteNotice,
     StageTask,
     decode,
 )
@@ -259,15 +259,16 @@ class Mover:
         t_claimed = time.monotonic()
         notice = AbortNotice(request_id=rid, reason=MOVED, stage=s, attempt=move.attempt)
         await self.ctx.nc.publish(self.ctx.subjects.abort, notice.encode())
-        point = await self._ask_gateway(seen, move)
+        query = ResumeQuery(request_id=rid, stage=s, attempt=move.attempt, replica=move.to_replica)
+        point = await self._ask_gateway(seen, query)
         if point is None:
             return
         t_asked = time.monotonic()
         held = ResumePoint(known=False)
         # The stage a request entered at has no upstream worker: its input is all in the stream.
         upstream = self.ctx.subjects.route(s - 1, seen.route[s - 1]) if s > seen.entry_stage else None
-        if upstream is not None:  # no chunk may go to the dead replica from now on
-            held = await self._reroute(upstream, RouteChange(request_id=rid, stage=s, action="hold"))
+        if upstream is not None:  # asked the same question, it sends no chunk to the dead replica
+            held = await self._reroute(upstream, query)
         if s > 0:
             inputs = await self._stored_inputs(s, move.from_replica, rid)
         tasks = [decode(StageTask, m.data) for m in inputs]
@@ -280,14 +281,7 @@ class Mover:
             with contextlib.suppress(Exception):
                 await self.ctx.js.delete_msg(self.ctx.subjects.stages_stream, msg.seq)
         if upstream is not None and held.known:
-            release = RouteChange(
-                request_id=rid,
-                stage=s,
-                action="release",
-                replica=move.to_replica,
-                attempt=move.attempt,
-                start_seq=start,
-            )
+            release = notice.replace(replica=move.to_replica, start_seq=start)
             await self._reroute(upstream, release)
         await self._note_sent(move, phase, resumed, start)
         steps_ms = [
@@ -393,13 +387,10 @@ class Mover:
         with contextlib.suppress(Exception):
             await update_record(self.ctx.requests, move.request_id, note)
 
-    async def _ask_gateway(self, seen: RequestRecord, move: Move) -> ResumePoint | None:
+    async def _ask_gateway(self, seen: RequestRecord, query: ResumeQuery) -> ResumePoint | None:
         """Where the client's stream of the moving stage stands (the question fences the older
         attempts off); None when nothing is to be moved: the gateway no longer holds the request,
         or it did not answer (the request is failed then)."""
-        query = ResumeQuery(
-            request_id=move.request_id, stage=move.stage, attempt=move.attempt, replica=move.to_replica
-        )
         for tries_left in reversed(range(REROUTE_TRIES)):
             try:  # asked again after a timeout: the gateway's fence only rises, its answer holds
                 reply = await self.ctx.nc.request(
@@ -410,7 +401,7 @@ class Mover:
                 if tries_left:
                     log.info(
                         "request %s: its gateway did not say where the stream stands; asking again",
-                        move.request_id,
+                        query.request_id,
                     )
                     continue
                 error: Exception = e
@@ -422,12 +413,13 @@ class Mover:
             return None
         point = decode(ResumePoint, reply.data)
         if not point.known:
-            log.info("request %s: its gateway no longer holds it; not moved", move.request_id)
+            log.info("request %s: its gateway no longer holds it; not moved", query.request_id)
             return None
         return point
 
-    async def _reroute(self, subject: str, change: RouteChange) -> ResumePoint:
-        """Ask the upstream worker to hold or release the request's chunks; not held when it no
+    async def _reroute(self, subject: str, change: RouteNotice) -> ResumePoint:
+        """Have the upstream worker hold the request's chunks (the move's question) or release
+        them (its moved notice); not held when it no
         longer works on the request, or nobody takes the question (it died too). A question that
         goes unanswered is asked again (``REROUTE_TRIES`` in all): a live worker that did not hear
         it would go on sending to the dead replica, or hold the chunks for good."""
@@ -440,9 +432,9 @@ class Mover:
                 if not tries_left:
                     return ResumePoint(known=False)
                 log.info(
-                    "request %s: no answer to the route change (%s) on %s; asking again",
+                    "request %s: no answer to the move's %s on %s; asking again",
                     change.request_id,
-                    change.action,
+                    "hold" if isinstance(change, ResumeQuery) else "release",
                     subject,
                 )
                 continue

@@ -77,11 +77,31 @@ class Orchestrator:
         self.model = pipeline.served_model_name
 
     async def start(self) -> None:
+        """Connect, watch the registry and the in-flight requests, judge the replicas, register,
+        then take admissions and lifecycle events."""
         self.nc = await connect(self.settings.nats_url, "omnirelay-orchestrator")
         self.js = JetStream(self.nc)
         await ensure_topology(self.js, self.subjects)
         self.requests: KeyValue = await requests_kv(self.js)
         skv = await services_kv(self.js)
+        await self._watch_services(skv)
+        self._index = InflightRequests(self.requests, self.pipeline.name)
+        await self._index.start()
+        self._sweeper = DeadlineSweeper(self.requests, self._index, self._expired)
+        await self._sweeper.start()
+        await self._judge_replicas()
+        port = await self._register(skv)
+        if self.metrics.enabled:
+            self._tasks += [
+                asyncio.create_task(self._queue_depth_loop(), name="queue-depth"),
+                asyncio.create_task(self._loop_lag_loop(), name="loop-lag"),
+                asyncio.create_task(self._pipeline_log_loop(), name="pipeline-log"),
+            ]
+        await self._consume()
+        log.info("orchestrator %s: ready, metrics on :%d", self.settings.instance_id, port)
+
+    async def _watch_services(self, skv: KeyValue) -> None:
+        """The registry's view, the replica picker over it, and what the parts share."""
         rejected = rejection_counter(self.metrics, self.model)
         self.services = LiveServices(
             skv, self.pipeline.name, config=self.pipeline, on_rejected=lambda reason, _key: rejected(reason)
@@ -96,10 +116,10 @@ class Orchestrator:
         )
         await self.services.start()
         await asyncio.wait_for(self.services.ready.wait(), timeout=10)
-        self._index = InflightRequests(self.requests, self.pipeline.name)
-        await self._index.start()
-        self._sweeper = DeadlineSweeper(self.requests, self._index, self._expired)
-        await self._sweeper.start()
+
+    async def _judge_replicas(self) -> None:
+        """Probe the replicas, move requests off the dead ones, and answer other orchestrators'
+        probes of this one (a move it claimed is taken over when it stops answering)."""
         self._mover = Mover(self._ctx, self._index, self.services, self.settings.instance_id)
         self._watch = ReplicaWatch(
             self.nc,
@@ -115,6 +135,9 @@ class Orchestrator:
         await self.nc.subscribe(self.subjects.orchestrator_alive(self.settings.instance_id), cb=_answer)
         await self._watch.start()
         self._tasks.append(asyncio.create_task(self._mover.unfinished_moves_loop(), name="unfinished-moves"))
+
+    async def _register(self, skv: KeyValue) -> int:
+        """Serve the metrics and keep this instance's registry record alive; the metrics port."""
         port = start_metrics_server(self.settings.metrics_port, self.settings.metrics_host)
         record = ServiceRecord(
             service=ServiceKind.ORCHESTRATOR,
@@ -125,12 +148,10 @@ class Orchestrator:
         )
         self._heartbeat = Heartbeat(skv, record, lambda: self._inflight)
         await self._heartbeat.start()
-        if self.metrics.enabled:
-            self._tasks += [
-                asyncio.create_task(self._queue_depth_loop(), name="queue-depth"),
-                asyncio.create_task(self._loop_lag_loop(), name="loop-lag"),
-                asyncio.create_task(self._pipeline_log_loop(), name="pipeline-log"),
-            ]
+        return port
+
+    async def _consume(self) -> None:
+        """Pull admissions and lifecycle events from the orchestrators' two durable consumers."""
         admissions = Admissions(self._ctx, self._tally)
         lifecycle = Lifecycle(self._ctx, self.settings.log_stats, self._tally)
         limits = self.settings.bus_limits
@@ -156,7 +177,6 @@ class Orchestrator:
                 name="orchestrator events",
             ),
         ]
-        log.info("orchestrator %s: ready, metrics on :%d", self.settings.instance_id, port)
 
     async def _queue_depth_loop(self) -> None:
         """Admissions waiting in the requests stream, every few seconds."""

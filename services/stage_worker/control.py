@@ -1,5 +1,5 @@
 """The stage worker's answers to control messages: liveness probes, the orchestrator's route
-changes and aborts (core NATS, on the worker's own subjects and ``ctl.abort``). Each reads and
+notices and aborts (core NATS, on the worker's own subjects and ``ctl.abort``). Each reads and
 changes the worker's :class:`~services.stage_worker.request_table.RequestTable` only through its
 transitions.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
-from libs.common.envelopes import MOVED, AbortNotice, ResumePoint, RouteChange, decode_or_log
+from libs.common.envelopes import MOVED, AbortNotice, ResumePoint, ResumeQuery, RouteNotice, decode_or_log
 from libs.common.pipeline import PipelineConfig
 from services.stage_worker.engine_health import EngineHealth
 from services.stage_worker.handlers.base import StageHandler
@@ -42,14 +42,15 @@ class ControlAnswers:
         await msg.respond(self.health.liveness().encode())
 
     async def on_route(self, msg: Msg) -> None:
-        """The orchestrator moves the next stage of one of this worker's requests: hold its
-        chunks, then send them to the new replica (services/orchestrator/moves.py). Answers where
-        the request's chunks for that stage stand (not ``known``: this worker does not run it)."""
-        if (change := decode_or_log(RouteChange, msg.data, "route change", log, f"{self.label}: ")) is None:
+        """The orchestrator moves the next stage of one of this worker's requests
+        (services/orchestrator/moves.py): its :class:`ResumeQuery` holds the request's chunks and
+        is answered with the next one's ``seq``; its moved :class:`AbortNotice` sends them on to
+        the new replica. Not ``known``: this worker does not run the request."""
+        if (change := decode_or_log(RouteNotice, msg.data, "route notice", log, f"{self.label}: ")) is None:
             return
-        if change.stage != self.me.stage + 1 or not self.pipeline.declares(change.stage, change.replica):
+        if not self._routable(change):
             log.warning(
-                "%s: dropped a route change to stage %d replica %d", self.label, change.stage, change.replica
+                "%s: dropped a route notice for stage %s replica %s", self.label, change.stage, change.replica
             )
             await msg.respond(ResumePoint(known=False).encode())  # not the next stage, or no such replica
             return
@@ -63,11 +64,11 @@ class ControlAnswers:
         if ctx is None or ctx.aborted:
             await msg.respond(ResumePoint(known=False).encode())
             return
-        if change.action == "hold":
+        next_seq = 0
+        if isinstance(change, ResumeQuery):
             next_seq = await ctx.hold()
         else:
             reroute(ctx, change)
-            next_seq = 0
             log.info(
                 "%s: request %s: stage %d now on replica %d (attempt %d)",
                 self.label,
@@ -77,6 +78,18 @@ class ControlAnswers:
                 change.attempt,
             )
         await msg.respond(ResumePoint(known=True, next_seq=next_seq).encode())
+
+    def _routable(self, change: RouteNotice) -> bool:
+        """A route notice names this worker's next stage and one of its declared replicas (a
+        notice to abort is not one)."""
+        moving = isinstance(change, ResumeQuery) or change.reason == MOVED
+        stage, replica = change.stage, change.replica
+        return (
+            moving
+            and stage == self.me.stage + 1
+            and replica is not None
+            and self.pipeline.declares(stage, replica)
+        )
 
     async def on_abort(self, msg: Msg) -> None:
         """Stop a request everywhere, or (reason ``moved``) the attempts of one of its stages that
@@ -114,10 +127,10 @@ def _stop(entry: Entry | None, reason: str) -> None:
         entry.run.cancel()
 
 
-def reroute(ctx: RequestContext, change: RouteChange) -> None:
-    """Apply a route change to a request that has not seen it (one that was queued takes the
-    latest: held, or released to the new replica)."""
-    if change.action == "hold":
+def reroute(ctx: RequestContext, change: RouteNotice) -> None:
+    """Apply a route notice to a request that has not seen it (one that was queued takes the
+    latest: held by a move's question, or released to the new replica by its moved notice)."""
+    if isinstance(change, ResumeQuery):
         ctx.hold_now()
-    else:
+    elif change.replica is not None and change.stage is not None:
         ctx.release(change.stage, change.replica, change.attempt, change.start_seq)

@@ -142,6 +142,52 @@ def wait_policy(eng: EngineArgs) -> WaitPolicy:
     return WaitPolicy(spin_s=eng.busy_spin_ms / 1000, nap_s=eng.busy_nap_ms / 1000)
 
 
+def _prepare_engine_env(spec: LLMEngineSpec):  # -> stat loggers or None
+    """Set the environment the engine's processes read (KV cache size, core binding, wait
+    policy, stats interval); the stat loggers the engine gets (None with ``log_stats`` off)."""
+    eng = spec.stage.engine
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(eng.kv_cache_space_gib))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(spec.cpu_core))
+    policy = wait_policy(eng)
+    os.environ.update(policy.env())
+    log.info(
+        "%s: engine processes busy-wait %g ms after each queue read, then check every %g ms "
+        "until 1 s (vLLM's own: busy-wait the whole second)",
+        engine_identity(spec).label,
+        policy.spin_s * 1000,
+        policy.nap_s * 1000,
+    )
+    if not spec.log_stats:
+        return None
+    from services.stage_worker.engine_metrics import stat_loggers_for
+
+    # vLLM's own timer for the log line reads this; ours (LLMHandler) uses the same period.
+    os.environ["VLLM_LOG_STATS_INTERVAL"] = str(spec.log_stats_interval_s)
+    return stat_loggers_for(engine_identity(spec))
+
+
+def _engine_kwargs(spec: LLMEngineSpec, model_path: str) -> dict[str, Any]:
+    """vLLM's engine arguments for the stage (its ``extra`` args override ours)."""
+    from services.stage_worker.engine_core.scheduler import OMNI_SCHEDULER_CLS
+
+    eng = spec.stage.engine
+    return {
+        "model": model_path,
+        "served_model_name": spec.pipeline.served_model_name,
+        "enforce_eager": eng.enforce_eager,
+        "max_model_len": eng.max_model_len,
+        "max_num_seqs": eng.max_num_seqs,
+        "dtype": eng.dtype,
+        "gpu_memory_utilization": eng.gpu_memory_utilization,
+        "scheduler_cls": OMNI_SCHEDULER_CLS,
+        **talker_engine_args(spec.stage),
+        **eng.extra,
+        # Always True: with log_stats on, our custom loggers switch stats on in vLLM without its
+        # default loggers (False would add a second, "Engine 000:" logging logger).
+        "disable_log_stats": True,
+    }
+
+
 def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
     """Start a vLLM v1 ``AsyncLLM`` (it spawns its EngineCore process) for ``spec``'s stage.
 
@@ -182,41 +228,8 @@ def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from services.stage_worker.engine_core.scheduler import OMNI_SCHEDULER_CLS
-
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(eng.kv_cache_space_gib))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(spec.cpu_core))
-    policy = wait_policy(eng)
-    os.environ.update(policy.env())
-    log.info(
-        "%s: engine processes busy-wait %g ms after each queue read, then check every %g ms "
-        "until 1 s (vLLM's own: busy-wait the whole second)",
-        engine_identity(spec).label,
-        policy.spin_s * 1000,
-        policy.nap_s * 1000,
-    )
-    stat_loggers = None
-    if spec.log_stats:
-        from services.stage_worker.engine_metrics import stat_loggers_for
-
-        # vLLM's own timer for the log line reads this; ours (LLMHandler) uses the same period.
-        os.environ["VLLM_LOG_STATS_INTERVAL"] = str(spec.log_stats_interval_s)
-        stat_loggers = stat_loggers_for(engine_identity(spec))
-    kwargs: dict[str, Any] = {
-        "model": model_path,
-        "served_model_name": spec.pipeline.served_model_name,
-        "enforce_eager": eng.enforce_eager,
-        "max_model_len": eng.max_model_len,
-        "max_num_seqs": eng.max_num_seqs,
-        "dtype": eng.dtype,
-        "gpu_memory_utilization": eng.gpu_memory_utilization,
-        "scheduler_cls": OMNI_SCHEDULER_CLS,
-        **talker_engine_args(spec.stage),
-        **eng.extra,
-        # Always True: with log_stats on, our custom loggers switch stats on in vLLM without its
-        # default loggers (False would add a second, "Engine 000:" logging logger).
-        "disable_log_stats": True,
-    }
+    stat_loggers = _prepare_engine_env(spec)
+    kwargs = _engine_kwargs(spec, model_path)
     tracing_cfg = engine_tracing_config(spec)
     if tracing_cfg is not None:
         _with_tracing(kwargs, tracing_cfg)

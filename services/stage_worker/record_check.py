@@ -1,7 +1,7 @@
 """What a request's record says about an input a worker is about to start.
 
 A worker learns of moves from notices on core NATS (an abort notice fences an older attempt off,
-a route change re-points the chunks it sends downstream). A notice can miss it: the worker was
+a move's route notices re-point the chunks it sends downstream). A notice can miss it: the worker was
 started after it (a replacement that takes over a dead replica's durable consumer and gets its
 unacknowledged inputs), or the request's input still waited in the stream when the orchestrator
 asked this worker to hold the request's chunks (the worker did not hold it yet, so it answered

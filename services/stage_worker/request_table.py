@@ -25,7 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from libs.common.envelopes import RouteChange, StageTask
+from libs.common.envelopes import RouteNotice, StageTask
 from services.stage_worker.inbox import Delivery
 from services.stage_worker.request_context import RequestContext
 
@@ -71,7 +71,7 @@ class Entry:
     """Stage 0's current attempt (chunks of older ones are stale here)."""
     queued: list[Delivery] = field(default_factory=list)
     """``QUEUED``: its inputs, in arrival order."""
-    route: RouteChange | None = None
+    route: RouteNotice | None = None
     """``QUEUED``: the latest hold or release of its next stage, applied when it starts."""
     ctx: RequestContext | None = None
     """``RUNNING``: its context and the task that runs its handler."""
@@ -126,7 +126,7 @@ class RequestTable:
         entry.queued.append(d)
         self._queue[d.task.request_id] = None
 
-    def route_while_queued(self, request_id: str, change: RouteChange) -> bool:
+    def route_while_queued(self, request_id: str, change: RouteNotice) -> bool:
         """Keep a hold or release for a queued request (it has sent nothing yet); False when the
         request is not queued here."""
         entry = self._entries.get(request_id)
@@ -135,8 +135,8 @@ class RequestTable:
         entry.route = change
         return True
 
-    def next_queued(self) -> tuple[list[Delivery], RouteChange | None] | None:
-        """The oldest queued request's inputs and its kept route change, taken out of the queue
+    def next_queued(self) -> tuple[list[Delivery], RouteNotice | None] | None:
+        """The oldest queued request's inputs and its kept route notice, taken out of the queue
         (the caller starts it); None when nothing waits."""
         if not self._queue:
             return None

@@ -34,7 +34,7 @@ from libs.common.envelopes import (
     ClientEvent,
     ClientEventType,
     MalformedMessage,
-    RouteChange,
+    RouteNotice,
     StageTask,
     TaskKind,
     decode,
@@ -110,6 +110,19 @@ class StageWorker:
         return f"stage {self.me.stage} ({self.stage_cfg.name}) replica {self.me.replica}"
 
     # --- lifecycle ---------------------------------------------------------------------
+    def _record(self, metrics_port: int) -> ServiceRecord:
+        """This replica's registry record (its heartbeat adds the load and progress)."""
+        return ServiceRecord(
+            service=ServiceKind.WORKER,
+            pipeline=self.pipeline.name,
+            instance=self.settings.instance_id,
+            stage=self.me.stage,
+            stage_name=self.stage_cfg.name,
+            replica=self.me.replica,
+            metrics_url=f"http://{self.settings.advertise_host}:{metrics_port}/metrics",
+            version=VERSION,
+        )
+
     async def start(self) -> None:
         t0 = time.monotonic()
         await self.handler.start()
@@ -130,16 +143,6 @@ class StageWorker:
                 1
             )
         port = start_metrics_server(self.settings.metrics_port, self.settings.metrics_host)
-        record = ServiceRecord(
-            service=ServiceKind.WORKER,
-            pipeline=self.pipeline.name,
-            instance=self.settings.instance_id,
-            stage=self.me.stage,
-            stage_name=self.stage_cfg.name,
-            replica=self.me.replica,
-            metrics_url=f"http://{self.settings.advertise_host}:{port}/metrics",
-            version=VERSION,
-        )
         self._consumer = await consume(
             nc,
             js,
@@ -154,7 +157,10 @@ class StageWorker:
         await nc.subscribe(self.subjects.alive(self.me.stage, self.me.replica), cb=self.control.on_alive)
         await nc.subscribe(self.subjects.route(self.me.stage, self.me.replica), cb=self.control.on_route)
         self._heartbeat = Heartbeat(
-            await services_kv(js), record, lambda: self.requests.running_count, self.health.liveness
+            await services_kv(js),
+            self._record(port),
+            lambda: self.requests.running_count,
+            self.health.liveness,
         )
         await self._heartbeat.start()
         self._tasks = [
@@ -265,7 +271,7 @@ class StageWorker:
         await msg.ack()
         return True
 
-    async def _accept(self, d: Delivery, route: RouteChange | None = None) -> None:
+    async def _accept(self, d: Delivery, route: RouteNotice | None = None) -> None:
         """Hand ``d`` to its running request, or start the request with it (applying ``route``,
         a hold or release that came while it was queued)."""
         msg, task = d.msg, d.task

@@ -265,15 +265,12 @@ def abort(rng: random.Random) -> dict[str, Any]:
     }
 
 
-def route_change(rng: random.Random) -> dict[str, Any]:
-    return {
-        "request_id": unknown_id(rng),
-        "stage": 1,
-        "action": rng.choice(("hold", "release")),
-        "replica": 0,
-        "attempt": 2,
-        "start_seq": 0,
-    }
+def route_notice(rng: random.Random) -> dict[str, Any]:
+    """A move's question that holds a request's chunks, or its moved notice that releases them."""
+    common = {"request_id": unknown_id(rng), "stage": 1, "replica": 0, "attempt": 2}
+    if rng.random() < 0.5:
+        return {"type": "resume", **common}
+    return {"type": "abort", **common, "reason": "moved", "start_seq": 0}
 
 
 def resume_query(rng: random.Random) -> dict[str, Any]:
@@ -310,7 +307,7 @@ def targets(pipeline: PipelineConfig, gateway_ids: list[str], orchestrator_ids: 
                 Target(s.stage_in(i, r), task, jetstream=True, headers=addressed),
                 Target(s.stage_in(i, r), task, jetstream=True),  # no address headers
                 Target(s.alive(i, r), liveness, reply=True),
-                Target(s.route(i, r), route_change, reply=True),
+                Target(s.route(i, r), route_notice, reply=True),
                 Target(max_deliveries_advisory(s.stages_stream, consumer_name(i, r)), liveness),
             ]
     return out

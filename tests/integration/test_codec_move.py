@@ -17,12 +17,14 @@ import pytest
 
 from libs.common.bus import bucket_keys, requests_kv
 from libs.common.envelopes import (
+    MOVED,
+    AbortNotice,
     ClientEvent,
     ClientEventType,
     NdArray,
     ResumePoint,
     ResumeQuery,
-    RouteChange,
+    RouteNotice,
     StageTask,
     TaskKind,
     decode,
@@ -126,10 +128,10 @@ async def test_a_killed_code2wav_replica_moves_its_chunks_and_no_audio_is_lost_o
         questions.append(decode(ResumeQuery, msg.data))
         await msg.respond(ResumePoint(known=True, audio_seq=client_has["audio_seq"]).encode())
 
-    route_changes: asyncio.Queue[RouteChange] = asyncio.Queue()
+    route_changes: asyncio.Queue[RouteNotice] = asyncio.Queue()
 
     async def talker(msg) -> None:
-        change = decode(RouteChange, msg.data)
+        change = decode(RouteNotice, msg.data)
         route_changes.put_nowait(change)
         await msg.respond(ResumePoint(known=True, next_seq=4).encode())
 
@@ -153,9 +155,10 @@ async def test_a_killed_code2wav_replica_moves_its_chunks_and_no_audio_is_lost_o
         await publish_task(js, SUBJECTS, chunk(rid, seq, [0, 0, 0]), Hop("1", "0", 2, 0))
 
     hold = await asyncio.wait_for(route_changes.get(), 10)
-    assert (hold.request_id, hold.stage, hold.action) == (rid, 2, "hold")
+    assert isinstance(hold, ResumeQuery) and (hold.request_id, hold.stage, hold.attempt) == (rid, 2, 2)
     release = await asyncio.wait_for(route_changes.get(), 5)
-    assert (release.action, release.replica, release.attempt) == ("release", 1, 2)
+    assert isinstance(release, AbortNotice)
+    assert (release.reason, release.replica, release.attempt) == (MOVED, 1, 2)
     # From the first chunk replica 0 had not acknowledged: 2 at the latest (it acknowledges a chunk
     # once the gateway has confirmed its audio, so 0 and 1 may still be there, sent on without codes).
     assert release.start_seq <= 2
@@ -254,13 +257,13 @@ async def test_a_move_whose_orchestrator_died_before_sending_it_is_carried_out_b
     js = nc.jetstream()
     audio: asyncio.Queue[ClientEvent] = asyncio.Queue()
     await nc.subscribe(SUBJECTS.out(GATEWAY, rid), cb=collect(audio, ClientEvent))
-    route_changes: asyncio.Queue[RouteChange] = asyncio.Queue()
+    route_changes: asyncio.Queue[RouteNotice] = asyncio.Queue()
 
     async def gateway(msg) -> None:  # the client has chunks 0 and 1
         await msg.respond(ResumePoint(known=True, audio_seq=1).encode())
 
     async def talker(msg) -> None:
-        route_changes.put_nowait(decode(RouteChange, msg.data))
+        route_changes.put_nowait(decode(RouteNotice, msg.data))
         await msg.respond(ResumePoint(known=True, next_seq=4).encode())
 
     await nc.subscribe(SUBJECTS.resume(GATEWAY), cb=gateway)
@@ -272,13 +275,8 @@ async def test_a_move_whose_orchestrator_died_before_sending_it_is_carried_out_b
     await orch.await_log(f"request {rid}: orchestrator {ghost} died while moving stage 2", timeout_s=10)
     hold = await asyncio.wait_for(route_changes.get(), 10)
     release = await asyncio.wait_for(route_changes.get(), 5)
-    assert (hold.action, release.action, release.replica, release.attempt, release.start_seq) == (
-        "hold",
-        "release",
-        1,
-        2,
-        2,
-    )
+    assert isinstance(hold, ResumeQuery) and isinstance(release, AbortNotice)
+    assert (release.reason, release.replica, release.attempt, release.start_seq) == (MOVED, 1, 2, 2)
     await publish_task(js, SUBJECTS, chunk(rid, 4, [0, 0, 1], attempt=2, start_seq=2), Hop("1", "0", 2, 1))
     got = []
     while not got or got[-1].type != ClientEventType.AUDIO_DONE:

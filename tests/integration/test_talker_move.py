@@ -3,7 +3,7 @@ request to the other real talker replica, holding the thinker's text chunks mean
 replica redoes the one text chunk whose codes the dead one had not all sent, and the real code2wav
 replica receives every code chunk exactly once: the client's audio is, chunk for chunk, the audio
 of the same request without the fault. The test plays the thinker (it sends the text chunks and
-answers the hold and the release) and the gateway.
+answers the move's hold and release) and the gateway.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from libs.common.envelopes import (
     ClientEventType,
     Liveness,
     ResumePoint,
-    RouteChange,
+    ResumeQuery,
+    RouteNotice,
     StageTask,
     TaskKind,
     decode,
@@ -159,10 +160,10 @@ async def test_a_killed_talker_replica_moves_its_request_and_the_audio_is_as_wit
     async def gateway(msg) -> None:
         await msg.respond(ResumePoint(known=True).encode())
 
-    route_changes: asyncio.Queue[RouteChange] = asyncio.Queue()
+    route_changes: asyncio.Queue[RouteNotice] = asyncio.Queue()
 
     async def thinker_route(msg) -> None:
-        route_changes.put_nowait(decode(RouteChange, msg.data))
+        route_changes.put_nowait(decode(RouteNotice, msg.data))
         await msg.respond(ResumePoint(known=True, next_seq=3).encode())
 
     await nc.subscribe(SUBJECTS.alive(0, 0), cb=thinker_alive)
@@ -197,10 +198,11 @@ async def test_a_killed_talker_replica_moves_its_request_and_the_audio_is_as_wit
     killed = time.monotonic()
 
     hold = await asyncio.wait_for(route_changes.get(), 10)
-    assert (hold.request_id, hold.stage, hold.action) == (rid, 1, "hold")
+    assert isinstance(hold, ResumeQuery) and (hold.request_id, hold.stage, hold.attempt) == (rid, 1, 2)
     release = await asyncio.wait_for(route_changes.get(), 5)
     moved_s = time.monotonic() - killed
-    assert (release.action, release.replica, release.attempt, release.start_seq) == ("release", 1, 2, 2)
+    assert isinstance(release, AbortNotice)
+    assert (release.reason, release.replica, release.attempt, release.start_seq) == (MOVED, 1, 2, 2)
     # The thinker sends on as told: text chunks 3 and 4 to replica 1, attempt 2.
     for seq in (3, 4):
         chunk = text_chunk(rid, seq, 1, attempt=2, start_seq=2)
@@ -273,7 +275,7 @@ async def test_a_talker_attempt_waiting_in_the_backlog_answers_a_hold_with_its_f
     await publish_task(js, SUBJECTS, text_chunk(busy, 0, 0), Hop("0", "0", 1, 0))  # it waits for seq 1
     moved = text_chunk(waiting, 2, 0, attempt=2, start_seq=2)
     await publish_task(js, SUBJECTS, moved, Hop("0", "0", 1, 0))
-    hold = RouteChange(request_id=waiting, stage=2, action="hold")
+    hold = ResumeQuery(request_id=waiting, stage=2, attempt=2, replica=0)
     for _ in range(100):
         held = decode(ResumePoint, (await nc.request(SUBJECTS.route(1, 0), hold.encode(), timeout=5)).data)
         if held.known:

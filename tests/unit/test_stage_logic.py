@@ -10,13 +10,15 @@ import pytest
 from nats.errors import NoRespondersError
 
 from libs.common.envelopes import (
+    MOVED,
+    AbortNotice,
     ClientEvent,
     ClientEventType,
     EdgeSummary,
     LifecycleEvent,
     ResumePoint,
     ResumeQuery,
-    RouteChange,
+    RouteNotice,
     StageTask,
     TaskKind,
     decode,
@@ -298,9 +300,9 @@ def test_abort_sets_finish_reason_abort() -> None:
 
 
 class _Reply:
-    """A route-change message as the worker's subscription sees it (data, and where the answer goes)."""
+    """A route notice as the worker's subscription sees it (data, and where the answer goes)."""
 
-    def __init__(self, change: RouteChange) -> None:
+    def __init__(self, change: RouteNotice) -> None:
         self.data = change.encode()
         self.answer: ResumePoint | None = None
 
@@ -308,7 +310,7 @@ class _Reply:
         self.answer = decode(ResumePoint, data)
 
 
-async def test_a_route_change_for_a_queued_request_applies_when_it_starts() -> None:
+async def test_a_route_notice_for_a_queued_request_applies_when_it_starts() -> None:
     """The talker has a request queued (``max_inflight`` reached) when code2wav moves: the hold
     and the release are kept and applied when the request starts, so its chunks go to the new
     replica as the new attempt."""
@@ -317,19 +319,27 @@ async def test_a_route_change_for_a_queued_request_applies_when_it_starts() -> N
     worker = StageWorker(WorkerSettings(stage=1, replica=0, max_inflight=1), pipeline)
     first = _delivery(0).task.replace(request_id="waiting", route=[0, 0, 0])
     worker.requests.queue(Delivery(msg=None, task=first, received_ns=0))
-    hold = _Reply(RouteChange(request_id="waiting", stage=2, action="hold"))
+    hold = _Reply(ResumeQuery(request_id="waiting", stage=2, attempt=2, replica=1))
     await worker.control.on_route(hold)
     assert hold.answer == ResumePoint(known=True, next_seq=0)
-    release = _Reply(RouteChange(request_id="waiting", stage=2, action="release", replica=1, attempt=2))
+    release = _Reply(AbortNotice(request_id="waiting", reason=MOVED, stage=2, attempt=2, replica=1))
     await worker.control.on_route(release)
-    unknown = _Reply(RouteChange(request_id="gone", stage=2, action="hold"))
+    unknown = _Reply(ResumeQuery(request_id="gone", stage=2, attempt=2, replica=1))
     await worker.control.on_route(unknown)
     assert unknown.answer == ResumePoint(known=False)
-    # Forged: a replica the pipeline does not declare, a stage that is not the next one.
-    for stage, replica in ((2, 7), (0, 0)):
-        forged = _Reply(RouteChange(request_id="waiting", stage=stage, action="release", replica=replica))
+    # Forged: a replica the pipeline does not declare, a stage that is not the next one, no
+    # replica, an abort that is not a move.
+    forgeries = [
+        AbortNotice(request_id="waiting", reason=MOVED, stage=2, attempt=2, replica=7),
+        AbortNotice(request_id="waiting", reason=MOVED, stage=0, attempt=2, replica=0),
+        AbortNotice(request_id="waiting", reason=MOVED, stage=2, attempt=2),
+        AbortNotice(request_id="waiting", reason="abort", stage=2, attempt=2, replica=1),
+        ResumeQuery(request_id="waiting", stage=2, attempt=2, replica=7),
+    ]
+    for notice in forgeries:
+        forged = _Reply(notice)
         await worker.control.on_route(forged)
-        assert forged.answer == ResumePoint(known=False), (stage, replica)
+        assert forged.answer == ResumePoint(known=False), notice
     inputs, route = worker.requests.next_queued()
     assert [d.task for d in inputs] == [first]
     ctx = RequestContext(Identity(1, 0, 3), bus=None, first=first)

@@ -7,14 +7,17 @@ import asyncio
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
-from libs.common.envelopes import ClientEvent, ClientEventType, Usage
+from libs.common.envelopes import ClientEvent, ClientEventType, Sampling, Usage
 from services.stage_worker.chunking import TextChunker
 from services.stage_worker.handlers.llm import LLMHandler
 from services.stage_worker.llm_engine import LLMEngineSpec
 from services.stage_worker.request_context import RequestContext
 
 if TYPE_CHECKING:
+    from vllm import SamplingParams
     from vllm.outputs import RequestOutput
+
+    from services.stage_worker.resumed_text import ResumedText
 
 STARTED_DELAY_S = 0.001
 """How long after handing a request to vLLM the thinker sends ``started`` (unless the first
@@ -58,10 +61,69 @@ class _StartedNotice:
             self._task.cancel()
 
 
+def _engine_sampling(s: Sampling, max_tokens: int) -> SamplingParams:
+    """vLLM's sampling parameters for the request's, streaming deltas."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        seed=s.seed,
+        stop=s.stop or None,
+        ignore_eos=s.ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
 async def _nothing() -> AsyncGenerator[RequestOutput, None]:
     """No engine outputs (a moved request whose client already has every token)."""
     return
     yield
+
+
+async def _relay(
+    req: RequestContext,
+    outputs: AsyncGenerator[RequestOutput, None],
+    text: ResumedText | None,
+    chunker: TextChunker | None,
+) -> tuple[int, str | None]:
+    """Stream the engine's ``outputs`` to the client and, with a ``chunker``, in chunks to the
+    next stage; the tokens generated and the finish reason. ``text``: a resumed attempt's
+    decoder, which also checks the stop strings."""
+    generated, finish_reason = 0, None
+    # The gateway and its client take the response's start while the engine computes.
+    started: _StartedNotice | None = _StartedNotice(req)
+    try:
+        async for out in outputs:
+            if started is not None:  # out before any output
+                await started.sent()
+                started = None
+            c = out.outputs[0]
+            ids, delta, stop = list(c.token_ids), c.text, None
+            if text is not None:
+                eos = out.finished and c.finish_reason == "stop"
+                ids, delta, stop = text.feed(ids, out.finished, eos)
+            generated += len(ids)
+            if ids or delta:
+                await req.client_text(delta, ids)
+            if chunker is not None:
+                for chunk in chunker.feed(ids, delta):
+                    await req.downstream(token_ids=chunk.token_ids, text=chunk.text, offset=chunk.offset)
+            if stop is not None:
+                finish_reason = "stop"
+                break  # a stop string ended the text: the engine request is aborted
+            if out.finished:
+                finish_reason = c.finish_reason
+        if started is not None:  # no output at all
+            await started.sent()
+            started = None
+    finally:
+        if started is not None:
+            started.cancel()
+        await outputs.aclose()  # ended by a stop string: abort the engine request now
+    return generated, finish_reason
 
 
 class ThinkerHandler(LLMHandler):
@@ -70,9 +132,7 @@ class ThinkerHandler(LLMHandler):
         self._has_next = has_next
 
     async def run(self, req: RequestContext) -> None:
-        from vllm import SamplingParams
         from vllm.inputs import tokens_input
-        from vllm.sampling_params import RequestOutputKind
 
         from services.stage_worker.resumed_text import ResumedText, engine_params
 
@@ -84,15 +144,7 @@ class ThinkerHandler(LLMHandler):
         # left of max_tokens (docs/reliability.md).
         resumed = [t for delta in task.resume for t in delta.token_ids]
         left = s.max_tokens - len(resumed)
-        params = SamplingParams(
-            max_tokens=max(left, 1),
-            temperature=s.temperature,
-            top_p=s.top_p,
-            seed=s.seed,
-            stop=s.stop or None,
-            ignore_eos=s.ignore_eos,
-            output_kind=RequestOutputKind.DELTA,
-        )
+        params = _engine_sampling(s, max(left, 1))
         forward = self._has_next and len(task.route) > 1
         chunker = TextChunker(self._stage.chunking.tokens, self._stage.chunking.sentence_end)
         if forward:
@@ -101,66 +153,26 @@ class ThinkerHandler(LLMHandler):
             for delta in task.resume:
                 for chunk in chunker.feed(delta.token_ids, delta.text):
                     await req.downstream(token_ids=chunk.token_ids, text=chunk.text, offset=chunk.offset)
-        generated, finish_reason = len(resumed), None
-        prompt = tokens_input(task.prompt_token_ids + resumed)
-        # A resumed attempt's text comes from the fault-free run's decoder, rebuilt here; the
-        # engine neither decodes it nor checks the stop strings (services/stage_worker/resumed_text.py).
-        text = (
-            ResumedText(self.engine.get_tokenizer(), req.request_id, task.prompt_token_ids, resumed, params)
-            if resumed and left > 0
-            else None
-        )
-        # The gateway and its client take the response's start while the engine computes.
-        started: _StartedNotice | None = _StartedNotice(req)
-        run_params = params if text is None else engine_params(params)
-        outputs = self._outputs(prompt, run_params, req) if left > 0 else _nothing()
-        if left <= 0:
-            finish_reason = "length"  # the client has every token; only text_done was missing
-        try:
-            async for out in outputs:
-                if started is not None:  # out before any output
-                    await started.sent()
-                    started = None
-                c = out.outputs[0]
-                ids, delta, stop = list(c.token_ids), c.text, None
-                if text is not None:
-                    eos = out.finished and c.finish_reason == "stop"
-                    ids, delta, stop = text.feed(ids, out.finished, eos)
-                generated += len(ids)
-                if ids or delta:
-                    await req.client_text(delta, ids)
-                if forward:
-                    for chunk in chunker.feed(ids, delta):
-                        await req.downstream(token_ids=chunk.token_ids, text=chunk.text, offset=chunk.offset)
-                if stop is not None:
-                    finish_reason = "stop"
-                    break  # a stop string ended the text: the engine request is aborted
-                if out.finished:
-                    finish_reason = c.finish_reason
-            if started is not None:  # no output at all
-                await started.sent()
-                started = None
-        finally:
-            if started is not None:
-                started.cancel()
-            await outputs.aclose()  # ended by a stop string: abort the engine request now
+        if left > 0:
+            prompt = tokens_input(task.prompt_token_ids + resumed)
+            # A resumed attempt's text comes from the fault-free run's decoder, rebuilt here; the
+            # engine neither decodes it nor checks the stop strings (resumed_text.py).
+            text = None
+            if resumed:
+                tokenizer = self.engine.get_tokenizer()
+                text = ResumedText(tokenizer, req.request_id, task.prompt_token_ids, resumed, params)
+                params = engine_params(params)
+            outputs = self._outputs(prompt, params, req)
+            generated, finish_reason = await _relay(req, outputs, text, chunker if forward else None)
+        else:  # the client has every token; only text_done was missing
+            await _relay(req, _nothing(), None, None)
+            generated, finish_reason = 0, "length"
+        generated += len(resumed)
         if forward:
             rest = chunker.flush()
             await req.downstream(final=True, token_ids=rest.token_ids, text=rest.text, offset=rest.offset)
         usage = Usage(prompt_tokens=len(task.prompt_token_ids), completion_tokens=generated)
-        req.span.set_attributes(
-            {
-                "gen_ai.operation.name": "chat",
-                "gen_ai.system": "vllm",
-                "gen_ai.request.model": self._spec.pipeline.served_model_name,
-                "gen_ai.request.max_tokens": s.max_tokens,
-                "gen_ai.request.temperature": s.temperature,
-                "gen_ai.request.top_p": s.top_p,
-                "gen_ai.usage.input_tokens": usage.prompt_tokens,
-                "gen_ai.usage.output_tokens": usage.completion_tokens,
-                "gen_ai.response.finish_reasons": [finish_reason or ""],
-            }
-        )
+        req.span.set_attributes(self._span_attributes(s, usage, finish_reason))
         await req.client(
             ClientEvent(
                 request_id=req.request_id,
@@ -171,6 +183,20 @@ class ThinkerHandler(LLMHandler):
         )
         await req.ack(d)
         req.lifecycle("stage_done", finish_reason=finish_reason)
+
+    def _span_attributes(self, s: Sampling, usage: Usage, finish_reason: str | None) -> dict[str, object]:
+        """The request span's GenAI attributes, once it has ended."""
+        return {
+            "gen_ai.operation.name": "chat",
+            "gen_ai.system": "vllm",
+            "gen_ai.request.model": self._spec.pipeline.served_model_name,
+            "gen_ai.request.max_tokens": s.max_tokens,
+            "gen_ai.request.temperature": s.temperature,
+            "gen_ai.request.top_p": s.top_p,
+            "gen_ai.usage.input_tokens": usage.prompt_tokens,
+            "gen_ai.usage.output_tokens": usage.completion_tokens,
+            "gen_ai.response.finish_reasons": [finish_reason or ""],
+        }
 
     def _outputs(self, prompt, params, req: RequestContext) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs for ``req`` (a later attempt has an engine request id of its own:
