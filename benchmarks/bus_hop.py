@@ -162,7 +162,7 @@ def measure_hop(url: str, mode: str, count: int, interval_s: float, cpu: int | N
 def run_bus_bench(messages: int, interval_s: float, warmup: int) -> list[HopStats]:
     """Start a private nats-server; measure each hop kind with the processes on any core, then
     with the server and both processes on one core (as ``omnirelay bench`` puts every front end)."""
-    from libs.common.local_nats import free_port, nats_server_argv
+    from libs.stack.local_nats import free_port, nats_server_argv
 
     store = Path(tempfile.mkdtemp(prefix="omnirelay-bench-bus-"))
     port = free_port()

@@ -317,7 +317,7 @@ def _start_second_gateway(
     procs: Processes, stack: Stack, pipeline_path: Path, env: dict[str, str]
 ) -> tuple[Managed, str]:
     """Another ``omnirelay gateway`` on the stack's NATS; (its process, its ``/v1`` URL)."""
-    from libs.common.local_nats import free_port
+    from libs.stack.local_nats import free_port
 
     port, admin = free_port(), free_port()
     env = {

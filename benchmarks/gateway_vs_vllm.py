@@ -61,8 +61,8 @@ from benchmarks.harness import (
     wait_port,
     while_active,
 )
-from libs.common.local_nats import SYNC_INTERVAL
 from libs.common.pipeline import PipelineConfig, load_pipeline
+from libs.stack.local_nats import SYNC_INTERVAL
 
 GATEWAY, DIRECT = "omnirelay", "vllm"
 TARGET_TITLES = {GATEWAY: "omnirelay", DIRECT: "vLLM direct"}
@@ -401,7 +401,7 @@ def _start_targets(
     procs: Processes, pipeline: PipelineConfig, opts: BenchOptions, data_dir: Path, core: int
 ) -> dict[str, Target]:
     """NATS, the omnirelay stack and the vLLM api_server; returns both targets once ready."""
-    from libs.common.local_nats import free_port, nats_server_argv
+    from libs.stack.local_nats import free_port, nats_server_argv
 
     nport, mport = free_port(), free_port()
     store = data_dir / "jetstream"

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from libs.common.local_nats import SYNC_INTERVAL, ClusterNode
 from libs.common.pipeline import PipelineConfig
+from libs.stack.local_nats import SYNC_INTERVAL, ClusterNode
 
 DEFAULT_PIPELINE = Path(__file__).resolve().parents[1] / "compose" / "pipelines" / "text-only.yaml"
 PROMPTS = (
@@ -415,7 +415,7 @@ def start_stack(
     """Start NATS (one server, or a cluster of ``nats_nodes``, with JetStream's ``sync_interval``)
     and ``omnirelay up`` (from checkout ``tree``, default this one) with ``up_args``; their files
     go under ``data_dir/name``. Returns once the stack is up."""
-    from libs.common.local_nats import client_urls, cluster_argvs, cluster_nodes, free_port, nats_server_argv
+    from libs.stack.local_nats import client_urls, cluster_argvs, cluster_nodes, free_port, nats_server_argv
 
     root = data_dir / name.replace(" ", "-")
     nodes: tuple[ClusterNode, ...] = ()

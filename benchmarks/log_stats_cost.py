@@ -30,8 +30,8 @@ from benchmarks.harness import (
     start_stack,
     timed_request,
 )
-from libs.common.bus_state import snapshot
 from libs.common.pipeline import load_pipeline
+from libs.stack.bus_state import snapshot
 
 OFF, ON = "log-stats off", "log-stats on"
 PROMPT = "Describe the harbour at dawn in a few sentences."

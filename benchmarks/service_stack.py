@@ -7,7 +7,7 @@ faults into such a stack (``--mode up``, the default, into ``omnirelay up``, who
 restarts a process itself).
 
 The commands and environments are the launcher's and the compose file's
-(:func:`libs.common.process_plan.plan_services`; NATS: :mod:`libs.common.local_nats`). As in a
+(:func:`libs.stack.process_plan.plan_services`; NATS: :mod:`libs.stack.local_nats`). As in a
 container, whatever a service started (vLLM's EngineCore) dies with it: its process group is
 killed when it exits.
 
@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.harness import Managed, Processes, log, wait_http_ok
-from libs.common.local_nats import (
+from libs.common.pipeline import PipelineConfig, load_pipeline
+from libs.stack.local_nats import (
     SYNC_INTERVAL,
     ClusterNode,
     client_urls,
@@ -39,8 +40,7 @@ from libs.common.local_nats import (
     free_port,
     nats_server_argv,
 )
-from libs.common.pipeline import PipelineConfig, load_pipeline
-from libs.common.process_plan import plan_services
+from libs.stack.process_plan import plan_services
 
 RESTART_FIRST_DELAY_S = 0.1
 """Docker's restart back-off (moby's restart manager): the first delay, seconds ..."""

@@ -346,7 +346,7 @@ def _stack_side(procs: Processes, name: str, tree: Path | None, env: dict[str, s
 
 def _start_reference(procs: Processes, name: str):
     """The reference server (not yet waited for); returns (process, port)."""
-    from libs.common.local_nats import free_port
+    from libs.stack.local_nats import free_port
 
     port = free_port()
     argv = [sys.executable, "-m", "benchmarks.sse_reference", "--port", str(port)]

@@ -67,8 +67,8 @@ from benchmarks.harness import (
     run_load,
     while_active,
 )
-from libs.common.local_nats import SYNC_INTERVAL
 from libs.common.pipeline import PipelineConfig, load_pipeline
+from libs.stack.local_nats import SYNC_INTERVAL
 
 TITLES = {GATEWAY: "omnirelay", DIRECT: "vLLM"}
 

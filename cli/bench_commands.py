@@ -11,8 +11,8 @@ from typing import Annotated
 import typer
 
 from cli.params import sync_interval
-from libs.common.local_nats import SYNC_INTERVAL
 from libs.common.pipeline import PipelineConfigError, load_pipeline
+from libs.stack.local_nats import SYNC_INTERVAL
 
 bench_app = typer.Typer()
 """Holds the bench commands until :mod:`cli.main` takes them over (same names, same options)."""

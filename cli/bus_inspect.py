@@ -14,8 +14,8 @@ import time
 from typing import Any
 
 from cli.stack_file import NatsTarget, probe_nats, unreachable_message
-from libs.common.bus_state import request_record, snapshot
 from libs.common.pipeline import PipelineConfig
+from libs.stack.bus_state import request_record, snapshot
 
 
 def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:

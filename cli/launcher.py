@@ -1,7 +1,7 @@
 """``omnirelay up``: the whole stack as local processes, with prefixed logs, a process that dies
 restarted with back-off, and a clean Ctrl-C.
 
-The process plan (:func:`plan_services`, from :mod:`libs.common.process_plan`) is a pure function of
+The process plan (:func:`plan_services`, from :mod:`libs.stack.process_plan`) is a pure function of
 the pipeline and options so the compose file can be checked against it: same commands, same
 environment.
 """
@@ -21,7 +21,9 @@ from pathlib import Path
 import httpx
 
 from cli.stack_file import remove_stack_file, this_process, write_stack_file
-from libs.common.local_nats import (
+from libs.common.nats_identities import OPERATOR, worker_identity
+from libs.common.pipeline import PipelineConfig
+from libs.stack.local_nats import (
     SYNC_INTERVAL,
     client_urls,
     cluster_argvs,
@@ -29,10 +31,8 @@ from libs.common.local_nats import (
     free_port,
     nats_server_argv,
 )
-from libs.common.nats_identities import OPERATOR, worker_identity
-from libs.common.nats_security import SECRETS_DIR, NatsSecurity, prepare
-from libs.common.pipeline import PipelineConfig
-from libs.common.process_plan import ServiceSpec, plan_services
+from libs.stack.nats_security import SECRETS_DIR, NatsSecurity, prepare
+from libs.stack.process_plan import ServiceSpec, plan_services
 
 STOP_TIMEOUT_S = 20.0
 HEALTH_TIMEOUT_S = 600.0

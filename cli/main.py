@@ -18,11 +18,11 @@ from cli.bench_commands import bench_app
 from cli.nats_commands import nats_app
 from cli.params import sync_interval
 from cli.stack_file import DEFAULT_DATA_DIR
-from libs.common.local_nats import SYNC_INTERVAL
 from libs.common.logs import setup_logging
 from libs.common.pipeline import PipelineConfigError, load_pipeline
 from libs.common.runtime import run_service, yield_on_wakeup
 from libs.common.settings import GatewaySettings, OrchestratorSettings, ServiceSettings, WorkerSettings
+from libs.stack.local_nats import SYNC_INTERVAL
 
 app = typer.Typer(
     no_args_is_help=True,

@@ -11,8 +11,8 @@ from typing import Annotated
 
 import typer
 
-from libs.common.nats_security import prepare
 from libs.common.pipeline import PipelineConfigError, load_pipeline
+from libs.stack.nats_security import prepare
 
 nats_app = typer.Typer()
 """Holds the command until :mod:`cli.main` takes it over."""

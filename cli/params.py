@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from libs.common.local_nats import check_sync_interval
+from libs.stack.local_nats import check_sync_interval
 
 
 def sync_interval(value: str) -> str:

@@ -17,7 +17,6 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerInfo
 
 from libs.common.bus import services_kv
-from libs.common.bus_state import snapshot
 from libs.common.envelopes import ClientEvent, Liveness, ResumePoint, StageTask, decode, unpack_batch
 from libs.common.publish import Hop, publish_task
 from libs.common.registry import ServiceKind, ServiceRecord
@@ -30,6 +29,7 @@ from libs.common.subjects import (
     kv_subject,
     max_deliveries_advisory,
 )
+from libs.stack.bus_state import snapshot
 from tests.procs import stop_confirmed, until
 
 E = TypeVar("E")

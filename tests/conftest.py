@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from libs.common import tracing
-from libs.common.local_nats import free_port, nats_server_argv, raise_broker_share
 from libs.common.runtime import freeze_startup_heap
+from libs.stack.local_nats import free_port, nats_server_argv, raise_broker_share
 from tests import needs
 from tests.broker_watch import BrokerWatch
 from tests.procs import STARTED, stop_left

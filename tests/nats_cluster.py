@@ -1,4 +1,4 @@
-"""A 3-node JetStream cluster of real nats-servers for the tests (``libs.common.local_nats``,
+"""A 3-node JetStream cluster of real nats-servers for the tests (``libs.stack.local_nats``,
 ``sync_interval`` ``always``), as ``omnirelay up --nats-nodes 3`` starts it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from libs.common.local_nats import ClusterNode, cluster_argvs, cluster_nodes, raise_broker_share
+from libs.stack.local_nats import ClusterNode, cluster_argvs, cluster_nodes, raise_broker_share
 
 HEALTHY_TIMEOUT_S = 20.0
 """How long each node may take to answer ``/healthz`` with 200 after the start, seconds."""

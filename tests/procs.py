@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from benchmarks.harness import descendants
-from libs.common.local_nats import free_port
+from libs.stack.local_nats import free_port
 
 T = TypeVar("T")
 

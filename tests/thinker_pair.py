@@ -17,8 +17,8 @@ from pathlib import Path
 import nats
 from nats.errors import Error as NatsError
 
-from libs.common.local_nats import free_port
 from libs.common.subjects import Subjects
+from libs.stack.local_nats import free_port
 from tests.procs import THINKER_YAML, ServiceProcess, start_service, stop_all, write_pipeline
 
 PIPELINE = "thinkerpair"

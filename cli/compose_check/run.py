@@ -23,9 +23,9 @@ from cli.compose_check.images import (
     standin,
 )
 from cli.compose_check.stack import Stack
-from libs.common.local_nats import free_port
 from libs.common.pipeline import load_pipeline
 from libs.common.subjects import BUCKETS, Subjects, kv_stream
+from libs.stack.local_nats import free_port
 
 IMAGE = "omnirelay:cpu"
 HEALTHY_S = 900.0

@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from cli.stack_file import read_live_stack
-from libs.common.local_nats import free_port
 from libs.common.pipeline import load_pipeline
+from libs.stack.local_nats import free_port
 from tests.conftest import NatsServer
 from tests.e2e.prometheus_events import dead_lettered, events  # noqa: F401 (fixtures of test_prometheus.py)
 from tests.e2e.prometheus_server import prom  # noqa: F401 (a fixture of test_prometheus.py)

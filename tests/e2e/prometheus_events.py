@@ -24,10 +24,10 @@ import openai
 import pytest
 
 from libs.common import headers as h
-from libs.common.bus_state import request_record, snapshot
 from libs.common.envelopes import ClientEvent, ClientEventType, NdArray, StageTask, TaskKind, decode
 from libs.common.publish import Hop, publish_task
 from libs.common.subjects import Subjects
+from libs.stack.bus_state import request_record, snapshot
 from tests.bus import await_replacement, dead_letter
 from tests.e2e.prometheus_server import eventually
 from tests.procs import (

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from libs.common.local_nats import free_port
+from libs.stack.local_nats import free_port
 from tests import needs
 from tests.procs import stop_process
 

@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from libs.common.local_nats import free_port
 from libs.common.pipeline import DEFAULT_PIPELINE_PATH
+from libs.stack.local_nats import free_port
 from tests.metrics_scrape import scrape, total
 from tests.procs import ServiceProcess, start_service, stop_process
 

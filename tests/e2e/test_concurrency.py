@@ -16,9 +16,9 @@ import nats
 import openai
 import pytest
 
-from libs.common.bus_state import request_record
 from libs.common.envelopes import ClientEvent, ClientEventType
 from libs.common.subjects import Subjects
+from libs.stack.bus_state import request_record
 from tests.bus import client_events
 
 pytestmark = pytest.mark.e2e

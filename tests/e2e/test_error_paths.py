@@ -15,7 +15,7 @@ import time
 import openai
 import pytest
 
-from libs.common.bus_state import request_record, snapshot
+from libs.stack.bus_state import request_record, snapshot
 from tests.metrics_scrape import delta, scrape, total
 
 pytestmark = pytest.mark.e2e

@@ -13,8 +13,8 @@ import nats
 import pytest
 
 from libs.common import headers as h
-from libs.common.bus_state import request_record, snapshot
 from libs.common.subjects import Subjects, consumer_name
+from libs.stack.bus_state import request_record, snapshot
 
 pytestmark = pytest.mark.e2e
 

@@ -29,9 +29,9 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 from schemathesis import GenerationMode
 
-from libs.common.bus_state import snapshot
-from libs.common.local_nats import free_port
 from libs.common.pipeline import DEFAULT_PIPELINE_PATH
+from libs.stack.bus_state import snapshot
+from libs.stack.local_nats import free_port
 from tests.procs import ServiceProcess, start_service, stop_process
 
 pytestmark = pytest.mark.e2e

@@ -24,9 +24,9 @@ import openai
 import pytest
 
 from libs.common import headers as h
-from libs.common.bus_state import request_record, snapshot
 from libs.common.envelopes import StageTask, decode
 from libs.common.subjects import Subjects
+from libs.stack.bus_state import request_record, snapshot
 from tests.bus import client_events
 from tests.metrics_scrape import Samples, delta, scrape, total
 from tests.procs import process_state, stop_confirmed, worker_pid

@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from libs.common.bus_state import request_record
 from libs.models.tiny import resolve_model
+from libs.stack.bus_state import request_record
 
 pytestmark = pytest.mark.e2e
 

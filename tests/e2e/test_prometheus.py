@@ -30,10 +30,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from libs.common import headers as h
-from libs.common.bus_state import request_record
 from libs.common.envelopes import StageTask, decode
 from libs.common.metrics_catalog import ENGINE_PROCESSES
 from libs.common.subjects import Subjects
+from libs.stack.bus_state import request_record
 from tests.e2e.prometheus_events import (
     SR,
     audio_stream,

@@ -22,7 +22,7 @@ from nats.js.errors import KeyNotFoundError
 from openai import AsyncOpenAI
 
 from libs.common.bus import requests_kv
-from libs.common.bus_state import request_record, snapshot
+from libs.stack.bus_state import request_record, snapshot
 from tests.bus import await_replacement
 from tests.metrics_scrape import delta, scrape
 from tests.procs import kill_confirmed, stop_confirmed, until, worker_pid

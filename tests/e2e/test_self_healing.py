@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from benchmarks.harness import descendants
-from libs.common.bus_state import snapshot
+from libs.stack.bus_state import snapshot
 from tests.bus import await_replacement
 from tests.procs import gone, worker_pid
 

@@ -15,7 +15,7 @@ import numpy as np
 import openai
 import pytest
 
-from libs.common.bus_state import request_record
+from libs.stack.bus_state import request_record
 from tests.e2e.test_openai_api import SAMPLE_RATE, expected_audio_samples
 
 pytestmark = pytest.mark.e2e

@@ -13,7 +13,7 @@ import openai
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from libs.common.bus_state import request_record, snapshot
+from libs.stack.bus_state import request_record, snapshot
 
 pytestmark = pytest.mark.e2e
 

@@ -27,9 +27,9 @@ from nats.js.errors import ServiceUnavailableError
 from openai import AsyncOpenAI
 
 from libs.common.bus import connect
-from libs.common.bus_state import request_record
-from libs.common.local_nats import client_urls, free_port
 from libs.common.subjects import Subjects
+from libs.stack.bus_state import request_record
+from libs.stack.local_nats import client_urls, free_port
 from tests.conftest import NatsServer
 from tests.e2e.test_replica_death import Seen, _stream
 from tests.nats_cluster import node_of

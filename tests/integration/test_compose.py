@@ -40,10 +40,10 @@ import yaml
 
 from cli.launcher import plan_services
 from libs.common.bus import replicas_for, server_urls
-from libs.common.local_nats import SYNC_INTERVAL, free_port, nats_server_argv, nats_server_binary
-from libs.common.nats_security import prepare
 from libs.common.pipeline import StageType, load_pipeline
 from libs.common.settings import ServiceSettings
+from libs.stack.local_nats import SYNC_INTERVAL, free_port, nats_server_argv, nats_server_binary
+from libs.stack.nats_security import prepare
 from tests import needs
 
 pytestmark = pytest.mark.integration

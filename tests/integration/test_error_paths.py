@@ -30,10 +30,10 @@ import openai
 import pytest
 from nats.js.errors import NotFoundError
 
-from libs.common.bus_state import request_record
 from libs.common.envelopes import Admission, decode
-from libs.common.local_nats import free_port
 from libs.common.subjects import Subjects
+from libs.stack.bus_state import request_record
+from libs.stack.local_nats import free_port
 from tests.bus import played_worker
 from tests.conftest import NatsServer
 from tests.metrics_scrape import delta, scrape

@@ -19,9 +19,9 @@ import openai
 import pytest
 
 from libs.common.envelopes import ClientEvent, ClientEventType, NdArray, StageTask, TaskKind, Usage
-from libs.common.local_nats import free_port
 from libs.common.publish import Hop, publish_task
 from libs.common.subjects import Subjects
+from libs.stack.local_nats import free_port
 from tests.bus import played_worker
 from tests.metrics_scrape import delta, scrape
 from tests.procs import (

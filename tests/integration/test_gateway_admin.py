@@ -19,9 +19,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from libs.common.bus import bucket_keys, services_kv
-from libs.common.local_nats import free_port
 from libs.common.registry import ServiceRecord
 from libs.common.subjects import SERVICES_BUCKET
+from libs.stack.local_nats import free_port
 from tests.metrics_scrape import scrape, total
 from tests.procs import THINKER_YAML, ServiceProcess, start_service, until, write_pipeline
 

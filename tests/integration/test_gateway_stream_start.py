@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from libs.common.envelopes import AbortNotice, Admission, ClientEvent, ClientEventType, Usage, decode
-from libs.common.local_nats import free_port
 from libs.common.subjects import Subjects
+from libs.stack.local_nats import free_port
 from tests.procs import THINKER_YAML, start_service, write_pipeline
 
 pytestmark = pytest.mark.integration

@@ -31,8 +31,8 @@ from cli.stack_file import (
     write_stack_file,
 )
 from libs.common.bus import ensure_topology
-from libs.common.local_nats import free_port
 from libs.common.subjects import Subjects
+from libs.stack.local_nats import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -42,8 +42,8 @@ from libs.common.envelopes import (
     pack_batch,
     unpack_batch,
 )
-from libs.common.local_nats import free_port
 from libs.common.subjects import BATCH_TOKEN, EVENT_KINDS, Subjects
+from libs.stack.local_nats import free_port
 from tests.client_streams import (
     Seen,
     Wire,

@@ -19,9 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from vllm.tokenizers import get_tokenizer
 
 from libs.common.envelopes import ClientEvent, decode, unpack_batch
-from libs.common.local_nats import free_port
 from libs.common.subjects import Subjects
 from libs.models.tiny import resolve_model
+from libs.stack.local_nats import free_port
 from services.stage_worker.mock_engine import token_cycle
 from tests.procs import ServiceProcess, start_service, until, write_pipeline
 

@@ -1,4 +1,4 @@
-"""A 3-node JetStream cluster of real nats-servers (``libs.common.local_nats``, ``sync_interval``
+"""A 3-node JetStream cluster of real nats-servers (``libs.stack.local_nats``, ``sync_interval``
 ``always``): the pipeline's streams and KV buckets get 3 replicas, and ``kill -9`` of the leader of
 a work-queue stream while messages are published and consumed loses no acknowledged message and
 delivers none twice; clients given every server URL go on, KV included.
@@ -24,8 +24,8 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig
 
 from libs.common.bus import connect, ensure_topology, requests_kv, server_urls
-from libs.common.local_nats import client_urls
 from libs.common.subjects import EVICTIONS_BUCKET, REQUESTS_BUCKET, SERVICES_BUCKET, Subjects
+from libs.stack.local_nats import client_urls
 from tests.nats_cluster import Node, node_of
 from tests.procs import gone, until
 

@@ -1,6 +1,6 @@
 """The NATS identities as shipped: ``omnirelay up`` (text-only pipeline, its thinker on the mock
 engine: the bus plumbing is the same) starts its nats-server with the configuration it generates
-(libs/common/nats_security.py) and gives each service its identity; the attacks below run against that server with the secrets ``up`` wrote, and
+(libs/stack/nats_security.py) and gives each service its identity; the attacks below run against that server with the secrets ``up`` wrote, and
 a real request goes through the stack they protect.
 
 Every refusal is shown two ways: the server's permissions violation reaches the client's error
@@ -32,12 +32,12 @@ from nats.js.api import ConsumerConfig
 
 from cli.stack_file import StackInfo, read_live_stack
 from libs.common.bus import bucket_keys, connect, ensure_topology, server_urls
-from libs.common.local_nats import free_port, nats_server_argv
 from libs.common.nats_credentials import auth_from
-from libs.common.nats_security import SECRETS_DIR, NatsSecurity, prepare
-from libs.common.nats_tls import ensure_ca
 from libs.common.pipeline import load_pipeline
 from libs.common.subjects import SERVICES_BUCKET, Subjects
+from libs.stack.local_nats import free_port, nats_server_argv
+from libs.stack.nats_security import SECRETS_DIR, NatsSecurity, prepare
+from libs.stack.nats_tls import ensure_ca
 from tests.client_streams import ended, until_record
 from tests.conftest import wait_port
 from tests.procs import stop_process

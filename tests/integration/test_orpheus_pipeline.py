@@ -39,9 +39,9 @@ import pytest
 from benchmarks.harness import descendants
 from libs.common.bus import requests_kv
 from libs.common.envelopes import StageTask
-from libs.common.local_nats import free_port
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt
 from libs.models.tiny import resolve_model
+from libs.stack.local_nats import free_port
 from services.stage_worker.codecs import load_codec_adapter
 from services.stage_worker.engine_health import ENGINE_DEAD_EXIT_STATUS
 from tests.client_streams import record

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from libs.common.envelopes import ClientEvent, ClientEventType, NdArray, StageTask, TaskKind
-from libs.common.local_nats import free_port
 from libs.common.publish import Hop, publish_task
 from libs.common.subjects import Subjects, consumer_name
 from libs.common.tracing import start_span
+from libs.stack.local_nats import free_port
 from tests.bus import collect, consumer_holds, dead_letter
 from tests.metrics_scrape import delta, scrape, total
 from tests.otlp_receiver import Receiver, start_receiver, tracing_in_this_process

@@ -72,6 +72,10 @@ PLANTED = {
         "from services.orchestrator import routing",
     ),
     "libs is the bottom layer": ("libs/common/subjects.py", "import benchmarks.harness"),
+    "the services and their contract import no stack tooling": (
+        "libs/common/bus.py",
+        "from libs.stack import local_nats",
+    ),
     "services import no operator tools": ("services/orchestrator/routing.py", "from cli import launcher"),
     "benchmarks import no operator tools": ("benchmarks/bus_hop.py", "from cli import bus_inspect"),
     # the circle this layout removed: the handler factory and a handler importing each other

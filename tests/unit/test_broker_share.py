@@ -1,11 +1,11 @@
-"""The broker's session gets a higher CPU weight than the others (libs/common/local_nats.py)."""
+"""The broker's session gets a higher CPU weight than the others (libs/stack/local_nats.py)."""
 
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
 
-from libs.common.local_nats import BROKER_AUTOGROUP_NICE, raise_broker_share
+from libs.stack.local_nats import BROKER_AUTOGROUP_NICE, raise_broker_share
 
 
 def test_a_process_in_a_session_of_its_own_gets_the_brokers_autogroup_nice() -> None:

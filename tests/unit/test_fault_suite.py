@@ -24,7 +24,7 @@ from benchmarks.fault_suite import (
 )
 from benchmarks.service_stack import Service, restart_delay_s
 from libs.common.pipeline import load_pipeline
-from libs.common.process_plan import plan_services
+from libs.stack.process_plan import plan_services
 from tests.procs import until
 
 

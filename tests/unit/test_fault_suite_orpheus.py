@@ -27,8 +27,8 @@ from benchmarks.fault_pipelines import ORPHEUS_FAULTS, pipelines
 from benchmarks.fault_suite import Row, render, replaced_by_a_new_process
 from libs.common.envelopes import NdArray, StageTask, TaskKind
 from libs.common.pipeline import load_pipeline
-from libs.common.process_plan import plan_services
 from libs.models.tiny_snac import CODEBOOK_SIZE, build_tiny_snac
+from libs.stack.process_plan import plan_services
 from services.stage_worker.chunking import FrameChunker
 from services.stage_worker.codecs.snac import CONTEXT_FRAMES, SnacCodecAdapter
 

@@ -8,8 +8,8 @@ import socket
 
 import pytest
 
-from libs.common import local_nats
-from libs.common.local_nats import LOWEST_FREE_PORT, free_port
+from libs.stack import local_nats
+from libs.stack.local_nats import LOWEST_FREE_PORT, free_port
 
 
 def test_ports_are_below_the_ephemeral_range_free_and_never_repeated() -> None:

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from fastapi import FastAPI, Request
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from libs.common.local_nats import free_port
 from libs.common.settings import GatewaySettings
+from libs.stack.local_nats import free_port
 from services.gateway.app import server_options
 from services.gateway.http_protocol import HEAD_TOO_LARGE
 from tests.gateway_stubs import served

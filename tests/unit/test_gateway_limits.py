@@ -21,11 +21,11 @@ import pytest
 from fastapi import FastAPI
 
 from libs.common.envelopes import Admission, ClientEvent, ClientEventType, Usage
-from libs.common.local_nats import free_port
 from libs.common.metrics_catalog import Exporter, MetricSet
 from libs.common.pipeline import load_pipeline
 from libs.common.settings import GatewaySettings
 from libs.models.tiny import resolve_model
+from libs.stack.local_nats import free_port
 from services.gateway.app import server_options
 from services.gateway.errors import APIError, response_of
 from services.gateway.limits import InputLimits

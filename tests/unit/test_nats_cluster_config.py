@@ -12,14 +12,14 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from libs.common.bus import MAX_REPLICAS, replicas_for, server_urls
-from libs.common.local_nats import (
+from libs.common.settings import ServiceSettings
+from libs.stack.local_nats import (
     ClusterNode,
     check_sync_interval,
     client_urls,
     cluster_config,
     nats_server_argv,
 )
-from libs.common.settings import ServiceSettings
 
 
 @pytest.mark.parametrize("value", ["always", "1s", "500ms", "2m", "1h"])

@@ -1,5 +1,5 @@
 """The NATS identities of a pipeline (libs/common/nats_identities.py) and their secrets
-(libs/common/nats_secrets.py).
+(libs/stack/nats_secrets.py).
 
 The expected allow lists are written out here from the subjects and JetStream calls the services'
 code makes (services/*/ and libs/common/bus.py, registry.py, consumer.py; nats-py's API subjects),
@@ -18,11 +18,11 @@ from pathlib import Path
 import bcrypt
 import pytest
 
-from libs.common.local_nats import nats_server_binary
 from libs.common.nats_credentials import NatsCredentials
 from libs.common.nats_identities import identities
-from libs.common.nats_secrets import authorization_block, ensure_passwords, password_file
 from libs.common.pipeline import load_pipeline
+from libs.stack.local_nats import nats_server_binary
+from libs.stack.nats_secrets import authorization_block, ensure_passwords, password_file
 
 REPO = Path(__file__).resolve().parents[2]
 STREAMS = ["OMNI_OMNI_REQUESTS", "OMNI_OMNI_STAGES", "OMNI_OMNI_EVENTS"]

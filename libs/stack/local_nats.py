@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from libs.common.nats_secrets import ROUTE_USER, write_private
+from libs.stack.nats_secrets import ROUTE_USER, write_private
 
 SYNC_INTERVAL = "always"
 """``sync_interval`` of the servers ``omnirelay up`` starts: fsync after every write."""
@@ -120,7 +120,7 @@ def nats_server_argv(
     """``nats-server`` with JetStream storing in ``store``, on loopback, with its monitoring port.
 
     With ``sync_interval`` or ``security`` (configuration text: the identities' ``authorization``
-    block, a ``tls`` block; :mod:`libs.common.nats_secrets`) the server reads them from
+    block, a ``tls`` block; :mod:`libs.stack.nats_secrets`) the server reads them from
     ``store/nats-server.conf``, written here readable by its owner only (there is no command-line
     flag for them); without, nats-server's default sync interval
     (:data:`NATS_DEFAULT_SYNC_INTERVAL`) and no authorization, as for the tests' throw-away servers.

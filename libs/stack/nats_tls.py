@@ -3,7 +3,7 @@ clients' port and the cluster routes), and, for mutual TLS, a client certificate
 
 Keys are ECDSA P-256; certificates last :data:`VALIDITY_DAYS`. Files that exist are kept (a
 restart keeps the CA every client trusts); deleting ``ca/`` and restarting re-issues everything
-(docs/security.md, "Rotating"). Written with :func:`libs.common.nats_secrets.write_private`.
+(docs/security.md, "Rotating"). Written with :func:`libs.stack.nats_secrets.write_private`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from libs.common.nats_secrets import write_private
+from libs.stack.nats_secrets import write_private
 
 VALIDITY_DAYS = 825
 CA_NAME = "omnirelay NATS CA"

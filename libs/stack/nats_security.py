@@ -2,7 +2,7 @@
 configuration blocks that check them, and TLS — what ``omnirelay up`` and the compose
 ``nats-init`` service (``omnirelay nats-secrets``) generate, and what a service is given.
 
-Files (:mod:`libs.common.nats_secrets` for the layout), written on first start and kept:
+Files (:mod:`libs.stack.nats_secrets` for the layout), written on first start and kept:
 
 - ``<root>/<identity>/password`` (and, with TLS, ``ca.pem``; with mutual TLS ``cert.pem``,
   ``key.pem``): what the service of that identity reads; nothing else is in its directory, so a
@@ -21,15 +21,15 @@ from pathlib import Path
 
 from libs.common.nats_credentials import NatsAuth, auth_from
 from libs.common.nats_identities import OPERATOR, identities
-from libs.common.nats_secrets import (
+from libs.common.pipeline import PipelineConfig
+from libs.stack.nats_secrets import (
     authorization_block,
     ensure_passwords,
     route_password,
     tls_block,
     write_private,
 )
-from libs.common.nats_tls import CertFiles, ensure_ca, issue
-from libs.common.pipeline import PipelineConfig
+from libs.stack.nats_tls import CertFiles, ensure_ca, issue
 
 SECRETS_DIR = "nats-secrets"
 """The directory under ``omnirelay up``'s data directory."""
