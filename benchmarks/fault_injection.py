@@ -341,7 +341,10 @@ class Injector:
             done = await signal_and_verify([service.pid], signal.SIGKILL)
             pid, state = done.pids[0], proc_state(done.pids[0])
         else:
-            (managed,) = [m for m in self.procs.items if m.name == f"{victim} ({self.stack.name})"]
+            # The node's live process: a node killed by an earlier row runs as its restart now.
+            (managed,) = [
+                m for m in self.procs.items if m.name.startswith(f"{victim} (") and m.proc.poll() is None
+            ]
             pid = managed.proc.pid
             os.kill(pid, signal.SIGKILL)
             managed.proc.wait(5)

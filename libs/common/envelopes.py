@@ -36,8 +36,7 @@ Id = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$", max_length=MAX_ID_
 """A request or gateway id: one NATS subject token and KV key (``subjects.check_token``). Services
 put these ids into subjects (``out.<gateway>.<request>``) and KV keys; one with a space, a dot or
 a wildcard, or longer than the server's control line, would make the server close the publishing
-connection (found by the bus fuzzer, tests/e2e/test_fuzz_bus.py), so a message carrying one is
-malformed."""
+connection (tests/e2e/test_fuzz_bus.py), so a message carrying one is malformed."""
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 

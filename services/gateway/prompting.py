@@ -25,8 +25,7 @@ class Tokenizer:
 
     def chat(self, messages: list[dict[str, str]]) -> list[int]:
         """The prompt's tokens; 400 ``invalid_request`` on ``messages`` when the model's chat
-        template refuses them (a role it does not take, such as ``tool``: found by the schema
-        fuzzer, tests/e2e/test_fuzz_http.py, as a 500)."""
+        template refuses them (a role it does not take, such as ``tool``; tests/e2e/test_fuzz_http.py)."""
         from jinja2 import TemplateError
 
         try:
@@ -135,7 +134,7 @@ def sampling_for(req: ChatCompletionRequest | CompletionRequest, max_tokens: int
     if req.n != 1:
         raise bad_request("only n=1 is supported", "n")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if "" in stop:  # vLLM refuses it in the worker: a 500 stage_error before (found by the schema fuzzer)
+    if "" in stop:  # vLLM would refuse it in the worker, as a stage error
         raise bad_request("stop cannot contain an empty string", "stop")
     return Sampling(
         max_tokens=max_tokens,

@@ -142,8 +142,7 @@ class Admissions:
         entry = adm.entry_stage
         if entry and (not adm.audio or entry >= len(self.ctx.pipeline.stages) or not adm.text_chunks):
             # Only a speech request enters later, with audio and its text (the gateway's own); an
-            # admission that would send nothing is no request (found by the bus fuzzer: an
-            # IndexError below, the admission delivered again and again).
+            # admission that would send nothing is no request (tests/e2e/test_fuzz_bus.py).
             raise MalformedMessage(
                 f"entry stage {entry} with audio={adm.audio} and {len(adm.text_chunks)} text chunks",
                 "bad_entry",

@@ -56,8 +56,8 @@ RESUME_TIMEOUT_S = 2.0
 """How long a move waits for the request's gateway to say where the client's stream stands, seconds."""
 REROUTE_TRIES = 3
 """How many times a move asks an upstream worker to hold or release a request's chunks, or the
-gateway where the client's stream stands, before it takes the silence for a death (a gateway
-starved for 4 s missed one 2 s question in the fault suite, and 4 streams failed ``replica_lost``)."""
+gateway where the client's stream stands, before it takes the silence for a death: a process
+starved of its core for seconds misses one question, not three."""
 MOVE_CHECK_PERIOD_S = 0.5
 """How often an orchestrator looks for moves whose claimer died before carrying them out, seconds."""
 MOVE_TAKEOVER_S = 0.5

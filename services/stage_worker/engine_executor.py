@@ -11,8 +11,8 @@ shared-memory queue between the last two, whose readers busy-wait after each mes
 Here the EngineCore runs the model itself (vLLM's ``UniProcExecutor``, which vLLM uses by default
 for one GPU), and it is started with exactly the OpenMP environment vLLM's executor would have
 given its worker (vLLM's own ``OMPProcessManager``, from ``VLLM_CPU_OMP_THREADS_BIND``): the same
-binding, one process fewer. Measured on this 2-core box with the tiny thinker (2026-11-28): an
-engine ready in 8.2 s instead of 14.9 s (two starts each), the same greedy tokens. Nothing changes
+binding, one process fewer (on a 2-core box with the tiny thinker an engine is ready in 8.2 s
+instead of 14.9 s, with the same greedy tokens). Nothing changes
 where vLLM would not use its multiprocessing executor for one rank anyway (a GPU), where an engine
 has more than one rank, or where the stage's engine args name an executor
 (``distributed_executor_backend`` in ``extra``).
