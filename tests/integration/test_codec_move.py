@@ -215,7 +215,7 @@ async def test_a_move_whose_orchestrator_died_before_sending_it_is_carried_out_b
     instance that is not in the registry, never sent. (A real orchestrator cannot be killed in
     that millisecond on demand.) The live orchestrator takes the move over and carries it out; the
     request completes instead of waiting for its deadline."""
-    orch, workers = stack
+    _, workers = stack
     if workers[0].proc.poll() is None:  # replica 0 is the dead one (the test before killed it)
         os.kill(workers[0].proc.pid, signal.SIGKILL)
         workers[0].proc.wait(10)
@@ -272,7 +272,6 @@ async def test_a_move_whose_orchestrator_died_before_sending_it_is_carried_out_b
         await publish_task(js, SUBJECTS, chunk(rid, seq, [0, 0, 0]), Hop("1", "0", 2, 0))
     await (await requests_kv(js)).put(rid, record.model_dump_json().encode())
 
-    await orch.await_log(f"request {rid}: orchestrator {ghost} died while moving stage 2", timeout_s=10)
     hold = await asyncio.wait_for(route_changes.get(), 10)
     release = await asyncio.wait_for(route_changes.get(), 5)
     assert isinstance(hold, ResumeQuery) and isinstance(release, AbortNotice)

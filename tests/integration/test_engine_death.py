@@ -59,6 +59,7 @@ from tests.procs import (
     process_state,
     stop_all,
     stop_confirmed,
+    until,
 )
 from tests.thinker_pair import MODEL, PIPELINE, STALL_TIMEOUT_S, ThinkerPair
 
@@ -250,6 +251,12 @@ async def test_a_killed_engine_core_moves_the_requests_and_its_worker_exits(stac
     )
 
 
+async def _holds_none(nc: Client, replica: int) -> bool:
+    """Whether thinker ``replica`` says, in its liveness answer, that it holds no request."""
+    reply = await nc.request(Subjects(PIPELINE).alive(0, replica), b"", timeout=PROBE_WAIT_S)
+    return decode(Liveness, reply.data).in_flight == 0
+
+
 async def _probe_until(run: Run, replica: int, done: asyncio.Task[set[str]]) -> list[tuple[float, Liveness]]:
     """Ask thinker ``replica``'s liveness subject every 0.25 s, as the orchestrators do, until
     ``done`` is; its answers with when they came (``time.monotonic()``; a probe left unanswered
@@ -291,7 +298,7 @@ async def test_a_hung_engine_core_moves_the_requests_and_its_worker_gives_up_on_
     # a stall timeout apart (a verdict of silence needs that much), and until a verdict was
     # possible (a stall timeout after the stop; then its requests move and it stops them) it
     # was busy with its progress flat from a second after the stop (outputs on their way may
-    # still be counted); the orchestrator says so.
+    # still be counted).
     times = [t for t, _ in answers]
     assert max(b - a for a, b in itertools.pairwise(times)) < STALL_TIMEOUT_S, times
     before_verdict = [(t, a) for t, a in answers if t < stopped + STALL_TIMEOUT_S - 0.5]
@@ -299,11 +306,9 @@ async def test_a_hung_engine_core_moves_the_requests_and_its_worker_gives_up_on_
     assert len({a.progress for t, a in before_verdict if t >= stopped + 1.0}) == 1, [
         (t - stopped, a.progress) for t, a in answers
     ]
-    assert "its engine produced nothing while it had work" in stack.orchestrator.text()
     assert moved_after_s >= STALL_TIMEOUT_S - 0.5, f"moved {moved_after_s:.1f} s after the hang"
     assert code == ENGINE_HUNG_EXIT_STATUS
     assert exited_after_s >= HUNG_AFTER_STALLS * STALL_TIMEOUT_S - 0.5, exited_after_s
-    assert "the engine produced nothing for" in worker.text()
     for _ in range(20):
         if gone(core):
             break
@@ -339,8 +344,9 @@ async def test_a_stopped_replica_loses_its_requests_and_stops_them_after_sigcont
         # still queued on it were taken from its input and never started).
         under_way = {rid for rid in bound if records[rid].stages[0].attempts[1].phase == "in_progress"}
         assert under_way, [records[rid].stages[0].attempts[1].phase for rid in bound]
-        for rid in under_way:
-            await worker.await_log(f"request {rid} moved to another replica; stopping it here", timeout_s=30)
+        # Until the victim holds none of them: each was stopped there, or (a failure below)
+        # finished there.
+        await until(lambda: _holds_none(run.nc, victim), "the resumed replica let its moved requests go", 30)
         after = scrape(stack.pair.gateway_metrics)
     judge_moves(
         run.streams, run.wire, records, bound, [(1, victim, None), (2, 1 - victim, "stall")], UNDER_WAY_LONG

@@ -349,8 +349,6 @@ async def test_a_replica_death_judged_by_two_orchestrators_is_counted_once(
     ]
     assert sum(counted) == 1, counted
     assert len(evictions) == 1, evictions
-    lines = [line for o in orchestrators for line in o.proc.text().splitlines() if "is dead (exit" in line]
-    assert len(lines) == 1, lines
     assert (
         sum(
             total(a, "vllm:omni_requests_migrated_total") - total(b, "vllm:omni_requests_migrated_total")

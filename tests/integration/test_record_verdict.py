@@ -2,7 +2,7 @@
 (services/stage_worker/record_check.py, ``Worker._check_record``; docs/reliability.md step 11).
 
 A real nats-server and a real thinker worker (the mock engine: the real handler, publishing path
-and replay store, no model compute, paced so that a request lasts a while). The test plays the
+no model compute, paced so that a request lasts a while). The test plays the
 orchestrator: it writes each request's record the way the orchestrator's own move functions make
 it (``plan_move``/``apply_move``) and publishes stage 0's input. What it judges is what left the
 worker: client events on the request's ``out`` subject, chunks on each talker replica's input
@@ -10,7 +10,7 @@ subject, and whether the input was acknowledged.
 
 - A control request whose record agrees streams to its client: the worker serves, and fast.
 - An input of an attempt the record says the stage moved past is stopped: nothing of it reaches
-  the client, its input is acknowledged, the worker says why.
+  the client, and its input is acknowledged.
 - A request whose next stage moved while its input waited in the stream sends every chunk to
   that stage's current replica and attempt, none to the old one.
 """
@@ -127,7 +127,6 @@ async def test_an_input_of_an_attempt_the_stage_moved_past_sends_nothing_and_is_
     # The control streamed everything in ``took``; the stale request is given as long again.
     await asyncio.sleep(max(took, 0.5))
     assert events.empty(), f"{events.qsize()} client events of a refused start"
-    await worker.await_log(f"request {stale.request_id}: input dropped: attempt 1 is stale", timeout_s=10)
 
 
 async def test_chunks_go_to_the_next_stages_current_attempt_when_it_moved_in_the_stream(worker, nc) -> None:
@@ -147,4 +146,3 @@ async def test_chunks_go_to_the_next_stages_current_attempt_when_it_moved_in_the
     assert [c.seq for c in sent] == list(range(len(sent)))
     assert {(c.attempt, c.start_seq) for c in sent} == {(2, 0)}
     assert sum(len(c.token_ids) for c in sent) == TOKENS
-    await worker.await_log(f"request {rec.request_id}: stage 1 moved before it started here", timeout_s=10)
