@@ -19,7 +19,6 @@ TX_START_NS = "Omni-Tx-Start-Ns"
 TX_END_NS = "Omni-Tx-End-Ns"
 PAYLOAD_BYTES = "Omni-Payload-Bytes"
 TRACEPARENT = "traceparent"
-TRACESTATE = "tracestate"
 MSG_ID = "Nats-Msg-Id"
 
 FROM_ORCHESTRATOR = "orchestrator"

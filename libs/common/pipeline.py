@@ -7,7 +7,6 @@ names the file, the field and the reason.
 
 from __future__ import annotations
 
-import re
 from enum import StrEnum
 from pathlib import Path
 
@@ -237,11 +236,6 @@ class PipelineConfig(_Strict):
             ):
                 raise ValueError(f"stages[{i}] ('{s.name}'): a codec stage maps codec_codes → audio")
         return self
-
-    @property
-    def stream_suffix(self) -> str:
-        """Pipeline name as used in JetStream stream names (upper case, ``-`` → ``_``)."""
-        return re.sub(r"[^A-Z0-9_]", "_", self.name.upper())
 
     @property
     def audio_stage(self) -> int | None:

@@ -49,11 +49,6 @@ class CodecConfig:
         """Second upsampling factor (samples per coarse step)."""
         return self.samples_per_code // self.coarse_upsample
 
-    @property
-    def seconds_per_code(self) -> float:
-        """Audio duration covered by one code, in seconds."""
-        return self.samples_per_code / self.sample_rate
-
 
 class CodecDecoder(torch.nn.Module):
     """Codes [T] -> waveform [T * samples_per_code], float in [-PEAK_AMPLITUDE, PEAK_AMPLITUDE]."""

@@ -50,7 +50,6 @@ class Identity:
 
     stage: int
     replica: int
-    num_stages: int
 
 
 @dataclass

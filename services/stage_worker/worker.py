@@ -87,7 +87,7 @@ class StageWorker:
         self.settings = settings
         self.pipeline = pipeline
         self.stage_cfg = pipeline.stages[settings.stage]
-        self.me = Identity(settings.stage, settings.replica, len(pipeline.stages))
+        self.me = Identity(settings.stage, settings.replica)
         self.subjects = Subjects(pipeline.name)
         self.handler: StageHandler = make_handler(pipeline, settings)
         self.metrics = MetricSet(Exporter.WORKER, settings.log_stats)

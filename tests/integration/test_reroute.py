@@ -46,7 +46,7 @@ async def test_held_chunks_wait_and_then_go_to_the_new_replica(nats_server) -> N
             kind=TaskKind.CHUNK,
             seq=0,
         )
-        ctx = RequestContext(Identity(1, 0, 3), Bus(nc, js, SUBJECTS), first)
+        ctx = RequestContext(Identity(1, 0), Bus(nc, js, SUBJECTS), first)
         codes = NdArray.of(np.arange(4, dtype=np.int32))
         await ctx.downstream(codes=codes)
         assert await ctx.hold() == 1

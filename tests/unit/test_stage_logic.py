@@ -107,7 +107,7 @@ async def test_inbox_hands_out_in_sequence_and_rejects_duplicates() -> None:
 async def test_an_abort_stops_the_handler_even_when_its_cancellation_is_lost() -> None:
     """A cancellation that arrives together with a publish ack is dropped by Python 3.11's
     ``asyncio.wait_for`` (nats-py awaits acks with it); the request must stop at its next step."""
-    ctx = RequestContext(Identity(1, 0, 3), bus=None, first=_delivery(0).task)
+    ctx = RequestContext(Identity(1, 0), bus=None, first=_delivery(0).task)
     ack = asyncio.get_running_loop().create_future()
     steps: list[str] = []
 
@@ -252,7 +252,7 @@ async def _events_of_a_stage(
     first = StageTask(
         request_id="r", gateway_id="g", arrival_ns=0, deadline_ns=0, route=route, kind=TaskKind.CHUNK, seq=0
     )
-    ctx = RequestContext(Identity(1, 0, 3), bus=None, first=first)
+    ctx = RequestContext(Identity(1, 0), bus=None, first=first)
     sent: list[LifecycleEvent] = []
     monkeypatch.setattr(ctx, "_send", sent.append)
     ctx.inbox.put(Delivery(msg=SimpleNamespace(data=b""), task=first, received_ns=0))
@@ -342,7 +342,7 @@ async def test_a_route_notice_for_a_queued_request_applies_when_it_starts() -> N
         assert forged.answer == ResumePoint(known=False), notice
     inputs, route = worker.requests.next_queued()
     assert [d.task for d in inputs] == [first]
-    ctx = RequestContext(Identity(1, 0, 3), bus=None, first=first)
+    ctx = RequestContext(Identity(1, 0), bus=None, first=first)
     reroute(ctx, route)
     assert ctx.route[2] == 1 and ctx._next_attempt == 2 and ctx._released.is_set()
 
@@ -352,7 +352,7 @@ def _task(rid: str = "r", attempt: int = 1, from_attempt: int = 1, moved: bool =
 
 
 def _running(table: RequestTable, task: StageTask) -> RequestContext:
-    ctx = RequestContext(Identity(1, 0, 3), bus=None, first=task)
+    ctx = RequestContext(Identity(1, 0), bus=None, first=task)
     table.start(ctx, SimpleNamespace(cancel=lambda: None))  # type: ignore[arg-type]
     return ctx
 
@@ -512,7 +512,7 @@ async def test_an_attempt_that_ended_delivers_its_lost_last_event_all_the_same(m
     gateway = _Gateway(lose={0})
     gateway.responders = False
     ctx = RequestContext(
-        Identity(2, 0, 3),
+        Identity(2, 0),
         request_context.Bus(gateway, SimpleNamespace(), SimpleNamespace(out=lambda g, r: "out.g.r")),  # type: ignore[arg-type]
         StageTask(
             request_id="r",

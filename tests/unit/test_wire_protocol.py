@@ -158,7 +158,7 @@ async def test_the_worker_numbers_keeps_and_sends_text_and_other_events_alike() 
         seq=0,
         attempt=2,
     )
-    ctx = RequestContext(Identity(0, 3, 1), Bus(nc, SimpleNamespace(), subjects), first)
+    ctx = RequestContext(Identity(0, 3), Bus(nc, SimpleNamespace(), subjects), first)
     await ctx.client(ClientEvent(request_id="req1", type=ClientEventType.STARTED))
     await ctx.client_text("Hi", [7, 8])
     await ctx.client(ClientEvent(request_id="req1", type=ClientEventType.TEXT, text="!", token_ids=[9]))
