@@ -419,10 +419,10 @@ class Mover:
 
     async def _reroute(self, subject: str, change: RouteNotice) -> ResumePoint:
         """Have the upstream worker hold the request's chunks (the move's question) or release
-        them (its moved notice); not held when it no
-        longer works on the request, or nobody takes the question (it died too). A question that
-        goes unanswered is asked again (``REROUTE_TRIES`` in all): a live worker that did not hear
-        it would go on sending to the dead replica, or hold the chunks for good."""
+        them (its moved notice); not held when it no longer works on the request, or nobody takes
+        the question (it died too). A question that goes unanswered is asked again
+        (``REROUTE_TRIES`` in all): a live worker that did not hear it would go on sending to the
+        dead replica, or hold the chunks for good."""
         for tries_left in reversed(range(REROUTE_TRIES)):
             try:
                 reply = await self.ctx.nc.request(subject, change.encode(), timeout=RESUME_TIMEOUT_S)
