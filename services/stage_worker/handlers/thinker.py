@@ -77,12 +77,6 @@ def _engine_sampling(s: Sampling, max_tokens: int) -> SamplingParams:
     )
 
 
-async def _nothing() -> AsyncGenerator[RequestOutput, None]:
-    """No engine outputs (a moved request whose client already has every token)."""
-    return
-    yield
-
-
 async def _relay(
     req: RequestContext,
     outputs: AsyncGenerator[RequestOutput, None],
@@ -165,7 +159,7 @@ class ThinkerHandler(LLMHandler):
             outputs = self._outputs(prompt, params, req)
             generated, finish_reason = await _relay(req, outputs, text, chunker if forward else None)
         else:  # the client has every token; only text_done was missing
-            await _relay(req, _nothing(), None, None)
+            await _StartedNotice(req).sent()
             generated, finish_reason = 0, "length"
         generated += len(resumed)
         if forward:
