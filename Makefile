@@ -50,10 +50,12 @@ lint: setup
 test: models lint test-deps
 	OMNIRELAY_TESTS_NEED_ALL=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# Debian's packages the tests use: prometheus (below) and docker-compose 1.29 (tests/integration/
-# test_compose.py reads the compose files with it; it needs no Docker engine for that).
+# Debian's packages the tests use: prometheus (below), docker-compose 1.29 (tests/integration/
+# test_compose.py reads the compose files with it; it needs no Docker engine for that) and espeak-ng
+# (real speech for the listener's tests, tests/speech.py).
 test-deps: prometheus-bin
 	@command -v docker-compose >/dev/null 2>&1 || { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends docker-compose; }
+	@command -v espeak-ng >/dev/null 2>&1 || { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends espeak-ng; }
 
 # Debian's prometheus package (prometheus + promtool), used by the tests (tests/e2e/test_prometheus.py,
 # tests/unit/test_dashboard.py) and `make prometheus`. Installed only when `prometheus` is not on PATH.

@@ -423,7 +423,12 @@ def _start_targets(
 
     model = pipeline.served_model_name
     api_argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-    api_argv += ["--model", resolve_model(pipeline.stages[0].model), "--served-model-name", model]
+    api_argv += [
+        "--model",
+        resolve_model(pipeline.stages[pipeline.thinker_stage].model),
+        "--served-model-name",
+        model,
+    ]
     api_argv += ["--host", "127.0.0.1", "--port", str(vllm_port), "--disable-uvicorn-access-log"]
     vllm = procs.start("vllm", api_argv + engine_flags(pipeline), env, stop_signal=signal.SIGINT)
     log(f"omnirelay ready in {wait_log(stack, 'omnirelay is up', opts.start_timeout_s):.1f} s")
@@ -630,10 +635,9 @@ def run_against_vllm(
 def run_bench(opts: BenchOptions) -> int:
     """Start both targets, measure, print the table; 0 on success, 1 on failure."""
     pipeline = load_pipeline(opts.pipeline_path)
-    if pipeline.stages[0].replicas != 1:
-        log(
-            f"warning: stage 0 of {pipeline.source} has {pipeline.stages[0].replicas} replicas (1 compares fairly)"
-        )
+    thinker = pipeline.stages[pipeline.thinker_stage]
+    if thinker.replicas != 1:
+        log(f"warning: the thinker of {pipeline.source} has {thinker.replicas} replicas (1 compares fairly)")
     core = opts.core if opts.core is not None else sorted(os.sched_getaffinity(0))[0]
 
     def work(targets: dict[str, Target], log_dir: Path) -> None:

@@ -130,6 +130,22 @@ class SpeechChunk(msgspec.Struct, kw_only=True):
     token_ids: list[int]
 
 
+INPUT_SAMPLE_RATE = 16_000
+"""Sample rate of the caller's audio on the bus, Hz (mono PCM16, little-endian): Whisper's."""
+
+
+class Transcription(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A listener's input: the caller's audio and OpenAI's transcription options."""
+
+    pcm16: bytes
+    """Mono PCM16 at :data:`INPUT_SAMPLE_RATE`, little-endian."""
+    language: str | None = None
+    """ISO 639-1 code of the spoken language; None: the listener's default."""
+    prompt: str = ""
+    """Text that precedes the audio (names, spelling, style)."""
+    temperature: float = 0.0
+
+
 class Admission(_Envelope, kw_only=True):
     """Gateway → orchestrator: a new request (subject ``requests``)."""
 
@@ -139,7 +155,7 @@ class Admission(_Envelope, kw_only=True):
     deadline_ns: int
     prompt_token_ids: list[int] = msgspec.field(default_factory=list)
     sampling: Sampling | None = None
-    """Stage 0's sampling (None for a request that does not run the thinker)."""
+    """The thinker's sampling (None for a request that does not run the thinker)."""
     audio: bool = False
     trace_id: str | None = None
     voice: str | None = None
@@ -151,6 +167,8 @@ class Admission(_Envelope, kw_only=True):
     text_chunks: list[SpeechChunk] = msgspec.field(default_factory=list)
     """A speech request's input text, cut by the gateway into chunks the talker speaks one by one,
     in order."""
+    transcription: Transcription | None = None
+    """A transcription request's input, for the listener it enters at."""
 
 
 class TextDelta(msgspec.Struct, kw_only=True):
@@ -162,7 +180,7 @@ class TextDelta(msgspec.Struct, kw_only=True):
 
 class TaskKind(StrEnum):
     START = "start"
-    """Stage 0: run the whole prompt."""
+    """The listener or the thinker: run the whole input (audio, prompt)."""
     CHUNK = "chunk"
     """Later stages: one chunk of the upstream stage's output."""
 
@@ -195,7 +213,7 @@ class StageTask(_Envelope, kw_only=True):
     attempt: Positive = 1
     from_attempt: Positive = 1
     resume: list[TextDelta] = msgspec.field(default_factory=list)
-    """Stage 0 after a move: the text deltas the client already has, in order; the new attempt
+    """The listener or the thinker after a move: the text deltas the client already has, in order; the new attempt
     goes on after them (its input is the prompt plus their tokens)."""
     start_seq: NonNegative = 0
     """A later stage after a move: the first chunk the new attempt takes (those before it were
@@ -213,12 +231,14 @@ class StageTask(_Envelope, kw_only=True):
     of the request's code stream."""
     moved: bool = False
     """Set by the orchestrator on a stored input it sends again to the stage's new attempt after a
-    move. The attempt before had taken that input, so the stage-0 fence (chunks of a thinker attempt
+    move. The attempt before had taken that input, so the thinker's fence (chunks of a thinker attempt
     the request moved past) does not drop it: for a chunk number it holds, no later copy may come."""
     next_attempt: Positive = 1
     next_start_seq: NonNegative = 0
     """A moved task: the next stage's current attempt and its ``start_seq`` (that stage may have
     moved before), which the new attempt's chunks go to."""
+    transcription: Transcription | None = None
+    """The listener's ``start`` task: the audio to transcribe."""
 
 
 class Usage(msgspec.Struct, kw_only=True):
@@ -226,14 +246,27 @@ class Usage(msgspec.Struct, kw_only=True):
     completion_tokens: int
 
 
+class Heard(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What the listener heard. On its ``text`` event: where the segment's speech is in the input
+    audio (seconds from its start) and Whisper's confidence figures of the segment; on its
+    ``text_done``: the whole input (``end_s`` its duration) and the language."""
+
+    start_s: float = 0.0
+    end_s: float = 0.0
+    language: str = ""
+    avg_logprob: float = 0.0
+    compression_ratio: float = 0.0
+    no_speech_prob: float = 0.0
+
+
 class ClientEventType(StrEnum):
     STARTED = "started"
-    """Stage 0 handed the request to its engine (once, before any output): the gateway starts a
+    """The entry stage (listener or thinker) handed the request to its engine (once, before any output): the gateway starts a
     streamed response on it."""
     TEXT = "text"
-    """A text delta of the thinker."""
+    """A text delta of the thinker, or a segment of the listener's transcript."""
     TEXT_DONE = "text_done"
-    """The thinker finished: finish_reason and usage."""
+    """The thinker or the listener finished: finish_reason and usage."""
     AUDIO = "audio"
     """A PCM16 chunk of the audio stage."""
     AUDIO_DONE = "audio_done"
@@ -274,6 +307,8 @@ class ClientEvent(_Envelope, kw_only=True, array_like=True):
     """``audio_done``: the audio stage's generation time for the request, seconds: from its first
     input reaching the worker to its last audio sent, on that worker's monotonic clock (after a
     move, of the attempt that finished)."""
+    heard: Heard | None = None
+    """The listener's ``text`` and ``text_done`` events: what it heard (:class:`Heard`)."""
 
 
 _BATCH_DECODER = msgspec.msgpack.Decoder(list[bytes])
@@ -423,9 +458,9 @@ class ResumePoint(_Envelope, kw_only=True):
     """The ``seq`` of the next event of the asked attempt the client's stream takes: every
     event before it has arrived."""
     deltas: list[TextDelta] = msgspec.field(default_factory=list)
-    """Stage 0's text deltas the gateway has received, in order."""
+    """The text deltas (of the thinker or the listener) the gateway has received, in order."""
     text_done: bool = False
-    """Stage 0's ``text_done`` has arrived: nothing of the thinker is missing."""
+    """The ``text_done`` of the thinker or the listener has arrived: no text is missing."""
     audio_seq: int | None = None
     """The asked stage's audio: the last input chunk whose audio the gateway has (None: none)."""
     audio_done: bool = False

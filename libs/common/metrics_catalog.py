@@ -177,6 +177,13 @@ FAMILIES: tuple[Family, ...] = (
     Family("vllm:omni_stage_info", Kind.GAUGE,
            "Stage identity: id, name, type and model of each worker.", (*WORKER, "stage_name", "stage_type", "model"),
            Exporter.WORKER, spec=False),
+    Family("vllm:omni_input_audio_duration_s", Kind.HISTOGRAM,
+           "Duration of the caller's audio of one request the listener transcribed, seconds.",
+           WORKER, Exporter.WORKER, SECONDS_BUCKETS, spec=False),
+    Family("vllm:omni_asr_rtf", Kind.HISTOGRAM,
+           "The listener's real-time factor: time to transcribe a request's audio (its task taken to "
+           "its last segment, on the worker's clock) / the audio's duration. Below 1: faster than real time.",
+           WORKER, Exporter.WORKER, RTF_BUCKETS, spec=False),
     Family("vllm:omni_stale_chunks_dropped", Kind.COUNTER,
            "Chunks a stage-1 worker dropped because they came from an attempt of stage 0 that the "
            "request had moved past (a thinker that resumed after a stall, or still sent as its "

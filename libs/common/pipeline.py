@@ -23,6 +23,8 @@ class StageType(StrEnum):
 
     LLM = "llm"
     CODEC = "codec"
+    ASR = "asr"
+    """A listener: speech recognition (faster-whisper), audio in, text out."""
 
 
 class Payload(StrEnum):
@@ -117,6 +119,22 @@ class MockEngineConfig(_Strict):
     )
 
 
+class ListenerConfig(_Strict):
+    """How an ``asr`` stage runs faster-whisper (a CTranslate2 Whisper model directory)."""
+
+    device: str = Field(default="cpu", pattern=r"^(cpu|cuda|auto)$", description="CTranslate2's device")
+    compute_type: str = Field(
+        default="int8", min_length=1, description="CTranslate2's compute type (int8 on CPU, float16 on a GPU)"
+    )
+    cpu_threads: int = Field(default=1, ge=1, le=256, description="threads of one transcription on CPU")
+    beam_size: int = Field(default=1, ge=1, le=16, description="1: greedy decoding, the fastest")
+    language: str | None = Field(
+        default="en",
+        pattern=r"^[a-z]{2,3}$",
+        description="the spoken language a request names none (ISO 639-1); null: detected per request",
+    )
+
+
 class EngineArgs(_Strict):
     """Engine settings for ``llm`` stages (passed to vLLM's ``AsyncEngineArgs``)."""
 
@@ -170,6 +188,9 @@ class StageConfig(_Strict):
         description="llm stages emitting codec_codes: the talker protocol, its default voice and sampling",
     )
     engine: EngineArgs = EngineArgs()
+    listener: ListenerConfig = Field(
+        default=ListenerConfig(), description="asr stages: how faster-whisper runs the model"
+    )
     stall_timeout_s: float = Field(
         default=10.0,
         gt=0,
@@ -203,9 +224,15 @@ class PipelineConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_chain(self) -> PipelineConfig:
-        first = self.stages[0]
-        if first.type != StageType.LLM or first.consumes != Payload.TEXT:
-            raise ValueError("stages[0] must be an 'llm' stage consuming 'text' (the thinker)")
+        if self.stages[0].type == StageType.ASR and len(self.stages) == 1:
+            raise ValueError("stages[0] is a listener ('asr'): a thinker must come after it")
+        head = self.stages[1] if self.stages[0].type == StageType.ASR else self.stages[0]
+        where = "stages[1]" if head is not self.stages[0] else "stages[0]"
+        if head.type != StageType.LLM or head.consumes != Payload.TEXT or head.emits != Payload.TEXT:
+            raise ValueError(
+                f"{where} must be an 'llm' stage consuming and emitting 'text' (the thinker), "
+                "after an optional 'asr' stage (the listener)"
+            )
         for i in range(1, len(self.stages)):
             prev, cur = self.stages[i - 1], self.stages[i]
             if cur.consumes != prev.emits:
@@ -217,24 +244,7 @@ class PipelineConfig(_Strict):
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be unique, got {names}")
         for i, s in enumerate(self.stages):
-            is_talker = s.type == StageType.LLM and s.emits == Payload.CODEC_CODES
-            if "talker" in s.model_fields_set and not is_talker:
-                raise ValueError(f"stages[{i}].talker: only an llm stage that emits codec_codes has a talker")
-            if s.engine.mock is not None and not (s.type == StageType.LLM and s.emits == Payload.TEXT):
-                raise ValueError(
-                    f"stages[{i}].engine.mock: only an llm stage that emits text runs on the mock engine"
-                )
-            has_codec_next = i + 1 < len(self.stages) and self.stages[i + 1].type == StageType.CODEC
-            if is_talker and s.talker.protocol != TalkerProtocolName.TINY and not has_codec_next:
-                raise ValueError(
-                    f"stages[{i}].talker.protocol '{s.talker.protocol.value}' reads its codebook size "
-                    f"from the codec stage after it, and stages[{i + 1}] is not one"
-                )
-            if s.type == StageType.CODEC and (s.consumes, s.emits) != (
-                Payload.CODEC_CODES,
-                Payload.AUDIO,
-            ):
-                raise ValueError(f"stages[{i}] ('{s.name}'): a codec stage maps codec_codes → audio")
+            _check_stage(i, s, self.stages[i + 1] if i + 1 < len(self.stages) else None)
         return self
 
     @property
@@ -254,14 +264,62 @@ class PipelineConfig(_Strict):
                 return i
         return None
 
+    @property
+    def listener_stage(self) -> int | None:
+        """Id of the listener (the ``asr`` stage, always the first), or None for a pipeline without one."""
+        return 0 if self.stages[0].type == StageType.ASR else None
+
+    @property
+    def thinker_stage(self) -> int:
+        """Id of the thinker (the first stage after the listener, if any): where chat and
+        completion requests enter."""
+        return 1 if self.stages[0].type == StageType.ASR else 0
+
+    def takes_start(self, stage: int) -> bool:
+        """Whether ``stage`` takes a request whole from the orchestrator (a ``start`` task: the
+        listener's audio, the thinker's prompt) rather than chunks of the stage before it."""
+        return stage in (self.listener_stage, self.thinker_stage)
+
+    def upstream(self, stage: int) -> int | None:
+        """The stage whose chunks ``stage`` takes, or None for a stage that takes ``start`` tasks."""
+        return None if self.takes_start(stage) else stage - 1
+
     def declares(self, stage: int, replica: int) -> bool:
         """Whether (``stage``, ``replica``) is one of this pipeline's stage replicas."""
         return 0 <= stage < len(self.stages) and 0 <= replica < self.stages[stage].replicas
 
-    def stages_for(self, audio: bool, entry: int = 0) -> list[int]:
-        """Stage ids a request runs through: only the thinker for text, the whole chain for audio;
-        from stage ``entry`` on (a speech request enters at the talker)."""
-        return list(range(entry, len(self.stages))) if audio else [0]
+    def stages_for(self, audio: bool, entry: int) -> list[int]:
+        """Stage ids a request that enters at stage ``entry`` runs through: the listener alone
+        (a transcription), the thinker alone (text), or every stage from the thinker or the
+        talker on (audio out; a speech request enters at the talker)."""
+        if entry == self.listener_stage or not audio:
+            return [entry]
+        return list(range(entry, len(self.stages)))
+
+
+def _check_stage(i: int, s: StageConfig, after: StageConfig | None) -> None:
+    """The rules one stage keeps whatever the chain: which fields its kind has, which payloads."""
+    is_talker = s.type == StageType.LLM and s.emits == Payload.CODEC_CODES
+    if "talker" in s.model_fields_set and not is_talker:
+        raise ValueError(f"stages[{i}].talker: only an llm stage that emits codec_codes has a talker")
+    if "listener" in s.model_fields_set and s.type != StageType.ASR:
+        raise ValueError(f"stages[{i}].listener: only an asr stage has listener settings")
+    if s.engine.mock is not None and not (s.type == StageType.LLM and s.emits == Payload.TEXT):
+        raise ValueError(
+            f"stages[{i}].engine.mock: only an llm stage that emits text runs on the mock engine"
+        )
+    has_codec_next = after is not None and after.type == StageType.CODEC
+    if is_talker and s.talker.protocol != TalkerProtocolName.TINY and not has_codec_next:
+        raise ValueError(
+            f"stages[{i}].talker.protocol '{s.talker.protocol.value}' reads its codebook size "
+            f"from the codec stage after it, and stages[{i + 1}] is not one"
+        )
+    if s.type == StageType.CODEC and (s.consumes, s.emits) != (Payload.CODEC_CODES, Payload.AUDIO):
+        raise ValueError(f"stages[{i}] ('{s.name}'): a codec stage maps codec_codes → audio")
+    if s.type == StageType.ASR and ((s.consumes, s.emits) != (Payload.AUDIO, Payload.TEXT) or i != 0):
+        raise ValueError(
+            f"stages[{i}] ('{s.name}'): an asr stage (the listener) maps audio → text and comes first"
+        )
 
 
 class PipelineConfigError(ValueError):

@@ -94,7 +94,9 @@ def create_app(settings: GatewaySettings, pipeline: PipelineConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        tokenizer = await asyncio.to_thread(Tokenizer, resolve_model(pipeline.stages[0].model))
+        tokenizer = await asyncio.to_thread(
+            Tokenizer, resolve_model(pipeline.stages[pipeline.thinker_stage].model)
+        )
         stat_log = GatewayStatLogger(
             MetricSet(Exporter.GATEWAY, settings.log_stats), pipeline.served_model_name
         )

@@ -8,8 +8,8 @@ application checks"):
 - its subject names it: ``omni.<p>.out.<this gateway>.<request_id>`` with the event's own
   ``request_id``;
 - the request is one this gateway holds;
-- its stage sends that kind of event (text from stage 0, audio from the audio stage, an error from
-  any stage; without a stage only an error, the orchestrator's);
+- its stage sends that kind of event (text from the thinker or the listener, audio from the audio
+  stage, an error from any stage; without a stage only an error, the orchestrator's);
 - its attempt is one the gateway was told of: 1, or one the orchestrator announced with its resume
   question before the attempt started (older ones are stale: the request's fence drops them);
 - its replica is a declared one and the one bound to that (stage, attempt): the replica the
@@ -44,7 +44,7 @@ BAD_STATUS = "bad_status"
 REMEMBERED_RELEASES = 10_000
 """Request ids let go of that are remembered, so that their late events count as
 ``ended_request`` rather than ``unknown_request`` (about 1 MB)."""
-THINKER_EVENTS = frozenset({ClientEventType.STARTED, ClientEventType.TEXT, ClientEventType.TEXT_DONE})
+TEXT_EVENTS = frozenset({ClientEventType.STARTED, ClientEventType.TEXT, ClientEventType.TEXT_DONE})
 AUDIO_EVENTS = frozenset({ClientEventType.AUDIO, ClientEventType.AUDIO_DONE})
 
 
@@ -73,6 +73,7 @@ class EventTrust:
         self._replicas = [s.replicas for s in pipeline.stages]
         self._max_attempt = [s.migration_limit + 1 for s in pipeline.stages]
         self._audio_stage = pipeline.audio_stage
+        self._text_stages = {s for s in (pipeline.listener_stage, pipeline.thinker_stage) if s is not None}
         self._released: OrderedDict[str, None] = OrderedDict()
 
     # --- requests no longer held -------------------------------------------------------------
@@ -102,7 +103,7 @@ class EventTrust:
             return None if event.type == ClientEventType.ERROR else Rejected.BAD_STAGE
         if not 0 <= stage < len(self._replicas):
             return Rejected.BAD_STAGE
-        if (event.type in THINKER_EVENTS and stage != 0) or (
+        if (event.type in TEXT_EVENTS and stage not in self._text_stages) or (
             event.type in AUDIO_EVENTS and stage != self._audio_stage
         ):
             return Rejected.BAD_STAGE
@@ -161,7 +162,7 @@ class EventTrust:
         request binds (None: it can): of a stage that streams to the client, an attempt
         announced, from the replica bound to it (its subject is checked first, as an event's)."""
         stage = query.stage
-        if stage not in (0, self._audio_stage):
+        if stage not in self._text_stages and stage != self._audio_stage:
             return Rejected.BAD_STAGE
         if not 1 <= query.attempt <= min(attempts.announced(stage), self._max_attempt[stage]):
             return Rejected.BAD_ATTEMPT

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import time
 from collections.abc import Callable
+from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Depends, Form, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from libs.common.envelopes import ClientEvent, ClientEventType
 from libs.common.pipeline import TALKER_VOICES
 from libs.common.tracing import context_from_headers
 from libs.common.voices import OPENAI_VOICES, default_voice, talker_config
+from services.gateway.audio_input import decode_audio, duration_s
 from services.gateway.auth import authorize
 from services.gateway.limits import admit
 from services.gateway.responses import (
@@ -42,11 +45,13 @@ from services.gateway.schemas import (
     ModelCard,
     ModelList,
     SpeechRequest,
+    TranscriptionForm,
     VoiceCard,
     VoiceList,
 )
 from services.gateway.speech import SpeechEncoding, speech_events, speech_file
 from services.gateway.submission import Arrival
+from services.gateway.transcription import TranscriptEvents, transcript_of, transcription_body
 
 router = APIRouter()
 """Open routes: liveness (``/health``). ``/metrics`` and Prometheus's service discovery are on the
@@ -74,7 +79,7 @@ async def list_models(request: Request) -> ModelList:
     card = ModelCard(
         id=p.served_model_name,
         created=request.app.state.started,
-        max_model_len=p.stages[0].engine.max_model_len,
+        max_model_len=p.stages[p.thinker_stage].engine.max_model_len,
     )
     return ModelList(data=[card])
 
@@ -154,6 +159,22 @@ async def audio_speech(body: SpeechRequest, request: Request) -> StreamingRespon
             speech_events(job, encoding), media_type="text/event-stream", headers=headers
         )
     return StreamingResponse(speech_file(job, encoding), media_type=encoding.content_type, headers=headers)
+
+
+# --- transcriptions ---------------------------------------------------------------------------
+@api.post("/v1/audio/transcriptions")
+async def audio_transcriptions(form: Annotated[TranscriptionForm, Form()], request: Request) -> Response:
+    """OpenAI's speech to text: the audio enters at the listener; the transcript comes back in
+    the asked format, or streamed as transcript events (``stream``)."""
+    pcm16 = await asyncio.to_thread(decode_audio, await form.file.read(), "file")
+    job = await request.app.state.submitter.transcription(form, pcm16, _arrival(request))
+    request.state.job = job
+    if form.stream:
+        await until_started(request, job)
+        events = TranscriptEvents(duration_s(pcm16))
+        return _sse(job, [], events.render, events.tail)
+    t = await guarded(request, job, transcript_of(job))
+    return transcription_body(t, form.response_format, form.temperature)
 
 
 # --- chat -------------------------------------------------------------------------------------

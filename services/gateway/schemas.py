@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from fastapi import UploadFile
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.gateway.audio import AudioFormat
@@ -246,3 +247,79 @@ class Health(BaseModel):
     degraded: list[str] = Field(default_factory=list)
     """Stages (``<id>:<name>``) with fewer live replicas than the pipeline declares."""
     detail: dict[str, Any] = Field(default_factory=dict)
+
+
+# --- transcriptions -----------------------------------------------------------------------------
+MAX_TRANSCRIPTION_PROMPT_CHARS = 2000
+"""Longest ``prompt`` of a transcription, characters (Whisper reads its last 224 tokens)."""
+
+
+class TranscriptionForm(_Request):
+    """OpenAI's ``POST /v1/audio/transcriptions`` form fields (the ``file`` part aside)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True, arbitrary_types_allowed=True)
+    file: UploadFile
+    model: str
+    language: str | None = Field(default=None, pattern=r"^[a-z]{2,3}$")
+    """The spoken language, ISO 639-1 (none: the listener's default, or detected)."""
+    prompt: str = Field(default="", max_length=MAX_TRANSCRIPTION_PROMPT_CHARS)
+    response_format: Literal["json", "text", "verbose_json", "srt", "vtt"] = "json"
+    temperature: float = Field(default=0.0, ge=0, le=1)
+    timestamp_granularities: list[Literal["segment", "word"]] = Field(
+        default_factory=list, alias="timestamp_granularities[]"
+    )
+    stream: bool = False
+    """``transcript.text.delta`` events, one per segment, then ``transcript.text.done``."""
+
+
+class DurationUsage(BaseModel):
+    type: Literal["duration"] = "duration"
+    seconds: float
+
+
+class TokenUsage(BaseModel):
+    """A streamed transcription's usage: the audio's tokens (Whisper's encoder positions, 50 per
+    second) in, the transcript's tokens out."""
+
+    type: Literal["tokens"] = "tokens"
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
+class TranscriptionSegment(BaseModel):
+    id: int
+    seek: int
+    start: float
+    end: float
+    text: str
+    tokens: list[int]
+    temperature: float
+    avg_logprob: float
+    compression_ratio: float
+    no_speech_prob: float
+
+
+class Transcription(BaseModel):
+    text: str
+    usage: DurationUsage
+
+
+class TranscriptionVerbose(BaseModel):
+    task: Literal["transcribe"] = "transcribe"
+    language: str
+    duration: float
+    text: str
+    segments: list[TranscriptionSegment]
+    usage: DurationUsage
+
+
+class TranscriptDelta(BaseModel):
+    type: Literal["transcript.text.delta"] = "transcript.text.delta"
+    delta: str
+
+
+class TranscriptDone(BaseModel):
+    type: Literal["transcript.text.done"] = "transcript.text.done"
+    text: str
+    usage: TokenUsage

@@ -12,9 +12,10 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from pydantic import BaseModel
 
-from libs.common.envelopes import Admission, Sampling, SpeechChunk
+from libs.common.envelopes import Admission, Sampling, SpeechChunk, Transcription
 from libs.common.pipeline import PipelineConfig
 from libs.common.tracing import inject_headers, start_span, trace_id_hex
+from services.gateway.audio_input import duration_s
 from services.gateway.errors import APIError, bad_request
 from services.gateway.limits import DEFAULT_LIMITS, InputLimits, check_text
 from services.gateway.pipeline_client import PipelineClient
@@ -30,7 +31,12 @@ from services.gateway.prompting import (
 )
 from services.gateway.request_stats import GatewayStatLogger, RequestStats
 from services.gateway.responses import Job
-from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, SpeechRequest
+from services.gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SpeechRequest,
+    TranscriptionForm,
+)
 from services.gateway.speech_input import speech_chunks
 
 
@@ -48,7 +54,7 @@ class Submitter:
         self.tokenizer = tokenizer
         self.stat_log = stat_log
         self.limits = limits
-        self.max_model_len = pipeline.stages[0].engine.max_model_len
+        self.max_model_len = pipeline.stages[pipeline.thinker_stage].engine.max_model_len
 
     def _budget(self, asked: int | None, prompt_len: int, param: str) -> int:
         """The request's generation budget (:func:`max_tokens_for`: past the context is
@@ -92,6 +98,7 @@ class Submitter:
             req.stream,
             arrival,
             _sampling_attributes(sampling),
+            entry_stage=self.pipeline.thinker_stage,
             prompt_token_ids=ids,
             sampling=sampling,
             audio=audio is not None,
@@ -120,6 +127,7 @@ class Submitter:
             req.stream,
             arrival,
             _sampling_attributes(sampling),
+            entry_stage=self.pipeline.thinker_stage,
             prompt_token_ids=ids,
             sampling=sampling,
         )
@@ -157,6 +165,37 @@ class Submitter:
         job.audio_format, job.speech = req.response_format, True
         job.speech_tokens = sum(len(c.token_ids) for c in chunks)
         return job
+
+    async def transcription(self, req: TranscriptionForm, pcm16: bytes, arrival: Arrival) -> Job:
+        """``/v1/audio/transcriptions``: the audio (16 kHz PCM16, decoded by the route) enters
+        the pipeline at its listener."""
+        self._check_model(req.model)
+        entry = self.pipeline.listener_stage
+        if entry is None:
+            raise bad_request(
+                f"pipeline '{self.pipeline.name}' has no listener stage: it cannot transcribe",
+                "model",
+                "transcription_unsupported",
+            )
+        if "word" in req.timestamp_granularities:
+            raise bad_request(
+                "word timestamps are not supported; segment timestamps are",
+                "timestamp_granularities[]",
+                "unsupported_parameter",
+            )
+        listen = Transcription(
+            pcm16=pcm16, language=req.language, prompt=req.prompt, temperature=req.temperature
+        )
+        return await self._submit(
+            "transcr",
+            "transcription",
+            req.model,
+            req.stream,
+            arrival,
+            {"omnirelay.audio.input_s": duration_s(pcm16)},
+            entry_stage=entry,
+            transcription=listen,
+        )
 
     def _speech_chunks(self, text: str) -> list[SpeechChunk]:
         """The input's chunks (:func:`speech_chunks`) that have tokens, each with them."""

@@ -1,11 +1,11 @@
 """Admission: an admission from the requests stream becomes a route (one live replica per stage),
-the request's record and stage 0's task — or an error to the client when it cannot be served.
+the request's record and its entry stage's task — or an error to the client when it cannot be served.
 
 An admission may be handled more than once: the orchestrators' consumers redeliver what an
 instance has not acknowledged within a second (``ORCHESTRATOR_ACK_WAIT_S``), so that the death of
 the instance holding it delays a request by about that much, not by a long redelivery timer. Every
 handling is therefore idempotent: the record is *created* first (a compare-and-set on its key), so
-exactly one handling chooses the route; every handling then sends stage 0's task to the record's
+exactly one handling chooses the route; every handling then sends the entry stage's task to the record's
 route, and the task's ``Nats-Msg-Id`` makes every copy after the first a duplicate the stream
 drops. The admission is acknowledged only after that, so an instance that dies anywhere on the way
 leaves it to be redelivered (docs/reliability.md, "An orchestrator dies").
@@ -22,6 +22,7 @@ from opentelemetry.trace import SpanKind
 
 from libs.common import headers as h
 from libs.common.envelopes import Admission, MalformedMessage, StageTask, TaskKind, decode
+from libs.common.pipeline import PipelineConfig
 from libs.common.publish import Hop, publish_task
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
 from libs.common.tracing import context_from_headers, start_span
@@ -38,9 +39,10 @@ SKIPPED = -1
 
 
 def entry_tasks(adm: Admission, route: list[int]) -> list[StageTask]:
-    """The input of the stage ``adm`` enters at: stage 0's prompt (one task), or a speech
-    request's text chunks for the talker, numbered from 0, the last one ``final``, each with the
-    position of its first token among the request's (as a thinker's text chunks are)."""
+    """The input of the stage ``adm`` enters at: the whole input in one ``start`` task (the
+    listener's audio, the thinker's prompt), or a speech request's text chunks for the talker,
+    numbered from 0, the last one ``final``, each with the position of its first token among the
+    request's (as a thinker's text chunks are)."""
     common = dict(
         request_id=adm.request_id,
         gateway_id=adm.gateway_id,
@@ -48,7 +50,7 @@ def entry_tasks(adm: Admission, route: list[int]) -> list[StageTask]:
         deadline_ns=adm.deadline_ns,
         route=route,
     )
-    if adm.entry_stage == 0:
+    if not adm.text_chunks:
         return [
             StageTask(
                 **common,
@@ -57,6 +59,7 @@ def entry_tasks(adm: Admission, route: list[int]) -> list[StageTask]:
                 final=True,
                 prompt_token_ids=adm.prompt_token_ids,
                 sampling=adm.sampling,
+                transcription=adm.transcription,
             )
         ]
     offsets = [0]
@@ -75,6 +78,27 @@ def entry_tasks(adm: Admission, route: list[int]) -> list[StageTask]:
         )
         for i, c in enumerate(adm.text_chunks)
     ]
+
+
+def _bad_entry(adm: Admission, pipeline: PipelineConfig) -> str | None:
+    """Why ``adm`` cannot enter where it says (None: it can). The gateway enters a transcription
+    at the listener, a chat or completion at the thinker, a speech request (audio out, its own
+    text chunks) at the talker; an admission that would send nothing is no request
+    (tests/e2e/test_fuzz_bus.py)."""
+    entry = adm.entry_stage
+    if entry == pipeline.listener_stage:
+        ok = adm.transcription is not None and bool(adm.transcription.pcm16) and not adm.audio
+        return None if ok else "a listener's request carries audio to transcribe and wants no audio out"
+    if adm.transcription is not None:
+        return "only the listener takes audio to transcribe"
+    if entry == pipeline.thinker_stage:
+        ok = adm.sampling is not None and bool(adm.prompt_token_ids) and not adm.text_chunks
+        return None if ok else "the thinker's request carries a prompt and sampling, no text chunks"
+    if entry == pipeline.speech_stage:
+        return (
+            None if adm.audio and adm.text_chunks else "a speech request carries text chunks and wants audio"
+        )
+    return "no request enters there"
 
 
 class Admissions:
@@ -140,13 +164,8 @@ class Admissions:
             self._count_rejection("expired", delivered)
             return None
         entry = adm.entry_stage
-        if entry and (not adm.audio or entry >= len(self.ctx.pipeline.stages) or not adm.text_chunks):
-            # Only a speech request enters later, with audio and its text (the gateway's own); an
-            # admission that would send nothing is no request (tests/e2e/test_fuzz_bus.py).
-            raise MalformedMessage(
-                f"entry stage {entry} with audio={adm.audio} and {len(adm.text_chunks)} text chunks",
-                "bad_entry",
-            )
+        if (why := _bad_entry(adm, self.ctx.pipeline)) is not None:
+            raise MalformedMessage(f"entry stage {entry}: {why}", "bad_entry")
         try:
             return [SKIPPED] * entry + self.ctx.picker.route(self.ctx.pipeline.stages_for(adm.audio, entry))
         except NoLiveReplica as e:

@@ -26,6 +26,7 @@ from libs.common.envelopes import (
     ResumeQuery,
     RouteNotice,
     StageTask,
+    TaskKind,
     decode,
 )
 from libs.common.publish import Hop, publish_task
@@ -127,12 +128,13 @@ class Mover:
             await self._fail(seen, "no_live_replica", message, (s, death.replica))
             return
         inputs: list[RawStreamMsg] = []
-        if s == 0:  # a later stage's input is read once its upstream holds it (_move)
-            inputs = await self._stored_inputs(0, death.replica, seen.request_id)
+        if self.ctx.pipeline.takes_start(s):  # a later stage's input is read once its upstream holds it
+            inputs = await self._stored_inputs(s, death.replica, seen.request_id)
             if not inputs:  # the replica had handled its input: the stage's own events end it
                 log.info(
-                    "request %s: no stored input of stage 0 replica %d; nothing to move",
+                    "request %s: no stored input of stage %d replica %d; nothing to move",
                     seen.request_id,
+                    s,
                     death.replica,
                 )
                 return
@@ -222,12 +224,12 @@ class Mover:
             move.attempt,
         )
         inputs: list[RawStreamMsg] = []
-        if move.stage == 0:
-            inputs = await self._stored_inputs(0, move.from_replica, move.request_id)
+        if self.ctx.pipeline.takes_start(move.stage):
+            inputs = await self._stored_inputs(move.stage, move.from_replica, move.request_id)
             if not inputs:  # sent and deleted: only the record's note was missing
 
                 def sent(rec: RequestRecord) -> bool:
-                    last = rec.stages[0].attempts[-1]
+                    last = rec.stages[move.stage].attempts[-1]
                     if last.attempt != move.attempt:
                         return False
                     last.sent_ns = time.time_ns()
@@ -251,8 +253,8 @@ class Mover:
 
     async def _move(self, move: Move, seen: RequestRecord, inputs: list[RawStreamMsg], t0: float) -> None:
         """Carry out ``move``: fence the old attempt off (its worker and the client's stream),
-        learn where the client's stream stands, and send the new attempt its input — stage 0 the
-        stored task going on after what the client has; a later stage the chunks the dead replica
+        learn where the client's stream stands, and send the new attempt its input — a listener or thinker
+        the stored task going on after what the client has; a later stage the chunks the dead replica
         had not acknowledged, its upstream holding the request's chunks meanwhile — then drop the
         stored originals. Every step can be done twice (:meth:`_take_over`)."""
         rid, s = move.request_id, move.stage
@@ -471,7 +473,7 @@ def _moved_task(
     """The stored ``task`` of the attempt that died, as input of ``move``'s new attempt: bound to
     the new replica and, for the stages after it, to where the record binds them now (the stored
     task has the route of when it was sent; a later stage may have moved since), sending to the
-    next stage's current attempt; stage 0's goes on after the client's text deltas, a later
+    next stage's current attempt; a start task goes on after the client's text deltas, a later
     stage's takes chunks from ``start_seq`` and carries no audio the client already has."""
     s = move.stage
     route = [*task.route[:s], move.to_replica, *seen.route[s + 1 :]]
@@ -479,7 +481,7 @@ def _moved_task(
     if s + 1 < len(seen.stages) and seen.stages[s + 1].attempts:
         current = seen.stages[s + 1].attempts[-1]
         update["next_attempt"], update["next_start_seq"] = current.attempt, current.start_seq
-    if move.stage == 0:
+    if task.kind == TaskKind.START:
         update["resume"] = point.deltas
     else:
         update["start_seq"] = start_seq

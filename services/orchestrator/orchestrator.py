@@ -1,4 +1,4 @@
-"""The orchestrator: admits requests, binds replicas, dispatches stage 0, follows the lifecycle.
+"""The orchestrator: admits requests, binds replicas, dispatches the entry stage, follows the lifecycle.
 
 Stateless: every instance pulls from the same two durable consumers (admissions, lifecycle
 events) and keeps all request state in the ``omni_requests`` KV bucket, so any number of

@@ -86,10 +86,17 @@ class ControlAnswers:
         stage, replica = change.stage, change.replica
         return (
             moving
-            and stage == self.me.stage + 1
+            and stage is not None
+            and self.pipeline.upstream(stage) == self.me.stage
             and replica is not None
             and self.pipeline.declares(stage, replica)
         )
+
+    @property
+    def _upstream_restarts(self) -> bool:
+        """The stage before this one is the thinker, whose new attempt sends its chunks anew."""
+        up = self.pipeline.upstream(self.me.stage)
+        return up is not None and self.pipeline.takes_start(up)
 
     async def on_abort(self, msg: Msg) -> None:
         """Stop a request everywhere, or (reason ``moved``) the attempts of one of its stages that
@@ -102,12 +109,14 @@ class ControlAnswers:
             return
         if notice.stage is None:
             return
-        stop = self.requests.moved(rid, notice.stage, notice.attempt, self.me.stage)
-        if notice.stage == 0 and self.me.stage == 1:
+        restarts = self._upstream_restarts and notice.stage == self.me.stage - 1
+        stop = self.requests.moved(rid, notice.stage, notice.attempt, self.me.stage, restarts)
+        if restarts:
             log.info(
-                "%s: request %s: stage 0 moved to attempt %d; chunks of older attempts are stale here",
+                "%s: request %s: stage %d moved to attempt %d; chunks of older attempts are stale here",
                 self.label,
                 rid,
+                notice.stage,
                 notice.attempt,
             )
         if stop is not None:

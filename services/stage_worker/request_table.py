@@ -3,14 +3,14 @@ and every change of phase in this module.
 
 | phase | the request here | an input of it that arrives |
 | --- | --- | --- |
-| ``EXPECTED`` | not seen yet; a notice about it came first (an abort, or stage 0's move) | judged by the marks below |
+| ``EXPECTED`` | not seen yet; a notice about it came first (an abort, or the thinker's move) | judged by the marks below |
 | ``QUEUED`` | its inputs wait for room (``max_inflight`` requests run), started in arrival order | joins them |
 | ``RUNNING`` | its handler runs here | goes to its inbox |
 | ``ENDED`` | its attempt ended here: done, failed or aborted | of that attempt or older: acknowledged and dropped |
 | ``MOVED_AWAY`` | its attempt moved off this replica, or its engine died under it | of that attempt or older: left unacknowledged, the move sends it on from the stream |
 
 Besides its phase an entry keeps three attempt numbers that only grow: the latest attempt that
-ended here, the latest that moved away, and (at the stage after stage 0) stage 0's current attempt,
+ended here, the latest that moved away, and (at the stage after the thinker) the thinker's current attempt,
 whose older attempts' chunks are stale (a thinker that resumed after a stall). :meth:`RequestTable.judge`
 decides from them alone. Entries of requests that no longer run are forgotten :data:`KEEP_S` after
 their last change once :data:`MAX_ENTRIES` are known (longer than any request's deadline).
@@ -68,7 +68,7 @@ class Entry:
     moved_away: int = 0
     """The latest attempt that moved off this replica."""
     upstream: int = 0
-    """Stage 0's current attempt (chunks of older ones are stale here)."""
+    """The thinker's current attempt, at the stage after it (chunks of older ones are stale here)."""
     queued: list[Delivery] = field(default_factory=list)
     """``QUEUED``: its inputs, in arrival order."""
     route: RouteNotice | None = None
@@ -166,13 +166,15 @@ class RequestTable:
             self._running.discard(ctx.request_id)
         self._forget_old()
 
-    def moved(self, request_id: str, stage: int, attempt: int, my_stage: int) -> Entry | None:
+    def moved(
+        self, request_id: str, stage: int, attempt: int, my_stage: int, upstream_restarts: bool
+    ) -> Entry | None:
         """The request moved ``stage`` to ``attempt``: at that stage, older attempts here end and
-        move away (their late inputs are the move's); at the stage after stage 0, chunks of
-        older stage-0 attempts are stale. Returns the running entry whose attempt is older (the
-        caller stops it)."""
+        move away (their late inputs are the move's); with ``upstream_restarts`` (``stage`` is
+        the thinker before this one, whose new attempt sends its chunks anew), chunks of its older
+        attempts are stale. Returns the running entry whose attempt is older (the caller stops it)."""
         entry = self._entry(request_id)
-        if stage == 0 and my_stage == 1:
+        if upstream_restarts:
             entry.upstream = max(entry.upstream, attempt)
         if stage != my_stage:
             return None

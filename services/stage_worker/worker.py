@@ -53,6 +53,7 @@ from services.stage_worker.engine_health import EngineHealth
 from services.stage_worker.event_batcher import ClientEventBatcher
 from services.stage_worker.handlers import make_handler
 from services.stage_worker.handlers.base import StageError, StageHandler
+from services.stage_worker.handlers.listener import Listened
 from services.stage_worker.inbox import Delivery
 from services.stage_worker.record_check import STALE_START, read_verdict
 from services.stage_worker.request_context import Bus, Identity, RequestContext
@@ -89,8 +90,8 @@ class StageWorker:
         self.stage_cfg = pipeline.stages[settings.stage]
         self.me = Identity(settings.stage, settings.replica)
         self.subjects = Subjects(pipeline.name)
-        self.handler: StageHandler = make_handler(pipeline, settings)
         self.metrics = MetricSet(Exporter.WORKER, settings.log_stats)
+        self.handler: StageHandler = make_handler(pipeline, settings, self._listened)
         self.transfers = TransferStatLogger(self.metrics, pipeline.served_model_name)
         self._labels = (pipeline.served_model_name, str(settings.stage), str(settings.replica))
         self.requests = RequestTable()
@@ -104,6 +105,12 @@ class StageWorker:
             self.handler, self.stage_cfg.stall_timeout_s, lambda: self.requests.running_count, self.label
         )
         self.control = ControlAnswers(self.me, pipeline, self.handler, self.health, self.requests, self.label)
+
+    def _listened(self, listened: Listened) -> None:
+        """Record one of the listener's transcriptions."""
+        if self.metrics.enabled:
+            self.metrics["vllm:omni_input_audio_duration_s"].labels(*self._labels).observe(listened.audio_s)
+            self.metrics["vllm:omni_asr_rtf"].labels(*self._labels).observe(listened.rtf)
 
     @property
     def label(self) -> str:
@@ -340,7 +347,7 @@ class StageWorker:
             )
         if len(task.route) <= self.me.stage or task.route[self.me.stage] != self.me.replica:
             raise MalformedMessage(f"route {task.route} does not bind this replica", "misaddressed")
-        expected = TaskKind.START if self.me.stage == 0 else TaskKind.CHUNK
+        expected = TaskKind.START if self.pipeline.takes_start(self.me.stage) else TaskKind.CHUNK
         if task.kind != expected:
             raise MalformedMessage(
                 f"stage {self.me.stage} takes '{expected.value}' tasks, got '{task.kind.value}'"

@@ -103,6 +103,7 @@ async def test_every_v1_route_needs_a_valid_key_and_submits_nothing(tokenizer, p
         "/v1/models",
         "/v1/audio/voices",
         "/v1/audio/speech",
+        "/v1/audio/transcriptions",
         "/v1/chat/completions",
         "/v1/completions",
     }

@@ -95,7 +95,7 @@ def test_the_talker_gets_the_chunks_in_order_with_their_token_positions() -> Non
         (TaskKind.CHUNK, 2, True, "c d", [8, 9, 10], 3),
     ]
     assert all(t.route == [-1, 1, 0] and t.attempt == 1 for t in tasks)
-    (start,) = entry_tasks(adm.replace(entry_stage=0, prompt_token_ids=[1, 2]), [0, 1, 0])
+    (start,) = entry_tasks(adm.replace(entry_stage=0, text_chunks=[], prompt_token_ids=[1, 2]), [0, 1, 0])
     assert (start.kind, start.seq, start.final, start.prompt_token_ids) == (TaskKind.START, 0, True, [1, 2])
 
 

@@ -12,7 +12,7 @@ from libs.common.pipeline import DEFAULT_PIPELINE_PATH, PipelineConfigError, loa
 def test_default_pipeline_is_the_three_stage_chain() -> None:
     p = load_pipeline()
     assert [s.name for s in p.stages] == ["thinker", "talker", "code2wav"]
-    assert p.stages_for(audio=False) == [0] and p.stages_for(audio=True) == [0, 1, 2]
+    assert p.stages_for(audio=False, entry=0) == [0] and p.stages_for(audio=True, entry=0) == [0, 1, 2]
     assert p.audio_stage == 2 and p.stages[0].replicas == 2
 
 
@@ -30,6 +30,17 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 
 GOOD_STAGE = "  - {name: thinker, type: llm, model: m, consumes: text, emits: text}\n"
+LISTENER = "  - {name: l, type: asr, model: whisper-tiny-en, consumes: audio, emits: text}\n"
+
+
+def test_a_listener_comes_first_and_requests_enter_where_their_input_is(tmp_path: Path) -> None:
+    p = load_pipeline(_write(tmp_path, "name: x\nserved_model_name: y\nstages:\n" + LISTENER + GOOD_STAGE))
+    assert (p.listener_stage, p.thinker_stage) == (0, 1)
+    assert p.stages_for(audio=False, entry=0) == [0], "a transcription runs the listener alone"
+    assert p.stages_for(audio=False, entry=1) == [1]
+    assert [p.upstream(s) for s in (0, 1)] == [None, None], "the thinker takes no chunks of the listener"
+    plain = load_pipeline()
+    assert (plain.listener_stage, plain.thinker_stage, plain.upstream(1)) == (None, 0, 0)
 
 
 @pytest.mark.parametrize(
@@ -55,6 +66,20 @@ GOOD_STAGE = "  - {name: thinker, type: llm, model: m, consumes: text, emits: te
         (
             "name: x\nserved_model_name: y\nbogus: 1\nstages:\n" + GOOD_STAGE,
             ["field 'bogus'", "Extra inputs"],
+        ),
+        ("name: x\nserved_model_name: y\nstages:\n" + LISTENER, ["a thinker must come after it"]),
+        (
+            "name: x\nserved_model_name: y\nstages:\n" + GOOD_STAGE + LISTENER,
+            ["stages[1].consumes is 'audio'"],
+        ),
+        (
+            "name: x\nserved_model_name: y\nstages:\n" + LISTENER + LISTENER.replace("name: l", "name: m"),
+            ["stages[1] must be an 'llm' stage"],
+        ),
+        (
+            "name: x\nserved_model_name: y\nstages:\n"
+            + GOOD_STAGE.replace("}", ", listener: {beam_size: 2}}"),
+            ["stages[0].listener: only an asr stage"],
         ),
         ("- just\n- a list\n", ["top level must be a mapping"]),
         ("name: [unclosed\n", ["not valid YAML"]),

@@ -373,9 +373,13 @@ def test_a_request_ends_or_moves_away_and_its_late_inputs_are_dropped_or_left_fo
 def test_a_move_notice_stops_older_attempts_and_makes_older_upstream_chunks_stale() -> None:
     table = RequestTable()
     ctx = _running(table, _task())
-    assert table.moved("r", stage=1, attempt=2, my_stage=1).ctx is ctx, "the older attempt is not stopped"
+    assert table.moved("r", stage=1, attempt=2, my_stage=1, upstream_restarts=False).ctx is ctx, (
+        "the older attempt is not stopped"
+    )
     assert table.judge(_task()) == Verdict.LEAVE
-    assert table.moved("q", stage=0, attempt=3, my_stage=1) is None  # stage 0 moved: a fence here
+    assert (
+        table.moved("q", stage=0, attempt=3, my_stage=1, upstream_restarts=True) is None
+    )  # the thinker moved: a fence here
     assert table.judge(_task("q", from_attempt=2)) == Verdict.STALE
     assert table.judge(_task("q", from_attempt=2, moved=True)) == Verdict.TAKE, "a dead talker's input"
     assert table.judge(_task("q", from_attempt=3)) == Verdict.TAKE

@@ -1,26 +1,35 @@
 """What each kind of stage computes, one handler per kind, all subclasses of
 :class:`~services.stage_worker.handlers.base.StageHandler`: ``thinker`` and ``talker`` (``llm``
-stages on vLLM's ``AsyncLLM``, through :mod:`~services.stage_worker.handlers.llm`) and
-``code2wav`` (a ``codec`` stage on a torch decoder). :func:`make_handler` picks the worker's."""
+stages on vLLM's ``AsyncLLM``, through :mod:`~services.stage_worker.handlers.llm`), ``code2wav``
+(a ``codec`` stage on a torch decoder) and ``listener`` (an ``asr`` stage on faster-whisper).
+:func:`make_handler` picks the worker's."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from libs.common.pipeline import Payload, PipelineConfig, StageType
 from libs.common.settings import WorkerSettings
 from services.stage_worker.engine_core.tracing_config import EngineTracing
 from services.stage_worker.handlers.base import StageHandler
 from services.stage_worker.handlers.code2wav import Code2WavHandler
+from services.stage_worker.handlers.listener import Listened, ListenerHandler
 from services.stage_worker.handlers.talker import TalkerHandler
 from services.stage_worker.handlers.thinker import ThinkerHandler
 from services.stage_worker.llm_engine import LLMEngineSpec
 
 
-def make_handler(pipeline: PipelineConfig, settings: WorkerSettings) -> StageHandler:
-    """The handler for the worker's stage (chosen by type and payloads)."""
+def make_handler(
+    pipeline: PipelineConfig, settings: WorkerSettings, on_listened: Callable[[Listened], None]
+) -> StageHandler:
+    """The handler for the worker's stage (chosen by type and payloads); ``on_listened``: told of
+    a listener's every transcription."""
     stage_id, replica = settings.stage, settings.replica
     stage = pipeline.stages[stage_id]
     if stage.type == StageType.CODEC:
         return Code2WavHandler(stage, settings.engine_nice)
+    if stage.type == StageType.ASR:
+        return ListenerHandler(stage, on_listened, settings.engine_nice)
     engine = LLMEngineSpec.for_replica(
         pipeline,
         stage_id,

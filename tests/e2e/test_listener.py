@@ -1,0 +1,193 @@
+"""The listener stage with its real Whisper model (tiny.en from the installed package) behind a real
+gateway, orchestrator and nats-server, called with the official ``openai`` client on real speech
+(espeak-ng): ``/v1/audio/transcriptions`` in every response format and streamed, the transcript
+against the words spoken and the durations against the WAV files' own, the listener's metrics
+against what the test sent, and bad audio answered with a 400 in OpenAI's shape."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from libs.stack.local_nats import free_port
+from tests.procs import ServiceProcess, start_service, until, write_pipeline
+from tests.speech import padded, recall, silence_wav, spoken, wav_seconds
+
+pytestmark = pytest.mark.e2e
+
+PIPELINE = "listen"
+LISTENER_THINKER_YAML = """\
+  - name: listener
+    type: asr
+    model: whisper-tiny-en
+    consumes: audio
+    emits: text
+    stream_to_client: true
+  - name: thinker
+    type: llm
+    model: tiny-thinker
+    consumes: text
+    emits: text
+    stream_to_client: true
+    engine: {max_num_seqs: 16, mock: {inter_token_ms: 0}}
+"""
+SAID = "Hello world. This is a test of the speech pipeline."
+MIN_RECALL = 0.7
+"""Share of the spoken words the transcript must hold: Whisper tiny.en on espeak-ng's voice
+mishears a word or two in ten ("a test of" → "my test on")."""
+
+
+@dataclass(frozen=True)
+class Stack:
+    base_url: str
+    model: str
+    listener: ServiceProcess
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server, tmp_path_factory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("listen")
+    path = write_pipeline(tmp / "p.yaml", PIPELINE, LISTENER_THINKER_YAML)
+    port = free_port()
+    orch = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
+    gateway = start_service(["gateway", "--port", str(port)], nats_server.url, path, tmp / "gw.log")
+    workers = [
+        start_service(["worker"], nats_server.url, path, tmp / f"w{s}.log", {"OMNIRELAY_STAGE": str(s)})
+        for s in (0, 1)
+    ]
+    try:
+        base = f"http://127.0.0.1:{port}"
+
+        def live() -> bool:
+            try:
+                r = httpx.get(f"{base}/health", timeout=2.0)
+                return r.status_code == 200 and r.json()["stages"] == {"0:listener": 1, "1:thinker": 1}
+            except (httpx.HTTPError, ValueError, KeyError):
+                return False
+
+        asyncio.run(until(live, "a listener and a thinker live behind the gateway", timeout_s=120))
+        yield Stack(base, f"{PIPELINE}-model", workers[0])
+    finally:
+        for proc in (*workers, orch):
+            proc.stop()
+        assert gateway.stop() in (0, -signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def sentence(tmp_path_factory) -> bytes:
+    """espeak-ng saying :data:`SAID`, with half a second of silence either side."""
+    wav = spoken(SAID, tmp_path_factory.mktemp("speech") / "said.wav").read_bytes()
+    return padded(wav, 0.5, 0.5)
+
+
+def _file(data: bytes) -> tuple[str, io.BytesIO, str]:
+    return ("said.wav", io.BytesIO(data), "audio/wav")
+
+
+def _listened(stack: Stack) -> tuple[float, float, float]:
+    """(input-audio seconds summed, transcriptions counted, RTF observations counted) on the
+    listener's ``/metrics``."""
+    assert stack.listener.metrics_url is not None
+    text = httpx.get(stack.listener.metrics_url, timeout=5).text
+    found = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            found[s.name] = found.get(s.name, 0.0) + s.value
+    return (
+        found.get("vllm:omni_input_audio_duration_s_sum", 0.0),
+        found.get("vllm:omni_input_audio_duration_s_count", 0.0),
+        found.get("vllm:omni_asr_rtf_count", 0.0),
+    )
+
+
+def test_a_sentence_is_transcribed_in_every_format(client, stack, sentence) -> None:
+    before = _listened(stack)
+    plain = client.audio.transcriptions.create(model=stack.model, file=_file(sentence))
+    assert recall(plain.text, SAID) >= MIN_RECALL, plain.text
+    assert plain.usage.type == "duration"
+    assert plain.usage.seconds == pytest.approx(wav_seconds(sentence), abs=0.01)
+
+    verbose = client.audio.transcriptions.create(
+        model=stack.model, file=_file(sentence), response_format="verbose_json"
+    )
+    assert verbose.text == plain.text, "greedy decoding at temperature 0 hears the same twice"
+    assert verbose.language == "english"
+    assert verbose.duration == pytest.approx(wav_seconds(sentence), abs=0.01)
+    assert verbose.segments and "".join(s.text for s in verbose.segments).strip() == verbose.text
+    for seg in verbose.segments:
+        assert 0 <= seg.start < seg.end <= verbose.duration + 0.05, seg
+        assert seg.tokens
+
+    text = client.audio.transcriptions.create(model=stack.model, file=_file(sentence), response_format="text")
+    assert text.strip() == plain.text
+    srt = client.audio.transcriptions.create(model=stack.model, file=_file(sentence), response_format="srt")
+    assert srt.startswith("1\n00:00:") and " --> " in srt
+    vtt = client.audio.transcriptions.create(model=stack.model, file=_file(sentence), response_format="vtt")
+    assert vtt.startswith("WEBVTT\n\n00:00:")
+
+    # The listener counted each of the five, with the audio's seconds as the WAV file has them.
+    after = _listened(stack)
+    assert after[1] - before[1] == 5 and after[2] - before[2] == 5
+    assert after[0] - before[0] == pytest.approx(5 * wav_seconds(sentence), abs=0.01)
+
+
+def test_a_streamed_transcript_adds_up_to_its_done_event(client, stack, sentence) -> None:
+    whole = client.audio.transcriptions.create(model=stack.model, file=_file(sentence)).text
+    stream = client.audio.transcriptions.create(model=stack.model, file=_file(sentence), stream=True)
+    events = list(stream)
+    deltas = [e for e in events if e.type == "transcript.text.delta"]
+    (done,) = [e for e in events if e.type == "transcript.text.done"]
+    assert events[-1] is done and deltas
+    assert "".join(d.delta for d in deltas) == done.text == whole
+    assert done.usage.input_tokens == round(wav_seconds(sentence) * 50)
+    assert done.usage.output_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("data", "fields", "code"),
+    [
+        (b"this is not audio at all" * 40, {}, "invalid_audio"),
+        (b"", {}, "invalid_audio"),
+        (silence_wav(31.0), {}, "audio_too_long"),
+        (
+            silence_wav(1.0),
+            {"timestamp_granularities": ["word"], "response_format": "verbose_json"},
+            "unsupported_parameter",
+        ),
+    ],
+    ids=["not-audio", "empty", "too-long", "word-timestamps"],
+)
+def test_bad_audio_is_a_400_in_openais_shape(client, stack, data, fields, code) -> None:
+    before = _listened(stack)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.audio.transcriptions.create(model=stack.model, file=_file(data), **fields)
+    assert e.value.status_code == 400
+    assert e.value.body["code"] == code and e.value.body["type"] == "invalid_request_error"
+    assert _listened(stack) == before, "nothing reached the listener"
+
+
+def test_a_transcription_for_another_model_is_a_404(client, sentence) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.audio.transcriptions.create(model="whisper-1", file=_file(sentence))
+
+
+def test_silence_transcribes_to_next_to_nothing(client, stack, tmp_path: Path) -> None:
+    out = client.audio.transcriptions.create(
+        model=stack.model, file=_file(silence_wav(2.0)), response_format="verbose_json"
+    )
+    assert out.duration == pytest.approx(2.0, abs=0.01)
+    assert len(out.text.split()) <= 2, out.text
