@@ -7,7 +7,13 @@ from libs.common.envelopes import Sampling
 from libs.common.pipeline import PipelineConfig
 from libs.common.voices import UnknownVoice, resolve_voice, talker_config
 from services.gateway.errors import APIError, bad_request
-from services.gateway.schemas import AudioParams, ChatCompletionRequest, ChatMessage, CompletionRequest
+from services.gateway.schemas import (
+    AudioParams,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    InputAudio,
+)
 
 AUDIO_FORMATS = ("wav", "mp3", "flac", "opus", "pcm16")
 """``audio.format`` values served (OpenAI's list). Streamed audio is always raw PCM16 chunks, as
@@ -44,8 +50,9 @@ class Tokenizer:
         return self._tok.encode(text, add_special_tokens=False)
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as plain ``{role, content}`` text; non-text content parts are rejected."""
+def chat_messages(messages: list[ChatMessage], heard: dict[tuple[int, int], str]) -> list[dict[str, str]]:
+    """Messages as plain ``{role, content}`` text: text parts as they are, ``input_audio`` parts
+    as the listener heard them (``heard``: (message, part) → transcript); others are rejected."""
     out = []
     for i, m in enumerate(messages):
         if m.content is None or isinstance(m.content, str):
@@ -53,9 +60,12 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
         else:
             parts = []
             for j, p in enumerate(m.content):
+                if p.type == "input_audio" and (i, j) in heard:
+                    parts.append(heard[i, j])
+                    continue
                 if p.type != "text" or p.text is None:
                     raise bad_request(
-                        f"content part type '{p.type}' is not supported (text only)",
+                        f"content part type '{p.type}' is not supported (text, input_audio)",
                         f"messages.{i}.content.{j}.type",
                         "unsupported_content",
                     )
@@ -64,6 +74,22 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
         role = "system" if m.role == "developer" else m.role
         out.append({"role": role, "content": text})
     return out
+
+
+def audio_parts(messages: list[ChatMessage]) -> dict[tuple[int, int], InputAudio]:
+    """The ``input_audio`` parts of ``messages``: (message, part) → the part's audio; a part of
+    that type without its audio is a 400."""
+    found = {}
+    for i, m in enumerate(messages):
+        for j, p in enumerate(m.content if isinstance(m.content, list) else ()):
+            if p.type != "input_audio":
+                continue
+            if p.input_audio is None:
+                raise bad_request(
+                    "an input_audio part needs 'input_audio'", f"messages.{i}.content.{j}.input_audio"
+                )
+            found[i, j] = p.input_audio
+    return found
 
 
 def max_tokens_for(requested: int | None, prompt_len: int, max_model_len: int, param: str) -> int:

@@ -19,10 +19,18 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class InputAudio(BaseModel):
+    """OpenAI's ``input_audio`` content part: base64 of an audio file (any FFmpeg reads is taken)."""
+
+    data: str
+    format: Literal["wav", "mp3"]
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
+    input_audio: InputAudio | None = None
 
 
 class ChatMessage(BaseModel):

@@ -3,24 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry.context import Context
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
 from pydantic import BaseModel
 
 from libs.common.envelopes import Admission, Sampling, SpeechChunk, Transcription
 from libs.common.pipeline import PipelineConfig
 from libs.common.tracing import inject_headers, start_span, trace_id_hex
-from services.gateway.audio_input import duration_s
+from services.gateway.audio_input import decode_audio, duration_s
 from services.gateway.errors import APIError, bad_request
 from services.gateway.limits import DEFAULT_LIMITS, InputLimits, check_text
 from services.gateway.pipeline_client import PipelineClient
 from services.gateway.prompting import (
     Tokenizer,
+    audio_parts,
     audio_voice,
     chat_messages,
     max_tokens_for,
@@ -34,10 +37,12 @@ from services.gateway.responses import Job
 from services.gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    InputAudio,
     SpeechRequest,
     TranscriptionForm,
 )
 from services.gateway.speech_input import speech_chunks
+from services.gateway.transcription import transcript_once
 
 
 class Submitter:
@@ -73,40 +78,59 @@ class Submitter:
             )
 
     async def chat(self, req: ChatCompletionRequest, arrival: Arrival) -> Job:
+        """``/v1/chat/completions``: the conversation, its audio parts transcribed first by the
+        listener (:meth:`_heard`), templated into the thinker's prompt, entering at the thinker."""
         check_text(_fields(req))
         self._check_model(req.model)
         reject_unsupported(req)
-        limits = self.limits
-        limits.check_messages(len(req.messages))
-        messages = chat_messages(req.messages)
-        limits.check_prompt(sum(len(m["content"]) for m in messages), "messages")
-        limits.check_sampling(req.stop, req.ignore_eos)
+        self.limits.check_messages(len(req.messages))
+        self.limits.check_sampling(req.stop, req.ignore_eos)
+        parts = audio_parts(req.messages)
+        if parts and self.pipeline.listener_stage is None:
+            raise bad_request(
+                f"pipeline '{self.pipeline.name}' has no listener stage: it cannot take audio input",
+                "messages",
+                "unsupported_content",
+            )
+        audio = wants_audio(req, self.pipeline)
+        voice = audio_voice(audio, self.pipeline) if audio else None
+        request_id, span = self._open("chatcmpl", "chat", req.model, arrival, audio is not None)
+        try:
+            messages = chat_messages(req.messages, await self._heard(parts, req.model, arrival, span))
+            ids, sampling = await self._chat_prompt(req, messages)
+            span.set_attributes(_sampling_attributes(sampling))
+            job = await self._admit(
+                request_id,
+                span,
+                req.model,
+                req.stream,
+                arrival,
+                entry_stage=self.pipeline.thinker_stage,
+                prompt_token_ids=ids,
+                sampling=sampling,
+                audio=audio is not None,
+                voice=voice,
+            )
+        except BaseException as e:
+            _end_failed(span, e)
+            raise
+        job.audio_format = audio.format if audio else None
+        job.return_token_ids = req.return_token_ids
+        return job
+
+    async def _chat_prompt(
+        self, req: ChatCompletionRequest, messages: list[dict[str, str]]
+    ) -> tuple[list[int], Sampling]:
+        """The thinker's prompt tokens and sampling of a chat (its size and budget checked)."""
+        self.limits.check_prompt(sum(len(m["content"]) for m in messages), "messages")
         asked, param = (
             (req.max_completion_tokens, "max_completion_tokens")
             if req.max_completion_tokens is not None
             else (req.max_tokens, "max_tokens")
         )
-        audio = wants_audio(req, self.pipeline)
-        voice = audio_voice(audio, self.pipeline) if audio else None
         # Off the event loop: a long prompt must not stall every other stream of this gateway.
         ids = await asyncio.to_thread(self.tokenizer.chat, messages)
-        sampling = sampling_for(req, self._budget(asked, len(ids), param))
-        job = await self._submit(
-            "chatcmpl",
-            "chat",
-            req.model,
-            req.stream,
-            arrival,
-            _sampling_attributes(sampling),
-            entry_stage=self.pipeline.thinker_stage,
-            prompt_token_ids=ids,
-            sampling=sampling,
-            audio=audio is not None,
-            voice=voice,
-        )
-        job.audio_format = audio.format if audio else None
-        job.return_token_ids = req.return_token_ids
-        return job
+        return ids, sampling_for(req, self._budget(asked, len(ids), param))
 
     async def completion(self, req: CompletionRequest, arrival: Arrival) -> Job:
         check_text(_fields(req))
@@ -202,20 +226,19 @@ class Submitter:
         chunks = [SpeechChunk(text=t, token_ids=self.tokenizer.words(t)) for t in speech_chunks(text)]
         return [c for c in chunks if c.token_ids]
 
-    async def _submit(
+    def _open(
         self,
         prefix: str,
         operation: str,
         model: str,
-        streamed: bool,
         arrival: Arrival,
-        attributes: dict[str, str | int | float | bool],
-        **admission: Any,
-    ) -> Job:
-        """Publish an :class:`Admission` with the ``admission`` fields for a new request id; its
-        SERVER span (``operation``, ``model``, plus ``attributes``) is the trace's root."""
+        audio: bool,
+        attributes: dict[str, str | int | float | bool] | None = None,
+    ) -> tuple[str, Span]:
+        """A new request id and its SERVER span (``operation``, ``model``, plus ``attributes``):
+        the root of the request's trace, or a child of the trace the client (or, for a chat's
+        audio, the chat) sent."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        audio = bool(admission.get("audio", False))
         span = start_span(
             f"{operation} {model}",
             arrival.trace_parent,
@@ -226,10 +249,32 @@ class Submitter:
                 "gen_ai.request.model": model,
                 "omnirelay.request_id": request_id,
                 "omnirelay.audio": audio,
-                **attributes,
+                **(attributes or {}),
             },
             start_time=arrival.wall_ns,
         )
+        return request_id, span
+
+    async def _submit(
+        self,
+        prefix: str,
+        operation: str,
+        model: str,
+        streamed: bool,
+        arrival: Arrival,
+        attributes: dict[str, str | int | float | bool],
+        **admission: Any,
+    ) -> Job:
+        """Publish an :class:`Admission` with the ``admission`` fields for a new request (:meth:`_open`)."""
+        audio = bool(admission.get("audio", False))
+        request_id, span = self._open(prefix, operation, model, arrival, audio, attributes)
+        return await self._admit(request_id, span, model, streamed, arrival, **admission)
+
+    async def _admit(
+        self, request_id: str, span: Span, model: str, streamed: bool, arrival: Arrival, **admission: Any
+    ) -> Job:
+        """Publish the :class:`Admission` of ``request_id`` with the ``admission`` fields."""
+        audio = bool(admission.get("audio", False))
         adm = Admission(
             request_id=request_id,
             gateway_id=self.client.gateway_id,
@@ -244,8 +289,7 @@ class Submitter:
             handle = await self.client.submit(adm, trace_headers=headers)
         except APIError as e:
             self.stat_log.rejected(e.code or "rejected")
-            span.set_status(Status(StatusCode.ERROR, e.code or "rejected"))
-            span.end()
+            _end_failed(span, e)
             raise
         stats = RequestStats(arrival_s=arrival.mono_s, audio=audio, streamed=streamed, trace_id=adm.trace_id)
         self.stat_log.submitted(stats)
@@ -259,6 +303,38 @@ class Submitter:
             span=span,
             max_buffered=self.limits.max_buffered_events,
         )
+
+    async def _heard(
+        self, parts: dict[tuple[int, int], InputAudio], model: str, arrival: Arrival, parent: Span
+    ) -> dict[tuple[int, int], str]:
+        """What the listener hears in each of a chat's audio parts, transcribed side by side, each
+        a transcription request of its own in the chat's trace (a failure of one is the chat's)."""
+        if not parts:
+            return {}
+        child = Arrival(arrival.wall_ns, arrival.mono_s, set_span_in_context(parent))
+
+        async def heard(key: tuple[int, int], part: InputAudio) -> str:
+            param = f"messages.{key[0]}.content.{key[1]}.input_audio.data"
+            try:
+                data = base64.b64decode(part.data, validate=True)
+            except binascii.Error:
+                raise bad_request("input_audio.data is not base64", param, "invalid_audio") from None
+            pcm16 = await asyncio.to_thread(decode_audio, data, param)
+            listen = Transcription(pcm16=pcm16)
+            job = await self._submit(
+                "transcr",
+                "transcription",
+                model,
+                False,
+                child,
+                {},
+                entry_stage=self.pipeline.listener_stage,
+                transcription=listen,
+            )
+            return (await transcript_once(job)).text
+
+        texts = await asyncio.gather(*(heard(k, p) for k, p in parts.items()))
+        return dict(zip(parts, texts, strict=True))
 
 
 def _fields(req: BaseModel) -> dict[str, Any]:
@@ -283,3 +359,11 @@ class Arrival:
     mono_s: float
     trace_parent: Context | None = None
     """Trace context the client sent (``traceparent``), if any."""
+
+
+def _end_failed(span: Span, e: BaseException) -> None:
+    """End the SERVER span of a request that failed before it was queued (unless it has ended)."""
+    if not span.is_recording():
+        return
+    span.set_status(Status(StatusCode.ERROR, getattr(e, "code", None) or type(e).__name__))
+    span.end()

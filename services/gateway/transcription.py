@@ -8,13 +8,14 @@ the first one's leading space dropped, so the streamed deltas add up to the done
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
 from libs.common.envelopes import ClientEvent, ClientEventType, Heard
-from services.gateway.responses import Collected, Job, events_until_done
+from services.gateway.responses import Collected, Job, abort_reason, events_until_done, finish
 from services.gateway.schemas import (
     DurationUsage,
     TokenUsage,
@@ -58,6 +59,20 @@ async def transcript_of(job: Job) -> Transcript:
     async for ev in events_until_done(job):
         out.add(ev)
     return out
+
+
+async def transcript_once(job: Job) -> Transcript:
+    """The transcript of a transcription the gateway asked for itself (a chat's audio part): the
+    request released when it ends, aborted in every stage when it fails; recorded either way."""
+    try:
+        t = await transcript_of(job)
+    except BaseException as e:
+        job.client.abort(job.id, abort_reason(e))
+        finish(job, time.monotonic())
+        raise
+    job.client.release(job.id)
+    finish(job, time.monotonic())
+    return t
 
 
 def transcription_body(t: Transcript, response_format: str, temperature: float) -> Response:

@@ -94,6 +94,20 @@ INVALID = "invalid_request"
             "messages.0.content.0.type",
             "unsupported_content",
         ),
+        (  # the default pipeline has no listener
+            {
+                "model": "omni-tiny",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}],
+                    }
+                ],
+            },
+            400,
+            "messages",
+            "unsupported_content",
+        ),
         (
             {"model": "omni-tiny", "messages": _msgs(), "tools": [{"type": "function"}]},
             400,

@@ -7,6 +7,7 @@ against what the test sent, and bad audio answered with a 400 in OpenAI's shape.
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import signal
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from libs.models.tiny import resolve_model
 from libs.stack.local_nats import free_port
 from tests.procs import ServiceProcess, start_service, until, write_pipeline
 from tests.speech import padded, recall, silence_wav, spoken, wav_seconds
@@ -183,6 +185,43 @@ def test_bad_audio_is_a_400_in_openais_shape(client, stack, data, fields, code) 
 def test_a_transcription_for_another_model_is_a_404(client, sentence) -> None:
     with pytest.raises(openai.NotFoundError):
         client.audio.transcriptions.create(model="whisper-1", file=_file(sentence))
+
+
+def _audio_part(data: bytes) -> dict:
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"}}
+
+
+def test_a_chat_hears_its_audio_parts_and_the_thinker_gets_the_transcript(client, stack, sentence) -> None:
+    """The prompt the thinker ran is the chat template applied to the transcript in the audio's
+    place: its token count, from the thinker's ``usage``, equals the template's count computed
+    here from the transcription of the same file."""
+    from transformers import AutoTokenizer
+
+    heard = client.audio.transcriptions.create(model=stack.model, file=_file(sentence)).text
+    before = _listened(stack)
+    r = client.chat.completions.create(
+        model=stack.model,
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "Answer this: "}, _audio_part(sentence)]}
+        ],
+        max_tokens=4,
+    )
+    tok = AutoTokenizer.from_pretrained(resolve_model("tiny-thinker"))
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": f"Answer this: {heard}"}], add_generation_prompt=True, tokenize=False
+    )
+    assert r.usage.prompt_tokens == len(tok.encode(text, add_special_tokens=False))
+    assert r.usage.completion_tokens == 4 and r.choices[0].message.content
+    assert _listened(stack)[1] - before[1] == 1, "the listener heard the part once"
+
+
+def test_a_chat_with_bad_audio_is_a_400_naming_the_part(client, stack) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=stack.model, messages=[{"role": "user", "content": [_audio_part(b"not audio" * 50)]}]
+        )
+    assert e.value.body["code"] == "invalid_audio"
+    assert e.value.body["param"] == "messages.0.content.0.input_audio.data"
 
 
 def test_silence_transcribes_to_next_to_nothing(client, stack, tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from cli.launcher import plan_services
 from libs.common.pipeline import load_pipeline
 from services.gateway.audio import encode_whole
 from services.gateway.errors import APIError
-from services.gateway.prompting import chat_messages, max_tokens_for, sampling_for, wants_audio
+from services.gateway.prompting import audio_parts, chat_messages, max_tokens_for, sampling_for, wants_audio
 from services.gateway.schemas import ChatCompletionRequest
 
 
@@ -71,13 +71,25 @@ def test_chat_messages_flatten_text_parts_and_reject_others() -> None:
             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
         ]
     )
-    assert chat_messages(req.messages) == [
+    assert chat_messages(req.messages, {}) == [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "ab"},
     ]
     with pytest.raises(APIError) as e:
-        chat_messages(_req(messages=[{"role": "user", "content": [{"type": "input_audio"}]}]).messages)
+        chat_messages(_req(messages=[{"role": "user", "content": [{"type": "image_url"}]}]).messages, {})
     assert e.value.param == "messages.0.content.0.type"
+
+
+def test_audio_parts_become_what_the_listener_heard_in_their_place() -> None:
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    msgs = _req(messages=[{"role": "user", "content": [{"type": "text", "text": "Q: "}, audio]}]).messages
+    assert list(audio_parts(msgs)) == [(0, 1)]
+    assert chat_messages(msgs, {(0, 1): "what time is it"}) == [
+        {"role": "user", "content": "Q: what time is it"}
+    ]
+    with pytest.raises(APIError) as e:
+        audio_parts(_req(messages=[{"role": "user", "content": [{"type": "input_audio"}]}]).messages)
+    assert e.value.param == "messages.0.content.0.input_audio"
 
 
 def test_sampling_stop_strings_and_n() -> None:
