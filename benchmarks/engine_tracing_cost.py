@@ -169,7 +169,7 @@ async def _start(flags: Any):  # -> ThinkerHandler
     from services.stage_worker.handlers.thinker import ThinkerHandler
     from services.stage_worker.llm_engine import LLMEngineSpec
 
-    handler = ThinkerHandler(LLMEngineSpec.for_replica(load_pipeline(), 0, 0, tracing=flags), has_next=False)
+    handler = ThinkerHandler(LLMEngineSpec.for_replica(load_pipeline(), 0, 0, tracing=flags))
     await handler.start()
     return handler
 

@@ -118,6 +118,15 @@ FAMILIES: tuple[Family, ...] = (
            "held by a broker that was killed): the events after a gap wait at the gateway until the "
            "worker, which keeps its events until the gateway confirms them, sends the lost ones again.",
            ("model_name", "stage"), Exporter.GATEWAY, spec=False),
+    Family("vllm:omni_realtime_sessions", Kind.GAUGE,
+           "Realtime sessions (/v1/realtime WebSockets) open now.", PIPELINE, Exporter.GATEWAY, spec=False),
+    Family("vllm:omni_realtime_voice_to_voice_s", Kind.HISTOGRAM,
+           "Voice-to-voice latency of a realtime turn: the caller's audio where the VAD marks the end of "
+           "their speech reaching the gateway → the response's first audio delta sent, seconds "
+           "(the VAD's silence_duration_ms included).", PIPELINE, Exporter.GATEWAY, SECONDS_BUCKETS, spec=False),
+    Family("vllm:omni_realtime_interruptions", Kind.COUNTER,
+           "Realtime responses cancelled before they completed, by cause: turn_detected (the caller spoke: "
+           "barge-in) or client_cancelled (response.cancel).", (*PIPELINE, "cause"), Exporter.GATEWAY, spec=False),
     Family("vllm:omni_audio_ttfp_s", Kind.HISTOGRAM,
            "Time from HTTP arrival to the first audio bytes written to the client, seconds.",
            AUDIO, Exporter.GATEWAY, SECONDS_BUCKETS),

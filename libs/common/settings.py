@@ -145,6 +145,11 @@ class GatewaySettings(ServiceSettings):
         gt=0,
         description="a response write the client does not take within this aborts it, seconds",
     )
+    max_realtime_sessions_per_key: int = Field(
+        default=16,
+        ge=0,
+        description="realtime sessions (/v1/realtime WebSockets) one API key may hold open at once; 0: no limit",
+    )
     max_concurrent_per_key: int = Field(
         default=256,
         ge=0,

@@ -24,6 +24,9 @@ from services.gateway.http_protocol import bounded_http
 from services.gateway.limits import ConcurrencyLimit, InputLimits, SlotRelease
 from services.gateway.pipeline_client import PipelineClient
 from services.gateway.prompting import Tokenizer
+from services.gateway.realtime.protocol import MAX_EVENT_BYTES
+from services.gateway.realtime.route import router as realtime_router
+from services.gateway.realtime.route import secrets_api
 from services.gateway.request_size import RequestSizeLimit
 from services.gateway.request_stats import GatewayStatLogger
 from services.gateway.responses import SlowReader, abandon, body_started, finish
@@ -133,7 +136,10 @@ def create_app(settings: GatewaySettings, pipeline: PipelineConfig) -> FastAPI:
     app.state.api_keys = api_keys
     app.state.concurrency = concurrency = ConcurrencyLimit(settings.max_concurrent_per_key)
     app.state.started = int(time.time())
+    app.state.realtime_sessions = ConcurrencyLimit(settings.max_realtime_sessions_per_key)
     app.include_router(router)
+    app.include_router(realtime_router)
+    app.include_router(secrets_api)
     install_error_handlers(app)
     # Middleware added first runs innermost: size limits inside the http_* metrics (a 413 counts).
     app.add_middleware(
@@ -159,6 +165,8 @@ def server_options(settings: GatewaySettings) -> dict[str, object]:
         "access_log": False,
         "http": bounded_http(settings.request_head_timeout_s, settings.max_header_bytes),
         "timeout_keep_alive": settings.keep_alive_s,
+        "ws": "websockets",
+        "ws_max_size": MAX_EVENT_BYTES,
     }
 
 

@@ -15,6 +15,7 @@ import ipaddress
 import logging
 import os
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,14 +156,24 @@ async def authorize(request: Request) -> None:
     """The dependency of every ``/v1/*`` route: a valid bearer key, or 401. Sets
     ``request.state.principal``: the key's fingerprint, or ``client:<address>`` when the gateway
     runs without keys (what per-client limits count by)."""
-    keys: ApiKeys | None = request.app.state.api_keys
+    client = request.client.host if request.client else "-"
+    request.state.principal = principal_of(request.app.state.api_keys, bearer(request.headers), client)
+
+
+def bearer(headers: Mapping[str, str]) -> str | None:
+    """The key of an ``Authorization: Bearer <key>`` header, or None."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return (token.strip() or None) if scheme.lower() == "bearer" else None
+
+
+def principal_of(keys: ApiKeys | None, presented: str | None, client: str) -> str:
+    """Who presents ``presented``: its key's fingerprint; ``client:<address>`` for a gateway
+    without keys; a 401 when the key is missing or none of the configured ones."""
     if keys is None:
-        request.state.principal = f"client:{request.client.host if request.client else '-'}"
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
+        return f"client:{client}"
+    if presented is None:
         raise unauthorized("no API key provided: send it as 'Authorization: Bearer <key>'")
-    principal = keys.match(token.strip())
+    principal = keys.match(presented)
     if principal is None:
         raise unauthorized("incorrect API key provided")
-    request.state.principal = principal
+    return principal

@@ -90,6 +90,21 @@ class GatewayStatLogger:
             self._m["vllm:omni_num_requests_waiting"].labels(self._model).dec()
             self._m["vllm:omni_num_requests_running"].labels(self._model).inc()
 
+    def realtime_sessions(self, delta: int) -> None:
+        """A realtime session opened (+1) or closed (-1)."""
+        if self._m.enabled:
+            self._m["vllm:omni_realtime_sessions"].labels(self._model).inc(delta)
+
+    def voice_to_voice(self, seconds: float) -> None:
+        """A realtime turn's end of speech → its response's first audio delta, seconds."""
+        if self._m.enabled:
+            self._m["vllm:omni_realtime_voice_to_voice_s"].labels(self._model).observe(seconds)
+
+    def interrupted(self, cause: str) -> None:
+        """A realtime response was cancelled (``cause``: turn_detected or client_cancelled)."""
+        if self._m.enabled:
+            self._m["vllm:omni_realtime_interruptions"].labels(self._model, cause).inc()
+
     def stale_event(self, stage: int) -> None:
         """An event of an attempt the request had moved past was dropped."""
         if self._m.enabled:

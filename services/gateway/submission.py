@@ -68,7 +68,14 @@ class Submitter:
         self.limits.check_max_tokens(asked, param)
         return min(budget, self.limits.max_tokens)
 
-    def _check_model(self, model: str) -> None:
+    def _entry(self, stage: int | None, lacks: str, code: str, param: str = "model") -> int:
+        """``stage``, where a request enters; a 400 (``code`` on ``param``) when the pipeline
+        has no such stage (``lacks`` says which, and what the request cannot do)."""
+        if stage is None:
+            raise bad_request(f"pipeline '{self.pipeline.name}' has no {lacks}", param, code)
+        return stage
+
+    def check_model(self, model: str) -> None:
         if model != self.pipeline.served_model_name:
             raise APIError(
                 404,
@@ -81,16 +88,17 @@ class Submitter:
         """``/v1/chat/completions``: the conversation, its audio parts transcribed first by the
         listener (:meth:`_heard`), templated into the thinker's prompt, entering at the thinker."""
         check_text(_fields(req))
-        self._check_model(req.model)
+        self.check_model(req.model)
         reject_unsupported(req)
         self.limits.check_messages(len(req.messages))
         self.limits.check_sampling(req.stop, req.ignore_eos)
         parts = audio_parts(req.messages)
-        if parts and self.pipeline.listener_stage is None:
-            raise bad_request(
-                f"pipeline '{self.pipeline.name}' has no listener stage: it cannot take audio input",
-                "messages",
+        if parts:
+            self._entry(
+                self.pipeline.listener_stage,
+                "listener stage: it cannot take audio input",
                 "unsupported_content",
+                "messages",
             )
         audio = wants_audio(req, self.pipeline)
         voice = audio_voice(audio, self.pipeline) if audio else None
@@ -134,7 +142,7 @@ class Submitter:
 
     async def completion(self, req: CompletionRequest, arrival: Arrival) -> Job:
         check_text(_fields(req))
-        self._check_model(req.model)
+        self.check_model(req.model)
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if len(prompts) != 1:
             raise APIError(400, "exactly one prompt per request is supported", "invalid_request", "prompt")
@@ -162,14 +170,8 @@ class Submitter:
         """``/v1/audio/speech``: the input enters the pipeline at its talker, cut into chunks
         (:func:`speech_chunks`), each with its tokens in the thinker's tokenizer."""
         check_text(_fields(req))
-        self._check_model(req.model)
-        entry = self.pipeline.speech_stage
-        if entry is None:
-            raise bad_request(
-                f"pipeline '{self.pipeline.name}' has no talker stage: it cannot speak",
-                "model",
-                "speech_unsupported",
-            )
+        self.check_model(req.model)
+        entry = self._entry(self.pipeline.speech_stage, "talker stage: it cannot speak", "speech_unsupported")
         voice = voice_of(req.voice_name, self.pipeline, "voice", "invalid_voice")
         chunks = await asyncio.to_thread(self._speech_chunks, req.input)
         if not chunks:
@@ -193,14 +195,7 @@ class Submitter:
     async def transcription(self, req: TranscriptionForm, pcm16: bytes, arrival: Arrival) -> Job:
         """``/v1/audio/transcriptions``: the audio (16 kHz PCM16, decoded by the route) enters
         the pipeline at its listener."""
-        self._check_model(req.model)
-        entry = self.pipeline.listener_stage
-        if entry is None:
-            raise bad_request(
-                f"pipeline '{self.pipeline.name}' has no listener stage: it cannot transcribe",
-                "model",
-                "transcription_unsupported",
-            )
+        self.check_model(req.model)
         if "word" in req.timestamp_granularities:
             raise bad_request(
                 "word timestamps are not supported; segment timestamps are",
@@ -210,16 +205,61 @@ class Submitter:
         listen = Transcription(
             pcm16=pcm16, language=req.language, prompt=req.prompt, temperature=req.temperature
         )
+        return await self.listen(listen, req.model, arrival, req.stream)
+
+    async def listen(
+        self, listen: Transcription, model: str, arrival: Arrival, streamed: bool = False
+    ) -> Job:
+        """A transcription request: ``listen``'s audio enters the pipeline at its listener (a
+        400 on ``model`` for a pipeline without one)."""
+        entry = self._entry(
+            self.pipeline.listener_stage, "listener stage: it cannot transcribe", "transcription_unsupported"
+        )
+        attributes = {"omnirelay.audio.input_s": duration_s(listen.pcm16)}
         return await self._submit(
             "transcr",
             "transcription",
-            req.model,
-            req.stream,
+            model,
+            streamed,
             arrival,
-            {"omnirelay.audio.input_s": duration_s(pcm16)},
+            attributes,
             entry_stage=entry,
             transcription=listen,
         )
+
+    async def conversation(
+        self,
+        messages: list[dict[str, str]],
+        model: str,
+        arrival: Arrival,
+        voice_name: str | None,
+        max_tokens: int | None,
+    ) -> Job:
+        """A realtime response: ``messages`` templated into the thinker's prompt, entering at the
+        thinker; with a ``voice_name`` (audio out) the whole chain runs. Bad input is a
+        :class:`APIError` (the session sends it as an ``error`` event)."""
+        voice = None
+        if voice_name is not None:
+            if self.pipeline.audio_stage is None:
+                raise bad_request(f"pipeline '{self.pipeline.name}' produces no audio", "output_modalities")
+            voice = voice_of(voice_name, self.pipeline, "audio.output.voice")
+        ids = await asyncio.to_thread(self.tokenizer.chat, messages)
+        sampling = Sampling(max_tokens=self._budget(max_tokens, len(ids), "max_output_tokens"))
+        job = await self._submit(
+            "resp",
+            "chat",
+            model,
+            True,
+            arrival,
+            _sampling_attributes(sampling),
+            entry_stage=self.pipeline.thinker_stage,
+            prompt_token_ids=ids,
+            sampling=sampling,
+            audio=voice_name is not None,
+            voice=voice,
+        )
+        job.audio_format = "pcm16" if voice_name is not None else None  # its audio goes out as raw PCM16
+        return job
 
     def _speech_chunks(self, text: str) -> list[SpeechChunk]:
         """The input's chunks (:func:`speech_chunks`) that have tokens, each with them."""
@@ -320,18 +360,7 @@ class Submitter:
             except binascii.Error:
                 raise bad_request("input_audio.data is not base64", param, "invalid_audio") from None
             pcm16 = await asyncio.to_thread(decode_audio, data, param)
-            listen = Transcription(pcm16=pcm16)
-            job = await self._submit(
-                "transcr",
-                "transcription",
-                model,
-                False,
-                child,
-                {},
-                entry_stage=self.pipeline.listener_stage,
-                transcription=listen,
-            )
-            return (await transcript_once(job)).text
+            return (await transcript_once(await self.listen(Transcription(pcm16=pcm16), model, child))).text
 
         texts = await asyncio.gather(*(heard(k, p) for k, p in parts.items()))
         return dict(zip(parts, texts, strict=True))

@@ -156,7 +156,7 @@ async def off() -> OffEngine:
     """An engine with log_stats off, one request through it, its scrape; stopped before any
     log_stats-on engine starts (the on-engine's fixture asks for this one first)."""
     unregister_vllm_metrics()  # leftovers of engines other test modules started in this process
-    handler = ThinkerHandler(engine_spec(log_stats=False), has_next=False)
+    handler = ThinkerHandler(engine_spec(log_stats=False))
     t0 = time.monotonic()
     await handler.start()
     print(f"\nlog_stats off: engine start {time.monotonic() - t0:.1f} s")
@@ -278,7 +278,7 @@ async def gauges_while_busy(engine, timeout_s: float = 60.0) -> dict[str, float]
 async def on(off: OffEngine) -> AsyncIterator[OnEngine]:
     probe = Gauge(PROBE, "Registered before the engine starts.", ["stage"], registry=OMNI_REGISTRY)
     probe.labels(stage="0").set(42)
-    handler = ThinkerHandler(engine_spec(log_stats=True), has_next=False)
+    handler = ThinkerHandler(engine_spec(log_stats=True))
     t0 = time.monotonic()
     await handler.start()
     print(f"\nlog_stats on: engine start {time.monotonic() - t0:.1f} s")

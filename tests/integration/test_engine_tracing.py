@@ -197,7 +197,7 @@ def parents_in_trace(rate: float, want: bool, n: int) -> list[Span]:
 
 @pytest.fixture(scope="module")
 async def engine_a(otlp: Receiver) -> AsyncIterator[SimpleNamespace]:
-    handler = ThinkerHandler(spec_with(A), has_next=False)
+    handler = ThinkerHandler(spec_with(A))
     t0 = time.monotonic()
     await handler.start()
     print(f"\nengine A: start {time.monotonic() - t0:.1f} s")
@@ -329,7 +329,7 @@ class TestEngineA:
 
 
 async def test_engine_b_rate_zero_emits_no_step_event(otlp: Receiver) -> None:
-    handler = ThinkerHandler(spec_with(B), has_next=False)
+    handler = ThinkerHandler(spec_with(B))
     t0 = time.monotonic()
     await handler.start()
     print(f"\nengine B: start {time.monotonic() - t0:.1f} s")

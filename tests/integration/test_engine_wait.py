@@ -120,7 +120,7 @@ async def engine() -> AsyncIterator[tuple[LLMHandler, list[psutil.Process]]]:
     engine = stage.engine.model_copy(update={"extra": {**stage.engine.extra, EXECUTOR_ARG: "mp"}})
     stages = [stage.model_copy(update={"engine": engine}), *pipeline.stages[1:]]
     pipeline = pipeline.model_copy(update={"stages": stages})
-    handler = ThinkerHandler(LLMEngineSpec.for_replica(pipeline, 0, 0, log_stats=True), has_next=False)
+    handler = ThinkerHandler(LLMEngineSpec.for_replica(pipeline, 0, 0, log_stats=True))
     await handler.start()
     try:
         procs = [

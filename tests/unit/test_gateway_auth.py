@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 from fastapi import FastAPI
+from starlette.testclient import TestClient, WebSocketDenialResponse
 from typer.testing import CliRunner
 
 from cli.main import app as cli_app
@@ -29,6 +30,7 @@ from services.gateway.app import create_app
 from services.gateway.auth import ApiKeys, AuthConfigError, load_api_keys
 from services.gateway.limits import InputLimits
 from services.gateway.prompting import Tokenizer
+from services.gateway.realtime.client_secrets import mint
 from services.gateway.request_stats import GatewayStatLogger
 from services.gateway.submission import Submitter
 from tests.gateway_stubs import REFUSED, RecordingClient
@@ -79,6 +81,7 @@ def bodies() -> dict[str, dict]:
         "/v1/chat/completions": {"model": model, "messages": [{"role": "user", "content": "hi"}]},
         "/v1/completions": {"model": model, "prompt": "hi"},
         "/v1/audio/speech": {"model": model, "input": "hi", "voice": "alloy"},
+        "/v1/realtime/client_secrets": {},
     }
 
 
@@ -105,6 +108,7 @@ async def test_every_v1_route_needs_a_valid_key_and_submits_nothing(tokenizer, p
         "/v1/audio/speech",
         "/v1/audio/transcriptions",
         "/v1/chat/completions",
+        "/v1/realtime/client_secrets",
         "/v1/completions",
     }
     async with http(app, presented) as h:
@@ -252,3 +256,45 @@ async def test_openapi_pages_are_off_unless_asked_for(tokenizer) -> None:
         assert (await h.get("/openapi.json")).json()["paths"].keys() >= {"/v1/chat/completions"}
         assert (await h.get("/docs")).status_code == 200
     assert "/v1/audio/speech" in off.openapi()["paths"]  # the schema is still built in-process
+
+
+@pytest.mark.parametrize("presented", [None, "sk-wrong"])
+def test_a_realtime_upgrade_without_a_valid_key_is_a_401_and_no_socket(tokenizer, presented) -> None:
+    app, _ = gateway_app(GatewaySettings(api_keys=KEY_A), tokenizer)
+    headers = {"Authorization": f"Bearer {presented}"} if presented else {}
+    with (
+        pytest.raises(WebSocketDenialResponse) as e,
+        TestClient(app).websocket_connect("/v1/realtime", headers=headers),
+    ):
+        pass
+    assert e.value.status_code == 401
+    assert e.value.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_a_client_secret_opens_sessions_as_its_key_until_it_expires(tokenizer) -> None:
+    app, _ = gateway_app(GatewaySettings(api_keys=KEY_A), tokenizer)
+    tc = TestClient(app)
+    r = tc.post(
+        "/v1/realtime/client_secrets",
+        headers={"Authorization": f"Bearer {KEY_A}"},
+        json={"expires_after": {"anchor": "created_at", "seconds": 60}},
+    )
+    assert r.status_code == 200, r.text
+    secret = r.json()["value"]
+    assert secret.startswith("ek_") and r.json()["session"]["type"] == "realtime"
+    protocols = ["realtime", f"openai-insecure-api-key.{secret}"]
+    with tc.websocket_connect("/v1/realtime", subprotocols=protocols) as ws:
+        assert ws.receive_json()["type"] == "session.created"
+    with tc.websocket_connect("/v1/realtime", headers={"Authorization": f"Bearer {secret}"}) as ws:
+        assert ws.receive_json()["type"] == "session.created"
+    keys = app.state.api_keys
+    expired, _ = mint(keys, keys.match(KEY_A), 10, now=0)
+    forged = secret[:-4] + ("AAAA" if not secret.endswith("AAAA") else "BBBB")
+    for bad in (expired, forged, "ek_" + secret[3:].replace(".", "")):
+        with (
+            pytest.raises(WebSocketDenialResponse) as e,
+            tc.websocket_connect("/v1/realtime", headers={"Authorization": f"Bearer {bad}"}),
+        ):
+            pass
+        assert e.value.status_code == 401
+    assert tc.post("/v1/realtime/client_secrets", json={}).status_code == 401, "minting needs a key"

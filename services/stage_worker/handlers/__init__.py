@@ -45,5 +45,5 @@ def make_handler(
         nice=settings.engine_nice,
     )
     if stage.emits == Payload.TEXT:
-        return ThinkerHandler(engine, has_next=stage_id + 1 < len(pipeline.stages))
+        return ThinkerHandler(engine)
     return TalkerHandler(engine)

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 from libs.common.envelopes import ClientEvent, ClientEventType, Sampling, Usage
 from services.stage_worker.chunking import TextChunker
 from services.stage_worker.handlers.llm import LLMHandler
-from services.stage_worker.llm_engine import LLMEngineSpec
 from services.stage_worker.request_context import RequestContext
 
 if TYPE_CHECKING:
@@ -121,10 +120,6 @@ async def _relay(
 
 
 class ThinkerHandler(LLMHandler):
-    def __init__(self, spec: LLMEngineSpec, has_next: bool) -> None:
-        super().__init__(spec)
-        self._has_next = has_next
-
     async def run(self, req: RequestContext) -> None:
         from vllm.inputs import tokens_input
 
@@ -139,7 +134,7 @@ class ThinkerHandler(LLMHandler):
         resumed = [t for delta in task.resume for t in delta.token_ids]
         left = s.max_tokens - len(resumed)
         params = _engine_sampling(s, max(left, 1))
-        forward = self._has_next and len(task.route) > 1
+        forward = not req.is_last_stage  # an audio request: the talker takes the text in chunks
         chunker = TextChunker(self._stage.chunking.tokens, self._stage.chunking.sentence_end)
         if forward:
             # The same deltas cut into the same chunks, numbered as before: those the next stage

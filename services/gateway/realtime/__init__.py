@@ -1,0 +1,1 @@
+"""OpenAI's Realtime API over WebSocket (``/v1/realtime``)."""

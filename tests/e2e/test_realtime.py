@@ -1,0 +1,280 @@
+"""``/v1/realtime`` through a real pipeline (listener with its real Whisper model → mock thinker →
+tiny talker → tiny code2wav) with the official ``openai`` client's realtime connection and real
+speech (espeak-ng) streamed in 100 ms appends: the VAD's turn boundaries against where the speech
+is in the audio sent, the transcript against the words spoken, the answer's audio against the
+length the thinker's tokens make, G.711 output decoded by FFmpeg (PyAV), barge-in and
+``response.cancel`` ending a response within a second, a second turn carrying the first, and bad
+events answered with ``error`` while the session lives on."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import av
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from libs.stack.local_nats import free_port
+from tests.procs import ServiceProcess, start_service, until, write_pipeline
+from tests.speech import padded, recall, spoken
+
+pytestmark = pytest.mark.e2e
+
+PIPELINE = "rtalk"
+STAGES_YAML = """\
+  - name: listener
+    type: asr
+    model: whisper-tiny-en
+    consumes: audio
+    emits: text
+    stream_to_client: true
+  - name: thinker
+    type: llm
+    model: tiny-thinker
+    consumes: text
+    emits: text
+    stream_to_client: true
+    engine: {max_num_seqs: 16, mock: {inter_token_ms: 2}}
+  - name: talker
+    type: llm
+    model: tiny-talker
+    consumes: text
+    emits: codec_codes
+    codes_per_token: 4
+    engine: {max_model_len: 2048, enforce_eager: true, dtype: float32}
+  - name: code2wav
+    type: codec
+    model: tiny-code2wav
+    consumes: codec_codes
+    emits: audio
+    stream_to_client: true
+"""
+SAID = "What is the weather like in Paris today?"
+SAMPLES_PER_TOKEN = 4 * 480
+"""The tiny talker makes 4 codes of each thinker token, code2wav 480 samples (24 kHz) of each code."""
+APPEND_MS = 100
+EVENT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Stack:
+    base_url: str
+    model: str
+    gateway: ServiceProcess
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server, tmp_path_factory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("rtalk")
+    path = write_pipeline(tmp / "p.yaml", PIPELINE, STAGES_YAML)
+    port = free_port()
+    orch = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
+    gateway = start_service(["gateway", "--port", str(port)], nats_server.url, path, tmp / "gw.log")
+    workers = [
+        start_service(["worker"], nats_server.url, path, tmp / f"w{s}.log", {"OMNIRELAY_STAGE": str(s)})
+        for s in range(4)
+    ]
+    try:
+        base = f"http://127.0.0.1:{port}"
+
+        def live() -> bool:
+            try:
+                r = httpx.get(f"{base}/health", timeout=2.0)
+                return r.status_code == 200 and len(r.json()["stages"]) == 4
+            except (httpx.HTTPError, ValueError, KeyError):
+                return False
+
+        asyncio.run(until(live, "every stage live behind the gateway", timeout_s=180))
+        yield Stack(base, f"{PIPELINE}-model", gateway)
+    finally:
+        for proc in (*workers, orch):
+            proc.stop()
+        assert gateway.stop() in (0, -signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def speech_pcm(tmp_path_factory) -> tuple[bytes, float, float]:
+    """24 kHz PCM16 of espeak-ng saying :data:`SAID` after 0.5 s of silence and before 1.5 s, and
+    where the speech starts and ends in it (ms): its first and last sample above 1 % of full scale."""
+    wav = padded(spoken(SAID, tmp_path_factory.mktemp("rt") / "s.wav").read_bytes(), 0.5, 1.5)
+    with av.open(io.BytesIO(wav)) as c:
+        resampler = av.AudioResampler(format="s16", layout="mono", rate=24000)
+        pcm = b"".join(p.to_ndarray().tobytes() for f in c.decode(audio=0) for p in resampler.resample(f))
+    x = np.frombuffer(pcm, "<i2")
+    loud = np.flatnonzero(np.abs(x) > 327)
+    return pcm, loud[0] / 24.0, loud[-1] / 24.0
+
+
+def _client(stack: Stack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+
+
+async def _until(conn, kind: str, seen: list | None = None):
+    """The next event of type ``kind`` (those before it appended to ``seen``)."""
+    async with asyncio.timeout(EVENT_TIMEOUT_S):
+        while True:
+            event = await conn.recv()
+            if seen is not None:
+                seen.append(event)
+            if event.type == kind:
+                return event
+
+
+async def _speak(conn, pcm: bytes) -> None:
+    step = 24 * 2 * APPEND_MS
+    for i in range(0, len(pcm), step):
+        await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i : i + step]).decode())
+        await asyncio.sleep(APPEND_MS / 1000 / 4)  # faster than real time, in order
+
+
+async def test_a_spoken_turn_is_heard_and_answered_in_audio(stack, speech_pcm) -> None:
+    pcm, start_ms, end_ms = speech_pcm
+    async with _client(stack).realtime.connect(model=stack.model) as conn:
+        created = await _until(conn, "session.created")
+        assert created.session.audio.input.turn_detection.type == "server_vad"
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": 24})
+        await _until(conn, "session.updated")
+        await _speak(conn, pcm)
+        started = await _until(conn, "input_audio_buffer.speech_started")
+        stopped = await _until(conn, "input_audio_buffer.speech_stopped")
+        assert started.audio_start_ms == pytest.approx(start_ms, abs=100)
+        assert stopped.audio_end_ms == pytest.approx(end_ms, abs=100)
+        assert stopped.item_id == started.item_id
+        heard = await _until(conn, "conversation.item.input_audio_transcription.completed")
+        assert heard.item_id == started.item_id and recall(heard.transcript, SAID) >= 0.7, heard.transcript
+        events: list = []
+        done = await _until(conn, "response.done", events)
+    assert done.response.status == "completed"
+    audio = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
+    transcript = "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta")
+    tokens = done.response.usage.output_tokens
+    assert tokens == 24 and transcript
+    assert len(audio) // 2 == tokens * SAMPLES_PER_TOKEN, "every thinker token spoken, once"
+    assert done.response.output[0].content[0].transcript == transcript
+
+
+async def test_text_in_text_out_and_the_second_turn_carries_the_first(stack) -> None:
+    async with _client(stack).realtime.connect(model=stack.model) as conn:
+        await _until(conn, "session.created")
+        usages = []
+        for question in ("Hello there.", "And then?"):
+            await conn.conversation.item.create(
+                item={
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": question}],
+                }
+            )
+            await _until(conn, "conversation.item.done")
+            await conn.response.create(response={"output_modalities": ["text"], "max_output_tokens": 8})
+            events: list = []
+            done = await _until(conn, "response.done", events)
+            text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+            assert done.response.status == "completed" and text, done.response.status_details
+            assert done.response.output[0].content[0].text == text
+            usages.append(done.response.usage)
+    first, second = usages
+    assert second.input_tokens > first.input_tokens + first.output_tokens, (
+        "the first turn is in the second prompt"
+    )
+
+
+async def test_pcmu_output_decodes_with_ffmpeg_to_the_tokens_length(stack) -> None:
+    async with _client(stack).realtime.connect(model=stack.model) as conn:
+        await _until(conn, "session.created")
+        await conn.session.update(
+            session={"type": "realtime", "audio": {"output": {"format": {"type": "audio/pcmu"}}}}
+        )
+        await _until(conn, "session.updated")
+        await conn.conversation.item.create(
+            item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}
+        )
+        await conn.response.create(response={"max_output_tokens": 10})
+        events: list = []
+        done = await _until(conn, "response.done", events)
+    ulaw = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
+    codec = av.CodecContext.create("pcm_mulaw", "r")
+    codec.sample_rate, codec.layout = 8000, "mono"
+    samples = sum(f.samples for f in codec.decode(av.Packet(ulaw)))
+    expected = done.response.usage.output_tokens * SAMPLES_PER_TOKEN // 3
+    assert abs(samples - expected) <= 8, (samples, expected)
+
+
+async def test_a_cancelled_response_ends_within_a_second(stack) -> None:
+    async with _client(stack).realtime.connect(model=stack.model) as conn:
+        await _until(conn, "session.created")
+        await conn.conversation.item.create(
+            item={
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "Talk a lot."}],
+            }
+        )
+        await conn.response.create(response={"max_output_tokens": 600})
+        await _until(conn, "response.output_audio.delta")
+        t0 = time.monotonic()
+        await conn.response.cancel()
+        done = await _until(conn, "response.done")
+        assert time.monotonic() - t0 < 1.0
+    assert done.response.status == "cancelled"
+    assert done.response.status_details.reason == "client_cancelled"
+    assert done.response.usage is None or done.response.usage.output_tokens < 600
+
+
+async def test_caller_speech_interrupts_the_answer(stack, speech_pcm) -> None:
+    pcm, _, _ = speech_pcm
+    async with _client(stack).realtime.connect(model=stack.model) as conn:
+        await _until(conn, "session.created")
+        await conn.conversation.item.create(
+            item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Go on."}]}
+        )
+        await conn.response.create(response={"max_output_tokens": 600})
+        events: list = []
+        await _until(conn, "response.output_audio.delta", events)
+        await _speak(conn, pcm)
+        await _until(conn, "input_audio_buffer.speech_started", events)
+        t0 = time.monotonic()
+        done = await _until(conn, "response.done", events)
+        assert time.monotonic() - t0 < 1.0
+        truncated = await _until(conn, "conversation.item.truncated", events)
+    assert done.response.status == "cancelled" and done.response.status_details.reason == "turn_detected"
+    sent = sum(len(base64.b64decode(e.delta)) for e in events if e.type == "response.output_audio.delta")
+    assert truncated.item_id == done.response.output[0].id
+    assert truncated.audio_end_ms == sent * 1000 // (24000 * 2)
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [
+        ("{not json", "invalid_json"),
+        ('{"type": "no.such.event"}', "invalid_event_type"),
+        ('{"type": "input_audio_buffer.append", "audio": "***"}', "invalid_value"),
+        ('{"type": "conversation.item.delete", "item_id": "nope", "event_id": "e1"}', "item_not_found"),
+        ('{"type": "response.cancel"}', "response_cancel_not_active"),
+        ('{"type": "input_audio_buffer.commit"}', "input_audio_buffer_commit_empty"),
+    ],
+)
+async def test_a_bad_event_is_an_error_event_and_the_session_lives_on(stack, raw, code) -> None:
+    async with _client(stack).realtime.connect(model=stack.model) as conn:
+        await _until(conn, "session.created")
+        await conn.send_raw(raw)
+        error = await _until(conn, "error")
+        assert error.error.code == code and error.error.type == "invalid_request_error"
+        await conn.session.update(session={"type": "realtime", "instructions": "still here"})
+        updated = await _until(conn, "session.updated")
+        assert updated.session.instructions == "still here"
+
+
+async def test_an_upgrade_for_another_model_is_refused(stack) -> None:
+    with pytest.raises(Exception) as e:  # the client raises the websockets library's InvalidStatus
+        async with _client(stack).realtime.connect(model="gpt-realtime") as conn:
+            await conn.recv()
+    assert "404" in str(e.value)
