@@ -61,7 +61,8 @@ api = APIRouter(dependencies=[Depends(authorize), Depends(admit)])
 of its key's concurrency (:func:`admit`)."""
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 REQUEST_ID_HEADER = "X-Request-Id"
-"""A speech response's request id (its key in ``omni_requests``; OpenAI's speech body has none)."""
+"""A speech or transcription response's request id (its key in ``omni_requests``; OpenAI's bodies
+of these routes have none)."""
 
 
 def _arrival(request: Request) -> Arrival:
@@ -172,9 +173,12 @@ async def audio_transcriptions(form: Annotated[TranscriptionForm, Form()], reque
     if form.stream:
         await until_started(request, job)
         events = TranscriptEvents(duration_s(pcm16))
-        return _sse(job, [], events.render, events.tail)
-    t = await guarded(request, job, transcript_of(job))
-    return transcription_body(t, form.response_format, form.temperature)
+        response: Response = _sse(job, [], events.render, events.tail)
+    else:
+        t = await guarded(request, job, transcript_of(job))
+        response = transcription_body(t, form.response_format, form.temperature)
+    response.headers[REQUEST_ID_HEADER] = job.id
+    return response
 
 
 # --- chat -------------------------------------------------------------------------------------

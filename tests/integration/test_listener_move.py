@@ -1,0 +1,123 @@
+"""A listener replica killed mid-utterance: two real listener workers (the real Whisper model), a
+mock thinker, a real gateway, orchestrator and nats-server. A long spoken passage is streamed to
+``/v1/audio/transcriptions``; once the request's record binds a listener and that replica has the
+request, it is killed (and shown gone). The request moves to the other replica, and the client's
+transcript is the one the fault-free run gave, every segment once: nothing heard twice or lost."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from libs.stack.bus_state import request_record
+from libs.stack.local_nats import free_port
+from tests.procs import ServiceProcess, kill_confirmed, start_service, until, write_pipeline
+from tests.speech import recall, spoken
+
+pytestmark = pytest.mark.integration
+
+PIPELINE = "lmove"
+STAGES_YAML = """\
+  - name: listener
+    type: asr
+    model: whisper-tiny-en
+    replicas: 2
+    consumes: audio
+    emits: text
+    stream_to_client: true
+    stall_timeout_s: 10
+  - name: thinker
+    type: llm
+    model: tiny-thinker
+    consumes: text
+    emits: text
+    stream_to_client: true
+    engine: {max_num_seqs: 4, mock: {inter_token_ms: 0}}
+"""
+PASSAGE = (
+    "The harbour was quiet before dawn. Fishing boats rocked on the grey water, and the gulls "
+    "waited on the wall. An old man walked along the pier with a lantern in his hand. He stopped "
+    "at the last boat and looked out to sea. The wind was rising from the west, and the clouds "
+    "were low and heavy. He knew that the storm would come before noon."
+)
+
+
+@dataclass(frozen=True)
+class Stack:
+    base_url: str
+    nats_url: str
+    listeners: list[ServiceProcess]
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server, tmp_path_factory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("lmove")
+    path = write_pipeline(tmp / "p.yaml", PIPELINE, STAGES_YAML)
+    port = free_port()
+    orch = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
+    gateway = start_service(["gateway", "--port", str(port)], nats_server.url, path, tmp / "gw.log")
+    listeners = [
+        start_service(
+            ["worker"],
+            nats_server.url,
+            path,
+            tmp / f"l{r}.log",
+            {"OMNIRELAY_STAGE": "0", "OMNIRELAY_REPLICA": str(r)},
+        )
+        for r in (0, 1)
+    ]
+    thinker = start_service(["worker"], nats_server.url, path, tmp / "t.log", {"OMNIRELAY_STAGE": "1"})
+    try:
+        base = f"http://127.0.0.1:{port}"
+
+        def live() -> bool:
+            try:
+                r = httpx.get(f"{base}/health", timeout=2.0)
+                return r.status_code == 200 and r.json()["stages"] == {"0:listener": 2, "1:thinker": 1}
+            except (httpx.HTTPError, ValueError, KeyError):
+                return False
+
+        asyncio.run(until(live, "two listeners and a thinker live", timeout_s=120))
+        yield Stack(base, nats_server.url, listeners)
+    finally:
+        for proc in (*listeners, thinker, orch):
+            if proc.proc is not None and proc.proc.poll() is None:
+                proc.stop()
+        assert gateway.stop() in (0, -signal.SIGTERM)
+
+
+def _form(wav: bytes, stream: bool) -> tuple[dict, dict]:
+    data = {"model": f"{PIPELINE}-model", "stream": "true" if stream else "false"}
+    return data, {"file": ("passage.wav", io.BytesIO(wav), "audio/wav")}
+
+
+async def test_a_listener_killed_mid_utterance_moves_and_nothing_is_heard_twice(stack, tmp_path) -> None:
+    wav = spoken(PASSAGE, tmp_path / "passage.wav").read_bytes()
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as http:
+        data, files = _form(wav, stream=False)
+        reference = (await http.post("/v1/audio/transcriptions", data=data, files=files)).json()["text"]
+        assert recall(reference, PASSAGE) >= 0.7, reference
+
+        data, files = _form(wav, stream=True)
+        async with http.stream("POST", "/v1/audio/transcriptions", data=data, files=files) as r:
+            assert r.status_code == 200
+            rid = r.headers["x-request-id"]
+            record = await until(lambda: request_record(stack.nats_url, rid), "the request's record", 10)
+            victim = stack.listeners[record["route"][0]]
+            assert victim.proc is not None
+            await kill_confirmed(victim.proc.pid, f"listener replica {record['route'][0]}")
+            events = [json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: {")]
+    deltas = [e["delta"] for e in events if e["type"] == "transcript.text.delta"]
+    (done,) = [e for e in events if e["type"] == "transcript.text.done"]
+    assert "".join(deltas) == done["text"] == reference, "every segment once, as the fault-free run heard it"
+    moved = await request_record(stack.nats_url, rid)
+    attempts = moved["stages"][0]["attempts"]
+    assert [a["attempt"] for a in attempts] == [1, 2], attempts
+    assert attempts[1]["replica"] != attempts[0]["replica"], "the move went to the other listener"
