@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from libs.stack.local_nats import free_port
 from tests.procs import ServiceProcess, start_service, until, write_pipeline
@@ -72,14 +74,21 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(nats_server, tmp_path_factory) -> Iterator[Stack]:
+def stack(nats_server, otlp, tmp_path_factory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("rtalk")
     path = write_pipeline(tmp / "p.yaml", PIPELINE, STAGES_YAML)
     port = free_port()
-    orch = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
-    gateway = start_service(["gateway", "--port", str(port)], nats_server.url, path, tmp / "gw.log")
+    traced = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+    }
+    orch = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log", traced)
+    gateway = start_service(["gateway", "--port", str(port)], nats_server.url, path, tmp / "gw.log", traced)
     workers = [
-        start_service(["worker"], nats_server.url, path, tmp / f"w{s}.log", {"OMNIRELAY_STAGE": str(s)})
+        start_service(
+            ["worker"], nats_server.url, path, tmp / f"w{s}.log", {"OMNIRELAY_STAGE": str(s), **traced}
+        )
         for s in range(4)
     ]
     try:
@@ -128,11 +137,31 @@ async def _until(conn, kind: str, seen: list | None = None):
                 return event
 
 
-async def _speak(conn, pcm: bytes) -> None:
-    step = 24 * 2 * APPEND_MS
+async def _speak(conn, pcm: bytes) -> list[tuple[float, float]]:
+    """Append ``pcm`` in 100 ms pieces, faster than real time; (audio ms at each piece's end, when
+    it was sent: ``time.monotonic()``)."""
+    step, sent = 24 * 2 * APPEND_MS, []
     for i in range(0, len(pcm), step):
         await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i : i + step]).decode())
-        await asyncio.sleep(APPEND_MS / 1000 / 4)  # faster than real time, in order
+        sent.append((min(i + step, len(pcm)) / 48, time.monotonic()))
+        await asyncio.sleep(APPEND_MS / 1000 / 4)
+    return sent
+
+
+def _metrics(stack: Stack) -> dict[str, float]:
+    """The gateway's ``vllm:omni_realtime_*`` samples (name and labels → value)."""
+    assert stack.gateway.metrics_url is not None
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(stack.gateway.metrics_url, timeout=5).text):
+        for sample in fam.samples:
+            if sample.name.startswith("vllm:omni_realtime"):
+                out[sample.name + json.dumps(sample.labels, sort_keys=True)] = sample.value
+    return out
+
+
+def _value(metrics: dict[str, float], name: str, **labels: str) -> float:
+    model = {"model_name": f"{PIPELINE}-model", **labels}
+    return metrics.get(name + json.dumps(model, sort_keys=True), 0.0)
 
 
 async def test_a_spoken_turn_is_heard_and_answered_in_audio(stack, speech_pcm) -> None:
@@ -220,12 +249,15 @@ async def test_a_cancelled_response_ends_within_a_second(stack) -> None:
         )
         await conn.response.create(response={"max_output_tokens": 600})
         await _until(conn, "response.output_audio.delta")
+        before = _value(_metrics(stack), "vllm:omni_realtime_interruptions_total", cause="client_cancelled")
         t0 = time.monotonic()
         await conn.response.cancel()
         done = await _until(conn, "response.done")
         assert time.monotonic() - t0 < 1.0
     assert done.response.status == "cancelled"
     assert done.response.status_details.reason == "client_cancelled"
+    after = _value(_metrics(stack), "vllm:omni_realtime_interruptions_total", cause="client_cancelled")
+    assert after == before + 1
     assert done.response.usage is None or done.response.usage.output_tokens < 600
 
 
@@ -239,6 +271,7 @@ async def test_caller_speech_interrupts_the_answer(stack, speech_pcm) -> None:
         await conn.response.create(response={"max_output_tokens": 600})
         events: list = []
         await _until(conn, "response.output_audio.delta", events)
+        before = _value(_metrics(stack), "vllm:omni_realtime_interruptions_total", cause="turn_detected")
         await _speak(conn, pcm)
         await _until(conn, "input_audio_buffer.speech_started", events)
         t0 = time.monotonic()
@@ -249,6 +282,8 @@ async def test_caller_speech_interrupts_the_answer(stack, speech_pcm) -> None:
     sent = sum(len(base64.b64decode(e.delta)) for e in events if e.type == "response.output_audio.delta")
     assert truncated.item_id == done.response.output[0].id
     assert truncated.audio_end_ms == sent * 1000 // (24000 * 2)
+    after = _value(_metrics(stack), "vllm:omni_realtime_interruptions_total", cause="turn_detected")
+    assert after == before + 1
 
 
 @pytest.mark.parametrize(
@@ -278,3 +313,57 @@ async def test_an_upgrade_for_another_model_is_refused(stack) -> None:
         async with _client(stack).realtime.connect(model="gpt-realtime") as conn:
             await conn.recv()
     assert "404" in str(e.value)
+
+
+async def test_a_turn_is_one_trace_and_the_metrics_match_what_the_client_measured(
+    stack, speech_pcm, otlp
+) -> None:
+    """Voice-to-voice latency as the gateway counts it (the audio that ended the speech arriving →
+    the first audio delta sent) against the client's own (that audio sent → the first delta
+    received): the gateway's can only be shorter, by the socket's two crossings. One trace holds
+    the turn: its root, the listener's request and the response's, every stage's span."""
+    pcm, _, _ = speech_pcm
+    before = _metrics(stack)
+    async with _client(stack).realtime.connect(model=stack.model) as conn:
+        await _until(conn, "session.created")
+        opened = _value(_metrics(stack), "vllm:omni_realtime_sessions")
+        assert opened == _value(before, "vllm:omni_realtime_sessions") + 1
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": 8})
+        sent = await _speak(conn, pcm)
+        stopped = await _until(conn, "input_audio_buffer.speech_stopped")
+        await _until(conn, "response.output_audio.delta")
+        first_audio = time.monotonic()
+        await _until(conn, "response.done")
+    ended = next(t for end_ms, t in sent if end_ms >= stopped.audio_end_ms)
+    client_s = first_audio - ended
+    after = await until(
+        lambda: (
+            (m := _metrics(stack))
+            and _value(m, "vllm:omni_realtime_sessions") == _value(before, "vllm:omni_realtime_sessions")
+            and m
+        ),
+        "the session counted closed",
+    )
+    count = "vllm:omni_realtime_voice_to_voice_s_count"
+    assert _value(after, count) == _value(before, count) + 1
+    gateway_s = _value(after, "vllm:omni_realtime_voice_to_voice_s_sum") - _value(
+        before, "vllm:omni_realtime_voice_to_voice_s_sum"
+    )
+    assert client_s - 0.1 <= gateway_s <= client_s, (gateway_s, client_s)
+
+    def whole() -> list | None:
+        roots = [
+            s
+            for s in otlp.spans
+            if s.name == "realtime turn" and s.attributes.get("omnirelay.realtime.item") == stopped.item_id
+        ]
+        if not roots:
+            return None
+        spans = otlp.trace(roots[0].trace_id)
+        stages = {s.attributes.get("omnirelay.stage") for s in spans if s.name.startswith("omni.stage ")}
+        return spans if stages == {0, 1, 2, 3} else None
+
+    spans = await until(whole, "the turn's trace with every stage's span", timeout_s=15)
+    assert [s.name for s in spans if not s.parent_span_id] == ["realtime turn"], "one root"
+    names = {s.name for s in spans}
+    assert {f"transcription {stack.model}", f"chat {stack.model}", "omni.stage listener"} <= names
