@@ -337,6 +337,38 @@ def bench_speech(
     )
 
 
+@bench_app.command("bench-realtime")
+def bench_realtime(
+    pipeline: Annotated[
+        Path | None,
+        typer.Option("--pipeline", help="a pipeline with a listener [default: compose/pipelines/voice.yaml]"),
+    ] = None,
+    sessions: Annotated[str, typer.Option(help="comma-separated numbers of concurrent sessions")] = "1,4,16",
+    turns: Annotated[int, typer.Option(min=1, help="spoken turns per session")] = 3,
+    max_tokens: Annotated[
+        int, typer.Option(min=1, help="thinker tokens per answer (max_output_tokens)")
+    ] = 24,
+    keep_logs: Annotated[
+        bool, typer.Option(help="keep the stack's logs (their directory is printed)")
+    ] = False,
+) -> None:
+    """Realtime voice-to-voice latency p50/p99 and the listener's RTF at each number of concurrent
+    sessions, real speech sent in real time through the official openai client; prints a table
+    (see docs/benchmarks.md)."""
+    from benchmarks.realtime_latency import DEFAULT_PIPELINE, run_realtime_bench
+
+    path = (pipeline or DEFAULT_PIPELINE).resolve()
+    try:
+        p = load_pipeline(path)
+    except PipelineConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    if p.listener_stage is None or p.audio_stage is None:
+        typer.echo(f"error: --pipeline {path}: pipeline '{p.name}' needs a listener and audio out", err=True)
+        raise typer.Exit(2)
+    raise typer.Exit(run_realtime_bench(path, _levels("--sessions", sessions), turns, max_tokens, keep_logs))
+
+
 @bench_app.command("bench-codec-batching")
 def bench_codec_batching(
     batches: Annotated[str, typer.Option(help="chunks per forward pass, comma-separated")] = "1,4,16",

@@ -71,6 +71,7 @@ class Stack:
     base_url: str
     model: str
     gateway: ServiceProcess
+    listener: ServiceProcess
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +103,7 @@ def stack(nats_server, otlp, tmp_path_factory) -> Iterator[Stack]:
                 return False
 
         asyncio.run(until(live, "every stage live behind the gateway", timeout_s=180))
-        yield Stack(base, f"{PIPELINE}-model", gateway)
+        yield Stack(base, f"{PIPELINE}-model", gateway, workers[0])
     finally:
         for proc in (*workers, orch):
             proc.stop()
@@ -367,3 +368,16 @@ async def test_a_turn_is_one_trace_and_the_metrics_match_what_the_client_measure
     assert [s.name for s in spans if not s.parent_span_id] == ["realtime turn"], "one root"
     names = {s.name for s in spans}
     assert {f"transcription {stack.model}", f"chat {stack.model}", "omni.stage listener"} <= names
+
+
+async def test_the_realtime_bench_measures_turns_as_a_caller_sends_them(stack, speech_pcm) -> None:
+    """``omnirelay bench-realtime``'s measurement, bounded: two sessions of one turn each, sent in
+    real time."""
+    from benchmarks.realtime_latency import measure
+
+    pcm, _, _ = speech_pcm
+    assert stack.listener.metrics_url is not None
+    level = await measure(f"{stack.base_url}/v1", stack.model, pcm, 2, 1, 8, [stack.listener.metrics_url])
+    assert [t.status for t in level.turns] == ["completed", "completed"]
+    assert len(level.latencies) == 2 and all(0.5 <= v < 10 for v in level.latencies), level.latencies
+    assert level.rtf is not None and 0 < level.rtf[0] <= level.rtf[1] < 1
