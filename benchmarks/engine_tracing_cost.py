@@ -169,7 +169,8 @@ async def _start(flags: Any):  # -> ThinkerHandler
     from services.stage_worker.handlers.thinker import ThinkerHandler
     from services.stage_worker.llm_engine import LLMEngineSpec
 
-    handler = ThinkerHandler(LLMEngineSpec.for_replica(load_pipeline(), 0, 0, tracing=flags))
+    pipeline = load_pipeline()
+    handler = ThinkerHandler(LLMEngineSpec.for_replica(pipeline, pipeline.thinker_stage, 0, tracing=flags))
     await handler.start()
     return handler
 

@@ -30,11 +30,13 @@ engine busy), the other rows while the talkers speak."""
 
 
 def orpheus_pipeline_yaml() -> str:
-    """``compose/pipelines/orpheus-tiny.yaml`` with the suite's name and served model and two
-    replicas of every stage; everything else (the talker protocol, its cap and voice, chunking,
+    """``compose/pipelines/orpheus-tiny.yaml``'s speaking stages (its listener left out: the
+    suite's rows are the chain's) with the suite's name and served model and two replicas of every
+    stage; everything else (the talker protocol, its cap and voice, chunking,
     engine settings) as the file has it."""
     spec = yaml.safe_load(ORPHEUS_TINY_YAML.read_text(encoding="utf-8"))
     spec["name"], spec["served_model_name"] = PIPELINE_NAME, MODEL
+    spec["stages"] = [stage for stage in spec["stages"] if stage["type"] != "asr"]  # the speaking stages
     for stage in spec["stages"]:
         stage["replicas"] = REPLICAS
     names = tuple(stage["name"] for stage in spec["stages"])

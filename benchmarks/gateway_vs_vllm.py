@@ -425,7 +425,7 @@ def _start_targets(
     api_argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     api_argv += [
         "--model",
-        resolve_model(pipeline.stages[pipeline.thinker_stage].model),
+        resolve_model(pipeline.thinker.model),
         "--served-model-name",
         model,
     ]
@@ -635,7 +635,7 @@ def run_against_vllm(
 def run_bench(opts: BenchOptions) -> int:
     """Start both targets, measure, print the table; 0 on success, 1 on failure."""
     pipeline = load_pipeline(opts.pipeline_path)
-    thinker = pipeline.stages[pipeline.thinker_stage]
+    thinker = pipeline.thinker
     if thinker.replicas != 1:
         log(f"warning: the thinker of {pipeline.source} has {thinker.replicas} replicas (1 compares fairly)")
     core = opts.core if opts.core is not None else sorted(os.sched_getaffinity(0))[0]

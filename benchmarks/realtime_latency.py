@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from benchmarks.harness import Processes, log, machine_activity, percentile, run_with_stacks, start_stack
 from libs.common.pipeline import DEFAULT_PIPELINE_PATH, load_pipeline
 
-DEFAULT_PIPELINE = DEFAULT_PIPELINE_PATH.with_name("voice.yaml")
+DEFAULT_PIPELINE = DEFAULT_PIPELINE_PATH
 QUESTION = "What is the weather like in Paris today?"
 APPEND_MS = 100
 BYTES_PER_MS = 48

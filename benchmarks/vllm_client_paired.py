@@ -428,7 +428,7 @@ async def measure(
 
     from libs.models.tiny import resolve_model
 
-    model_path = resolve_model(pipeline.stages[pipeline.thinker_stage].model)
+    model_path = resolve_model(pipeline.thinker.model)
     clients = {
         n: AsyncOpenAI(base_url=t.base_url, api_key="bench", timeout=300.0, max_retries=0)
         for n, t in targets.items()

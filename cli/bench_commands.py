@@ -341,7 +341,7 @@ def bench_speech(
 def bench_realtime(
     pipeline: Annotated[
         Path | None,
-        typer.Option("--pipeline", help="a pipeline with a listener [default: compose/pipelines/voice.yaml]"),
+        typer.Option("--pipeline", help="a pipeline with a listener [default: the shipped one]"),
     ] = None,
     sessions: Annotated[str, typer.Option(help="comma-separated numbers of concurrent sessions")] = "1,4,16",
     turns: Annotated[int, typer.Option(min=1, help="spoken turns per session")] = 3,

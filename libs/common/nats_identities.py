@@ -148,14 +148,16 @@ def orchestrator(pipeline: PipelineConfig) -> Identity:
 
 
 def worker(pipeline: PipelineConfig, stage: int, replica: int) -> Identity:
-    """Worker (stage, replica): its own consumer and registry key; the next stage's inputs; a
-    talker (the ``llm`` stage that emits codec codes) also writes request records."""
+    """Worker (stage, replica): its own consumer and registry key; the inputs of the stage it
+    feeds (none for the last stage and the listener); a talker (the ``llm`` stage that emits codec
+    codes) also writes request records."""
     p = Subjects(pipeline.name)
     me = pipeline.stages[stage]
     name = worker_identity(stage, replica)
     consumer = consumer_name(stage, replica)
     nxt = stage + 1
-    downstream = pipeline.stages[nxt].replicas if nxt < len(pipeline.stages) else 0
+    feeds = nxt < len(pipeline.stages) and pipeline.upstream(nxt) == stage  # not the listener: it feeds none
+    downstream = pipeline.stages[nxt].replicas if feeds else 0
     publish = [
         f"omni.{pipeline.name}.out.>",
         f"omni.{pipeline.name}.events.*",

@@ -275,6 +275,11 @@ class PipelineConfig(_Strict):
         completion requests enter."""
         return 1 if self.stages[0].type == StageType.ASR else 0
 
+    @property
+    def thinker(self) -> StageConfig:
+        """The thinker's stage."""
+        return self.stages[self.thinker_stage]
+
     def takes_start(self, stage: int) -> bool:
         """Whether ``stage`` takes a request whole from the orchestrator (a ``start`` task: the
         listener's audio, the thinker's prompt) rather than chunks of the stage before it."""
@@ -283,6 +288,12 @@ class PipelineConfig(_Strict):
     def upstream(self, stage: int) -> int | None:
         """The stage whose chunks ``stage`` takes, or None for a stage that takes ``start`` tasks."""
         return None if self.takes_start(stage) else stage - 1
+
+    def too_far(self, deadline_ns: int, now_ns: int) -> bool:
+        """Whether ``deadline_ns`` (wall clock) lies further ahead than any request of this
+        pipeline's may: ``request_timeout_s`` from now, plus 5 s for hosts' clocks. Such a deadline is
+        forged, and would keep its request, and what holds it, alive for good."""
+        return deadline_ns > now_ns + int((self.request_timeout_s + 5) * 1e9)
 
     def declares(self, stage: int, replica: int) -> bool:
         """Whether (``stage``, ``replica``) is one of this pipeline's stage replicas."""

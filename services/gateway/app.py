@@ -31,6 +31,7 @@ from services.gateway.request_size import RequestSizeLimit
 from services.gateway.request_stats import GatewayStatLogger
 from services.gateway.responses import SlowReader, abandon, body_started, finish
 from services.gateway.routes import router
+from services.gateway.speech_stream import router as speech_stream_router
 from services.gateway.submission import Submitter
 
 log = logging.getLogger(__name__)
@@ -97,9 +98,7 @@ def create_app(settings: GatewaySettings, pipeline: PipelineConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        tokenizer = await asyncio.to_thread(
-            Tokenizer, resolve_model(pipeline.stages[pipeline.thinker_stage].model)
-        )
+        tokenizer = await asyncio.to_thread(Tokenizer, resolve_model(pipeline.thinker.model))
         stat_log = GatewayStatLogger(
             MetricSet(Exporter.GATEWAY, settings.log_stats), pipeline.served_model_name
         )
@@ -140,6 +139,7 @@ def create_app(settings: GatewaySettings, pipeline: PipelineConfig) -> FastAPI:
     app.include_router(router)
     app.include_router(realtime_router)
     app.include_router(secrets_api)
+    app.include_router(speech_stream_router)
     install_error_handlers(app)
     # Middleware added first runs innermost: size limits inside the http_* metrics (a 413 counts).
     app.add_middleware(

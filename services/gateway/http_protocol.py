@@ -11,7 +11,8 @@ time).
   refused a little early; no head is let past the bound.
 - **Time**: a connection that has not sent a whole request head within ``head_timeout_s`` of its
   start, or of its previous response's end, is closed: a client that opens connections and sends
-  their heads a byte at a time (slowloris) cannot hold them.
+  their heads a byte at a time (slowloris) cannot hold them. A connection upgraded to a WebSocket
+  (``/v1/realtime``) is the WebSocket protocol's from then on: it lives as long as its session.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class BoundedHeadHttpTools(HttpToolsProtocol):
         self.loop.call_later(self.head_timeout_s, self._expire, self.cycle)
 
     def _expire(self, cycle_then: object) -> None:
+        if self.transport.get_protocol() is not self:  # upgraded: a WebSocket's now, not bounded here
+            return
         if self.cycle is cycle_then and not self.transport.is_closing():
             self.logger.info("closing a connection whose request head took over %.0f s", self.head_timeout_s)
             self.transport.close()

@@ -249,7 +249,8 @@ class PipelineClient:
             return
         if query.replica is not None:  # the orchestrator binds the new attempt to its replica
             handle.attempts.replica[(query.stage, query.attempt)] = query.replica
-        await msg.respond(handle.resume_point(query.stage, query.attempt).encode())
+        text = query.stage in (self.pipeline.listener_stage, self.pipeline.thinker_stage)
+        await msg.respond(handle.resume_point(query.stage, query.attempt, text).encode())
 
     async def submit(self, adm: Admission, trace_headers: dict[str, str]) -> RequestHandle:
         """Queue ``adm`` for the orchestrators; 429 when the admission queue is full, 503 when

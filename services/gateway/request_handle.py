@@ -129,11 +129,12 @@ class RequestHandle:
         self.queue.put_nowait(event)
         return True
 
-    def resume_point(self, stage: int, attempt: int) -> ResumePoint:
+    def resume_point(self, stage: int, attempt: int, text: bool) -> ResumePoint:
         """Let only ``attempt`` and later of ``stage`` through from now on, and say where the
-        client's stream stands."""
+        client's stream stands: the text deltas when ``stage`` sends text (the thinker, the
+        listener), else its audio."""
         self._fence[stage] = max(self._fence.get(stage, 1), attempt)
-        if stage != 0:
+        if not text:
             return ResumePoint(
                 known=True, audio_seq=self._audio_seq.get(stage), audio_done=stage in self._audio_done
             )

@@ -80,7 +80,7 @@ async def list_models(request: Request) -> ModelList:
     card = ModelCard(
         id=p.served_model_name,
         created=request.app.state.started,
-        max_model_len=p.stages[p.thinker_stage].engine.max_model_len,
+        max_model_len=p.thinker.engine.max_model_len,
     )
     return ModelList(data=[card])
 

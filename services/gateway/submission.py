@@ -59,7 +59,7 @@ class Submitter:
         self.tokenizer = tokenizer
         self.stat_log = stat_log
         self.limits = limits
-        self.max_model_len = pipeline.stages[pipeline.thinker_stage].engine.max_model_len
+        self.max_model_len = pipeline.thinker.engine.max_model_len
 
     def _budget(self, asked: int | None, prompt_len: int, param: str) -> int:
         """The request's generation budget (:func:`max_tokens_for`: past the context is
@@ -171,24 +171,33 @@ class Submitter:
         (:func:`speech_chunks`), each with its tokens in the thinker's tokenizer."""
         check_text(_fields(req))
         self.check_model(req.model)
-        entry = self._entry(self.pipeline.speech_stage, "talker stage: it cannot speak", "speech_unsupported")
+        self._entry(self.pipeline.speech_stage, "talker stage: it cannot speak", "speech_unsupported")
         voice = voice_of(req.voice_name, self.pipeline, "voice", "invalid_voice")
         chunks = await asyncio.to_thread(self._speech_chunks, req.input)
         if not chunks:
             raise bad_request("input has nothing to speak", "input", "empty_input")
+        return await self.speak(chunks, voice, req.model, req.response_format.value, arrival)
+
+    async def speak(
+        self, chunks: list[SpeechChunk], voice: str | None, model: str, fmt: str, arrival: Arrival
+    ) -> Job:
+        """A speech request: ``chunks`` (each with its tokens in the thinker's tokenizer) enter
+        the pipeline at its talker, spoken in ``voice`` (resolved) and encoded as ``fmt``."""
+        entry = self._entry(self.pipeline.speech_stage, "talker stage: it cannot speak", "speech_unsupported")
+        attributes = {"omnirelay.speech.format": fmt, "omnirelay.speech.chunks": len(chunks)}
         job = await self._submit(
             "speech",
             "speech",
-            req.model,
+            model,
             True,
             arrival,
-            {"omnirelay.speech.format": req.response_format.value, "omnirelay.speech.chunks": len(chunks)},
+            attributes,
             audio=True,
             voice=voice,
             entry_stage=entry,
             text_chunks=chunks,
         )
-        job.audio_format, job.speech = req.response_format, True
+        job.audio_format, job.speech = fmt, True
         job.speech_tokens = sum(len(c.token_ids) for c in chunks)
         return job
 
@@ -260,6 +269,10 @@ class Submitter:
         )
         job.audio_format = "pcm16" if voice_name is not None else None  # its audio goes out as raw PCM16
         return job
+
+    def voice(self, asked: str | None) -> str | None:
+        """The talker's voice for ``asked`` (an unknown one is a 400 ``invalid_voice``)."""
+        return voice_of(asked, self.pipeline, "voice", "invalid_voice")
 
     def _speech_chunks(self, text: str) -> list[SpeechChunk]:
         """The input's chunks (:func:`speech_chunks`) that have tokens, each with them."""

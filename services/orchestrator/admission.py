@@ -166,6 +166,8 @@ class Admissions:
         entry = adm.entry_stage
         if (why := _bad_entry(adm, self.ctx.pipeline)) is not None:
             raise MalformedMessage(f"entry stage {entry}: {why}", "bad_entry")
+        if self.ctx.pipeline.too_far(adm.deadline_ns, time.time_ns()):
+            raise MalformedMessage("its deadline lies past the pipeline's request timeout", "bad_deadline")
         try:
             return [SKIPPED] * entry + self.ctx.picker.route(self.ctx.pipeline.stages_for(adm.audio, entry))
         except NoLiveReplica as e:

@@ -1,60 +1,12 @@
-"""When a stage forwards its output downstream: pure functions of what was produced so far (text
-chunks, fixed-size code chunks, and code chunks cut from segments of frames)."""
+"""When a talker forwards its codes downstream: pure functions of what was produced so far
+(fixed-size code chunks, and code chunks cut from segments of frames). Text chunks are
+:mod:`libs.common.text_chunks`' (the gateway cuts streamed speech input the same way)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
-
-SENTENCE_ENDS = (".", "!", "?")
-
-
-@dataclass
-class TextChunk:
-    token_ids: list[int]
-    text: str
-    offset: int = 0
-    """Position of its first token among the request's generated tokens."""
-
-
-@dataclass
-class TextChunker:
-    """Groups streamed text tokens into chunks of at most ``max_tokens`` tokens, cutting early
-    after a token whose text ends a sentence when ``sentence_end`` is set."""
-
-    max_tokens: int
-    sentence_end: bool = True
-    _ids: list[int] = field(default_factory=list)
-    _text: str = ""
-    _cut_tokens: int = 0
-    """Tokens in the chunks cut so far."""
-
-    def feed(self, token_ids: list[int], text: str) -> list[TextChunk]:
-        """Add one streamed delta; return the chunks it completes (usually zero or one).
-
-        Deltas carry whole tokens; a delta's text is attributed to its last token, which is
-        how vLLM's incremental detokenizer reports it.
-        """
-        out: list[TextChunk] = []
-        self._text += text
-        for tid in token_ids:
-            self._ids.append(tid)
-            if len(self._ids) >= self.max_tokens:
-                out.append(self._cut())
-        if self._ids and self.sentence_end and self._text.rstrip().endswith(SENTENCE_ENDS):
-            out.append(self._cut())
-        return out
-
-    def flush(self) -> TextChunk:
-        """Whatever is left (possibly empty) as the last chunk."""
-        return self._cut()
-
-    def _cut(self) -> TextChunk:
-        chunk = TextChunk(self._ids, self._text, self._cut_tokens)
-        self._cut_tokens += len(self._ids)
-        self._ids, self._text = [], ""
-        return chunk
 
 
 @dataclass

@@ -347,6 +347,8 @@ class StageWorker:
             )
         if len(task.route) <= self.me.stage or task.route[self.me.stage] != self.me.replica:
             raise MalformedMessage(f"route {task.route} does not bind this replica", "misaddressed")
+        if self.pipeline.too_far(task.deadline_ns, time.time_ns()):
+            raise MalformedMessage("its deadline lies past the pipeline's request timeout", "bad_deadline")
         expected = TaskKind.START if self.pipeline.takes_start(self.me.stage) else TaskKind.CHUNK
         if task.kind != expected:
             raise MalformedMessage(

@@ -41,7 +41,7 @@ FORGED_FIELDS = {
     "attempt": (0, -1, 2, 99, 10**6),
     "from_attempt": (0, 99),
     "next_attempt": (0, 99),
-    "stage": (-1, 3, 99),
+    "stage": (-1, 9, 99),
     "replica": (-1, 9, 99),
     "seq": (-1, 1, 10**9),
     "start_seq": (-5, 10**9),
@@ -156,8 +156,9 @@ def _sampling(rng: random.Random) -> dict[str, Any]:
     return {"max_tokens": 2, "temperature": 1.0, "top_p": 1.0, "seed": rng.getrandbits(31), "stop": []}
 
 
-def admission(gateway_id: str) -> Callable[[random.Random], dict[str, Any]]:
-    """An admission that, when valid, runs briefly (2 tokens, a deadline 3 s away)."""
+def admission(gateway_id: str, thinker: int) -> Callable[[random.Random], dict[str, Any]]:
+    """An admission at the ``thinker`` stage that, when valid, runs briefly (2 tokens, a deadline
+    3 s away)."""
 
     def make(rng: random.Random) -> dict[str, Any]:
         now = _now_ns()
@@ -170,7 +171,7 @@ def admission(gateway_id: str) -> Callable[[random.Random], dict[str, Any]]:
             "sampling": _sampling(rng),
             "audio": rng.random() < 0.5,
             "voice": None,
-            "entry_stage": 0,
+            "entry_stage": thinker,
             "text_chunks": [],
         }
 
@@ -178,13 +179,14 @@ def admission(gateway_id: str) -> Callable[[random.Random], dict[str, Any]]:
 
 
 def stage_task(
-    gateway_id: str, stage: int, replica: int, payload: Payload
+    gateway_id: str, pipeline: PipelineConfig, stage: int, replica: int
 ) -> Callable[[random.Random], dict]:
     """A task addressed to (``stage``, ``replica``) of the input type it consumes."""
+    payload, starts = pipeline.stages[stage].consumes, pipeline.takes_start(stage)
 
     def make(rng: random.Random) -> dict[str, Any]:
         now = _now_ns()
-        route = [0, 0, 0]
+        route = [0] * len(pipeline.stages)
         route[stage] = replica
         task: dict[str, Any] = {
             "request_id": unknown_id(rng),
@@ -192,13 +194,15 @@ def stage_task(
             "arrival_ns": now,
             "deadline_ns": now + 3_000_000_000,
             "route": route,
-            "kind": "start" if stage == 0 else "chunk",
+            "kind": "start" if starts else "chunk",
             "seq": 0,
             "final": rng.random() < 0.5,
             "attempt": 1,
             "from_attempt": 1,
         }
-        if stage == 0:
+        if starts and payload == Payload.AUDIO:  # the listener's
+            task["transcription"] = {"pcm16": rng.randbytes(2 * rng.choice((160, 1600)))}
+        elif starts:
             task.update(prompt_token_ids=[rng.randrange(3, 200) for _ in range(4)], sampling=_sampling(rng))
         elif payload == Payload.CODEC_CODES:
             n = rng.choice((1, 25, 100))
@@ -292,7 +296,7 @@ def targets(pipeline: PipelineConfig, gateway_ids: list[str], orchestrator_ids: 
     gateways are added per request by the caller (:func:`out_target`)."""
     s = Subjects(pipeline.name)
     gw = gateway_ids[0]
-    out: list[Target] = [Target(s.requests, admission(gw), jetstream=True)]
+    out: list[Target] = [Target(s.requests, admission(gw, pipeline.thinker_stage), jetstream=True)]
     out += [Target(s.event(kind), lifecycle(kind), jetstream=True) for kind in EVENT_KINDS]
     out += [Target(s.orchestrator_alive(o), liveness, reply=True) for o in orchestrator_ids]
     for g in gateway_ids:
@@ -302,7 +306,7 @@ def targets(pipeline: PipelineConfig, gateway_ids: list[str], orchestrator_ids: 
     for i, stage in enumerate(pipeline.stages):
         for r in range(stage.replicas):
             addressed = {h.TO_STAGE: str(i), h.TO_REPLICA: str(r)}
-            task = stage_task(gw, i, r, stage.consumes)
+            task = stage_task(gw, pipeline, i, r)
             out += [
                 Target(s.stage_in(i, r), task, jetstream=True, headers=addressed),
                 Target(s.stage_in(i, r), task, jetstream=True),  # no address headers

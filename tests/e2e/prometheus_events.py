@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import io
 import os
 import signal
+import tempfile
 import time
 import uuid
 from collections import Counter
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import av
 import nats
 import numpy as np
 import openai
@@ -25,6 +28,7 @@ import pytest
 
 from libs.common import headers as h
 from libs.common.envelopes import ClientEvent, ClientEventType, NdArray, StageTask, TaskKind, decode
+from libs.common.pipeline import load_pipeline
 from libs.common.publish import Hop, publish_task
 from libs.common.subjects import Subjects
 from libs.stack.bus_state import request_record, snapshot
@@ -40,10 +44,13 @@ from tests.procs import (
     worker_pid,
     write_pipeline,
 )
+from tests.speech import padded, spoken
 
 SR = 24_000
 """The audio sample rate (PCM16 mono), Hz."""
 DEAD_PIPELINE = "promdead"
+THINKER, TALKER = load_pipeline().thinker_stage, load_pipeline().speech_stage
+"""The stack's (the default pipeline's) thinker and talker stage ids."""
 
 
 async def audio_stream(
@@ -74,7 +81,7 @@ class Events:
     victim: int | None = None
     """The thinker replica killed under two streams."""
     moved: int = 0
-    """Streams whose record lists a second stage-0 attempt (moved off the victim)."""
+    """Streams whose record lists a second thinker attempt (moved off the victim)."""
     stale_sent: bool = False
     """The dead attempt's stale event and chunk were sent after its request moved."""
     t1: float = 0.0
@@ -97,7 +104,7 @@ def _bad_chunk(task_of: dict[str, Any], codes: list[int]) -> StageTask:
 
 async def _reject_one(stack, pipeline, js, client: openai.AsyncOpenAI) -> bool:
     """An audio request whose first code chunk the test corrupts: codes out of the codec's range,
-    sent to its code2wav replica as chunk 0 as soon as stage 0 has started (long before the talker's
+    sent to its code2wav replica as chunk 0 as soon as the thinker has started (long before the talker's
     own chunk 0, which the stream then drops as a duplicate). True when the stream ended with
     ``codec_input_rejected`` (False: the talker's chunk got there first)."""
     stream = await audio_stream(client, pipeline.served_model_name, 60)
@@ -186,7 +193,7 @@ async def _stale_after_the_move(pipeline, nc: nats.NATS, rec: dict[str, Any], vi
     event = ClientEvent(
         request_id=rid,
         type=ClientEventType.TEXT,
-        stage=0,
+        stage=THINKER,
         replica=victim,
         seq=STALE_SEQ,
         text=" stale",
@@ -203,10 +210,11 @@ async def _stale_after_the_move(pipeline, nc: nats.NATS, rec: dict[str, Any], vi
         seq=STALE_SEQ,
         token_ids=[1, 2, 3],
         text=" stale",
-        attempt=len(rec["stages"][1]["attempts"]) or 1,
+        attempt=len(rec["stages"][TALKER]["attempts"]) or 1,
         from_attempt=1,
     )
-    await publish_task(nc.jetstream(), subjects, chunk, Hop("0", str(victim), 1, rec["route"][1]))
+    hop = Hop(str(THINKER), str(victim), TALKER, rec["route"][TALKER])
+    await publish_task(nc.jetstream(), subjects, chunk, hop)
 
 
 async def _kill_a_busy_thinker(
@@ -250,7 +258,7 @@ async def _kill_a_busy_thinker(
         if task.kind == TaskKind.CHUNK:
             to_talker[task.request_id] += len(task.token_ids)
 
-    sub = await nc.subscribe(Subjects(pipeline.name).stage_in(1, "*"), cb=on_chunk)
+    sub = await nc.subscribe(Subjects(pipeline.name).stage_in(TALKER, "*"), cb=on_chunk)
     text = asyncio.create_task(stream(1))
     deadline = time.monotonic() + 60
     while tokens[1] < LEAD_TOKENS and time.monotonic() < deadline and not text.done():
@@ -268,30 +276,59 @@ async def _kill_a_busy_thinker(
     assert max(to_talker.values(), default=0) >= LEAD_TOKENS, f"to the talker within 60 s: {dict(to_talker)}"
     (audio_id,) = to_talker
     rec = await request_record(stack.nats_url, audio_id)
-    assert rec and not rec["stages"][0]["done_ns"], rec
-    out.victim = rec["route"][0]
-    await kill_confirmed(worker_pid(stack.proc.pid, 0, out.victim), "the thinker worker")
+    assert rec and not rec["stages"][THINKER]["done_ns"], rec
+    out.victim = rec["route"][THINKER]
+    await kill_confirmed(worker_pid(stack.proc.pid, THINKER, out.victim), "the thinker worker")
     # Moved: the record's new attempt has its input sent, which the orchestrator does after it
     # told the workers (the moved notice) and the gateway (its question fences the old attempt).
     deadline = time.monotonic() + 10
     while True:
         rec = await request_record(stack.nats_url, audio_id)
-        last = rec["stages"][0]["attempts"][-1]
+        last = rec["stages"][THINKER]["attempts"][-1]
         if last["attempt"] > 1 and last["sent_ns"]:
             break
         assert time.monotonic() < deadline, f"not moved within 10 s of the kill: {rec}"
         await asyncio.sleep(0.05)
     # The talker has taken the moved notice (it logs so): the dead attempt's chunks are stale there.
-    await stack.await_log(f"request {audio_id}: stage 0 moved to attempt {last['attempt']}")
-    assert not streams[0].done() and not rec["stages"][1]["done_ns"], "the audio request ended too soon"
+    await stack.await_log(f"request {audio_id}: stage {THINKER} moved to attempt {last['attempt']}")
+    assert not streams[0].done() and not rec["stages"][TALKER]["done_ns"], "the audio request ended too soon"
     await _stale_after_the_move(pipeline, nc, rec, out.victim)
     out.stale_sent = True
     await asyncio.wait_for(asyncio.gather(*streams), 120)
     for rid in ids:
         rec = await request_record(stack.nats_url, rid)
-        out.moved += len(rec["stages"][0]["attempts"]) > 1
-    key = f"worker.{pipeline.name}.0.{out.victim}"
+        out.moved += len(rec["stages"][THINKER]["attempts"]) > 1
+    key = f"worker.{pipeline.name}.{THINKER}.{out.victim}"
     await await_replacement(stack.nats_url, pipeline, key, incarnations[key])  # whole for the tests after
+
+
+async def _talk(stack, pipeline) -> None:
+    """A realtime session: a spoken turn (the listener hears it; the answer's first audio gives a
+    voice-to-voice latency), then a typed one cancelled at its first audio (an interruption)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        wav = padded(spoken("Is the kettle on yet?", Path(tmp) / "q.wav").read_bytes(), 0.3, 1.2)
+    with av.open(io.BytesIO(wav)) as c:
+        resampler = av.AudioResampler(format="s16", layout="mono", rate=24000)
+        pcm = b"".join(
+            f.to_ndarray().tobytes() for frame in c.decode(audio=0) for f in resampler.resample(frame)
+        )
+    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+    async with client.realtime.connect(model=pipeline.served_model_name) as conn, asyncio.timeout(120):
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": 8})
+        for i in range(0, len(pcm), 4800):
+            await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i : i + 4800]).decode())
+        while (await conn.recv()).type != "response.done":
+            pass
+        await conn.conversation.item.create(
+            item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Go on."}]}
+        )
+        await conn.response.create(response={"max_output_tokens": 400})
+        while (await conn.recv()).type != "response.output_audio.delta":
+            pass
+        await conn.response.cancel()
+        while (await conn.recv()).type != "response.done":
+            pass
+    await client.close()
 
 
 async def _cause_events(stack, pipeline, out: Events) -> None:
@@ -303,6 +340,7 @@ async def _cause_events(stack, pipeline, out: Events) -> None:
             if await _reject_one(stack, pipeline, js, client):
                 out.rejected = 1
                 break
+        await _talk(stack, pipeline)
         out.chunks_after_pause = await _pause_the_audio_stage(stack, pipeline, client)
         await _kill_a_busy_thinker(stack, pipeline, nc, client, out)
         subjects = Subjects(pipeline.name)
@@ -311,7 +349,8 @@ async def _cause_events(stack, pipeline, out: Events) -> None:
         await js.publish(subjects.stage_in(audio, 0), b"\xc1", headers=to_codec)  # not msgpack
         ahead = time.time_ns() + 5 * 10**9  # a sender whose clock runs 5 s ahead
         skewed = _bad_chunk(
-            {"request_id": f"skew-{uuid.uuid4().hex}", "gateway_id": "nobody", "route": [0, 0, 0]}, [1, 2]
+            {"request_id": f"skew-{uuid.uuid4().hex}", "gateway_id": "nobody", "route": [0] * (audio + 1)},
+            [1, 2],
         )
         await js.publish(
             subjects.stage_in(audio, 0),

@@ -94,7 +94,7 @@ INVALID = "invalid_request"
             "messages.0.content.0.type",
             "unsupported_content",
         ),
-        (  # the default pipeline has no listener
+        (  # an audio part with no audio in it
             {
                 "model": "omni-tiny",
                 "messages": [
@@ -105,8 +105,8 @@ INVALID = "invalid_request"
                 ],
             },
             400,
-            "messages",
-            "unsupported_content",
+            "messages.0.content.0.input_audio.data",
+            "invalid_audio",
         ),
         (
             {"model": "omni-tiny", "messages": _msgs(), "tools": [{"type": "function"}]},
@@ -132,7 +132,7 @@ def test_prompt_longer_than_the_model_allows(http, pipeline) -> None:
     long_text = "the weather is lovely today and the kettle is on " * 400
     body = {"model": pipeline.served_model_name, "messages": [{"role": "user", "content": long_text}]}
     err = _assert_error(_post(http, body), 400, code="context_length_exceeded")
-    assert str(pipeline.stages[0].engine.max_model_len) in err["message"]
+    assert str(pipeline.thinker.engine.max_model_len) in err["message"]
     err = _assert_error(
         _post(http, {"model": pipeline.served_model_name, "prompt": long_text}, "/v1/completions"), 400
     )

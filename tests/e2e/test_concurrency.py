@@ -110,5 +110,5 @@ async def test_32_concurrent_streams_complete_independently_on_both_replicas(sta
     replicas = Counter()
     for r in results:
         rec = await request_record(stack.nats_url, next(iter(r.ids)))
-        replicas[rec["route"][0]] += 1
-    assert set(replicas) == set(range(pipeline.stages[0].replicas)), replicas
+        replicas[rec["route"][pipeline.thinker_stage]] += 1
+    assert set(replicas) == set(range(pipeline.thinker.replicas)), replicas

@@ -31,6 +31,7 @@ from nats.js.errors import KeyNotFoundError
 from benchmarks.harness import descendants
 from libs.common import headers as h
 from libs.common.bus import evictions_kv, requests_kv, services_kv
+from libs.common.pipeline import load_pipeline
 from libs.common.records import RequestRecord
 from libs.common.registry import ServiceRecord
 from libs.common.subjects import (
@@ -200,7 +201,7 @@ async def live_id_messages(
     sender the bus's identities let through (docs/security.md, the bus)."""
     s = Subjects(pipeline.name)
     for rid in live:
-        again = {**admission(gateway_id)(rng), "request_id": rid}
+        again = {**admission(gateway_id, pipeline.thinker_stage)(rng), "request_id": rid}
         await js.publish(s.requests, msgpack.packb(again), timeout=10)  # no Nats-Msg-Id: not deduplicated
     return len(live)
 
@@ -216,34 +217,35 @@ def forged_live(
     (A stage-less error or an event of the bound replica are accepted by design: "What is still
     open" there.)"""
     s = Subjects(pipeline.name)
-    audio_stage = len(pipeline.stages) - 1
+    audio_stage, thinker, talker = pipeline.audio_stage, pipeline.thinker_stage, pipeline.speech_stage
     out = []
     for i, rid in enumerate(live):
         other = live[(i + 1) % len(live)]
         base = {**client_event(rng), "request_id": rid, "seq": 1, "replica": 0, "attempt": 1}
         events = [
             {**base, "type": "text", "stage": audio_stage},  # text from the audio stage
-            {**base, "type": "audio", "stage": 0},  # audio from the thinker
-            {**base, "type": "text", "stage": 0, "attempt": 99},  # an attempt never announced
-            {**base, "type": "text_done", "stage": 0, "replica": 9},  # a replica not declared
+            {**base, "type": "audio", "stage": thinker},  # audio from the thinker
+            {**base, "type": "text", "stage": thinker, "attempt": 99},  # an attempt never announced
+            {**base, "type": "text_done", "stage": thinker, "replica": 9},  # a replica not declared
             {**base, "type": "audio_done", "stage": audio_stage, "replica": 9},
         ]
         out += [(s.out(gateway_id, rid), msgpack.packb(e), False) for e in events]
         out.append(
-            (s.out(gateway_id, other), msgpack.packb({**base, "stage": 0, "type": "text_done"}), False)
+            (s.out(gateway_id, other), msgpack.packb({**base, "stage": thinker, "type": "text_done"}), False)
         )
-        for query in ({"stage": 0, "attempt": 99}, {"stage": 0, "attempt": 2, "replica": 9}):
+        for query in ({"stage": thinker, "attempt": 99}, {"stage": thinker, "attempt": 2, "replica": 9}):
             out.append((s.resume(gateway_id), msgpack.packb({"request_id": rid, **query}), True))
-        for query in ({"stage": 1}, {"attempt": 99}, {"replica": 9}):
-            asked = {"request_id": rid, "stage": 0, "attempt": 1, "replica": 0, **query}
+        for query in ({"stage": talker}, {"attempt": 99}, {"replica": 9}):
+            asked = {"request_id": rid, "stage": thinker, "attempt": 1, "replica": 0, **query}
             out.append((s.out(gateway_id, rid), msgpack.packb(asked), True))
     return out
 
 
+THINKER = load_pipeline().thinker_stage
 FORGED_RECORD = {
     "service": "worker",
     "instance": "forged",
-    "stage": 0,
+    "stage": THINKER,
     "stage_name": "thinker",
     "replica": 5,
     "metrics_url": "http://127.0.0.1:1/metrics",
@@ -259,9 +261,9 @@ async def garbage_record_inputs(
     """For each request whose record is garbage: a first input of the talker, addressed and bound
     to it (the worker reads the record before it starts a request)."""
     s = Subjects(pipeline.name)
-    talker = 1
+    talker = pipeline.speech_stage
     for rid in ids:
-        task = {**stage_task(gateway_id, talker, 0, pipeline.stages[talker].consumes)(rng), "request_id": rid}
+        task = {**stage_task(gateway_id, pipeline, talker, 0)(rng), "request_id": rid}
         headers = {h.TO_STAGE: str(talker), h.TO_REPLICA: "0", "Nats-Msg-Id": f"fuzz-{rid}"}
         await js.publish(s.stage_in(talker, 0), msgpack.packb(task), headers=headers, timeout=10)
     return len(ids)
@@ -281,7 +283,7 @@ async def kv_garbage(js: Any, rng: random.Random, pipeline: str) -> list[tuple[A
         (f"gateway.{pipeline}.fuzz{rng.getrandbits(32):x}", b"\xc1not json"),
         (f"orchestrator.{pipeline}.fuzz{rng.getrandbits(32):x}", b"[]"),
         (f"worker.{pipeline}.0.8", b"{" * 5000),
-        (f"worker.{pipeline}.0.5", json.dumps(FORGED_RECORD | {"pipeline": pipeline}).encode()),
+        (f"worker.{pipeline}.{THINKER}.5", json.dumps(FORGED_RECORD | {"pipeline": pipeline}).encode()),
     ]:
         await services.put(key, value)
         written.append((services, key))
@@ -364,7 +366,7 @@ def judge(spec: Spec, got: Outcome, want: Outcome, pipeline: Any) -> list[str]:
     if got.text != want.text:
         bad.append(f"text differs from the fault-free run: {got.text[:80]!r} vs {want.text[:80]!r}")
     if spec.audio:
-        samples = spec.max_tokens * pipeline.stages[1].codes_per_token * SAMPLES_PER_CODE
+        samples = spec.max_tokens * pipeline.stages[pipeline.speech_stage].codes_per_token * SAMPLES_PER_CODE
         if len(got.pcm) != 2 * samples:
             bad.append(f"{len(got.pcm)} PCM bytes, {2 * samples} expected")
         if got.pcm != want.pcm:

@@ -32,7 +32,7 @@ def tokenizer(pipeline):
     for the text of the returned token ids."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model(pipeline.stages[0].model))
+    return AutoTokenizer.from_pretrained(resolve_model(pipeline.thinker.model))
 
 
 def chat_prompt_tokens(tokenizer, messages: list[dict]) -> int:
@@ -53,7 +53,7 @@ def text_of(tokenizer, ids: list[int]) -> str:
 def expected_audio_samples(pipeline, completion_tokens: int) -> int:
     """Every thinker token reaches the talker, which makes ``codes_per_token`` codes of it; the
     codec turns each code into 480 samples."""
-    return completion_tokens * pipeline.stages[1].codes_per_token * SAMPLES_PER_CODE
+    return completion_tokens * pipeline.stages[pipeline.speech_stage].codes_per_token * SAMPLES_PER_CODE
 
 
 def test_models_lists_the_served_model(client, pipeline) -> None:
@@ -203,6 +203,9 @@ async def test_request_record_shows_where_the_request_went(stack, pipeline, clie
             break
         await asyncio.sleep(0.1)
     assert rec is not None and rec["status"] == "completed"
-    assert len(rec["route"]) == 3
-    assert all(s["started_ns"] and s["started_ns"] <= s["done_ns"] for s in rec["stages"]), rec["stages"]
+    entry = pipeline.thinker_stage
+    assert len(rec["route"]) == len(pipeline.stages) and rec["entry_stage"] == entry
+    assert rec["route"][:entry] == [-1] * entry, "the listener skipped"
+    ran = rec["stages"][entry:]
+    assert all(s["started_ns"] and s["started_ns"] <= s["done_ns"] for s in ran), rec["stages"]
     assert rec["finish_reason"] == r.choices[0].finish_reason

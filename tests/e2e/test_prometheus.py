@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from libs.common import headers as h
 from libs.common.envelopes import StageTask, decode
 from libs.common.metrics_catalog import ENGINE_PROCESSES
+from libs.common.pipeline import load_pipeline
 from libs.common.subjects import Subjects
 from libs.stack.bus_state import request_record
 from tests.e2e.prometheus_events import (
@@ -49,6 +50,8 @@ LATENCY_SLACK_S = 0.25
 audio chunk) may exceed the gateway's arrival → last byte / first audio written by at most this,
 on loopback, with the five requests running concurrently in one client event loop."""
 DYN_PIPELINE = "promdyn"
+THINKER, TALKER = load_pipeline().thinker_stage, load_pipeline().speech_stage
+"""The stack's (the default pipeline's) thinker and talker stage ids."""
 UNIFIED = ("service", "pipeline", "instance", "job")
 WORKER_LABELS = ("stage", "replica", "stage_name")
 
@@ -173,7 +176,7 @@ async def _run_traffic(stack, pipeline, out: Traffic) -> None:
         out.bus_hops[edge] += 1
         task = decode(StageTask, msg.data)
         out.bus_routes[task.request_id][int(edge[2])] = edge[3]
-        if edge[2] == "1" and task.token_ids:
+        if edge[2] == str(TALKER) and task.token_ids:
             out.talker_requests[edge[3]] += 1
 
     await nc.subscribe(Subjects(pipeline.name).stages_wildcard, cb=on_stage_msg)
@@ -193,7 +196,7 @@ async def _run_traffic(stack, pipeline, out: Traffic) -> None:
     # after it sent every output; the flush then brings every hop sent before it to our subscriber.
     for rid in out.ids:
         rec = await _done_record(stack, rid)
-        out.routes[rid] = rec["route"]
+        out.routes[rid] = [r for r in rec["route"] if r >= 0]  # the stages it ran (the listener skipped)
     await nc.flush()
     await nc.close()
 
@@ -272,7 +275,8 @@ def test_transfer_bytes_per_edge_equal_the_bytes_on_the_bus(prom, traffic, pipel
     by = "from_stage, from_replica, to_stage, to_replica"
     want_bytes = {k: float(v) for k, v in traffic.bus_bytes.items()}
     want_hops = {k: float(v) for k, v in traffic.bus_hops.items()}
-    assert {e[2] for e in want_bytes} == {"0", "1", "2"}, want_bytes
+    ran = {str(i) for i in range(pipeline.thinker_stage, len(pipeline.stages))}
+    assert {e[2] for e in want_bytes} == ran, want_bytes  # chat traffic: from the thinker on
     assert any(e[0] == h.FROM_ORCHESTRATOR for e in want_bytes), want_bytes
 
     def both() -> tuple[dict, dict]:
@@ -343,8 +347,8 @@ def test_engine_requests_per_replica_match_the_routes(prom, traffic, pipeline, s
         rid: [int(r) for _, r in sorted(traffic.bus_routes[rid].items())] for rid in traffic.ids
     } == traffic.routes
     thinker = Counter(str(route[0]) for route in traffic.routes.values())
-    want = {("0", r): float(n) for r, n in thinker.items()}
-    want |= {("1", r): float(n) for r, n in traffic.talker_requests.items()}
+    want = {(str(THINKER), r): float(n) for r, n in thinker.items()}
+    want |= {(str(TALKER), r): float(n) for r, n in traffic.talker_requests.items()}
     talkers = {str(traffic.routes[i][1]) for i in traffic.audio_ids}
     assert talkers == set(traffic.talker_requests), traffic.routes
     sel = f'vllm:request_success_total{{pipeline="{pipeline.name}", service="worker"}}'
@@ -370,8 +374,8 @@ def test_every_engine_process_is_scraped_with_its_worker_labels(prom, traffic, p
         if g["labels"]["__meta_omnirelay_service"] == "worker"
         and pipeline.stages[int(g["labels"]["__meta_omnirelay_stage"])].type.value == "llm"
     }
-    served = {("0", str(route[0])) for route in traffic.routes.values()}
-    served |= {("1", str(r)) for r in traffic.talker_requests}
+    served = {(str(THINKER), str(route[0])) for route in traffic.routes.values()}
+    served |= {(str(TALKER), str(r)) for r in traffic.talker_requests}
     assert served <= llm
     assert ENGINE_CORE in ENGINE_PROCESSES
     for namespace in ENGINE_PROCESSES:
@@ -514,11 +518,15 @@ def test_caused_events_reach_prometheus_as_they_happened(prom, events, dead_lett
     assert events.victim is not None and events.moved >= 1, events
     victim = str(events.victim)
     for name, by, want in (
-        ("vllm:omni_replica_evictions_total", "stage, replica, reason", {("0", victim, "exit"): 1.0}),
+        (
+            "vllm:omni_replica_evictions_total",
+            "stage, replica, reason",
+            {(str(THINKER), victim, "exit"): 1.0},
+        ),
         (
             "vllm:omni_requests_migrated_total",
             "stage, from_replica, reason",
-            {("0", victim, "exit"): float(events.moved)},
+            {(str(THINKER), victim, "exit"): float(events.moved)},
         ),
     ):
         got = eventually(lambda n=name, b=by: grew(prom, n, b, events.t0), lambda v, w=want: v == w)
@@ -526,16 +534,16 @@ def test_caused_events_reach_prometheus_as_they_happened(prom, events, dead_lett
     assert events.stale_sent, events
     got = eventually(
         lambda: grew(prom, "vllm:omni_stale_events_dropped_total", "stage", events.t0),
-        lambda v: v == {("0",): 1.0},
+        lambda v: v == {(str(THINKER),): 1.0},
     )
-    assert got == {("0",): 1.0}, got
+    assert got == {(str(THINKER),): 1.0}, got
     # The chunk the test sent is dropped; so would be a chunk of the dead attempt's that the talker
     # had not taken before the move (none is expected: it died 0.5 s and more before).
     got = eventually(
         lambda: grew(prom, "vllm:omni_stale_chunks_dropped_total", "stage", events.t0),
-        lambda v: v.get(("1",), 0) >= 1,
+        lambda v: v.get((str(TALKER),), 0) >= 1,
     )
-    assert set(got) == {("1",)} and got[("1",)] >= 1, got
+    assert set(got) == {(str(TALKER),)} and got[(str(TALKER),)] >= 1, got
     assert dead_lettered.advisories == 1, "no max-deliveries advisory within 30 s"
     prom.wait_scraped_after(dead_lettered.t1)
     selector = f'vllm:omni_bus_dead_lettered_total{{instance="{dead_lettered.instance}"}}'

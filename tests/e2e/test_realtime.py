@@ -381,3 +381,85 @@ async def test_the_realtime_bench_measures_turns_as_a_caller_sends_them(stack, s
     assert [t.status for t in level.turns] == ["completed", "completed"]
     assert len(level.latencies) == 2 and all(0.5 <= v < 10 for v in level.latencies), level.latencies
     assert level.rtf is not None and 0 < level.rtf[0] <= level.rtf[1] < 1
+
+
+async def test_text_streamed_into_speech_is_spoken_chunk_by_chunk_as_it_comes(stack) -> None:
+    """``/v1/audio/speech/stream`` with vLLM-Omni's messages: the text sent word by word, the first
+    sentence's audio arrives before the rest of the text is sent, each chunk's audio is as long as
+    its tokens make (the thinker's tokenizer, word by word, as the gateway cuts them)."""
+    import websockets
+    from transformers import AutoTokenizer
+
+    from libs.models.tiny import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("tiny-thinker"))
+    sentences = ["The tide came in.", "Gulls cried over the harbour!", "Then it was quiet"]
+    url = stack.base_url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+    async with websockets.connect(url) as ws:
+        await ws.send(json.dumps({"type": "session.config", "voice": "alloy", "response_format": "pcm"}))
+        for word in sentences[0].split():
+            await ws.send(json.dumps({"type": "input.text", "text": word + " "}))
+        first = json.loads(await asyncio.wait_for(ws.recv(), EVENT_TIMEOUT_S))
+        assert first == {
+            "type": "audio.start",
+            "sentence_index": 0,
+            "sentence_text": sentences[0],
+            "format": "pcm",
+        }
+        for word in " ".join(sentences[1:]).split():
+            await ws.send(json.dumps({"type": "input.text", "text": word + " "}))
+        await ws.send(json.dumps({"type": "input.done"}))
+        audio: dict[int, int] = {0: 0}
+        texts, index = {0: first["sentence_text"]}, 0
+        while True:
+            message = await asyncio.wait_for(ws.recv(), EVENT_TIMEOUT_S)
+            if isinstance(message, bytes):
+                audio[index] += len(message)
+                continue
+            event = json.loads(message)
+            if event["type"] == "audio.start":
+                index = event["sentence_index"]
+                audio[index], texts[index] = 0, event["sentence_text"]
+            elif event["type"] == "session.done":
+                break
+            else:
+                assert event == {"type": "audio.done", "sentence_index": index}, event
+    assert event["total_sentences"] == 3 and [texts[i] for i in range(3)] == sentences
+    words = " ".join(sentences).split()
+    spaced = iter([words[0], *(" " + w for w in words[1:])])  # as the gateway tokenizes them
+    for i, sentence in enumerate(sentences):
+        tokens = sum(len(tok.encode(next(spaced), add_special_tokens=False)) for _ in sentence.split())
+        assert audio[i] == 2 * tokens * SAMPLES_PER_TOKEN, (i, audio[i], tokens)
+
+
+async def test_a_bad_stream_message_is_an_error_and_the_stream_goes_on(stack) -> None:
+    import websockets
+
+    url = stack.base_url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+    async with websockets.connect(url) as ws:
+        await ws.send(json.dumps({"type": "session.config", "response_format": "ogg-vorbis"}))
+        bad_format = json.loads(await ws.recv())
+        assert bad_format["type"] == "error" and bad_format["param"] == "response_format", bad_format
+        await ws.send(json.dumps({"type": "session.config", "response_format": "pcm"}))
+        await ws.send("not json")
+        assert json.loads(await ws.recv())["code"] == "invalid_json"
+        await ws.send(json.dumps({"type": "input.bogus"}))
+        assert json.loads(await ws.recv())["code"] == "invalid_event_type"
+        await ws.send(json.dumps({"type": "input.text", "text": "Still here."}))
+        await ws.send(json.dumps({"type": "input.done"}))
+        kinds = []
+        while not kinds or kinds[-1] != "session.done":
+            message = await asyncio.wait_for(ws.recv(), EVENT_TIMEOUT_S)
+            if not isinstance(message, bytes):
+                kinds.append(json.loads(message)["type"])
+    assert kinds == ["audio.start", "audio.done", "session.done"]
+
+
+async def test_a_session_outlives_the_request_head_timeout(stack) -> None:
+    """The gateway closes connections whose HTTP head takes over 10 s (slowloris); an upgraded
+    WebSocket is not such a connection: a session idle for 12 s still answers."""
+    async with _client(stack).realtime.connect(model=stack.model) as conn:
+        await _until(conn, "session.created")
+        await asyncio.sleep(12)
+        await conn.session.update(session={"type": "realtime", "instructions": "awake"})
+        assert (await _until(conn, "session.updated")).session.instructions == "awake"

@@ -22,6 +22,7 @@ from nats.js.errors import KeyNotFoundError
 from openai import AsyncOpenAI
 
 from libs.common.bus import requests_kv
+from libs.common.pipeline import load_pipeline
 from libs.stack.bus_state import request_record, snapshot
 from tests.bus import await_replacement
 from tests.metrics_scrape import delta, scrape
@@ -29,6 +30,8 @@ from tests.procs import kill_confirmed, stop_confirmed, until, worker_pid
 
 pytestmark = pytest.mark.e2e
 
+THINKER = load_pipeline().thinker_stage
+"""The default pipeline's thinker: the stage whose replica these tests kill or stop."""
 STREAMS, MAX_TOKENS = 6, 1900
 PROMPT = "Tell me everything."
 MIDWAY_TOKENS = 100
@@ -118,21 +121,21 @@ async def _reference(stack, pipeline) -> list[int]:
 ROUNDS = 3
 """Rounds of streams ``_streams_and_victim`` may start before it gives up finding a moment to strike:
 on two shared cores the client can fall so far behind the server that a round's streams leave
-stage 0 before two of them are mid-way at the client (it happened once in a full CI run)."""
+the thinker before two of them are mid-way at the client (it happened once in a full CI run)."""
 
 
 async def _midway_victim(kv, seen: list[Seen], tasks: list[asyncio.Task], timeline: list[str]) -> int | None:
-    """Watch one round of streams until at least two run in stage 0 mid-way (between
+    """Watch one round of streams until at least two run in the thinker mid-way (between
     ``MIDWAY_TOKENS`` and ``MAX_TOKENS - TOKENS_LEFT`` tokens at the client) and return the replica
     of the mid-way stream with the most tokens still to come; ``None`` once every stream has ended
-    without such a moment. Appends what it saw (client token counts, stage-0 replicas) to
+    without such a moment. Appends what it saw (client token counts, thinker replicas) to
     ``timeline``."""
     while not all(t.done() for t in tasks):
         recs = []
         for s in seen:
             with contextlib.suppress(KeyNotFoundError):  # the record follows the stream's start
                 recs += [json.loads((await kv.get(s.id)).value)] if s.id else []
-        running = {r["request_id"]: r["route"][0] for r in recs if not r["stages"][0]["done_ns"]}
+        running = {r["request_id"]: r["route"][THINKER] for r in recs if not r["stages"][THINKER]["done_ns"]}
         now = time.monotonic()
         midway = [
             s
@@ -142,7 +145,7 @@ async def _midway_victim(kv, seen: list[Seen], tasks: list[asyncio.Task], timeli
             and now - s.at[-1] <= FLOWING_S
         ]
         timeline.append(
-            f"{time.monotonic():.2f} s: client tokens {[len(s.token_ids) for s in seen]}, stage 0 on {sorted(running.values())}"
+            f"{time.monotonic():.2f} s: client tokens {[len(s.token_ids) for s in seen]}, thinker on {sorted(running.values())}"
         )
         if len(midway) >= 2:
             return running[min(midway, key=lambda s: len(s.token_ids)).id]
@@ -172,7 +175,7 @@ async def _streams_and_victim(stack, pipeline):
             timeline.clear()
     finally:
         await nc.close()
-    raise AssertionError(f"in {ROUNDS} rounds, never two streams mid-way in stage 0 at once")
+    raise AssertionError(f"in {ROUNDS} rounds, never two streams mid-way in the thinker at once")
 
 
 async def _moved(stack, seen: list[Seen], victim: int, reason: str, reference: list[int]) -> dict[str, dict]:
@@ -201,7 +204,7 @@ async def _moved(stack, seen: list[Seen], victim: int, reason: str, reference: l
                 break
             await asyncio.sleep(0.1)
         assert rec["status"] == "completed", rec
-        attempts = rec["stages"][0]["attempts"]
+        attempts = rec["stages"][THINKER]["attempts"]
         if len(attempts) > 1:
             first, second = attempts
             assert first["replica"] == victim and second["replica"] != victim, attempts
@@ -248,13 +251,15 @@ async def test_streams_on_a_killed_replica_move_and_complete(stack, pipeline) ->
     client, seen, tasks, victim, started = await _streams_and_victim(stack, pipeline)
     try:
         killed_ns = time.time_ns()
-        await kill_confirmed(worker_pid(stack.proc.pid, 0, victim), "the thinker worker")
+        await kill_confirmed(worker_pid(stack.proc.pid, THINKER, victim), "the thinker worker")
 
         await asyncio.wait_for(asyncio.gather(*tasks), 180)
         await client.close()
         moved = await _moved(stack, seen, victim, reason, reference)
         pause = _longest_pause(seen, moved)
-        sent_s = max((r["stages"][0]["attempts"][-1]["sent_ns"] - killed_ns) / 1e9 for r in moved.values())
+        sent_s = max(
+            (r["stages"][THINKER]["attempts"][-1]["sent_ns"] - killed_ns) / 1e9 for r in moved.values()
+        )
         print(
             f"{len(moved)} stream(s) moved off replica {victim}; sent to the survivor {sent_s:.2f} s after the "
             f"kill; their longest pause at the client {pause:.2f} s"
@@ -266,7 +271,7 @@ async def test_streams_on_a_killed_replica_move_and_complete(stack, pipeline) ->
             before_o,
             after_o,
             "vllm:omni_replica_evictions_total",
-            stage="0",
+            stage=str(THINKER),
             replica=str(victim),
             reason=reason,
         )
@@ -275,7 +280,7 @@ async def test_streams_on_a_killed_replica_move_and_complete(stack, pipeline) ->
             before_o,
             after_o,
             "vllm:omni_requests_migrated_total",
-            stage="0",
+            stage=str(THINKER),
             from_replica=str(victim),
             reason=reason,
         )
@@ -286,7 +291,7 @@ async def test_streams_on_a_killed_replica_move_and_complete(stack, pipeline) ->
         assert delta(before_g, after_g, "vllm:omni_requests_failed_total") == 0
     finally:
         # Leave the stack whole for the tests after this one.
-        key = f"worker.{pipeline.name}.0.{victim}"
+        key = f"worker.{pipeline.name}.{THINKER}.{victim}"
         await await_replacement(stack.nats_url, pipeline, key, incarnations[key])
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=10) as http:
             assert (await http.get("/health")).json()["status"] == "ok"
@@ -296,14 +301,14 @@ async def test_streams_on_a_stopped_replica_move_after_the_stall_timeout(stack, 
     """SIGSTOP: the process lives and holds its connection, but answers nothing. Its streams move
     ``stall_timeout_s`` later and complete in full; after SIGCONT it stops the work it no longer
     owns, and nothing it still sends reaches a client."""
-    stall_s = pipeline.stages[0].stall_timeout_s
+    stall_s = pipeline.stages[THINKER].stall_timeout_s
     services = await _registered(stack, pipeline)
     (orchestrator,) = [s["metrics_url"] for s in services if s["service"] == "orchestrator"]
     reference = await _reference(stack, pipeline)
     before = scrape(orchestrator)
 
     client, seen, tasks, victim, _ = await _streams_and_victim(stack, pipeline)
-    pid = worker_pid(stack.proc.pid, 0, victim)
+    pid = worker_pid(stack.proc.pid, THINKER, victim)
     try:
         await stop_confirmed(pid, "the thinker worker")
         await asyncio.wait_for(asyncio.gather(*tasks), 120)
@@ -318,7 +323,12 @@ async def test_streams_on_a_stopped_replica_move_after_the_stall_timeout(stack, 
     after = scrape(orchestrator)
     assert (
         delta(
-            before, after, "vllm:omni_replica_evictions_total", stage="0", replica=str(victim), reason="stall"
+            before,
+            after,
+            "vllm:omni_replica_evictions_total",
+            stage=str(THINKER),
+            replica=str(victim),
+            reason="stall",
         )
         == 1
     )
@@ -326,14 +336,14 @@ async def test_streams_on_a_stopped_replica_move_after_the_stall_timeout(stack, 
         before,
         after,
         "vllm:omni_requests_migrated_total",
-        stage="0",
+        stage=str(THINKER),
         from_replica=str(victim),
         reason="stall",
     ) == len(moved)
     # Resumed, the worker reads the notices that waited for it and stops the requests that moved
     # (or finishes one whose tokens its engine had made meanwhile: the gateway drops what it
     # sends): either way it is idle again, soon.
-    key = f"worker.{pipeline.name}.0.{victim}"
+    key = f"worker.{pipeline.name}.{THINKER}.{victim}"
     for _ in range(60):
         rec = {s["key"]: s for s in (await snapshot(stack.nats_url, pipeline))["services"]}.get(key)
         if rec and rec["heartbeat_ns"] > resumed_ns and rec["load"] == 0:

@@ -14,13 +14,15 @@ import httpx
 import pytest
 
 from benchmarks.harness import descendants
+from libs.common.pipeline import load_pipeline
 from libs.stack.bus_state import snapshot
 from tests.bus import await_replacement
 from tests.procs import gone, worker_pid
 
 pytestmark = pytest.mark.e2e
 
-STAGE, REPLICA = 0, 1
+STAGE, REPLICA = load_pipeline().thinker_stage, 1
+"""The worker killed: the default pipeline's second thinker replica (the first serves meanwhile)."""
 
 
 async def test_a_killed_worker_is_restarted_and_requests_keep_completing(stack, pipeline) -> None:

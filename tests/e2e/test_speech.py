@@ -41,7 +41,7 @@ def expected_samples(pipeline) -> int:
 
     from libs.models.tiny import resolve_model
 
-    tok = AutoTokenizer.from_pretrained(resolve_model(pipeline.stages[0].model))
+    tok = AutoTokenizer.from_pretrained(resolve_model(pipeline.thinker.model))
     tokens = sum(len(tok.encode(s, add_special_tokens=False)) for s in SENTENCES)
     return expected_audio_samples(pipeline, tokens)
 
@@ -111,7 +111,7 @@ async def test_sse_events_carry_the_file_and_the_usage(stack, pipeline, expected
     pcm = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
     assert len(pcm) == 2 * expected_samples
     codes = expected_samples // 480
-    tokens = codes // pipeline.stages[1].codes_per_token
+    tokens = codes // pipeline.stages[pipeline.speech_stage].codes_per_token
     assert events[-1]["usage"] == {
         "input_tokens": tokens,
         "output_tokens": codes,
@@ -124,7 +124,9 @@ async def test_sse_events_carry_the_file_and_the_usage(stack, pipeline, expected
             break
         await asyncio.sleep(0.1)
     assert rec is not None and rec["status"] == "completed", rec
-    assert rec["entry_stage"] == 1 and rec["route"][0] == -1 and rec["stages"][0]["attempts"] == []
+    entry = pipeline.speech_stage
+    assert rec["entry_stage"] == entry and rec["route"][:entry] == [-1] * entry
+    assert all(s["attempts"] == [] for s in rec["stages"][:entry]), "the stages before the talker skipped"
     assert all(s["done_ns"] for s in rec["stages"])
 
 

@@ -59,7 +59,7 @@ def test_one_trace_follows_an_audio_request_through_every_service(stack, pipelin
     wanted = {
         f"chat {pipeline.served_model_name}",
         "omni.admit",
-        *(f"omni.stage {st.name}" for st in pipeline.stages),
+        *(f"omni.stage {st.name}" for st in pipeline.stages[pipeline.thinker_stage :]),
     }
     engine_stages = {"omni.stage thinker", "omni.stage talker"}
     spans = _wait_spans(
@@ -86,7 +86,12 @@ def test_one_trace_follows_an_audio_request_through_every_service(stack, pipelin
         CONSUMER,
     )
     parent = admit
+    assert not [s for s in spans if s.attributes.get("omnirelay.stage") == pipeline.listener_stage], (
+        "the listener the chat skipped has a span"
+    )
     for i, stage in enumerate(pipeline.stages):
+        if i < pipeline.thinker_stage:
+            continue
         (span,) = [s for s in spans if s.attributes.get("omnirelay.stage") == i]
         assert span.service == "omnirelay-worker" and span.name == f"omni.stage {stage.name}"
         assert span.parent_span_id == parent.span_id, f"{stage.name} is not a child of the previous hop"
@@ -98,7 +103,7 @@ def test_one_trace_follows_an_audio_request_through_every_service(stack, pipelin
         if i + 1 < len(pipeline.stages):
             assert any(name == "chunk.sent" for name, _ in span.events)
         parent = span
-    thinker = next(s for s in spans if s.attributes.get("omnirelay.stage") == 0)
+    thinker = next(s for s in spans if s.attributes.get("omnirelay.stage") == pipeline.thinker_stage)
     assert thinker.attributes["gen_ai.usage.output_tokens"] == 20
     # inside the llm engines, each request's journey span hangs below its stage span
     stage_spans = {s.span_id for s in spans if s.name.startswith("omni.stage ")}
@@ -116,8 +121,9 @@ def test_one_trace_follows_a_speech_request_from_the_talker_on(stack, pipeline, 
         assert len(response.read()) > 44
     rec = asyncio.run(request_record(stack.nats_url, request_id))
     trace_id = rec["trace_id"]
-    assert trace_id and len(trace_id) == 32 and rec["entry_stage"] == 1
-    spoken = pipeline.stages[1:]
+    entry = pipeline.speech_stage
+    assert trace_id and len(trace_id) == 32 and rec["entry_stage"] == entry
+    spoken = pipeline.stages[entry:]
     wanted = {
         f"speech {pipeline.served_model_name}",
         "omni.admit",
@@ -143,11 +149,11 @@ def test_one_trace_follows_a_speech_request_from_the_talker_on(stack, pipeline, 
     assert all(s.parent_span_id in by_id for s in spans if s is not root), "a span's parent is missing"
     (admit,) = [s for s in spans if s.name == "omni.admit"]
     assert admit.parent_span_id == root.span_id
-    assert not [s for s in spans if s.attributes.get("omnirelay.stage") == 0], (
-        "the skipped thinker has a span"
+    assert not [s for s in spans if s.attributes.get("omnirelay.stage", entry) < entry], (
+        "a skipped stage (the listener, the thinker) has a span"
     )
     parent = admit
-    for i, stage in enumerate(spoken, start=1):
+    for i, stage in enumerate(spoken, start=entry):
         (span,) = [s for s in spans if s.attributes.get("omnirelay.stage") == i]
         assert span.name == f"omni.stage {stage.name}" and span.parent_span_id == parent.span_id, stage.name
         parent = span
@@ -192,7 +198,11 @@ def test_latency_histograms_carry_the_trace_id_as_exemplar(stack, pipeline) -> N
     assert trace_id in _exemplar_trace_ids(gateway, "vllm:omni_e2e_request_latency_s")
     assert trace_id in _exemplar_trace_ids(gateway, "vllm:omni_audio_ttfp_s")
     snap = asyncio.run(snapshot(stack.nats_url, pipeline))
-    talker = next(s["metrics_url"] for s in snap["services"] if s["service"] == "worker" and s["stage"] == 1)
+    talker = next(
+        s["metrics_url"]
+        for s in snap["services"]
+        if s["service"] == "worker" and s["stage"] == pipeline.speech_stage
+    )
     assert trace_id in _exemplar_trace_ids(talker, "vllm:omni_transfer_in_flight_s")
     # the classic text format carries no exemplars (Prometheus asks for OpenMetrics to get them)
     assert "trace_id" not in httpx.get(gateway, timeout=10).text

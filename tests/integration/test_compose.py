@@ -402,17 +402,19 @@ def test_nats_and_nats_box() -> None:
 
 
 def test_each_service_connects_as_its_own_nats_identity_from_its_own_volume() -> None:
-    """nats-init writes one volume per identity of the default pipeline (thinker x2, talker, code2wav);
+    """nats-init writes one volume per identity of the default pipeline (listener, thinker x2, talker,
+    code2wav);
     each omnirelay service mounts only its own, read-only, and names that identity; nats-box gets
     the operator's. The server reads the users and TLS nats-init wrote."""
     model = load_compose(COMPOSE_FILE)
     expected = {
         "orchestrator": "orchestrator",
         "gateway": "gateway",
-        "thinker-0": "worker-0-0",
-        "thinker-1": "worker-0-1",
-        "talker-0": "worker-1-0",
-        "code2wav-0": "worker-2-0",
+        "listener-0": "worker-0-0",
+        "thinker-0": "worker-1-0",
+        "thinker-1": "worker-1-1",
+        "talker-0": "worker-2-0",
+        "code2wav-0": "worker-3-0",
     }
     for name, svc in omnirelay_services(model).items():
         env = as_env(svc["environment"])

@@ -46,15 +46,17 @@ from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 from libs.common.metrics_catalog import OMNI_REGISTRY
 from libs.common.metrics_server import exposition_registry
-from libs.common.pipeline import load_pipeline
+from libs.common.pipeline import DEFAULT_PIPELINE_PATH, load_pipeline
 from services.stage_worker.engine_metrics import EngineIdentity, prometheus_logger_class
 from services.stage_worker.handlers.llm import LLMHandler
 from services.stage_worker.handlers.thinker import ThinkerHandler
 from services.stage_worker.llm_engine import LLMEngineSpec
 
 pytestmark = pytest.mark.integration
+TEXT_ONLY = DEFAULT_PIPELINE_PATH.with_name("text-only.yaml")
+"""A thinker alone at stage 0: these tests drive its engine directly."""
 
-SERVED = "omni-tiny"
+SERVED = "omni-text"
 LOG_INTERVAL_S = 1.0
 PROBE = "vllm:omni_engine_metrics_probe"
 
@@ -85,7 +87,7 @@ def small_kv_cache() -> Iterator[None]:
 
 
 def engine_spec(log_stats: bool) -> LLMEngineSpec:
-    pipeline = load_pipeline()
+    pipeline = load_pipeline(TEXT_ONLY)
     assert pipeline.served_model_name == SERVED
     return LLMEngineSpec.for_replica(pipeline, 0, 0, log_stats=log_stats, log_stats_interval_s=LOG_INTERVAL_S)
 

@@ -34,7 +34,7 @@ from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
 from libs.common import tracing
-from libs.common.pipeline import PipelineConfig, load_pipeline
+from libs.common.pipeline import DEFAULT_PIPELINE_PATH, PipelineConfig, load_pipeline
 from services.stage_worker.engine_core.step_tracing import (
     BATCH_SUMMARY_EVENT,
     BATCH_SUMMARY_REQUIRED,
@@ -52,6 +52,8 @@ from tests.otlp_receiver import Receiver, SpanRecord, start_receiver, tracing_in
 from tests.unit.test_step_tracing import documented_sample
 
 pytestmark = pytest.mark.integration
+TEXT_ONLY = DEFAULT_PIPELINE_PATH.with_name("text-only.yaml")
+"""A thinker alone at stage 0: these tests drive its engine directly."""
 
 SEED = 0
 A = EngineTracing(
@@ -107,7 +109,7 @@ def otlp() -> Iterator[Receiver]:
 
 
 def pipeline_for_test() -> PipelineConfig:
-    p = load_pipeline()
+    p = load_pipeline(TEXT_ONLY)
     thinker = p.stages[0]
     engine = thinker.engine.model_copy(update={"max_model_len": 256, "extra": dict(TINY_KV)})
     return p.model_copy(update={"stages": [thinker.model_copy(update={"engine": engine}), *p.stages[1:]]})

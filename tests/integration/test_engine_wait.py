@@ -29,7 +29,7 @@ from vllm.utils.network_utils import get_open_zmq_ipc_path
 
 from libs.common.metrics_catalog import ENGINE_PROCESSES
 from libs.common.metrics_server import exposition_registry
-from libs.common.pipeline import load_pipeline
+from libs.common.pipeline import DEFAULT_PIPELINE_PATH, load_pipeline
 from services.stage_worker.engine_core import wait_plugin
 from services.stage_worker.engine_core.wait_plugin import NAP_ENV, SPIN_ENV, WaitPolicy
 from services.stage_worker.engine_executor import EXECUTOR_ARG
@@ -39,6 +39,8 @@ from services.stage_worker.handlers.thinker import ThinkerHandler
 from services.stage_worker.llm_engine import LLMEngineSpec
 
 pytestmark = pytest.mark.integration
+TEXT_ONLY = DEFAULT_PIPELINE_PATH.with_name("text-only.yaml")
+"""A thinker alone at stage 0: these tests drive its engine directly."""
 
 SPIN_S, NAP_S = 0.05, 0.02
 """Large enough to tell a spin (returns at once) from a nap (sleeps at least NAP_S) on any clock."""
@@ -115,7 +117,7 @@ def test_the_policy_comes_from_the_environment_only_when_named(monkeypatch: pyte
 async def engine() -> AsyncIterator[tuple[LLMHandler, list[psutil.Process]]]:
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
-    pipeline = load_pipeline()
+    pipeline = load_pipeline(TEXT_ONLY)
     stage = pipeline.stages[0]
     engine = stage.engine.model_copy(update={"extra": {**stage.engine.extra, EXECUTOR_ARG: "mp"}})
     stages = [stage.model_copy(update={"engine": engine}), *pipeline.stages[1:]]

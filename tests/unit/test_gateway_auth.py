@@ -46,7 +46,7 @@ def _no_ambient_settings(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer(resolve_model(load_pipeline().stages[0].model))
+    return Tokenizer(resolve_model(load_pipeline().thinker.model))
 
 
 def gateway_app(

@@ -22,7 +22,7 @@ from tests.gateway_stubs import REFUSED, RecordingClient
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer(resolve_model(load_pipeline().stages[0].model))
+    return Tokenizer(resolve_model(load_pipeline().thinker.model))
 
 
 def test_the_template_refusing_a_role_is_a_400_on_messages(tokenizer: Tokenizer) -> None:

@@ -40,7 +40,7 @@ from tests.gateway_stubs import served as uvicorn_serving
 from tests.unit.test_gateway_auth import gateway_app
 
 MODEL = load_pipeline().served_model_name
-MAX_MODEL_LEN = load_pipeline().stages[0].engine.max_model_len
+MAX_MODEL_LEN = load_pipeline().thinker.engine.max_model_len
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +56,7 @@ def _no_ambient_settings(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer(resolve_model(load_pipeline().stages[0].model))
+    return Tokenizer(resolve_model(load_pipeline().thinker.model))
 
 
 def http(app: FastAPI) -> httpx.AsyncClient:

@@ -115,6 +115,7 @@ def test_launcher_plans_one_process_per_replica_with_the_same_environment() -> N
     specs = plan_services(p, Path("/x.yaml"), "nats://n:1", 8123, log_stats=True)
     assert [s.name for s in specs] == [
         "orchestrator",
+        "listener-0",
         "thinker-0",
         "thinker-1",
         "talker-0",
@@ -122,8 +123,8 @@ def test_launcher_plans_one_process_per_replica_with_the_same_environment() -> N
         "gateway",
     ]
     assert all(s.env["NATS_URL"] == "nats://n:1" and s.env["OMNIRELAY_LOG_STATS"] == "true" for s in specs)
-    assert specs[2].args == ["worker"] and (
-        specs[2].env["OMNIRELAY_STAGE"],
-        specs[2].env["OMNIRELAY_REPLICA"],
-    ) == ("0", "1")
+    assert specs[3].args == ["worker"] and (
+        specs[3].env["OMNIRELAY_STAGE"],
+        specs[3].env["OMNIRELAY_REPLICA"],
+    ) == ("1", "1")
     assert specs[-1].env["OMNIRELAY_PORT"] == "8123"

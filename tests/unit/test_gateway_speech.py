@@ -4,6 +4,8 @@ orchestrator's input for a request that enters at the talker."""
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -11,6 +13,7 @@ from libs.common.envelopes import Admission, SpeechChunk, TaskKind
 from libs.common.pipeline import DEFAULT_PIPELINE_PATH, load_pipeline
 from libs.models.tiny import resolve_model
 from services.orchestrator.admission import entry_tasks
+from tests.speech import silence_wav
 from tests.unit.test_gateway_voice import ORPHEUS_VOICES, REFUSED, _gateway, _orpheus, tokenizer  # noqa: F401
 
 INPUT = "The sea was calm. Was it? Yes, calm as glass!"
@@ -28,8 +31,8 @@ async def test_a_speech_request_enters_at_the_talker_with_its_sentences(tokenize
     assert r.status_code == REFUSED, r.text
     ((adm),) = client.published
     # The reference tokens: the thinker's tokenizer loaded here, not the gateway's wrapper.
-    reference = AutoTokenizer.from_pretrained(resolve_model(pipeline.stages[0].model))
-    assert adm.entry_stage == 1 and pipeline.stages[1].name == "talker"
+    reference = AutoTokenizer.from_pretrained(resolve_model(pipeline.thinker.model))
+    assert adm.entry_stage == pipeline.speech_stage and pipeline.stages[adm.entry_stage].name == "talker"
     assert adm.audio and adm.voice == "leo" and adm.sampling is None and adm.prompt_token_ids == []
     assert adm.text_chunks == [
         SpeechChunk(text=s, token_ids=reference.encode(s, add_special_tokens=False)) for s in SENTENCES
@@ -63,6 +66,26 @@ async def test_bad_input_is_a_4xx_in_openai_shape_and_nothing_is_published(
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert (err["param"], err["code"]) == (param, code), err
+    assert client.published == []
+
+
+async def test_a_pipeline_without_a_listener_cannot_hear(tokenizer) -> None:  # noqa: F811
+    """Chat audio parts and transcriptions are a 400 naming why on a pipeline with no listener;
+    nothing is queued."""
+    pipeline = load_pipeline(DEFAULT_PIPELINE_PATH.with_name("text-only.yaml"))
+    http, client = _gateway(pipeline, tokenizer)
+    part = {
+        "type": "input_audio",
+        "input_audio": {"data": base64.b64encode(silence_wav(0.5)).decode(), "format": "wav"},
+    }
+    body = {"model": pipeline.served_model_name, "messages": [{"role": "user", "content": [part]}]}
+    r = await http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("messages", "unsupported_content")
+    files = {"file": ("a.wav", silence_wav(0.5), "audio/wav")}
+    r = await http.post("/v1/audio/transcriptions", data={"model": pipeline.served_model_name}, files=files)
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("model", "transcription_unsupported")
     assert client.published == []
 
 

@@ -31,7 +31,7 @@ ORPHEUS_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer(resolve_model(load_pipeline().stages[0].model))
+    return Tokenizer(resolve_model(load_pipeline().thinker.model))
 
 
 def _gateway(pipeline: PipelineConfig, tokenizer: Tokenizer) -> tuple[httpx.AsyncClient, RecordingClient]:

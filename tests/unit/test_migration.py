@@ -117,7 +117,7 @@ def test_the_resume_point_is_what_the_client_got_and_older_attempts_are_fenced_o
     handle = RequestHandle("r", time.time_ns() + 10**10)
     assert handle.put(_text(1, [5, 6], "ab", 0))
     assert handle.put(_text(1, [7], "c", 1))
-    point = handle.resume_point(0, 2)
+    point = handle.resume_point(0, 2, text=True)
     assert point.known and not point.text_done
     assert point.deltas == [TextDelta(token_ids=[5, 6], text="ab"), TextDelta(token_ids=[7], text="c")]
     assert not handle.put(_text(1, [8], "d", 2)), "an event of the attempt that moved away got through"
@@ -131,14 +131,14 @@ def test_the_resume_point_is_what_the_client_got_and_older_attempts_are_fenced_o
         usage=Usage(prompt_tokens=1, completion_tokens=4),
     )
     assert handle.put(done)
-    assert handle.resume_point(0, 3).text_done
+    assert handle.resume_point(0, 3, text=True).text_done
     taken = [handle.queue.get_nowait() for _ in range(handle.queue.qsize())]
     assert [e.text for e in taken if e.type == ClientEventType.TEXT] == ["ab", "c", "e"]
 
 
 def test_a_fence_of_one_stage_leaves_the_others_alone() -> None:
     handle = RequestHandle("r", time.time_ns() + 10**10)
-    handle.resume_point(2, 2)
+    handle.resume_point(2, 2, text=False)
     audio = ClientEvent(request_id="r", type=ClientEventType.AUDIO, stage=2, attempt=1, pcm16=b"\0\0")
     assert not handle.put(audio)
     assert handle.put(_text(1, [1], "x"))
@@ -204,7 +204,7 @@ def test_the_worker_of_an_attempt_the_request_moved_past_is_told_its_events_are_
     handle = RequestHandle("r", time.time_ns() + 10**10)
     _thinker_stream(handle, 1)
     assert handle.put(_text(1, [7], "c", 3))  # seq 2 lost; then the thinker died and the request moved
-    assert handle.resume_point(0, 2).deltas == [TextDelta(token_ids=[0], text="x")]
+    assert handle.resume_point(0, 2, text=True).deltas == [TextDelta(token_ids=[0], text="x")]
     assert handle.received(0, 1) == ResumePoint(known=False)
     assert not handle.put(_text(1, [6], "b", 2)), "the old attempt still gets through"
     assert handle.received(0, 2) == ResumePoint(known=True, next_seq=0)
@@ -218,7 +218,7 @@ def test_an_ending_event_a_later_attempt_sends_again_reaches_the_client_once() -
     _thinker_stream(handle, 1)
     done = ClientEvent(request_id="r", type=ClientEventType.TEXT_DONE, stage=0, seq=2, finish_reason="stop")
     assert handle.put(done)
-    assert handle.resume_point(0, 2).text_done
+    assert handle.resume_point(0, 2, text=True).text_done
     assert not handle.put(done.replace(attempt=2, seq=0, finish_reason="length"))
     assert [handle.queue.get_nowait().type for _ in range(handle.queue.qsize())][
         -1

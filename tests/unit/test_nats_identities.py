@@ -54,7 +54,8 @@ def durable(stream: str, consumer: str) -> list[str]:
     ]
 
 
-REPLICAS = [(0, 0), (0, 1), (1, 0), (2, 0)]
+REPLICAS = [(0, 0), (1, 0), (1, 1), (2, 0), (3, 0)]
+"""The default pipeline's workers: listener, thinker x2, talker, code2wav."""
 
 EXPECTED = {
     "gateway": (
@@ -110,7 +111,9 @@ EXPECTED = {
 
 
 def expected_worker(s: int, r: int) -> tuple[list[str], list[str]]:
-    nxt = {0: ["omni.omni.stage.1.0.in"], 1: ["omni.omni.stage.2.0.in"], 2: []}[s]
+    nxt = {0: [], 1: ["omni.omni.stage.2.0.in"], 2: ["omni.omni.stage.3.0.in"], 3: []}[
+        s
+    ]  # the listener feeds none
     publish = [
         "omni.omni.out.>",
         "omni.omni.events.*",
@@ -120,7 +123,7 @@ def expected_worker(s: int, r: int) -> tuple[list[str], list[str]]:
         *durable("OMNI_OMNI_STAGES", f"stage-{s}-{r}"),
         *kv_read("KV_omni_requests"),
     ]
-    if s == 1:  # the talker writes its position notes into request records
+    if s == 2:  # the talker writes its position notes into request records
         publish.append("$KV.omni_requests.>")
     subscribe = [
         "omni.omni.ctl.abort",
@@ -164,17 +167,18 @@ def _matches(pattern: str, subject: str) -> bool:
 @pytest.mark.parametrize(
     ("who", "action", "subject"),
     [
-        ("worker-0-1", "subscribe", "omni.omni.out.gw1.req1"),  # read others' answers
-        ("worker-0-1", "publish", "omni.omni.ctl.abort"),  # cancel anyone's request
-        ("worker-0-1", "publish", "$KV.omni_services.worker.omni.0.0"),  # another replica's key
-        ("worker-0-1", "publish", "$KV.omni_services.worker.omni.0.7"),  # an undeclared replica
-        ("worker-0-1", "publish", "$KV.omni_requests.req1"),  # rewrite a record (not a talker)
-        ("worker-0-1", "publish", "$JS.API.CONSUMER.MSG.NEXT.OMNI_OMNI_STAGES.stage-0-0"),  # steal work
-        ("worker-0-1", "publish", "$JS.API.STREAM.UPDATE.OMNI_OMNI_REQUESTS"),
-        ("worker-0-1", "publish", "$JS.API.STREAM.DELETE.OMNI_OMNI_STAGES"),
-        ("worker-0-1", "publish", "omni.omni.stage.0.0.in"),  # its own stage's queue
-        ("worker-0-1", "publish", "omni.omni.ctl.resume.gw1"),  # fence a request's attempts
-        ("worker-0-1", "subscribe", "_INBOX.gateway.x"),
+        ("worker-1-1", "subscribe", "omni.omni.out.gw1.req1"),  # read others' answers
+        ("worker-1-1", "publish", "omni.omni.ctl.abort"),  # cancel anyone's request
+        ("worker-1-1", "publish", "$KV.omni_services.worker.omni.1.0"),  # another replica's key
+        ("worker-1-1", "publish", "$KV.omni_services.worker.omni.1.7"),  # an undeclared replica
+        ("worker-1-1", "publish", "$KV.omni_requests.req1"),  # rewrite a record (not a talker)
+        ("worker-1-1", "publish", "$JS.API.CONSUMER.MSG.NEXT.OMNI_OMNI_STAGES.stage-1-0"),  # steal work
+        ("worker-1-1", "publish", "$JS.API.STREAM.UPDATE.OMNI_OMNI_REQUESTS"),
+        ("worker-1-1", "publish", "$JS.API.STREAM.DELETE.OMNI_OMNI_STAGES"),
+        ("worker-1-1", "publish", "omni.omni.stage.1.0.in"),  # its own stage's queue
+        ("worker-1-1", "publish", "omni.omni.ctl.resume.gw1"),  # fence a request's attempts
+        ("worker-1-1", "subscribe", "_INBOX.gateway.x"),
+        ("worker-0-0", "publish", "omni.omni.stage.1.0.in"),  # the listener feeds no thinker
         ("worker-2-0", "publish", "omni.omni.requests"),
         ("gateway", "publish", "omni.omni.stage.0.0.in"),  # skip admission
         ("gateway", "publish", "omni.omni.ctl.route.1.0"),

@@ -16,8 +16,10 @@ def _rec(status: RequestStatus, done: bool = True) -> RequestRecord:
         pipeline="omni",
         gateway_id="g",
         status=status,
-        route=[1, 0, 0],
+        route=[-1, 1, 0, 0],
+        entry_stage=1,
         stages=[
+            StageProgress(replica=-1, done_ns=S),  # the listener: a chat request skips it (done at admission)
             StageProgress(replica=1, started_ns=1 * S, done_ns=2 * S),
             StageProgress(replica=0, started_ns=1 * S + S // 2, done_ns=3 * S),
             StageProgress(replica=0, started_ns=2 * S, done_ns=4 * S if done else None),
@@ -29,9 +31,9 @@ def _rec(status: RequestStatus, done: bool = True) -> RequestRecord:
         finish_reason="length",
         edges=[
             EdgeSummary(
-                from_stage="0",
+                from_stage="1",
                 from_replica="1",
-                to_stage="1",
+                to_stage="2",
                 to_replica="0",
                 hops=3,
                 bytes=2048,
@@ -46,8 +48,8 @@ def _rec(status: RequestStatus, done: bool = True) -> RequestRecord:
 def test_summary_has_stage_times_edges_and_e2e() -> None:
     line = format_summary(_rec(RequestStatus.COMPLETED), load_pipeline())
     assert line.startswith("request r1 completed (length) e2e 3.500 s | ")
-    assert "thinker#1 1.000 s, talker#0 1.500 s, code2wav#0 2.000 s" in line
-    assert "0/1→1/0 2.0 KiB ×3 tx 3.00 ms in-flight 6.00 ms rx 1.50 ms" in line
+    assert "listener skipped, thinker#1 1.000 s, talker#0 1.500 s, code2wav#0 2.000 s" in line
+    assert "1/1→2/0 2.0 KiB ×3 tx 3.00 ms in-flight 6.00 ms rx 1.50 ms" in line
 
 
 def test_a_completed_request_waits_for_every_stage_and_is_summarized_once() -> None:

@@ -9,11 +9,12 @@ import pytest
 from libs.common.pipeline import DEFAULT_PIPELINE_PATH, PipelineConfigError, load_pipeline
 
 
-def test_default_pipeline_is_the_three_stage_chain() -> None:
+def test_default_pipeline_is_the_listener_then_the_three_stage_chain() -> None:
     p = load_pipeline()
-    assert [s.name for s in p.stages] == ["thinker", "talker", "code2wav"]
-    assert p.stages_for(audio=False, entry=0) == [0] and p.stages_for(audio=True, entry=0) == [0, 1, 2]
-    assert p.audio_stage == 2 and p.stages[0].replicas == 2
+    assert [s.name for s in p.stages] == ["listener", "thinker", "talker", "code2wav"]
+    assert (p.listener_stage, p.thinker_stage, p.speech_stage, p.audio_stage) == (0, 1, 2, 3)
+    assert p.stages_for(audio=False, entry=1) == [1] and p.stages_for(audio=True, entry=1) == [1, 2, 3]
+    assert p.stages_for(audio=False, entry=0) == [0] and p.thinker.replicas == 2
 
 
 def test_every_shipped_pipeline_loads() -> None:
@@ -39,8 +40,9 @@ def test_a_listener_comes_first_and_requests_enter_where_their_input_is(tmp_path
     assert p.stages_for(audio=False, entry=0) == [0], "a transcription runs the listener alone"
     assert p.stages_for(audio=False, entry=1) == [1]
     assert [p.upstream(s) for s in (0, 1)] == [None, None], "the thinker takes no chunks of the listener"
-    plain = load_pipeline()
-    assert (plain.listener_stage, plain.thinker_stage, plain.upstream(1)) == (None, 0, 0)
+    plain = load_pipeline(DEFAULT_PIPELINE_PATH.with_name("text-only.yaml"))
+    assert (plain.listener_stage, plain.thinker_stage) == (None, 0)
+    assert load_pipeline().upstream(2) == 1, "the talker takes the thinker's chunks"
 
 
 @pytest.mark.parametrize(

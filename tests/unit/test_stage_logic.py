@@ -27,10 +27,11 @@ from libs.common.pipeline import load_pipeline
 from libs.common.records import RequestRecord, RequestStatus, StageProgress
 from libs.common.registry import LiveServices, ServiceKind, ServiceRecord
 from libs.common.settings import WorkerSettings
+from libs.common.text_chunks import TextChunker
 from services.orchestrator.lifecycle import apply_event
 from services.orchestrator.routing import NoLiveReplica, ReplicaPicker
 from services.stage_worker import client_stream, request_context, request_table
-from services.stage_worker.chunking import CodeChunker, TextChunker
+from services.stage_worker.chunking import CodeChunker
 from services.stage_worker.client_stream import ClientStream
 from services.stage_worker.control import reroute
 from services.stage_worker.inbox import Delivery, RequestInbox
@@ -315,26 +316,27 @@ async def test_a_route_notice_for_a_queued_request_applies_when_it_starts() -> N
     and the release are kept and applied when the request starts, so its chunks go to the new
     replica as the new attempt."""
     pipeline = load_pipeline()
-    pipeline.stages[2] = pipeline.stages[2].model_copy(update={"replicas": 2})  # a replica to move to
-    worker = StageWorker(WorkerSettings(stage=1, replica=0, max_inflight=1), pipeline)
-    first = _delivery(0).task.replace(request_id="waiting", route=[0, 0, 0])
+    talker, codec = pipeline.speech_stage, pipeline.audio_stage
+    pipeline.stages[codec] = pipeline.stages[codec].model_copy(update={"replicas": 2})  # a replica to move to
+    worker = StageWorker(WorkerSettings(stage=talker, replica=0, max_inflight=1), pipeline)
+    first = _delivery(0).task.replace(request_id="waiting", route=[0] * len(pipeline.stages))
     worker.requests.queue(Delivery(msg=None, task=first, received_ns=0))
-    hold = _Reply(ResumeQuery(request_id="waiting", stage=2, attempt=2, replica=1))
+    hold = _Reply(ResumeQuery(request_id="waiting", stage=codec, attempt=2, replica=1))
     await worker.control.on_route(hold)
     assert hold.answer == ResumePoint(known=True, next_seq=0)
-    release = _Reply(AbortNotice(request_id="waiting", reason=MOVED, stage=2, attempt=2, replica=1))
+    release = _Reply(AbortNotice(request_id="waiting", reason=MOVED, stage=codec, attempt=2, replica=1))
     await worker.control.on_route(release)
-    unknown = _Reply(ResumeQuery(request_id="gone", stage=2, attempt=2, replica=1))
+    unknown = _Reply(ResumeQuery(request_id="gone", stage=codec, attempt=2, replica=1))
     await worker.control.on_route(unknown)
     assert unknown.answer == ResumePoint(known=False)
     # Forged: a replica the pipeline does not declare, a stage that is not the next one, no
     # replica, an abort that is not a move.
     forgeries = [
-        AbortNotice(request_id="waiting", reason=MOVED, stage=2, attempt=2, replica=7),
-        AbortNotice(request_id="waiting", reason=MOVED, stage=0, attempt=2, replica=0),
-        AbortNotice(request_id="waiting", reason=MOVED, stage=2, attempt=2),
-        AbortNotice(request_id="waiting", reason="abort", stage=2, attempt=2, replica=1),
-        ResumeQuery(request_id="waiting", stage=2, attempt=2, replica=7),
+        AbortNotice(request_id="waiting", reason=MOVED, stage=codec, attempt=2, replica=7),
+        AbortNotice(request_id="waiting", reason=MOVED, stage=pipeline.thinker_stage, attempt=2, replica=0),
+        AbortNotice(request_id="waiting", reason=MOVED, stage=codec, attempt=2),
+        AbortNotice(request_id="waiting", reason="abort", stage=codec, attempt=2, replica=1),
+        ResumeQuery(request_id="waiting", stage=codec, attempt=2, replica=7),
     ]
     for notice in forgeries:
         forged = _Reply(notice)
@@ -342,9 +344,9 @@ async def test_a_route_notice_for_a_queued_request_applies_when_it_starts() -> N
         assert forged.answer == ResumePoint(known=False), notice
     inputs, route = worker.requests.next_queued()
     assert [d.task for d in inputs] == [first]
-    ctx = RequestContext(Identity(1, 0), bus=None, first=first)
+    ctx = RequestContext(Identity(talker, 0), bus=None, first=first)
     reroute(ctx, route)
-    assert ctx.route[2] == 1 and ctx._next_attempt == 2 and ctx._released.is_set()
+    assert ctx.route[codec] == 1 and ctx._next_attempt == 2 and ctx._released.is_set()
 
 
 def _task(rid: str = "r", attempt: int = 1, from_attempt: int = 1, moved: bool = False) -> StageTask:

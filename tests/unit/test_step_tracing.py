@@ -306,7 +306,8 @@ def test_invalid_settings_stop_the_scheduler_from_starting(monkeypatch: pytest.M
 
 
 def _spec(tracing: EngineTracing) -> LLMEngineSpec:
-    return LLMEngineSpec.for_replica(load_pipeline(), 1, 0, tracing=tracing)
+    pipeline = load_pipeline()
+    return LLMEngineSpec.for_replica(pipeline, pipeline.speech_stage, 0, tracing=tracing)
 
 
 def test_no_exporter_means_no_engine_tracing() -> None:
@@ -337,7 +338,7 @@ def test_engine_settings_carry_every_flag_and_the_worker_endpoint() -> None:
     assert (cfg.endpoint, cfg.protocol) == ("http://c:4318/v1/traces", "http/protobuf")
     assert cfg.resource == {
         "omnirelay.pipeline": "omni",
-        "omnirelay.stage": 1,
+        "omnirelay.stage": load_pipeline().speech_stage,
         "omnirelay.stage_name": "talker",
         "omnirelay.replica": 0,
     }

@@ -260,7 +260,8 @@ def test_engine_args_name_the_processor_only_for_orpheus(tiny_orpheus: Path, tin
     pipeline = orpheus_pipeline(tiny_orpheus, tiny_snac)
     args = engine_args(pipeline.stages[1])
     assert load_logitsprocs(args["logits_processors"]) == [FrameLogitsProcessor]
-    assert engine_args(load_pipeline().stages[1]) == {} and engine_args(pipeline.stages[0]) == {}
+    default = load_pipeline()
+    assert engine_args(default.stages[default.speech_stage]) == {} and engine_args(pipeline.stages[0]) == {}
 
 
 # --- the tiny protocol (today's talker, unchanged) -------------------------------------------------

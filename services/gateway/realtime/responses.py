@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from libs.common.envelopes import ClientEventType
+from libs.common.playback import AudioChunk
 from services.gateway.errors import APIError
 from services.gateway.realtime.audio_formats import OutputEncoder, duration_ms
 from services.gateway.realtime.protocol import Content, Item, server_event
@@ -104,6 +105,7 @@ async def stream(response: Response, send: Send, on_first_audio: Callable[[Respo
             response.text.append(ev.text)
             await send(server_event(text_delta, delta=ev.text, **where))
         elif ev.type == ClientEventType.AUDIO and encoder is not None:
+            job.stats.audio_chunks.append(AudioChunk(time.monotonic(), len(ev.pcm16)))  # the audio metrics
             await _audio(response, encoder.push(ev.pcm16), send, on_first_audio)
         elif ev.type == ClientEventType.TEXT_DONE and ev.usage is not None:
             response.usage = _usage(ev.usage.prompt_tokens, ev.usage.completion_tokens)

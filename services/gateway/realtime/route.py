@@ -52,7 +52,7 @@ async def client_secrets(body: ClientSecretRequest, request: Request) -> dict[st
     return {"value": value, "expires_at": expires_at, "session": session}
 
 
-def _ws_principal(ws: WebSocket) -> str:
+def ws_principal(ws: WebSocket) -> str:
     """Who opens ``ws`` (see the module's docstring); an :class:`APIError` 401 otherwise."""
     keys = ws.app.state.api_keys
     presented = bearer(ws.headers) or next(
@@ -72,7 +72,7 @@ def _ws_principal(ws: WebSocket) -> str:
 async def realtime(ws: WebSocket) -> None:
     app = ws.app
     try:
-        principal = _ws_principal(ws)
+        principal = ws_principal(ws)
         model = ws.query_params.get("model") or app.state.pipeline.served_model_name
         app.state.submitter.check_model(model)
         app.state.realtime_sessions.acquire(principal)

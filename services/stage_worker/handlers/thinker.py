@@ -8,7 +8,7 @@ from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
 from libs.common.envelopes import ClientEvent, ClientEventType, Sampling, Usage
-from services.stage_worker.chunking import TextChunker
+from libs.common.text_chunks import TextChunker
 from services.stage_worker.handlers.llm import LLMHandler
 from services.stage_worker.request_context import RequestContext
 
