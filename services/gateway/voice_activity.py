@@ -6,7 +6,8 @@ context, and carries a recurrent state from one window to the next: :class:`Spee
 keeps that state for one audio stream. :class:`TurnDetector` turns the probabilities into OpenAI's
 ``server_vad`` turn boundaries: speech starts at the first window whose probability reaches
 ``threshold``; it stops once ``silence_duration_ms`` of windows below it have followed, at the end
-of the last speech window. Times are milliseconds of the stream's audio from its first sample.
+of the last speech window. Half-way through that silence it reports a pause at the same end, so the
+turn's transcription can begin while the silence is still being waited for. Times are milliseconds of the stream's audio from its first sample.
 """
 
 from __future__ import annotations
@@ -80,6 +81,14 @@ class SpeechStopped:
     audio_end_ms: int
 
 
+@dataclass(frozen=True)
+class SpeechPaused:
+    """Half of ``silence_duration_ms`` of silence has followed speech that ended at
+    ``audio_end_ms``: the turn may end there (if the silence lasts), so its transcription can begin."""
+
+    audio_end_ms: int
+
+
 class TurnDetector:
     """Speech starts and stops in one audio stream (see the module's docstring)."""
 
@@ -92,10 +101,11 @@ class TurnDetector:
         self._last_speech = 0
         """The window after the last speech window (its end, in windows)."""
 
-    def feed(self, pcm16: bytes) -> list[SpeechStarted | SpeechStopped]:
+    def feed(self, pcm16: bytes) -> list[SpeechStarted | SpeechPaused | SpeechStopped]:
         """The boundaries the audio ``pcm16`` (16 kHz mono PCM16, following what came before) reveals."""
-        events: list[SpeechStarted | SpeechStopped] = []
+        events: list[SpeechStarted | SpeechPaused | SpeechStopped] = []
         silence_windows = -(-self.settings.silence_duration_ms // WINDOW_MS)
+        pause_windows = max(1, silence_windows // 2)
         for p in self._probability.feed(pcm16):
             self._windows += 1
             if p >= self.settings.threshold:
@@ -106,6 +116,8 @@ class TurnDetector:
             elif self._speaking and self._windows - self._last_speech >= silence_windows:
                 self._speaking = False
                 events.append(SpeechStopped(self._last_speech * WINDOW_MS))
+            elif self._speaking and self._windows - self._last_speech == pause_windows:
+                events.append(SpeechPaused(self._last_speech * WINDOW_MS))
         return events
 
     @property

@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 
 from services.gateway.audio_input import decode_audio
-from services.gateway.voice_activity import SpeechStarted, SpeechStopped, TurnDetector, TurnSettings
+from services.gateway.voice_activity import (
+    SpeechPaused,
+    SpeechStarted,
+    SpeechStopped,
+    TurnDetector,
+    TurnSettings,
+)
 from tests.speech import padded, silence_wav, spoken
 
 SAID = "Turn the lights off in the kitchen, please."
@@ -38,9 +44,10 @@ def test_the_turn_is_where_the_speech_is(sentence, piece_ms: int) -> None:
     step = piece_ms * 32
     for i in range(0, len(pcm), step):
         events += detector.feed(pcm[i : i + step])
-    assert [type(e) for e in events] == [SpeechStarted, SpeechStopped], events
+    assert [type(e) for e in events] == [SpeechStarted, SpeechPaused, SpeechStopped], events
     assert events[0].audio_start_ms == pytest.approx((1.0 + start_s) * 1000, abs=TOLERANCE_MS)
-    assert events[1].audio_end_ms == pytest.approx((1.0 + end_s) * 1000, abs=TOLERANCE_MS)
+    assert events[2].audio_end_ms == pytest.approx((1.0 + end_s) * 1000, abs=TOLERANCE_MS)
+    assert events[1].audio_end_ms == events[2].audio_end_ms, "the pause announced the turn's end"
     assert not detector.speaking
 
 

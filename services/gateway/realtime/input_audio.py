@@ -18,7 +18,13 @@ from dataclasses import dataclass
 from libs.common.envelopes import INPUT_SAMPLE_RATE
 from services.gateway.realtime.audio_formats import InputDecoder
 from services.gateway.realtime.protocol import BadEvent, ServerVad
-from services.gateway.voice_activity import SpeechStarted, SpeechStopped, TurnDetector, TurnSettings
+from services.gateway.voice_activity import (
+    SpeechPaused,
+    SpeechStarted,
+    SpeechStopped,
+    TurnDetector,
+    TurnSettings,
+)
 
 BYTES_PER_MS = INPUT_SAMPLE_RATE * 2 // 1000
 MAX_BUFFER_MS = 30_000
@@ -59,7 +65,7 @@ class InputBuffer:
     def empty(self) -> bool:
         return len(self._pcm) < BYTES_PER_MS
 
-    def append(self, data: bytes) -> list[SpeechStarted | SpeechStopped]:
+    def append(self, data: bytes) -> list[SpeechStarted | SpeechPaused | SpeechStopped]:
         """Take ``data`` (audio in the session's input format); the VAD's turn boundaries it reveals."""
         pcm = self._decoder.push(data)
         self._pcm += pcm
@@ -83,17 +89,21 @@ class InputBuffer:
             events.append(SpeechStopped(self.end_ms))
         return events
 
-    def commit(self, end_ms: int | None = None) -> Turn:
-        """Cut the turn that ends at ``end_ms`` (the whole buffer when None) out of the buffer: from
+    def peek(self, end_ms: int | None = None) -> Turn:
+        """The turn that ends at ``end_ms`` (the whole buffer when None), left in the buffer: from
         ``prefix_padding_ms`` before its speech started, or the buffer's start."""
         end = self.end_ms if end_ms is None else min(end_ms, self.end_ms)
         start = self._start_ms
         if self.speech_start_ms is not None and self.vad is not None:
             start = max(start, self.speech_start_ms - self.vad.prefix_padding_ms)
         a, b = (start - self._start_ms) * BYTES_PER_MS, (end - self._start_ms) * BYTES_PER_MS
-        turn = Turn(bytes(self._pcm[a:b]), start, end, self._arrival(end))
-        del self._pcm[:b]
-        self._start_ms, self.speech_start_ms = end, None
+        return Turn(bytes(self._pcm[a:b]), start, end, self._arrival(end))
+
+    def commit(self, end_ms: int | None = None) -> Turn:
+        """:meth:`peek`, and the turn cut out of the buffer."""
+        turn = self.peek(end_ms)
+        del self._pcm[: (turn.end_ms - self._start_ms) * BYTES_PER_MS]
+        self._start_ms, self.speech_start_ms = turn.end_ms, None
         return turn
 
     def clear(self) -> None:

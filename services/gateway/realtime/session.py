@@ -19,6 +19,7 @@ import binascii
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from opentelemetry.context import Context
@@ -51,8 +52,8 @@ from services.gateway.realtime.protocol import (
 )
 from services.gateway.realtime.responses import Response, ResponsePlan
 from services.gateway.submission import Arrival, Submitter
-from services.gateway.transcription import transcript_once
-from services.gateway.voice_activity import SpeechStarted, SpeechStopped
+from services.gateway.transcription import Transcript, transcript_once
+from services.gateway.voice_activity import SpeechPaused, SpeechStarted, SpeechStopped
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class RealtimeSession:
         self.response: Response | None = None
         self._turn_item: str | None = None
         """The id the user item of the turn being spoken will get."""
+        self._guess: _Guess | None = None
+        """The transcription begun at the spoken turn's last pause (:meth:`_guess_turn`)."""
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property
@@ -89,6 +92,7 @@ class RealtimeSession:
 
     async def close(self) -> None:
         """The socket closed: stop the response under way and every transcription."""
+        self._drop_guess()
         if self.response is not None:
             responses.stop(self.response, "client disconnected")
         for task in list(self._tasks):
@@ -129,8 +133,25 @@ class RealtimeSession:
         for mark in self.buffer.append(data):
             if isinstance(mark, SpeechStarted):
                 await self._speech_started(mark)
+            elif isinstance(mark, SpeechPaused):
+                self._guess_turn(mark)
             elif isinstance(mark, SpeechStopped):
                 await self._speech_stopped(mark)
+
+    def _guess_turn(self, mark: SpeechPaused) -> None:
+        """Begin transcribing the turn as if it ended at this pause: when the silence lasts, the
+        turn ends there and its transcript is (nearly) ready; when speech goes on, it is dropped."""
+        self._drop_guess()
+        span = self._turn_span(self._turn_item or "")
+        self._guess = _Guess(
+            mark.audio_end_ms, span, self._listening(self.buffer.peek(mark.audio_end_ms), span)
+        )
+
+    def _drop_guess(self) -> None:
+        if self._guess is not None:
+            self._guess.heard.cancel()  # its request is aborted in the listener (transcript_once)
+            self._guess.span.end()
+            self._guess = None
 
     async def _speech_started(self, mark: SpeechStarted) -> None:
         self._turn_item = Item(role="user").id
@@ -151,9 +172,13 @@ class RealtimeSession:
             server_event("input_audio_buffer.speech_stopped", audio_end_ms=mark.audio_end_ms, item_id=item_id)
         )
         vad = self.config.audio.input.turn_detection
-        await self._commit(
-            self.buffer.commit(mark.audio_end_ms), item_id, respond=vad is not None and vad.create_response
-        )
+        turn, guess = self.buffer.commit(mark.audio_end_ms), self._guess
+        if guess is not None and guess.end_ms == mark.audio_end_ms:  # the pause was the turn's end
+            self._guess = None
+            await self._commit(turn, item_id, vad is not None and vad.create_response, guess)
+            return
+        self._drop_guess()
+        await self._commit(turn, item_id, respond=vad is not None and vad.create_response)
 
     async def _commit_now(self, e: AudioCommit) -> None:
         if self.buffer.empty:
@@ -164,8 +189,9 @@ class RealtimeSession:
         self.buffer.clear()
         await self.send(server_event("input_audio_buffer.cleared"))
 
-    async def _commit(self, turn: Turn, item_id: str, respond: bool) -> None:
-        """Add ``turn`` as a user item, have the listener hear it, and answer it when ``respond``."""
+    async def _commit(self, turn: Turn, item_id: str, respond: bool, guess: _Guess | None = None) -> None:
+        """Add ``turn`` as a user item, have the listener hear it (``guess``: already under way),
+        and answer it when ``respond``."""
         self._turn_item = None
         previous = next(reversed(self.items), None)
         item = Item(id=item_id, role="user", content=[Content(type="input_audio", transcript=None)])
@@ -173,19 +199,41 @@ class RealtimeSession:
             server_event("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id)
         )
         await self._add(item, previous)
-        self._spawn(self._hear(item, turn, respond, self._turn_span(item_id)))
+        span = guess.span if guess is not None else self._turn_span(item_id)
+        heard = guess.heard if guess is not None else self._listening(turn, span)
+        self._spawn(self._hear(item, turn, respond, span, heard))
+
+    def _listening(self, turn: Turn, span: Span) -> asyncio.Task[Transcript]:
+        """The listener's transcript of ``turn``, under way (its request in ``span``'s trace)."""
+        t = self.config.audio.input.transcription
+        listen = Transcription(
+            pcm16=turn.pcm16, language=t.language if t else None, prompt=(t.prompt or "") if t else ""
+        )
+
+        async def heard() -> Transcript:
+            return await transcript_once(
+                await self.submitter.listen(listen, self.config.model, _arrival(span))
+            )
+
+        task = asyncio.ensure_future(heard())
+        task.add_done_callback(
+            lambda t: t.cancelled() or t.exception()
+        )  # a dropped guess's failure is no one's
+        return task
 
     def _turn_span(self, item_id: str) -> Span:
         """The root span of a spoken turn: its listener's request and its response are in it."""
         attributes = {"omnirelay.realtime.session": self.config.id, "omnirelay.realtime.item": item_id}
         return start_span("realtime turn", Context(), SpanKind.SERVER, attributes)
 
-    async def _hear(self, item: Item, turn: Turn, respond: bool, span: Span) -> None:
-        """The listener's transcript of ``turn`` into ``item``; then the response, when asked
-        (which ends ``span``, the turn's)."""
+    async def _hear(
+        self, item: Item, turn: Turn, respond: bool, span: Span, heard: asyncio.Task[Transcript]
+    ) -> None:
+        """The listener's transcript (``heard``) of ``turn`` into ``item``; then the response, when
+        asked (which ends ``span``, the turn's)."""
         answered = False
         try:
-            if await self._transcribe(item, turn, span) and respond:
+            if await self._transcribe(item, heard) and respond:
                 await self._respond(ResponseCreate(type="response.create"), turn.arrived_s, span)
                 answered = True
         except BadEvent as e:  # a response is under way: this turn gets none
@@ -194,15 +242,10 @@ class RealtimeSession:
             if not answered:
                 span.end()
 
-    async def _transcribe(self, item: Item, turn: Turn, span: Span) -> bool:
+    async def _transcribe(self, item: Item, listening: asyncio.Task[Transcript]) -> bool:
         """Fill ``item``'s transcript from the listener and tell the client; False when it failed."""
-        t = self.config.audio.input.transcription
-        listen = Transcription(
-            pcm16=turn.pcm16, language=t.language if t else None, prompt=(t.prompt or "") if t else ""
-        )
         try:
-            job = await self.submitter.listen(listen, self.config.model, _arrival(span))
-            heard = await transcript_once(job)
+            heard = await listening
         except APIError as err:
             await self.send(
                 server_event(
@@ -267,7 +310,8 @@ class RealtimeSession:
             for c in audio:
                 decoded.append(base64.b64decode(c.audio or ""))
                 c.audio = None
-            self._spawn(self._hear(item, decoded.commit(), False, self._turn_span(item.id)))
+            turn, span = decoded.commit(), self._turn_span(item.id)
+            self._spawn(self._hear(item, turn, False, span, self._listening(turn, span)))
 
     async def _delete(self, e: ItemDelete) -> None:
         if self.items.pop(e.item_id, None) is None:
@@ -394,6 +438,15 @@ class RealtimeSession:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("realtime session task failed", exc_info=task.exception())
+
+
+@dataclass
+class _Guess:
+    """A transcription begun at a pause in the caller's speech that ended at ``end_ms``."""
+
+    end_ms: int
+    span: Span
+    heard: asyncio.Task[Transcript]
 
 
 def _arrival(parent: Span | None) -> Arrival:
