@@ -186,6 +186,29 @@ THINKER_YAML = """\
     stream_to_client: true
     engine: {max_model_len: 2048, enforce_eager: true, dtype: float32}
 """
+LISTENER_YAML = """\
+  - name: listener
+    type: asr
+    model: whisper-tiny-en
+    consumes: audio
+    emits: text
+    stream_to_client: true
+"""
+
+
+def mock_thinker_yaml(inter_token_ms: float = 0) -> str:
+    """A thinker stage on the mock engine (no model computes; the tiny thinker's tokenizer)."""
+    return f"""\
+  - name: thinker
+    type: llm
+    model: tiny-thinker
+    consumes: text
+    emits: text
+    stream_to_client: true
+    engine: {{max_num_seqs: 16, mock: {{inter_token_ms: {inter_token_ms}}}}}
+"""
+
+
 TALKER_YAML = """\
   - name: talker
     type: llm

@@ -136,10 +136,8 @@ def create_app(settings: GatewaySettings, pipeline: PipelineConfig) -> FastAPI:
     app.state.concurrency = concurrency = ConcurrencyLimit(settings.max_concurrent_per_key)
     app.state.started = int(time.time())
     app.state.realtime_sessions = ConcurrencyLimit(settings.max_realtime_sessions_per_key)
-    app.include_router(router)
-    app.include_router(realtime_router)
-    app.include_router(secrets_api)
-    app.include_router(speech_stream_router)
+    for routes in (router, realtime_router, secrets_api, speech_stream_router):
+        app.include_router(routes)
     install_error_handlers(app)
     # Middleware added first runs innermost: size limits inside the http_* metrics (a 413 counts).
     app.add_middleware(

@@ -21,27 +21,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from libs.models.tiny import resolve_model
 from libs.stack.local_nats import free_port
-from tests.procs import ServiceProcess, start_service, until, write_pipeline
+from tests.procs import LISTENER_YAML, ServiceProcess, mock_thinker_yaml, start_service, until, write_pipeline
 from tests.speech import padded, recall, silence_wav, spoken, wav_seconds
 
 pytestmark = pytest.mark.e2e
 
 PIPELINE = "listen"
-LISTENER_THINKER_YAML = """\
-  - name: listener
-    type: asr
-    model: whisper-tiny-en
-    consumes: audio
-    emits: text
-    stream_to_client: true
-  - name: thinker
-    type: llm
-    model: tiny-thinker
-    consumes: text
-    emits: text
-    stream_to_client: true
-    engine: {max_num_seqs: 16, mock: {inter_token_ms: 0}}
-"""
+LISTENER_THINKER_YAML = LISTENER_YAML + mock_thinker_yaml()
 SAID = "Hello world. This is a test of the speech pipeline."
 MIN_RECALL = 0.7
 """Share of the spoken words the transcript must hold: Whisper tiny.en on espeak-ng's voice

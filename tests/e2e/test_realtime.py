@@ -25,40 +25,22 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from libs.stack.local_nats import free_port
-from tests.procs import ServiceProcess, start_service, until, write_pipeline
+from tests.procs import (
+    CODE2WAV_YAML,
+    LISTENER_YAML,
+    TALKER_YAML,
+    ServiceProcess,
+    mock_thinker_yaml,
+    start_service,
+    until,
+    write_pipeline,
+)
 from tests.speech import padded, recall, spoken
 
 pytestmark = pytest.mark.e2e
 
 PIPELINE = "rtalk"
-STAGES_YAML = """\
-  - name: listener
-    type: asr
-    model: whisper-tiny-en
-    consumes: audio
-    emits: text
-    stream_to_client: true
-  - name: thinker
-    type: llm
-    model: tiny-thinker
-    consumes: text
-    emits: text
-    stream_to_client: true
-    engine: {max_num_seqs: 16, mock: {inter_token_ms: 2}}
-  - name: talker
-    type: llm
-    model: tiny-talker
-    consumes: text
-    emits: codec_codes
-    codes_per_token: 4
-    engine: {max_model_len: 2048, enforce_eager: true, dtype: float32}
-  - name: code2wav
-    type: codec
-    model: tiny-code2wav
-    consumes: codec_codes
-    emits: audio
-    stream_to_client: true
-"""
+STAGES_YAML = LISTENER_YAML + mock_thinker_yaml(inter_token_ms=2) + TALKER_YAML + CODE2WAV_YAML
 SAID = "What is the weather like in Paris today?"
 SAMPLES_PER_TOKEN = 4 * 480
 """The tiny talker makes 4 codes of each thinker token, code2wav 480 samples (24 kHz) of each code."""

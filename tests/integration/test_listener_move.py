@@ -18,29 +18,24 @@ import pytest
 
 from libs.stack.bus_state import request_record
 from libs.stack.local_nats import free_port
-from tests.procs import ServiceProcess, kill_confirmed, start_service, until, write_pipeline
+from tests.procs import (
+    LISTENER_YAML,
+    ServiceProcess,
+    kill_confirmed,
+    mock_thinker_yaml,
+    start_service,
+    until,
+    write_pipeline,
+)
 from tests.speech import recall, spoken
 
 pytestmark = pytest.mark.integration
 
 PIPELINE = "lmove"
-STAGES_YAML = """\
-  - name: listener
-    type: asr
-    model: whisper-tiny-en
-    replicas: 2
-    consumes: audio
-    emits: text
-    stream_to_client: true
-    stall_timeout_s: 10
-  - name: thinker
-    type: llm
-    model: tiny-thinker
-    consumes: text
-    emits: text
-    stream_to_client: true
-    engine: {max_num_seqs: 4, mock: {inter_token_ms: 0}}
-"""
+STAGES_YAML = (
+    LISTENER_YAML.replace("    consumes: audio\n", "    replicas: 2\n    consumes: audio\n")
+    + mock_thinker_yaml()
+)
 PASSAGE = (
     "The harbour was quiet before dawn. Fishing boats rocked on the grey water, and the gulls "
     "waited on the wall. An old man walked along the pier with a lantern in his hand. He stopped "

@@ -20,41 +20,29 @@ import pytest
 from libs.common.pipeline import load_pipeline
 from libs.stack.bus_state import snapshot
 from libs.stack.local_nats import free_port
-from tests.procs import ServiceProcess, kill_confirmed, start_service, until, write_pipeline
+from tests.procs import (
+    CODE2WAV_YAML,
+    LISTENER_YAML,
+    TALKER_YAML,
+    ServiceProcess,
+    kill_confirmed,
+    mock_thinker_yaml,
+    start_service,
+    until,
+    write_pipeline,
+)
 
 pytestmark = pytest.mark.integration
 
 PIPELINE = "rtfault"
-STAGES_YAML = """\
-  - name: listener
-    type: asr
-    model: whisper-tiny-en
-    consumes: audio
-    emits: text
-    stream_to_client: true
-  - name: thinker
-    type: llm
-    model: tiny-thinker
-    consumes: text
-    emits: text
-    stream_to_client: true
-    engine: {max_num_seqs: 16, mock: {inter_token_ms: 5}}
-  - name: talker
-    type: llm
-    model: tiny-talker
-    replicas: 2
-    consumes: text
-    emits: codec_codes
-    codes_per_token: 4
-    stall_timeout_s: 5
-    engine: {max_model_len: 2048, enforce_eager: true, dtype: float32}
-  - name: code2wav
-    type: codec
-    model: tiny-code2wav
-    consumes: codec_codes
-    emits: audio
-    stream_to_client: true
-"""
+STAGES_YAML = (
+    LISTENER_YAML
+    + mock_thinker_yaml(inter_token_ms=5)
+    + TALKER_YAML.replace(
+        "    consumes: text\n", "    replicas: 2\n    stall_timeout_s: 5\n    consumes: text\n"
+    )
+    + CODE2WAV_YAML
+)
 TALKER = 2
 SAMPLES_PER_TOKEN = 4 * 480
 TOKENS = 160
