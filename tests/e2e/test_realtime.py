@@ -363,7 +363,9 @@ async def test_the_realtime_bench_measures_turns_as_a_caller_sends_them(stack, s
     level = await measure(f"{stack.base_url}/v1", stack.model, pcm, 2, 1, 8, [stack.listener.metrics_url])
     assert [t.status for t in level.turns] == ["completed", "completed"]
     assert len(level.latencies) == 2 and all(0.5 <= v < 10 for v in level.latencies), level.latencies
-    assert level.rtf is not None and 0 < level.rtf[0] <= level.rtf[1] < 1
+    assert level.rtf is not None and 0 < level.rtf[0] <= level.rtf[1], (
+        level.rtf
+    )  # (not a speed claim: CI shares the box)
 
 
 async def test_text_streamed_into_speech_is_spoken_chunk_by_chunk_as_it_comes(stack) -> None:

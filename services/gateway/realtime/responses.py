@@ -162,14 +162,18 @@ async def conclude(
 
 
 def stop(response: Response, reason: str) -> None:
-    """Abort ``response``'s request in every stage and stop streaming it (``reason``: why)."""
+    """Abort ``response``'s request in every stage and stop streaming it (``reason``: why). A
+    response whose request is still being admitted is left to finish that: its runner stops it as
+    soon as the request exists (it sees the response ended), so no admitted request is orphaned."""
     job = response.job
-    if job is not None and not job.abandoned:
+    if job is None:
+        return
+    if not job.abandoned:
         job.abandoned = True
         job.client.abort(job.id, reason)
         job.stats.finished_reason = "abort"
         finish(job, time.monotonic())
-    if response.task is not None and not response.task.done():
+    if response.task is not None and not response.task.done() and response.task is not asyncio.current_task():
         response.task.cancel()
 
 
