@@ -103,8 +103,12 @@ async def test_a_client_that_leaves_a_non_streamed_request_aborts_it_in_every_st
     for i, stage in enumerate(pipeline.stages):
         done_ns = rec["stages"][i]["done_ns"]
         if done_ns is not None and done_ns < hung_up_ns:
-            assert i == 0, f"{stage.name} finished 7600 codes' worth of work before the hang-up?"
-            continue  # the thinker can outrun a loaded machine's talker
+            # the listener a chat skips (done at admission), and the thinker, which can outrun a
+            # loaded machine's talker, may have ended before the hang-up; no later stage can
+            assert i <= pipeline.thinker_stage, (
+                f"{stage.name} finished 7600 codes' worth of work before the hang-up?"
+            )
+            continue
         await stack.await_log(f"stage {i} ({stage.name})", f"request {rid} stopped (client disconnected)")
     await _idle(stack, pipeline)  # nothing goes on working for it
 
