@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import io
 import json
 import signal
@@ -35,6 +36,7 @@ from tests.procs import (
     until,
     write_pipeline,
 )
+from tests.realtime_events import until_event
 from tests.speech import padded, recall, spoken
 
 pytestmark = pytest.mark.e2e
@@ -109,15 +111,8 @@ def _client(stack: Stack) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
 
 
-async def _until(conn, kind: str, seen: list | None = None):
-    """The next event of type ``kind`` (those before it appended to ``seen``)."""
-    async with asyncio.timeout(EVENT_TIMEOUT_S):
-        while True:
-            event = await conn.recv()
-            if seen is not None:
-                seen.append(event)
-            if event.type == kind:
-                return event
+_until = functools.partial(until_event, timeout_s=EVENT_TIMEOUT_S)
+"""The next event of a kind (:func:`tests.realtime_events.until_event`)."""
 
 
 async def _speak(conn, pcm: bytes) -> list[tuple[float, float]]:

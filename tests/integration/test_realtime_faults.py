@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from tests.procs import (
     until,
     write_pipeline,
 )
+from tests.realtime_events import until_event
 
 pytestmark = pytest.mark.integration
 
@@ -95,14 +97,8 @@ def stack(nats_server, tmp_path_factory) -> Iterator[Stack]:
         assert gateway.stop() in (0, -signal.SIGTERM)
 
 
-async def _until(conn, kind: str, seen: list | None = None):
-    async with asyncio.timeout(EVENT_TIMEOUT_S):
-        while True:
-            event = await conn.recv()
-            if seen is not None:
-                seen.append(event)
-            if event.type == kind:
-                return event
+_until = functools.partial(until_event, timeout_s=EVENT_TIMEOUT_S)
+"""The next event of a kind (:func:`tests.realtime_events.until_event`)."""
 
 
 async def _ask(conn, text: str) -> None:
