@@ -80,6 +80,9 @@ class Fault:
     replica had finished its streams (no verdict, no move). 1200 leave seconds."""
     nats_nodes: int = 1
     """NATS servers of the stack the fault is injected in (1, or a cluster of 3)."""
+    session: bool = False
+    """The clients are realtime sessions that speak a turn and hear the answer
+    (:mod:`benchmarks.fault_sessions`; ``streams`` of them, answers of at most ``max_tokens``)."""
 
 
 AUDIO_STREAMS = {"streams": 4, "audio": True, "max_tokens": 400}
@@ -227,11 +230,16 @@ class Injector:
     """Finds a fault's process in the stack and injects the fault, verifying that it took."""
 
     def __init__(
-        self, procs: Processes, stack: Stack | ServiceStack, nats_argv: list[str] | None = None
+        self,
+        procs: Processes,
+        stack: Stack | ServiceStack,
+        nats_argv: list[str] | None = None,
+        stage_names: tuple[str, ...] = STAGE_NAMES,
     ) -> None:
         """``nats_argv``: the command line of the ``omnirelay up`` stack's NATS server (a
-        :class:`ServiceStack`'s is its service's)."""
+        :class:`ServiceStack`'s is its service's); ``stage_names``: the pipeline's stages by id."""
         self.procs, self.stack, self.nats_argv = procs, stack, nats_argv or []
+        self.stage_names = stage_names
         self.killed_node: tuple[Managed, str] | None = None
         """The cluster node killed by the last fault of a cluster node, with its monitoring URL."""
         self.held_node: tuple[Service, str] | None = None
@@ -259,7 +267,7 @@ class Injector:
 
     def worker_pid(self, stage: int, replica: int) -> int:
         return self._pid(
-            f"{STAGE_NAMES[stage]}-{replica}",
+            f"{self.stage_names[stage]}-{replica}",
             "-m cli worker",
             f"OMNIRELAY_STAGE={stage}",
             f"OMNIRELAY_REPLICA={replica}",

@@ -1,9 +1,10 @@
 """The pipelines ``omnirelay bench-faults`` can run (``--pipeline``, :data:`PIPELINES`) and the
-faults of each: ``tiny`` (tiny thinker → tiny talker → tiny code2wav, :data:`PIPELINE_YAML`) and
+faults of each: ``tiny`` (tiny thinker → tiny talker → tiny code2wav, :data:`PIPELINE_YAML`),
 ``orpheus`` (tiny thinker → Orpheus talker on tiny-orpheus → SNAC on tiny-snac, built from
-``compose/pipelines/orpheus-tiny.yaml``). Both have two replicas of every stage, the same stage
-names (:data:`STAGE_NAMES`), pipeline name (:data:`PIPELINE_NAME`) and served model, so every
-fault names its victim the same way in either.
+``compose/pipelines/orpheus-tiny.yaml``) and ``speech`` (a Whisper listener before the tiny chain,
+served to realtime sessions). Each has two replicas of every stage, the same pipeline name
+(:data:`PIPELINE_NAME`) and served model; ``tiny`` and ``orpheus`` have the same stage names
+(:data:`STAGE_NAMES`), so every fault names its victim the same way in either.
 """
 
 from __future__ import annotations
@@ -85,9 +86,38 @@ class FaultPipeline:
     the thinker's tokens."""
 
     @property
+    def stage_names(self) -> tuple[str, ...]:
+        """The pipeline's stages by id."""
+        return tuple(stage["name"] for stage in yaml.safe_load(self.yaml)["stages"])
+
+    @property
     def codec_model(self) -> str:
         """The code2wav stage's model id (the whole-decode reference's codec)."""
         return yaml.safe_load(self.yaml)["stages"][-1]["model"]
+
+
+SPEECH_PIPELINE_YAML = PIPELINE_YAML.replace(
+    "stages:\n",
+    "stages:\n  - {name: listener, type: asr, model: whisper-tiny-en, replicas: 2, consumes: audio,\n"
+    "     emits: text, stream_to_client: true}\n",
+)
+"""The tiny pipeline behind a listener (Whisper tiny.en, the weights its package ships): the
+realtime sessions' pipeline."""
+LISTENER, SPEECH_TALKER = 0, 2
+
+
+def _session(name: str, target: str, stage: int, max_tokens: int) -> Fault:
+    """A ``speech`` row: 4 realtime sessions, each one spoken turn and one text turn."""
+    return Fault(name, target, stage, streams=4, audio=True, max_tokens=max_tokens, session=True)
+
+
+SPEECH_FAULTS = (
+    _session("kill -9 a listener replica mid-utterance (realtime sessions)", "worker", LISTENER, 40),
+    _session("kill -9 a talker replica mid-answer (realtime sessions)", "worker", SPEECH_TALKER, 160),
+    _session("kill -9 the orchestrator mid-answer (realtime sessions)", "orchestrator", SPEECH_TALKER, 160),
+)
+"""The ``speech`` rows: a listener killed while it transcribes the callers' turns, a talker and
+an orchestrator while the answers are spoken (answers of 160 tokens, about 13 s of audio)."""
 
 
 def pipelines() -> dict[str, FaultPipeline]:
@@ -95,8 +125,9 @@ def pipelines() -> dict[str, FaultPipeline]:
     return {
         "tiny": FaultPipeline("tiny", PIPELINE_YAML, FAULTS, judge_chunks=True),
         "orpheus": FaultPipeline("orpheus", orpheus_pipeline_yaml(), ORPHEUS_FAULTS, judge_chunks=True),
+        "speech": FaultPipeline("speech", SPEECH_PIPELINE_YAML, SPEECH_FAULTS, judge_chunks=False),
     }
 
 
-PIPELINES = ("tiny", "orpheus")
+PIPELINES = ("tiny", "orpheus", "speech")
 """The ``--pipeline`` choices (:func:`pipelines`)."""

@@ -33,7 +33,6 @@ from benchmarks.fault_injection import (
     CLUSTER_NODE_TARGETS,
     PIPELINE_NAME,
     REPLICAS,
-    STAGE_NAMES,
     Fault,
     Injector,
     healthy,
@@ -43,10 +42,11 @@ from benchmarks.fault_injection import (
     verdicts_since,
 )
 from benchmarks.fault_pipelines import MODEL, pipelines
+from benchmarks.fault_sessions import SAMPLES_PER_TOKEN, caller_speech, send_session
 from benchmarks.harness import Processes, Stack, log, run_with_stacks, start_stack
 from benchmarks.service_stack import ServiceStack, start_services
-from libs.common.bus import server_urls
-from libs.common.subjects import Subjects
+from libs.common.bus import bucket_keys, server_urls
+from libs.common.subjects import REQUESTS_BUCKET, Subjects
 
 PROMPT = "Tell me everything about the sea."
 SAMPLE_RATE = 24_000
@@ -57,6 +57,8 @@ HUNG_AFTER_S = 150.0
 """A stream not ended this long after the fault counts as hung (the deadline is 120 s), seconds."""
 REFERENCE_RETRY_S = 30.0
 """How long the fault-free reference request is retried while the stack answers 503, seconds."""
+LLM_STAGES = ("thinker", "talker")
+"""The suite's stages that run an engine (the others hold requests: the listener, code2wav)."""
 MODES = ("up", "services")
 """How the suite runs the stack: ``omnirelay up``, or one process per service under a restart policy."""
 
@@ -87,6 +89,8 @@ class Seen:
     """Keep each audio chunk's PCM16 in :attr:`audio_pieces` (for the chunk judge)."""
     audio_pieces: list[bytes] = field(default_factory=list)
     """The PCM16 bytes of each audio chunk, in arrival order (only with :attr:`keep_audio`)."""
+    heard: str = ""
+    """A realtime session: the caller's turn as the listener transcribed it."""
 
 
 @dataclass(frozen=True)
@@ -100,8 +104,8 @@ class Row:
     wrong_count: int
     """Completed streams whose token count is not ``max_tokens`` (missing or repeated)."""
     unlike_reference: int | None
-    """Completed streams whose tokens differ from the same request's without a fault (greedy);
-    None when no reference was given."""
+    """Completed streams whose tokens differ from the same request's without a fault (greedy; a
+    realtime session: what the listener heard); None when no reference was given."""
     pause_s: float
     """The longest pause of a stream that went on after the fault, seconds."""
     audio_s: tuple[float, float] | None = None
@@ -117,11 +121,26 @@ class Row:
     the bus (the ``orpheus`` pipeline; None: not judged)."""
 
 
+def whole(fault: Fault, s: Seen) -> bool:
+    """Whether a completed stream has every token once: ``max_tokens`` of them, counted and in
+    the usage; a realtime session's answer: audio of exactly its ``output_tokens`` (the tiny
+    talker speaks each as :data:`SAMPLES_PER_TOKEN` samples; sampled, it may stop early)."""
+    if fault.session:
+        return bool(s.usage_tokens) and s.audio_bytes == 2 * SAMPLES_PER_TOKEN * s.usage_tokens
+    return len(s.token_ids) == fault.max_tokens and s.usage_tokens == fault.max_tokens
+
+
+def answer(fault: Fault, s: Seen) -> object:
+    """What is compared with the fault-free run: the tokens (greedy), or, for a realtime
+    session (whose answer is sampled), what the listener heard."""
+    return s.heard if fault.session else s.token_ids
+
+
 def row_of(
-    fault: Fault, verified: str, fault_s: float, seen: list[Seen], reference: list[int] | None = None
+    fault: Fault, verified: str, fault_s: float, seen: list[Seen], reference: Seen | None = None
 ) -> Row:
-    """The row of one fault from what its clients saw (pure); ``reference``: the tokens of the
-    same request without a fault."""
+    """The row of one fault from what its clients saw (pure); ``reference``: the same request
+    without a fault."""
     failed: dict[str, int] = {}
     completed = hung = wrong = unlike = 0
     pause = 0.0
@@ -135,9 +154,8 @@ def row_of(
             to_error.append(s.ended_s - fault_s)
             continue
         completed += 1
-        if len(s.token_ids) != fault.max_tokens or s.usage_tokens != fault.max_tokens:
-            wrong += 1
-        unlike += reference is not None and s.token_ids != reference
+        wrong += not whole(fault, s)
+        unlike += reference is not None and answer(fault, s) != answer(fault, reference)
         after = [t for t in s.at if t > fault_s]
         if after and len(after) < len(s.at):
             gaps = [b - a for a, b in zip(s.at, s.at[1:], strict=False) if b > fault_s]
@@ -280,31 +298,37 @@ def busiest(bound: dict[str, int]) -> tuple[int, int]:
 
 
 async def _strike_moment(
-    stack: Stack | ServiceStack, stage: int, seen: list[Seen], tasks: list[asyncio.Task]
+    injector: Injector, fault: Fault, seen: list[Seen], tasks: list[asyncio.Task]
 ) -> dict[str, int] | None:
     """Wait for the moment to strike: at least two streams under way both at the client (they have
-    :data:`MIDWAY_CHUNKS` chunks and have not ended) and on the server (their records:
-    :func:`bound_in_stage`), and the replica most of them run on says its engine is busy (its
-    liveness answer); returns those streams' replicas of ``stage``. None when every stream ended
-    first. The client alone would not do: a loaded client reads seconds behind the server, and a
-    fault then struck a replica that had already finished every stream; the records alone lag the
-    engine too (a `SIGSTOP` once landed after the replica's last token: nothing to judge or move)."""
+    :data:`MIDWAY_CHUNKS` chunks and have not ended; a fault of a realtime session's listener: the
+    sessions are speaking) and on the server (their records: :func:`bound_in_stage`), and the
+    replica most of them run on says its engine is busy (its liveness answer); returns those
+    streams' replicas of the fault's stage. None when every stream ended first. The client alone
+    would not do: a loaded client reads seconds behind the server, and a fault then struck a
+    replica that had already finished every stream; the records alone lag the engine too (a
+    `SIGSTOP` once landed after the replica's last token: nothing to judge or move)."""
     import nats
 
     from libs.common.bus import requests_kv
 
-    nc = await nats.connect(servers=server_urls(stack.nats_url))
+    stage = fault.stage
+    listener = injector.stage_names[stage] == "listener"
+    nc = await nats.connect(servers=server_urls(injector.stack.nats_url))
     try:
         kv = await requests_kv(nc.jetstream())
         while not all(t.done() for t in tasks):
-            under_way = [s.id for s in seen if len(s.at) >= MIDWAY_CHUNKS and s.ended_s is None]
+            under_way = [s.id for s in seen if s.ended_s is None and (listener or len(s.at) >= MIDWAY_CHUNKS)]
             if len(under_way) >= 2:
+                # A session's requests (its turn's transcription, its answer) are not the
+                # client's to name: every request of the pipeline is read.
+                ids = await bucket_keys(nc, REQUESTS_BUCKET) if fault.session else under_way
                 records = []
-                for rid in under_way:
+                for rid in ids:
                     with contextlib.suppress(Exception):  # the record follows the stream's start
                         records.append(json.loads((await kv.get(rid)).value))
                 bound = bound_in_stage(records, stage)
-                if len(bound) >= 2 and await _engine_busy(nc, stage, busiest(bound)[0]):
+                if len(bound) >= 2 and await _engine_busy(nc, injector, stage, busiest(bound)[0]):
                     return bound
             await asyncio.sleep(0.05)
         return None
@@ -312,41 +336,54 @@ async def _strike_moment(
         await nc.close()
 
 
-async def _engine_busy(nc, stage: int, replica: int) -> bool:
+async def _engine_busy(nc, injector: Injector, stage: int, replica: int) -> bool:
     """Whether worker (``stage``, ``replica``) of the suite's pipeline answers its liveness probe
     with work under way: a generation waiting for its engine (an ``llm`` stage), a request in hand
-    (code2wav, which decodes only now and then); False when it does not answer within 2 s."""
+    (code2wav, which decodes only now and then, and the listener); False when it does not answer
+    within 2 s."""
     from libs.common.envelopes import Liveness, decode
 
     with contextlib.suppress(Exception):
         answer = await nc.request(Subjects(PIPELINE_NAME).alive(stage, replica), b"", timeout=2)
         live = decode(Liveness, answer.data)
-        return live.in_flight > 0 if STAGE_NAMES[stage] == "code2wav" else live.busy > 0
+        return live.busy > 0 if injector.stage_names[stage] in LLM_STAGES else live.in_flight > 0
     return False
 
 
 async def run_fault(injector: Injector, fault: Fault, model: str, judge: ChunkJudge | None = None) -> Row:
     """One fault's row; ``judge``: also judge the chunks of its streams against the bus, when
-    they carry audio (a text stream has no chunk to judge)."""
+    they carry audio (a text stream, or a realtime session, has no chunk to judge)."""
     from openai import AsyncOpenAI
 
     await healthy(injector.stack)
     client = AsyncOpenAI(
         base_url=injector.stack.base_url, api_key="unused", max_retries=0, timeout=HUNG_AFTER_S
     )
-    tokens = (await reference(client, model, PROMPT, fault.max_tokens)).token_ids
+    if fault.session:
+        pcm = await asyncio.to_thread(caller_speech)
+        ref = Seen()
+        await send_session(injector.stack.base_url, model, ref, pcm, fault.max_tokens)
+        if ref.error is not None or ref.ended_s is None:
+            raise RuntimeError(f"the fault-free session failed: {ref.error or 'no end'}")
+    else:
+        ref = await reference(client, model, PROMPT, fault.max_tokens)
     befores = [await incarnation(injector.stack, fault.stage, r) for r in range(REPLICAS)]
     log_offset = injector.stack.log_path.stat().st_size
-    judge = judge if fault.audio else None
+    judge = judge if fault.audio and not fault.session else None
     seen = [Seen(keep_audio=judge is not None) for _ in range(fault.streams)]
     async with contextlib.AsyncExitStack() as listening:
         capture = (
             None if judge is None else await listening.enter_async_context(judge.capture(injector.stack))
         )
         tasks = [
-            asyncio.create_task(send(client, model, s, PROMPT, fault.max_tokens, fault.audio)) for s in seen
+            asyncio.create_task(
+                send_session(injector.stack.base_url, model, s, pcm, fault.max_tokens)
+                if fault.session
+                else send(client, model, s, PROMPT, fault.max_tokens, fault.audio)
+            )
+            for s in seen
         ]
-        row = await _strike_and_watch(injector, fault, seen, tasks, befores, log_offset, tokens)
+        row = await _strike_and_watch(injector, fault, seen, tasks, befores, log_offset, ref)
         await client.close()
     if capture is None:
         return row
@@ -366,14 +403,14 @@ async def _strike_and_watch(
     tasks: list[asyncio.Task],
     befores: list[int],
     log_offset: int,
-    tokens: list[int],
+    ref: Seen,
 ) -> Row:
     """Strike once the streams are under way, wait for them to end and for the victim's
     replacement: the row, with what the orchestrators made of the fault."""
-    bound = await _strike_moment(injector.stack, fault.stage, seen, tasks)
+    bound = await _strike_moment(injector, fault, seen, tasks)
     if bound is None:  # the stack is broken, or too fast for the streams: say so, and go on
         await asyncio.wait(tasks)
-        return row_of(fault, "not injected: the streams ended first", time.monotonic(), seen, tokens)
+        return row_of(fault, "not injected: the streams ended first", time.monotonic(), seen, ref)
     # The victim: the replica of the stage that most of the streams under way run on.
     replica, on_it = busiest(bound)
     # Watched from the fault on (a replacement registers with a later started_ns than befores').
@@ -395,7 +432,7 @@ async def _strike_and_watch(
     verified += f"; then {dead} replica(s) judged dead, {moved} request(s) moved"
     if fault.target in CLUSTER_NODE_TARGETS:
         await asyncio.to_thread(injector.restore)
-    row = row_of(fault, verified, fault_s, seen, tokens)
+    row = row_of(fault, verified, fault_s, seen, ref)
     # The next fault meets a whole stack: a killed worker (or one that gave up on its hung engine)
     # or orchestrator is replaced (by the launcher, or by its restart policy); the column says when.
     back_s = await back
@@ -522,13 +559,13 @@ def run_fault_suite(
                 stack: Stack | ServiceStack = start_services(
                     procs, name, pipeline, data_dir, nats_nodes=nodes
                 )
-                injector = Injector(procs, stack)
+                injector = Injector(procs, stack, stage_names=spec.stage_names)
             else:
                 stack = start_stack(procs, name, pipeline, {}, data_dir, ["--log-stats"], nats_nodes=nodes)
                 nats = next(
                     m for m in procs.items if m.name.startswith("nats") and m.name.endswith(f"({name})")
                 )
-                injector = Injector(procs, stack, list(nats.proc.args))
+                injector = Injector(procs, stack, list(nats.proc.args), spec.stage_names)
             for fault in (f for f in selected if f.nats_nodes == nodes):
                 rows.append(asyncio.run(run_fault(injector, fault, MODEL, judge)))
                 log(render(rows[-1:]).splitlines()[-1])

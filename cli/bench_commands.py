@@ -190,6 +190,7 @@ class FaultSuitePipeline(StrEnum):
 
     tiny = "tiny"
     orpheus = "orpheus"
+    speech = "speech"
 
 
 @bench_app.command("bench-faults")
@@ -212,7 +213,9 @@ def bench_faults(
         typer.Option(
             help="the pipeline: 'tiny' = tiny thinker -> tiny talker -> tiny code2wav; 'orpheus' = "
             "compose/pipelines/orpheus-tiny.yaml (Orpheus talker on tiny-orpheus, SNAC on tiny-snac), "
-            "each audio stream's chunks judged against a whole decode of the code chunks on the bus"
+            "each audio stream's chunks judged against a whole decode of the code chunks on the bus; "
+            "'speech' = a Whisper listener before the tiny chain, its clients realtime sessions that "
+            "speak a turn (espeak-ng) and hear the answer"
         ),
     ] = FaultSuitePipeline.tiny,
 ) -> None:

@@ -2,7 +2,7 @@
 tiny talker → tiny code2wav) with the official ``openai`` client's realtime connection and real
 speech (espeak-ng) streamed in 100 ms appends: the VAD's turn boundaries against where the speech
 is in the audio sent, the transcript against the words spoken, the answer's audio against the
-length the thinker's tokens make, G.711 output decoded by FFmpeg (PyAV), barge-in and
+length the thinker's tokens make, G.711 input encoded and output decoded by FFmpeg (PyAV), barge-in and
 ``response.cancel`` ending a response within a second, a second turn carrying the first, and bad
 events answered with ``error`` while the session lives on."""
 
@@ -20,11 +20,14 @@ from dataclasses import dataclass
 
 import av
 import httpx
+import nats
 import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from libs.common.envelopes import Liveness, decode
+from libs.common.subjects import Subjects
 from libs.stack.local_nats import free_port
 from tests.procs import (
     CODE2WAV_YAML,
@@ -56,6 +59,7 @@ class Stack:
     model: str
     gateway: ServiceProcess
     listener: ServiceProcess
+    nats_url: str
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +91,7 @@ def stack(nats_server, otlp, tmp_path_factory) -> Iterator[Stack]:
                 return False
 
         asyncio.run(until(live, "every stage live behind the gateway", timeout_s=180))
-        yield Stack(base, f"{PIPELINE}-model", gateway, workers[0])
+        yield Stack(base, f"{PIPELINE}-model", gateway, workers[0], nats_server.url)
     finally:
         for proc in (*workers, orch):
             proc.stop()
@@ -135,6 +139,16 @@ def _metrics(stack: Stack) -> dict[str, float]:
             if sample.name.startswith("vllm:omni_realtime"):
                 out[sample.name + json.dumps(sample.labels, sort_keys=True)] = sample.value
     return out
+
+
+async def _held(stack: Stack) -> list[int]:
+    """Requests the thinker, the talker and code2wav each hold (their liveness answers)."""
+    nc = await nats.connect(stack.nats_url)
+    try:
+        alive = [await nc.request(Subjects(PIPELINE).alive(s, 0), b"", timeout=5) for s in (1, 2, 3)]
+        return [decode(Liveness, a.data).in_flight for a in alive]
+    finally:
+        await nc.close()
 
 
 def _value(metrics: dict[str, float], name: str, **labels: str) -> float:
@@ -194,23 +208,40 @@ async def test_text_in_text_out_and_the_second_turn_carries_the_first(stack) -> 
     )
 
 
-async def test_pcmu_output_decodes_with_ffmpeg_to_the_tokens_length(stack) -> None:
+def _g711(pcm24k: bytes, codec_name: str) -> bytes:
+    """``pcm24k`` (24 kHz PCM16) as FFmpeg encodes it in G.711 (``pcm_mulaw``/``pcm_alaw``) at 8 kHz."""
+    frame = av.AudioFrame.from_ndarray(np.frombuffer(pcm24k, "<i2")[None, :], format="s16", layout="mono")
+    frame.sample_rate = 24000
+    resampler = av.AudioResampler(format="s16", layout="mono", rate=8000)
+    codec = av.CodecContext.create(codec_name, "w")
+    codec.sample_rate, codec.layout, codec.format = 8000, "mono", "s16"
+    frames = [*resampler.resample(frame), *resampler.resample(None)]
+    return b"".join(bytes(p) for f in [*frames, None] for p in codec.encode(f))
+
+
+@pytest.mark.parametrize(("fmt", "codec_name"), [("audio/pcmu", "pcm_mulaw"), ("audio/pcma", "pcm_alaw")])
+async def test_g711_in_is_heard_and_g711_out_decodes_with_ffmpeg_to_the_tokens_length(
+    stack, speech_pcm, fmt, codec_name
+) -> None:
+    pcm, _, _ = speech_pcm
+    g711 = {"format": {"type": fmt}}
     async with _client(stack).realtime.connect(model=stack.model) as conn:
         await _until(conn, "session.created")
-        await conn.session.update(
-            session={"type": "realtime", "audio": {"output": {"format": {"type": "audio/pcmu"}}}}
-        )
+        session = {"type": "realtime", "max_output_tokens": 10, "audio": {"input": g711, "output": g711}}
+        await conn.session.update(session=session)
         await _until(conn, "session.updated")
-        await conn.conversation.item.create(
-            item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}
-        )
-        await conn.response.create(response={"max_output_tokens": 10})
+        law = _g711(pcm, codec_name)
+        for i in range(0, len(law), 800):  # 100 ms at 8 kHz, one byte a sample
+            await conn.input_audio_buffer.append(audio=base64.b64encode(law[i : i + 800]).decode())
+            await asyncio.sleep(APPEND_MS / 1000 / 4)
+        heard = await _until(conn, "conversation.item.input_audio_transcription.completed")
+        assert recall(heard.transcript, SAID) >= 0.7, heard.transcript
         events: list = []
         done = await _until(conn, "response.done", events)
-    ulaw = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
-    codec = av.CodecContext.create("pcm_mulaw", "r")
+    law_out = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
+    codec = av.CodecContext.create(codec_name, "r")
     codec.sample_rate, codec.layout = 8000, "mono"
-    samples = sum(f.samples for f in codec.decode(av.Packet(ulaw)))
+    samples = sum(f.samples for f in codec.decode(av.Packet(law_out)))
     expected = done.response.usage.output_tokens * SAMPLES_PER_TOKEN // 3
     assert abs(samples - expected) <= 8, (samples, expected)
 
@@ -243,12 +274,17 @@ async def test_caller_speech_interrupts_the_answer(stack, speech_pcm) -> None:
     pcm, _, _ = speech_pcm
     async with _client(stack).realtime.connect(model=stack.model) as conn:
         await _until(conn, "session.created")
+        # the caller's speech only interrupts: no answer to it follows, so every stage goes idle
+        vad = {"type": "server_vad", "create_response": False}
+        await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": vad}}})
         await conn.conversation.item.create(
             item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Go on."}]}
         )
         await conn.response.create(response={"max_output_tokens": 600})
         events: list = []
         await _until(conn, "response.output_audio.delta", events)
+        talker, code2wav = (await _held(stack))[1:]
+        assert talker == code2wav == 1, "the answer is being spoken"
         before = _value(_metrics(stack), "vllm:omni_realtime_interruptions_total", cause="turn_detected")
         await _speak(conn, pcm)
         await _until(conn, "input_audio_buffer.speech_started", events)
@@ -256,6 +292,10 @@ async def test_caller_speech_interrupts_the_answer(stack, speech_pcm) -> None:
         done = await _until(conn, "response.done", events)
         assert time.monotonic() - t0 < 1.0
         truncated = await _until(conn, "conversation.item.truncated", events)
+        # every stage let the answer go: the abort reached each of them
+        async with asyncio.timeout(1.0):
+            while await _held(stack) != [0, 0, 0]:
+                await asyncio.sleep(0.05)
     assert done.response.status == "cancelled" and done.response.status_details.reason == "turn_detected"
     sent = sum(len(base64.b64decode(e.delta)) for e in events if e.type == "response.output_audio.delta")
     assert truncated.item_id == done.response.output[0].id

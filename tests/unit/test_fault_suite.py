@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.fault_injection import FAULTS, PIPELINE_YAML, REPLICAS, matches, victim_service
+from benchmarks.fault_sessions import SAMPLES_PER_TOKEN
 from benchmarks.fault_suite import (
     Fault,
     Seen,
@@ -35,7 +36,9 @@ def test_a_row_counts_completed_failed_hung_and_wrong_counts_and_the_longest_pau
     repeated = Seen(token_ids=[1, 2, 2, 3], at=[1.0, 4.0], usage_tokens=4, ended_s=4.5)
     failed = Seen(error="replica_lost", ended_s=3.0)
     hung = Seen(token_ids=[1], at=[1.0])
-    row = row_of(fault, "pid 7 gone", 3.0, [full, before_only, repeated, failed, hung], reference=[1, 2, 4])
+    row = row_of(
+        fault, "pid 7 gone", 3.0, [full, before_only, repeated, failed, hung], Seen(token_ids=[1, 2, 4])
+    )
     assert (row.in_flight, row.completed, row.failed, row.hung, row.wrong_count) == (
         5,
         3,
@@ -67,6 +70,18 @@ def test_audio_faults_report_the_audio_lengths() -> None:
     a = Seen(token_ids=[1], at=[1.0], usage_tokens=1, audio_bytes=48_000, ended_s=2.0)
     b = Seen(token_ids=[1], at=[1.0], usage_tokens=1, audio_bytes=96_000, ended_s=2.0)
     assert row_of(fault, "pid 9 gone", 0.5, [a, b]).audio_s == (1.0, 2.0)
+
+
+def test_a_session_is_whole_when_its_audio_is_its_tokens_spoken_once_and_like_when_heard_alike() -> None:
+    fault = Fault(
+        "kill -9 a listener replica", "worker", 0, streams=3, audio=True, max_tokens=40, session=True
+    )
+    per_token = 2 * SAMPLES_PER_TOKEN
+    whole = Seen(heard="Hello there.", usage_tokens=30, audio_bytes=30 * per_token, at=[1.0], ended_s=2.0)
+    short = Seen(heard="Hello there.", usage_tokens=30, audio_bytes=29 * per_token, at=[1.0], ended_s=2.0)
+    twice = Seen(heard="Hello there. Hello there.", usage_tokens=8, audio_bytes=8 * per_token, ended_s=2.0)
+    row = row_of(fault, "pid 3 gone", 0.5, [whole, short, twice], Seen(heard="Hello there."))
+    assert (row.completed, row.wrong_count, row.unlike_reference) == (3, 1, 1)
 
 
 def test_verdicts_are_counted_from_the_orchestrators_log_lines_after_the_fault(tmp_path: Path) -> None:
