@@ -1,5 +1,5 @@
-"""A watch on the test session's nats-server, for the open finding "the broker goes silent for
-seconds under the full session" (docs/reliability.md).
+"""A watch on the test session's nats-server, for the known limit "moments of broker silence
+under load" (docs/reliability.md, "Known limits").
 
 Every :data:`PERIOD_S` a thread asks the server's monitoring port for ``/varz``. When an answer
 has not come after :data:`SLOW_S`, it records what the machine shows at that moment: the state and

@@ -26,7 +26,7 @@ MODEL = f"{PIPELINE}-model"
 GATEWAY = "gwthinkerpair"
 STALL_TIMEOUT_S = 5.0
 """The stage's ``stall_timeout_s``, seconds. At 3 s, a box starved by the faults (the broker went
-silent for ~3 s once, see docs/reliability.md's open finding) had a healthy replica judged
+silent for ~3 s once, see docs/reliability.md, "Known limits") had a healthy replica judged
 stalled too."""
 NO_REPLICA_WAIT_S = 3.0
 """The stage's ``no_replica_wait_s``: how long a request bound to a dead replica waits for a live
