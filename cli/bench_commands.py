@@ -15,6 +15,8 @@ from libs.common.pipeline import PipelineConfigError, load_pipeline
 from libs.stack.local_nats import SYNC_INTERVAL
 
 bench_app = typer.Typer()
+BENCH_PANEL = "Benchmarks and verification suites"
+"""Where ``omnirelay --help`` lists these commands: after the operator's."""
 """Holds the bench commands until :mod:`cli.main` takes them over (same names, same options)."""
 
 

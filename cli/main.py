@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
-from cli.bench_commands import bench_app
+from cli.bench_commands import BENCH_PANEL, bench_app
 from cli.nats_commands import nats_app
 from cli.params import sync_interval
 from cli.stack_file import DEFAULT_DATA_DIR
@@ -31,8 +31,9 @@ app = typer.Typer(
 )
 models_app = typer.Typer(no_args_is_help=True, help="Model utilities.")
 app.add_typer(models_app, name="models")
-app.registered_commands += bench_app.registered_commands  # bench-*: cli/bench_commands.py
-app.registered_commands += nats_app.registered_commands  # nats-secrets: cli/nats_commands.py
+for bench_command in bench_app.registered_commands:  # bench-*: cli/bench_commands.py
+    bench_command.rich_help_panel = BENCH_PANEL
+app.registered_commands += bench_app.registered_commands
 
 PipelineOpt = Annotated[
     Path | None,
@@ -362,6 +363,9 @@ def compose_check(
         )
         raise typer.Exit(2)
     raise typer.Exit(run_check(repo, cold, keep))
+
+
+app.registered_commands += nats_app.registered_commands  # nats-secrets: cli/nats_commands.py
 
 
 def main() -> None:
