@@ -1,4 +1,5 @@
-"""Overhead of engine tracing (spec/004), measured two ways (numbers in docs/engine-tracing.md):
+"""Overhead of engine tracing (docs/contract.md, "Tracing"), measured two ways (a run of each
+is in results/engine-tracing/):
 
 - ``scheduler``: vLLM's scheduler (our ``OmniScheduler``) driven without a model: a fake model
   runner feeds one token per request and step, so the loop is pure scheduling and the difference

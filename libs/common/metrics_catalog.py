@@ -1,8 +1,9 @@
 """The metric catalog: every ``vllm:omni_*`` family omnirelay exports, defined once.
 
-Names, types, labels and bucket families follow the vLLM-Omni metrics design (spec/000) so that
-dashboards written against it work unchanged, plus the families DESIGN §5 adds. Values are in
-seconds (``_s``), bytes (``_bytes``) or counts; counters get ``_total`` from prometheus_client.
+Names, types, labels and bucket families follow vLLM-Omni's Prometheus metrics so that dashboards
+written against them work unchanged, plus the families omnirelay adds (docs/contract.md, "Metrics:
+names and labels"). Values are in seconds (``_s``), bytes (``_bytes``) or counts; counters get
+``_total`` from prometheus_client.
 
 The families live in :data:`OMNI_REGISTRY`, a registry of our own served beside the default one,
 so vLLM's ``unregister_vllm_metrics()`` (which strips every ``vllm:`` collector from the default
@@ -70,7 +71,8 @@ class Family:
     exporter: Exporter
     buckets: tuple[float, ...] | None = None
     spec: bool = True
-    """True for the families of spec/000, False for omnirelay's additions (DESIGN §5)."""
+    """True for vLLM-Omni's families, False for omnirelay's additions (docs/contract.md, "Metrics:
+    names and labels")."""
     also: tuple[Exporter, ...] = ()
     """Other services whose ``/metrics`` carry the family too (the scrape's ``service`` label tells
     them apart)."""
@@ -280,7 +282,7 @@ def markdown_table() -> str:
         shown = exposed_names(f)[0] if f.kind == Kind.COUNTER else f.name
         rows.append(
             f"| `{shown}` | {f.kind.value} | {', '.join(f.labels)} | {names.get(f.buckets, '')} | "
-            f"{', '.join(e.value for e in f.exporters)} | {'spec/000' if f.spec else 'omnirelay'} |"
+            f"{', '.join(e.value for e in f.exporters)} | {'contract' if f.spec else 'omnirelay'} |"
         )
     return "\n".join(rows)
 

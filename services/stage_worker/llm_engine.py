@@ -212,7 +212,7 @@ def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
     A stage with ``engine.mock`` gets :class:`~services.stage_worker.mock_engine.MockAsyncLLM`
     instead (no vLLM process, no core binding, no stats or tracing inside an engine).
 
-    Tracing inside the engine (spec/004, see docs/engine-tracing.md) is switched on by
+    Tracing inside the engine (docs/contract.md, "Tracing"; docs/engine-tracing.md) is switched on by
     :func:`engine_tracing_config`; its settings travel to the EngineCore in
     ``additional_config``. vLLM's frontend ``llm_request`` span needs stats (vLLM 0.32 asserts on
     them), so it is kept only with ``log_stats`` on.

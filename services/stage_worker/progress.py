@@ -1,5 +1,5 @@
-"""What a worker's engine is doing, for liveness from progress (DESIGN §7: a replica is dead when
-it has work and makes no progress).
+"""What a worker's engine is doing, for liveness from progress (docs/contract.md, "Reliability": a
+replica holding work without progressing counts as dead).
 
 A handler counts its engine operations under way (``busy``) and the outputs they produce
 (``outputs``); the worker answers its liveness probe and writes its heartbeat with both

@@ -1,6 +1,6 @@
 """A client that hangs up on a non-streamed request (docs/api.md: "A client that hangs up before its
-response began gets nothing more (logged as 499); the request is aborted in every stage"; DESIGN
-§7: finished_reason ``abort``; docs/metrics.md: counted as
+response began gets nothing more (logged as 499); the request is aborted in every stage";
+docs/contract.md, "Reliability": finished_reason ``abort``; docs/metrics.md: counted as
 ``vllm:omni_requests_success_total{finished_reason="abort"}``, never as a failure). The whole
 stack, the official ``openai`` client; the request is found on the bus by the trace id the client
 sent in its ``traceparent``."""

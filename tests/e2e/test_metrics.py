@@ -339,10 +339,10 @@ async def test_audio_metrics_match_the_decoded_audio_and_client_timing(
             assert delta(before, after, "vllm:omni_audio_ttfp_s_count", stage=stage) == 1
             assert 0 < ttfp <= seen.first_audio, (seen.first_audio, ttfp)
             gaps.append(seen.first_audio - ttfp)
-            # spec/000's RTF is the audio stage's own generation time / duration: its first input
-            # → its last output, which the bus shows (the worker reports the same interval as its
-            # request time, a little later). The client's RTF counts from the HTTP arrival; the
-            # client's own clock bounds it.
+            # The RTF (docs/contract.md, "Metrics: names and labels") is the audio stage's own
+            # generation time / duration: its first input → its last output, which the bus shows
+            # (the worker reports the same interval as its request time, a little later). The
+            # client's RTF counts from the HTTP arrival; the client's own clock bounds it.
             window = bus.seen[seen.id].window(pipeline.audio_stage)
             rtf = delta(before, after, "vllm:omni_audio_rtf_sum", stage=stage)
             assert delta(before, after, "vllm:omni_audio_rtf_count", stage=stage) == 1

@@ -66,9 +66,9 @@ _STAGE_REPLICA = {"stage", "replica"}
 OWN_STAGE_LABELS: dict[str, set[str]] = {
     name: labels
     for family, kind, labels in (
-        # DESIGN.md §5: the gateway's audio families carry {model_name, stage, replica} of the stage
-        # that produced the audio (the spec's, the arrival-anchored RTF, the stream denominator and
-        # late-chunk counts beyond it).
+        # docs/contract.md, "Metrics: names and labels": the gateway's audio families carry
+        # {model_name, stage, replica} of the stage that produced the audio (vLLM-Omni's, and beyond
+        # them the arrival-anchored RTF, the stream denominator and late-chunk counts).
         *(
             (f"vllm:omni_audio_{n}", "histogram", _STAGE_REPLICA)
             for n in ("ttfp_s", "duration_s", "rtf", "client_rtf", "underrun_s")
@@ -88,7 +88,7 @@ OWN_STAGE_LABELS: dict[str, set[str]] = {
     for name in _series(family, kind)
 }
 """Series name → the ``stage``/``replica`` labels its own family has on a service whose target
-carries none (the gateway, the orchestrator), written out from DESIGN.md and docs/reliability.md,
+carries none (the gateway, the orchestrator), written out from docs/contract.md and docs/reliability.md,
 not read from the metric catalog: a gateway or orchestrator family that wrongly declares ``stage``
 or ``replica`` shows as an unexpected label, one that lacks its own as a missing one."""
 

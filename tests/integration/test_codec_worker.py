@@ -52,7 +52,7 @@ def worker(nats_server, tmp_path_factory):
 
 
 SAMPLE_RATE, SAMPLES_PER_CODE = 24_000, 480
-"""DESIGN §3: PCM16 mono at 24 kHz, a 50 Hz codec (480 samples per code)."""
+"""docs/contract.md, "Pipelines and stages": PCM16 mono at 24 kHz, a 50 Hz codec (480 samples per code)."""
 
 
 @cache

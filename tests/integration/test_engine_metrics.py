@@ -9,7 +9,7 @@ engine is idle, and the prefixed periodic log line. The off-engine runs first in
 drives every optional family of the relabelling logger (spec decode, KV fetch, LoRA, watermark,
 KV residency, ...) through a fake config without an engine.
 
-Run with ``-s`` to see the measured ``/metrics`` line counts (docs/engine-metrics.md quotes them).
+Run with ``-s`` to see the measured ``/metrics`` line counts (results/engine-metrics/ keeps a run of them).
 """
 
 from __future__ import annotations

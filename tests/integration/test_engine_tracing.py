@@ -1,4 +1,5 @@
-"""Tracing inside real vLLM engines (tiny thinker, CPU): spec/004 journey and step tracing.
+"""Tracing inside real vLLM engines (tiny thinker, CPU): journey and step tracing (docs/contract.md,
+"Tracing").
 
 Spans travel over OTLP/HTTP to an in-process receiver, from this process (the "worker" spans the
 test starts per request) and from each engine's EngineCore process (journey and step spans).

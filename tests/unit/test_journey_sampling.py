@@ -1,4 +1,4 @@
-"""Journey events and journey sampling (spec/004 PR #1, PR #2) on a real ``OmniScheduler``.
+"""Journey events and journey sampling (docs/contract.md, "Tracing") on a real ``OmniScheduler``.
 
 Same harness as ``test_step_tracing.py``: vLLM's scheduler, a fake model runner, spans in memory.
 """

@@ -1,4 +1,5 @@
-"""The metric catalog: spec/000 names, labels and buckets; docs in step; gating."""
+"""The metric catalog: vLLM-Omni's names, labels and buckets (docs/contract.md, "Metrics: names and
+labels"); docs in step; gating."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ UPSTREAM_BUCKETS = {
     "RTF_BUCKETS": (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 1.5, 2.0, 5.0, 10.0),
     "BYTES_BUCKETS": tuple(float(1024 * 4**k) for k in range(10)),
 }
-"""vLLM-Omni's bucket edges (its metric definitions module), by the list each spec family uses."""
+"""vLLM-Omni's bucket edges (its metric definitions module), by the list each of its families uses."""
 
 OURS = {
     "SECONDS_BUCKETS": (
@@ -84,8 +85,9 @@ SPEC_FAMILY_BUCKETS = {
     "vllm:omni_transfer_rx_s": "SECONDS_FAST_BUCKETS",
     "vllm:omni_transfer_in_flight_s": "SECONDS_FAST_BUCKETS",
 }
-"""The bucket list of every spec/000 histogram (spec/000: SECONDS for e2e, generation and TTFP
-style values; FAST for transfers and underrun; RTF for the real-time factor; bytes for sizes)."""
+"""The bucket list of every vLLM-Omni histogram (docs/contract.md, "Metrics: names and labels":
+SECONDS for e2e, TTFP and durations; FAST for transfers and underrun; RTF for the real-time factor;
+bytes for sizes)."""
 
 
 def test_bucket_lists_are_exactly_as_documented() -> None:

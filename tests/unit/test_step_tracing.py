@@ -1,4 +1,5 @@
-"""Scheduler step tracing (spec/004 PR #3, #4, #5) on a real ``OmniScheduler``, without an engine.
+"""Scheduler step tracing and KV helpers (docs/contract.md, "Tracing") on a real
+``OmniScheduler``, without an engine.
 
 The scheduler is vLLM's, built from a real ``VllmConfig`` (the tiny thinker's model config) and a
 small KV cache; a :class:`Driver` plays the model runner (one sampled token per finished prefill or
@@ -580,7 +581,7 @@ def test_shutdown_ends_the_span_and_later_steps_are_not_traced(monkeypatch: pyte
     assert len(t.spans(STEP_SPAN_NAME)) == 1
 
 
-# --- KV observability helpers (PR #4) -------------------------------------------------------------------
+# --- KV observability helpers ---------------------------------------------------------------------------
 
 
 def test_kv_helpers_read_existing_interfaces(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -719,8 +720,8 @@ def _summary(running: list[Any], scheduled: dict[str, int], requests: dict[str, 
 
 
 def test_each_side_of_the_split_is_counted_on_its_own() -> None:
-    """spec/004 C.2: prefill where no output token yet, decode where some; each counted by its own
-    rule, so the invariants check the counts."""
+    """docs/contract.md, "Tracing": prefill where no output token yet, decode where some; each
+    counted by its own rule, so the invariants check the counts."""
     reqs = {f"p{i}": SimpleNamespace(num_output_tokens=0) for i in range(2)}
     reqs |= {f"d{i}": SimpleNamespace(num_output_tokens=i + 1) for i in range(3)}
     scheduled = {"p0": 16, "p1": 7, "d0": 1, "d1": 1, "d2": 1}

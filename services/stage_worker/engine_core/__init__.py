@@ -7,8 +7,9 @@ vLLM by string, and vLLM imports it there:
 
 - :mod:`.scheduler` — ``OmniScheduler`` (``AsyncEngineArgs(scheduler_cls=...)``): the loss-free
   1 Hz scheduler-stats throttle and the hooks of engine tracing; EngineCore process.
-- :mod:`.journey_tracing`, :mod:`.step_tracing`, :mod:`.kv_observability` — spec/004's journey
-  events, ``scheduler_steps`` span and read-only KV helpers, driven by the scheduler.
+- :mod:`.journey_tracing`, :mod:`.step_tracing`, :mod:`.kv_observability` — the journey events,
+  ``scheduler_steps`` span and read-only KV helpers (docs/contract.md, "Tracing"), driven by the
+  scheduler.
 - :mod:`.tracing_config` — the tracing settings that travel from the worker in
   ``additional_config`` and the samplers; read on both sides of the process boundary.
 - :mod:`.frame_logits` — the per-position constraint of a talker's codec frames (a vLLM v1 logits

@@ -1,4 +1,4 @@
-"""Request journey tracing inside the engine (spec/004 PR #1 and PR #2).
+"""Request journey tracing inside the engine (docs/contract.md, "Tracing").
 
 Each sampled request gets one ``llm_core`` span (SpanKind.INTERNAL) in the EngineCore, started
 when the scheduler admits the request and ended when vLLM frees it. Its parent is the context
@@ -14,7 +14,7 @@ Every event carries ``ts.monotonic_ns`` (int ns) and ``ts.monotonic`` (float s) 
 ``ts.monotonic`` is kept for existing consumers and may be dropped once they read the ns value),
 the scheduler step (``scheduler.step``) and the request's progress at that moment.
 
-Sampling (PR #2): one decision per request at admission, ``sampler(key, journey_sample_rate)``
+Sampling: one decision per request at admission, ``sampler(key, journey_sample_rate)``
 with ``key`` the request's trace id when it carries a W3C ``traceparent`` (so deterministic
 samplers decide the same way for a trace in every engine) and its request id otherwise.
 Unsampled requests cost one failed dict lookup per hook. The sampled set is keyed by request id

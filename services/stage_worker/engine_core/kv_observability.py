@@ -1,4 +1,4 @@
-"""Read-only KV-cache figures for tracing (spec/004 PR #4), from interfaces vLLM already has.
+"""Read-only KV-cache figures for tracing (docs/contract.md, "Tracing"), from interfaces vLLM already has.
 
 Nothing here allocates, frees, touches a block or adds bookkeeping: the functions read the
 ``KVCacheManager``'s per-group managers (``coordinator.single_type_managers``: ``req_to_blocks``,

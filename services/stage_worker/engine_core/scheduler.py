@@ -20,9 +20,9 @@ Unlike a throttle that drops the suppressed steps, :class:`SchedulerStatsThrottl
 
 The throttle is a plain object (no scheduler needed) so it can be tested on hand-built stats.
 
-The scheduler also hosts the engine-side tracing of spec/004 (see docs/engine-tracing.md): journey
-events per sampled request (:mod:`~services.stage_worker.engine_core.journey_tracing`) and scheduler step
-tracing (:mod:`~services.stage_worker.engine_core.step_tracing`), configured through
+The scheduler also hosts the engine-side tracing (docs/contract.md, "Tracing"; docs/engine-tracing.md):
+journey events per sampled request (:mod:`~services.stage_worker.engine_core.journey_tracing`) and
+scheduler step tracing (:mod:`~services.stage_worker.engine_core.step_tracing`), configured through
 ``VllmConfig.additional_config`` (:mod:`~services.stage_worker.engine_core.tracing_config`). Without that
 configuration no tracing object exists and every hook costs one ``is None`` check.
 """
@@ -302,7 +302,8 @@ def _add_debug_perf(acc: DebugPerfStats, new: DebugPerfStats) -> None:
 
 
 class OmniScheduler(AsyncScheduler):
-    """vLLM's async scheduler with the stats throttle and the engine-side tracing of spec/004.
+    """vLLM's async scheduler with the stats throttle and the engine-side tracing (docs/contract.md,
+    "Tracing").
 
     Tracing hooks wrap vLLM's own methods and never change what they return: ``add_request``
     (QUEUED), ``schedule`` (SCHEDULED, PREEMPTED, step events), ``update_from_output``
@@ -414,7 +415,8 @@ class OmniScheduler(AsyncScheduler):
 
     @property
     def _journey_sampled_requests(self) -> set[str]:
-        """Ids of the sampled requests still in the engine (spec/004 PR #2's name)."""
+        """Ids of the sampled requests still in the engine (named as in vLLM's step-level tracing
+        plan, which docs/contract.md follows)."""
         return set(self._journey.sampled) if self._journey is not None else set()
 
     # -- hooks ---------------------------------------------------------------------------------------

@@ -1,13 +1,13 @@
-"""Scheduler step tracing (spec/004 PR #3 and PR #5).
+"""Scheduler step tracing: the step span and its two events (docs/contract.md, "Tracing").
 
 At the end of every ``schedule()`` the scheduler offers the step to :class:`StepTracer`:
 
 1. with probability ``step_sample_rate`` (sampler keyed by the step id) it adds one
-   ``step.BATCH_SUMMARY`` event (attributes: :func:`batch_summary_attributes`, spec/004 C.2) to
-   the long-lived ``scheduler_steps`` span — also for empty steps;
+   ``step.BATCH_SUMMARY`` event (attributes: :func:`batch_summary_attributes`; docs/contract.md,
+   "Tracing") to the long-lived ``scheduler_steps`` span — also for empty steps;
 2. only for a summarized step, with probability ``rich_subsample_rate`` (an independent sampler),
    one ``step.REQUEST_SNAPSHOT`` event per request in ``scheduler.running``
-   (:func:`request_snapshot_attributes`, C.3), all with the summary's ``step.id``.
+   (:func:`request_snapshot_attributes`), all with the summary's ``step.id``.
 
 ``step.id`` is the scheduler's own step counter (``current_step``, incremented at every
 ``schedule()``; vLLM 0.32's ``SchedulerOutput`` has no step field). Payloads only use what the
@@ -78,7 +78,7 @@ BATCH_SUMMARY_REQUIRED: dict[str, type] = {
     "kv.blocks_total_gpu": int,
     "kv.blocks_free_gpu": int,
 }
-"""spec/004 C.2 required attributes and their types."""
+"""The batch summary's required attributes (docs/contract.md, "Tracing") and their types."""
 
 BATCH_SUMMARY_OPTIONAL: dict[str, type] = {"kv.blocks_cpu_offload": int, "kv.blocks_disk_offload": int}
 
@@ -94,7 +94,7 @@ REQUEST_SNAPSHOT_REQUIRED: dict[str, type] = {
     "kv.blocks_allocated_gpu": int,
     "kv.blocks_cached_gpu": int,
 }
-"""spec/004 C.3 required attributes and their types."""
+"""The request snapshot's required attributes (docs/contract.md, "Tracing") and their types."""
 
 REQUEST_SNAPSHOT_OPTIONAL: dict[str, type] = {
     "kv.blocks_cpu_offload": int,
@@ -115,11 +115,11 @@ def batch_summary_attributes(
     requests: Mapping[str, Any],
     kv: StepKVSummary,
 ) -> dict[str, int | float]:
-    """The ``step.BATCH_SUMMARY`` payload (spec/004 C.2).
+    """The ``step.BATCH_SUMMARY`` payload (docs/contract.md, "Tracing").
 
-    Each side of the prefill/decode split is counted on its own, as spec/004 defines it: prefill
+    Each side of the prefill/decode split is counted on its own, as the contract defines it: prefill
     where ``num_output_tokens == 0``, decode where ``num_output_tokens > 0`` (request counts over
-    ``running``, token counts over ``output.num_scheduled_tokens``), so the C.2 invariants
+    ``running``, token counts over ``output.num_scheduled_tokens``), so the summary's invariants
     (prefill + decode = running depth, = scheduled tokens) check the counts rather than hold by
     construction. A scheduled request the scheduler does not know is in neither.
     """
@@ -163,7 +163,7 @@ def batch_summary_attributes(
 def request_snapshot_attributes(
     request: Any, *, step_id: int, output: Any, kv: PerRequestKVMetrics
 ) -> dict[str, int | str]:
-    """The ``step.REQUEST_SNAPSHOT`` payload of one running request (spec/004 C.3)."""
+    """The ``step.REQUEST_SNAPSHOT`` payload of one running request (docs/contract.md, "Tracing")."""
     n_out = request.num_output_tokens
     attrs: dict[str, int | str] = {
         "step.id": step_id,

@@ -1,5 +1,5 @@
-"""How tracing inside a vLLM engine (spec/004) is configured, carried into the EngineCore process,
-sampled, and exported.
+"""How tracing inside a vLLM engine (docs/contract.md, "Tracing") is configured, carried into the
+EngineCore process, sampled, and exported.
 
 The worker process decides (:func:`libs.common.tracing.otlp_traces_endpoint` plus the worker's tracing flags) and
 builds an :class:`EngineTracingConfig`; ``build_async_llm`` puts it, as a plain dict, under
@@ -78,8 +78,8 @@ def validate_rate(name: str, value: object) -> float:
 
 @dataclass(frozen=True)
 class EngineTracing:
-    """What the engine traces (spec/004): journey events and scheduler step tracing; rates in
-    [0, 1] (anything else raises ``ValueError``: the worker fails at start).
+    """What the engine traces (docs/contract.md, "Tracing"): journey events and scheduler step
+    tracing; rates in [0, 1] (anything else raises ``ValueError``: the worker fails at start).
 
     ``sampler``/``seed`` choose the sampler family: ``random`` (production) or ``sha1`` (stable,
     for tests); the journey, step and rich samplers use seeds ``seed``, ``seed + 1`` and
