@@ -15,9 +15,8 @@ from libs.common.pipeline import PipelineConfigError, load_pipeline
 from libs.stack.local_nats import SYNC_INTERVAL
 
 bench_app = typer.Typer()
-BENCH_PANEL = "Benchmarks and verification suites"
-"""Where ``omnirelay --help`` lists these commands: after the operator's."""
 """Holds the bench commands until :mod:`cli.main` takes them over (same names, same options)."""
+BENCH_PANEL = "Benchmarks and verification suites"  # their panel in `omnirelay --help`
 
 
 def _levels(option: str, value: str) -> tuple[int, ...]:
@@ -204,20 +203,16 @@ def bench_faults(
     mode: Annotated[
         FaultSuiteMode,
         typer.Option(
-            help="how the stack runs: 'up' = `omnirelay up` (its launcher restarts a process that "
-            "exits); 'services' = as docker compose runs it, one process per service (NATS, the "
-            "orchestrator, each worker, the gateway), each restarted after it exits with Docker's "
-            "back-off (0.1 s doubling to 60 s), like `restart: unless-stopped`"
+            help="how the stack runs: 'up' = `omnirelay up`; 'services' = one process per service "
+            "under a restart policy like compose's `restart: unless-stopped` (Docker's back-off)"
         ),
     ] = FaultSuiteMode.up,
     pipeline: Annotated[
         FaultSuitePipeline,
         typer.Option(
-            help="the pipeline: 'tiny' = tiny thinker -> tiny talker -> tiny code2wav; 'orpheus' = "
-            "compose/pipelines/orpheus-tiny.yaml (Orpheus talker on tiny-orpheus, SNAC on tiny-snac), "
-            "each audio stream's chunks judged against a whole decode of the code chunks on the bus; "
-            "'speech' = a Whisper listener before the tiny chain, its clients realtime sessions that "
-            "speak a turn (espeak-ng) and hear the answer"
+            help="'tiny' = tiny thinker -> talker -> code2wav; 'orpheus' = orpheus-tiny.yaml's "
+            "speaking stages; 'speech' = a Whisper listener before the tiny chain, serving realtime "
+            "sessions (docs/reliability.md)"
         ),
     ] = FaultSuitePipeline.tiny,
 ) -> None:
