@@ -59,7 +59,8 @@ REFERENCE_MODEL = "reference"
 
 @dataclass(frozen=True)
 class Sample:
-    """One side's load at one concurrency in one round, as the client and the kernel's per-process CPU clock saw it."""
+    """One side's load at one concurrency in one round, as the client and the kernel's per-process
+    CPU clock saw it."""
 
     requests: int
     """Requests sent."""
