@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.harness import log, machine_activity
+from benchmarks.harness import log
+from benchmarks.process_table import machine_activity
 from services.gateway.audio import AudioFormat, StreamEncoder, stream_encoder
 from services.gateway.audio_tempo import Tempo
 

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from snac import SNAC
 
-from benchmarks.harness import log, machine_activity
+from benchmarks.harness import log
+from benchmarks.process_table import machine_activity
 from libs.models.tiny import TINY_SNAC, resolve_model
 from libs.models.tiny_snac import SNAC_24KHZ_STRUCTURE
 from services.stage_worker.codecs.base import CodeChunk

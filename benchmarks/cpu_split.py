@@ -4,7 +4,7 @@ omnirelay's nats-server), its engine processes (``VLLM::EngineCore``, ``VLLM::Wo
 load client.
 
 Each process's CPU is read from the kernel's per-process CPU clock
-(:func:`~benchmarks.harness.process_cpu_s`, nanosecond resolution, every thread); the client's
+(:func:`~benchmarks.process_table.process_cpu_s`, nanosecond resolution, every thread); the client's
 from ``getrusage(RUSAGE_CHILDREN)`` of this process, which counts a child once it has been
 waited for. The arithmetic (:func:`cpu_per_token`) is a pure function of two snapshots.
 """
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.harness import ENGINE_TITLE, descendants, process_cpu_s
+from benchmarks.process_table import ENGINE_TITLE, descendants, process_cpu_s
 
 FRONT_END_KEY = "front_end_cpu_us_per_token"
 ENGINE_KEY = "engine_cpu_us_per_token"

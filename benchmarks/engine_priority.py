@@ -30,16 +30,8 @@ from pathlib import Path
 
 from benchmarks.fault_injection import PIPELINE_YAML
 from benchmarks.fault_suite import Seen, send
-from benchmarks.harness import (
-    Processes,
-    Stack,
-    descendants,
-    is_engine,
-    log,
-    percentile,
-    run_with_stacks,
-    start_stack,
-)
+from benchmarks.harness import Processes, Stack, is_engine, log, percentile, run_with_stacks, start_stack
+from benchmarks.process_table import descendants
 
 PROBE_EVERY_S = 0.1
 TEXT_STREAMS, TEXT_TOKENS = 6, 1900

@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.harness import Managed, Processes, Stack, descendants, wait_http_ok, wait_port
+from benchmarks.harness import Managed, Processes, Stack, wait_http_ok, wait_port
+from benchmarks.process_table import descendants
 from benchmarks.service_stack import Service, ServiceStack
 from libs.common.bus import bucket_keys, server_urls
 from libs.common.subjects import (

@@ -9,7 +9,7 @@ Streaming chat completions are sent by client processes (``--clients``, each a c
 the official openai client, requests spread round-robin over the cell's gateways) at each
 concurrency; per (gateways, concurrency) it prints requests/s, output tokens/s, TTFT and TPOT
 p50/p99, and the CPU each process used over the cell, read from the kernel's per-process CPU clock
-(:func:`benchmarks.harness.process_cpu_s`), with the
+(:func:`benchmarks.process_table.process_cpu_s`), with the
 process that bounded the throughput named (:func:`bottleneck`).
 
 Clocks: request timings are ``time.perf_counter()`` readings (CLOCK_MONOTONIC, shared by the
@@ -45,18 +45,15 @@ from benchmarks.harness import (
     Processes,
     RequestTiming,
     Stack,
-    cpu_share_pct,
-    descendants,
-    foreign_cpu_s,
     log,
     percentile,
-    process_cpu_s,
     run_with_stacks,
     start_stack,
     timed_request,
     wait_http_ok,
     wait_log,
 )
+from benchmarks.process_table import cpu_share_pct, descendants, foreign_cpu_s, process_cpu_s
 from libs.common.pipeline import load_pipeline
 
 MOCK_PIPELINE = Path(__file__).resolve().parents[1] / "compose" / "pipelines" / "mock-text.yaml"

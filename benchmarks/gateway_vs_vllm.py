@@ -47,20 +47,18 @@ from benchmarks.harness import (
     RequestTiming,
     Summary,
     Target,
-    cpu_share_pct,
     engine_env,
     engine_flags,
-    foreign_cpu_s,
     front_end_cores,
     isolate_engines,
     log,
-    machine_activity,
     run_load,
     wait_http_ok,
     wait_log,
     wait_port,
     while_active,
 )
+from benchmarks.process_table import cpu_share_pct, foreign_cpu_s, machine_activity
 from libs.common.pipeline import PipelineConfig, load_pipeline
 from libs.stack.local_nats import SYNC_INTERVAL
 

@@ -25,7 +25,8 @@ import av
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.harness import Processes, log, machine_activity, percentile, run_with_stacks, start_stack
+from benchmarks.harness import Processes, log, percentile, run_with_stacks, start_stack
+from benchmarks.process_table import machine_activity
 from libs.common.pipeline import DEFAULT_PIPELINE_PATH, load_pipeline
 
 DEFAULT_PIPELINE = DEFAULT_PIPELINE_PATH

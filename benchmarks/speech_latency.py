@@ -44,16 +44,8 @@ from pathlib import Path
 import av
 import psutil
 
-from benchmarks.harness import (
-    PROMPTS,
-    Processes,
-    closed_loop,
-    log,
-    machine_activity,
-    percentile,
-    run_with_stacks,
-    start_stack,
-)
+from benchmarks.harness import PROMPTS, Processes, closed_loop, log, percentile, run_with_stacks, start_stack
+from benchmarks.process_table import machine_activity
 from libs.common.pipeline import PipelineConfig, load_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ of the official openai client (:func:`benchmarks.frontend_capacity.client_job`),
 completions of ``max_tokens`` tokens with ``ignore_eos``.
 
 The figures of a side: CPU microseconds per output token of each of its server processes (user +
-system, every thread; the kernel's per-process CPU clock, :func:`benchmarks.harness.process_cpu_s`,
+system, every thread; the kernel's per-process CPU clock, :func:`benchmarks.process_table.process_cpu_s`,
 read before and after the load; the gateway and the thinker worker of a stack, the
 one server process of the reference), their sum, and the client's TPOT p50 (ms). The figure of a
 round is B ÷ A of each, so what the machine's speed does to both cancels; the result is the median

@@ -9,7 +9,7 @@ omnirelay runs. Per concurrency level, streamed chat completions (the official o
 --format raw --rate R --pid P`` samples the gateway's and the thinker worker's Python stacks.
 py-spy drops samples of idle threads, so a process's samples × the interval (1/R s) approximate
 the time its threads ran Python (or native code called from it); the process's CPU over the
-same window (:func:`benchmarks.harness.process_cpu_s`) is printed beside it as a check.
+same window (:func:`benchmarks.process_table.process_cpu_s`) is printed beside it as a check.
 
 The samples are folded (:func:`fold`, pure) into frame groups (:data:`GROUPS`): each sample
 belongs to the first group, in the list's order, one of whose rules matches any frame of its
@@ -39,7 +39,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchmarks.frontend_capacity import MOCK_PIPELINE, _roles, client_job, stack_env
-from benchmarks.harness import Processes, log, percentile, process_cpu_s, run_with_stacks, start_stack
+from benchmarks.harness import Processes, log, percentile, run_with_stacks, start_stack
+from benchmarks.process_table import process_cpu_s
 from libs.common.pipeline import load_pipeline
 
 # --- folding (pure) -------------------------------------------------------------------------------

@@ -59,14 +59,8 @@ from benchmarks.gateway_vs_vllm import (
     round_order,
     run_against_vllm,
 )
-from benchmarks.harness import (
-    DEFAULT_PIPELINE,
-    Target,
-    log,
-    process_cpu_s,
-    run_load,
-    while_active,
-)
+from benchmarks.harness import DEFAULT_PIPELINE, Target, log, run_load, while_active
+from benchmarks.process_table import process_cpu_s
 from libs.common.pipeline import PipelineConfig, load_pipeline
 from libs.stack.local_nats import SYNC_INTERVAL
 

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
-from benchmarks.harness import descendants
+from benchmarks.process_table import descendants
 from libs.stack.local_nats import free_port
 
 T = TypeVar("T")

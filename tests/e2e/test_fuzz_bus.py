@@ -28,7 +28,7 @@ import openai
 import pytest
 from nats.js.errors import KeyNotFoundError
 
-from benchmarks.harness import descendants
+from benchmarks.process_table import descendants
 from libs.common import headers as h
 from libs.common.bus import evictions_kv, requests_kv, services_kv
 from libs.common.pipeline import load_pipeline

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import descendants
+from benchmarks.process_table import descendants
 
 pytestmark = [
     pytest.mark.e2e,

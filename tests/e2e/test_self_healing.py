@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from benchmarks.harness import descendants
+from benchmarks.process_table import descendants
 from libs.common.pipeline import load_pipeline
 from libs.stack.bus_state import snapshot
 from tests.bus import await_replacement

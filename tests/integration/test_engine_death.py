@@ -32,7 +32,7 @@ from nats.aio.client import Client
 from nats.js.kv import KeyValue
 from openai import AsyncOpenAI
 
-from benchmarks.harness import descendants
+from benchmarks.process_table import descendants
 from libs.common.bus import requests_kv
 from libs.common.envelopes import ClientEventType, Liveness, decode
 from libs.common.settings import WorkerSettings

@@ -36,7 +36,7 @@ import numpy as np
 import openai
 import pytest
 
-from benchmarks.harness import descendants
+from benchmarks.process_table import descendants
 from libs.common.bus import requests_kv
 from libs.common.envelopes import StageTask
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt

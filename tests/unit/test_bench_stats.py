@@ -24,7 +24,8 @@ from benchmarks.gateway_vs_vllm import (
     split_requests,
     verdict_line,
 )
-from benchmarks.harness import RequestTiming, Summary, cpu_share_pct, percentile
+from benchmarks.harness import RequestTiming, Summary, percentile
+from benchmarks.process_table import cpu_share_pct
 
 
 # --- percentile -----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""``benchmarks.harness.process_cpu_s``: another process's CPU, read to the microsecond.
+"""``benchmarks.process_table.process_cpu_s``: another process's CPU, read to the microsecond.
 
 Ground truth is the child's own reading of its CPU (``time.process_time()``, taken inside the
 child), which the benchmark's reading from outside must match; psutil's reading of the same
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from benchmarks.harness import process_cpu_s
+from benchmarks.process_table import process_cpu_s
 
 CHILD = """
 import sys, threading, time
