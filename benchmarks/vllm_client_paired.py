@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks.comparison_stats import DIRECT, GATEWAY, round_order
 from benchmarks.cpu_split import (
     CLIENT_KEY,
     ENGINE_KEY,
@@ -52,13 +53,7 @@ from benchmarks.cpu_split import (
     cpu_per_token,
     snapshot,
 )
-from benchmarks.gateway_vs_vllm import (
-    DIRECT,
-    GATEWAY,
-    BenchOptions,
-    round_order,
-    run_against_vllm,
-)
+from benchmarks.gateway_vs_vllm import BenchOptions, run_against_vllm
 from benchmarks.harness import DEFAULT_PIPELINE, Target, log, run_load, while_active
 from benchmarks.process_table import process_cpu_s
 from libs.common.pipeline import PipelineConfig, load_pipeline

@@ -22,7 +22,7 @@ BENCH_PANEL = "Benchmarks and verification suites"  # their panel in `omnirelay 
 def _levels(option: str, value: str) -> tuple[int, ...]:
     """A comma-separated list of positive integers (``--concurrency 1,16``), or exit 2 naming
     ``option``."""
-    from benchmarks.gateway_vs_vllm import parse_concurrency
+    from benchmarks.comparison_stats import parse_concurrency
 
     try:
         return tuple(parse_concurrency(value))

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.gateway_vs_vllm import (
+from benchmarks.comparison_stats import (
     DIRECT,
     GATEWAY,
     CellStats,
     RoundResult,
     Row,
-    _commonest_error,
     aggregate,
     comparison_rows,
     default_requests,
@@ -24,6 +23,7 @@ from benchmarks.gateway_vs_vllm import (
     split_requests,
     verdict_line,
 )
+from benchmarks.gateway_vs_vllm import _commonest_error
 from benchmarks.harness import RequestTiming, Summary, percentile
 from benchmarks.process_table import cpu_share_pct
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.comparison_stats import DIRECT, GATEWAY
 from benchmarks.frontend_capacity import _role, bottleneck, cell_result, stack_env
 from benchmarks.frontend_capacity import render as render_capacity
-from benchmarks.gateway_vs_vllm import DIRECT, GATEWAY
 from benchmarks.harness import RequestTiming, Target
 from benchmarks.vllm_client_paired import (
     ClientRun,

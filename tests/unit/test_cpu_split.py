@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from benchmarks.comparison_stats import DIRECT, GATEWAY
 from benchmarks.cpu_split import (
     CLIENT_KEY,
     ENGINE_KEY,
@@ -19,7 +20,6 @@ from benchmarks.cpu_split import (
     label_of,
     snapshot,
 )
-from benchmarks.gateway_vs_vllm import DIRECT, GATEWAY
 from benchmarks.vllm_client_paired import ClientRun, by_process, front_side_loads
 
 
