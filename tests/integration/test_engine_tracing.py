@@ -50,7 +50,7 @@ from services.stage_worker.handlers.llm import LLMHandler
 from services.stage_worker.handlers.thinker import ThinkerHandler
 from services.stage_worker.llm_engine import LLMEngineSpec
 from tests.otlp_receiver import Receiver, SpanRecord, start_receiver, tracing_in_this_process
-from tests.unit.test_step_tracing import documented_sample
+from tests.scheduler_driver import documented_sample
 
 pytestmark = pytest.mark.integration
 TEXT_ONLY = DEFAULT_PIPELINE_PATH.with_name("text-only.yaml")

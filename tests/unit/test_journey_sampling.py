@@ -1,6 +1,6 @@
 """Journey events and journey sampling (docs/contract.md, "Tracing") on a real ``OmniScheduler``.
 
-Same harness as ``test_step_tracing.py``: vLLM's scheduler, a fake model runner, spans in memory.
+Same harness as ``test_step_tracing.py`` (:mod:`tests.scheduler_driver`): vLLM's scheduler, a fake model runner, spans in memory.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from services.stage_worker.engine_core.journey_tracing import (
     monotonic_pair,
     sampling_key,
 )
-from tests.unit.test_step_tracing import (
+from tests.scheduler_driver import (
     Traced,
     add,
     documented_sample,

@@ -3,18 +3,14 @@
 
 The scheduler is vLLM's, built from a real ``VllmConfig`` (the tiny thinker's model config) and a
 small KV cache; a :class:`Driver` plays the model runner (one sampled token per finished prefill or
-decode step). Spans go to an in-memory exporter instead of OTLP. Helpers here are shared with
-``test_journey_sampling.py``.
+decode step). Spans go to an in-memory exporter instead of OTLP (:mod:`tests.scheduler_driver`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import math
 import os
 import signal
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,32 +18,17 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import torch
-from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.request import RequestStatus
 
-from libs.common.pipeline import load_pipeline
-from libs.common.tracing import otlp_traces_endpoint
-from libs.models.tiny import resolve_model
-from services.stage_worker.engine_core import tracing_config
 from services.stage_worker.engine_core.kv_observability import (
     PerRequestKVMetrics,
     StepKVSummary,
     get_per_request_kv_metrics,
     get_step_kv_summary,
 )
-from services.stage_worker.engine_core.scheduler import OmniScheduler
 from services.stage_worker.engine_core.step_tracing import (
     BATCH_SUMMARY_EVENT,
     BATCH_SUMMARY_OPTIONAL,
@@ -61,324 +42,21 @@ from services.stage_worker.engine_core.step_tracing import (
 )
 from services.stage_worker.engine_core.tracing_config import (
     ADDITIONAL_CONFIG_KEY,
-    EngineTracing,
     EngineTracingConfig,
-    make_deterministic_sampler,
 )
-from services.stage_worker.llm_engine import LLMEngineSpec, engine_tracing_config
-
-BLOCK = 16
-TOKEN = 7  # what the fake model runner "samples"
-
-
-# --- shared helpers ---------------------------------------------------------------------------------
-
-
-def tracing_settings(**overrides: Any) -> dict[str, Any]:
-    """What ``build_async_llm`` would put under ``additional_config`` (sha1 samplers)."""
-    raw = {"endpoint": "http://127.0.0.1:1/v1/traces", "protocol": "http/protobuf", "sampler": "sha1"}
-    return {**raw, **overrides}
-
-
-@dataclass
-class Traced:
-    """A scheduler under test and what it exported."""
-
-    sched: OmniScheduler
-    exporter: InMemorySpanExporter
-    hasher: Any
-
-    def spans(self, name: str | None = None) -> list[Any]:
-        return [s for s in self.exporter.get_finished_spans() if name is None or s.name == name]
-
-    def step_events(self, name: str) -> list[dict[str, Any]]:
-        """Events ``name`` of every ended scheduler_steps span, in emission order."""
-        spans = sorted(self.spans(STEP_SPAN_NAME), key=lambda s: s.attributes["scheduler_steps.index"])
-        return [dict(e.attributes) for s in spans for e in s.events if e.name == name]
-
-
-def make_scheduler(
-    monkeypatch: pytest.MonkeyPatch,
-    tracing: dict[str, Any] | None,
-    *,
-    num_blocks: int = 64,
-    max_num_seqs: int = 8,
-    max_batched_tokens: int = 512,
-    prefix_caching: bool = True,
-) -> Traced:
-    """An ``OmniScheduler`` with ``tracing`` as its ``additional_config`` settings (None: none)."""
-    exporter = InMemorySpanExporter()
-
-    def provider(cfg: EngineTracingConfig) -> TracerProvider:
-        p = TracerProvider(resource=Resource.create({"service.name": cfg.service_name}))
-        p.add_span_processor(SimpleSpanProcessor(exporter))
-        return p
-
-    monkeypatch.setattr(tracing_config, "make_tracer_provider", provider)
-    model = ModelConfig(
-        model=resolve_model("tiny-thinker"), dtype="float32", max_model_len=1024, skip_tokenizer_init=True
-    )
-    sched_cfg = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_batched_tokens,
-        max_model_len=1024,
-        is_encoder_decoder=False,
-    )
-    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching)
-    cache.num_gpu_blocks = num_blocks
-    extra = {ADDITIONAL_CONFIG_KEY: tracing} if tracing is not None else {}
-    vllm_config = VllmConfig(
-        model_config=model, scheduler_config=sched_cfg, cache_config=cache, additional_config=extra
-    )
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32)
-    kv = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
-    )
-    sched = OmniScheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BLOCK,
-        log_stats=False,
-    )
-    init_none_hash(sha256)
-    return Traced(sched, exporter, get_request_block_hasher(BLOCK, sha256))
-
-
-def add(t: Traced, rid: str, prompt: list[int] | int, max_tokens: int, headers: dict | None = None) -> None:
-    ids = list(range(10, 10 + prompt)) if isinstance(prompt, int) else prompt
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    t.sched.add_request(Request(rid, ids, params, None, block_hasher=t.hasher, trace_headers=headers))
-
-
-@dataclass
-class Step:
-    output: SchedulerOutput
-    step_id: int
-    running: list[str]
-    """Ids in ``scheduler.running`` right after ``schedule()``."""
-    tokens: dict[str, int]
-    """Running request id → (output tokens) right after ``schedule()``."""
-
-
-def step(t: Traced) -> Step:
-    """One engine step: schedule, then feed back one token per request that finished its prefill."""
-    out = t.sched.schedule()
-    snap = Step(
-        output=out,
-        step_id=t.sched.current_step,
-        running=[r.request_id for r in t.sched.running],
-        tokens={r.request_id: r.num_output_tokens for r in t.sched.running},
-    )
-    ids = list(out.num_scheduled_tokens)
-    sampled = []
-    for rid in ids:
-        req = t.sched.requests.get(rid)
-        sampled.append([] if req is None or req.is_prefill_chunk else [TOKEN])
-    runner = ModelRunnerOutput(
-        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
-    )
-    t.sched.update_from_output(out, runner)
-    return snap
-
-
-def run_until_idle(t: Traced, limit: int = 500) -> list[Step]:
-    steps = []
-    while t.sched.has_requests():
-        steps.append(step(t))
-        assert len(steps) < limit, "scheduler did not drain"
-    steps.append(step(t))  # one more, empty step (the engine runs one after a request finishes)
-    return steps
-
-
-def check_types(attrs: dict[str, Any], required: dict[str, type], optional: dict[str, type]) -> None:
-    for name, typ in required.items():
-        assert name in attrs, f"{name} missing from {attrs}"
-        assert type(attrs[name]) is typ, f"{name}={attrs[name]!r} is not {typ.__name__}"
-    for name, value in attrs.items():
-        if name not in required:
-            assert name in optional, f"unexpected attribute {name}"
-            assert type(value) is optional[name], f"{name}={value!r}"
-
-
-def check_summary_invariants(s: dict[str, Any]) -> None:
-    assert s["step.duration_us"] >= 0
-    assert s["step.duration_us"] == (s["step.ts_end_ns"] - s["step.ts_start_ns"]) // 1000
-    assert s["queue.running_depth"] >= 0 and s["queue.waiting_depth"] >= 0
-    assert s["batch.num_prefill_reqs"] + s["batch.num_decode_reqs"] == s["queue.running_depth"]
-    assert s["batch.prefill_tokens"] + s["batch.decode_tokens"] == s["batch.scheduled_tokens"]
-    assert 0.0 <= s["kv.usage_gpu_ratio"] <= 1.0
-    assert 0 <= s["kv.blocks_free_gpu"] <= s["kv.blocks_total_gpu"]
-    expected_free = s["kv.blocks_total_gpu"] * (1 - s["kv.usage_gpu_ratio"])
-    assert math.isclose(s["kv.blocks_free_gpu"], expected_free, abs_tol=1.0)
-
-
-def check_snapshot_invariants(r: dict[str, Any]) -> None:
-    assert r["request.phase"] in {"PREFILL", "DECODE"}
-    assert (r["request.phase"] == "PREFILL") == (r["request.num_output_tokens"] == 0)
-    assert r["request.num_output_tokens"] >= 0 and r["request.num_preemptions"] >= 0
-    assert r["request.num_computed_tokens"] >= r["request.num_prompt_tokens"] + r["request.num_output_tokens"]
-    assert r["kv.blocks_allocated_gpu"] >= r["kv.blocks_cached_gpu"] >= 0
-
-
-# --- samplers -----------------------------------------------------------------------------------------
-
-
-def documented_sample(seed: int | str, key: object, rate: float) -> bool:
-    """The deterministic sampler's rule as docs/engine-tracing.md states it, computed here from
-    first principles (not with the code under test): ``key`` is sampled iff the first 8 bytes
-    (16 hex digits) of ``sha1(f"{seed}:{key}")``, as an integer, are below ``rate * 2**64``."""
-    head = int(hashlib.sha1(f"{seed}:{key}".encode()).hexdigest()[:16], 16)
-    return head < rate * 2**64
-
-
-SAMPLER_KEYS: list[object] = [
-    *range(1, 400),
-    *(f"req-{i}" for i in range(200)),
-    *(format(0x9E3779B97F4A7C15 * i, "032x")[-32:] for i in range(1, 200)),
-]
-"""Step ids (int), request ids and trace ids (32 hex digits): every kind of key the samplers get."""
-
-
-@pytest.mark.parametrize("seed", [0, 1, 11])
-@pytest.mark.parametrize("rate", [0.001, 0.25, 0.5, 0.9])
-def test_deterministic_sampler_follows_the_documented_rule(seed: int, rate: float) -> None:
-    sampler = make_deterministic_sampler(seed)
-    got = [k for k in SAMPLER_KEYS if sampler(k, rate)]
-    assert got == [k for k in SAMPLER_KEYS if documented_sample(seed, k, rate)]
-    # and the rule is a sample at the rate (binomial: within 5 standard deviations)
-    n = len(SAMPLER_KEYS)
-    assert abs(len(got) - rate * n) <= 5 * math.sqrt(n * rate * (1 - rate)) + 1
-
-
-def test_deterministic_sampler_edges_and_stability() -> None:
-    s0 = make_deterministic_sampler(0)
-    # rate 0 never, rate 1 always; stable across instances; seeds give different picks
-    assert not any(s0(k, 0.0) for k in SAMPLER_KEYS) and all(s0(k, 1.0) for k in SAMPLER_KEYS)
-    assert [s0(k, 0.3) for k in SAMPLER_KEYS] == [make_deterministic_sampler(0)(k, 0.3) for k in SAMPLER_KEYS]
-    picks = [[k for k in SAMPLER_KEYS if make_deterministic_sampler(s)(k, 0.5)] for s in (0, 1)]
-    assert picks[0] != picks[1]
-
-
-def test_config_samplers_are_independent_per_stage() -> None:
-    """Journey, step and rich samplers use seeds ``seed``, ``seed + 1``, ``seed + 2`` (the docs)."""
-    journey, steps, rich = EngineTracingConfig(**tracing_settings(seed=5)).samplers()
-    picks = [[k for k in range(200) if s(k, 0.5)] for s in (journey, steps, rich)]
-    assert picks[0] != picks[1] != picks[2]
-    for seed, pick in zip((5, 6, 7), picks, strict=True):
-        assert pick == [k for k in range(200) if documented_sample(seed, k, 0.5)]
-
-
-# --- configuration, transport, validation -----------------------------------------------------------
-
-
-@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), float("inf"), "0.5", True, None])
-@pytest.mark.parametrize("name", ["journey_sample_rate", "step_sample_rate", "rich_subsample_rate"])
-def test_rates_outside_unit_interval_fail(name: str, bad: object) -> None:
-    with pytest.raises(ValueError, match=name):
-        EngineTracing(**{name: bad})
-    with pytest.raises(ValueError, match=name):
-        EngineTracingConfig(**tracing_settings(**{name: bad}))
-
-
-def test_defaults_follow_the_spec() -> None:
-    t = EngineTracing()
-    assert (t.journey_sample_rate, t.step_enabled, t.step_sample_rate, t.rich_subsample_rate) == (
-        1.0,
-        False,
-        0.01,
-        0.001,
-    )
-    c = EngineTracingConfig(endpoint="http://x:4317")
-    assert (c.journey_sample_rate, c.step_enabled, c.step_sample_rate, c.rich_subsample_rate, c.sampler) == (
-        1.0,
-        False,
-        0.01,
-        0.001,
-        "random",
-    )
-
-
-def test_invalid_settings_stop_the_scheduler_from_starting(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ValueError, match="step_sample_rate"):
-        make_scheduler(monkeypatch, tracing_settings(step_enabled=True, step_sample_rate=2.0))
-    with pytest.raises(ValueError, match="unknown keys"):
-        make_scheduler(monkeypatch, tracing_settings(step_rate=1.0))
-
-
-def _spec(tracing: EngineTracing) -> LLMEngineSpec:
-    pipeline = load_pipeline()
-    return LLMEngineSpec.for_replica(pipeline, pipeline.speech_stage, 0, tracing=tracing)
-
-
-def test_no_exporter_means_no_engine_tracing() -> None:
-    spec = _spec(EngineTracing(step_enabled=True))
-    assert engine_tracing_config(spec, {}) is None
-    assert engine_tracing_config(spec, {"OTEL_TRACES_EXPORTER": "console"}) is None
-    assert (
-        engine_tracing_config(spec, {"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": "x"}) is None
-    )
-    # configured, but nothing to trace
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"}
-    assert engine_tracing_config(_spec(EngineTracing(journey_sample_rate=0.0)), env) is None
-
-
-def test_engine_settings_carry_every_flag_and_the_worker_endpoint() -> None:
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318/", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
-    flags = EngineTracing(
-        journey_sample_rate=0.25, step_enabled=True, step_sample_rate=0.5, rich_subsample_rate=0.75
-    )
-    cfg = engine_tracing_config(_spec(flags), env)
-    assert cfg is not None
-    assert (cfg.journey_sample_rate, cfg.step_enabled, cfg.step_sample_rate, cfg.rich_subsample_rate) == (
-        0.25,
-        True,
-        0.5,
-        0.75,
-    )
-    assert (cfg.endpoint, cfg.protocol) == ("http://c:4318/v1/traces", "http/protobuf")
-    assert cfg.resource == {
-        "omnirelay.pipeline": "omni",
-        "omnirelay.stage": load_pipeline().speech_stage,
-        "omnirelay.stage_name": "talker",
-        "omnirelay.replica": 0,
-    }
-    # what travels in additional_config comes back unchanged in the EngineCore
-    carried = SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: cfg.to_dict(), "other": 1})
-    assert EngineTracingConfig.from_vllm_config(carried) == cfg
-    assert EngineTracingConfig.from_vllm_config(SimpleNamespace(additional_config={})) is None
-
-
-@pytest.mark.parametrize(
-    ("env", "expected"),
-    [
-        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"}, ("http://c:4317", "grpc")),
-        (
-            {
-                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:4318/x",
-                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json",
-            },
-            ("http://t:4318/x", "http/protobuf"),
-        ),
-        ({"OTEL_TRACES_EXPORTER": "otlp"}, ("http://localhost:4317", "grpc")),
-        (
-            {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"},
-            ("http://localhost:4318/v1/traces", "http/protobuf"),
-        ),
-    ],
+from tests.scheduler_driver import (
+    Step,
+    Traced,
+    add,
+    check_snapshot_invariants,
+    check_summary_invariants,
+    check_types,
+    documented_sample,
+    make_scheduler,
+    run_until_idle,
+    step,
+    tracing_settings,
 )
-def test_traces_endpoint_resolution(env: dict[str, str], expected: tuple[str, str]) -> None:
-    assert otlp_traces_endpoint(env) == expected
-
-
-def test_scheduler_without_settings_has_no_tracing_objects(monkeypatch: pytest.MonkeyPatch) -> None:
-    t = make_scheduler(monkeypatch, None)
-    assert t.sched.journey_tracer is None and t.sched.step_tracer is None and t.sched._trace_provider is None
-    add(t, "a", 20, 3)
-    run_until_idle(t)
-    t.sched.shutdown()
-    assert t.spans() == []
-
 
 # --- step tracing ---------------------------------------------------------------------------------------
 
