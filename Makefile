@@ -85,7 +85,7 @@ compose-check: models
 	$(BIN)/omnirelay compose-check $(COMPOSE_CHECK_ARGS)
 
 bench: models
-	$(BIN)/omnirelay bench
+	$(BIN)/omnirelay bench gateway
 
 clean:
 	rm -rf $(VENV) .omnirelay .pytest_cache site

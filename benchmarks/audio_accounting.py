@@ -1,5 +1,5 @@
 """The fault suite's audio accounting: each completed audio stream's chunks against the whole
-decode of the code chunks the pipeline sent (``omnirelay bench-faults``, both pipelines).
+decode of the code chunks the pipeline sent (``omnirelay verify faults``, both pipelines).
 
 An Orpheus talker speaks each text chunk until end-of-speech or its cap (a function of the chunk's
 text, whose cut depends on how vLLM grouped the thinker's tokens into deltas), so no fault-free

@@ -1,4 +1,4 @@
-"""``omnirelay bench-bus``: what one hop on the bus costs between two processes with no service
+"""``omnirelay bench bus``: what one hop on the bus costs between two processes with no service
 work on either side — the floor under each hop a request takes (prints a table).
 
 A request through the gateway crosses two JetStream hops before its engine starts (gateway →
@@ -161,7 +161,7 @@ def measure_hop(url: str, mode: str, count: int, interval_s: float, cpu: int | N
 
 def run_bus_bench(messages: int, interval_s: float, warmup: int) -> list[HopStats]:
     """Start a private nats-server; measure each hop kind with the processes on any core, then
-    with the server and both processes on one core (as ``omnirelay bench`` puts every front end)."""
+    with the server and both processes on one core (as ``omnirelay bench gateway`` puts every front end)."""
     from libs.stack.local_nats import free_port, nats_server_argv
 
     store = Path(tempfile.mkdtemp(prefix="omnirelay-bench-bus-"))

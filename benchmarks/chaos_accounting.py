@@ -1,4 +1,4 @@
-"""The accounting of ``omnirelay bench-chaos`` (pure): which requests overlapped which fault, and
+"""The accounting of ``omnirelay verify chaos`` (pure): which requests overlapped which fault, and
 for each fault and in total how many were sent, completed, failed (by error code, and without
 one), hung, came back with tokens or audio missing or repeated, and the longest pause a client
 saw. Tested in ``tests/unit/test_chaos_soak.py``.

@@ -1,4 +1,4 @@
-"""``omnirelay bench-chaos``: the chaos soak. The fault suite's stack (an ``omnirelay up`` stack
+"""``omnirelay verify chaos``: the chaos soak. The fault suite's stack (an ``omnirelay up`` stack
 with two replicas of every stage and a NATS server of its own) serves a continuous mixed load —
 text and audio, streamed and not, 32 to 800 tokens, a fixed number of requests in flight — for
 ``--minutes``, while a fault drawn at random from the fault suite's list strikes every 20–40 s.

@@ -1,4 +1,4 @@
-"""The comparison of two targets measured in paired rounds (``omnirelay bench``, ``bench-vllm``):
+"""The comparison of two targets measured in paired rounds (``omnirelay bench gateway``, ``bench vllm``):
 which target a round measures first, the statistics of each (target, concurrency) cell, the
 gateway ÷ direct table, the verdict against the TTFT target, and what else ran on the machine.
 Pure functions of client-side request timings (``time.perf_counter()`` seconds), tested in

@@ -1,4 +1,4 @@
-"""``omnirelay bench-nice``: what running the engines at a higher nice value gives the control plane
+"""``omnirelay bench nice``: what running the engines at a higher nice value gives the control plane
 under load, and what it costs the engines (prints a table).
 
 One stack of the fault suite's pipeline (two replicas of every stage) serves a steady load — text

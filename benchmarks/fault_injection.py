@@ -1,4 +1,4 @@
-"""The faults of ``omnirelay bench-faults`` and ``omnirelay bench-chaos`` and how they are
+"""The faults of ``omnirelay verify faults`` and ``omnirelay verify chaos`` and how they are
 injected: the pipeline they are injected into (two replicas of every stage), the list of faults,
 the :class:`Injector` that finds a fault's process and verifies that the fault took (the pid is
 gone or a zombie, or in state ``T`` for ``SIGSTOP``), and the registry reads that tell when a

@@ -1,4 +1,4 @@
-"""The pipelines ``omnirelay bench-faults`` can run (``--pipeline``, :data:`PIPELINES`) and the
+"""The pipelines ``omnirelay verify faults`` can run (``--pipeline``, :data:`PIPELINES`) and the
 faults of each: ``tiny`` (tiny thinker → tiny talker → tiny code2wav, :data:`PIPELINE_YAML`),
 ``orpheus`` (tiny thinker → Orpheus talker on tiny-orpheus → SNAC on tiny-snac, built from
 ``compose/pipelines/orpheus-tiny.yaml``) and ``speech`` (a Whisper listener before the tiny chain,

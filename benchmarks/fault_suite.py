@@ -1,4 +1,4 @@
-"""``omnirelay bench-faults``: the fault suite. A stack (a pipeline with two replicas of every
+"""``omnirelay verify faults``: the fault suite. A stack (a pipeline with two replicas of every
 stage, a NATS server of the suite's own; for the cluster's fault, a second stack on a 3-node NATS
 cluster) serves streaming requests while one fault at a time is injected; each injection is verified
 (the process is gone, or its state is ``T``), and each fault gets a row: requests in flight,
@@ -11,7 +11,7 @@ orchestrator, each worker, the gateway), each under a restart policy like ``rest
 (:mod:`benchmarks.service_stack`).
 
 The faults, the pipeline and the injection are :mod:`benchmarks.fault_injection`'s; the clients'
-requests (:func:`send`, :func:`reference`) are shared with ``omnirelay bench-chaos``.
+requests (:func:`send`, :func:`reference`) are shared with ``omnirelay verify chaos``.
 
 Clocks: ``time.monotonic()`` of this process, seconds. The accounting (:func:`row_of`) is a pure
 function of what the clients saw (tested in ``tests/unit/test_fault_suite.py``).

@@ -1,4 +1,4 @@
-"""``omnirelay bench-capacity``: omnirelay's own ceiling, measured on the mock engine.
+"""``omnirelay bench capacity``: omnirelay's own ceiling, measured on the mock engine.
 
 The stack is ``omnirelay up`` with ``compose/pipelines/mock-text.yaml`` (a thinker on the mock
 engine, services/stage_worker/mock_engine.py: every per-token step of omnirelay runs, no model
@@ -243,7 +243,7 @@ def _shares(total: int, parts: int) -> list[int]:
 
 @dataclass(frozen=True)
 class CapacityOptions:
-    """What ``omnirelay bench-capacity`` runs (see the CLI for meanings)."""
+    """What ``omnirelay bench capacity`` runs (see the CLI for meanings)."""
 
     pipeline_path: Path = MOCK_PIPELINE
     gateways: tuple[int, ...] = (1, 2)

@@ -1,4 +1,4 @@
-"""``omnirelay bench``: the gateway against vLLM's own OpenAI server, side by side, in one run.
+"""``omnirelay bench gateway``: the gateway against vLLM's own OpenAI server, side by side, in one run.
 
 Both targets serve the SAME thinker model with the same engine settings and CPU binding: the
 omnirelay stack runs a thinker-only pipeline (``compose/pipelines/text-only.yaml``, one replica)
@@ -79,7 +79,7 @@ from libs.stack.local_nats import SYNC_INTERVAL
 
 @dataclass(frozen=True)
 class BenchOptions:
-    """What ``omnirelay bench`` runs (see the CLI for meanings)."""
+    """What ``omnirelay bench gateway`` runs (see the CLI for meanings)."""
 
     pipeline_path: Path = DEFAULT_PIPELINE
     concurrency: tuple[int, ...] = (1, 16)

@@ -1,4 +1,4 @@
-"""``omnirelay bench-log-stats``: what ``--log-stats`` costs, measured A/B on the same workload.
+"""``omnirelay bench log-stats``: what ``--log-stats`` costs, measured A/B on the same workload.
 
 Two identical stacks of the thinker-only pipeline (each with its own NATS), one with
 ``--log-stats`` and one without, engines bound to the same core; the stack not being measured is

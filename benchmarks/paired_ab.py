@@ -1,6 +1,6 @@
-"""``omnirelay bench-ab``: is code tree B faster than code tree A? A paired TTFT / e2e comparison.
+"""``omnirelay bench ab``: is code tree B faster than code tree A? A paired TTFT / e2e comparison.
 
-Single ``omnirelay bench`` runs drift with the machine (direct vLLM's own TTFT p50 moved between
+Single ``omnirelay bench gateway`` runs drift with the machine (direct vLLM's own TTFT p50 moved between
 4.6 and 9.5 ms in one morning), far more than a change worth a few tenths of a millisecond. This
 bench starts one stack of the thinker-only pipeline from each tree (each with its own NATS),
 engines on one core and everything else on the others, and alternates blocks of sequential

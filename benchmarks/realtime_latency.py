@@ -1,4 +1,4 @@
-"""``omnirelay bench-realtime``: voice-to-voice latency of realtime sessions and the listener's
+"""``omnirelay bench realtime``: voice-to-voice latency of realtime sessions and the listener's
 real-time factor, at each number of concurrent sessions, through the official ``openai`` client.
 
 Every session speaks turns of real speech (espeak-ng: silence, a question, silence) in 100 ms

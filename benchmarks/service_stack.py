@@ -2,7 +2,7 @@
 server, the orchestrator, one ``omnirelay worker`` per stage and replica, the gateway), each
 started by this bench under a restart policy like compose's ``restart: unless-stopped`` — a
 process that exits, however it ends, is started again with the same command and environment after
-Docker's back-off (:func:`restart_delay_s`). ``omnirelay bench-faults --mode services`` injects its
+Docker's back-off (:func:`restart_delay_s`). ``omnirelay verify faults --mode services`` injects its
 faults into such a stack (``--mode up``, the default, into ``omnirelay up``, whose launcher
 restarts a process itself).
 

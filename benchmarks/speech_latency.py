@@ -1,4 +1,4 @@
-"""``omnirelay bench-speech``: time to first audio and real-time factor of a speech pipeline.
+"""``omnirelay bench speech``: time to first audio and real-time factor of a speech pipeline.
 
 One ``omnirelay up`` stack of the pipeline (default ``compose/pipelines/orpheus-tiny.yaml``:
 tiny thinker → Orpheus talker on tiny-orpheus → SNAC on tiny-snac) with its own NATS, driven as a

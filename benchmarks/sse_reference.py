@@ -1,4 +1,4 @@
-"""The reference of ``omnirelay bench-token-cost``: the floor any server pays per streamed token.
+"""The reference of ``omnirelay bench token-cost``: the floor any server pays per streamed token.
 
 A bare Starlette app on uvicorn — the HTTP implementation the gateway runs (httptools, as vLLM's
 server runs too; uvicorn's default event loop; no access log) — that answers ``POST /v1/chat/completions`` with a stream of

@@ -1,4 +1,4 @@
-"""``omnirelay bench-sync``: what JetStream's ``sync_interval`` and a 3-node cluster cost.
+"""``omnirelay bench sync``: what JetStream's ``sync_interval`` and a 3-node cluster cost.
 
 Four NATS setups, each serving an identical thinker-only stack (engines bound to the same core;
 the stacks not being measured are paused with SIGSTOP):

@@ -1,4 +1,4 @@
-"""``omnirelay bench-token-cost``: what each streamed token costs omnirelay, as a ratio measured in
+"""``omnirelay bench token-cost``: what each streamed token costs omnirelay, as a ratio measured in
 paired rounds (issue 23 items 1 and 5; docs/performance.md, "Token cost").
 
 Two sides, A and B, are measured one after the other in each round (A B in even rounds, B A in odd
@@ -298,7 +298,7 @@ def render(rounds: Sequence[Round], labels: dict[str, str]) -> str:
 
 @dataclass(frozen=True)
 class TokenCostOptions:
-    """What ``omnirelay bench-token-cost`` runs (see the CLI for meanings)."""
+    """What ``omnirelay bench token-cost`` runs (see the CLI for meanings)."""
 
     concurrency: tuple[int, ...] = (1, 16)
     rounds: int = 5

@@ -1,11 +1,11 @@
-"""``omnirelay bench-profile``: where the CPU of a streamed token goes (issue 23 item 2).
+"""``omnirelay bench profile``: where the CPU of a streamed token goes (issue 23 item 2).
 
 The stack is the mock-engine text pipeline (``compose/pipelines/mock-text.yaml``, started as
-``omnirelay bench-capacity`` starts it: :func:`benchmarks.harness.start_stack` with
+``omnirelay bench capacity`` starts it: :func:`benchmarks.harness.start_stack` with
 :func:`benchmarks.frontend_capacity.stack_env`), so no model computes and every per-token step of
 omnirelay runs. Per concurrency level, streamed chat completions (the official openai client,
 ``--max-tokens`` each, ``ignore_eos``) are driven by a client process (the load code of
-``bench-capacity``, :func:`benchmarks.frontend_capacity.client_job`) while ``py-spy record
+``bench capacity``, :func:`benchmarks.frontend_capacity.client_job`) while ``py-spy record
 --format raw --rate R --pid P`` samples the gateway's and the thinker worker's Python stacks.
 py-spy drops samples of idle threads, so a process's samples × the interval (1/R s) approximate
 the time its threads ran Python (or native code called from it); the process's CPU over the
@@ -387,7 +387,7 @@ def render_profile(title: str, p: Profile, cpu_us_per_token: float | None, top_g
 
 @dataclass(frozen=True)
 class ProfileOptions:
-    """What ``omnirelay bench-profile`` runs (see the CLI for meanings)."""
+    """What ``omnirelay bench profile`` runs (see the CLI for meanings)."""
 
     pipeline_path: Path = MOCK_PIPELINE
     concurrency: tuple[int, ...] = (1, 16)

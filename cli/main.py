@@ -14,10 +14,11 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
-from cli.bench_commands import BENCH_PANEL, bench_app
+from cli.bench_commands import bench_app
 from cli.nats_commands import nats_app
 from cli.params import sync_interval
 from cli.stack_file import DEFAULT_DATA_DIR
+from cli.verify_commands import verify_app
 from libs.common.logs import setup_logging
 from libs.common.pipeline import PipelineConfigError, load_pipeline
 from libs.common.runtime import run_service, yield_on_wakeup
@@ -31,9 +32,6 @@ app = typer.Typer(
 )
 models_app = typer.Typer(no_args_is_help=True, help="Model utilities.")
 app.add_typer(models_app, name="models")
-for bench_command in bench_app.registered_commands:  # bench-*: cli/bench_commands.py
-    bench_command.rich_help_panel = BENCH_PANEL
-app.registered_commands += bench_app.registered_commands
 
 PipelineOpt = Annotated[
     Path | None,
@@ -366,6 +364,8 @@ def compose_check(
 
 
 app.registered_commands += nats_app.registered_commands  # nats-secrets: cli/nats_commands.py
+app.add_typer(bench_app, name="bench")  # cli/bench_commands.py
+app.add_typer(verify_app, name="verify")  # cli/verify_commands.py
 
 
 def main() -> None:

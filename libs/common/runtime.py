@@ -20,7 +20,7 @@ def run_service(main: Coroutine[Any, Any, T]) -> T:
     """Run ``main`` to completion on a uvloop event loop (what uvicorn already gives the gateway).
 
     Every message a service handles costs a few loop turns and socket reads and writes; on uvloop
-    these are C, not Python. Measured with `omnirelay bench` on the 2-core box: the orchestrator and
+    these are C, not Python. Measured with `omnirelay bench gateway` on the 2-core box: the orchestrator and
     stage workers on uvloop instead of asyncio's default loop cut the gateway's TTFT p50 at
     concurrency 1 from +45 % to +30 % over direct vLLM.
     """

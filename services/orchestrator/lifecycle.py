@@ -23,7 +23,7 @@ UNKNOWN_EVENT_RETRY_S = 0.2
 EVENT_DEFER_S = 0.01
 """A lifecycle event waits this long before its record update, seconds: bookkeeping then runs
 beside the engine's work instead of beside the next request's admission and dispatch (measured
-with ``omnirelay bench`` at c=1: TTFT p50 -0.4 ms; c=16 throughput +4 %)."""
+with ``omnirelay bench gateway`` at c=1: TTFT p50 -0.4 ms; c=16 throughput +4 %)."""
 MAX_CONCURRENT_EVENTS = 16
 """Lifecycle events one orchestrator works on at once (updates of one record are compare-and-set)."""
 

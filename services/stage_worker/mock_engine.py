@@ -5,7 +5,7 @@ Selected by the stage's ``engine.mock`` (:class:`~libs.common.pipeline.MockEngin
 :func:`~services.stage_worker.llm_engine.build_async_llm`, so every per-token step of omnirelay
 (the handler, sequence numbers, fences, the client-event delivery, publishing, the gateway's SSE) runs
 unchanged and only the model's compute is gone: what a benchmark then measures is omnirelay's own
-ceiling (docs/benchmarks.md, ``omnirelay bench-capacity``).
+ceiling (docs/benchmarks.md, ``omnirelay bench capacity``).
 
 What it does, per request:
 

@@ -389,7 +389,7 @@ async def test_a_turn_is_one_trace_and_the_metrics_match_what_the_client_measure
 
 
 async def test_the_realtime_bench_measures_turns_as_a_caller_sends_them(stack, speech_pcm) -> None:
-    """``omnirelay bench-realtime``'s measurement, bounded: two sessions of one turn each, sent in
+    """``omnirelay bench realtime``'s measurement, bounded: two sessions of one turn each, sent in
     real time."""
     from benchmarks.realtime_latency import measure
 

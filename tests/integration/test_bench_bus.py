@@ -1,4 +1,4 @@
-"""``omnirelay bench-bus`` on a real nats-server: every message of both hop kinds arrives and is timed."""
+"""``omnirelay bench bus`` on a real nats-server: every message of both hop kinds arrives and is timed."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def test_cli_prints_the_table() -> None:
             sys.executable,
             "-m",
             "cli",
-            "bench-bus",
+            "bench",
+            "bus",
             "--messages",
             "10",
             "--warmup",

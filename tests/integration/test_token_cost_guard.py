@@ -1,6 +1,6 @@
 """The CI guard on omnirelay's per-token cost (issue 23 item 5; docs/performance.md, "Token cost").
 
-A short run of ``omnirelay bench-token-cost``'s default mode: this tree's ``omnirelay up`` on the
+A short run of ``omnirelay bench token-cost``'s default mode: this tree's ``omnirelay up`` on the
 mock engine (a real nats-server, gateway, orchestrator and thinker worker) against the reference
 server (a bare uvicorn + Starlette SSE server), alternated in paired rounds, streamed through the
 official openai client. It fails when the median over rounds of (gateway + worker CPU per output
@@ -31,7 +31,7 @@ from benchmarks.token_cost import (
 pytestmark = pytest.mark.integration
 
 OPTIONS = TokenCostOptions(rounds=3)
-"""The baseline's load (``bench-token-cost``'s defaults) in 3 rounds instead of 5, so each round's
+"""The baseline's load (``bench token-cost``'s defaults) in 3 rounds instead of 5, so each round's
 ratio is drawn from what the baseline's rounds were and one odd round cannot move the median.
 About 45 s on the shared two-core box, the stack's start included (docs/testing.md)."""
 

@@ -1,4 +1,4 @@
-"""The paired statistic of `omnirelay bench-ab`: block medians differenced pair by pair."""
+"""The paired statistic of `omnirelay bench ab`: block medians differenced pair by pair."""
 
 from __future__ import annotations
 

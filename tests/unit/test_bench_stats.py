@@ -1,4 +1,4 @@
-"""The pure statistics of ``omnirelay bench``: hand-computed cases, no servers."""
+"""The pure statistics of ``omnirelay bench gateway``: hand-computed cases, no servers."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The statistics of ``omnirelay bench-vllm`` (benchmarks/vllm_client_paired.py) and of
-``omnirelay bench-capacity`` (benchmarks/frontend_capacity.py), on hand-made results whose answers
+"""The statistics of ``omnirelay bench vllm`` (benchmarks/vllm_client_paired.py) and of
+``omnirelay bench capacity`` (benchmarks/frontend_capacity.py), on hand-made results whose answers
 are worked out here; and vLLM's own client's command line, parsed by vLLM's own parser."""
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def test_the_client_command_line_is_one_vllms_parser_accepts(tmp_path: Path) -> 
     assert "e2el" in args.percentile_metrics.split(",")
 
 
-# --- bench-capacity ---------------------------------------------------------------------------------
+# --- bench capacity ---------------------------------------------------------------------------------
 
 
 def _timing(sent: float, first: float, last: float, done: float, tokens: int, error: str | None = None):

@@ -1,4 +1,4 @@
-"""``bench-vllm``'s CPU split (benchmarks/cpu_split.py and its tables in
+"""``bench vllm``'s CPU split (benchmarks/cpu_split.py and its tables in
 benchmarks/vllm_client_paired.py): the arithmetic on hand-made snapshots, the process kinds on
 real command lines, and a snapshot of a real child process against its own CPU clock."""
 

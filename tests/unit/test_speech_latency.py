@@ -1,4 +1,4 @@
-"""``omnirelay bench-speech``'s accounting: per-request TTFP and RTF, the percentiles of a level
+"""``omnirelay bench speech``'s accounting: per-request TTFP and RTF, the percentiles of a level
 (checked against numpy's percentile, an independent implementation), how a streamed chat reply
 made of real ``openai`` chunk objects is counted, and, for the speech API, the audio seconds of
 a body (files made by the gateway's own encoders for a known number of samples) and a streamed

@@ -1,4 +1,4 @@
-"""The pure parts of ``omnirelay bench-token-cost`` (benchmarks/token_cost.py): per-token CPU,
+"""The pure parts of ``omnirelay bench token-cost`` (benchmarks/token_cost.py): per-token CPU,
 the per-round ratios, their median and range, the sanity of a sample, the baseline file and the
 guard's comparison. Expected values are worked out by hand in each test."""
 

@@ -1,4 +1,4 @@
-"""The folding of ``omnirelay bench-profile`` (benchmarks/token_path_profile.py): py-spy's raw
+"""The folding of ``omnirelay bench profile`` (benchmarks/token_path_profile.py): py-spy's raw
 lines into frame groups and µs per output token."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ kernel's timer slack, 50 us by default).
 The policy travels to the engine's processes in the environment (:meth:`WaitPolicy.env`, set by the
 worker before it builds the engine); vLLM calls :func:`register` in each of its processes (entry
 point ``vllm.general_plugins`` in ``pyproject.toml``, through :mod:`.plugin`). Without those variables — vLLM started by
-anything else, e.g. ``omnirelay bench``'s direct baseline — it changes nothing.
+anything else, e.g. ``omnirelay bench gateway``'s direct baseline — it changes nothing.
 """
 
 from __future__ import annotations
