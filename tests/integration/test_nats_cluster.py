@@ -161,7 +161,15 @@ async def test_kill_9_of_the_stream_leader_under_load_loses_nothing(cluster: lis
     )
     assert pub_nc.connected_url.port == victim.spec.port
     kv = await requests_kv(js)
-    await kv.put("before", b"1")
+
+    async def stored_before() -> bool:
+        """The bucket, just made with three replicas, takes writes once its leader is elected."""
+        with contextlib.suppress(nats.js.errors.NoStreamResponseError, nats.errors.TimeoutError):
+            await kv.put("before", b"1")
+            return True
+        return False
+
+    await until(stored_before, "the new bucket's first write", timeout_s=30)
 
     load, stop, kill, done = Load(), asyncio.Event(), asyncio.Event(), asyncio.Event()
     pub_js = pub_nc.jetstream()
