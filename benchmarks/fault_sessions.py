@@ -18,7 +18,7 @@ import asyncio
 import base64
 import time
 
-from benchmarks.realtime_latency import BYTES_PER_MS, spoken_pcm
+from benchmarks.realtime_latency import speak, spoken_pcm
 
 SAMPLES_PER_TOKEN = 4 * 480
 """24 kHz samples the tiny talker and code2wav make of one thinker token (4 codes of 480)."""
@@ -40,14 +40,6 @@ TURN_TIMEOUT_S = 150.0
 def caller_speech() -> bytes:
     """The caller's turn: 24 kHz mono PCM16 of :data:`PASSAGE`, silence around it."""
     return spoken_pcm(PASSAGE, before_s=0.3, after_s=SILENCE_MS / 1000 + 0.5)
-
-
-async def _speak(conn, pcm: bytes) -> None:
-    """Append ``pcm`` in 100 ms pieces, paced in real time."""
-    step, start = 100 * BYTES_PER_MS, time.monotonic()
-    for i in range(0, len(pcm), step):
-        await asyncio.sleep(max(0.0, start + i / BYTES_PER_MS / 1000 - time.monotonic()))
-        await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i : i + step]).decode())
 
 
 async def _answer(conn, seen, spoken: bool) -> str:
@@ -87,7 +79,7 @@ async def send_session(base_url: str, model: str, seen, pcm: bytes, max_tokens: 
             vad = {"type": "server_vad", "silence_duration_ms": SILENCE_MS}
             session = {"type": "realtime", "max_output_tokens": max_tokens}
             await conn.session.update(session={**session, "audio": {"input": {"turn_detection": vad}}})
-            speaking = asyncio.create_task(_speak(conn, pcm))
+            speaking = asyncio.create_task(speak(conn, pcm))
             status = await _answer(conn, seen, spoken=True)
             await speaking
             if status == "completed":

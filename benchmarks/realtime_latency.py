@@ -65,19 +65,21 @@ class Level:
         return [t.voice_to_voice_s for t in self.turns if t.voice_to_voice_s is not None]
 
 
-async def _speak(conn, pcm: bytes, sent: list[tuple[float, float]]) -> None:
-    """Append ``pcm`` in real time, noting (audio ms at each append's end, when it was sent)."""
+async def speak(conn, pcm: bytes, sent: list[tuple[float, float]] | None = None) -> None:
+    """Append ``pcm`` in 100 ms pieces paced in real time, as a microphone sends them; ``sent``:
+    noted there, (audio ms at each append's end, when it was sent: ``time.monotonic()``)."""
     step, start = APPEND_MS * BYTES_PER_MS, time.monotonic()
     for i in range(0, len(pcm), step):
         await asyncio.sleep(max(0.0, start + i / BYTES_PER_MS / 1000 - time.monotonic()))
         await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i : i + step]).decode())
-        sent.append((min(i + step, len(pcm)) / BYTES_PER_MS, time.monotonic()))
+        if sent is not None:
+            sent.append((min(i + step, len(pcm)) / BYTES_PER_MS, time.monotonic()))
 
 
 async def _turn(conn, pcm: bytes, offset_ms: float) -> Turn:
     """Speak one turn and wait for its answer; ``offset_ms``: the session's audio clock at its start."""
     sent: list[tuple[float, float]] = []
-    speaking = asyncio.create_task(_speak(conn, pcm, sent))
+    speaking = asyncio.create_task(speak(conn, pcm, sent))
     end_ms, first_audio = None, None
     try:
         async with asyncio.timeout(120):
