@@ -76,7 +76,7 @@ prometheus: prometheus-bin
 	prometheus --config.file=.omnirelay/prometheus.yml --storage.tsdb.path=.omnirelay/prometheus \
 		--web.listen-address=127.0.0.1:$(PROMETHEUS_PORT) --enable-feature=exemplar-storage
 
-# The compose stack in real containers, checked end to end (docs/compose.md, "What the check proves"):
+# The compose stack in real containers, checked end to end (docs/compose.md, "What `make compose-check` proves"):
 # starts a Docker engine if none runs (Debian's docker.io, installed if missing; needs root), builds the
 # images (stand-ins from Debian's packages for those no registry gives), runs compose/docker-compose.yml,
 # prints a table. Where no engine can run it says so and exits 0. COMPOSE_CHECK_ARGS: e.g. --cold.

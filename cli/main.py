@@ -351,7 +351,7 @@ def compose_check(
 ) -> None:
     """Build the images and run compose/docker-compose.yml in real containers on this host's Docker
     engine (started here if needed), check it end to end, and print a table (docs/compose.md,
-    "What the check proves"). Says so and exits 0 where no Docker engine can run."""
+    "What `make compose-check` proves"). Says so and exits 0 where no Docker engine can run."""
     from cli.compose_check.run import main as run_check
 
     repo = Path(__file__).resolve().parents[1]

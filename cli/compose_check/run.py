@@ -1,4 +1,4 @@
-"""The check, step by step (docs/compose.md, "What the check proves"), and its report."""
+"""The check, step by step (docs/compose.md, "What `make compose-check` proves"), and its report."""
 
 from __future__ import annotations
 

