@@ -1,4 +1,4 @@
-"""``python -m benchmarks.audio_encoding``: what the gateway's audio encoding costs, per format.
+"""``omnirelay bench audio-encoding``: what the gateway's audio encoding costs, per format.
 
 Each format's ``StreamEncoder`` (``services/gateway/audio.py``) encodes ``--seconds`` of a
 speech-like 24 kHz signal pushed in chunks of 12,288 samples (6 SNAC frames, 0.512 s: an Orpheus
@@ -11,7 +11,6 @@ push in ms (how long one chunk holds the event loop), and the output's bit rate.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -101,20 +100,13 @@ def table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0].strip("`"))
-    parser.add_argument("--seconds", type=float, default=30.0, help="audio seconds per run")
-    parser.add_argument("--rounds", type=int, default=5, help="runs per format")
-    parser.add_argument("--core", type=int, default=None, help="the core to pin to (default: the last)")
-    args = parser.parse_args(argv)
-    core = args.core if args.core is not None else max(os.sched_getaffinity(0))
+def run_audio_encoding(seconds: float, rounds: int, core: int | None = None) -> int:
+    """Pin this process to ``core`` (default: the last usable), measure every format, print the
+    table."""
+    core = core if core is not None else max(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {core})
     log(f"machine before (pinned to core {core}): {machine_activity()}")
-    rows = measure(args.seconds, args.rounds)
+    rows = measure(seconds, rounds)
     log(f"machine after: {machine_activity()}")
     print(table(rows))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

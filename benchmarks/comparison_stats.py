@@ -1,16 +1,20 @@
-"""The comparison of two targets measured in paired rounds (``omnirelay bench gateway``, ``bench vllm``):
-which target a round measures first, the statistics of each (target, concurrency) cell, the
-gateway ÷ direct table, the verdict against the TTFT target, and what else ran on the machine.
-Pure functions of client-side request timings (``time.perf_counter()`` seconds), tested in
-``tests/unit/test_bench_stats.py``.
+"""The comparison of omnirelay's gateway with direct vLLM (``omnirelay bench gateway``, ``bench vllm``):
+the statistics of one round of requests to one target and the figures the paired runner compares
+(:data:`FIGURES`, :mod:`benchmarks.paired`), the verdict against the TTFT target, and what else ran
+on the machine. Pure functions of client-side request timings (``time.perf_counter()`` seconds),
+tested in ``tests/unit/test_bench_stats.py``; :func:`welch_t` is ``bench log-stats``' and
+``bench sync``'s test of pooled means.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from benchmarks.harness import RequestTiming, Summary
+from benchmarks.paired import Figure
 
 GATEWAY, DIRECT = "omnirelay", "vllm"
 TARGET_TITLES = {GATEWAY: "omnirelay", DIRECT: "vLLM direct"}
@@ -25,9 +29,6 @@ TTFT_TARGET_PCT = 20.0
 class RoundResult:
     """One round: ``len(timings)`` requests to one target at one concurrency."""
 
-    target: str
-    concurrency: int
-    round_no: int
     wall_s: float
     """First send to last completion, seconds."""
     timings: list[RequestTiming]
@@ -68,105 +69,39 @@ def aggregate(rounds: Sequence[RoundResult]) -> CellStats:
     )
 
 
-def ratio(gateway: float | None, direct: float | None) -> float | None:
-    """``gateway / direct``; None when either is missing or ``direct`` is 0."""
-    if gateway is None or direct is None or direct == 0:
-        return None
-    return gateway / direct
+def _latency_ms(attr: str, stat: str) -> Callable[[RoundResult], float | None]:
+    def of(r: RoundResult) -> float | None:
+        summary: Summary | None = getattr(aggregate([r]), attr)
+        return None if summary is None else getattr(summary, stat) * 1e3
+
+    return of
 
 
-def overhead_pct(gateway: float | None, direct: float | None) -> float | None:
-    """How much ``gateway`` exceeds ``direct``, percent (negative when it is lower)."""
-    r = ratio(gateway, direct)
-    return None if r is None else (r - 1.0) * 100.0
-
-
-@dataclass(frozen=True)
-class Row:
-    """One table row: a metric at one concurrency for both targets (display units)."""
-
-    metric: str
-    concurrency: int
-    gateway: float | None
-    direct: float | None
-
-
-LATENCIES = (("TTFT", "ttft"), ("TPOT", "tpot"), ("E2E", "e2e"))
-STATS = ("p50", "p90", "mean")
-
-
-def _stat_ms(cell: CellStats | None, attr: str, stat: str) -> float | None:
-    summary: Summary | None = getattr(cell, attr) if cell else None
-    return getattr(summary, stat) * 1e3 if summary else None
-
-
-def comparison_rows(
-    gateway: dict[int, CellStats], direct: dict[int, CellStats], concurrencies: Sequence[int]
-) -> list[Row]:
-    """Rows metric × concurrency: latencies in ms (p50, p90, mean), then throughput in tok/s."""
-    rows = [
-        Row(
-            f"{name} {stat} (ms)",
-            c,
-            _stat_ms(gateway.get(c), attr, stat),
-            _stat_ms(direct.get(c), attr, stat),
-        )
-        for name, attr in LATENCIES
-        for stat in STATS
-        for c in concurrencies
-    ]
-    for c in concurrencies:
-        g, d = gateway.get(c), direct.get(c)
-        rows.append(
-            Row(
-                "throughput (tok/s)",
-                c,
-                g.throughput_tok_s if g else None,
-                d.throughput_tok_s if d else None,
-            )
-        )
-    return rows
-
-
-def _num(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}" if abs(v) < 100 else f"{v:.1f}"
-
-
-def _ratio_text(gateway: float | None, direct: float | None) -> str:
-    r = ratio(gateway, direct)
-    return "-" if r is None else f"{r:.2f}x ({(r - 1) * 100:+.0f}%)"
-
-
-def render_table(rows: Sequence[Row]) -> str:
-    """A fixed-width text table: metric, concurrency, omnirelay, vLLM direct, ratio (omnirelay / vLLM)."""
-    header = ("metric", "conc", TARGET_TITLES[GATEWAY], TARGET_TITLES[DIRECT], "ratio")
-    body = [
-        (r.metric, str(r.concurrency), _num(r.gateway), _num(r.direct), _ratio_text(r.gateway, r.direct))
-        for r in rows
-    ]
-    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
-
-    def fmt(line: Sequence[str]) -> str:
-        first = line[0].ljust(widths[0])
-        rest = [cell.rjust(w) for cell, w in zip(line[1:], widths[1:], strict=True)]
-        return "  ".join([first, *rest])
-
-    rule = "-" * len(fmt(header))
-    return "\n".join([fmt(header), rule, *(fmt(line) for line in body)])
+FIGURES: tuple[Figure[RoundResult], ...] = (
+    *(
+        Figure(f"{name} {stat}", "ms", _latency_ms(name.lower(), stat))
+        for name in ("TTFT", "TPOT", "E2E")
+        for stat in ("p50", "p90", "mean")
+    ),
+    Figure("throughput", "tok/s", lambda r: aggregate([r]).throughput_tok_s),
+)
+"""What a round of ``bench gateway`` gives: latencies in ms (p50, p90, mean), then output tokens
+per second of the round."""
+TTFT_P50 = FIGURES[0]
 
 
 def verdict_line(
-    gateway_ttft_p50_s: float | None,
-    direct_ttft_p50_s: float | None,
+    ttft_ratio: float | None,
     concurrency: int = 1,
     target_pct: float = TTFT_TARGET_PCT,
     unreliable: str | None = None,
 ) -> str:
-    """The sentence about the TTFT target, e.g. ``gateway TTFT p50 at concurrency 1 is +12.0% over
-    direct vLLM (target ≤ +20%): met``; ``unreliable`` says why the comparison cannot be trusted."""
-    pct = overhead_pct(gateway_ttft_p50_s, direct_ttft_p50_s)
-    if pct is None:
+    """The sentence about the TTFT target from the gateway ÷ direct TTFT p50 ratio (None: not
+    measured), e.g. ``gateway TTFT p50 at concurrency 1 is +12.0% over direct vLLM (target ≤
+    +20%): met``; ``unreliable`` says why the comparison cannot be trusted."""
+    if ttft_ratio is None:
         return f"gateway TTFT p50 at concurrency {concurrency}: not measured (target ≤ +{target_pct:.0f}%)"
+    pct = (ttft_ratio - 1.0) * 100.0
     outcome = "met" if pct <= target_pct else "MISSED"
     if unreliable:
         outcome += f" — UNRELIABLE: {unreliable}"
@@ -213,17 +148,44 @@ def machine_note(samples: Sequence[dict[str, float]]) -> str:
     return text
 
 
+def welch_t(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
+    """Welch's t statistic of mean(b) − mean(a) and its Welch–Satterthwaite degrees of freedom."""
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    se = math.sqrt(va + vb)
+    if se == 0:
+        return 0.0, float(len(a) + len(b) - 2)
+    t = (statistics.fmean(b) - statistics.fmean(a)) / se
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    return t, df
+
+
+T_CRITICAL_95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 8: 2.31, 10: 2.23, 15: 2.13, 20: 2.09}
+"""Two-sided 5 % critical values of Student's t by degrees of freedom (1.96 from 30 on)."""
+
+
+def t_critical_95(df: float) -> float:
+    """The two-sided 5 % critical value of Student's t at ``df`` degrees of freedom (the table's
+    row at or below it; the normal's from 30 on)."""
+    if df >= 30:
+        return 1.96
+    return T_CRITICAL_95[max(k for k in T_CRITICAL_95 if k <= max(df, 1))]
+
+
+def mean_delta_line(a: Sequence[float], b: Sequence[float]) -> str:
+    """How the mean of ``b`` differs from ``a``'s, percent, with Welch's t and whether it is
+    significant at α = 0.05 (pooled samples of two arms)."""
+    t, df = welch_t(a, b)
+    delta = (statistics.fmean(b) / statistics.fmean(a) - 1) * 100
+    sig = "significant" if abs(t) > t_critical_95(df) else "not significant"
+    return f"{delta:+.1f}% mean, Welch's t = {t:.2f} (df {df:.0f}), {sig} at alpha = 0.05"
+
+
 def split_requests(total: int, rounds: int) -> list[int]:
     """Split ``total`` requests over ``rounds`` rounds as evenly as possible (larger ones first)."""
     if rounds < 1:
         raise ValueError("rounds must be at least 1")
     base, extra = divmod(total, rounds)
     return [base + (1 if i < extra else 0) for i in range(rounds)]
-
-
-def round_order(round_no: int) -> tuple[str, str]:
-    """Targets in the order round ``round_no`` measures them: A B, then B A, then A B, ..."""
-    return (GATEWAY, DIRECT) if round_no % 2 == 0 else (DIRECT, GATEWAY)
 
 
 def parse_concurrency(text: str) -> list[int]:

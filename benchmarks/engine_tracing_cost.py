@@ -3,12 +3,14 @@ is in results/engine-tracing/):
 
 - ``scheduler``: vLLM's scheduler (our ``OmniScheduler``) driven without a model: a fake model
   runner feeds one token per request and step, so the loop is pure scheduling and the difference
-  between configurations is the tracing cost per step (spans exported in batches to a discarding
-  exporter, on its own thread as in production);
+  between configurations (:data:`CONFIGS`) is the tracing cost per step (spans exported in batches
+  to a discarding exporter, on its own thread as in production), compared with tracing off;
 - ``engine``: real ``AsyncLLM`` engines on the tiny thinker, tracing off vs on (OTLP/HTTP to a
   local sink that discards), per-request latency of sequential requests and the time of a burst.
 
-Run: ``python -m benchmarks.engine_tracing_cost [scheduler|engine|all]``.
+Both are presets of the paired runner (:mod:`benchmarks.paired`): the configurations take turns in
+rounds whose order alternates, and each is compared with tracing off round by round.
+Run: ``omnirelay bench tracing [scheduler|engine|all]``.
 """
 
 from __future__ import annotations
@@ -16,15 +18,18 @@ from __future__ import annotations
 import asyncio
 import os
 import statistics
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-ROUNDS = 5
+from benchmarks.paired import Figure, render, run_paired
+
+SCHEDULER_ROUNDS = 5
+ENGINE_ROUNDS = 10
 
 BASELINE = "vLLM AsyncScheduler (no OmniScheduler hooks)"
 
@@ -131,19 +136,23 @@ def scheduler_us_per_step(
     return elapsed / steps / 1000, steps
 
 
+SCHEDULER_FIGURES: tuple[Figure[float], ...] = (
+    Figure("scheduler step", "µs", lambda us: us),
+    Figure("scheduler step, more than off", "µs", lambda us: us, compare="difference"),
+)
+
+
 def bench_scheduler() -> None:
-    print(
-        f"scheduler loop, 64 requests x (64 prompt + 128 output tokens), median of {ROUNDS} interleaved runs"
-    )
+    """Every configuration's µs per scheduler step, against tracing off."""
+    print(f"scheduler loop, 64 requests x (64 prompt + 128 output tokens), {SCHEDULER_ROUNDS} paired rounds")
     scheduler_us_per_step(None)  # warm-up
-    runs: dict[str, list[tuple[float, int]]] = {name: [] for name in CONFIGS}
-    for _ in range(ROUNDS):
-        for name, settings in CONFIGS.items():
-            runs[name].append(scheduler_us_per_step(settings, plain=name == BASELINE))
-    base = statistics.median(r[0] for r in runs["off"])
-    for name, rs in runs.items():
-        us = statistics.median(r[0] for r in rs)
-        print(f"  {name:50s} {us:7.1f} µs/step  {us - base:+6.1f} µs ({(us / base - 1) * 100:+5.1f} %)")
+
+    def one(name: str, settings: None, _: int) -> float:
+        return scheduler_us_per_step(CONFIGS[name], plain=name == BASELINE)[0]
+
+    workload = {"64 x (64 + 128)": None}
+    paired = asyncio.run(run_paired(list(CONFIGS), workload, SCHEDULER_ROUNDS, one, baseline="off"))
+    print(render(paired, SCHEDULER_FIGURES))
 
 
 # --- real engines ---------------------------------------------------------------------------------------
@@ -176,7 +185,22 @@ async def _start(flags: Any):  # -> ThinkerHandler
     return handler
 
 
-async def _round(engine: Any, r: int, sequential: int = 30, burst: int = 16) -> tuple[list[float], float]:
+@dataclass(frozen=True)
+class EngineRound:
+    """One round on one engine: each sequential request's latency and the burst's time, seconds."""
+
+    sequential_s: list[float]
+    burst_s: float
+
+
+ENGINE_FIGURES: tuple[Figure[EngineRound], ...] = (
+    Figure("sequential p50", "ms", lambda r: statistics.median(r.sequential_s) * 1e3),
+    Figure("sequential p95", "ms", lambda r: statistics.quantiles(r.sequential_s, n=20)[18] * 1e3),
+    Figure("burst of 16", "ms", lambda r: r.burst_s * 1e3),
+)
+
+
+async def _round(engine: Any, r: int, sequential: int = 30, burst: int = 16) -> EngineRound:
     """Latencies of ``sequential`` requests one after the other, then the time of a burst."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -193,12 +217,12 @@ async def _round(engine: Any, r: int, sequential: int = 30, burst: int = 16) -> 
     seq = [await one(100 * r + k) for k in range(sequential)]
     t0 = time.perf_counter()
     await asyncio.gather(*(one(10_000 * r + k) for k in range(burst)))
-    return seq, time.perf_counter() - t0
+    return EngineRound(seq, time.perf_counter() - t0)
 
 
-async def _compare_engines() -> dict[str, tuple[list[float], list[float]]]:
+async def _compare_engines() -> str:
     """Two engines side by side (tracing off, tracing on at the default rates with step tracing
-    enabled), used in alternation so that load drift hits both alike."""
+    enabled), used in paired rounds so that load drift hits both alike; the table."""
     from services.stage_worker.engine_core.tracing_config import EngineTracing
 
     for key in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_EXPORTER"):
@@ -207,41 +231,32 @@ async def _compare_engines() -> dict[str, tuple[list[float], list[float]]]:
     sink = _sink()
     os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{sink.server_address[1]}"
     os.environ["OTEL_EXPORTER_OTLP_PROTOCOL"] = "http/protobuf"
-    handlers["on (journey 1.0, step 0.01 / 0.001)"] = await _start(EngineTracing(step_enabled=True))
-    results: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in handlers}
+    handlers["on"] = await _start(EngineTracing(step_enabled=True))  # journey 1.0, step 0.01 / 0.001
     try:
-        for r in range(-1, 2 * ROUNDS):  # round -1 warms both up
-            for name, h in handlers.items():
-                seq, burst = await _round(h.engine, r)
-                if r >= 0:
-                    results[name][0].extend(seq)
-                    results[name][1].append(burst)
+        paired = await run_paired(
+            list(handlers),
+            {"32 + 32 tokens": None},
+            ENGINE_ROUNDS,
+            lambda name, _, r: _round(handlers[name].engine, r),
+            warmup=lambda name: _round(handlers[name].engine, -1),
+            figures=ENGINE_FIGURES,
+        )
     finally:
         for h in handlers.values():
             await h.stop()
         sink.shutdown()
-    return results
+    return render(paired, ENGINE_FIGURES)
 
 
 def bench_engine() -> None:
+    """Tracing on against off, on real engines."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    results = asyncio.run(_compare_engines())
+    table = asyncio.run(_compare_engines())
     print(
-        f"tiny thinker engine, 32-token prompts, 32 output tokens, {2 * ROUNDS} alternating rounds; "
-        f"load average {os.getloadavg()[0]:.1f}"
+        "tiny thinker engine, 32-token prompts, 32 output tokens; tracing on: journey 1.0, step 0.01 / "
+        f"0.001 (the defaults); load average {os.getloadavg()[0]:.1f}"
     )
-    for name, (seq, bursts) in results.items():
-        q = statistics.quantiles(seq, n=20)
-        print(
-            f"  tracing {name:36s} sequential p50 {statistics.median(seq) * 1e3:6.1f} ms  "
-            f"p95 {q[18] * 1e3:6.1f} ms   burst of 16: median {statistics.median(bursts) * 1e3:6.1f} ms"
-        )
+    print(table)
 
 
 BENCHES: dict[str, Callable[[], None]] = {"scheduler": bench_scheduler, "engine": bench_engine}
-
-if __name__ == "__main__":
-    which = sys.argv[1] if len(sys.argv) > 1 else "all"
-    for name, fn in BENCHES.items():
-        if which in (name, "all"):
-            fn()

@@ -53,6 +53,7 @@ from benchmarks.harness import (
     wait_http_ok,
     wait_log,
 )
+from benchmarks.paired import table
 from benchmarks.process_table import cpu_share_pct, descendants, foreign_cpu_s, process_cpu_s
 from libs.common.pipeline import load_pipeline
 
@@ -146,16 +147,10 @@ def _ms(pair: tuple[float, float] | None) -> tuple[str, str]:
     return ("-", "-") if pair is None else (f"{pair[0]:.1f}", f"{pair[1]:.1f}")
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *rows]]
-    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
-
-
 def render(cells: Sequence[CellResult]) -> str:
     """Two tables (throughput and latency; CPU per process, percent of one core), then one line
     per cell naming its bottleneck."""
-    perf = _table(
+    perf = table(
         ("gateways", "c", "requests", "errors", "req/s", "out tok/s", "TTFT p50", "p99", "TPOT p50", "p99"),
         [
             (
@@ -170,14 +165,16 @@ def render(cells: Sequence[CellResult]) -> str:
             )
             for r in cells
         ],
+        left=0,
     )
     roles = sorted({k for r in cells for k in r.cpu_pct})
-    cpu = _table(
+    cpu = table(
         ("gateways", "c", *roles),
         [
             (str(r.gateways), str(r.concurrency), *(f"{r.cpu_pct.get(k, 0):.0f}" for k in roles))
             for r in cells
         ],
+        left=0,
     )
     notes = [f"g={r.gateways} c={r.concurrency}: bottleneck {r.bottleneck}" for r in cells]
     notes += [
@@ -185,17 +182,8 @@ def render(cells: Sequence[CellResult]) -> str:
         for r in cells
         if r.errors
     ]
-    return "\n".join(
-        [
-            "latencies in ms; TTFT/TPOT from the client",
-            perf,
-            "",
-            "CPU over the cell, % of one core",
-            cpu,
-            "",
-            *notes,
-        ]
-    )
+    head = "latencies in ms; TTFT/TPOT from the client"
+    return "\n".join([head, perf, "", "CPU over the cell, % of one core", cpu, "", *notes])
 
 
 # --- load (client processes) ----------------------------------------------------------------------

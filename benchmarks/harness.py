@@ -30,7 +30,9 @@ from benchmarks.process_table import ENGINE_TITLE, descendants
 from libs.common.pipeline import PipelineConfig
 from libs.stack.local_nats import SYNC_INTERVAL, ClusterNode
 
-DEFAULT_PIPELINE = Path(__file__).resolve().parents[1] / "compose" / "pipelines" / "text-only.yaml"
+ROOT = Path(__file__).resolve().parents[1]
+"""The checkout."""
+DEFAULT_PIPELINE = ROOT / "compose" / "pipelines" / "text-only.yaml"
 PROMPTS = (
     "Tell me a short story about a lighthouse keeper.",
     "Explain how a bicycle stays upright.",
@@ -121,6 +123,16 @@ def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+def commit() -> str:
+    """This checkout's HEAD commit (``+dirty`` when tracked files differ from it), or ``unknown``."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode != 0
+    except OSError:
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if dirty else "") if head.returncode == 0 else "unknown"
+
+
 # --- processes -----------------------------------------------------------------------------
 
 
@@ -193,7 +205,7 @@ class Processes:
         self.items: list[Managed] = []
         self.stoppers: list[Callable[[], None]] = []
         """What stops the groups of processes kept elsewhere (a stack of supervised services,
-        :mod:`benchmarks.service_stack`): called, last added first, before :attr:`items` stop."""
+        tests/verification/service_stack.py): called, last added first, before :attr:`items` stop."""
 
     def start(
         self,
@@ -336,7 +348,8 @@ def start_stack(
         nats_url = client_urls(list(nodes))
     port = free_port()
     argv = [sys.executable, "-m", "cli", "up", "--pipeline", str(pipeline_path), "--port", str(port)]
-    argv += ["--data-dir", str(root), *up_args]
+    # Any free admin port: the default (8001) is another stack's when a bench runs several.
+    argv += ["--data-dir", str(root), "--admin-port", "0", *up_args]
     stack_env = {**env, "NATS_URL": nats_url}
     if tree is not None:  # `python -m` looks in the working directory first
         stack_env["PYTHONPATH"] = str(tree)
@@ -345,19 +358,44 @@ def start_stack(
     return Stack(name, f"http://127.0.0.1:{port}/v1", nats_url, stack, nodes)
 
 
-def run_with_stacks(prefix: str, work: Callable[[Processes, Path], None], keep: bool = False) -> int:
-    """Run ``work(procs, data_dir)`` in a fresh temporary directory named ``prefix...``; every
-    process it started is stopped afterwards. The directory is removed after a success (unless
-    ``keep``) and kept (and named) after a failure. Returns 0 or 1."""
-    data_dir = Path(tempfile.mkdtemp(prefix=prefix))
-    procs = Processes(data_dir)
+@contextlib.contextmanager
+def _signals(handler: Callable[[int, object], None] | int) -> Iterator[None]:
+    """Handle SIGINT and SIGTERM with ``handler`` (a function or ``signal.SIG_IGN``) inside the block."""
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        work(procs, data_dir)
-    except (RuntimeError, KeyboardInterrupt) as e:
-        log(f"failed: {e}; logs kept in {data_dir}")
-        return 1
+        yield
     finally:
-        procs.stop_all()
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGINT and SIGTERM both become KeyboardInterrupt, so the ``finally`` blocks stop every
+    process. (Installing a handler also matters when SIGINT arrives ignored, as in a background
+    job: the children then start with the default disposition instead of inheriting "ignore".)"""
+    raise KeyboardInterrupt
+
+
+def run_with_stacks(
+    prefix: str, work: Callable[[Processes, Path], None], keep: bool = False, log_dir: Path | None = None
+) -> int:
+    """Run ``work(procs, data_dir)`` in ``log_dir`` (kept), else a fresh temporary directory named
+    ``prefix...``; every process it started is stopped afterwards, also on Ctrl-C, SIGTERM or an
+    error. The temporary directory is removed after a success (unless ``keep``) and kept (and
+    named) after a failure. Returns 0 or 1."""
+    data_dir = log_dir or Path(tempfile.mkdtemp(prefix=prefix))
+    data_dir.mkdir(parents=True, exist_ok=True)
+    keep = keep or log_dir is not None
+    procs = Processes(data_dir)
+    with _signals(_interrupt):
+        try:
+            work(procs, data_dir)
+        except (RuntimeError, KeyboardInterrupt) as e:
+            log(f"failed: {e or 'interrupted'}; logs kept in {data_dir}")
+            return 1
+        finally:
+            with _signals(signal.SIG_IGN):  # a second Ctrl-C must not leave processes behind
+                procs.stop_all()
     if keep:
         log(f"logs kept in {data_dir}")
     else:
@@ -548,51 +586,3 @@ async def run_load(
     return await closed_loop(
         requests, concurrency, lambda i: timed_request(client, model, PROMPTS[i % len(PROMPTS)], max_tokens)
     )
-
-
-async def _wait_ready(target: Target, timeout_s: float = 60.0) -> None:
-    """Poll ``target``'s health URL until it answers 200 (after a resume, the omnirelay services
-    re-register within a heartbeat)."""
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(timeout=2.0) as client:
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if (await client.get(target.health_url)).status_code == 200:
-                    return
-            if target.process.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{target.name} not healthy after resume:\n{target.process.log_tail()}")
-            await asyncio.sleep(0.2)
-
-
-async def settle(
-    name: str, model: str, client, in_a_row: int, max_tokens: int, timeout_s: float = 60.0
-) -> None:
-    """Send sequential unmeasured requests to ``name`` until ``in_a_row`` consecutive ones succeed
-    (fails after ``timeout_s``)."""
-    deadline = time.monotonic() + timeout_s
-    ok = 0
-    while ok < in_a_row:
-        t = await timed_request(client, model, PROMPTS[ok % len(PROMPTS)], max_tokens)
-        ok = ok + 1 if t.ok else 0
-        if not t.ok:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} keeps failing after resume: {t.error}")
-            await asyncio.sleep(0.5)
-
-
-@contextlib.asynccontextmanager
-async def while_active(target: Target, pause_idle: bool, in_a_row: int, client, max_tokens: int):
-    """Resume ``target`` (if paused), wait until healthy and until ``in_a_row`` unmeasured requests
-    in a row succeed (a long pause lets the omnirelay registrations expire; they come back with
-    the next heartbeat); pause it again afterwards."""
-    if pause_idle:
-        target.process.resume()
-        await _wait_ready(target)
-        await settle(target.name, target.model, client, in_a_row, max_tokens)
-    try:
-        yield
-    finally:
-        if pause_idle:
-            target.process.pause()

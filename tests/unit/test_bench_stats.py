@@ -5,26 +5,19 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.comparison_stats import (
-    DIRECT,
-    GATEWAY,
-    CellStats,
+    FIGURES,
     RoundResult,
-    Row,
     aggregate,
-    comparison_rows,
     default_requests,
     late_first_token_share,
     machine_note,
-    overhead_pct,
     parse_concurrency,
-    ratio,
-    render_table,
-    round_order,
     split_requests,
     verdict_line,
 )
 from benchmarks.gateway_vs_vllm import _commonest_error
 from benchmarks.harness import RequestTiming, Summary, percentile
+from benchmarks.paired import order
 from benchmarks.process_table import cpu_share_pct
 
 
@@ -96,13 +89,9 @@ def _req(sent: float, ttft: float, tpot: float, tokens: int, tail: float = 0.0) 
 
 
 def test_aggregate_pools_rounds_and_sums_wall_time() -> None:
-    r0 = RoundResult(GATEWAY, 1, 0, wall_s=2.0, timings=[_req(0, 0.1, 0.01, 11), _req(1, 0.3, 0.03, 11)])
+    r0 = RoundResult(wall_s=2.0, timings=[_req(0, 0.1, 0.01, 11), _req(1, 0.3, 0.03, 11)])
     r1 = RoundResult(
-        GATEWAY,
-        1,
-        1,
-        wall_s=2.0,
-        timings=[_req(0, 0.2, 0.02, 11), RequestTiming(sent_s=0, done_s=1, error="HTTP 500")],
+        wall_s=2.0, timings=[_req(0, 0.2, 0.02, 11), RequestTiming(sent_s=0, done_s=1, error="HTTP 500")]
     )
     s = aggregate([r0, r1])
     assert s.requests == 4 and s.errors == 1
@@ -118,56 +107,29 @@ def test_aggregate_pools_rounds_and_sums_wall_time() -> None:
 
 
 def test_aggregate_of_only_failures() -> None:
-    s = aggregate([RoundResult(DIRECT, 16, 0, 1.0, [RequestTiming(sent_s=0, done_s=1, error="x")])])
+    s = aggregate([RoundResult(1.0, [RequestTiming(sent_s=0, done_s=1, error="x")])])
     assert (s.ttft, s.tpot, s.e2e, s.throughput_tok_s, s.errors) == (None, None, None, 0.0, 1)
 
 
-# --- ratio and verdict --------------------------------------------------------------------
-def test_ratio_and_overhead() -> None:
-    assert ratio(0.12, 0.10) == pytest.approx(1.2)
-    assert overhead_pct(0.12, 0.10) == pytest.approx(20.0)
-    assert overhead_pct(0.09, 0.10) == pytest.approx(-10.0)
-    assert ratio(1.0, 0.0) is None
-    assert ratio(None, 1.0) is None
-    assert overhead_pct(1.0, None) is None
+# --- a round's figures and the verdict ---------------------------------------------------
+def test_a_rounds_figures_are_its_latencies_in_ms_and_its_throughput() -> None:
+    r = RoundResult(wall_s=2.0, timings=[_req(0, 0.1, 0.01, 11), _req(1, 0.3, 0.03, 11)])
+    got = {f.name: f.of(r) for f in FIGURES}
+    assert list(got) == [f"{m} {s}" for m in ("TTFT", "TPOT", "E2E") for s in ("p50", "p90", "mean")] + [
+        "throughput"
+    ]
+    assert got["TTFT p50"] == pytest.approx(200.0)  # TTFTs 100 and 300 ms
+    assert got["TPOT mean"] == pytest.approx(20.0)
+    assert got["E2E p90"] == pytest.approx(560.0)  # e2e 200 and 600 ms: 200 + 0.9 × 400
+    assert got["throughput"] == pytest.approx(11.0)  # 22 tokens in 2 s
+    assert FIGURES[0].of(RoundResult(1.0, [RequestTiming(sent_s=0, done_s=1, error="x")])) is None
 
 
 def test_verdict_line_met_and_missed() -> None:
-    met = verdict_line(0.0115, 0.0100)
+    met = verdict_line(1.15)
     assert met == ("gateway TTFT p50 at concurrency 1 is +15.0% over direct vLLM (target ≤ +20%): met")
-    assert verdict_line(0.0150, 0.0100).endswith("+50.0% over direct vLLM (target ≤ +20%): MISSED")
-    assert "not measured" in verdict_line(None, 0.01)
-
-
-# --- table --------------------------------------------------------------------------------
-def _cell(ttft_ms: float, tput: float) -> CellStats:
-    s = Summary(p50=ttft_ms / 1e3, p90=ttft_ms / 1e3, mean=ttft_ms / 1e3, count=1)
-    return CellStats(ttft=s, tpot=s, e2e=s, throughput_tok_s=tput, requests=1, errors=0)
-
-
-def test_comparison_rows_are_metric_by_concurrency_in_display_units() -> None:
-    rows = comparison_rows({1: _cell(12, 100), 16: _cell(30, 800)}, {1: _cell(10, 110)}, [1, 16])
-    assert len(rows) == 3 * 3 * 2 + 2
-    assert rows[0] == Row("TTFT p50 (ms)", 1, pytest.approx(12.0), pytest.approx(10.0))
-    assert rows[1] == Row("TTFT p50 (ms)", 16, pytest.approx(30.0), None)
-    assert rows[-2] == Row("throughput (tok/s)", 1, 100, 110)
-    assert rows[-1] == Row("throughput (tok/s)", 16, 800, None)
-    assert [r.metric for r in rows[2:6]] == [
-        "TTFT p90 (ms)",
-        "TTFT p90 (ms)",
-        "TTFT mean (ms)",
-        "TTFT mean (ms)",
-    ]
-
-
-def test_render_table_columns_and_ratio() -> None:
-    text = render_table([Row("TTFT p50 (ms)", 1, 12.0, 10.0), Row("throughput (tok/s)", 16, 800.0, None)])
-    lines = text.splitlines()
-    assert lines[0].split() == ["metric", "conc", "omnirelay", "vLLM", "direct", "ratio"]
-    assert set(lines[1]) == {"-"}
-    assert lines[2].split() == ["TTFT", "p50", "(ms)", "1", "12.00", "10.00", "1.20x", "(+20%)"]
-    assert lines[3].split() == ["throughput", "(tok/s)", "16", "800.0", "-", "-"]
-    assert len({len(line) for line in lines}) == 1  # fixed width
+    assert verdict_line(1.5).endswith("+50.0% over direct vLLM (target ≤ +20%): MISSED")
+    assert "not measured" in verdict_line(None)
 
 
 # --- plan helpers -------------------------------------------------------------------------
@@ -177,7 +139,7 @@ def test_split_requests_and_round_order() -> None:
     assert split_requests(2, 3) == [1, 1, 0]
     with pytest.raises(ValueError):
         split_requests(4, 0)
-    assert [round_order(r) for r in range(3)] == [(GATEWAY, DIRECT), (DIRECT, GATEWAY), (GATEWAY, DIRECT)]
+    assert [order(("a", "b"), r) for r in range(3)] == [("a", "b"), ("b", "a"), ("a", "b")]
 
 
 def test_parse_concurrency_and_defaults() -> None:
@@ -230,7 +192,7 @@ def test_late_first_token_share() -> None:
 
 
 def test_verdict_line_flags_unreliable() -> None:
-    line = verdict_line(0.011, 0.010, unreliable="burst-delivered streams")
+    line = verdict_line(1.1, unreliable="burst-delivered streams")
     assert line.endswith("(target ≤ +20%): met — UNRELIABLE: burst-delivered streams")
 
 

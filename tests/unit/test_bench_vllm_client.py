@@ -12,27 +12,31 @@ from benchmarks.comparison_stats import DIRECT, GATEWAY
 from benchmarks.frontend_capacity import _role, bottleneck, cell_result, stack_env
 from benchmarks.frontend_capacity import render as render_capacity
 from benchmarks.harness import RequestTiming, Target
+from benchmarks.paired import Paired, Run
 from benchmarks.vllm_client_paired import (
+    FIGURES,
     ClientRun,
     VllmClientOptions,
     burst_notes,
     client_argv,
     default_prompts,
-    paired,
-    render,
-    round_differences,
-    round_ratios,
+    report,
     run_from_result,
-    spread,
 )
 
 
-def _run(target: str, c: int, r: int, tpot: float, ttft: float, tput: float, failed: int = 0) -> ClientRun:
+def _run(
+    target: str, c: int, r: int, tpot: float, ttft: float, tput: float, failed: int = 0
+) -> Run[ClientRun]:
     figures = {"median_tpot_ms": tpot, "median_ttft_ms": ttft, "output_throughput": tput}
-    return ClientRun(target, c, r, figures, 10 - failed, failed)
+    return Run(target, f"c={c}", r, ClientRun(figures, 10 - failed, failed))
 
 
-RUNS = [
+def _paired(*runs: Run[ClientRun]) -> Paired[ClientRun]:
+    return Paired((GATEWAY, DIRECT), DIRECT, ("c=1", "c=16"), list(runs))
+
+
+PAIRED = _paired(
     _run(GATEWAY, 1, 0, 2.0, 10.0, 400.0),
     _run(DIRECT, 1, 0, 1.6, 9.0, 500.0),
     _run(DIRECT, 1, 1, 1.5, 8.0, 520.0),
@@ -42,50 +46,54 @@ RUNS = [
     _run(GATEWAY, 16, 0, 3.0, 30.0, 3000.0),  # no vLLM run in round 0 at c=16: unpaired
     _run(GATEWAY, 16, 1, 3.0, 30.0, 3000.0),
     _run(DIRECT, 16, 1, 2.0, 20.0, 2500.0, failed=2),
-]
+)
+TPOT, TTFT, THROUGHPUT = FIGURES[:3]
+TTFT_DIFFERENCE = FIGURES[-1]
 
 
 def test_rounds_pair_only_when_both_targets_ran() -> None:
-    assert paired(RUNS, "median_tpot_ms", 16) == [(1, 3.0, 2.0)]
-    assert [rn for rn, _, _ in paired(RUNS, "median_tpot_ms", 1)] == [0, 1, 2]
+    assert PAIRED.per_round(TPOT, GATEWAY, "c=16") == [1.5]
+    assert len(PAIRED.per_round(TPOT, GATEWAY, "c=1")) == 3
 
 
 def test_per_round_ratios_and_their_median_and_range() -> None:
-    ratios = round_ratios(RUNS, "median_tpot_ms", 1)
+    ratios = PAIRED.per_round(TPOT, GATEWAY, "c=1")
     assert ratios == pytest.approx([2.0 / 1.6, 1.8 / 1.5, 1.0])
-    s = spread(ratios)
+    s = PAIRED.compared(TPOT, GATEWAY, "c=1")
     assert s is not None
     assert s.median == pytest.approx(1.2)
     assert (s.low, s.high) == pytest.approx((1.0, 1.25))
-    assert round_ratios(RUNS, "output_throughput", 16) == pytest.approx([1.2])
-    assert spread([]) is None
+    assert PAIRED.per_round(THROUGHPUT, GATEWAY, "c=16") == pytest.approx([1.2])
 
 
 def test_ttft_differences_in_ms() -> None:
-    assert round_differences(RUNS, "median_ttft_ms", 1) == pytest.approx([1.0, 0.5, 0.5])
+    assert PAIRED.per_round(TTFT_DIFFERENCE, GATEWAY, "c=1") == pytest.approx([1.0, 0.5, 0.5])
 
 
 def test_a_zero_baseline_gives_no_ratio() -> None:
-    runs = [_run(GATEWAY, 1, 0, 1.0, 1.0, 1.0), _run(DIRECT, 1, 0, 0.0, 1.0, 1.0)]
-    assert round_ratios(runs, "median_tpot_ms", 1) == []
+    paired = _paired(_run(GATEWAY, 1, 0, 1.0, 1.0, 1.0), _run(DIRECT, 1, 0, 0.0, 1.0, 1.0))
+    assert paired.per_round(TPOT, GATEWAY, "c=1") == []
+    assert paired.compared(TPOT, GATEWAY, "c=1") is None
 
 
-def test_render_shows_medians_spreads_and_failures() -> None:
-    text = render(RUNS, (1, 16))
-    line = next(x for x in text.splitlines() if x.startswith("TPOT p50") and " 1 " in x)
-    assert "1.20x" in line and "1.00–1.25" in line and "1.25, 1.20, 1.00" in line
-    assert "TTFT p50 c=1: omnirelay − vLLM median +0.50 ms" in text
+def test_the_report_shows_medians_spreads_and_failures() -> None:
+    text = report(PAIRED)
+    line = next(x for x in text.splitlines() if x.startswith("TPOT p50 (ms)") and " c=1 " in x)
+    assert line.split()[4:7] == ["1.80", "1.60", "1.20x"]  # omnirelay's and vLLM's medians, the ratio's
+    assert "1.00x–1.25x" in line and "1.25x, 1.20x, 1.00x" in line
+    line = next(x for x in text.splitlines() if x.startswith("TTFT p50 difference (ms)") and " c=1 " in x)
+    assert "+0.50" in line.split() and "+0.50–+1.00" in line
     assert "vLLM c=16 round 1: 2 failed requests" in text
 
 
 def test_a_stream_that_came_in_one_burst_is_flagged() -> None:
-    fine = ClientRun(DIRECT, 16, 0, {"median_ttft_ms": 20.0, "median_e2el_ms": 160.0}, 10, 0)
-    burst = ClientRun(DIRECT, 1, 1, {"median_ttft_ms": 141.0, "median_e2el_ms": 142.0}, 10, 0)
-    unknown = ClientRun(GATEWAY, 1, 1, {"median_ttft_ms": 141.0}, 10, 0)
-    assert (fine.burst, burst.burst, unknown.burst) == (False, True, False)
-    (note,) = burst_notes([fine, burst, unknown])
+    fine = Run(DIRECT, "c=16", 0, ClientRun({"median_ttft_ms": 20.0, "median_e2el_ms": 160.0}, 10, 0))
+    burst = Run(DIRECT, "c=1", 1, ClientRun({"median_ttft_ms": 141.0, "median_e2el_ms": 142.0}, 10, 0))
+    unknown = Run(GATEWAY, "c=1", 1, ClientRun({"median_ttft_ms": 141.0}, 10, 0))
+    assert (fine.result.burst, burst.result.burst, unknown.result.burst) == (False, True, False)
+    (note,) = burst_notes(_paired(fine, burst, unknown))
     assert note.startswith("WARNING: vLLM c=1: streams came in one burst") and "rounds 1" in note
-    assert note in render([fine, burst, unknown], (1, 16))
+    assert note in report(_paired(fine, burst, unknown))
 
 
 def test_a_result_file_becomes_a_run() -> None:
@@ -99,15 +107,15 @@ def test_a_result_file_becomes_a_run() -> None:
         "mean_tpot_ms": 9.9,
         "median_e2el_ms": 100.0,
     }
-    run = run_from_result(GATEWAY, 16, 3, result)
+    run = run_from_result(result)
     assert run.figures == {
         "median_tpot_ms": 1.5,
         "median_ttft_ms": 7.0,
         "output_throughput": 600.5,
         "median_e2el_ms": 100.0,
     }
-    assert (run.completed, run.failed, run.round_no) == (46, 2, 3)
-    assert run_from_result(DIRECT, 1, 0, {"completed": 40, "num_prompts": 48}).failed == 8
+    assert (run.completed, run.failed) == (46, 2)
+    assert run_from_result({"completed": 40, "num_prompts": 48}).failed == 8
 
 
 def test_default_prompts() -> None:

@@ -3,8 +3,8 @@ the totals, and streams with tokens or audio missing or repeated."""
 
 from __future__ import annotations
 
-from benchmarks.chaos_accounting import Ask, Record, Strike, account, explain, lost_or_hung, render
-from benchmarks.fault_suite import Seen
+from benchmarks.chat_streams import Seen
+from tests.verification.chaos_accounting import Ask, Record, Strike, account, explain, lost_or_hung, render
 
 TEXT = Ask("p", 3, audio=False, stream=True)
 AUDIO = Ask("p", 3, audio=True, stream=True)

@@ -20,6 +20,7 @@ from benchmarks.cpu_split import (
     label_of,
     snapshot,
 )
+from benchmarks.paired import Paired, Run
 from benchmarks.vllm_client_paired import ClientRun, by_process, front_side_loads
 
 
@@ -80,21 +81,26 @@ def test_snapshot_reads_a_child_as_its_own_clock_does() -> None:
         child.wait()
 
 
-def _run(target: str, c: int, r: int, front: float, client: float, tput: float, **kinds: float) -> ClientRun:
+def _run(target: str, r: int, front: float, client: float, tput: float, **kinds: float) -> Run[ClientRun]:
     figures = {FRONT_END_KEY: front, CLIENT_KEY: client, "output_throughput": tput}
     figures |= {PROCESS_KEY_PREFIX + k: v for k, v in kinds.items()}
-    return ClientRun(target, c, r, figures, 10, 0)
+    return Run(target, "c=16", r, ClientRun(figures, 10, 0))
 
 
 def test_front_side_load_and_the_table_by_process() -> None:
-    runs = [
-        _run(GATEWAY, 16, 0, 150.0, 50.0, 4000.0, gateway=60.0, worker=50.0),
-        _run(GATEWAY, 16, 1, 170.0, 50.0, 4200.0, gateway=80.0, worker=40.0),
-        _run(DIRECT, 16, 0, 80.0, 60.0, 4100.0, api_server=80.0),
+    paired: Paired[ClientRun] = Paired((GATEWAY, DIRECT), DIRECT, ("c=1", "c=16"))
+    paired.runs += [
+        _run(GATEWAY, 0, 150.0, 50.0, 4000.0, gateway=60.0, worker=50.0),
+        _run(GATEWAY, 1, 170.0, 50.0, 4200.0, gateway=80.0, worker=40.0),
+        _run(DIRECT, 0, 80.0, 60.0, 4100.0, api_server=80.0),
     ]
-    assert front_side_loads(runs, GATEWAY, 16) == pytest.approx([0.8, 0.924])
-    assert front_side_loads(runs, DIRECT, 16) == pytest.approx([0.574])
-    assert front_side_loads(runs, GATEWAY, 1) == []
-    header, rows = by_process(runs)
-    assert header == ("process", "omnirelay c=16", "vLLM c=16")
-    assert rows == [("api_server", "-", "80.0"), ("gateway", "70.0", "-"), ("worker", "45.0", "-")]
+    assert front_side_loads(paired, GATEWAY, "c=16") == pytest.approx([0.8, 0.924])
+    assert front_side_loads(paired, DIRECT, "c=16") == pytest.approx([0.574])
+    assert front_side_loads(paired, GATEWAY, "c=1") == []
+    header, rows = by_process(paired)
+    assert header == ("process", "omnirelay c=1", "vLLM c=1", "omnirelay c=16", "vLLM c=16")
+    assert rows == [
+        ("api_server", "-", "-", "-", "80.0"),
+        ("gateway", "-", "-", "70.0", "-"),
+        ("worker", "-", "-", "45.0", "-"),
+    ]

@@ -11,22 +11,21 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.fault_injection import FAULTS, PIPELINE_YAML, REPLICAS, matches, victim_service
-from benchmarks.fault_sessions import SAMPLES_PER_TOKEN
-from benchmarks.fault_suite import (
-    Fault,
-    Seen,
-    bound_in_stage,
-    busiest,
-    render,
-    replaced_by_a_new_process,
-    row_of,
-    verdicts_since,
-)
-from benchmarks.service_stack import Service, restart_delay_s
+from benchmarks.chat_streams import TWO_REPLICA_PIPELINE, Seen
 from libs.common.pipeline import load_pipeline
 from libs.stack.process_plan import plan_services
 from tests.procs import until
+from tests.verification.fault_injection import (
+    FAULTS,
+    REPLICAS,
+    Fault,
+    matches,
+    verdicts_since,
+    victim_service,
+)
+from tests.verification.fault_sessions import SAMPLES_PER_TOKEN
+from tests.verification.fault_suite import bound_in_stage, busiest, render, replaced_by_a_new_process, row_of
+from tests.verification.service_stack import Service, restart_delay_s
 
 
 def test_a_row_counts_completed_failed_hung_and_wrong_counts_and_the_longest_pause() -> None:
@@ -147,7 +146,7 @@ def test_every_fault_of_one_service_names_a_service_of_the_process_plan(tmp_path
     """The name a fault's victim is looked up by in the services mode is one the process plan
     (which the compose file and ``omnirelay up`` follow) gives a process, or the NATS server's."""
     pipeline_path = tmp_path / "faults.yaml"
-    pipeline_path.write_text(PIPELINE_YAML)
+    pipeline_path.write_text(TWO_REPLICA_PIPELINE)
     planned = {
         s.name for s in plan_services(load_pipeline(pipeline_path), pipeline_path, "nats://x", 1, True)
     }

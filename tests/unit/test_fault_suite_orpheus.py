@@ -1,5 +1,5 @@
 """The fault suite's Orpheus rows: the pipeline it runs (built from compose/pipelines/orpheus-tiny.yaml)
-and the chunk judge of a variable-length audio stream (benchmarks/audio_accounting.py), fed with
+and the chunk judge of a variable-length audio stream (tests/verification/audio_accounting.py), fed with
 code chunks cut by the talker's own chunker and decoded chunk by chunk by the real SNAC adapter on a
 seeded tiny-snac, as code2wav does; the reference is the judge's whole-segment decode."""
 
@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.audio_accounting import (
+from libs.common.envelopes import NdArray, StageTask, TaskKind
+from libs.common.pipeline import load_pipeline
+from libs.models.tiny_snac import CODEBOOK_SIZE, build_tiny_snac
+from libs.stack.process_plan import plan_services
+from services.stage_worker.chunking import FrameChunker
+from services.stage_worker.codecs.snac import CONTEXT_FRAMES, SnacCodecAdapter
+from tests.verification.audio_accounting import (
     AudioTally,
     CodeCapture,
     SentChunk,
@@ -22,15 +28,9 @@ from benchmarks.audio_accounting import (
     sent_in_order,
     talker_input_unlike,
 )
-from benchmarks.fault_injection import REPLICAS, STAGE_NAMES, victim_service
-from benchmarks.fault_pipelines import ORPHEUS_FAULTS, pipelines
-from benchmarks.fault_suite import Row, render, replaced_by_a_new_process
-from libs.common.envelopes import NdArray, StageTask, TaskKind
-from libs.common.pipeline import load_pipeline
-from libs.models.tiny_snac import CODEBOOK_SIZE, build_tiny_snac
-from libs.stack.process_plan import plan_services
-from services.stage_worker.chunking import FrameChunker
-from services.stage_worker.codecs.snac import CONTEXT_FRAMES, SnacCodecAdapter
+from tests.verification.fault_injection import REPLICAS, STAGE_NAMES, victim_service
+from tests.verification.fault_pipelines import ORPHEUS_FAULTS, pipelines
+from tests.verification.fault_suite import Row, render, replaced_by_a_new_process
 
 SAMPLES_PER_FRAME = 2048
 """SNAC 24 kHz: one frame is 4 hops of 512 samples."""

@@ -1,6 +1,7 @@
 """The pure parts of ``omnirelay bench token-cost`` (benchmarks/token_cost.py): per-token CPU,
-the per-round ratios, their median and range, the sanity of a sample, the baseline file and the
-guard's comparison. Expected values are worked out by hand in each test."""
+its figures' per-round ratios in the paired runner, their median and range, the sanity of a
+sample, the baseline file and the guard's comparison. Expected values are worked out by hand in
+each test."""
 
 from __future__ import annotations
 
@@ -10,17 +11,15 @@ import math
 import pytest
 
 from benchmarks.harness import RequestTiming
+from benchmarks.paired import Paired, Run, Spread, spread
 from benchmarks.token_cost import (
     Baseline,
-    Round,
     Sample,
-    Spread,
     baseline_json,
+    figures,
     parse_baseline,
-    ratios,
     sample_of,
     sanity_problems,
-    spread,
     summarize,
     violations,
 )
@@ -46,39 +45,61 @@ def test_cpu_per_token_is_microseconds_per_output_token():
     assert math.isnan(_sample({"server": 0.1}, tokens=0).cpu_us_per_token())
 
 
+def _paired(*rounds: tuple[int, Sample, Sample]) -> Paired[Sample]:
+    """Rounds of (concurrency, A's sample, B's sample), numbered per concurrency."""
+    paired: Paired[Sample] = Paired(("A", "B"), "A", tuple(dict.fromkeys(f"c={c}" for c, _, _ in rounds)))
+    seen: dict[int, int] = {}
+    for c, a, b in rounds:
+        r = seen[c] = seen.get(c, -1) + 1
+        paired.runs += [Run("A", f"c={c}", r, a), Run("B", f"c={c}", r, b)]
+    return paired
+
+
+def _ratios(a: Sample, b: Sample) -> dict[str, float]:
+    figs = figures(list(b.cpu_s))
+    return {f: s.median for f, s in summarize(_paired((1, a, b)), figs)[1].items()}
+
+
 def test_ratios_are_b_over_a_per_figure():
     ref = _sample({"server": 0.01}, tpot=0.5)  # 10 µs/token
     omni = _sample({"gateway": 0.03, "worker": 0.02}, tpot=2.0)  # 30 + 20 µs/token
-    r = ratios(ref, omni)
+    r = _ratios(ref, omni)
     assert r["cpu"] == pytest.approx(5.0)
     assert r["cpu:gateway"] == pytest.approx(3.0)  # the reference has no gateway: over its sum
     assert r["cpu:worker"] == pytest.approx(2.0)
     assert r["tpot"] == pytest.approx(4.0)
     a = _sample({"gateway": 0.02, "worker": 0.04})
     b = _sample({"gateway": 0.03, "worker": 0.02})
-    assert ratios(a, b)["cpu:gateway"] == pytest.approx(1.5)  # same role on both sides
-    assert ratios(a, b)["cpu:worker"] == pytest.approx(0.5)
-    assert "tpot" not in ratios(_sample({"s": 0.01}, tpot=None), omni)
+    assert _ratios(a, b)["cpu:gateway"] == pytest.approx(1.5)  # same role on both sides
+    assert _ratios(a, b)["cpu:worker"] == pytest.approx(0.5)
+    assert "tpot" not in _ratios(_sample({"s": 0.01}, tpot=None), omni)
 
 
 def test_spread_is_median_and_range():
     s = spread([1.2, 3.0, 1.0, 1.1])
+    assert s is not None
     assert (s.median, s.low, s.high, s.n) == (pytest.approx(1.15), 1.0, 3.0, 4)
     assert s.relative == pytest.approx(2.0 / 1.15)
-    with pytest.raises(ValueError):
-        spread([])
+    assert spread([]) is None
 
 
 def test_summarize_takes_the_median_of_per_round_ratios_per_concurrency():
     ref = _sample({"server": 0.01})
-    rounds = [
-        Round(0, 1, "A", ref, _sample({"gateway": 0.02, "worker": 0.01})),  # cpu 3
-        Round(1, 1, "B", ref, _sample({"gateway": 0.05, "worker": 0.01})),  # cpu 6
-        Round(2, 1, "A", ref, _sample({"gateway": 0.03, "worker": 0.01})),  # cpu 4
-        Round(0, 16, "A", ref, _sample({"gateway": 0.01, "worker": 0.01})),  # cpu 2
-    ]
-    got = summarize(rounds)
-    assert got[1]["cpu"] == Spread(pytest.approx(4.0), pytest.approx(3.0), pytest.approx(6.0), 3)
+    paired = _paired(
+        (1, ref, _sample({"gateway": 0.02, "worker": 0.01})),  # cpu 3
+        (1, ref, _sample({"gateway": 0.05, "worker": 0.01})),  # cpu 6
+        (1, ref, _sample({"gateway": 0.03, "worker": 0.01})),  # cpu 4
+        (16, ref, _sample({"gateway": 0.01, "worker": 0.01})),  # cpu 2
+    )
+    got = summarize(paired, figures(["gateway", "worker"]))
+    cpu = got[1]["cpu"]
+    assert (cpu.median, cpu.low, cpu.high, cpu.n) == (
+        pytest.approx(4.0),
+        pytest.approx(3.0),
+        pytest.approx(6.0),
+        3,
+    )
+    assert cpu.values == pytest.approx((3.0, 6.0, 4.0))  # in round order
     assert got[16]["cpu"].median == pytest.approx(2.0) and got[16]["cpu"].n == 1
 
 

@@ -12,7 +12,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from benchmarks.fault_suite import Seen
+from benchmarks.chat_streams import Seen
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Strike:
     live again, the server back; None: not by the end of the soak."""
     verified: str
     took: bool
-    """The injection was verified (:class:`benchmarks.fault_injection.Injection`)."""
+    """The injection was verified (:class:`tests.verification.fault_injection.Injection`)."""
     during: str = ""
     """The earlier faults not yet over when it was injected (their victims, comma-separated)."""
 

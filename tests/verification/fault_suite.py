@@ -8,10 +8,10 @@ paused, and when a killed process's replacement was up.
 Two modes (:data:`MODES`): ``up`` runs the stack as ``omnirelay up`` (its launcher restarts a process
 that exits); ``services`` as docker compose runs it, one process per service (every NATS server, the
 orchestrator, each worker, the gateway), each under a restart policy like ``restart: unless-stopped``
-(:mod:`benchmarks.service_stack`).
+(:mod:`tests.verification.service_stack`).
 
-The faults, the pipeline and the injection are :mod:`benchmarks.fault_injection`'s; the clients'
-requests (:func:`send`, :func:`reference`) are shared with ``omnirelay verify chaos``.
+The faults, the pipeline and the injection are :mod:`tests.verification.fault_injection`'s; the clients'
+requests (:func:`benchmarks.chat_streams.send`, :func:`reference`) are shared with ``omnirelay verify chaos``.
 
 Clocks: ``time.monotonic()`` of this process, seconds. The accounting (:func:`row_of`) is a pure
 function of what the clients saw (tested in ``tests/unit/test_fault_suite.py``).
@@ -20,16 +20,19 @@ function of what the clients saw (tested in ``tests/unit/test_fault_suite.py``).
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import signal
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from benchmarks.audio_accounting import AudioTally, ChunkJudge
-from benchmarks.fault_injection import (
+from benchmarks.chat_streams import MODEL, Seen, send
+from benchmarks.harness import Processes, Stack, log, run_with_stacks, start_stack
+from libs.common.bus import bucket_keys, server_urls
+from libs.common.subjects import REQUESTS_BUCKET, Subjects
+from tests.verification.audio_accounting import AudioTally, ChunkJudge
+from tests.verification.fault_injection import (
     CLUSTER_NODE_TARGETS,
     PIPELINE_NAME,
     REPLICAS,
@@ -41,12 +44,9 @@ from benchmarks.fault_injection import (
     replaced,
     verdicts_since,
 )
-from benchmarks.fault_pipelines import MODEL, pipelines
-from benchmarks.fault_sessions import SAMPLES_PER_TOKEN, caller_speech, send_session
-from benchmarks.harness import Processes, Stack, log, run_with_stacks, start_stack
-from benchmarks.service_stack import ServiceStack, start_services
-from libs.common.bus import bucket_keys, server_urls
-from libs.common.subjects import REQUESTS_BUCKET, Subjects
+from tests.verification.fault_pipelines import pipelines
+from tests.verification.fault_sessions import SAMPLES_PER_TOKEN, caller_speech, send_session
+from tests.verification.service_stack import ServiceStack, start_services
 
 PROMPT = "Tell me everything about the sea."
 SAMPLE_RATE = 24_000
@@ -61,36 +61,6 @@ LLM_STAGES = ("thinker", "talker")
 """The suite's stages that run an engine (the others hold requests: the listener, code2wav)."""
 MODES = ("up", "services")
 """How the suite runs the stack: ``omnirelay up``, or one process per service under a restart policy."""
-
-
-@dataclass
-class Seen:
-    """One client's request as it saw it (``time.monotonic()`` readings, seconds)."""
-
-    id: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    at: list[float] = field(default_factory=list)
-    """When each chunk with tokens or audio arrived (a response not streamed: one arrival)."""
-    usage_tokens: int | None = None
-    audio_bytes: int = 0
-    error: str | None = None
-    """A failure: the OpenAI error's ``code``, else the exception's type name."""
-    ended_s: float | None = None
-    sent_s: float | None = None
-    text: str = ""
-    """The text (``content``, or the audio's ``transcript``), as streamed or in the message."""
-    audio_chunks: int = 0
-    """Chunks with audio (a response not streamed: 1 when it has audio)."""
-    error_code: str | None = None
-    """A failure's OpenAI error ``code`` (None: the failure had none, or no failure)."""
-    status: int | None = None
-    """A failure's HTTP status, where it had one."""
-    keep_audio: bool = False
-    """Keep each audio chunk's PCM16 in :attr:`audio_pieces` (for the chunk judge)."""
-    audio_pieces: list[bytes] = field(default_factory=list)
-    """The PCM16 bytes of each audio chunk, in arrival order (only with :attr:`keep_audio`)."""
-    heard: str = ""
-    """A realtime session: the caller's turn as the listener transcribed it."""
 
 
 @dataclass(frozen=True)
@@ -175,84 +145,6 @@ def row_of(
         audio,
         max(to_error) if to_error else None,
     )
-
-
-AUDIO_OUT = {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "pcm16"}}
-"""The arguments of a request for audio (raw PCM16, 24 kHz) besides its text."""
-
-
-def _chunk_seen(seen: Seen, chunk, now: float) -> None:
-    """Add one streamed chunk (arrived at ``now``) to ``seen``."""
-    seen.id = chunk.id
-    if chunk.choices:
-        ids = (chunk.choices[0].model_extra or {}).get("token_ids") or []
-        delta = chunk.choices[0].delta
-        data = delta.audio.data if delta.audio is not None else None
-        if ids or data:
-            seen.at.append(now)
-        seen.token_ids += ids
-        seen.text += delta.content or (delta.audio.transcript if delta.audio is not None else None) or ""
-        if data:
-            pcm = base64.b64decode(data)
-            seen.audio_bytes += len(pcm)
-            seen.audio_chunks += 1
-            if seen.keep_audio:
-                seen.audio_pieces.append(pcm)
-    if chunk.usage is not None:
-        seen.usage_tokens = chunk.usage.completion_tokens
-
-
-def _message_seen(seen: Seen, r, now: float) -> None:
-    """Add a whole response (not streamed, arrived at ``now``) to ``seen``."""
-    seen.id = r.id
-    message = r.choices[0].message
-    seen.token_ids = (r.choices[0].model_extra or {}).get("token_ids") or []
-    data = message.audio.data if message.audio is not None else None
-    seen.text = message.content or (message.audio.transcript if message.audio is not None else "") or ""
-    if seen.token_ids or data:
-        seen.at.append(now)
-    if data:
-        seen.audio_bytes, seen.audio_chunks = len(base64.b64decode(data)), 1
-    seen.usage_tokens = r.usage.completion_tokens if r.usage is not None else None
-
-
-async def send(
-    client, model: str, seen: Seen, prompt: str, max_tokens: int, audio: bool = False, stream: bool = True
-) -> None:
-    """One greedy chat completion (``temperature: 0``, ``ignore_eos``, the token ids returned)
-    through ``client`` (an ``openai.AsyncOpenAI``): what the client saw goes into ``seen``. A
-    failure is recorded (its error code, else its type), never raised."""
-    import openai
-
-    extra: dict[str, object] = {"ignore_eos": True, "return_token_ids": True}
-    kwargs: dict[str, object] = dict(AUDIO_OUT) if audio else {}
-    if stream:
-        kwargs["stream_options"] = {"include_usage": True}
-    seen.sent_s = time.monotonic()
-    try:
-        r = await client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": prompt}],
-            max_tokens=max_tokens,
-            temperature=0,
-            stream=stream,
-            extra_body=extra,
-            **kwargs,
-        )
-        if not stream:
-            _message_seen(seen, r, time.monotonic())
-        else:
-            async for chunk in r:
-                _chunk_seen(seen, chunk, time.monotonic())
-                await asyncio.sleep(0)  # a whole response already read would otherwise end unseen
-    except openai.APIError as e:
-        code = getattr(e, "code", None)
-        seen.error_code = str(code) if code else None
-        seen.error = seen.error_code or type(e).__name__
-        seen.status = getattr(e, "status_code", None)
-    except Exception as e:  # not an API error (a connection cut mid-stream, a body it cannot read)
-        seen.error = type(e).__name__
-    seen.ended_s = time.monotonic()
 
 
 async def reference(

@@ -1,7 +1,7 @@
 """The fault suite's realtime sessions (the ``speech`` pipeline's rows): a caller speaks one turn
 of real speech (espeak-ng) into ``/v1/realtime`` through the official ``openai`` client, paced in
 real time with server VAD, hears the spoken answer, then asks one short text turn to show that the
-session goes on. What the client saw goes into a :class:`benchmarks.fault_suite.Seen`:
+session goes on. What the client saw goes into a :class:`benchmarks.chat_streams.Seen`:
 
 - ``heard``: the caller's turn as the listener transcribed it (greedy Whisper: the fault-free run's
   transcript is the reference, so a segment heard twice or lost shows);

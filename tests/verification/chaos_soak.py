@@ -2,7 +2,7 @@
 with two replicas of every stage and a NATS server of its own) serves a continuous mixed load —
 text and audio, streamed and not, 32 to 800 tokens, a fixed number of requests in flight — for
 ``--minutes``, while a fault drawn at random from the fault suite's list strikes every 20–40 s.
-Each injection is verified (:class:`benchmarks.fault_injection.Injector`), and the next fault
+Each injection is verified (:class:`tests.verification.fault_injection.Injector`), and the next fault
 does not wait for the last one's victim to come back: faults overlap, but none takes the last
 live replica of a stage (the fault that kills every thinker replica at once is drawn only with
 ``--all-replicas``; the 3-node cluster's faults are left out, they need a stack of their own).
@@ -10,7 +10,7 @@ live replica of a stage (the fault that kills every thinker replica at once is d
 Ground truth: before the load, the fault-free greedy response of every (prompt, max_tokens,
 audio) the load sends is taken once, streamed; a completed request must have the same token ids
 and text, ``max_tokens`` tokens (``ignore_eos``) and, with audio, as many bytes of audio in as
-many chunks (streamed) as its reference. The accounting is :mod:`benchmarks.chaos_accounting`.
+many chunks (streamed) as its reference. The accounting is :mod:`tests.verification.chaos_accounting`.
 
 Clocks: ``time.monotonic()`` of this process, seconds (the registry's ``started_ns`` is compared
 with this host's wall clock, ``time.time_ns()``).
@@ -26,11 +26,21 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.chaos_accounting import Account, Ask, Record, Strike, account, explain, lost_or_hung, render
-from benchmarks.fault_injection import (
+from benchmarks.chat_streams import MODEL, TWO_REPLICA_PIPELINE, Seen, send
+from benchmarks.harness import PROMPTS, Processes, log, run_with_stacks, start_stack
+from tests.verification.chaos_accounting import (
+    Account,
+    Ask,
+    Record,
+    Strike,
+    account,
+    explain,
+    lost_or_hung,
+    render,
+)
+from tests.verification.fault_injection import (
     CLUSTER_NODE_TARGETS,
     FAULTS,
-    PIPELINE_YAML,
     REPLICAS,
     STAGE_NAMES,
     Fault,
@@ -42,11 +52,8 @@ from benchmarks.fault_injection import (
     proc_state,
     replaced,
 )
-from benchmarks.fault_suite import PROMPT, Seen, reference, send
-from benchmarks.harness import PROMPTS, Processes, log, run_with_stacks, start_stack
+from tests.verification.fault_suite import PROMPT, reference
 
-MODEL = "faults-model"
-"""``served_model_name`` of the fault suite's pipeline."""
 SOAK_PROMPTS = (PROMPT, PROMPTS[0])
 TEXT_TOKENS = (32, 200, 800)
 """``max_tokens`` of the text requests."""
@@ -307,7 +314,7 @@ def run_chaos_soak(
 
     def work(procs: Processes, data_dir: Path) -> None:
         pipeline = data_dir / "faults.yaml"
-        pipeline.write_text(PIPELINE_YAML)
+        pipeline.write_text(TWO_REPLICA_PIPELINE)
         stack = start_stack(procs, "chaos", pipeline, {}, data_dir, ["--log-stats"])
         (nats,) = [m for m in procs.items if m.name == "nats (chaos)"]
         injector = Injector(procs, stack, list(nats.proc.args))

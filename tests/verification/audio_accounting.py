@@ -5,7 +5,7 @@ An Orpheus talker speaks each text chunk until end-of-speech or its cap (a funct
 text, whose cut depends on how vLLM grouped the thinker's tokens into deltas), so no fault-free
 request is a reference for another one's length, and a length alone says nothing of order. The
 reference is the frames themselves: the suite reads every code chunk the stages stream stored for
-code2wav from a mirror of that stream (:mod:`benchmarks.stage_mirror`: it misses nothing that a
+code2wav from a mirror of that stream (:mod:`tests.verification.stage_mirror`: it misses nothing that a
 broker restart hides from a subscriber, and says when it lacks a message), and after the row decodes
 each *segment* (one text chunk's frames) **whole** with the codec adapter, the noise seeded by
 absolute frame as in a streamed decode. Its samples, cut by the code chunks' own frames, are the
@@ -356,12 +356,12 @@ class ChunkJudge:
     @contextlib.asynccontextmanager
     async def capture(self, stack) -> AsyncIterator[CodeCapture]:
         """A :class:`CodeCapture` of what ``stack``'s stages stream stores while the block runs,
-        filled from its mirror (:class:`~benchmarks.stage_mirror.StageMirror`) when the block
+        filled from its mirror (:class:`~tests.verification.stage_mirror.StageMirror`) when the block
         ends; the connection reconnects without end while the block runs (a broker restart)."""
         import nats
 
-        from benchmarks.stage_mirror import StageMirror
         from libs.common.bus import server_urls
+        from tests.verification.stage_mirror import StageMirror
 
         async def quiet(_: Exception) -> None:
             return None

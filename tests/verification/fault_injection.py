@@ -6,7 +6,7 @@ killed worker's (or orchestrator's) replacement is up.
 
 The stack is ``omnirelay up`` (:class:`benchmarks.harness.Stack`: its launcher restarts a process
 that exits; the bench itself restarts the NATS servers it started) or one process per service,
-each under a restart policy (:class:`benchmarks.service_stack.ServiceStack`, as docker compose
+each under a restart policy (:class:`tests.verification.service_stack.ServiceStack`, as docker compose
 runs it: NATS is restarted by its policy too, held back as long as the fault says).
 
 Clocks: ``time.monotonic()`` of this process, seconds; ``started_ns`` in the registry is the
@@ -27,7 +27,6 @@ from pathlib import Path
 
 from benchmarks.harness import Managed, Processes, Stack, wait_http_ok, wait_port
 from benchmarks.process_table import descendants
-from benchmarks.service_stack import Service, ServiceStack
 from libs.common.bus import bucket_keys, server_urls
 from libs.common.subjects import (
     BUCKETS,
@@ -35,25 +34,14 @@ from libs.common.subjects import (
     Subjects,
     kv_stream,
 )
+from tests.verification.service_stack import Service, ServiceStack
 
-PIPELINE_YAML = """\
-name: faults
-served_model_name: faults-model
-request_timeout_s: 120
-stages:
-  - {name: thinker, type: llm, model: tiny-thinker, replicas: 2, consumes: text, emits: text,
-     stream_to_client: true, engine: {max_model_len: 2048, enforce_eager: true, dtype: float32}}
-  - {name: talker, type: llm, model: tiny-talker, replicas: 2, consumes: text, emits: codec_codes,
-     engine: {max_model_len: 2048, enforce_eager: true, dtype: float32}}
-  - {name: code2wav, type: codec, model: tiny-code2wav, replicas: 2, consumes: codec_codes,
-     emits: audio, stream_to_client: true}
-"""
 REPLICAS = 2
-"""Replicas of every stage in :data:`PIPELINE_YAML`."""
+"""Replicas of every stage in :data:`~benchmarks.chat_streams.TWO_REPLICA_PIPELINE`."""
 PIPELINE_NAME = "faults"
-"""The ``name`` in :data:`PIPELINE_YAML`."""
+"""The ``name`` in :data:`~benchmarks.chat_streams.TWO_REPLICA_PIPELINE`."""
 STAGE_NAMES = ("thinker", "talker", "code2wav")
-"""The stages of :data:`PIPELINE_YAML`, by id."""
+"""The stages of :data:`~benchmarks.chat_streams.TWO_REPLICA_PIPELINE`, by id."""
 TOOK_WITHIN_S = 2.5
 """How long a signalled process is watched for the state that shows the fault took, seconds."""
 NATS_DOWN_S = 2.0
@@ -83,7 +71,7 @@ class Fault:
     """NATS servers of the stack the fault is injected in (1, or a cluster of 3)."""
     session: bool = False
     """The clients are realtime sessions that speak a turn and hear the answer
-    (:mod:`benchmarks.fault_sessions`; ``streams`` of them, answers of at most ``max_tokens``)."""
+    (:mod:`tests.verification.fault_sessions`; ``streams`` of them, answers of at most ``max_tokens``)."""
 
 
 AUDIO_STREAMS = {"streams": 4, "audio": True, "max_tokens": 400}

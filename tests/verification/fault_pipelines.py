@@ -1,5 +1,5 @@
 """The pipelines ``omnirelay verify faults`` can run (``--pipeline``, :data:`PIPELINES`) and the
-faults of each: ``tiny`` (tiny thinker → tiny talker → tiny code2wav, :data:`PIPELINE_YAML`),
+faults of each: ``tiny`` (tiny thinker → tiny talker → tiny code2wav, :data:`~benchmarks.chat_streams.TWO_REPLICA_PIPELINE`),
 ``orpheus`` (tiny thinker → Orpheus talker on tiny-orpheus → SNAC on tiny-snac, built from
 ``compose/pipelines/orpheus-tiny.yaml``) and ``speech`` (a Whisper listener before the tiny chain,
 served to realtime sessions). Each has two replicas of every stage, the same pipeline name
@@ -15,11 +15,10 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.fault_injection import FAULTS, PIPELINE_NAME, PIPELINE_YAML, REPLICAS, STAGE_NAMES, Fault
+from benchmarks.chat_streams import MODEL, TWO_REPLICA_PIPELINE
+from tests.verification.fault_injection import FAULTS, PIPELINE_NAME, REPLICAS, STAGE_NAMES, Fault
 
-ORPHEUS_TINY_YAML = Path(__file__).resolve().parents[1] / "compose" / "pipelines" / "orpheus-tiny.yaml"
-MODEL = "faults-model"
-"""The ``served_model_name`` of every suite pipeline."""
+ORPHEUS_TINY_YAML = Path(__file__).resolve().parents[2] / "compose" / "pipelines" / "orpheus-tiny.yaml"
 ORPHEUS_STREAMS = 4
 """Audio streams of every Orpheus row."""
 ORPHEUS_TOKENS = 200
@@ -82,7 +81,7 @@ class FaultPipeline:
     faults: tuple[Fault, ...]
     judge_chunks: bool
     """Judge each completed audio stream's chunks against the whole decode of the code chunks
-    the stages stream stored (:mod:`benchmarks.audio_accounting`), and the talker's input against
+    the stages stream stored (:mod:`tests.verification.audio_accounting`), and the talker's input against
     the thinker's tokens."""
 
     @property
@@ -96,7 +95,7 @@ class FaultPipeline:
         return yaml.safe_load(self.yaml)["stages"][-1]["model"]
 
 
-SPEECH_PIPELINE_YAML = PIPELINE_YAML.replace(
+SPEECH_PIPELINE_YAML = TWO_REPLICA_PIPELINE.replace(
     "stages:\n",
     "stages:\n  - {name: listener, type: asr, model: whisper-tiny-en, replicas: 2, consumes: audio,\n"
     "     emits: text, stream_to_client: true}\n",
@@ -123,7 +122,7 @@ an orchestrator while the answers are spoken (answers of 160 tokens, about 13 s 
 def pipelines() -> dict[str, FaultPipeline]:
     """The suite's pipelines by ``--pipeline`` name."""
     return {
-        "tiny": FaultPipeline("tiny", PIPELINE_YAML, FAULTS, judge_chunks=True),
+        "tiny": FaultPipeline("tiny", TWO_REPLICA_PIPELINE, FAULTS, judge_chunks=True),
         "orpheus": FaultPipeline("orpheus", orpheus_pipeline_yaml(), ORPHEUS_FAULTS, judge_chunks=True),
         "speech": FaultPipeline("speech", SPEECH_PIPELINE_YAML, SPEECH_FAULTS, judge_chunks=False),
     }

@@ -1,6 +1,6 @@
 """The fault suite's record of what the stages stream stored: a JetStream mirror of it.
 
-The chunk judge (:mod:`benchmarks.audio_accounting`) needs every text chunk the talker was sent and
+The chunk judge (:mod:`tests.verification.audio_accounting`) needs every text chunk the talker was sent and
 every code chunk code2wav was sent, a redo's copies included. The stages stream is a work queue (a
 message is gone once its worker acknowledges it) and no second consumer may read its subjects, and a
 core NATS subscription misses what is published while it reconnects after a broker restart. A mirror
