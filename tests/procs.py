@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
+from urllib.parse import urlparse
 
 from benchmarks.process_table import descendants
 from libs.stack.local_nats import free_port
@@ -48,6 +49,9 @@ class ServiceProcess:
         self.metrics_url: str | None = None
         self.shared = False
         """Belongs to a session-wide fixture: outlives the module that started it."""
+        self.started_ns = 0
+        """Wall clock (``time.time_ns()``) at the latest :meth:`start`: a registry record of this
+        incarnation was started after it (``ServiceRecord.started_ns``)."""
         self._offset = 0
         """Where this process's output begins in :attr:`log` (bytes)."""
 
@@ -58,8 +62,20 @@ class ServiceProcess:
         assert self.metrics_url is not None, "started without a metrics port (start_service sets one)"
         return self.metrics_url.removesuffix("/metrics")
 
+    @property
+    def port(self) -> int:
+        """The port of :attr:`metrics_url`: the one a registry record of this service names (a
+        worker's or orchestrator's metrics port, a gateway's admin port)."""
+        assert self.metrics_url is not None, "started without a metrics port (start_service sets one)"
+        port = urlparse(self.metrics_url).port
+        assert port is not None, self.metrics_url
+        return port
+
     def start(self) -> ServiceProcess:
+        """Start the process (again, for a service a test stopped: same command, environment and
+        ports, its output appended to the same log)."""
         self._offset = self.log.stat().st_size if self.log.exists() else 0
+        self.started_ns = time.time_ns()
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "cli", *self.args],

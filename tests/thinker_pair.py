@@ -8,18 +8,17 @@ slowest part of those modules to start, start once per session (``thinker_pair``
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import nats
 from nats.errors import Error as NatsError
+from openai import AsyncOpenAI
 
 from libs.common.subjects import Subjects
-from libs.stack.local_nats import free_port
-from tests.procs import THINKER_YAML, ServiceProcess, start_service, stop_all, write_pipeline
+from tests.pipeline_services import Services
+from tests.procs import THINKER_YAML, ServiceProcess, start_service, write_pipeline
 
 PIPELINE = "thinkerpair"
 MODEL = f"{PIPELINE}-model"
@@ -40,43 +39,54 @@ STAGES_YAML = (
 )
 """Two thinker replicas that run one request at a time (the others wait in the engine): a fault
 that strikes seconds late still finds requests there."""
-SERVING = ": serving omni."
-"""What a worker logs once it takes requests."""
 SETTLED_PROBES, PROBE_EVERY_S, PROBE_WAIT_S = 6, 0.5, 1.0
 """A restarted worker is settled once it answered this many liveness probes in a row, sent this
 far apart (seconds), each within this (seconds)."""
+WORKER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+"""Each worker's vLLM KV cache on the CPU, GiB."""
 
 
 @dataclass
 class ThinkerPair:
-    base_url: str
-    """The gateway's OpenAI base URL (``.../v1``)."""
-    gateway: ServiceProcess
-    path: Path
-    """The pipeline file."""
-    tmp: Path
-    nats_url: str
-    workers: dict[int, ServiceProcess] = field(default_factory=dict)
-    """Thinker replica → its current worker process."""
+    """The pair's services, kept for the session (no orchestrator: each module adds those it
+    judges, with :meth:`start_orchestrator` or services of its own on :attr:`path`)."""
+
+    services: Services
+
+    @property
+    def base_url(self) -> str:
+        """The gateway's OpenAI base URL (``.../v1``)."""
+        return f"{self.services.base_url}/v1"
+
+    @property
+    def gateway(self) -> ServiceProcess:
+        """The gateway's process."""
+        assert self.services.gateway is not None
+        return self.services.gateway
 
     @property
     def gateway_metrics(self) -> str:
         """The gateway's ``/metrics`` (on its admin port)."""
-        assert self.gateway.metrics_url is not None
-        return self.gateway.metrics_url
+        return self.services.metrics_url
 
-    def start_worker(self, replica: int) -> ServiceProcess:
-        log = self.tmp / f"worker{replica}-{time.time_ns()}.log"
-        worker = start_service(
-            ["worker", "--stage", "0", "--replica", str(replica)],
-            self.nats_url,
-            self.path,
-            log,
-            {"VLLM_CPU_KVCACHE_SPACE": "1"},
-        )
-        worker.shared = True
-        self.workers[replica] = worker
-        return worker
+    @property
+    def nats_url(self) -> str:
+        """The session's nats-server."""
+        return self.services.nats_url
+
+    @property
+    def path(self) -> Path:
+        """The pipeline file."""
+        return self.services.pipeline
+
+    @property
+    def workers(self) -> dict[int, ServiceProcess]:
+        """Thinker replica → its current worker process."""
+        return {r: w for (_, r), w in self.services.workers.items()}
+
+    def client(self, timeout_s: float) -> AsyncOpenAI:
+        """The official client of the pair's gateway (``timeout_s`` seconds per request)."""
+        return self.services.client(timeout_s)
 
     def start_orchestrator(self, log: Path, instance: str | None = None) -> ServiceProcess:
         """An orchestrator of the pair's pipeline (the caller waits for it and stops it)."""
@@ -84,13 +94,13 @@ class ThinkerPair:
         return start_service(["orchestrator"], self.nats_url, self.path, log, env)
 
     async def both_serving(self) -> None:
-        """Start anew a worker an earlier test's fault ended, and wait until both serve and answer
+        """Start anew a worker an earlier test's fault ended, and wait until both serve (their
+        registrations, the registry views and ``/health``: :meth:`Services.ready`) and answer
         their liveness probes promptly (:meth:`_settled`)."""
-        restarted = [r for r, w in list(self.workers.items()) if w.proc.poll() is not None]
+        restarted = [r for r, w in self.workers.items() if w.proc.poll() is not None]
         for r in restarted:
-            self.start_worker(r)
-        for w in self.workers.values():
-            await w.await_log(SERVING, timeout_s=300)
+            self.services.start_worker(0, r, WORKER_ENV)
+        await self.services.ready()
         if restarted:
             await self._settled(restarted)
 
@@ -122,27 +132,18 @@ class ThinkerPair:
 
 
 def start_pair(nats_url: str, tmp: Path) -> ThinkerPair:
-    """The gateway and both workers, started side by side; returns once the gateway listens and
-    both workers serve."""
+    """The gateway and both workers, started side by side; returns once they serve."""
     path = write_pipeline(tmp / "p.yaml", PIPELINE, STAGES_YAML, timeout_s=120)
-    port = free_port()
-    gateway = start_service(
-        ["gateway", "--port", str(port)], nats_url, path, tmp / "gw.log", {"OMNIRELAY_INSTANCE_ID": GATEWAY}
+    services = Services(nats_url, path, tmp, shared=True)
+    services.start(
+        orchestrators=0,
+        workers=[(0, 0), (0, 1)],
+        worker_env=WORKER_ENV,
+        gateway_env={"OMNIRELAY_INSTANCE_ID": GATEWAY},
     )
-    gateway.shared = True
-    pair = ThinkerPair(f"http://127.0.0.1:{port}/v1", gateway, path, tmp, nats_url)
-    for r in (0, 1):
-        pair.start_worker(r)
-    gateway.wait_log("Uvicorn running")
-    for w in pair.workers.values():
-        w.wait_log(SERVING, timeout_s=300)
-    return pair
+    return ThinkerPair(services.wait_ready())
 
 
 def stop_pair(pair: ThinkerPair) -> None:
     """Stop every process of the pair, continuing any a test left stopped first."""
-    everyone = [pair.gateway, *pair.workers.values()]
-    for p in everyone:
-        if p.proc.poll() is None:
-            os.kill(p.proc.pid, signal.SIGCONT)
-    stop_all(everyone)
+    pair.services.stop()

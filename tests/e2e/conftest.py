@@ -3,56 +3,67 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
-from cli.stack_file import read_live_stack
+from cli.stack_file import StackInfo, read_live_stack
 from libs.common.pipeline import load_pipeline
 from libs.stack.local_nats import free_port
 from tests.conftest import NatsServer
 from tests.e2e.prometheus_events import dead_lettered, events  # noqa: F401 (fixtures of test_prometheus.py)
 from tests.e2e.prometheus_server import prom  # noqa: F401 (a fixture of test_prometheus.py)
 from tests.otlp_receiver import Receiver, start_receiver
-from tests.procs import stop_process
+from tests.pipeline_services import CLIENT_TIMEOUT_S, openai_client
+from tests.procs import ServiceProcess, stop_process, until
 
 START_TIMEOUT_S = 420.0
 
 
-@dataclass
-class Stack:
-    base_url: str
-    nats_url: str
-    log: Path
-    proc: subprocess.Popen[bytes]
-    admin_url: str = ""
-    """The gateway's admin listener (``/metrics``, ``/prometheus/targets``; no API key), as the
-    launcher reports it in ``stack.json`` (``up --admin-port 0``: a free port)."""
+class Launched(ServiceProcess):
+    """``omnirelay up``: the whole stack as its launcher runs it, one process tree that starts
+    and restarts the services itself (a test module that starts them by hand uses
+    :class:`tests.pipeline_services.Services`). Its log holds the launcher's lines and every
+    service's: :meth:`log_text`, :meth:`wait_log`."""
+
+    def __init__(self, data_dir: Path, nats_url: str, env: dict[str, str]) -> None:
+        port = free_port()
+        args = ["up", "--port", str(port), "--admin-port", "0", "--data-dir", str(data_dir), "--log-stats"]
+        super().__init__(args, {"NATS_URL": nats_url, **env}, data_dir / "stack.log")
+        self.data_dir, self.nats_url = data_dir, nats_url
+        self.base_url = f"http://127.0.0.1:{port}"
+        """The gateway's root URL (``/health``; the OpenAI API is below ``/v1``)."""
+        self.shared = True
 
     def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
+        """Everything the stack has logged so far."""
+        return self.text()
 
-    def wait_log(self, *needles: str, timeout_s: float = 15.0) -> str:
-        """The first log line containing every one of ``needles`` (waits for it)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for line in self.log_text().splitlines():
-                if all(n in line for n in needles):
-                    return line
-            time.sleep(0.2)
-        raise AssertionError(f"no log line containing {needles!r} within {timeout_s} s")
+    def client(self, timeout_s: float = CLIENT_TIMEOUT_S, **headers: str) -> openai.AsyncOpenAI:
+        """The official async client of the stack's gateway (``openai_client``)."""
+        return openai_client(self.base_url, timeout_s, **headers)
 
-    async def await_log(self, *needles: str, timeout_s: float = 15.0) -> str:
-        """:meth:`wait_log` for async tests (does not block their event loop)."""
-        return await asyncio.to_thread(self.wait_log, *needles, timeout_s=timeout_s)
+    async def up(self, timeout_s: float) -> None:
+        """Wait until the launcher says where the stack is (``stack.json``, written once every
+        replica is live behind the gateway) and ``/health`` answers 200; then :attr:`admin_url`
+        (``up --admin-port 0``: a free port) is the one ``stack.json`` names. Fails if the
+        launcher exits, or after ``timeout_s`` seconds."""
+
+        async def described() -> StackInfo | None:
+            assert self.proc is not None and self.proc.poll() is None, (
+                f"omnirelay up exited ({self.proc and self.proc.poll()}):\n{self.text()[-5000:]}"
+            )
+            return read_live_stack(self.data_dir)
+
+        info = await until(described, "omnirelay up's stack.json", timeout_s, every_s=1.0)
+        assert info.gateway_admin_url, f"{self.data_dir}/stack.json names no admin URL"
+        self.metrics_url = f"{info.gateway_admin_url}/metrics"
+        async with httpx.AsyncClient(timeout=10) as http:
+            assert (await http.get(f"{self.base_url}/health")).status_code == 200
 
 
 @pytest.fixture(scope="session")
@@ -72,44 +83,17 @@ def otlp() -> Iterator[Receiver]:
 @pytest.fixture(scope="session")
 def stack(
     nats_server: NatsServer, otlp: Receiver, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("stack")
-    log = tmp / "stack.log"
-    port = free_port()
+) -> Iterator[Launched]:
     env = {
-        **os.environ,
-        "NATS_URL": nats_server.url,
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint,
         "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
         "OTEL_BSP_SCHEDULE_DELAY": "200",
     }
-    argv = [
-        sys.executable,
-        "-m",
-        "cli",
-        "up",
-        "--port",
-        str(port),
-        "--admin-port",
-        "0",
-        "--data-dir",
-        str(tmp),
-        "--log-stats",
-    ]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    s = Stack(f"http://127.0.0.1:{port}", nats_server.url, log, proc)
+    launched = Launched(tmp_path_factory.mktemp("stack"), nats_server.url, env).start()
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        # Up once the banner is out and stack.json (written just after it) names the admin port.
-        while "omnirelay is up" not in s.log_text() or (info := read_live_stack(tmp)) is None:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"stack did not come up (exit {proc.poll()}):\n{s.log_text()[-5000:]}")
-            time.sleep(1)
-        assert httpx.get(f"{s.base_url}/health").status_code == 200
-        assert info.gateway_admin_url, f"{tmp}/stack.json names no admin URL"
-        s.admin_url = info.gateway_admin_url
-        yield s
+        asyncio.run(launched.up(START_TIMEOUT_S))
+        yield launched
     finally:
-        stop_process(proc, signal.SIGINT, 60)
+        assert launched.proc is not None
+        stop_process(launched.proc, signal.SIGINT, 60)

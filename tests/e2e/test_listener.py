@@ -6,12 +6,9 @@ against what the test sent, and bad audio answered with a 400 in OpenAI's shape.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
-import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -20,8 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from libs.models.tiny import resolve_model
-from libs.stack.local_nats import free_port
-from tests.procs import LISTENER_YAML, ServiceProcess, mock_thinker_yaml, start_service, until, write_pipeline
+from tests.pipeline_services import Services
+from tests.procs import LISTENER_YAML, mock_thinker_yaml, write_pipeline
 from tests.speech import padded, recall, silence_wav, spoken, wav_seconds
 
 pytestmark = pytest.mark.e2e
@@ -34,44 +31,18 @@ MIN_RECALL = 0.7
 mishears a word or two in ten ("a test of" → "my test on")."""
 
 
-@dataclass(frozen=True)
-class Stack:
-    base_url: str
-    model: str
-    listener: ServiceProcess
-
-
 @pytest.fixture(scope="module")
-def stack(nats_server, tmp_path_factory) -> Iterator[Stack]:
+def stack(nats_server, tmp_path_factory) -> Iterator[Services]:
+    """A real listener, a mock thinker, a real orchestrator and gateway."""
     tmp = tmp_path_factory.mktemp("listen")
     path = write_pipeline(tmp / "p.yaml", PIPELINE, LISTENER_THINKER_YAML)
-    port = free_port()
-    orch = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
-    gateway = start_service(["gateway", "--port", str(port)], nats_server.url, path, tmp / "gw.log")
-    workers = [
-        start_service(["worker"], nats_server.url, path, tmp / f"w{s}.log", {"OMNIRELAY_STAGE": str(s)})
-        for s in (0, 1)
-    ]
-    try:
-        base = f"http://127.0.0.1:{port}"
-
-        def live() -> bool:
-            try:
-                r = httpx.get(f"{base}/health", timeout=2.0)
-                return r.status_code == 200 and r.json()["stages"] == {"0:listener": 1, "1:thinker": 1}
-            except (httpx.HTTPError, ValueError, KeyError):
-                return False
-
-        asyncio.run(until(live, "a listener and a thinker live behind the gateway", timeout_s=120))
-        yield Stack(base, f"{PIPELINE}-model", workers[0])
-    finally:
-        for proc in (*workers, orch):
-            proc.stop()
-        assert gateway.stop() in (0, -signal.SIGTERM)
+    with Services(nats_server.url, path, tmp).start(workers=[(0, 0), (1, 0)]).serving() as services:
+        yield services
 
 
 @pytest.fixture(scope="module")
-def client(stack) -> openai.OpenAI:
+def client(stack: Services) -> openai.OpenAI:
+    """The official client, synchronous (these tests are)."""
     return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
@@ -86,11 +57,10 @@ def _file(data: bytes) -> tuple[str, io.BytesIO, str]:
     return ("said.wav", io.BytesIO(data), "audio/wav")
 
 
-def _listened(stack: Stack) -> tuple[float, float, float]:
+def _listened(stack: Services) -> tuple[float, float, float]:
     """(input-audio seconds summed, transcriptions counted, RTF observations counted) on the
     listener's ``/metrics``."""
-    assert stack.listener.metrics_url is not None
-    text = httpx.get(stack.listener.metrics_url, timeout=5).text
+    text = httpx.get(stack.worker(0).metrics_url, timeout=5).text
     found = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:

@@ -13,32 +13,20 @@ import base64
 import functools
 import io
 import json
-import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import av
 import httpx
 import nats
 import numpy as np
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from libs.common.envelopes import Liveness, decode
 from libs.common.subjects import Subjects
-from libs.stack.local_nats import free_port
-from tests.procs import (
-    CODE2WAV_YAML,
-    LISTENER_YAML,
-    TALKER_YAML,
-    ServiceProcess,
-    mock_thinker_yaml,
-    start_service,
-    until,
-    write_pipeline,
-)
+from tests.pipeline_services import Services
+from tests.procs import CODE2WAV_YAML, LISTENER_YAML, TALKER_YAML, mock_thinker_yaml, until, write_pipeline
 from tests.realtime_events import until_event
 from tests.speech import padded, recall, spoken
 
@@ -53,49 +41,20 @@ APPEND_MS = 100
 EVENT_TIMEOUT_S = 60.0
 
 
-@dataclass(frozen=True)
-class Stack:
-    base_url: str
-    model: str
-    gateway: ServiceProcess
-    listener: ServiceProcess
-    nats_url: str
-
-
 @pytest.fixture(scope="module")
-def stack(nats_server, otlp, tmp_path_factory) -> Iterator[Stack]:
+def stack(nats_server, otlp, tmp_path_factory) -> Iterator[Services]:
+    """A real listener, mock thinker, tiny talker and code2wav, orchestrator and gateway, every one
+    exporting its spans to the session's receiver."""
     tmp = tmp_path_factory.mktemp("rtalk")
     path = write_pipeline(tmp / "p.yaml", PIPELINE, STAGES_YAML)
-    port = free_port()
     traced = {
         "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint,
         "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
         "OTEL_BSP_SCHEDULE_DELAY": "200",
     }
-    orch = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log", traced)
-    gateway = start_service(["gateway", "--port", str(port)], nats_server.url, path, tmp / "gw.log", traced)
-    workers = [
-        start_service(
-            ["worker"], nats_server.url, path, tmp / f"w{s}.log", {"OMNIRELAY_STAGE": str(s), **traced}
-        )
-        for s in range(4)
-    ]
-    try:
-        base = f"http://127.0.0.1:{port}"
-
-        def live() -> bool:
-            try:
-                r = httpx.get(f"{base}/health", timeout=2.0)
-                return r.status_code == 200 and len(r.json()["stages"]) == 4
-            except (httpx.HTTPError, ValueError, KeyError):
-                return False
-
-        asyncio.run(until(live, "every stage live behind the gateway", timeout_s=180))
-        yield Stack(base, f"{PIPELINE}-model", gateway, workers[0], nats_server.url)
-    finally:
-        for proc in (*workers, orch):
-            proc.stop()
-        assert gateway.stop() in (0, -signal.SIGTERM)
+    services = Services(nats_server.url, path, tmp, env=traced).start(workers=[(s, 0) for s in range(4)])
+    with services.serving():
+        yield services
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +68,6 @@ def speech_pcm(tmp_path_factory) -> tuple[bytes, float, float]:
     x = np.frombuffer(pcm, "<i2")
     loud = np.flatnonzero(np.abs(x) > 327)
     return pcm, loud[0] / 24.0, loud[-1] / 24.0
-
-
-def _client(stack: Stack) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
 
 
 _until = functools.partial(until_event, timeout_s=EVENT_TIMEOUT_S)
@@ -130,18 +85,17 @@ async def _speak(conn, pcm: bytes) -> list[tuple[float, float]]:
     return sent
 
 
-def _metrics(stack: Stack) -> dict[str, float]:
+def _metrics(stack: Services) -> dict[str, float]:
     """The gateway's ``vllm:omni_realtime_*`` samples (name and labels → value)."""
-    assert stack.gateway.metrics_url is not None
     out = {}
-    for fam in text_string_to_metric_families(httpx.get(stack.gateway.metrics_url, timeout=5).text):
+    for fam in text_string_to_metric_families(httpx.get(stack.metrics_url, timeout=5).text):
         for sample in fam.samples:
             if sample.name.startswith("vllm:omni_realtime"):
                 out[sample.name + json.dumps(sample.labels, sort_keys=True)] = sample.value
     return out
 
 
-async def _held(stack: Stack) -> list[int]:
+async def _held(stack: Services) -> list[int]:
     """Requests the thinker, the talker and code2wav each hold (their liveness answers)."""
     nc = await nats.connect(stack.nats_url)
     try:
@@ -158,7 +112,7 @@ def _value(metrics: dict[str, float], name: str, **labels: str) -> float:
 
 async def test_a_spoken_turn_is_heard_and_answered_in_audio(stack, speech_pcm) -> None:
     pcm, start_ms, end_ms = speech_pcm
-    async with _client(stack).realtime.connect(model=stack.model) as conn:
+    async with stack.client().realtime.connect(model=stack.model) as conn:
         created = await _until(conn, "session.created")
         assert created.session.audio.input.turn_detection.type == "server_vad"
         await conn.session.update(session={"type": "realtime", "max_output_tokens": 24})
@@ -183,7 +137,7 @@ async def test_a_spoken_turn_is_heard_and_answered_in_audio(stack, speech_pcm) -
 
 
 async def test_text_in_text_out_and_the_second_turn_carries_the_first(stack) -> None:
-    async with _client(stack).realtime.connect(model=stack.model) as conn:
+    async with stack.client().realtime.connect(model=stack.model) as conn:
         await _until(conn, "session.created")
         usages = []
         for question in ("Hello there.", "And then?"):
@@ -225,7 +179,7 @@ async def test_g711_in_is_heard_and_g711_out_decodes_with_ffmpeg_to_the_tokens_l
 ) -> None:
     pcm, _, _ = speech_pcm
     g711 = {"format": {"type": fmt}}
-    async with _client(stack).realtime.connect(model=stack.model) as conn:
+    async with stack.client().realtime.connect(model=stack.model) as conn:
         await _until(conn, "session.created")
         session = {"type": "realtime", "max_output_tokens": 10, "audio": {"input": g711, "output": g711}}
         await conn.session.update(session=session)
@@ -247,7 +201,7 @@ async def test_g711_in_is_heard_and_g711_out_decodes_with_ffmpeg_to_the_tokens_l
 
 
 async def test_a_cancelled_response_ends_within_a_second(stack) -> None:
-    async with _client(stack).realtime.connect(model=stack.model) as conn:
+    async with stack.client().realtime.connect(model=stack.model) as conn:
         await _until(conn, "session.created")
         await conn.conversation.item.create(
             item={
@@ -272,7 +226,7 @@ async def test_a_cancelled_response_ends_within_a_second(stack) -> None:
 
 async def test_caller_speech_interrupts_the_answer(stack, speech_pcm) -> None:
     pcm, _, _ = speech_pcm
-    async with _client(stack).realtime.connect(model=stack.model) as conn:
+    async with stack.client().realtime.connect(model=stack.model) as conn:
         await _until(conn, "session.created")
         # the caller's speech only interrupts: no answer to it follows, so every stage goes idle
         vad = {"type": "server_vad", "create_response": False}
@@ -316,7 +270,7 @@ async def test_caller_speech_interrupts_the_answer(stack, speech_pcm) -> None:
     ],
 )
 async def test_a_bad_event_is_an_error_event_and_the_session_lives_on(stack, raw, code) -> None:
-    async with _client(stack).realtime.connect(model=stack.model) as conn:
+    async with stack.client().realtime.connect(model=stack.model) as conn:
         await _until(conn, "session.created")
         await conn.send_raw(raw)
         error = await _until(conn, "error")
@@ -328,7 +282,7 @@ async def test_a_bad_event_is_an_error_event_and_the_session_lives_on(stack, raw
 
 async def test_an_upgrade_for_another_model_is_refused(stack) -> None:
     with pytest.raises(Exception) as e:  # the client raises the websockets library's InvalidStatus
-        async with _client(stack).realtime.connect(model="gpt-realtime") as conn:
+        async with stack.client().realtime.connect(model="gpt-realtime") as conn:
             await conn.recv()
     assert "404" in str(e.value)
 
@@ -342,7 +296,7 @@ async def test_a_turn_is_one_trace_and_the_metrics_match_what_the_client_measure
     the turn: its root, the listener's request and the response's, every stage's span."""
     pcm, _, _ = speech_pcm
     before = _metrics(stack)
-    async with _client(stack).realtime.connect(model=stack.model) as conn:
+    async with stack.client().realtime.connect(model=stack.model) as conn:
         await _until(conn, "session.created")
         opened = _value(_metrics(stack), "vllm:omni_realtime_sessions")
         assert opened == _value(before, "vllm:omni_realtime_sessions") + 1
@@ -394,8 +348,8 @@ async def test_the_realtime_bench_measures_turns_as_a_caller_sends_them(stack, s
     from benchmarks.realtime_latency import measure
 
     pcm, _, _ = speech_pcm
-    assert stack.listener.metrics_url is not None
-    level = await measure(f"{stack.base_url}/v1", stack.model, pcm, 2, 1, 8, [stack.listener.metrics_url])
+    listener = stack.worker(0).metrics_url
+    level = await measure(f"{stack.base_url}/v1", stack.model, pcm, 2, 1, 8, [listener])
     assert [t.status for t in level.turns] == ["completed", "completed"]
     assert len(level.latencies) == 2 and all(0.5 <= v < 10 for v in level.latencies), level.latencies
     assert level.rtf is not None and 0 < level.rtf[0] <= level.rtf[1], (
@@ -478,7 +432,7 @@ async def test_a_bad_stream_message_is_an_error_and_the_stream_goes_on(stack) ->
 async def test_a_session_outlives_the_request_head_timeout(stack) -> None:
     """The gateway closes connections whose HTTP head takes over 10 s (slowloris); an upgraded
     WebSocket is not such a connection: a session idle for 12 s still answers."""
-    async with _client(stack).realtime.connect(model=stack.model) as conn:
+    async with stack.client().realtime.connect(model=stack.model) as conn:
         await _until(conn, "session.created")
         await asyncio.sleep(12)
         await conn.session.update(session={"type": "realtime", "instructions": "awake"})

@@ -20,6 +20,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Iterator
 
 import pytest
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -29,18 +30,16 @@ from openai import AsyncOpenAI
 from libs.common.bus import bucket_keys, connect, evictions_kv
 from libs.common.subjects import EVICTIONS_BUCKET, Subjects
 from libs.stack.bus_state import request_record
-from libs.stack.local_nats import client_urls, free_port
+from libs.stack.local_nats import client_urls
 from tests.conftest import NatsServer
 from tests.e2e.test_replica_death import Seen, _stream
 from tests.nats_cluster import node_of
+from tests.pipeline_services import Services
 from tests.procs import (
     THINKER_YAML,
-    ServiceProcess,
     gone,
     kill_confirmed,
     process_state,
-    start_service,
-    stop_all,
     stop_confirmed,
     until,
     write_pipeline,
@@ -72,6 +71,8 @@ nats-server takes to start on a loaded box is not the system's doing. Issue 18's
 (a 5 s pause with the 2 s outage); measured 0.22 s, ~2.7 s (inside the full suite) and 3.19 s
 (once, right after the server had taken 3.4 s to open its port again): the test asserts what
 separates recovery from waiting for a timeout, the benchmarks judge the target."""
+CLIENT_TIMEOUT_S = 180.0
+"""The client's own timeout per request, seconds."""
 
 
 @pytest.fixture(scope="module")
@@ -82,41 +83,23 @@ def own_nats(tmp_path_factory):
     server.stop()
 
 
-def _start(
-    nats_url: str, pipeline: str, tmp_path, stages_yaml: str = THINKER_YAML
-) -> tuple[str, list[ServiceProcess]]:
+def _services(nats_url: str, pipeline: str, tmp_path, stages_yaml: str = THINKER_YAML) -> Services:
     """An orchestrator, a gateway and ONE thinker worker of ``pipeline`` on ``nats_url`` (one
-    server or every server of a cluster), once each is ready: the gateway's URL and the three."""
+    server or every server of a cluster), started."""
     path = write_pipeline(tmp_path / "p.yaml", pipeline, stages_yaml, timeout_s=120)
-    port = free_port()
-    procs = [
-        start_service(["orchestrator"], nats_url, path, tmp_path / "orch.log"),
-        start_service(["gateway", "--port", str(port)], nats_url, path, tmp_path / "gw.log"),
-        start_service(
-            ["worker", "--stage", "0", "--replica", "0"],
-            nats_url,
-            path,
-            tmp_path / "worker.log",
-            {"VLLM_CPU_KVCACHE_SPACE": "1"},
-        ),
-    ]
-    try:
-        procs[0].wait_log("ready")
-        procs[1].wait_log("Uvicorn running")
-        procs[2].wait_log(": serving omni.", timeout_s=300)
-    except BaseException:  # a fixture that fails to set up is not torn down: leave nothing running
-        stop_all(procs)
-        raise
-    return f"http://127.0.0.1:{port}", procs
+    return Services(nats_url, path, tmp_path).start(
+        workers=[(0, 0)], worker_env={"VLLM_CPU_KVCACHE_SPACE": "1"}
+    )
 
 
 @pytest.fixture(scope="module")
-def bounce_stack(own_nats, tmp_path_factory):
+def bounce_stack(own_nats, tmp_path_factory) -> Iterator[Services]:
     """The stack of the broker's faults (one engine start for the module's tests)."""
     stages = THINKER_YAML + f"    stall_timeout_s: {STALL_TIMEOUT_S}\n"
-    base_url, procs = _start(own_nats.url, PIPELINE, tmp_path_factory.mktemp("bouncestack"), stages)
-    yield base_url, procs
-    stop_all(procs)
+    with _services(
+        own_nats.url, PIPELINE, tmp_path_factory.mktemp("bouncestack"), stages
+    ).serving() as services:
+        yield services
 
 
 async def _reference(client: AsyncOpenAI, model: str) -> list[int]:
@@ -174,9 +157,8 @@ async def _streams_under_way(client: AsyncOpenAI, model: str) -> tuple[list[Seen
 
 
 async def test_streams_on_one_replica_survive_a_broker_restart(own_nats, bounce_stack) -> None:
-    base_url, procs = bounce_stack
     model = f"{PIPELINE}-model"
-    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=180)
+    client = bounce_stack.client(CLIENT_TIMEOUT_S)
     reference = await _reference(client, model)
     assert len(reference) == MAX_TOKENS
     seen, tasks = await _streams_under_way(client, model)
@@ -212,15 +194,14 @@ async def test_streams_on_one_replica_survive_a_broker_restart(own_nats, bounce_
         assert s.token_ids == reference, (len(s.token_ids), s.id)
         assert s.tokens == MAX_TOKENS and s.finish_reason == "length"
     assert max(recovered, default=0.0) <= RECOVERY_LIMIT_S, recovered
-    worker_log = procs[2].text()
+    worker_log = bounce_stack.worker(0).text()
     assert "OutboundBufferLimitError" not in worker_log
     assert not re.search(r"request \S+ failed", worker_log)
 
 
 async def test_a_stopped_broker_gets_no_replica_judged(own_nats, bounce_stack) -> None:
-    base_url, _ = bounce_stack
     model = f"{PIPELINE}-model"
-    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=180)
+    client = bounce_stack.client(CLIENT_TIMEOUT_S)
     reference = await _reference(client, model)
     judged_before = await _judged(own_nats.url)
     seen, tasks = await _streams_under_way(client, model)
@@ -269,12 +250,11 @@ async def test_an_admission_the_broker_lost_is_sent_again_when_the_gateway_recon
     and the broker stopped and started again. The gateway sends the admission again when it
     reconnects, and the request completes once an orchestrator runs again (without that, it would
     wait out its 120 s deadline)."""
-    base_url, procs = bounce_stack
     model = f"{PIPELINE}-model"
     subjects = Subjects(PIPELINE)
-    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=180)
+    client = bounce_stack.client(CLIENT_TIMEOUT_S)
     await _reference(client, model)  # the stack routes
-    await kill_confirmed(procs[0].proc.pid, "the orchestrator")
+    await kill_confirmed(bounce_stack.orchestrator.proc.pid, "the orchestrator")
     asked = asyncio.create_task(
         client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "lost"}], max_tokens=8, temperature=0
@@ -301,21 +281,19 @@ async def test_an_admission_the_broker_lost_is_sent_again_when_the_gateway_recon
     finally:
         await nc.close()
     assert not asked.done(), "the request ended while its admission was lost"
-    procs[0].start()  # the orchestrator again
-    await procs[0].await_log("ready")
+    bounce_stack.orchestrator.start()  # the orchestrator again
+    await bounce_stack.ready()
     answer = await asyncio.wait_for(asked, 90)
     await client.close()
     assert answer.usage.completion_tokens == 8 and answer.choices[0].finish_reason == "length"
 
 
 @pytest.fixture
-def cluster_stack(cluster, tmp_path):
+def cluster_stack(cluster, tmp_path) -> Iterator[Services]:
     """The same services on a 3-node cluster, each given every server's URL (as ``omnirelay up
     --nats-nodes 3`` and compose give them): streams and buckets get 3 replicas."""
-    urls = client_urls([n.spec for n in cluster])
-    base_url, procs = _start(urls, CLUSTER_PIPELINE, tmp_path)
-    yield base_url, procs, urls
-    stop_all(procs)
+    with _services(client_urls([n.spec for n in cluster]), CLUSTER_PIPELINE, tmp_path).serving() as services:
+        yield services
 
 
 async def test_streams_on_one_replica_survive_the_death_of_the_stream_leader(cluster, cluster_stack) -> None:
@@ -323,12 +301,11 @@ async def test_streams_on_one_replica_survive_the_death_of_the_stream_leader(clu
     thinker replica streams every request. The cluster elects a new leader; every client, KV and
     stream goes on through the other two nodes, and every stream completes with exactly the
     fault-free tokens."""
-    base_url, procs, urls = cluster_stack
     model = f"{CLUSTER_PIPELINE}-model"
-    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=180)
+    client = cluster_stack.client(CLIENT_TIMEOUT_S)
     reference = await _reference(client, model)
     assert len(reference) == MAX_TOKENS
-    nc = await connect(urls, "test")
+    nc = await connect(cluster_stack.nats_url, "test")
     try:
         info = await nc.jetstream().stream_info(Subjects(CLUSTER_PIPELINE).stages_stream)
     finally:
@@ -353,5 +330,5 @@ async def test_streams_on_one_replica_survive_the_death_of_the_stream_leader(clu
     for s in seen:
         assert s.token_ids == reference, (len(s.token_ids), s.id)
         assert s.tokens == MAX_TOKENS and s.finish_reason == "length"
-    worker_log = procs[2].text()
+    worker_log = cluster_stack.worker(0).text()
     assert not re.search(r"request \S+ failed", worker_log)

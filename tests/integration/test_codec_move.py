@@ -11,6 +11,7 @@ import itertools
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -35,7 +36,8 @@ from libs.common.subjects import SERVICES_BUCKET, Subjects
 from tests.bus import collect
 from tests.integration.test_codec_worker import assert_audio_of
 from tests.metrics_scrape import delta, scrape
-from tests.procs import TALKER_YAML, THINKER_YAML, kill_confirmed, start_service, stop_all, write_pipeline
+from tests.pipeline_services import Services
+from tests.procs import TALKER_YAML, THINKER_YAML, kill_confirmed, write_pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -56,25 +58,13 @@ CODES = [[3, 1, 4, 1], [5, 9, 2, 6], [5, 3, 5, 8], [9, 7, 9, 3], [2, 3, 8]]
 
 
 @pytest.fixture(scope="module")
-def stack(nats_server, tmp_path_factory):
+def stack(nats_server, tmp_path_factory) -> Iterator[Services]:
+    """A real orchestrator and both real code2wav replicas (the test plays the talker and gateway)."""
     tmp = tmp_path_factory.mktemp("c2wmove")
     path = write_pipeline(tmp / "p.yaml", PIPELINE, THINKER_YAML + TALKER_YAML + CODE2WAV_X2)
-    orch = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
-    workers = [
-        start_service(
-            ["worker"],
-            nats_server.url,
-            path,
-            tmp / f"c2w{r}.log",
-            {"OMNIRELAY_STAGE": "2", "OMNIRELAY_REPLICA": str(r)},
-        )
-        for r in (0, 1)
-    ]
-    orch.wait_log("ready")
-    for w in workers:
-        w.wait_log("serving omni.", timeout_s=120)
-    yield orch, workers
-    stop_all([orch, *workers])
+    services = Services(nats_server.url, path, tmp).start(gateway=False, workers=[(2, 0), (2, 1)])
+    with services.serving():
+        yield services
 
 
 def chunk(rid: str, seq: int, route: list[int], attempt: int = 1, start_seq: int = 0) -> StageTask:
@@ -95,8 +85,7 @@ def chunk(rid: str, seq: int, route: list[int], attempt: int = 1, start_seq: int
 
 
 async def test_a_killed_code2wav_replica_moves_its_chunks_and_no_audio_is_lost_or_repeated(stack, nc) -> None:
-    orch, workers = stack
-    before = scrape(orch.metrics_url)
+    before = scrape(stack.orchestrator.metrics_url)
     rid = f"c2w-{time.time_ns()}"
     now = time.time_ns()
     record = RequestRecord(
@@ -148,7 +137,7 @@ async def test_a_killed_code2wav_replica_moves_its_chunks_and_no_audio_is_lost_o
         (ClientEventType.AUDIO, 1, 0),
     ]
 
-    await kill_confirmed(workers[0].proc.pid, "code2wav replica 0")
+    await kill_confirmed(stack.worker(2, 0).proc.pid, "code2wav replica 0")
     # Chunks 2 and 3 wait for the dead replica; the client, say, already has chunk 2's audio.
     client_has["audio_seq"] = 2
     for seq in (2, 3):
@@ -195,7 +184,7 @@ async def test_a_killed_code2wav_replica_moves_its_chunks_and_no_audio_is_lost_o
     # The record and the orchestrator's count agree with what the replicas did.
     assert [(a.attempt, a.replica) for a in rec.stages[2].attempts] == ran
     assert rec.stages[2].attempts[-1].reason == "exit"  # killed: its connection went
-    after = scrape(orch.metrics_url)
+    after = scrape(stack.orchestrator.metrics_url)
     moves = [(a[1], b[1]) for a, b in itertools.pairwise(ran)]
     for src, dst in moves:
         assert delta(
@@ -215,10 +204,10 @@ async def test_a_move_whose_orchestrator_died_before_sending_it_is_carried_out_b
     instance that is not in the registry, never sent. (A real orchestrator cannot be killed in
     that millisecond on demand.) The live orchestrator takes the move over and carries it out; the
     request completes instead of waiting for its deadline."""
-    _, workers = stack
-    if workers[0].proc.poll() is None:  # replica 0 is the dead one (the test before killed it)
-        os.kill(workers[0].proc.pid, signal.SIGKILL)
-        workers[0].proc.wait(10)
+    replica0 = stack.worker(2, 0).proc
+    if replica0.poll() is None:  # replica 0 is the dead one (the test before killed it)
+        os.kill(replica0.pid, signal.SIGKILL)
+        replica0.wait(10)
     ghost = "orchestrator-that-died"
     registered = await bucket_keys(nc, SERVICES_BUCKET)  # other tests' keys may expire meanwhile
     assert not [k for k in registered if k.endswith(f".{ghost}")], "the claimer is alive"

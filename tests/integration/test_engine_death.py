@@ -22,7 +22,7 @@ import itertools
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +30,6 @@ import nats
 import pytest
 from nats.aio.client import Client
 from nats.js.kv import KeyValue
-from openai import AsyncOpenAI
 
 from benchmarks.process_table import descendants
 from libs.common.bus import requests_kv
@@ -52,15 +51,8 @@ from tests.client_streams import (
     struck,
 )
 from tests.metrics_scrape import delta, scrape
-from tests.procs import (
-    ServiceProcess,
-    gone,
-    kill_confirmed,
-    process_state,
-    stop_all,
-    stop_confirmed,
-    until,
-)
+from tests.pipeline_services import Services
+from tests.procs import ServiceProcess, gone, kill_confirmed, process_state, stop_all, stop_confirmed, until
 from tests.thinker_pair import MODEL, PIPELINE, STALL_TIMEOUT_S, ThinkerPair
 
 pytestmark = pytest.mark.integration
@@ -79,31 +71,20 @@ UNDER_WAY_STREAMS = 4
 the victim); each of its tokens is generated once or twice, so fewer keep its time down."""
 
 
-async def engine_core_of(worker: ServiceProcess) -> int:
-    """The pid of a thinker worker's EngineCore process, once the worker serves."""
-    await worker.await_log("serving omni.", timeout_s=300)
+def engine_core_of(worker: ServiceProcess) -> int:
+    """The pid of a serving thinker worker's EngineCore process."""
     (core,) = [
         p for p in descendants(worker.proc.pid) if "EngineCore" in Path(f"/proc/{p}/cmdline").read_text()
     ]
     return core
 
 
-@dataclass
-class Stack:
-    pair: ThinkerPair
-    """The session's gateway and two thinker workers."""
-    orchestrator: ServiceProcess
-    """The module's own orchestrator, which judges the faults."""
-
-
 @pytest.fixture(scope="module")
-def stack(thinker_pair, tmp_path_factory):
-    orchestrator = thinker_pair.start_orchestrator(tmp_path_factory.mktemp("enginedeath") / "orch.log")
-    orchestrator.wait_log("ready")
-    yield Stack(thinker_pair, orchestrator)
-    if orchestrator.proc.poll() is None:
-        os.kill(orchestrator.proc.pid, signal.SIGCONT)
-    stop_all([orchestrator])
+def orchestrator(thinker_pair: ThinkerPair, tmp_path_factory) -> Iterator[ServiceProcess]:
+    """The module's own orchestrator of the pair's pipeline, which judges the faults."""
+    own = Services(thinker_pair.nats_url, thinker_pair.path, tmp_path_factory.mktemp("enginedeath"))
+    with own.start(gateway=False).serving():
+        yield own.orchestrator
 
 
 STREAMS = 6
@@ -133,7 +114,7 @@ class Run:
 
 
 @contextlib.asynccontextmanager
-async def streaming(stack: Stack, tokens: int = LONG, count: int = STREAMS) -> AsyncIterator[Run]:
+async def streaming(pair: ThinkerPair, tokens: int = LONG, count: int = STREAMS) -> AsyncIterator[Run]:
     """Both workers serving, a warm stack, then ``count`` greedy streams of ``tokens``, admitted,
     and a replica that holds two of them (up to :data:`TRIES` sets of streams).
 
@@ -144,9 +125,9 @@ async def streaming(stack: Stack, tokens: int = LONG, count: int = STREAMS) -> A
     incarnation, docs/reliability.md's known limits), or a worker about to exit: in CI of
     2026-11-28 one test's failure left its victim dying, the next test's moves went to it, and
     three more tests failed with ``no_live_replica``."""
-    await stack.pair.both_serving()
-    client = AsyncOpenAI(base_url=stack.pair.base_url, api_key="unused", max_retries=0, timeout=180)
-    nc = await nats.connect(stack.pair.nats_url)
+    await pair.both_serving()
+    client = pair.client(180)
+    nc = await nats.connect(pair.nats_url)
     wire = Wire()
     await wire.listen(nc, PIPELINE)
     streams: Streams | None = None
@@ -176,7 +157,7 @@ async def streaming(stack: Stack, tokens: int = LONG, count: int = STREAMS) -> A
         await nc.close()
         await client.close()
         if victim is not None:
-            worker = stack.pair.workers[victim]
+            worker = pair.workers[victim]
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(worker.proc.pid, signal.SIGCONT)  # a stopped one must run to stop
             await asyncio.to_thread(stop_all, [worker])
@@ -196,14 +177,16 @@ async def _stop_replica(worker: ServiceProcess, what: str) -> list[int]:
     return pids
 
 
-async def test_a_killed_engine_core_moves_the_requests_and_its_worker_exits(stack) -> None:
+async def test_a_killed_engine_core_moves_the_requests_and_its_worker_exits(
+    thinker_pair: ThinkerPair, orchestrator: ServiceProcess
+) -> None:
     # Nothing slow between the victim's word that it holds two streams and the kill: the fast
     # replica ends a stream a second (a scrape on a loaded box has taken longer).
-    before = scrape(stack.orchestrator.metrics_url)
-    async with streaming(stack) as run:
+    before = scrape(orchestrator.metrics_url)
+    async with streaming(thinker_pair) as run:
         victim = run.victim
-        worker = stack.pair.workers[victim]
-        core = await engine_core_of(worker)
+        worker = thinker_pair.workers[victim]
+        core = engine_core_of(worker)
         # The engine is one process: its EngineCore runs the model (engine_executor.py), bound
         # to one core as vLLM's own executor would bind its model runner.
         assert descendants(core) == [], "the engine runs its model in a process of its own"
@@ -225,7 +208,7 @@ async def test_a_killed_engine_core_moves_the_requests_and_its_worker_exits(stac
         code = await asyncio.to_thread(worker.proc.wait, 20)
         await run.streams.finish()
         records = await records_at_end(run.kv, run.streams)
-        after = scrape(stack.orchestrator.metrics_url)
+        after = scrape(orchestrator.metrics_url)
     judge_moves(
         run.streams, run.wire, records, bound, [(1, victim, None), (2, 1 - victim, "engine_dead")], LONG
     )
@@ -271,11 +254,13 @@ async def _probe_until(run: Run, replica: int, done: asyncio.Task[set[str]]) -> 
     return answers
 
 
-async def test_a_hung_engine_core_moves_the_requests_and_its_worker_gives_up_on_it(stack) -> None:
-    async with streaming(stack, UNDER_WAY_LONG, UNDER_WAY_STREAMS) as run:
+async def test_a_hung_engine_core_moves_the_requests_and_its_worker_gives_up_on_it(
+    thinker_pair: ThinkerPair, orchestrator: ServiceProcess
+) -> None:
+    async with streaming(thinker_pair, UNDER_WAY_LONG, UNDER_WAY_STREAMS) as run:
         victim = run.victim
-        worker = stack.pair.workers[victim]
-        core = await engine_core_of(worker)
+        worker = thinker_pair.workers[victim]
+        core = engine_core_of(worker)
         try:
             await stop_confirmed(core, f"the EngineCore of thinker {victim}")
             stopped = time.monotonic()
@@ -321,15 +306,17 @@ async def test_a_hung_engine_core_moves_the_requests_and_its_worker_gives_up_on_
     )
 
 
-async def test_a_stopped_replica_loses_its_requests_and_stops_them_after_sigcont(stack) -> None:
+async def test_a_stopped_replica_loses_its_requests_and_stops_them_after_sigcont(
+    thinker_pair: ThinkerPair, orchestrator: ServiceProcess
+) -> None:
     """Its victim runs on after SIGCONT as the incarnation judged dead, until :func:`streaming`
     stops it."""
-    async with streaming(stack, UNDER_WAY_LONG, UNDER_WAY_STREAMS) as run:
-        before = scrape(stack.pair.gateway_metrics)
+    async with streaming(thinker_pair, UNDER_WAY_LONG, UNDER_WAY_STREAMS) as run:
+        before = scrape(thinker_pair.gateway_metrics)
         # After SIGCONT the victim must stop those it had taken (the point of the test), and
         # one of UNDER_WAY_LONG tokens is left for the stop to strike.
         victim = run.victim
-        worker = stack.pair.workers[victim]
+        worker = thinker_pair.workers[victim]
         try:
             stopped_pids = await _stop_replica(worker, f"thinker {victim}")
             stopped = time.monotonic()
@@ -347,7 +334,7 @@ async def test_a_stopped_replica_loses_its_requests_and_stops_them_after_sigcont
         # Until the victim holds none of them: each was stopped there, or (a failure below)
         # finished there.
         await until(lambda: _holds_none(run.nc, victim), "the resumed replica let its moved requests go", 30)
-        after = scrape(stack.pair.gateway_metrics)
+        after = scrape(thinker_pair.gateway_metrics)
     judge_moves(
         run.streams, run.wire, records, bound, [(1, victim, None), (2, 1 - victim, "stall")], UNDER_WAY_LONG
     )

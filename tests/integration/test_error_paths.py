@@ -22,7 +22,6 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
 
 import httpx
 import nats
@@ -33,19 +32,11 @@ from nats.js.errors import NotFoundError
 from libs.common.envelopes import Admission, decode
 from libs.common.subjects import Subjects
 from libs.stack.bus_state import request_record
-from libs.stack.local_nats import free_port
 from tests.bus import played_worker
 from tests.conftest import NatsServer
 from tests.metrics_scrape import delta, scrape
-from tests.procs import (
-    THINKER_YAML,
-    ServiceProcess,
-    gone,
-    start_service,
-    stop_confirmed,
-    until,
-    write_pipeline,
-)
+from tests.pipeline_services import Services
+from tests.procs import THINKER_YAML, ServiceProcess, gone, stop_confirmed, until, write_pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -56,50 +47,26 @@ STAGE = "0:thinker"
 FAILED = "vllm:omni_requests_failed_total"
 ERROR_TYPES = {429: "rate_limit_error", 503: "service_unavailable"}
 """The ``type`` of the gateway's error body per status (docs/api.md: OpenAI's error shape)."""
-
-
-@dataclass
-class Stack:
-    nats: NatsServer
-    orchestrator: ServiceProcess
-    gateway: ServiceProcess
-    base_url: str
-
-    @property
-    def metrics_url(self) -> str:
-        """The gateway's ``/metrics`` (its admin port)."""
-        return self.gateway.metrics_url
-
-    def client(self, **headers: str) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(
-            base_url=f"{self.base_url}/v1",
-            api_key="unused",
-            max_retries=0,  # the client would retry 429 and 503 by itself
-            timeout=60,
-            default_headers=headers or None,
-        )
+CLIENT_TIMEOUT_S = 60.0
+"""The client's own timeout per request, seconds."""
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("errpaths")
-    server = NatsServer(tmp / "jetstream")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    """The module's own nats-server (a test kills it)."""
+    server = NatsServer(tmp_path_factory.mktemp("errpaths") / "jetstream")
     server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(broker: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
+    """A real orchestrator and gateway; the tests play the thinker replicas."""
+    tmp = tmp_path_factory.mktemp("errpaths")
     path = write_pipeline(tmp / "p.yaml", PIPELINE, THINKER_YAML.replace("replicas: 1", "replicas: 2"), 60.0)
-    port = free_port()
-    orch = start_service(["orchestrator"], server.url, path, tmp / "orch.log")
-    gateway = start_service(["gateway", "--port", str(port)], server.url, path, tmp / "gw.log")
-    try:
-        orch.wait_log("ready")
-        gateway.wait_log("Uvicorn running")
-        yield Stack(server, orch, gateway, f"http://127.0.0.1:{port}")
-    finally:
-        for proc in (orch, gateway):
-            if proc.proc is not None and proc.proc.poll() is None:
-                os.kill(proc.proc.pid, signal.SIGCONT)  # a test that failed may have left it stopped
-        gateway.stop()
-        orch.stop()
-        server.stop()
+    with Services(broker.url, path, tmp).start().serving() as services:
+        yield services
 
 
 def ask(client: openai.AsyncOpenAI, text: str = "hi"):
@@ -118,12 +85,17 @@ def assert_openai_error(e: openai.APIStatusError, status: int, code: str) -> Non
     assert (e.type, e.code) == (err["type"], err["code"])  # what the openai client makes of it
 
 
-async def health(stack: Stack) -> httpx.Response:
+async def health(stack: Services) -> httpx.Response:
     async with httpx.AsyncClient(timeout=10) as http:
         return await http.get(f"{stack.base_url}/health")
 
 
-async def health_until(stack: Stack, status: int, timeout_s: float = 15.0) -> dict:
+async def bus_is(stack: Services, connected: bool) -> bool:
+    """Whether the gateway's ``/health`` says its connection to the bus is (``connected``) up."""
+    return (await health(stack)).json()["bus"] is connected
+
+
+async def health_until(stack: Services, status: int, timeout_s: float = 15.0) -> dict:
     """The body of ``/health`` once it answers ``status`` (the gateway's registry view follows
     the registrations within its watch's delay)."""
 
@@ -156,15 +128,15 @@ async def queued(url: str) -> int:
 
 
 async def test_health_is_503_unavailable_without_a_live_replica_of_a_stage_or_orchestrator(
-    stack: Stack,
+    stack: Services,
 ) -> None:
     body = await health_until(stack, 503)
     assert body["status"] == "unavailable" and body["bus"] is True and body["orchestrators"] >= 1, body
     assert body["stages"] == {STAGE: 0}, body
-    async with played_worker(stack.nats.url, PIPELINE, 0, 0):
+    async with played_worker(stack.nats_url, PIPELINE, 0, 0):
         body = await health_until(stack, 200)
         assert (body["status"], body["stages"], body["degraded"]) == ("degraded", {STAGE: 1}, [STAGE])
-        async with played_worker(stack.nats.url, PIPELINE, 0, 1):
+        async with played_worker(stack.nats_url, PIPELINE, 0, 1):
             body = await health_until(stack, 200)
             assert (body["status"], body["stages"], body["degraded"]) == ("ok", {STAGE: 2}, [])
             async with stopped(stack.orchestrator, "the orchestrator"):
@@ -181,11 +153,11 @@ async def test_health_is_503_unavailable_without_a_live_replica_of_a_stage_or_or
     assert (body["status"], body["stages"]) == ("unavailable", {STAGE: 0}), body
 
 
-async def test_a_full_admission_queue_is_429_queue_full(stack: Stack) -> None:
+async def test_a_full_admission_queue_is_429_queue_full(stack: Services) -> None:
     """The broker's own bound decides: with the queue one short of ``max_msgs`` a request is
     queued, the next one is refused with 429, and the queue holds exactly ``max_msgs``."""
-    client = stack.client()
-    nc = await nats.connect(stack.nats.url)
+    client = stack.client(CLIENT_TIMEOUT_S)
+    nc = await nats.connect(stack.nats_url)
     js = nc.jetstream()
     admitted: asyncio.Task | None = None
     try:
@@ -218,12 +190,12 @@ async def _has(js, n: int) -> bool:
     return (await js.stream_info(SUBJECTS.requests_stream)).state.messages == n
 
 
-async def test_a_gateway_that_does_not_answer_a_move_fails_it_503_replica_lost(stack: Stack) -> None:
+async def test_a_gateway_that_does_not_answer_a_move_fails_it_503_replica_lost(stack: Services) -> None:
     """A request's replica dies; the orchestrator asks the request's gateway where the client's
     stream stands to move it, gets no answer (the gateway is stopped) and fails it: the record
     says so, and the client, once its gateway runs again, gets 503 ``replica_lost``."""
-    client = stack.client()
-    url = stack.nats.url
+    client = stack.client(CLIENT_TIMEOUT_S)
+    url = stack.nats_url
     try:
         async with contextlib.AsyncExitStack() as r0, contextlib.AsyncExitStack() as r1:
             replicas = [
@@ -266,25 +238,23 @@ async def _record_until(url: str, rid: str, cond: Callable[[dict], bool], timeou
     return await until(record, f"the record of {rid} as expected", timeout_s, every_s=0.1)
 
 
-async def test_with_the_broker_gone_a_request_is_503_bus_unavailable_and_never_queued(stack: Stack) -> None:
+async def test_with_the_broker_gone_a_request_is_503_bus_unavailable_and_never_queued(
+    stack: Services, broker: NatsServer
+) -> None:
     """nats-server is killed (its pid gone): a request is answered 503 ``bus_unavailable``,
     ``/health`` says 503 ``unavailable`` with ``bus: false``; once the broker is back, the
     refused request was not queued after all (a client told 503 may send it again)."""
-    client = stack.client()
-    server = stack.nats
+    client = stack.client(CLIENT_TIMEOUT_S)
+    server = broker
     assert server.proc is not None
     marker: asyncio.Task | None = None
     try:
         async with stopped(stack.orchestrator, "the orchestrator"):  # the queue shows what came
             kept = await queued(server.url)
             before = scrape(stack.metrics_url)
-            disconnects = stack.gateway.text().count("NATS disconnected")
             server.proc.send_signal(signal.SIGKILL)
             assert server.proc.wait(5) == -signal.SIGKILL and gone(server.proc.pid)
-            await until(
-                lambda: stack.gateway.text().count("NATS disconnected") > disconnects,
-                "the gateway saw the broker go",
-            )
+            await until(lambda: bus_is(stack, False), "the gateway saw the broker go")
             with pytest.raises(openai.InternalServerError) as e:
                 await ask(client, "refused while the broker is away")
             assert_openai_error(e.value, 503, "bus_unavailable")
@@ -293,12 +263,8 @@ async def test_with_the_broker_gone_a_request_is_503_bus_unavailable_and_never_q
             assert (await health(stack)).status_code == 503
             assert delta(before, scrape(stack.metrics_url), FAILED, reason="bus_unavailable") == 1
 
-            reconnects = stack.gateway.text().count("NATS reconnected")
             server.start()  # the same port and store
-            await until(
-                lambda: stack.gateway.text().count("NATS reconnected") > reconnects,
-                "the gateway reconnected",
-            )
+            await until(lambda: bus_is(stack, True), "the gateway reconnected")
             # A request sent now is queued behind anything the gateway still held from before.
             sent_ns = time.time_ns()
             marker = asyncio.create_task(ask(client, "sent after the broker came back"))

@@ -9,9 +9,8 @@ out-of-range codes a real talker cannot produce (it samples only codes in range)
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import httpx
 import numpy as np
@@ -21,17 +20,10 @@ import pytest
 from libs.common.envelopes import ClientEvent, ClientEventType, NdArray, StageTask, TaskKind, Usage
 from libs.common.publish import Hop, publish_task
 from libs.common.subjects import Subjects
-from libs.stack.local_nats import free_port
 from tests.bus import played_worker
 from tests.metrics_scrape import delta, scrape
-from tests.procs import (
-    CODE2WAV_YAML,
-    TALKER_YAML,
-    THINKER_YAML,
-    ServiceProcess,
-    start_service,
-    write_pipeline,
-)
+from tests.pipeline_services import Services
+from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, write_pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -40,6 +32,8 @@ SUBJECTS = Subjects(PIPELINE)
 MODEL = f"{PIPELINE}-model"
 TIMEOUT_S = 3.0
 """The pipeline's request timeout (the timeout case waits for it)."""
+CLIENT_TIMEOUT_S = 30.0
+"""The client's own timeout, seconds: far past the pipeline's."""
 FAILED, SUCCESS, SKIPPED = (
     "vllm:omni_requests_failed_total",
     "vllm:omni_requests_success_total",
@@ -48,38 +42,18 @@ FAILED, SUCCESS, SKIPPED = (
 AUDIO = {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "pcm16"}}
 
 
-@dataclass
-class Stack:
-    base_url: str
-    metrics_url: str
-    code2wav: ServiceProcess
-
-
 @pytest.fixture(scope="module")
-def stack(nats_server, tmp_path_factory):
+def stack(nats_server, tmp_path_factory) -> Iterator[Services]:
+    """A real orchestrator, gateway and code2wav worker (the test plays the thinker and talker)."""
     tmp = tmp_path_factory.mktemp("failcount")
     path = write_pipeline(
         tmp / "p.yaml", PIPELINE, THINKER_YAML + TALKER_YAML + CODE2WAV_YAML, timeout_s=TIMEOUT_S
     )
-    port = free_port()
-    orch = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
-    gateway = start_service(["gateway", "--port", str(port)], nats_server.url, path, tmp / "gw.log")
-    code2wav = start_service(["worker"], nats_server.url, path, tmp / "c2w.log", {"OMNIRELAY_STAGE": "2"})
-    orch.wait_log("ready")
-    gateway.wait_log("Uvicorn running")
-    code2wav.wait_log("serving omni.", timeout_s=120)
-    base = f"http://127.0.0.1:{port}"
-    yield Stack(base, gateway.metrics_url, code2wav)
-    for proc in (code2wav, orch):
-        proc.stop()
-    assert gateway.stop() in (0, -signal.SIGTERM)
+    with Services(nats_server.url, path, tmp).start(workers=[(2, 0)]).serving() as services:
+        yield services
 
 
-def client(stack: Stack) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=30)
-
-
-async def counted(stack: Stack, before: dict, name: str, want: float, **labels: str) -> dict:
+async def counted(stack: Services, before: dict, name: str, want: float, **labels: str) -> dict:
     """The gateway's counters once ``name{labels}`` has moved by ``want`` since ``before`` (the
     gateway records a request as its response ends, a moment after the client has it)."""
     for _ in range(50):
@@ -139,7 +113,7 @@ def code_chunk(task: StageTask, codes: list[int]) -> StageTask:
 async def test_no_live_replica(stack, nats_server) -> None:
     before = scrape(stack.metrics_url)
     with pytest.raises(openai.APIStatusError) as e:
-        await client(stack).chat.completions.create(
+        await stack.client(CLIENT_TIMEOUT_S).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3
         )
     assert (e.value.status_code, e.value.code) == (503, "no_live_replica")
@@ -151,7 +125,7 @@ async def test_timeout(stack, nats_server) -> None:
         before = scrape(stack.metrics_url)
         t0 = time.monotonic()
         with pytest.raises(openai.APIStatusError) as e:  # the thinker takes the task and says nothing
-            await client(stack).chat.completions.create(
+            await stack.client(CLIENT_TIMEOUT_S).chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3
             )
         assert tasks.qsize() == 1, "the request never reached the thinker"
@@ -165,7 +139,7 @@ async def test_stage_error(stack, nats_server) -> None:
     async with played_worker(nats_server.url, PIPELINE, 0) as (nc, tasks):
         before = scrape(stack.metrics_url)
         call = asyncio.create_task(
-            client(stack).chat.completions.create(
+            stack.client(CLIENT_TIMEOUT_S).chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3
             )
         )
@@ -185,7 +159,7 @@ async def test_stage_error(stack, nats_server) -> None:
 
 
 async def audio_request_whose_talker_sends(
-    stack: Stack, url: str, codes: list[int]
+    stack: Services, url: str, codes: list[int]
 ) -> tuple[dict, asyncio.Task]:
     """An audio request that the played thinker answers with one token and the played talker
     with one last code chunk of ``codes`` for the real code2wav: the gateway's counters before it,
@@ -196,7 +170,7 @@ async def audio_request_whose_talker_sends(
     ):
         before = scrape(stack.metrics_url)
         call = asyncio.create_task(
-            client(stack).chat.completions.create(
+            stack.client(CLIENT_TIMEOUT_S).chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1, **AUDIO
             )
         )

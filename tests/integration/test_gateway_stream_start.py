@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
+from collections.abc import Iterator
 
 import httpx
 import nats
@@ -15,8 +15,8 @@ import pytest
 
 from libs.common.envelopes import AbortNotice, Admission, ClientEvent, ClientEventType, Usage, decode
 from libs.common.subjects import Subjects
-from libs.stack.local_nats import free_port
-from tests.procs import THINKER_YAML, start_service, write_pipeline
+from tests.pipeline_services import Services
+from tests.procs import THINKER_YAML, write_pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -27,14 +27,12 @@ TIMEOUT_S = 2.0
 
 
 @pytest.fixture(scope="module")
-def gateway(nats_server, tmp_path_factory):
+def gateway(nats_server, tmp_path_factory) -> Iterator[Services]:
+    """A real gateway alone: the test plays the orchestrator and stage 0."""
     tmp = tmp_path_factory.mktemp("gw")
     path = write_pipeline(tmp / "p.yaml", PIPELINE, THINKER_YAML, timeout_s=TIMEOUT_S)
-    port = free_port()
-    proc = start_service(["gateway", "--port", str(port)], nats_server.url, path, tmp / "gw.log")
-    proc.wait_log("Uvicorn running")
-    yield f"http://127.0.0.1:{port}"
-    assert proc.stop() in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after its clean shutdown
+    with Services(nats_server.url, path, tmp).start(orchestrators=0).serving() as services:
+        yield services
 
 
 class PlaysPipeline:
@@ -86,7 +84,7 @@ BODY = {
 
 
 async def test_a_failure_before_the_start_is_an_http_error(gateway, pipeline_side) -> None:
-    client = openai.AsyncOpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0)
+    client = gateway.client()
     call = asyncio.create_task(
         client.chat.completions.create(
             model=BODY["model"], messages=BODY["messages"], max_tokens=4, stream=True
@@ -109,7 +107,9 @@ async def test_a_failure_before_the_start_is_an_http_error(gateway, pipeline_sid
 async def test_the_stream_begins_at_started_before_any_token(gateway, pipeline_side) -> None:
     async with httpx.AsyncClient(timeout=10) as http:
         opening = asyncio.create_task(
-            http.send(http.build_request("POST", f"{gateway}/v1/chat/completions", json=BODY), stream=True)
+            http.send(
+                http.build_request("POST", f"{gateway.base_url}/v1/chat/completions", json=BODY), stream=True
+            )
         )
         adm = await asyncio.wait_for(pipeline_side.admissions.get(), 10)
         # Time passes with the request admitted and stage 0 silent: the response must not begin in it.
@@ -141,7 +141,7 @@ async def test_the_stream_begins_at_started_before_any_token(gateway, pipeline_s
 
 async def test_a_hang_up_before_the_start_aborts_the_request(gateway, pipeline_side) -> None:
     async with httpx.AsyncClient(timeout=10) as http:
-        request = asyncio.create_task(http.post(f"{gateway}/v1/chat/completions", json=BODY))
+        request = asyncio.create_task(http.post(f"{gateway.base_url}/v1/chat/completions", json=BODY))
         adm = await asyncio.wait_for(pipeline_side.admissions.get(), 10)
         request.cancel()  # the connection closes with no response begun
         with pytest.raises(asyncio.CancelledError):
@@ -152,7 +152,7 @@ async def test_a_hang_up_before_the_start_aborts_the_request(gateway, pipeline_s
 
 async def test_silence_until_past_the_deadline_is_a_504(gateway, pipeline_side) -> None:
     async with httpx.AsyncClient(timeout=30) as http:
-        request = asyncio.create_task(http.post(f"{gateway}/v1/chat/completions", json=BODY))
+        request = asyncio.create_task(http.post(f"{gateway.base_url}/v1/chat/completions", json=BODY))
         adm = await asyncio.wait_for(pipeline_side.admissions.get(), 10)
         response = await asyncio.wait_for(request, TIMEOUT_S + 3 + 5)
     assert response.status_code == 504

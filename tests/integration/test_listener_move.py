@@ -6,27 +6,16 @@ transcript is the one the fault-free run gave, every segment once: nothing heard
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
-import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import httpx
 import pytest
 
 from libs.stack.bus_state import request_record
-from libs.stack.local_nats import free_port
-from tests.procs import (
-    LISTENER_YAML,
-    ServiceProcess,
-    kill_confirmed,
-    mock_thinker_yaml,
-    start_service,
-    until,
-    write_pipeline,
-)
+from tests.pipeline_services import Services
+from tests.procs import LISTENER_YAML, kill_confirmed, mock_thinker_yaml, until, write_pipeline
 from tests.speech import recall, spoken
 
 pytestmark = pytest.mark.integration
@@ -44,48 +33,13 @@ PASSAGE = (
 )
 
 
-@dataclass(frozen=True)
-class Stack:
-    base_url: str
-    nats_url: str
-    listeners: list[ServiceProcess]
-
-
 @pytest.fixture(scope="module")
-def stack(nats_server, tmp_path_factory) -> Iterator[Stack]:
+def stack(nats_server, tmp_path_factory) -> Iterator[Services]:
+    """Two real listeners, a mock thinker, a real orchestrator and gateway."""
     tmp = tmp_path_factory.mktemp("lmove")
     path = write_pipeline(tmp / "p.yaml", PIPELINE, STAGES_YAML)
-    port = free_port()
-    orch = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
-    gateway = start_service(["gateway", "--port", str(port)], nats_server.url, path, tmp / "gw.log")
-    listeners = [
-        start_service(
-            ["worker"],
-            nats_server.url,
-            path,
-            tmp / f"l{r}.log",
-            {"OMNIRELAY_STAGE": "0", "OMNIRELAY_REPLICA": str(r)},
-        )
-        for r in (0, 1)
-    ]
-    thinker = start_service(["worker"], nats_server.url, path, tmp / "t.log", {"OMNIRELAY_STAGE": "1"})
-    try:
-        base = f"http://127.0.0.1:{port}"
-
-        def live() -> bool:
-            try:
-                r = httpx.get(f"{base}/health", timeout=2.0)
-                return r.status_code == 200 and r.json()["stages"] == {"0:listener": 2, "1:thinker": 1}
-            except (httpx.HTTPError, ValueError, KeyError):
-                return False
-
-        asyncio.run(until(live, "two listeners and a thinker live", timeout_s=120))
-        yield Stack(base, nats_server.url, listeners)
-    finally:
-        for proc in (*listeners, thinker, orch):
-            if proc.proc is not None and proc.proc.poll() is None:
-                proc.stop()
-        assert gateway.stop() in (0, -signal.SIGTERM)
+    with Services(nats_server.url, path, tmp).start(workers=[(0, 0), (0, 1), (1, 0)]).serving() as services:
+        yield services
 
 
 def _form(wav: bytes, stream: bool) -> tuple[dict, dict]:
@@ -105,7 +59,7 @@ async def test_a_listener_killed_mid_utterance_moves_and_nothing_is_heard_twice(
             assert r.status_code == 200
             rid = r.headers["x-request-id"]
             record = await until(lambda: request_record(stack.nats_url, rid), "the request's record", 10)
-            victim = stack.listeners[record["route"][0]]
+            victim = stack.worker(0, record["route"][0])
             assert victim.proc is not None
             await kill_confirmed(victim.proc.pid, f"listener replica {record['route'][0]}")
             events = [json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: {")]

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, replace
 from urllib.parse import urlparse
 
@@ -55,7 +53,8 @@ from tests.client_streams import (
     until_record,
 )
 from tests.metrics_scrape import delta, scrape
-from tests.procs import THINKER_YAML, ServiceProcess, start_service, stop_all, write_pipeline
+from tests.pipeline_services import Services
+from tests.procs import THINKER_YAML, write_pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -210,61 +209,33 @@ class LostEvent:
         return True
 
 
-@dataclass
-class Stack:
-    base_url: str
-    gateway: ServiceProcess
-    orchestrator: ServiceProcess
-    worker: ServiceProcess
-    fault: LostEvent
-
-    @property
-    def gateway_metrics(self) -> str:
-        """The gateway's ``/metrics`` (on its admin port)."""
-        assert self.gateway.metrics_url is not None
-        return self.gateway.metrics_url
+@pytest.fixture(scope="module")
+def fault() -> LostEvent:
+    """The link's fault, armed by a test."""
+    return LostEvent()
 
 
 @pytest.fixture(scope="module")
-def stack(nats_server, tmp_path_factory):
+def stack(nats_server, fault: LostEvent, tmp_path_factory) -> Iterator[Services]:
     """Gateway and orchestrator on the session's nats-server, the thinker worker through a
     :class:`LossyLink` to it."""
     tmp = tmp_path_factory.mktemp("lostmsgs")
     path = write_pipeline(tmp / "p.yaml", PIPELINE, STAGES_YAML, timeout_s=120)
-    fault = LostEvent()
     link = LossyLink(nats_server.url, fault.sent, fault.received).start()
-    port = free_port()
-    gateway = start_service(
-        ["gateway", "--port", str(port)],
-        nats_server.url,
-        path,
-        tmp / "gw.log",
-        {"OMNIRELAY_INSTANCE_ID": GATEWAY},
-    )
-    orchestrator = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
-    worker = start_service(
-        ["worker", "--stage", "0", "--replica", "0"],
-        link.url,
-        path,
-        tmp / "worker.log",
-        {"VLLM_CPU_KVCACHE_SPACE": "1"},
-    )
-    gateway.wait_log("Uvicorn running")
-    orchestrator.wait_log("ready")
-    worker.wait_log(": serving omni.", timeout_s=300)
-    yield Stack(f"http://127.0.0.1:{port}/v1", gateway, orchestrator, worker, fault)
-    for p in (gateway, orchestrator, worker):
-        if p.proc.poll() is None:
-            os.kill(p.proc.pid, signal.SIGCONT)
-    stop_all([gateway, orchestrator, worker])
-    link.stop()
+    try:
+        services = Services(nats_server.url, path, tmp).start(gateway_env={"OMNIRELAY_INSTANCE_ID": GATEWAY})
+        services.start_worker(0, 0, {"VLLM_CPU_KVCACHE_SPACE": "1"}, nats_url=link.url)
+        with services.serving():
+            yield services
+    finally:
+        link.stop()
 
 
 @contextlib.asynccontextmanager
-async def client_of(stack: Stack):
+async def client_of(stack: Services) -> AsyncIterator[AsyncOpenAI]:
     """The official client, after one request has gone through the stack (the engine's first
     request is slow; the orchestrator's registry view may not have the worker yet)."""
-    client = AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=180)
+    client = stack.client(180)
     try:
         for _ in range(60):
             warm = Seen()
@@ -282,7 +253,7 @@ async def client_of(stack: Stack):
     "where",
     ["middle", "last"],
 )
-async def test_a_lost_client_event_is_sent_again_by_its_worker(stack, nc, where) -> None:
+async def test_a_lost_client_event_is_sent_again_by_its_worker(stack, fault, nc, where) -> None:
     """An event lost in the middle of a stream leaves a gap the gateway sees; the last one
     (``text_done``) leaves none. Either way the worker, asking until the gateway has every event,
     sends it again: no move, every token once."""
@@ -290,20 +261,20 @@ async def test_a_lost_client_event_is_sent_again_by_its_worker(stack, nc, where)
     await wire.listen(nc, PIPELINE)
     kv = await requests_kv(nc.jetstream())
     async with client_of(stack) as client:
-        before = scrape(stack.gateway_metrics), scrape(stack.orchestrator.metrics_url)
+        before = scrape(stack.metrics_url), scrape(stack.orchestrator.metrics_url)
         if where == "middle":
-            stack.fault.arm(lambda e: e.type == ClientEventType.TEXT and e.seq == DROP_SEQ)
+            fault.arm(lambda e: e.type == ClientEventType.TEXT and e.seq == DROP_SEQ)
         else:
-            stack.fault.arm(lambda e: e.type == ClientEventType.TEXT_DONE)
+            fault.arm(lambda e: e.type == ClientEventType.TEXT_DONE)
         seen = [Seen() for _ in range(STREAMS)]
         t0 = time.monotonic()
         await asyncio.wait_for(asyncio.gather(*(stream_chat(client, MODEL, s, LONG) for s in seen)), 180)
         took_s = time.monotonic() - t0
-        after = scrape(stack.gateway_metrics), scrape(stack.orchestrator.metrics_url)
-    stack.fault.pick = None
-    lost = stack.fault.lost
+        after = scrape(stack.metrics_url), scrape(stack.orchestrator.metrics_url)
+    fault.pick = None
+    lost = fault.lost
     assert lost is not None, "the link lost no client event: the fault did not happen"
-    assert stack.fault.answers_lost == ANSWERS_LOST, "the worker asked the gateway too few times"
+    assert fault.answers_lost == ANSWERS_LOST, "the worker asked the gateway too few times"
     for s in seen:
         assert s.error is None, s.error
         assert (s.tokens, len(s.token_ids), s.finish_reason) == (LONG, LONG, "length"), s.id
@@ -327,10 +298,10 @@ HOLD_S = 3.0
 doubling to 2 s: about four tries meanwhile)."""
 
 
-async def test_a_lifecycle_event_no_stream_takes_is_published_again_until_one_does(stack, nc) -> None:
+async def test_a_lifecycle_event_no_stream_takes_is_published_again_until_one_does(stack, fault, nc) -> None:
     js = nc.jetstream()
     kv = await requests_kv(js)
-    stack.fault.pick = None
+    fault.pick = None
     config = (await js.stream_info(SUBJECTS.events_stream)).config
     listening = [SUBJECTS.event(k) for k in EVENT_KINDS if k != "finished"]
     async with client_of(stack) as client:
@@ -354,7 +325,7 @@ async def test_a_lifecycle_event_no_stream_takes_is_published_again_until_one_do
     assert (seen.tokens, len(seen.token_ids), seen.finish_reason) == (64, 64, "length")
     assert (rec.status.value, rec.finish_reason) == ("completed", "length"), rec
     assert "finished.0.1" in rec.events
-    tries = stack.worker.text().count(f"request {seen.id}: lifecycle event finished not stored yet")
+    tries = stack.worker(0).text().count(f"request {seen.id}: lifecycle event finished not stored yet")
     assert tries >= 2, f"{tries} tries logged while no stream took the event"
     print(
         f"{tries} tries while no stream took it; the record ended {ended_after_s:.2f} s after the stream listened again"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Iterator
 
 import nats
 import pytest
@@ -39,7 +40,8 @@ from libs.common.subjects import Subjects
 from services.orchestrator.migration import stored_inputs
 from tests.bus import collect
 from tests.metrics_scrape import delta, scrape
-from tests.procs import start_service, write_pipeline
+from tests.pipeline_services import Services
+from tests.procs import ServiceProcess, until, write_pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -67,13 +69,11 @@ CLIENT_HAS = [TextDelta(token_ids=[7, 8], text="Hi"), TextDelta(token_ids=[9], t
 
 
 @pytest.fixture(scope="module")
-def orchestrator(nats_server, tmp_path_factory):
+def orchestrator(nats_server, tmp_path_factory) -> Iterator[ServiceProcess]:
     tmp = tmp_path_factory.mktemp("mig")
     path = write_pipeline(tmp / "p.yaml", PIPELINE, THINKERS_YAML)
-    proc = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
-    proc.wait_log("ready")
-    yield proc
-    assert proc.stop() == 0
+    with Services(nats_server.url, path, tmp).start(gateway=False).serving() as services:
+        yield services.orchestrator
 
 
 class FakeWorker:
@@ -185,26 +185,16 @@ async def stored(nc, replica: int, request_id: str) -> list[StageTask]:
     ]
 
 
-async def until(check, timeout_s: float = 5.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if (value := await check()) is not None and value is not False and value != []:
-            return value
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"not within {timeout_s} s: {check.__doc__ or check}")
-
-
 async def noted_record(nc, request_id: str) -> RequestRecord:
     """The request's record once its latest move is noted in it (the orchestrator notes the
     attempt's phase and resumed tokens after it sent the moved input, so a record read as soon as
     that input is in the stream may not have them yet)."""
 
     async def noted() -> RequestRecord | None:
-        """the move's note in the record"""
         rec = await record(nc, request_id)
         return rec if rec.stages[0].attempts[-1].sent_ns is not None else None
 
-    return await until(noted, MOVE_WAIT_S)
+    return await until(noted, "the move's note in the record", MOVE_WAIT_S)
 
 
 async def holding_replica(nc, request_id: str, other_than: int | None = None, timeout_s: float = 5.0) -> int:
@@ -212,14 +202,10 @@ async def holding_replica(nc, request_id: str, other_than: int | None = None, ti
     workers would really be given, not what the record says), once there is one (other than
     ``other_than``)."""
 
-    async def find() -> int | None:
-        """the request's task is stored for a replica"""
-        for r in range(REPLICAS):
-            if r != other_than and await stored(nc, r, request_id):
-                return r
-        return None
+    async def find() -> list[int]:
+        return [r for r in range(REPLICAS) if r != other_than and await stored(nc, r, request_id)]
 
-    return await until(find, timeout_s)
+    return (await until(find, "the request's task stored for a replica", timeout_s))[0]
 
 
 async def record(nc, request_id: str) -> RequestRecord:
@@ -245,7 +231,7 @@ async def test_a_request_on_a_dead_replica_moves_with_what_the_client_has(
         async def moved() -> list[StageTask]:
             return await stored(nc, other, adm.request_id)
 
-        (task,) = await until(moved, MOVE_WAIT_S)
+        (task,) = await until(moved, "the task stored for the other replica", MOVE_WAIT_S)
         print(f"moved {time.monotonic() - died:.2f} s after the connection closed")
         query = await asyncio.wait_for(questions.get(), 5)
     assert (query.request_id, query.stage, query.attempt) == (adm.request_id, 0, 2)
@@ -326,7 +312,11 @@ async def test_a_request_on_a_stalled_replica_moves_after_the_stall_timeout(
         victim = await holding_replica(nc, adm.request_id)
         await workers[victim].stall()
         stalled = time.monotonic()
-        (task,) = await until(lambda: stored(nc, 1 - victim, adm.request_id), timeout_s=MOVE_WAIT_S)
+        (task,) = await until(
+            lambda: stored(nc, 1 - victim, adm.request_id),
+            "the task stored for the other replica",
+            MOVE_WAIT_S,
+        )
         print(f"moved {time.monotonic() - stalled:.2f} s after the stall (stall_timeout_s: 1)")
         await asyncio.wait_for(questions.get(), 5)
     assert task.attempt == 2 and task.resume == CLIENT_HAS
@@ -350,7 +340,9 @@ async def test_a_request_on_a_replica_whose_engine_hangs_moves_and_the_replica_i
         other = 1 - victim
         workers[victim].hang()
         hung, answered = time.monotonic(), workers[victim].answers
-        (task,) = await until(lambda: stored(nc, other, adm.request_id), timeout_s=MOVE_WAIT_S)
+        (task,) = await until(
+            lambda: stored(nc, other, adm.request_id), "the task stored for the other replica", MOVE_WAIT_S
+        )
         took = time.monotonic() - hung
         await asyncio.wait_for(questions.get(), 5)
         assert workers[victim].answers > answered, "the hung replica answered no probe: not a hang"

@@ -8,9 +8,7 @@ metrics and none of vLLM's engine families (none exist without vLLM)."""
 from __future__ import annotations
 
 import asyncio
-import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import httpx
 import openai
@@ -21,9 +19,9 @@ from vllm.tokenizers import get_tokenizer
 from libs.common.envelopes import ClientEvent, decode, unpack_batch
 from libs.common.subjects import Subjects
 from libs.models.tiny import resolve_model
-from libs.stack.local_nats import free_port
 from services.stage_worker.mock_engine import token_cycle
-from tests.procs import ServiceProcess, start_service, until, write_pipeline
+from tests.pipeline_services import Services
+from tests.procs import write_pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -40,48 +38,17 @@ MOCK_THINKER_YAML = """\
 """
 
 
-@dataclass(frozen=True)
-class Stack:
-    base_url: str
-    worker: ServiceProcess
-
-
 @pytest.fixture(scope="module")
-def stack(nats_server, tmp_path_factory) -> Iterator[Stack]:
+def stack(nats_server, tmp_path_factory) -> Iterator[Services]:
     tmp = tmp_path_factory.mktemp("mockeng")
     path = write_pipeline(tmp / "p.yaml", PIPELINE, MOCK_THINKER_YAML)
-    port = free_port()
-    orch = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
-    gateway = start_service(["gateway", "--port", str(port)], nats_server.url, path, tmp / "gw.log")
-    worker = start_service(["worker"], nats_server.url, path, tmp / "w.log", {"OMNIRELAY_STAGE": "0"})
-    try:
-        orch.wait_log("ready")
-        gateway.wait_log("Uvicorn running")
-        worker.wait_log("serving omni.", timeout_s=120)
-        base = f"http://127.0.0.1:{port}"
-
-        def live() -> bool:
-            try:
-                r = httpx.get(f"{base}/health", timeout=2.0)
-                return r.status_code == 200 and r.json()["stages"] == {"0:thinker": 1}
-            except (httpx.HTTPError, ValueError, KeyError):
-                return False
-
-        asyncio.run(until(live, "the thinker replica live behind the gateway", timeout_s=30))
-        yield Stack(base, worker)
-    finally:
-        for proc in (worker, orch):
-            proc.stop()
-        assert gateway.stop() in (0, -signal.SIGTERM)
+    with Services(nats_server.url, path, tmp).start(workers=[(0, 0)]).serving() as services:
+        yield services
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     return get_tokenizer(resolve_model("tiny-thinker"))
-
-
-def _client(stack: Stack) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 async def _stream(client: openai.AsyncOpenAI, max_tokens: int, **kw) -> tuple[str, int, int, str | None]:
@@ -111,7 +78,7 @@ def _expected(tokenizer, prompt_tokens: int, n: int) -> str:
 
 
 async def test_a_streamed_completion_has_max_tokens_tokens_and_their_text(stack, tokenizer) -> None:
-    async with _client(stack) as client:
+    async with stack.client(60) as client:
         text, completion, prompt, finish = await _stream(client, 37)
     assert completion == 37
     assert finish == "length"
@@ -130,7 +97,7 @@ async def test_concurrent_streams_each_get_every_token(stack, tokenizer, nc) -> 
 
     sub = await nc.subscribe(Subjects(PIPELINE).out_batch("*"), cb=on_batch)
     await nc.flush()
-    async with _client(stack) as client:
+    async with stack.client(60) as client:
         results = await asyncio.gather(*(_stream(client, 64) for _ in range(24)))
     await sub.unsubscribe()
     assert [r[1] for r in results] == [64] * 24
@@ -141,7 +108,7 @@ async def test_concurrent_streams_each_get_every_token(stack, tokenizer, nc) -> 
 
 
 async def test_a_stop_string_ends_the_answer(stack) -> None:
-    async with _client(stack) as client:
+    async with stack.client(60) as client:
         free, _, _, _ = await _stream(client, 80)
         word = "ships"
         assert word in free
@@ -152,9 +119,9 @@ async def test_a_stop_string_ends_the_answer(stack) -> None:
 
 
 async def test_the_worker_exports_omnirelay_metrics_and_no_vllm_engine_families(stack) -> None:
-    assert stack.worker.metrics_url is not None
     families = {
-        f.name: f for f in text_string_to_metric_families(httpx.get(stack.worker.metrics_url, timeout=5).text)
+        f.name: f
+        for f in text_string_to_metric_families(httpx.get(stack.worker(0).metrics_url, timeout=5).text)
     }
     vllm_own = [n for n in families if n.startswith("vllm:") and not n.startswith("vllm:omni_")]
     assert not vllm_own, f"vLLM engine families on a mock engine: {vllm_own}"

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import time
 from collections import Counter
+from collections.abc import Iterator
 
 import pytest
 from nats.js.errors import KeyNotFoundError
@@ -33,15 +35,16 @@ from libs.common.envelopes import (
 from libs.common.publish import publish_lifecycle
 from libs.common.records import RequestRecord, RequestStatus, StageProgress
 from libs.common.registry import ServiceKind, ServiceRecord
-from libs.common.subjects import Subjects
+from libs.common.subjects import ORCHESTRATOR_ADMISSION_CONSUMER, Subjects
 from services.orchestrator.admission import MAX_CONCURRENT_ADMISSIONS
 from services.orchestrator.orchestrator import HEALTH_PERIOD_S, LOOP_LAG_PERIOD_S
 from tests.metrics_scrape import Samples, delta, scrape, total
+from tests.pipeline_services import Services
 from tests.procs import (
     CODE2WAV_YAML,
     TALKER_YAML,
     THINKER_YAML,
-    start_service,
+    ServiceProcess,
     stop_confirmed,
     write_pipeline,
 )
@@ -54,16 +57,14 @@ SUBJECTS = Subjects(PIPELINE)
 
 
 @pytest.fixture(scope="module")
-def orchestrator(nats_server, tmp_path_factory):
+def orchestrator(nats_server, tmp_path_factory) -> Iterator[ServiceProcess]:
     tmp = tmp_path_factory.mktemp("orch")
     # Two thinkers: the registry's views take records only of replicas the pipeline declares.
     thinkers = THINKER_YAML.replace("replicas: 1", "replicas: 2")
     assert thinkers != THINKER_YAML
     path = write_pipeline(tmp / "p.yaml", PIPELINE, thinkers + TALKER_YAML + CODE2WAV_YAML)
-    proc = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
-    proc.wait_log("ready")
-    yield proc
-    assert proc.stop() == 0
+    with Services(nats_server.url, path, tmp).start(gateway=False).serving() as services:
+        yield services.orchestrator
 
 
 def admission(audio: bool = False, deadline_s: float = 60.0) -> Admission:
@@ -239,10 +240,19 @@ async def test_a_request_past_its_deadline_is_failed_aborted_and_answered(orches
 
 async def test_malformed_admission_is_terminated_and_admission_goes_on(orchestrator, nc) -> None:
     js = nc.jetstream()
+    terminations: asyncio.Queue = asyncio.Queue()
+    sub = await nc.subscribe(
+        f"$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.{SUBJECTS.requests_stream}.{ORCHESTRATOR_ADMISSION_CONSUMER}",
+        cb=terminations.put,
+    )
+    await nc.flush()
     ack = await js.publish(SUBJECTS.requests, b"\x93 not an admission")
-    await orchestrator.await_log("terminating malformed message", timeout_s=10)
-    for _ in range(40):  # the log line comes just before the term reaches the server
-        info = await js.consumer_info(SUBJECTS.requests_stream, "orchestrator")
+    # The broker's own word that the orchestrator terminated it (neither acknowledged nor left).
+    terminated = json.loads((await asyncio.wait_for(terminations.get(), 10)).data)
+    await sub.unsubscribe()
+    assert terminated["stream_seq"] == ack.seq, terminated
+    for _ in range(40):
+        info = await js.consumer_info(SUBJECTS.requests_stream, ORCHESTRATOR_ADMISSION_CONSUMER)
         if info.num_ack_pending == 0:
             break
         await asyncio.sleep(0.05)

@@ -27,8 +27,7 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -41,7 +40,6 @@ from libs.common.bus import requests_kv
 from libs.common.envelopes import StageTask
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt
 from libs.models.tiny import resolve_model
-from libs.stack.local_nats import free_port
 from services.stage_worker.codecs import load_codec_adapter
 from services.stage_worker.engine_health import ENGINE_DEAD_EXIT_STATUS
 from tests.client_streams import record
@@ -59,7 +57,8 @@ from tests.orpheus_bus import (
     stream_audio,
     stream_audio_timed,
 )
-from tests.procs import THINKER_YAML, ServiceProcess, gone, start_service, stop_all, until, write_pipeline
+from tests.pipeline_services import Services
+from tests.procs import THINKER_YAML, ServiceProcess, gone, until, write_pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -101,46 +100,22 @@ CODE2WAV_SNAC = """\
 """
 
 
-@dataclass
-class OrpheusStack:
-    """The module's stack; unpacks as ``(base_url, workers)``."""
-
-    base_url: str
-    workers: dict[str, ServiceProcess]
-    """thinker, talker0, talker1, code2wav (a test that kills one may start it again)."""
-    start: Callable[[str], ServiceProcess]
-    """Start the named worker (again), with its log in the same file."""
-    gateway: ServiceProcess
-    """The gateway (its ``metrics_url``: the admin port)."""
-
-    def __iter__(self):
-        return iter((self.base_url, self.workers))
-
-
 WORKERS = {"thinker": (0, 0), "talker0": (1, 0), "talker1": (1, 1), "code2wav": (2, 0)}
 """The stack's workers: name → (stage, replica)."""
 
 
 @pytest.fixture(scope="module")
-def stack(nats_server, tmp_path_factory):
+def stack(nats_server, tmp_path_factory) -> Iterator[Services]:
+    """A real gateway, orchestrator, thinker, both Orpheus talkers and code2wav."""
     tmp = tmp_path_factory.mktemp("orpheus")
     path = write_pipeline(tmp / "p.yaml", PIPELINE, THINKER_HELD + TALKERS_X2 + CODE2WAV_SNAC)
-    port = free_port()
-    orch = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
-    gateway = start_service(["gateway", "--port", str(port)], nats_server.url, path, tmp / "gw.log")
+    with Services(nats_server.url, path, tmp).start(workers=WORKERS.values()).serving() as services:
+        yield services
 
-    def start(name: str) -> ServiceProcess:
-        stage, replica = WORKERS[name]
-        env = {"OMNIRELAY_STAGE": str(stage), "OMNIRELAY_REPLICA": str(replica)}
-        return start_service(["worker"], nats_server.url, path, tmp / f"{name}.log", env)
 
-    workers = {name: start(name) for name in WORKERS}
-    orch.wait_log("ready")
-    gateway.wait_log("Uvicorn running")
-    for w in workers.values():
-        w.wait_log("serving omni.", timeout_s=300)
-    yield OrpheusStack(f"http://127.0.0.1:{port}", workers, start, gateway)
-    stop_all([gateway, orch, *workers.values()])
+def workers_of(stack: Services) -> dict[str, ServiceProcess]:
+    """The stack's current workers by name (:data:`WORKERS`)."""
+    return {name: stack.worker(*at) for name, at in WORKERS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +141,7 @@ def assert_is_whole_decode(pcm: bytes, chunks: list[StageTask], snac) -> None:
 
 
 async def test_streamed_audio_is_every_sent_frame_decoded_as_whole_segments(stack, capture, snac) -> None:
-    base_url, _ = stack
+    base_url = stack.base_url
     started = time.monotonic()
     pcm = await stream_audio(base_url, max_tokens=48)
     took = time.monotonic() - started
@@ -189,7 +164,7 @@ async def test_streamed_audio_is_every_sent_frame_decoded_as_whole_segments(stac
 
 SAMPLE_RATE = 24_000
 """SNAC 24 kHz's output rate, Hz (``sampling_rate`` of its published config)."""
-AUDIO_STAGE, WORKERS = "2", {"thinker": (0, 0), "talker0": (1, 0), "talker1": (1, 1), "code2wav": (2, 0)}
+AUDIO_STAGE = "2"
 TTFP_SLACK_S = 0.25
 """How much later the client may see its first audio than the gateway's TTFP says: the client
 measures from before sending (the openai client builds the request and connects) to the chunk's
@@ -221,7 +196,7 @@ async def test_audio_and_transfer_metrics_are_what_the_client_and_the_bus_saw(st
     """The gateway's audio families and every worker's transfer families, read before and after one
     streamed request, against ground truth from outside them: the client's PCM and clock, the code
     chunks and hops a subscriber of the test's own saw on the bus."""
-    base_url, workers = stack
+    base_url, workers = stack.base_url, workers_of(stack)
     bus = BusLog()
     await bus.listen(nc)
     gw = stack.gateway.metrics_url
@@ -320,7 +295,7 @@ async def test_a_talker_engine_killed_mid_utterance_moves_and_the_audio_is_the_f
     run) sent again, after it, to the surviving talker: a chunk's text is the thinker's deltas' text,
     and where a delta of several tokens falls depends on timing, so a second chat request with the
     same greedy tokens may cut the same tokens into chunks with other texts."""
-    base_url, workers = stack
+    base_url, workers = stack.base_url, workers_of(stack)
     thinker = workers["thinker"].proc.pid
     held: list[str] = []
     struck: list[tuple[str, int, int, list[StageTask]]] = []
@@ -431,7 +406,7 @@ async def test_the_requested_voice_reaches_the_talker_and_an_unknown_one_is_refu
     by the test with leo in the record, gives the very code chunks and PCM the client got; run with
     tara (the stage's default, what ``alloy`` speaks in), other codes. Seeds are per text chunk, so
     only the voice differs between the runs."""
-    base_url, _ = stack
+    base_url = stack.base_url
     js = nc.jetstream()
     published = (await js.stream_info(SUBJECTS.requests_stream)).state.last_seq
     async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
@@ -484,8 +459,7 @@ async def test_speech_in_a_voice_is_its_sentences_spoken_by_the_talker_in_it(sta
     run); the client's PCM is exactly the sent frames × 2,048 samples, and the test's own run of
     those sentences through the same talker in leo gives the very same PCM. An unknown voice is a
     400 ``invalid_voice`` and nothing is sent."""
-    base_url, _ = stack
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = stack.client()
     with pytest.raises(openai.BadRequestError) as refused:
         await client.audio.speech.create(model=MODEL, voice="nobody", input=" ".join(SPEECH_SENTENCES))
     assert (refused.value.code, refused.value.param) == ("invalid_voice", "voice")
@@ -517,8 +491,7 @@ async def test_every_speech_format_streams_the_frames_the_talker_sent(stack, cap
     ``with_streaming_response``: each body, decoded by PyAV (not the gateway's encoder), is mono
     audio as long as the frames the talker sent for that request (seen on the bus) × 2,048
     samples at 24 kHz: exactly for the lossless formats, within one SNAC frame for the lossy ones."""
-    base_url, _ = stack
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = stack.client()
 
     async def one(fmt: str) -> tuple[str, bytes, int]:
         async with client.audio.speech.with_streaming_response.create(
@@ -551,7 +524,7 @@ async def test_a_speech_client_that_hangs_up_mid_stream_stops_the_request_in_eve
 ) -> None:
     """The client reads the first bytes of a long speech and closes the connection: the talker and
     code2wav replicas that held the request stop it (their logs say so) and it ends aborted."""
-    base_url, workers = stack
+    base_url, workers = stack.base_url, workers_of(stack)
     text = " ".join(f"Sentence number {i} rolls on like the sea." for i in range(12))
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
         body = {"model": MODEL, "input": text, "voice": "tara", "response_format": "pcm"}
@@ -588,18 +561,12 @@ async def test_a_talker_killed_mid_speech_moves_and_the_audio_is_the_fault_free_
     upstream to hold). Killed (``kill -9``, proven gone) once its second segment has begun, the
     talker's successor goes on from the position note, and the client's audio is exactly the
     fault-free run's in the asked voice."""
-    base_url, workers = stack
+    workers = workers_of(stack)
     for name in ("talker0", "talker1"):  # the chat move test killed one: start it again
         if workers[name].proc.poll() is not None:
-            workers[name] = stack.start(name)
-    for name in ("talker0", "talker1"):
-        await workers[name].await_log("serving omni.", timeout_s=300)
-    async with httpx.AsyncClient(base_url=base_url, timeout=5) as http:
-
-        async def both_talkers_live() -> bool:
-            return (await http.get("/health")).json()["stages"].get("1:talker") == 2
-
-        await until(both_talkers_live, "the gateway's view: both talkers live", timeout_s=30)
+            stack.start_worker(*WORKERS[name])
+    await stack.ready()  # the gateway's view among them: both talkers live
+    workers = workers_of(stack)
     struck: list[tuple[str, int, int]] = []
 
     def strike(rid: str, sent: list[tuple[int, StageTask]]) -> None:
@@ -610,7 +577,7 @@ async def test_a_talker_killed_mid_speech_moves_and_the_audio_is_the_fault_free_
             struck.append((rid, replica, pid))
 
     capture.on_code = strike
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = stack.client()
     task = asyncio.create_task(
         client.audio.speech.create(
             model=MODEL, voice=MOVE_VOICE, input=" ".join(MOVE_SENTENCES), response_format="pcm"

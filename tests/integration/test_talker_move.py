@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 
@@ -34,15 +34,8 @@ from libs.common.records import RequestRecord, RequestStatus, StageAttempt, Stag
 from libs.common.subjects import Subjects
 from tests.bus import collect
 from tests.metrics_scrape import delta, scrape
-from tests.procs import (
-    CODE2WAV_YAML,
-    THINKER_YAML,
-    kill_confirmed,
-    start_service,
-    stop_all,
-    until,
-    write_pipeline,
-)
+from tests.pipeline_services import Services
+from tests.procs import CODE2WAV_YAML, THINKER_YAML, kill_confirmed, until, write_pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -70,25 +63,14 @@ SAMPLES_PER_CODE = 480
 
 
 @pytest.fixture(scope="module")
-def stack(nats_server, tmp_path_factory):
+def stack(nats_server, tmp_path_factory) -> Iterator[Services]:
+    """A real orchestrator, both real talker replicas and code2wav (the test plays the thinker and
+    the gateway)."""
     tmp = tmp_path_factory.mktemp("talkmove")
     path = write_pipeline(tmp / "p.yaml", PIPELINE, THINKER_YAML + TALKER_X2 + CODE2WAV_YAML)
-    orch = start_service(["orchestrator"], nats_server.url, path, tmp / "orch.log")
-    workers = [
-        start_service(
-            ["worker"],
-            nats_server.url,
-            path,
-            tmp / f"{name}.log",
-            {"OMNIRELAY_STAGE": str(stage), "OMNIRELAY_REPLICA": str(replica)},
-        )
-        for name, stage, replica in (("talker0", 1, 0), ("talker1", 1, 1), ("code2wav", 2, 0))
-    ]
-    orch.wait_log("ready")
-    for w in workers:
-        w.wait_log("serving omni.", timeout_s=300)
-    yield orch, workers
-    stop_all([orch, *workers])
+    services = Services(nats_server.url, path, tmp).start(gateway=False, workers=[(1, 0), (1, 1), (2, 0)])
+    with services.serving():
+        yield services
 
 
 def text_chunk(rid: str, seq: int, talker: int, attempt: int = 1, start_seq: int = 0) -> StageTask:
@@ -151,7 +133,6 @@ async def reference_audio(nc) -> list[ClientEvent]:
 async def test_a_killed_talker_replica_moves_its_request_and_the_audio_is_as_without_the_fault(
     stack, nc
 ) -> None:
-    orch, workers = stack
     js = nc.jetstream()
 
     async def thinker_alive(msg) -> None:  # the test is thinker replica 0, and it lives
@@ -172,7 +153,7 @@ async def test_a_killed_talker_replica_moves_its_request_and_the_audio_is_as_wit
 
     reference = await reference_audio(nc)
 
-    before = scrape(orch.metrics_url)
+    before = scrape(stack.orchestrator.metrics_url)
     rid = f"talk-{time.time_ns()}"
     events: asyncio.Queue[ClientEvent] = asyncio.Queue()
     await nc.subscribe(SUBJECTS.out(GATEWAY, rid), cb=collect(events, ClientEvent))
@@ -194,7 +175,7 @@ async def test_a_killed_talker_replica_moves_its_request_and_the_audio_is_as_wit
     early = [await asyncio.wait_for(events.get(), 30) for _ in range(5)]
     assert [e.in_seq for e in early] == [0, 1, 2, 3, 4]
 
-    await kill_confirmed(workers[0].proc.pid, "talker replica 0")
+    await kill_confirmed(stack.worker(1, 0).proc.pid, "talker replica 0")
     killed = time.monotonic()
 
     hold = await asyncio.wait_for(route_changes.get(), 10)
@@ -239,7 +220,7 @@ async def test_a_killed_talker_replica_moves_its_request_and_the_audio_is_as_wit
         (None, 0),
         ("exit", release.start_seq),
     ]
-    after = scrape(orch.metrics_url)
+    after = scrape(stack.orchestrator.metrics_url)
     moves = delta(
         before, after, "vllm:omni_requests_migrated_total", stage="1", from_replica="0", to_replica="1"
     )
@@ -251,23 +232,16 @@ async def test_a_killed_talker_replica_moves_its_request_and_the_audio_is_as_wit
 
 
 async def test_a_talker_attempt_waiting_in_the_backlog_answers_a_hold_with_its_first_code_chunk(
-    stack, nc, tmp_path
+    stack, nc
 ) -> None:
     """A talker attempt that took a request over and still waits in the worker's backlog (the
     worker is at ``max_inflight``) answers a hold for the next stage with the code chunk it will
     send first, ``⌈offset × codes_per_token / C⌉``, not 0: a code2wav attempt told to start at 0
     would wait for chunks that went out before the talker's move."""
-    _, workers = stack
     js = nc.jetstream()
-    workers[0].stop()  # replica 0 again, one request at a time (the test before killed it)
-    workers[0] = start_service(
-        ["worker"],
-        workers[0].env["NATS_URL"],
-        Path(workers[0].env["OMNIRELAY_PIPELINE"]),
-        tmp_path / "talker0.log",
-        {"OMNIRELAY_STAGE": "1", "OMNIRELAY_REPLICA": "0", "OMNIRELAY_MAX_INFLIGHT": "1"},
-    )
-    await workers[0].await_log("serving omni.", timeout_s=300)
+    stack.worker(1, 0).stop()  # replica 0 again, one request at a time (the test before killed it)
+    stack.start_worker(1, 0, {"OMNIRELAY_MAX_INFLIGHT": "1"})
+    await stack.ready()
 
     busy, waiting = f"busy-{time.time_ns()}", f"waiting-{time.time_ns()}"
     for rid in (busy, waiting):
@@ -292,10 +266,10 @@ async def test_chunks_of_a_thinker_attempt_the_request_moved_past_are_dropped(st
     thinker that resumed after a stall, sampling other tokens): the talker drops the old attempt's
     chunk and counts it; the new attempt's chunks, sent again from seq 0, make exactly the audio of
     the fault-free run."""
-    _, workers = stack
+    talker1 = stack.worker(1, 1)
     js = nc.jetstream()
     reference = await reference_audio(nc)
-    before = scrape(workers[1].metrics_url)
+    before = scrape(talker1.metrics_url)
     rid = f"fenced-{time.time_ns()}"
     events: asyncio.Queue[ClientEvent] = asyncio.Queue()
     await nc.subscribe(SUBJECTS.out(GATEWAY, rid), cb=collect(events, ClientEvent))
@@ -309,7 +283,7 @@ async def test_chunks_of_a_thinker_attempt_the_request_moved_past_are_dropped(st
     await nc.publish(SUBJECTS.abort, moved.encode())
     await nc.flush()
     # the notice (core NATS) is there before the stale chunk (JetStream)
-    await workers[1].await_log(
+    await talker1.await_log(
         f"request {rid}: stage 0 moved to attempt 2; chunks of older attempts are stale here", timeout_s=10
     )
     stale = text_chunk(rid, 1, 1).replace(token_ids=[t + 1 for t in TEXT[1]])
@@ -319,5 +293,5 @@ async def test_chunks_of_a_thinker_attempt_the_request_moved_past_are_dropped(st
     got = await audio_until_done(events)
     assert [e.in_seq for e in got[:-1]] == list(range(9)), "a code chunk's audio is missing or repeated"
     assert [e.pcm16 for e in got[:-1]] == [e.pcm16 for e in reference[:-1]], "the stale chunk was converted"
-    after = scrape(workers[1].metrics_url)
+    after = scrape(talker1.metrics_url)
     assert delta(before, after, "vllm:omni_stale_chunks_dropped_total", stage="1", replica="1") == 1
