@@ -10,7 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import openai
 from nats.aio.msg import Msg
 
 from libs.common import headers as h
@@ -20,6 +19,7 @@ from libs.common.publish import Hop, publish_task
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
 from libs.common.subjects import Subjects
 from tests.bus import client_events, collect
+from tests.pipeline_services import openai_client
 
 PIPELINE = "orpheustiny"
 MODEL = f"{PIPELINE}-model"
@@ -162,7 +162,7 @@ class ClientAudio:
 async def stream_audio_timed(base_url: str, max_tokens: int, voice: str = "alloy") -> ClientAudio:
     """One greedy streamed chat completion with audio (PCM16) in ``voice``, timing each audio chunk
     as it arrives."""
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(base_url, 120)
     seen = ClientAudio()
     t0 = time.monotonic()
     stream = await client.chat.completions.create(

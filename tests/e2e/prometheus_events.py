@@ -25,11 +25,14 @@ import nats
 import numpy as np
 import openai
 import pytest
+from nats.js.errors import KeyNotFoundError
 
 from libs.common import headers as h
+from libs.common.bus import services_kv
 from libs.common.envelopes import ClientEvent, ClientEventType, NdArray, StageTask, TaskKind, decode
 from libs.common.pipeline import load_pipeline
 from libs.common.publish import Hop, publish_task
+from libs.common.registry import ServiceRecord
 from libs.common.subjects import Subjects
 from libs.stack.bus_state import request_record, snapshot
 from tests.bus import await_replacement, dead_letter
@@ -41,6 +44,7 @@ from tests.procs import (
     ServiceProcess,
     kill_confirmed,
     stop_confirmed,
+    until,
     worker_pid,
     write_pipeline,
 )
@@ -312,7 +316,7 @@ async def _talk(stack, pipeline) -> None:
         pcm = b"".join(
             f.to_ndarray().tobytes() for frame in c.decode(audio=0) for f in resampler.resample(frame)
         )
-    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+    client = stack.client()
     async with client.realtime.connect(model=pipeline.served_model_name) as conn, asyncio.timeout(120):
         await conn.session.update(session={"type": "realtime", "max_output_tokens": 8})
         for i in range(0, len(pcm), 4800):
@@ -334,7 +338,7 @@ async def _talk(stack, pipeline) -> None:
 async def _cause_events(stack, pipeline, out: Events) -> None:
     nc = await nats.connect(stack.nats_url)
     js = nc.jetstream()
-    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = stack.client(120)
     try:
         for _ in range(3):  # the race is the test's to lose only if the talker is very fast
             if await _reject_one(stack, pipeline, js, client):
@@ -401,6 +405,33 @@ def outside_codec_worker(stack, pipeline: str, tmp: Path, **env: str) -> tuple[s
     return instance, ServiceProcess(["worker", "--log-stats"], env, tmp / "worker.log").start()
 
 
+def wait_registered(stack, pipeline: str, worker: ServiceProcess, timeout_s: float = 120.0) -> None:
+    """Wait until ``worker`` (:func:`outside_codec_worker` of ``pipeline``) serves: a record of this
+    incarnation (started after the process) is in ``omni_services``. Fails if it exits first."""
+
+    async def wait() -> None:
+        nc = await nats.connect(stack.nats_url)
+        try:
+            kv = await services_kv(nc.jetstream())
+
+            async def registered() -> bool:
+                assert worker.proc is not None and worker.proc.poll() is None, (
+                    f"the outside worker exited:\n{worker.text()[-3000:]}"
+                )
+                with contextlib.suppress(KeyNotFoundError):
+                    entry = await kv.get(f"worker.{pipeline}.2.0")
+                    return (
+                        ServiceRecord.model_validate_json(entry.value or b"").started_ns >= worker.started_ns
+                    )
+                return False
+
+            await until(registered, f"{pipeline}'s code2wav worker registered", timeout_s, every_s=0.25)
+        finally:
+            await nc.close()
+
+    asyncio.run(wait())
+
+
 @dataclass
 class DeadLetter:
     """A message JetStream dropped past ``max_deliver`` (``dead_lettered``)."""
@@ -423,7 +454,7 @@ def dead_lettered(stack, prom, tmp_path_factory: pytest.TempPathFactory) -> Iter
         stack, DEAD_PIPELINE, tmp_path_factory.mktemp("deadletter"), OMNIRELAY_ACK_WAIT_S="1"
     )
     try:
-        worker.wait_log("serving omni.", timeout_s=120)
+        wait_registered(stack, DEAD_PIPELINE, worker)
         assert eventually(lambda: prom.scalar(f'up{{instance="{instance}"}}'), lambda v: v == 1) == 1
         t0 = time.time()
         held = _bad_chunk(

@@ -139,11 +139,16 @@ def test_prompt_longer_than_the_model_allows(http, pipeline) -> None:
     assert err["code"] == "context_length_exceeded"
 
 
-def test_openai_client_sees_typed_errors_and_service_keeps_serving(stack, pipeline) -> None:
-    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+async def test_openai_client_sees_typed_errors_and_service_keeps_serving(stack, pipeline) -> None:
+    client = stack.client()
     with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="nope", messages=_msgs())
+        await client.chat.completions.create(model="nope", messages=_msgs())
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=pipeline.served_model_name, messages=_msgs(), max_tokens=-1)
-    ok = client.chat.completions.create(model=pipeline.served_model_name, messages=_msgs(), max_tokens=3)
+        await client.chat.completions.create(
+            model=pipeline.served_model_name, messages=_msgs(), max_tokens=-1
+        )
+    ok = await client.chat.completions.create(
+        model=pipeline.served_model_name, messages=_msgs(), max_tokens=3
+    )
     assert ok.choices[0].message.content is not None
+    await client.close()

@@ -65,7 +65,7 @@ async def _one(client: openai.AsyncOpenAI, model: str, i: int) -> Streamed:
 
 
 async def test_32_concurrent_streams_complete_independently_on_both_replicas(stack, pipeline) -> None:
-    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    client = stack.client(300)
     model = pipeline.served_model_name
     # Alone first: each request's own tokens.
     reference = [await _one(client, model, i) for i in range(N)]

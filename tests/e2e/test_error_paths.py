@@ -12,7 +12,6 @@ import contextlib
 import secrets
 import time
 
-import openai
 import pytest
 
 from libs.stack.bus_state import request_record, snapshot
@@ -68,13 +67,7 @@ async def test_a_client_that_leaves_a_non_streamed_request_aborts_it_in_every_st
     metrics = f"{stack.admin_url}/metrics"
     await _idle(stack, pipeline)  # what a test before left running has ended
     trace_id = secrets.token_hex(16)
-    client = openai.AsyncOpenAI(
-        base_url=f"{stack.base_url}/v1",
-        api_key="unused",
-        max_retries=0,
-        timeout=120,
-        default_headers={"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"},
-    )
+    client = stack.client(120, traceparent=f"00-{trace_id}-{secrets.token_hex(8)}-01")
     before = scrape(metrics)
     call = asyncio.create_task(
         client.chat.completions.create(

@@ -15,20 +15,25 @@ import pytest
 from libs.common import headers as h
 from libs.common.subjects import Subjects, consumer_name
 from libs.stack.bus_state import request_record, snapshot
+from tests.procs import until
 
 pytestmark = pytest.mark.e2e
 
 
 async def _wait_idle(stack, pipeline, timeout_s: float = 10.0) -> dict:
     """Wait until every worker reports no request in flight; returns the last snapshot."""
-    snap = {}
-    for _ in range(int(timeout_s / 0.5)):
+    loads: dict = {}
+
+    async def idle() -> dict | None:
         snap = await snapshot(stack.nats_url, pipeline)
-        loads = {s["key"]: s["load"] for s in snap["services"] if s["service"] == "worker"}
-        if loads and not any(loads.values()):
-            return snap
-        await asyncio.sleep(0.5)
-    raise AssertionError(f"workers still busy: {loads}")
+        loads.clear()
+        loads.update({s["key"]: s["load"] for s in snap["services"] if s["service"] == "worker"})
+        return snap if loads and not any(loads.values()) else None
+
+    try:
+        return await until(idle, "every worker idle", timeout_s, every_s=0.5)
+    except AssertionError:
+        raise AssertionError(f"workers still busy: {loads}") from None
 
 
 async def test_client_disconnect_mid_stream_aborts_every_stage(stack, pipeline) -> None:

@@ -55,6 +55,7 @@ from tests.e2e.bus_fuzz import (
     targets,
     unknown_id,
 )
+from tests.pipeline_services import openai_client
 
 pytestmark = pytest.mark.e2e
 
@@ -150,7 +151,7 @@ async def run(client: openai.AsyncOpenAI, spec: Spec, model: str, out: Outcome) 
 
 
 async def run_all(base_url: str, model: str) -> tuple[list[Outcome], list[asyncio.Task[None]]]:
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=180)
+    client = openai_client(base_url, 180)
     outs = [Outcome() for _ in SPECS]
     tasks = [asyncio.create_task(run(client, s, model, o)) for s, o in zip(SPECS, outs, strict=True)]
     return outs, tasks

@@ -314,7 +314,7 @@ async def _audio_request(
 async def test_audio_metrics_match_the_decoded_audio_and_client_timing(
     stack, pipeline, gw, worker_urls
 ) -> None:
-    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = stack.client(120)
     stage = str(pipeline.audio_stage)
     audio_worker = worker_urls[(pipeline.audio_stage, 0)]
     gaps = []
@@ -371,7 +371,7 @@ async def test_speech_requests_count_in_the_audio_families_as_their_client_heard
     """A ``/v1/audio/speech`` request streamed as raw PCM (the talker is its first stage): the
     gateway's audio families against the bytes and the clock of the client, and the stage's own
     generation time against the bus."""
-    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = stack.client(120)
     stage = str(pipeline.audio_stage)
     async with BusWatch(stack.nats_url, pipeline) as bus:
         before = await asyncio.to_thread(scrape, gw)
@@ -422,7 +422,7 @@ async def test_a_player_that_runs_dry_is_counted_as_discontinuous(stack, pipelin
     own player runs dry (the fault happened), and the gateway's continuity families say what that
     player heard."""
     assert pipeline.stages[pipeline.audio_stage].replicas == 1
-    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = stack.client(120)
     pid = worker_pid(stack.proc.pid, pipeline.audio_stage, 0)
     stage = str(pipeline.audio_stage)
     stopped: list[float] = []  # when the stage was stopped

@@ -161,7 +161,7 @@ def test_chat_audio_non_streaming_is_a_valid_wav_of_the_right_length(client, pip
 
 
 async def test_chat_audio_streaming_pcm_chunks(stack, pipeline) -> None:
-    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+    client = stack.client()
     stream = await client.chat.completions.create(
         model=pipeline.served_model_name,
         messages=[{"role": "user", "content": "Sing."}],

@@ -39,6 +39,7 @@ from tests.e2e.prometheus_events import (
     SR,
     audio_stream,
     outside_codec_worker,
+    wait_registered,
 )
 from tests.e2e.prometheus_server import WAIT_S, Prometheus, eventually, sd_groups
 from tests.unit.test_dashboard import DASHBOARD, dashboard_queries, grafana_to_promql, metric_names
@@ -181,7 +182,7 @@ async def _run_traffic(stack, pipeline, out: Traffic) -> None:
 
     await nc.subscribe(Subjects(pipeline.name).stages_wildcard, cb=on_stage_msg)
     await nc.flush()
-    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = stack.client(120)
     model = pipeline.served_model_name
     await client.models.list()  # the client's first-use costs (connection, headers) are not the server's
     t = time.monotonic()
@@ -593,7 +594,7 @@ def test_a_replica_that_joins_is_scraped_and_one_that_leaves_goes_stale(prom, st
     config_time = prom.api("status/runtimeinfo")["lastConfigTime"]
     instance, worker = outside_codec_worker(stack, DYN_PIPELINE, tmp_path)
     try:
-        worker.wait_log("serving omni.", timeout_s=120)
+        wait_registered(stack, DYN_PIPELINE, worker)
         t_join = time.monotonic()
         info = (
             f'vllm:omni_stage_info{{instance="{instance}", service="worker", pipeline="{DYN_PIPELINE}", '

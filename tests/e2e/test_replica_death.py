@@ -157,7 +157,7 @@ async def _streams_and_victim(stack, pipeline):
     """Start ``STREAMS`` streams and pick a victim replica (``_midway_victim``), in up to ``ROUNDS``
     rounds. Returns (client, what each client of the round saw, their tasks, the victim, how many
     streams were started in all)."""
-    client = AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = stack.client(120)
     timeline: list[str] = []
     nc = await nats.connect(stack.nats_url)
     try:

@@ -93,7 +93,7 @@ def test_speed_changes_the_length_and_keeps_the_format(client, pipeline, expecte
 
 
 async def test_sse_events_carry_the_file_and_the_usage(stack, pipeline, expected_samples) -> None:
-    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+    client = stack.client()
     async with client.audio.speech.with_streaming_response.create(
         model=pipeline.served_model_name,
         voice="alloy",

@@ -28,6 +28,7 @@ from libs.common.publish import Hop, publish_task
 from libs.common.settings import WorkerSettings
 from libs.common.subjects import Subjects, consumer_name
 from libs.models.tiny import resolve_model
+from tests import procs
 from tests.bus import collect
 from tests.metrics_scrape import delta, scrape, total
 from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, start_service, write_pipeline
@@ -122,13 +123,12 @@ async def until(q: asyncio.Queue, kind: ClientEventType, timeout_s: float = 10.0
 
 async def consumer_drained(js, timeout_s: float = 10.0) -> None:
     """Wait until code2wav's consumer holds nothing: every message delivered and acknowledged."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    async def drained() -> bool:
         info = await js.consumer_info(SUBJECTS.stages_stream, consumer_name(2, 0))
-        if info.num_ack_pending == 0 and info.num_pending == 0:
-            return
-        assert time.monotonic() < deadline, (info.num_pending, info.num_ack_pending)
-        await asyncio.sleep(0.05)
+        return info.num_ack_pending == 0 and info.num_pending == 0
+
+    await procs.until(drained, "code2wav's consumer drained", timeout_s, every_s=0.05)
 
 
 async def test_chunks_are_decoded_in_sequence_order_and_duplicates_dropped(worker, nc) -> None:
@@ -226,13 +226,10 @@ async def test_held_messages_show_as_ack_pending_in_the_consumer_state(worker, n
 
 
 async def _wait_metric(url: str, name: str, value: float, timeout_s: float = 10.0) -> None:
-    got = None
-    for _ in range(int(timeout_s / 0.25)):
-        got = total(await asyncio.to_thread(scrape, url), name)
-        if got == value:
-            return
-        await asyncio.sleep(0.25)
-    raise AssertionError(f"{name} is {got}, expected {value}")
+    async def shown() -> bool:
+        return total(await asyncio.to_thread(scrape, url), name) == value
+
+    await procs.until(shown, f"{name} at {value}", timeout_s, every_s=0.25)
 
 
 async def test_malformed_and_misaddressed_messages_are_terminated(worker, nc) -> None:

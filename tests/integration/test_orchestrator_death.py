@@ -41,10 +41,10 @@ from tests.client_streams import (
     until_record,
 )
 from tests.metrics_scrape import delta, scrape, total
+from tests.pipeline_services import Services
 from tests.procs import (
     ServiceProcess,
     kill_confirmed,
-    stop_all,
     stop_confirmed,
 )
 from tests.thinker_pair import MODEL, NO_REPLICA_WAIT_S, PIPELINE, ThinkerPair
@@ -117,19 +117,15 @@ def stack(thinker_pair) -> ThinkerPair:
 
 @pytest.fixture
 def orchestrators(stack, tmp_path):
-    """Two orchestrators of the test's own (a test kills one of them)."""
-    found = []
+    """Two orchestrators of the test's own (a test kills one of them), on the pair's pipeline,
+    ready once both have registered (:class:`Services`)."""
+    services, found = Services(stack.nats_url, stack.path, tmp_path), []
     for i in range(2):
         instance, started = f"orch{i}-{time.time_ns()}", time.monotonic()
-        proc = stack.start_orchestrator(tmp_path / f"orch{i}.log", instance)
+        proc = services.start_orchestrator({"OMNIRELAY_INSTANCE_ID": instance})
         found.append(Orchestrator(instance, proc, started))
-    for o in found:
-        o.proc.wait_log("ready")
-    yield found
-    for o in found:
-        if o.proc.proc.poll() is None:
-            os.kill(o.proc.proc.pid, signal.SIGCONT)
-    stop_all([o.proc for o in found])
+    with services.serving():
+        yield found
 
 
 async def _warm(client: AsyncOpenAI) -> None:
@@ -155,7 +151,7 @@ async def test_admissions_held_by_a_killed_orchestrator_go_on_within_a_second(
 ) -> None:
     victim = orchestrators[0].proc
     await stack.both_serving()  # an earlier module's faults may have ended both workers
-    client = AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=90)
+    client = stack.client(90)
     await _warm(client)
     nc = await nats.connect(nats_server.url)
     js = nc.jetstream()
@@ -221,7 +217,7 @@ async def test_a_move_claimed_by_a_killed_orchestrator_is_carried_out_by_the_sur
     with its claim written; then the victim is killed, and the two others continue."""
     victim, survivor = orchestrators
     await stack.both_serving()
-    client = AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=180)
+    client = stack.client(180)
     nc = await nats.connect(nats_server.url)
     kv = await requests_kv(nc.jetstream())
     wire = Wire()
@@ -308,7 +304,7 @@ async def test_a_replica_death_judged_by_two_orchestrators_is_counted_once(
     alive = stack.alive()
     assert alive, "no thinker worker left"
     nc = await nats.connect(nats_server.url)
-    client = AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
+    client = stack.client(120)
     try:
         for r in alive[1:]:  # one replica is to die with the request: the stage has no other
             await kill_confirmed(stack.workers[r].proc.pid, f"thinker {r}")

@@ -25,6 +25,7 @@ from services.stage_worker.codecs.batcher import DecodeBatcher
 from services.stage_worker.codecs.snac import SnacCodecAdapter
 from services.stage_worker.codecs.tiny import TinyCodecAdapter
 from services.stage_worker.handlers.code2wav import Code2WavHandler
+from tests.procs import until
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +123,7 @@ class GatedTiny(TinyCodecAdapter):
 
 
 async def _until(flag: threading.Event) -> None:
-    while not flag.is_set():
-        await asyncio.sleep(0.001)
+    await until(flag.is_set, "the flag set", every_s=0.001)
 
 
 async def test_chunks_that_wait_together_decode_in_one_pass(tiny: TinyCodecAdapter) -> None:
