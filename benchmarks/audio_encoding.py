@@ -14,12 +14,13 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from benchmarks.harness import log
+from benchmarks.paired import table
 from benchmarks.process_table import machine_activity
 from services.gateway.audio import AudioFormat, StreamEncoder, stream_encoder
 from services.gateway.audio_tempo import Tempo
@@ -90,16 +91,6 @@ def measure(seconds: float, rounds: int) -> list[Row]:
     ]
 
 
-def table(rows: Sequence[Row]) -> str:
-    """The rows as a fixed-width table."""
-    lines = [f"{'format':<10} {'RTF median':>11} {'RTF worst':>10} {'max push ms':>12} {'kbit/s':>8}"]
-    lines += [
-        f"{r.name:<10} {r.rtf_median:>11.4f} {r.rtf_worst:>10.4f} {r.max_push_ms:>12.2f} {r.kbit_s:>8.1f}"
-        for r in rows
-    ]
-    return "\n".join(lines)
-
-
 def run_audio_encoding(seconds: float, rounds: int, core: int | None = None) -> int:
     """Pin this process to ``core`` (default: the last usable), measure every format, print the
     table."""
@@ -108,5 +99,10 @@ def run_audio_encoding(seconds: float, rounds: int, core: int | None = None) -> 
     log(f"machine before (pinned to core {core}): {machine_activity()}")
     rows = measure(seconds, rounds)
     log(f"machine after: {machine_activity()}")
-    print(table(rows))
+    header = ("format", "RTF median", "RTF worst", "max push ms", "kbit/s")
+    cells = [
+        (r.name, f"{r.rtf_median:.4f}", f"{r.rtf_worst:.4f}", f"{r.max_push_ms:.2f}", f"{r.kbit_s:.1f}")
+        for r in rows
+    ]
+    print(table(header, cells))
     return 0

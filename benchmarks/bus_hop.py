@@ -21,14 +21,13 @@ import asyncio
 import multiprocessing as mp
 import os
 import shutil
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from benchmarks.harness import percentile
+from benchmarks.harness import Processes, percentile, wait_port
 from libs.common.jetstream import JetStream
 from libs.common.runtime import run_service
 
@@ -81,28 +80,23 @@ async def _receive_async(url: str, mode: str, count: int, conn: Connection) -> l
         if len(got) == count:
             done.set()
 
+    async def on_msg(msg) -> None:
+        record(msg.headers)
+        if mode == "jetstream":
+            await msg.ack()
+
     try:
+        consumer = None
         if mode == "core":
-
-            async def on_msg(msg) -> None:
-                record(msg.headers)
-
             await nc.subscribe(subjects.out("bench", "hop"), cb=on_msg)
             await nc.flush()
-            conn.send("ready")
-            await done.wait()
         else:
-
-            async def on_task(msg) -> None:
-                record(msg.headers)
-                await msg.ack()
-
             cfg = stage_consumer_config(subjects, 0, 0)
-            consumer = await consume(
-                nc, nc.jetstream(), subjects.stages_stream, cfg, on_task, batch=64, name="bench-bus"
-            )
-            conn.send("ready")
-            await done.wait()
+            stream = subjects.stages_stream
+            consumer = await consume(nc, nc.jetstream(), stream, cfg, on_msg, batch=64, name="bench-bus")
+        conn.send("ready")
+        await done.wait()
+        if consumer is not None:
             await consumer.stop()
     finally:
         await nc.close()
@@ -165,18 +159,17 @@ def run_bus_bench(messages: int, interval_s: float, warmup: int) -> list[HopStat
     from libs.stack.local_nats import free_port, nats_server_argv
 
     store = Path(tempfile.mkdtemp(prefix="omnirelay-bench-bus-"))
+    procs = Processes(store)
     port = free_port()
-    server = subprocess.Popen(
-        nats_server_argv(store, port, free_port()), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    server = procs.start("nats", nats_server_argv(store / "jetstream", port, free_port()), {})
     url = f"nats://127.0.0.1:{port}"
     mine = os.sched_getaffinity(0)
     try:
-        _wait_connectable(url)
+        wait_port(server, port, 20)
         asyncio.run(_prepare(url))
         out = []
         for cpu in (None, max(mine)):
-            for pid in (os.getpid(), server.pid):
+            for pid in (os.getpid(), server.proc.pid):
                 os.sched_setaffinity(pid, mine if cpu is None else {cpu})
             for mode in MODES:
                 xs = measure_hop(url, mode, messages + warmup, interval_s, cpu)[warmup:]
@@ -184,20 +177,5 @@ def run_bus_bench(messages: int, interval_s: float, warmup: int) -> list[HopStat
         return out
     finally:
         os.sched_setaffinity(0, mine)
-        server.terminate()
-        server.wait(10)
+        procs.stop_all()
         shutil.rmtree(store, ignore_errors=True)
-
-
-def _wait_connectable(url: str, timeout_s: float = 20.0) -> None:
-    import socket
-
-    host, port = url.removeprefix("nats://").split(":")
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection((host, int(port)), 0.5).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"nats-server not reachable at {url}")

@@ -4,11 +4,9 @@ code2wav decodes the chunks of several requests that wait together in one forwar
 (``services/stage_worker/codecs/batcher.py``). This bench decodes ``batch`` chunks (one per
 request, each ``own`` frames plus the adapter's 3 + 3 frames of context, at different absolute
 positions) both ways, the two arms of the paired runner (:mod:`benchmarks.paired`): *without*, one
-forward pass per chunk, and *with*, one pass for all of them (``CodecAdapter.decode_batch``). Every
-round runs both on every cell, alternating which goes first, so the two readings of a round share
-the machine's conditions; the statistic is the median over rounds of the per-round ratio without /
-with (> 1: batching is faster), with its smallest and largest. Throughput is seconds of audio (own
-frames × 2,048 samples / 24 kHz) per second of decode time.
+forward pass per chunk, and *with*, one pass for all of them (``CodecAdapter.decode_batch``),
+compared without ÷ with (> 1: batching is faster). Throughput is seconds of audio (own frames ×
+2,048 samples / 24 kHz) per second of decode time.
 
 The decoder runs with one intra-op thread, as the code2wav worker does. ``real_size`` also
 measures a SNAC with the real ``snac_24khz`` widths (random weights built in memory: no download).

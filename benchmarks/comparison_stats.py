@@ -2,18 +2,16 @@
 the statistics of one round of requests to one target and the figures the paired runner compares
 (:data:`FIGURES`, :mod:`benchmarks.paired`), the verdict against the TTFT target, and what else ran
 on the machine. Pure functions of client-side request timings (``time.perf_counter()`` seconds),
-tested in ``tests/unit/test_bench_stats.py``; :func:`welch_t` is ``bench log-stats``' and
-``bench sync``'s test of pooled means.
+tested in ``tests/unit/test_bench_stats.py``.
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from benchmarks.harness import RequestTiming, Summary
+from benchmarks.harness import RequestTiming, percentile
 from benchmarks.paired import Figure
 
 GATEWAY, DIRECT = "omnirelay", "vllm"
@@ -36,54 +34,30 @@ class RoundResult:
     """Other activity on the machine when the round started (see :func:`machine_activity`)."""
 
 
-@dataclass(frozen=True)
-class CellStats:
-    """Aggregate of every round of one (target, concurrency)."""
-
-    ttft: Summary | None
-    tpot: Summary | None
-    e2e: Summary | None
-    throughput_tok_s: float
-    """Output tokens of successful requests / summed round wall time, tokens per second."""
-    requests: int
-    errors: int
-
-
-def _present(values: list[float | None]) -> list[float]:
-    return [v for v in values if v is not None]
-
-
-def aggregate(rounds: Sequence[RoundResult]) -> CellStats:
-    """Pool the requests of ``rounds`` (same target and concurrency) into one :class:`CellStats`."""
-    timings = [t for r in rounds for t in r.timings]
-    good = [t for t in timings if t.ok]
-    wall = sum(r.wall_s for r in rounds)
-    tokens = sum(t.tokens for t in good)
-    return CellStats(
-        ttft=Summary.of(_present([t.ttft_s for t in good])),
-        tpot=Summary.of(_present([t.tpot_s for t in good])),
-        e2e=Summary.of(_present([t.e2e_s for t in good])),
-        throughput_tok_s=tokens / wall if wall > 0 else 0.0,
-        requests=len(timings),
-        errors=len(timings) - len(good),
-    )
-
-
 def _latency_ms(attr: str, stat: str) -> Callable[[RoundResult], float | None]:
+    """``stat`` (``p50``, ``p90`` or ``mean``) of ``attr`` of the round's successful requests, in ms."""
+
     def of(r: RoundResult) -> float | None:
-        summary: Summary | None = getattr(aggregate([r]), attr)
-        return None if summary is None else getattr(summary, stat) * 1e3
+        xs = [v for t in r.timings if (v := getattr(t, attr)) is not None]
+        if not xs:
+            return None
+        return 1e3 * (statistics.fmean(xs) if stat == "mean" else percentile(xs, float(stat[1:])))
 
     return of
 
 
+def _throughput(r: RoundResult) -> float:
+    """Output tokens of the round's successful requests ÷ its wall time, tokens per second."""
+    return sum(t.tokens for t in r.timings if t.ok) / r.wall_s if r.wall_s > 0 else 0.0
+
+
 FIGURES: tuple[Figure[RoundResult], ...] = (
     *(
-        Figure(f"{name} {stat}", "ms", _latency_ms(name.lower(), stat))
+        Figure(f"{name} {stat}", "ms", _latency_ms(f"{name.lower()}_s", stat))
         for name in ("TTFT", "TPOT", "E2E")
         for stat in ("p50", "p90", "mean")
     ),
-    Figure("throughput", "tok/s", lambda r: aggregate([r]).throughput_tok_s),
+    Figure("throughput", "tok/s", _throughput),
 )
 """What a round of ``bench gateway`` gives: latencies in ms (p50, p90, mean), then output tokens
 per second of the round."""
@@ -148,38 +122,6 @@ def machine_note(samples: Sequence[dict[str, float]]) -> str:
     return text
 
 
-def welch_t(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
-    """Welch's t statistic of mean(b) − mean(a) and its Welch–Satterthwaite degrees of freedom."""
-    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
-    se = math.sqrt(va + vb)
-    if se == 0:
-        return 0.0, float(len(a) + len(b) - 2)
-    t = (statistics.fmean(b) - statistics.fmean(a)) / se
-    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
-    return t, df
-
-
-T_CRITICAL_95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 8: 2.31, 10: 2.23, 15: 2.13, 20: 2.09}
-"""Two-sided 5 % critical values of Student's t by degrees of freedom (1.96 from 30 on)."""
-
-
-def t_critical_95(df: float) -> float:
-    """The two-sided 5 % critical value of Student's t at ``df`` degrees of freedom (the table's
-    row at or below it; the normal's from 30 on)."""
-    if df >= 30:
-        return 1.96
-    return T_CRITICAL_95[max(k for k in T_CRITICAL_95 if k <= max(df, 1))]
-
-
-def mean_delta_line(a: Sequence[float], b: Sequence[float]) -> str:
-    """How the mean of ``b`` differs from ``a``'s, percent, with Welch's t and whether it is
-    significant at α = 0.05 (pooled samples of two arms)."""
-    t, df = welch_t(a, b)
-    delta = (statistics.fmean(b) / statistics.fmean(a) - 1) * 100
-    sig = "significant" if abs(t) > t_critical_95(df) else "not significant"
-    return f"{delta:+.1f}% mean, Welch's t = {t:.2f} (df {df:.0f}), {sig} at alpha = 0.05"
-
-
 def split_requests(total: int, rounds: int) -> list[int]:
     """Split ``total`` requests over ``rounds`` rounds as evenly as possible (larger ones first)."""
     if rounds < 1:
@@ -190,24 +132,16 @@ def split_requests(total: int, rounds: int) -> list[int]:
 
 def parse_concurrency(text: str) -> list[int]:
     """``"1,16"`` → ``[1, 16]`` (each ≥ 1, duplicates dropped, order kept)."""
-    out: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        c = int(part)
-        if c < 1:
-            raise ValueError(f"concurrency must be at least 1, got {c}")
-        if c not in out:
-            out.append(c)
+    out = list(dict.fromkeys(int(part) for part in text.split(",") if part.strip()))
     if not out:
         raise ValueError("no concurrency level given")
+    if min(out) < 1:
+        raise ValueError(f"concurrency must be at least 1, got {min(out)}")
     return out
 
 
 def default_requests(concurrency: int) -> int:
-    """Requests per (target, concurrency) when ``--requests`` is not given: at c=1 enough that
-    the TTFT median is not at the mercy of a few scheduling hiccups (runs of 32 differed by
-    ±1.5 ms on the 2-core box; of 120 in 4 rounds, by up to ±10 % in the gateway/direct ratio);
-    otherwise a full batch in each of the default 8 rounds."""
+    """Requests per (target, concurrency) when ``--requests`` is not given: at c=1 enough that the
+    TTFT median is not at the mercy of a few scheduling hiccups; otherwise a full batch in each of
+    the default 8 rounds."""
     return 240 if concurrency == 1 else max(128, 8 * concurrency)

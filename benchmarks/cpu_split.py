@@ -1,12 +1,9 @@
 """Where a benchmark run's CPU went, per output token: the target's front end (every process of
 its tree that is not a vLLM engine process, plus what it needs and did not start, such as
 omnirelay's nats-server), its engine processes (``VLLM::EngineCore``, ``VLLM::Worker``) and the
-load client.
-
-Each process's CPU is read from the kernel's per-process CPU clock
-(:func:`~benchmarks.process_table.process_cpu_s`, nanosecond resolution, every thread); the client's
-from ``getrusage(RUSAGE_CHILDREN)`` of this process, which counts a child once it has been
-waited for. The arithmetic (:func:`cpu_per_token`) is a pure function of two snapshots.
+load client. Each process's CPU is read from the kernel's per-process clock
+(:func:`~benchmarks.process_table.process_cpu_s`), the client's from ``getrusage(RUSAGE_CHILDREN)``
+(a child counts once waited for); :func:`cpu_per_token` is a pure function of two snapshots.
 """
 
 from __future__ import annotations
@@ -16,6 +13,8 @@ import resource
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from benchmarks.process_table import ENGINE_TITLE, descendants, process_cpu_s
 
@@ -60,13 +59,12 @@ def label_of(comm: str, argv: Sequence[str]) -> str:
 
 
 def process_label(pid: int) -> str:
-    """:func:`label_of` a running process (its pid when /proc no longer has it)."""
+    """:func:`label_of` a running process (its pid when it is gone)."""
     try:
-        comm = Path(f"/proc/{pid}/comm").read_text().strip()
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
+        p = psutil.Process(pid)
+        return label_of(p.name(), [a for a in p.cmdline() if a])
+    except psutil.Error:
         return str(pid)
-    return label_of(comm, [a for a in argv if a])
 
 
 def snapshot(roots: Sequence[int]) -> dict[int, ProcessCpu]:

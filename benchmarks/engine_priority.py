@@ -4,11 +4,10 @@ under load, and what it costs the engines (prints a table).
 One stack of the fault suite's pipeline (two replicas of every stage,
 :data:`benchmarks.chat_streams.TWO_REPLICA_PIPELINE`) serves a steady load — text streams of 1,900
 tokens and audio streams of 300, each sent again as soon as it ends — in blocks that alternate the
-engines' nice value (``0``, ``N``, ``N``, ``0``, …: the paired runner's rounds, one block of each arm,
-:mod:`benchmarks.paired`). Before each block the bench sets
-the nice value of every thread of every engine process of the stack (vLLM's EngineCore and its
-model runner) itself, so both arms run on the same processes, minutes apart: lowering it back to 0
-needs ``CAP_SYS_NICE`` (root, as on this box). Each block measures, on one clock (monotonic):
+engines' nice value (``0``, ``N``, ``N``, ``0``, …: the paired runner's rounds, :mod:`benchmarks.paired`).
+Before each block the bench sets the nice value of every thread of every engine process of the
+stack itself, so both arms run on the same processes, minutes apart: lowering it back to 0 needs
+``CAP_SYS_NICE`` (root). Each block measures, on one clock (monotonic):
 
 - ``broker``: a JetStream publish to a memory stream of the stack's server every 100 ms, until its
   acknowledgement (what every service's heartbeat, admission and chunk publish waits for);
@@ -16,8 +15,7 @@ needs ``CAP_SYS_NICE`` (root, as on this box). Each block measures, on one clock
 - ``pause``: the longest gap between two chunks of one client stream;
 - ``tok/s``: tokens the clients received per second of the block.
 
-Per round (one block of each arm), the ratio nice N ÷ nice 0 of each figure (:data:`FIGURES`); the
-verdict is the median of the per-round ratios with their spread.
+Each figure (:data:`FIGURES`) is compared per round as nice N ÷ nice 0.
 """
 
 from __future__ import annotations
@@ -26,6 +24,7 @@ import asyncio
 import contextlib
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,32 +100,13 @@ def set_engine_nice(stack: Stack, nice: int) -> int:
     return n
 
 
-async def _probe_broker(nats_url: str, out: list[float], until: float) -> None:
-    import nats
-
-    nc = await nats.connect(nats_url)
-    js = nc.jetstream()
-    with contextlib.suppress(Exception):
-        await js.add_stream(name=PROBE_STREAM, subjects=[PROBE_SUBJECT], storage="memory", max_msgs=1000)
-    try:
-        while time.monotonic() < until:
-            t = time.monotonic()
-            await js.publish(PROBE_SUBJECT, b"x", timeout=30)
-            out.append(time.monotonic() - t)
-            await asyncio.sleep(max(0.0, PROBE_EVERY_S - (time.monotonic() - t)))
-    finally:
-        await nc.close()
-
-
-async def _probe_gateway(health_url: str, out: list[float], until: float) -> None:
-    import httpx
-
-    async with httpx.AsyncClient(timeout=30) as client:
-        while time.monotonic() < until:
-            t = time.monotonic()
-            await client.get(health_url)
-            out.append(time.monotonic() - t)
-            await asyncio.sleep(max(0.0, PROBE_EVERY_S - (time.monotonic() - t)))
+async def _probe(call: Callable[[], Awaitable[object]], out: list[float], until: float) -> None:
+    """``call()`` every :data:`PROBE_EVERY_S` until ``until``, each answer's time into ``out``."""
+    while time.monotonic() < until:
+        t = time.monotonic()
+        await call()
+        out.append(time.monotonic() - t)
+        await asyncio.sleep(max(0.0, PROBE_EVERY_S - (time.monotonic() - t)))
 
 
 async def _load(client, out: list[Seen], until: float) -> None:
@@ -145,24 +125,33 @@ async def _load(client, out: list[Seen], until: float) -> None:
 
 
 async def run_block(stack: Stack, nice: int, seconds: float) -> Block:
-    """Set the engines' nice value, then a block of ``seconds`` of load with both probes."""
+    """Set the engines' nice value, then a block of ``seconds`` of load with both probes: a
+    JetStream publish to a memory stream of the stack's server and the gateway's ``/health``."""
+    import httpx
+    import nats
     import openai
 
     log(f"block at nice {nice} ({set_engine_nice(stack, nice)} engine threads)")
     broker: list[float] = []
     gateway: list[float] = []
     seen: list[Seen] = []
+    nc = await nats.connect(stack.nats_url.split(",")[0])
+    js = nc.jetstream()
+    with contextlib.suppress(Exception):
+        await js.add_stream(name=PROBE_STREAM, subjects=[PROBE_SUBJECT], storage="memory", max_msgs=1000)
     client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="bench", max_retries=0, timeout=300)
+    health = stack.base_url.removesuffix("/v1") + "/health"
     t0 = time.monotonic()
     until = t0 + seconds
-    health = stack.base_url.removesuffix("/v1") + "/health"
-    await asyncio.gather(
-        _load(client, seen, until),
-        _probe_broker(stack.nats_url.split(",")[0], broker, until),
-        _probe_gateway(health, gateway, until),
-    )
+    async with httpx.AsyncClient(timeout=30) as http:
+        await asyncio.gather(
+            _load(client, seen, until),
+            _probe(lambda: js.publish(PROBE_SUBJECT, b"x", timeout=30), broker, until),
+            _probe(lambda: http.get(health), gateway, until),
+        )
     wall = time.monotonic() - t0
     await client.close()
+    await nc.close()
     return Block.of(broker, gateway, seen, wall)
 
 

@@ -8,9 +8,8 @@ is in results/engine-tracing/):
 - ``engine``: real ``AsyncLLM`` engines on the tiny thinker, tracing off vs on (OTLP/HTTP to a
   local sink that discards), per-request latency of sequential requests and the time of a burst.
 
-Both are presets of the paired runner (:mod:`benchmarks.paired`): the configurations take turns in
-rounds whose order alternates, and each is compared with tracing off round by round.
-Run: ``omnirelay bench tracing [scheduler|engine|all]``.
+Both are presets of the paired runner (:mod:`benchmarks.paired`), each configuration compared with
+tracing off. Run: ``omnirelay bench tracing [scheduler|engine|all]``.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from benchmarks.paired import Figure, render, run_paired
+from benchmarks.paired import Figure, Paired, render, run_paired
 
 SCHEDULER_ROUNDS = 5
 ENGINE_ROUNDS = 10
@@ -220,9 +219,9 @@ async def _round(engine: Any, r: int, sequential: int = 30, burst: int = 16) -> 
     return EngineRound(seq, time.perf_counter() - t0)
 
 
-async def _compare_engines() -> str:
+async def _compare_engines() -> Paired[EngineRound]:
     """Two engines side by side (tracing off, tracing on at the default rates with step tracing
-    enabled), used in paired rounds so that load drift hits both alike; the table."""
+    enabled), used in paired rounds so that load drift hits both alike."""
     from services.stage_worker.engine_core.tracing_config import EngineTracing
 
     for key in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_EXPORTER"):
@@ -233,7 +232,7 @@ async def _compare_engines() -> str:
     os.environ["OTEL_EXPORTER_OTLP_PROTOCOL"] = "http/protobuf"
     handlers["on"] = await _start(EngineTracing(step_enabled=True))  # journey 1.0, step 0.01 / 0.001
     try:
-        paired = await run_paired(
+        return await run_paired(
             list(handlers),
             {"32 + 32 tokens": None},
             ENGINE_ROUNDS,
@@ -245,18 +244,17 @@ async def _compare_engines() -> str:
         for h in handlers.values():
             await h.stop()
         sink.shutdown()
-    return render(paired, ENGINE_FIGURES)
 
 
 def bench_engine() -> None:
     """Tracing on against off, on real engines."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    table = asyncio.run(_compare_engines())
+    paired = asyncio.run(_compare_engines())
     print(
         "tiny thinker engine, 32-token prompts, 32 output tokens; tracing on: journey 1.0, step 0.01 / "
         f"0.001 (the defaults); load average {os.getloadavg()[0]:.1f}"
     )
-    print(table)
+    print(render(paired, ENGINE_FIGURES))
 
 
 BENCHES: dict[str, Callable[[], None]] = {"scheduler": bench_scheduler, "engine": bench_engine}

@@ -1,27 +1,15 @@
 """``omnirelay bench capacity``: omnirelay's own ceiling, measured on the mock engine.
 
 The stack is ``omnirelay up`` with ``compose/pipelines/mock-text.yaml`` (a thinker on the mock
-engine, services/stage_worker/mock_engine.py: every per-token step of omnirelay runs, no model
-does) plus, for the two-gateway cells, a second ``omnirelay gateway`` process on the same NATS
-(``omnirelay up`` runs one gateway; gateways are stateless, so a second one is just another
-process with the pipeline, the NATS URL and ports of its own, as a deployment would add one).
-Streaming chat completions are sent by client processes (``--clients``, each a closed loop of
-the official openai client, requests spread round-robin over the cell's gateways) at each
-concurrency; per (gateways, concurrency) it prints requests/s, output tokens/s, TTFT and TPOT
-p50/p99, and the CPU each process used over the cell, read from the kernel's per-process CPU clock
-(:func:`benchmarks.process_table.process_cpu_s`), with the
-process that bounded the throughput named (:func:`bottleneck`).
-
-Clocks: request timings are ``time.perf_counter()`` readings (CLOCK_MONOTONIC, shared by the
-client processes), seconds; CPU is user + system seconds of each process. TTFT: first content
-chunk − send; TPOT: (last content chunk − first) / (tokens − 1); a cell's wall is its first send
-to its last end. The statistics and the bottleneck rule are pure functions (tested in
-``tests/unit/test_bench_capacity.py``); the process and load code is exercised by the command.
-
-vLLM's own API server cannot be measured beside it here: the pip build of vLLM 0.32 ships no
-fake engine (the mock engine of vllm#43469 is a Rust program of the Rust front end's tree, run on
-the external-engine path, not in the wheel), so docs/benchmarks.md compares with its published
-figure instead.
+engine: every per-token step of omnirelay runs, no model does) plus, for the two-gateway cells, a
+second ``omnirelay gateway`` process on the same NATS (gateways are stateless: another process with
+ports of its own, as a deployment would add one). Client processes (``--clients``, each a closed
+loop of the official openai client, requests round-robin over the cell's gateways) stream chat
+completions; per (gateways, concurrency) it prints requests/s, output tokens/s, TTFT and TPOT
+p50/p99 (client-side ``time.perf_counter()``, shared by the client processes) and each process's
+CPU over the cell (:func:`benchmarks.process_table.process_cpu_s`), naming the process that bounded
+the throughput (:func:`bottleneck`). The statistics and the bottleneck rule are pure functions.
+vLLM's own server cannot be measured beside it: its pip build ships no fake engine.
 """
 
 from __future__ import annotations
@@ -34,24 +22,25 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from benchmarks.comparison_stats import split_requests
 from benchmarks.harness import (
     PROMPTS,
     Managed,
     Processes,
     RequestTiming,
     Stack,
+    closed_loop,
     log,
     percentile,
     run_with_stacks,
     start_stack,
     timed_request,
     wait_http_ok,
-    wait_log,
 )
 from benchmarks.paired import table
 from benchmarks.process_table import cpu_share_pct, descendants, foreign_cpu_s, process_cpu_s
@@ -195,22 +184,16 @@ async def _client_load(
     from openai import AsyncOpenAI
 
     clients = [AsyncOpenAI(base_url=u, api_key="bench", timeout=300.0, max_retries=0) for u in base_urls]
-    next_index = 0
-    out: list[RequestTiming] = []
 
-    async def user() -> None:
-        nonlocal next_index
-        while next_index < requests:
-            i, next_index = next_index + offset, next_index + 1
-            client = clients[i % len(clients)]
-            out.append(await timed_request(client, model, PROMPTS[i % len(PROMPTS)], max_tokens))
+    def one(i: int) -> Awaitable[RequestTiming]:
+        i += offset
+        return timed_request(clients[i % len(clients)], model, PROMPTS[i % len(PROMPTS)], max_tokens)
 
     try:
-        await asyncio.gather(*(user() for _ in range(min(concurrency, requests))))
+        return (await closed_loop(requests, concurrency, one))[1]
     finally:
         for c in clients:
             await c.close()
-    return out
 
 
 def client_job(
@@ -219,11 +202,6 @@ def client_job(
     """One client process's share of a cell (run in a pool process): a closed loop of
     ``concurrency`` users, ``requests`` in all, request i to ``base_urls[i % len]``."""
     return asyncio.run(_client_load(base_urls, model, requests, concurrency, max_tokens, offset))
-
-
-def _shares(total: int, parts: int) -> list[int]:
-    base, extra = divmod(total, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -255,7 +233,7 @@ def _role(cmdline: str) -> str:
     return Path(args[0]).name if args else "?"
 
 
-def _roles(
+def stack_roles(
     stack: Stack, nats: Sequence[Managed], second: Managed | None, pool_pids: Sequence[int]
 ) -> dict[str, list[int]]:
     """Role → pids: every process of the stack (``up`` and its services, NATS), the second
@@ -278,7 +256,7 @@ def _roles(
     return roles
 
 
-def _cpu_s(roles: dict[str, list[int]]) -> dict[str, float]:
+def roles_cpu_s(roles: dict[str, list[int]]) -> dict[str, float]:
     """Role → CPU seconds its living processes have used so far (:func:`process_cpu_s`)."""
     out: dict[str, float] = {}
     for role, pids in roles.items():
@@ -313,8 +291,7 @@ def _start_second_gateway(
         "OMNIRELAY_ADMIN_PORT": str(admin),
     }
     gw = procs.start("gateway-2", [sys.executable, "-m", "cli", "gateway"], env, signal.SIGTERM)
-    wait_log(gw, "Uvicorn running", 120)
-    wait_http_ok(gw, f"http://127.0.0.1:{port}/health", 60)
+    wait_http_ok(gw, f"http://127.0.0.1:{port}/health", 120)
     return gw, f"http://127.0.0.1:{port}/v1"
 
 
@@ -325,10 +302,9 @@ def _measure(
     for url in urls:  # every gateway, the client processes and the worker warm
         jobs = [
             pool.submit(client_job, [url], model, n, max(1, min(64, n)), opts.max_tokens, i)
-            for i, n in enumerate(_shares(opts.warmup, opts.clients))
+            for i, n in enumerate(split_requests(opts.warmup, opts.clients))
         ]
-        failed = [t.error for j in jobs for t in j.result() if not t.ok]
-        if failed:
+        if failed := [t.error for j in jobs for t in j.result() if not t.ok]:
             raise RuntimeError(f"warm-up through {url} failed: {failed[0]}")
     log(f"warm-up done ({opts.warmup} requests per gateway)")
     cells = []
@@ -336,20 +312,17 @@ def _measure(
         for c in opts.concurrency:
             total = opts.requests or 5 * c
             roles = roles_of()
-            before, others0 = _cpu_s(roles), foreign_cpu_s()
+            before, others0 = roles_cpu_s(roles), foreign_cpu_s()
             w0 = time.monotonic()
+            shares, users = split_requests(total, opts.clients), split_requests(c, opts.clients)
             jobs = [
-                pool.submit(
-                    client_job, urls[:g], model, n, cc, opts.max_tokens, sum(_shares(total, opts.clients)[:i])
-                )
-                for i, (n, cc) in enumerate(
-                    zip(_shares(total, opts.clients), _shares(c, opts.clients), strict=True)
-                )
+                pool.submit(client_job, urls[:g], model, n, u, opts.max_tokens, sum(shares[:i]))
+                for i, (n, u) in enumerate(zip(shares, users, strict=True))
                 if n > 0
             ]
             timings = [t for j in jobs for t in j.result()]
             wall = time.monotonic() - w0
-            after = _cpu_s(roles)
+            after = roles_cpu_s(roles)
             cpu = {r: 100.0 * max(after[r] - before.get(r, 0.0), 0.0) / wall for r in after}
             cpu[OTHERS] = cpu_share_pct(others0, foreign_cpu_s(), wall)
             cell = cell_result(g, c, timings, cpu, cores)
@@ -383,7 +356,7 @@ def run_capacity_bench(opts: CapacityOptions) -> int:
 
             def roles_of() -> dict[str, list[int]]:
                 pool_pids = [p.pid for p in pool._processes.values()]  # the pool's own processes
-                return _roles(stack, nats, second, pool_pids)
+                return stack_roles(stack, nats, second, pool_pids)
 
             cells = _measure(opts, urls, model, roles_of, pool)
         print(render(cells), flush=True)

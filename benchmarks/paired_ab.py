@@ -1,21 +1,18 @@
 """``omnirelay bench ab``: is code tree B faster than code tree A? A paired TTFT / e2e comparison.
 
-Single ``omnirelay bench gateway`` runs drift with the machine far more than a change worth a few
-tenths of a millisecond. This bench starts one stack of the thinker-only pipeline from each tree
-(each with its own NATS), engines on one core and everything else on the others, and runs the
-paired runner (:mod:`benchmarks.paired`) on them: each round is one block of sequential streamed
-requests per tree (A B, B A, ...), the stack not being measured paused. Each adjacent pair of
-blocks ran under nearly the same machine conditions, so the statistic is the median over block
-pairs of (B's block median − A's block median), milliseconds, with a bootstrap 95 % interval.
+One stack of the thinker-only pipeline from each tree (each with its own NATS), engines on one core
+and everything else on the others, in the paired runner (:mod:`benchmarks.paired`): each round is
+one block of sequential streamed requests per tree, the stack not being measured paused. The
+statistic is the median over block pairs of (B's block median − A's block median), milliseconds,
+with a bootstrap 95 % interval.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import statistics
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +26,7 @@ from benchmarks.harness import (
     run_with_stacks,
     start_stack,
 )
-from benchmarks.paired import Figure, Paired, render, resumed, run_paired, sequential, write_json
+from benchmarks.paired import Figure, Paired, render, run_sequential, write_json
 from libs.common.pipeline import load_pipeline
 
 PROMPT = "Tell me a short story about a lighthouse keeper."
@@ -106,18 +103,9 @@ def run_ab_bench(
                 for n, t in trees.items()
             }
         isolate_engines(procs.items, core)
-        for s in sides.values():
-            s.process.pause()
         model = pipeline.served_model_name
-
-        def one(name: str, n: int, _: int) -> Awaitable[list[RequestTiming]]:
-            return sequential(sides[name], model, n, max_tokens, PROMPT, settle_first=1)
-
-        resume = {n: (lambda n=n: resumed(sides[n])) for n in sides}
-        paired = asyncio.run(
-            run_paired(
-                ("A", "B"), {"block": block}, blocks, one, active=lambda n: resume[n](), figures=FIGURES
-            )
+        paired = run_sequential(
+            sides, "block", block, blocks, FIGURES, model, max_tokens, PROMPT, settle_first=1
         )
         print(report(trees, paired), flush=True)
         if json_path:

@@ -1,61 +1,27 @@
-"""The machine's processes as ``/proc`` and the kernel's CPU clocks show them: the process table,
-a process's descendants, the CPU a process (or everything this bench did not start) has used, and
-what else runs on the machine. Clocks: CPU seconds; :func:`process_cpu_s` reads the kernel's
-nanosecond per-process clock, :class:`ProcInfo` ``/proc``'s ticks.
+"""The machine's processes as psutil and the kernel's CPU clocks show them: a process's
+descendants, the CPU a process (or everything this bench did not start) has used, and what else
+runs on the machine. Clocks: CPU seconds; :func:`process_cpu_s` reads the kernel's nanosecond
+per-process clock, :func:`foreign_cpu_s` psutil's (``/proc``'s ticks).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 ENGINE_TITLE = "VLLM::"
 """How vLLM's engine-side processes begin their title (``VLLM::EngineCore``, ``VLLM::Worker``)."""
 
 
-@dataclass(frozen=True)
-class ProcInfo:
-    """What /proc says about one process."""
-
-    ppid: int
-    cmdline: str
-    cpu_s: float
-    """User + system CPU time so far, seconds."""
-
-
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-
-
-def _proc_table() -> dict[int, ProcInfo]:
-    """pid → :class:`ProcInfo` of every process visible in /proc."""
-    table: dict[int, ProcInfo] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            stat = (entry / "stat").read_text()
-            fields = stat[stat.rindex(")") + 2 :].split()
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            cpu = (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
-            table[int(entry.name)] = ProcInfo(int(fields[1]), cmd, cpu)
-    return table
-
-
-def descendants(pid: int, table: dict[int, ProcInfo] | None = None) -> list[int]:
-    """Every process below ``pid`` (children, grandchildren, ...)."""
-    table = table if table is not None else _proc_table()
-    children: dict[int, list[int]] = {}
-    for p, info in table.items():
-        children.setdefault(info.ppid, []).append(p)
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, grandchildren, ...); none when ``pid`` is gone."""
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def _is_omnirelay(cmdline: str) -> bool:
@@ -71,16 +37,16 @@ def _is_pytest(cmdline: str) -> bool:
     return any(arg == "pytest" or arg.endswith("/pytest") for arg in cmdline.split())
 
 
-def _foreign(table: dict[int, ProcInfo]) -> dict[int, ProcInfo]:
-    """The processes this bench did not start."""
-    mine = {os.getpid(), *descendants(os.getpid(), table)}
-    return {pid: info for pid, info in table.items() if pid not in mine}
+def _foreign() -> list[psutil.Process]:
+    """The processes this bench did not start, with their command line and CPU times read."""
+    mine = {os.getpid(), *descendants(os.getpid())}
+    return [p for p in psutil.process_iter(["cmdline", "cpu_times"]) if p.pid not in mine]
 
 
 def machine_activity() -> dict[str, float]:
     """What else runs here now: omnirelay processes (``python -m cli``, ``omnirelay``), pytest
     runs and vLLM engine processes not started by this bench, and the 1-minute load average."""
-    foreign = [info.cmdline for info in _foreign(_proc_table()).values()]
+    foreign = [" ".join(p.info["cmdline"] or []) for p in _foreign()]
     return {
         "foreign_omnirelay": sum(_is_omnirelay(c) for c in foreign),
         "foreign_pytest": sum(_is_pytest(c) for c in foreign),
@@ -105,8 +71,8 @@ def process_cpu_s(pid: int) -> float:
 
 
 def foreign_cpu_s() -> dict[int, float]:
-    """CPU seconds used so far by each process this bench did not start."""
-    return {pid: info.cpu_s for pid, info in _foreign(_proc_table()).items()}
+    """CPU seconds (user + system) used so far by each process this bench did not start."""
+    return {p.pid: t.user + t.system for p in _foreign() if (t := p.info["cpu_times"]) is not None}
 
 
 def cpu_share_pct(before: dict[int, float], after: dict[int, float], wall_s: float) -> float:

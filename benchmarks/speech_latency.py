@@ -1,48 +1,34 @@
 """``omnirelay bench speech``: time to first audio and real-time factor of a speech pipeline.
 
-One ``omnirelay up`` stack of the pipeline (default ``compose/pipelines/orpheus-tiny.yaml``:
-tiny thinker → Orpheus talker on tiny-orpheus → SNAC on tiny-snac) with its own NATS, driven as a
-user drives it, through the official ``openai`` client, by one of two APIs:
+One ``omnirelay up`` stack of the pipeline (default ``compose/pipelines/orpheus-tiny.yaml``) driven
+through the official ``openai`` client by one of two APIs: ``chat``, streamed chat completions
+with ``audio={"format": "pcm16"}``, at most ``concurrency`` in flight (a closed loop); or
+``speech``, ``POST /v1/audio/speech`` streamed in each asked ``response_format``, the formats taking
+turns in blocks of ``concurrency`` requests sent at once (:func:`speech_blocks`).
 
-- ``chat``: streamed chat completions with ``modalities=["text", "audio"]`` and
-  ``audio={"voice": ..., "format": "pcm16"}`` (the thinker speaks a prompt's answer);
-- ``speech``: ``POST /v1/audio/speech`` (the input enters at the talker), its body streamed in
-  each of the asked ``response_format`` values in turn.
-
-At each concurrency level, ``requests`` requests run: for ``chat`` with at most ``concurrency``
-in flight (a closed loop); for ``speech`` in each format, the formats taking turns in blocks of
-``concurrency`` requests sent at once. Per request, measured client-side with
-``time.perf_counter()`` (seconds):
-
-- TTFP (chat): arrival of the first chunk carrying audio data minus send; TTFB (speech): arrival
-  of the first non-empty body chunk minus send;
-- audio: chat, the PCM16 samples received ÷ the codec's sample rate; speech, the body decoded
-  whole after the level (PyAV for the containers, bytes ÷ 2 ÷ the rate for ``pcm``), outside
-  every request's timed window (:func:`audio_seconds`);
-- RTF: (arrival of the last audio chunk − send) ÷ audio seconds (below 1: the audio arrived
-  faster than it plays).
-
-A request fails when its PCM (chat, and speech ``pcm``) is not a whole number of codec frames
-(SNAC: 2,048 samples), or when its speech body does not decode. Per level: p50 and p99 of TTFP
-and RTF over the successful requests (:func:`summarize`, a pure function tested in
-``tests/unit/test_speech_latency.py``), failures counted apart; for speech, also the gateway
-process's CPU over the level (where the encoding runs).
+Per request, client-side ``time.perf_counter()`` seconds: TTFP (chat: first chunk with audio data)
+or TTFB (speech: first body bytes) minus send; the audio's seconds (chat: PCM16 samples ÷ the
+codec's rate; speech: the body decoded whole after the level, :func:`audio_seconds`); RTF = (last
+audio chunk − send) ÷ audio seconds. A request fails when its PCM is not whole codec frames or its
+body does not decode. Per level (:func:`summarize`, pure): p50 and p99 of TTFP and RTF over the
+successful requests; for speech, also the gateway process's CPU over the level (where encoding runs).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import io
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import av
-import psutil
 
+from benchmarks.frontend_capacity import stack_roles
 from benchmarks.harness import (
     PROMPTS,
     ROOT,
@@ -54,7 +40,7 @@ from benchmarks.harness import (
     run_with_stacks,
     start_stack,
 )
-from benchmarks.process_table import machine_activity
+from benchmarks.process_table import machine_activity, process_cpu_s
 from libs.common.pipeline import PipelineConfig, load_pipeline
 
 DEFAULT_PIPELINE = ROOT / "compose" / "pipelines" / "orpheus-tiny.yaml"
@@ -310,30 +296,10 @@ def with_audio(fmt: str, got: SpeechBody, sample_rate: int, frame: int) -> Speec
         seconds = audio_seconds(fmt, got.body, sample_rate)
     except ValueError as e:
         return replace(got.timing, error=str(e))
+    error = None
     if fmt == "pcm" and (len(got.body) // PCM16_BYTES) % frame:
-        return replace(
-            got.timing,
-            audio_s=seconds,
-            error=f"{len(got.body)} bytes of pcm are not whole frames of {frame} samples",
-        )
-    return replace(got.timing, audio_s=seconds)
-
-
-async def run_level(
-    client,
-    model: str,
-    concurrency: int,
-    requests: int,
-    max_tokens: int,
-    voice: str,
-    geometry: tuple[int, int],
-) -> tuple[float, list[SpeechTiming]]:
-    """``requests`` chat requests with at most ``concurrency`` in flight; (wall seconds, timings)."""
-    return await closed_loop(
-        requests,
-        concurrency,
-        lambda i: speech_request(client, model, PROMPTS[i % len(PROMPTS)], max_tokens, voice, *geometry),
-    )
+        error = f"{len(got.body)} bytes of pcm are not whole frames of {frame} samples"
+    return replace(got.timing, audio_s=seconds, error=error)
 
 
 def speech_blocks(requests: int, concurrency: int, formats: Sequence[str]) -> list[tuple[str, int, int]]:
@@ -361,28 +327,6 @@ async def run_speech_block(
     )
 
 
-def gateway_cpu_meter(root_pid: int) -> Callable[[], float]:
-    """A reader of the CPU seconds (user + system) used so far by the one gateway process
-    (``python -m cli gateway``) below ``root_pid``; RuntimeError when there is not exactly one."""
-    found = [p for p in psutil.Process(root_pid).children(recursive=True) if _is_gateway(p)]
-    if len(found) != 1:
-        raise RuntimeError(f"{len(found)} gateway processes below pid {root_pid}, expected 1")
-    (gateway,) = found
-
-    def cpu_s() -> float:
-        t = gateway.cpu_times()
-        return t.user + t.system
-
-    return cpu_s
-
-
-def _is_gateway(proc: psutil.Process) -> bool:
-    try:
-        return proc.cmdline()[1:4] == ["-m", "cli", "gateway"]
-    except psutil.Error:  # ended while the tree was read
-        return False
-
-
 async def _measure_chat(
     client,
     pipeline: PipelineConfig,
@@ -392,15 +336,23 @@ async def _measure_chat(
     voice: str,
     warmup: int,
 ) -> list[LevelResult]:
+    """Every level: ``requests`` chat requests, at most ``concurrency`` in flight."""
     geometry = codec_geometry(pipeline)
     model = pipeline.served_model_name
+
+    def level(c: int, n: int) -> Awaitable[tuple[float, list[SpeechTiming]]]:
+        def one(i: int) -> Awaitable[SpeechTiming]:
+            return speech_request(client, model, PROMPTS[i % len(PROMPTS)], max_tokens, voice, *geometry)
+
+        return closed_loop(n, c, one)
+
     if warmup:
-        _, timings = await run_level(client, model, 1, warmup, max_tokens, voice, geometry)
+        _, timings = await level(1, warmup)
         if not any(t.ok for t in timings):
             raise RuntimeError(f"warm-up failed: {timings[0].error}")
     results = []
     for c in levels:
-        wall, timings = await run_level(client, model, c, requests, max_tokens, voice, geometry)
+        wall, timings = await level(c, requests)
         results.append(summarize(c, timings, wall))
         log(f"c={c}: {len(timings)} requests in {wall:.1f} s, TTFP p50 {results[-1].ttfp_p50_s * 1e3:.0f} ms")
     return results
@@ -447,31 +399,6 @@ async def _measure_speech(
     return results
 
 
-async def _measure(
-    base_url: str,
-    pipeline: PipelineConfig,
-    levels: Sequence[int],
-    requests: int,
-    max_tokens: int,
-    voice: str,
-    warmup: int,
-    formats: Sequence[str],
-    gateway_cpu_s: Callable[[], float],
-) -> list[LevelResult]:
-    """Chat levels when ``formats`` is empty, else speech levels in those formats."""
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=base_url, api_key="bench", timeout=300.0, max_retries=0)
-    try:
-        if formats:
-            return await _measure_speech(
-                client, pipeline, levels, requests, voice, warmup, formats, gateway_cpu_s
-            )
-        return await _measure_chat(client, pipeline, levels, requests, max_tokens, voice, warmup)
-    finally:
-        await client.close()
-
-
 def run_speech_bench(
     pipeline_path: Path,
     levels: Sequence[int],
@@ -484,27 +411,28 @@ def run_speech_bench(
 ) -> int:
     """Start the stack, measure every level (chat completions, or with ``formats`` the speech
     API in each of them), print the table; 0, or 1 when a level failed entirely."""
+    from openai import AsyncOpenAI
+
     pipeline = load_pipeline(pipeline_path)
+
+    async def measure(base_url: str, gateway_cpu_s: Callable[[], float]) -> list[LevelResult]:
+        async with AsyncOpenAI(base_url=base_url, api_key="bench", timeout=300.0, max_retries=0) as client:
+            if formats:
+                return await _measure_speech(
+                    client, pipeline, levels, requests, voice, warmup, formats, gateway_cpu_s
+                )
+            return await _measure_chat(client, pipeline, levels, requests, max_tokens, voice, warmup)
 
     def work(procs: Processes, data_dir: Path) -> None:
         stack = start_stack(procs, "speech", pipeline_path, {}, data_dir)
-        gateway_cpu_s = gateway_cpu_meter(stack.root_pid)
+        gateways = stack_roles(stack, [], None, []).get("gateway-1", [])
+        if len(gateways) != 1:
+            raise RuntimeError(f"{len(gateways)} gateway processes under omnirelay up, expected 1")
+        gateway_cpu_s = functools.partial(process_cpu_s, gateways[0])
         before = machine_activity()
         log(f"machine before: {before}")
         try:
-            results = asyncio.run(
-                _measure(
-                    stack.base_url,
-                    pipeline,
-                    levels,
-                    requests,
-                    max_tokens,
-                    voice,
-                    warmup,
-                    formats,
-                    gateway_cpu_s,
-                )
-            )
+            results = asyncio.run(measure(stack.base_url, gateway_cpu_s))
         except ValueError as e:
             raise RuntimeError(str(e)) from None
         after = machine_activity()

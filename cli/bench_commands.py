@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 
-from cli.params import sync_interval
+from cli.params import KeepLogs, SyncInterval, usage_error
 from libs.common.pipeline import PipelineConfig, PipelineConfigError, load_pipeline
 from libs.stack.local_nats import SYNC_INTERVAL
 
@@ -21,7 +21,6 @@ bench_app = typer.Typer(
 
 
 JsonPath = Annotated[Path | None, typer.Option("--json", help="write the raw numbers here (JSON)")]
-KeepLogs = Annotated[bool, typer.Option(help="keep the stack's logs (their directory is printed)")]
 EngineCore = Annotated[
     int | None, typer.Option(help="CPU core both engines bind to [default: the first usable one]")
 ]
@@ -37,20 +36,12 @@ IsolateEngines = Annotated[
         "cores; --no-isolate-engines: nothing pinned (vLLM's own server then starves on 2 cores)",
     ),
 ]
-NatsSyncInterval = Annotated[
-    str,
-    typer.Option(
-        help="JetStream sync_interval of omnirelay's NATS server ('always', 1s, 2m, ...)",
-        callback=sync_interval,
-    ),
-]
 MaxTokens = Annotated[int, typer.Option(min=1, help="output tokens per request (ignore_eos)")]
-
-
-def _usage(message: str) -> NoReturn:
-    """Say ``message`` as a usage error and exit 2."""
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
+Levels = Annotated[str, typer.Option(help="comma-separated concurrency levels")]
+Rounds = Annotated[int, typer.Option(min=1, help="paired rounds (A B, B A, ...)")]
+LogDir = Annotated[
+    Path | None, typer.Option(help="keep the processes' logs here [default: a temp dir, removed]")
+]
 
 
 def _levels(option: str, value: str) -> tuple[int, ...]:
@@ -61,7 +52,7 @@ def _levels(option: str, value: str) -> tuple[int, ...]:
     try:
         return tuple(parse_concurrency(value))
     except ValueError as e:
-        _usage(f"{option}: {e}")
+        usage_error(f"{option}: {e}")
 
 
 def _pipeline_file(path: Path, needs: Callable[[PipelineConfig], bool] | None = None, what: str = "") -> Path:
@@ -70,9 +61,9 @@ def _pipeline_file(path: Path, needs: Callable[[PipelineConfig], bool] | None = 
     try:
         pipeline = load_pipeline(path)
     except PipelineConfigError as e:
-        _usage(str(e))
+        usage_error(str(e))
     if needs is not None and not needs(pipeline):
-        _usage(f"--pipeline {path}: pipeline '{pipeline.name}' {what}")
+        usage_error(f"--pipeline {path}: pipeline '{pipeline.name}' {what}")
     return path.resolve()
 
 
@@ -81,7 +72,7 @@ def _checkouts(*trees: Path | None) -> list[Path]:
     found = [t.resolve() for t in trees if t is not None]
     for tree in found:
         if not (tree / "cli" / "__main__.py").is_file():
-            _usage(f"{tree} is not an omnirelay checkout")
+            usage_error(f"{tree} is not an omnirelay checkout")
     return found
 
 
@@ -89,14 +80,14 @@ def _core(core: int | None) -> int | None:
     """``--core``, once this process may use it; else exit 2."""
     usable = sorted(os.sched_getaffinity(0))
     if core is not None and core not in usable:
-        _usage(f"--core {core}: this process may use cores {usable}")
+        usage_error(f"--core {core}: this process may use cores {usable}")
     return core
 
 
 @bench_app.command("gateway")
 def bench(
     pipeline: ThinkerPipeline = None,
-    concurrency: Annotated[str, typer.Option(help="comma-separated concurrency levels")] = "1,16",
+    concurrency: Levels = "1,16",
     requests: Annotated[
         int | None,
         typer.Option(
@@ -106,22 +97,12 @@ def bench(
     ] = None,
     max_tokens: MaxTokens = 64,
     warmup: Annotated[int, typer.Option(min=0, help="unmeasured requests per target first")] = 16,
-    rounds: Annotated[
-        int, typer.Option(min=1, help="paired rounds (A B, B A, ...), every concurrency in each")
-    ] = 8,
+    rounds: Rounds = 8,
     core: EngineCore = None,
     json_path: JsonPath = None,
-    log_dir: Annotated[
-        Path | None, typer.Option(help="keep the processes' logs here [default: a temp dir, removed]")
-    ] = None,
-    pause_idle: Annotated[
-        bool,
-        typer.Option(
-            "--pause-idle/--no-pause-idle", help="SIGSTOP the target not being measured (idle vLLM polls)"
-        ),
-    ] = True,
+    log_dir: LogDir = None,
     isolate_engines: IsolateEngines = True,
-    nats_sync_interval: NatsSyncInterval = SYNC_INTERVAL,
+    nats_sync_interval: SyncInterval = SYNC_INTERVAL,
 ) -> None:
     """Benchmark the gateway against vLLM's own OpenAI server on the same thinker (prints a table)."""
     from benchmarks.gateway_vs_vllm import DEFAULT_PIPELINE, BenchOptions, run_bench
@@ -136,7 +117,6 @@ def bench(
         core=_core(core),
         json_path=json_path,
         log_dir=log_dir.resolve() if log_dir else None,
-        pause_idle=pause_idle,
         isolate_engines=isolate_engines,
         nats_sync_interval=nats_sync_interval,
     )
@@ -145,7 +125,7 @@ def bench(
 
 @bench_app.command("log-stats")
 def bench_log_stats(
-    rounds: Annotated[int, typer.Option(min=1, help="paired rounds (A B, B A, ...)")] = 10,
+    rounds: Rounds = 10,
     per_round: Annotated[int, typer.Option(min=1, help="sequential requests per side and round")] = 25,
     max_tokens: MaxTokens = 64,
     json_path: JsonPath = None,
@@ -164,9 +144,8 @@ def bench_sync(
     publishes: Annotated[int, typer.Option(min=10, help="sequential JetStream publishes per setup")] = 2000,
     json_path: JsonPath = None,
 ) -> None:
-    """What JetStream's sync_interval and a 3-node NATS cluster cost: publish latency and end-to-end
-    latency on one server with 2m (nats-server's default), 1s and always, and on 3 nodes with
-    always (prints two tables)."""
+    """What JetStream's sync_interval and a 3-node NATS cluster cost: publish and end-to-end latency
+    on one server with 2m, 1s and always, and on 3 nodes with always (prints two tables)."""
     from benchmarks.sync_interval_cost import run_sync_bench
 
     raise typer.Exit(run_sync_bench(rounds, per_round, max_tokens, publishes, json_path))
@@ -211,8 +190,7 @@ def bench_nice(
     json_path: JsonPath = None,
 ) -> None:
     """What the engines' nice value gives the control plane under load and costs the engines:
-    alternating blocks of the same load at nice 0 and ``--nice`` on one stack (see
-    docs/reliability.md)."""
+    alternating blocks of one load at nice 0 and --nice (see docs/reliability.md)."""
     from benchmarks.engine_priority import run_nice_bench
 
     raise typer.Exit(run_nice_bench(rounds, nice, block_s, json_path))
@@ -224,19 +202,17 @@ def _speech_formats(api: str, formats: str | None, max_tokens: int | None) -> tu
     from benchmarks.speech_latency import APIS, DEFAULT_SPEECH_FORMATS, parse_formats
 
     if api not in APIS:
-        _usage(f"--api {api}: one of {', '.join(APIS)}")
-    if api == "chat" and formats is not None:
-        _usage("--formats applies to --api speech only")
-    if api == "speech" and max_tokens is not None:
-        _usage("--max-tokens applies to --api chat only (speech audio follows its input)")
+        usage_error(f"--api {api}: one of {', '.join(APIS)}")
+    if api == "chat":
+        if formats is not None:
+            usage_error("--formats applies to --api speech only")
+        return ()
+    if max_tokens is not None:
+        usage_error("--max-tokens applies to --api chat only (speech audio follows its input)")
     try:
-        return (
-            parse_formats(formats if formats is not None else ",".join(DEFAULT_SPEECH_FORMATS))
-            if api == "speech"
-            else ()
-        )
+        return parse_formats(formats or ",".join(DEFAULT_SPEECH_FORMATS))
     except ValueError as e:
-        _usage(f"--formats: {e}")
+        usage_error(f"--formats: {e}")
 
 
 @bench_app.command("speech")
@@ -257,13 +233,8 @@ def bench_speech(
             show_default="pcm,mp3",
         ),
     ] = None,
-    levels: Annotated[str, typer.Option(help="comma-separated concurrency levels")] = "1,4,16",
-    requests: Annotated[
-        int,
-        typer.Option(
-            min=1, help="requests per concurrency level and format (64: about 4 minutes in all on 2 cores)"
-        ),
-    ] = 64,
+    levels: Levels = "1,4,16",
+    requests: Annotated[int, typer.Option(min=1, help="requests per concurrency level and format")] = 64,
     max_tokens: Annotated[
         int | None,
         typer.Option(min=1, help="thinker tokens per chat request (ignore_eos)", show_default="32"),
@@ -274,9 +245,8 @@ def bench_speech(
     ] = 2,
     keep_logs: KeepLogs = False,
 ) -> None:
-    """Speech latency: time to first audio and RTF p50/p99 at each concurrency level through the
-    official openai client, of streamed pcm16 chat completions with audio (--api chat) or of
-    /v1/audio/speech in each of --formats (--api speech); prints a table (see docs/models.md)."""
+    """Speech latency: time to first audio and RTF p50/p99 per concurrency level, of streamed pcm16
+    chat completions (--api chat) or of /v1/audio/speech in each of --formats (--api speech)."""
     from benchmarks.speech_latency import DEFAULT_PIPELINE, run_speech_bench
 
     chosen = _speech_formats(api, formats, max_tokens)
@@ -302,9 +272,8 @@ def bench_realtime(
     ] = 24,
     keep_logs: KeepLogs = False,
 ) -> None:
-    """Realtime voice-to-voice latency p50/p99 and the listener's RTF at each number of concurrent
-    sessions, real speech sent in real time through the official openai client; prints a table
-    (see docs/benchmarks.md)."""
+    """Realtime voice-to-voice latency p50/p99 and the listener's RTF per number of concurrent
+    sessions, real speech sent in real time (prints a table)."""
     from benchmarks.realtime_latency import DEFAULT_PIPELINE, run_realtime_bench
 
     path = _pipeline_file(
@@ -325,8 +294,8 @@ def bench_codec_batching(
     ] = False,
     json_path: JsonPath = None,
 ) -> None:
-    """code2wav's SNAC decode with and without cross-request batching: paired rounds of one forward
-    pass per chunk against one pass for all (prints a table; see docs/models.md)."""
+    """code2wav's SNAC decode with and without cross-request batching: one forward pass per chunk
+    against one for all, in paired rounds (prints a table)."""
     from benchmarks.codec_batching import run_codec_batching
 
     sizes, own = _levels("--batches", batches), _levels("--own-frames", own_frames)
@@ -342,7 +311,7 @@ def bench_audio_encoding(
     ] = None,
 ) -> None:
     """What the gateway's audio encoding costs per format: real-time factor, longest push and bit
-    rate of each StreamEncoder and of the tempo filter, pinned to one core (see docs/audio.md)."""
+    rate of each encoder and of the tempo filter, on one core (prints a table)."""
     from benchmarks.audio_encoding import run_audio_encoding
 
     raise typer.Exit(run_audio_encoding(seconds, rounds, _core(core)))
@@ -359,7 +328,7 @@ def bench_tracing(
     from benchmarks.engine_tracing_cost import BENCHES
 
     if which not in (*BENCHES, "all"):
-        _usage(f"{which}: one of {', '.join(BENCHES)}, all")
+        usage_error(f"{which}: one of {', '.join(BENCHES)}, all")
     for name, run in BENCHES.items():
         if which in (name, "all"):
             run()
@@ -374,11 +343,11 @@ def bench_capacity(
         ),
     ] = None,
     gateways: Annotated[str, typer.Option(help="comma-separated gateway counts (1 or 2)")] = "1,2",
-    concurrency: Annotated[str, typer.Option(help="comma-separated concurrency levels")] = "64,256",
+    concurrency: Levels = "64,256",
     requests: Annotated[
         int | None, typer.Option(min=1, help="requests per cell", show_default="5 × the concurrency")
     ] = None,
-    max_tokens: Annotated[int, typer.Option(min=1, help="output tokens per request")] = 64,
+    max_tokens: MaxTokens = 64,
     clients: Annotated[
         int, typer.Option(min=1, max=16, help="client processes sharing the load (each a closed loop)")
     ] = 2,
@@ -392,7 +361,7 @@ def bench_capacity(
 
     gws, levels = _levels("--gateways", gateways), _levels("--concurrency", concurrency)
     if max(gws) > 2:
-        _usage("--gateways: 1 and 2 are measured (omnirelay up's gateway and one more)")
+        usage_error("--gateways: 1 and 2 are measured (omnirelay up's gateway and one more)")
     path = _pipeline_file(pipeline or MOCK_PIPELINE)
     opts = CapacityOptions(
         pipeline_path=path,
@@ -412,7 +381,7 @@ def bench_capacity(
 def bench_vllm(
     pipeline: ThinkerPipeline = None,
     concurrency: Annotated[str, typer.Option(help="comma-separated --max-concurrency levels")] = "1,16",
-    rounds: Annotated[int, typer.Option(min=1, help="paired rounds (A B, B A, ...)")] = 5,
+    rounds: Rounds = 5,
     prompts: Annotated[
         int | None,
         typer.Option(min=1, help="--num-prompts per run", show_default="48 at c=1, else 16 × c"),
@@ -421,11 +390,9 @@ def bench_vllm(
     output_len: Annotated[int, typer.Option(min=2, help="--random-output-len (with --ignore-eos)")] = 64,
     isolate_engines: IsolateEngines = True,
     core: EngineCore = None,
-    nats_sync_interval: NatsSyncInterval = SYNC_INTERVAL,
+    nats_sync_interval: SyncInterval = SYNC_INTERVAL,
     json_path: JsonPath = None,
-    log_dir: Annotated[
-        Path | None, typer.Option(help="keep the processes' logs and vLLM's result files here")
-    ] = None,
+    log_dir: LogDir = None,
 ) -> None:
     """omnirelay against vLLM's own server, measured by vLLM's own client (vllm bench serve) in
     paired rounds: median and spread of the per-round omnirelay ÷ vLLM ratios (prints tables)."""
@@ -450,7 +417,7 @@ def bench_vllm(
 
 @bench_app.command("profile")
 def bench_profile(
-    concurrency: Annotated[str, typer.Option(help="comma-separated concurrency levels")] = "1,16",
+    concurrency: Levels = "1,16",
     seconds: Annotated[float, typer.Option(min=1, help="load (and recording) per level, seconds")] = 20.0,
     max_tokens: Annotated[int, typer.Option(min=2, help="output tokens per request (ignore_eos)")] = 64,
     rate: Annotated[int, typer.Option(min=1, max=1000, help="py-spy samples per second")] = 200,
@@ -458,11 +425,11 @@ def bench_profile(
         bool,
         typer.Option(
             "--gil/--all-threads",
-            help="sample only the thread holding the GIL (Python CPU); --all-threads: every thread py-spy sees as busy",
+            help="sample only the thread holding the GIL; --all-threads: every thread py-spy sees as busy",
         ),
     ] = True,
     out_dir: Annotated[
-        Path | None, typer.Option(help="keep the raw py-spy files and the tables (profile.md) here")
+        Path | None, typer.Option(help="keep the raw py-spy files and the tables (profile.txt) here")
     ] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="write the folded numbers here")] = None,
 ) -> None:
@@ -470,9 +437,8 @@ def bench_profile(
     completions run on the mock engine; print where each output token's microseconds go (tables)."""
     from benchmarks.token_path_profile import ProfileOptions, run_profile_bench
 
-    levels = _levels("--concurrency", concurrency)
     opts = ProfileOptions(
-        concurrency=levels,
+        concurrency=_levels("--concurrency", concurrency),
         seconds=seconds,
         max_tokens=max_tokens,
         rate=rate,
@@ -487,17 +453,17 @@ def _trees(tree_a: Path | None, tree_b: Path | None, baseline_mode: bool) -> lis
     """``bench token-cost``'s checkouts: both or neither, and not with ``--write-baseline`` or
     ``--check`` (the baseline is omnirelay ÷ the reference); else exit 2."""
     if (tree_a is None) != (tree_b is None):
-        _usage("--tree-a and --tree-b go together")
+        usage_error("--tree-a and --tree-b go together")
     trees = _checkouts(tree_a, tree_b)
     if trees and baseline_mode:
-        _usage("the baseline is omnirelay ÷ the reference: no --write-baseline/--check with trees")
+        usage_error("the baseline is omnirelay ÷ the reference: no --write-baseline/--check with trees")
     return trees
 
 
 @bench_app.command("token-cost")
 def bench_token_cost(
-    concurrency: Annotated[str, typer.Option(help="comma-separated concurrency levels")] = "1,16",
-    rounds: Annotated[int, typer.Option(min=1, help="paired rounds (A B, B A, ...)")] = 5,
+    concurrency: Levels = "1,16",
+    rounds: Rounds = 5,
     requests: Annotated[
         int | None,
         typer.Option(
@@ -536,11 +502,10 @@ def bench_token_cost(
 
     levels = _levels("--concurrency", concurrency)
     trees = _trees(tree_a, tree_b, write_baseline or check)
-    defaults = TokenCostOptions()
     opts = TokenCostOptions(
         concurrency=levels,
         rounds=rounds,
-        requests={c: requests for c in levels} if requests else defaults.requests,
+        requests={c: requests for c in levels} if requests else TokenCostOptions().requests,
         max_tokens=max_tokens,
         warmup=warmup,
         tree_a=trees[0] if trees else None,
@@ -548,8 +513,5 @@ def bench_token_cost(
         json_path=json_path,
     )
     path = baseline or BASELINE_PATH
-    raise typer.Exit(
-        run_token_cost_bench(
-            opts, path if write_baseline else None, path if check else None, factor or GUARD_FACTOR
-        )
-    )
+    written, checked = (path if write_baseline else None), (path if check else None)
+    raise typer.Exit(run_token_cost_bench(opts, written, checked, factor or GUARD_FACTOR))

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 
-from cli.stack_file import remove_stack_file, this_process, write_stack_file
+from cli.stack_file import StackInfo, remove_stack_file, write_stack_file
 from libs.common.nats_identities import OPERATOR, worker_identity
 from libs.common.pipeline import PipelineConfig
 from libs.stack.local_nats import (
@@ -57,8 +58,7 @@ async def _pump(name: str, stream: asyncio.StreamReader, width: int) -> None:
         try:
             line = await stream.readline()
         except ValueError:  # a line over the reader's limit (64 KiB), which it has dropped
-            # Reading on matters: a pump that stopped would leave the child blocked on a full pipe
-            # at its next log line (found by the bus fuzzer, a log line quoting a 64 KiB field).
+            # Reading on matters: a pump that stopped would leave the child blocked on a full pipe.
             line = b"[a line over 64 KiB was cut]\n"
         if not line:
             break
@@ -285,15 +285,23 @@ def announce(
     security: NatsSecurity | None = None,
     admin_port: int | None = None,
 ) -> Path:
-    """Write ``<data_dir>/stack.json`` for the stack this process runs (NATS client and
-    monitoring URLs, comma-separated as :func:`_start` returns them, the gateway on ``port`` and
-    its admin listener on ``admin_port``, and where the operator identity's secret is when the
-    launcher's NATS has identities); returns the file's path."""
-    monitors = monitor.split(",") if monitor else []
+    """Write ``<data_dir>/stack.json`` for the stack this process runs (NATS client and monitoring
+    URLs, comma-separated, the gateway on ``port`` and its admin listener on ``admin_port``, and
+    where the operator identity's secret is when the launcher's NATS has identities); its path."""
+    me = psutil.Process()
     operator = None if security is None else security.env(OPERATOR)
     admin = f"http://127.0.0.1:{admin_port}" if admin_port else None
-    info = this_process(
-        nats_url, monitors, f"http://127.0.0.1:{port}", pipeline, pipeline_path, operator, admin
+    monitors = monitor.split(",") if monitor else []
+    info = StackInfo(
+        me.pid,
+        me.create_time(),
+        nats_url,
+        monitors,
+        f"http://127.0.0.1:{port}",
+        pipeline,
+        str(pipeline_path),
+        operator,
+        admin,
     )
     return write_stack_file(data_dir, info)
 
@@ -315,88 +323,53 @@ async def run_stack(
     nats: NatsOptions | None = None,
     admin_port: int = 0,
 ) -> int:
-    """Start everything, print the banner, stream logs until Ctrl-C/SIGTERM; a process that dies
-    once the stack is up is restarted (:meth:`Stack.supervise`), never the reason to stop.
-
-    The gateway's admin listener (``/metrics``, ``/prometheus/targets``) takes ``admin_port``, or
-    a free port this process picks when it is 0 (the banner and ``stack.json`` name it).
-
-    Once the stack is up, ``<data_dir>/stack.json`` says where it is (:mod:`cli.stack_file`: the
-    NATS and gateway URLs, this process's pid) for the commands run beside it; a stop removes it.
-
-    A process that dies during start fails the start (a crash there is a configuration error far
-    more often than a fault). Signals are handled from the first moment, so an interrupted start
-    still stops what it began.
-    """
+    """Start NATS (unless ``nats_url`` is given) with one identity per role
+    (:mod:`libs.common.nats_identities`, secrets under ``<data_dir>/nats-secrets``), then every
+    service with its own; print the banner and stream logs until Ctrl-C/SIGTERM. A process that
+    dies during start fails the start (a configuration error far more often than a fault); once the
+    stack is up it is restarted (:meth:`Stack.supervise`). Signals are handled from the first
+    moment, so an interrupted start stops what it began. The gateway's admin listener takes
+    ``admin_port`` (0: a free port); ``<data_dir>/stack.json`` (:mod:`cli.stack_file`) says where
+    the stack is while it runs."""
     from libs.common.signals import shutdown_event
+    from libs.models.tiny import make_tiny
 
     stop = shutdown_event()
     stack = Stack()
     stack.width = max(len(f"{s.name}-{r}") for s in pipeline.stages for r in range(s.replicas)) + 1
     admin_port = admin_port or free_port()
+
+    async def start() -> tuple[str, str | None, NatsSecurity | None]:
+        await asyncio.to_thread(make_tiny)
+        url, monitor, security = nats_url, None, None
+        if not url:
+            security = await asyncio.to_thread(prepare, data_dir / SECRETS_DIR, pipeline)
+            url, monitors = await _start_nats(stack, data_dir, nats or NatsOptions(), security)
+            monitor = ",".join(monitors)
+            await wait_nats_healthy(monitors, stack)
+        for spec in plan_services(pipeline, pipeline_path, url, port, log_stats, admin_port):
+            env = spec.env if security is None else {**spec.env, **security.env(service_identity(spec))}
+            await stack.spawn(spec.name, spec.argv, env)
+        await wait_all_live(f"http://127.0.0.1:{port}/health", pipeline, stack)
+        return url, monitor, security
+
     try:
-        starting = asyncio.create_task(
-            _start(
-                stack,
-                pipeline,
-                pipeline_path,
-                port,
-                log_stats,
-                data_dir,
-                nats_url,
-                nats or NatsOptions(),
-                admin_port,
-            )
-        )
+        starting = asyncio.create_task(start())
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if not starting.done():
             starting.cancel()
             return 130
         stopping.cancel()
-        nats_url, monitor, security = starting.result()
-        print(banner(port, nats_url, monitor, pipeline.served_model_name, admin_port), flush=True)
+        url, monitor, security = starting.result()
+        print(banner(port, url, monitor, pipeline.served_model_name, admin_port), flush=True)
         stack.supervise()
-        announce(data_dir, port, nats_url, monitor, pipeline.name, pipeline_path, security, admin_port)
+        announce(data_dir, port, url, monitor, pipeline.name, pipeline_path, security, admin_port)
         await stop.wait()
         return 0
     finally:
         remove_stack_file(data_dir, os.getpid())
         await stack.stop()
-
-
-async def _start(
-    stack: Stack,
-    pipeline: PipelineConfig,
-    pipeline_path: Path,
-    port: int,
-    log_stats: bool,
-    data_dir: Path,
-    nats_url: str | None,
-    nats: NatsOptions,
-    admin_port: int = 0,
-) -> tuple[str, str | None, NatsSecurity | None]:
-    """NATS (unless given), then every service; returns (NATS URL(s), monitoring URL(s) or None,
-    the NATS identities' material or None).
-
-    The NATS started here has one identity per role (:mod:`libs.common.nats_identities`), secrets
-    under ``<data_dir>/nats-secrets``, and each service is given its own (a NATS that was given
-    is used with whatever ``OMNIRELAY_NATS_*`` identity the environment names)."""
-    from libs.models.tiny import make_tiny
-
-    await asyncio.to_thread(make_tiny)
-    monitor = None
-    security = None
-    if not nats_url:
-        security = await asyncio.to_thread(prepare, data_dir / SECRETS_DIR, pipeline)
-        nats_url, monitors = await _start_nats(stack, data_dir, nats, security)
-        monitor = ",".join(monitors)
-        await wait_nats_healthy(monitors, stack)
-    for spec in plan_services(pipeline, pipeline_path, nats_url, port, log_stats, admin_port):
-        env = spec.env if security is None else {**spec.env, **security.env(service_identity(spec))}
-        await stack.spawn(spec.name, spec.argv, env)
-    await wait_all_live(f"http://127.0.0.1:{port}/health", pipeline, stack)
-    return nats_url, monitor, security
 
 
 async def _start_nats(

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from cli.bench_commands import bench_app
 from cli.nats_commands import nats_app
-from cli.params import sync_interval
+from cli.params import SyncInterval, usage_error
 from cli.stack_file import DEFAULT_DATA_DIR
 from cli.verify_commands import verify_app
 from libs.common.logs import setup_logging
@@ -52,6 +52,9 @@ LogStatsOpt = Annotated[
         help="record metrics and stats logs [env OMNIRELAY_LOG_STATS; default off]",
     ),
 ]
+MetricsPortOpt = Annotated[
+    int | None, typer.Option(help="/metrics port, 0 = any [env OMNIRELAY_METRICS_PORT]")
+]
 LogLevelOpt = Annotated[
     str | None, typer.Option("--log-level", help="logging level [env OMNIRELAY_LOG_LEVEL; default INFO]")
 ]
@@ -74,8 +77,7 @@ def _pipeline(settings: ServiceSettings):
     try:
         return load_pipeline(settings.pipeline)
     except PipelineConfigError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        usage_error(str(e))
 
 
 def _service_nats_url(flag: str | None) -> str:
@@ -126,17 +128,14 @@ def gateway(
     try:
         run_gateway(s, _pipeline(s))
     except AuthConfigError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        usage_error(str(e))
 
 
 @app.command()
 def orchestrator(
     pipeline: PipelineOpt = None,
     nats_url: NatsOpt = None,
-    metrics_port: Annotated[
-        int | None, typer.Option(help="/metrics port, 0 = any [env OMNIRELAY_METRICS_PORT]")
-    ] = None,
+    metrics_port: MetricsPortOpt = None,
     log_stats: LogStatsOpt = None,
     log_level: LogLevelOpt = None,
 ) -> None:
@@ -162,9 +161,7 @@ def worker(
     replica: Annotated[int | None, typer.Option(help="replica id [env OMNIRELAY_REPLICA]")] = None,
     pipeline: PipelineOpt = None,
     nats_url: NatsOpt = None,
-    metrics_port: Annotated[
-        int | None, typer.Option(help="/metrics port, 0 = any [env OMNIRELAY_METRICS_PORT]")
-    ] = None,
+    metrics_port: MetricsPortOpt = None,
     max_inflight: Annotated[
         int | None, typer.Option(help="requests handled at once [env OMNIRELAY_MAX_INFLIGHT]")
     ] = None,
@@ -260,29 +257,18 @@ def up(
             "buckets keep a replica on every server (any one server may die)"
         ),
     ] = 1,
-    nats_sync_interval: Annotated[
-        str,
-        typer.Option(
-            help="JetStream sync_interval of the servers started: 'always' (fsync every write) or a "
-            "period such as 1s or 2m (nats-server's default; the writes of the last period die with "
-            "the machine)",
-            callback=sync_interval,
-        ),
-    ] = SYNC_INTERVAL,
+    nats_sync_interval: SyncInterval = SYNC_INTERVAL,
 ) -> None:
     """Start NATS (unless --nats-url/NATS_URL), the orchestrator, every worker and the gateway."""
     from cli.launcher import NatsOptions, run_stack
     from cli.stack_file import NatsTarget, probe_nats, unreachable_message
 
     if nats_nodes not in (1, 3, 5):
-        typer.echo(f"error: --nats-nodes: 1, 3 or 5, not {nats_nodes}", err=True)
-        raise typer.Exit(2)
+        usage_error(f"--nats-nodes: 1, 3 or 5, not {nats_nodes}")
     if admin_port and admin_port == port:
-        typer.echo(f"error: --admin-port must differ from --port ({port})", err=True)
-        raise typer.Exit(2)
+        usage_error(f"--admin-port must differ from --port ({port})")
     if nats_url and nats_nodes != 1:
-        typer.echo("error: --nats-nodes starts servers; --nats-url / NATS_URL names servers to use", err=True)
-        raise typer.Exit(2)
+        usage_error("--nats-nodes starts servers; --nats-url / NATS_URL names servers to use")
     s = _settings(ServiceSettings, pipeline=pipeline, nats_url=nats_url)
     p = _pipeline(s)
     if nats_url and (error := asyncio.run(probe_nats(nats_url))):
@@ -291,13 +277,10 @@ def up(
         typer.echo(unreachable_message(target, error, hint), err=True)
         raise typer.Exit(1)
     nats = NatsOptions(nats_nodes, nats_sync_interval)
-    raise typer.Exit(
-        asyncio.run(
-            run_stack(
-                p, s.pipeline.resolve(), port, log_stats, data_dir.resolve(), nats_url, nats, admin_port
-            )
-        )
+    stack = run_stack(
+        p, s.pipeline.resolve(), port, log_stats, data_dir.resolve(), nats_url, nats, admin_port
     )
+    raise typer.Exit(asyncio.run(stack))
 
 
 @app.command("inspect")
@@ -315,8 +298,8 @@ def inspect_cmd(
 
     Talks to --nats-url / NATS_URL, else the `omnirelay up` running with --data-dir (its
     stack.json, also the source of the pipeline when neither --pipeline nor OMNIRELAY_PIPELINE
-    is given), else
-    nats://127.0.0.1:4222; exits 2 within seconds, saying why, when NATS cannot be reached."""
+    is given), else nats://127.0.0.1:4222; exits 2 within seconds, saying why, when NATS cannot
+    be reached."""
     from cli.bus_inspect import run_inspect
     from cli.stack_file import read_live_stack, resolve_nats_url
 
@@ -356,10 +339,7 @@ def compose_check(
 
     repo = Path(__file__).resolve().parents[1]
     if not (repo / "compose" / "Dockerfile").is_file():
-        typer.echo(
-            f"error: no compose/Dockerfile under {repo}: run this from an omnirelay checkout", err=True
-        )
-        raise typer.Exit(2)
+        usage_error(f"no compose/Dockerfile under {repo}: run this from an omnirelay checkout")
     raise typer.Exit(run_check(repo, cold, keep))
 
 

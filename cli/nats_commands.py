@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from cli.params import usage_error
 from libs.common.pipeline import PipelineConfigError, load_pipeline
 from libs.stack.nats_security import prepare
 
@@ -49,8 +50,7 @@ def nats_secrets(
     try:
         p = load_pipeline(pipeline or os.environ.get("OMNIRELAY_PIPELINE") or None)
     except PipelineConfigError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        usage_error(str(e))
     sec = prepare(out, p, tls=tls, mutual_tls=mutual_tls, hosts=host or None, server_root=server_root)
     if owner is not None:
         uid, gid = (int(x) for x in owner.split(":"))

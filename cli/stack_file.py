@@ -81,30 +81,6 @@ def stack_file(data_dir: Path) -> Path:
     return data_dir / STACK_FILE
 
 
-def this_process(
-    nats_url: str,
-    monitors: list[str],
-    gateway_url: str,
-    pipeline: str,
-    pipeline_file: Path,
-    operator_env: dict[str, str] | None = None,
-    gateway_admin_url: str | None = None,
-) -> StackInfo:
-    """The :class:`StackInfo` of the calling process (the launcher)."""
-    me = psutil.Process()
-    return StackInfo(
-        me.pid,
-        me.create_time(),
-        nats_url,
-        monitors,
-        gateway_url,
-        pipeline,
-        str(pipeline_file),
-        operator_env,
-        gateway_admin_url,
-    )
-
-
 def write_stack_file(data_dir: Path, info: StackInfo) -> Path:
     """Write ``<data_dir>/stack.json`` atomically (a reader sees the old file or the whole new
     one, never a part); returns its path."""

@@ -12,6 +12,8 @@ from typing import Annotated
 
 import typer
 
+from cli.params import KeepLogs
+
 verify_app = typer.Typer(
     no_args_is_help=True,
     help="Verification suites: faults injected into a serving stack, judged against ground truth "
@@ -48,9 +50,7 @@ class FaultSuitePipeline(StrEnum):
 @verify_app.command("faults")
 def verify_faults(
     only: Annotated[str | None, typer.Option(help="run only the faults whose name contains this")] = None,
-    keep_logs: Annotated[
-        bool, typer.Option(help="keep the stacks' logs (their directory is printed)")
-    ] = False,
+    keep_logs: KeepLogs = False,
     mode: Annotated[
         FaultSuiteMode,
         typer.Option(
@@ -83,9 +83,7 @@ def verify_chaos(
     all_replicas: Annotated[
         bool, typer.Option(help="also draw the fault that kills every thinker replica at once")
     ] = False,
-    keep_logs: Annotated[
-        bool, typer.Option(help="keep the stack's logs (their directory is printed)")
-    ] = False,
+    keep_logs: KeepLogs = False,
 ) -> None:
     """The chaos soak: the fault suite's stack serves a continuous mixed load (text and audio,
     streamed and not, 32–800 tokens) while a random fault, verified, strikes every 20–40 s; prints

@@ -51,17 +51,8 @@ def apt_install(*packages: str) -> None:
         raise NoEngine(f"{', '.join(packages)} missing and not installable here (needs root and apt-get)")
     log(f"installing Debian packages: {' '.join(packages)}")
     sh("apt-get", "update", "-q", timeout_s=600)
-    p = sh(
-        "apt-get",
-        "install",
-        "-y",
-        "-q",
-        "--no-install-recommends",
-        *packages,
-        check=False,
-        timeout_s=1200,
-        env={"DEBIAN_FRONTEND": "noninteractive"},
-    )
+    argv = ("apt-get", "install", "-y", "-q", "--no-install-recommends", *packages)
+    p = sh(*argv, check=False, timeout_s=1200, env={"DEBIAN_FRONTEND": "noninteractive"})
     if p.returncode != 0:
         raise NoEngine(f"apt-get install {' '.join(packages)} failed:\n{(p.stdout + p.stderr)[-2000:]}")
 

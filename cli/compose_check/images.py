@@ -21,6 +21,8 @@ OFFICIAL_BASE = "python:3.11-slim"
 STANDIN_BASE = "omnirelay-standin/python:3.11-bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 STANDIN_PACKAGES = ("python3", "python3-venv", "ca-certificates", "wget", "libnuma1")
+STANDIN_PATH = "/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin"
+"""The stand-in base's PATH: its venv at ``/usr/local`` first, as in the official image."""
 EXTRA_CA_DIR = Path("/usr/local/share/ca-certificates")
 """Debian's place for a host's extra CA certificates (e.g. a TLS-intercepting proxy's)."""
 LOCAL_WHEELS = Path("/opt/wheels")
@@ -64,38 +66,17 @@ def standin_base(work: Path) -> str:
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         root = Path(tmp) / "rootfs"
         t = time.monotonic()
-        sh(
-            "debootstrap",
-            "--variant=minbase",
-            f"--include={','.join(STANDIN_PACKAGES)}",
-            "bookworm",
-            str(root),
-            DEBIAN_MIRROR,
-            timeout_s=1800,
-        )
+        include = f"--include={','.join(STANDIN_PACKAGES)}"
+        sh("debootstrap", "--variant=minbase", include, "bookworm", str(root), DEBIAN_MIRROR, timeout_s=1800)
         sh("chroot", str(root), "python3", "-m", "venv", "/usr/local", timeout_s=300)
         for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
             for p in (root / junk).glob("*"):
                 if p.is_file():
                     p.unlink()
         tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
-        subprocess.run(
-            [
-                "docker",
-                "import",
-                "--change",
-                "ENV PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin",
-                "--change",
-                "ENV LANG=C.UTF-8",
-                "--change",
-                'CMD ["python3"]',
-                "-",
-                STANDIN_BASE,
-            ],
-            stdin=tar.stdout,
-            check=True,
-            capture_output=True,
-        )
+        changes = [f"ENV PATH={STANDIN_PATH}", "ENV LANG=C.UTF-8", 'CMD ["python3"]']
+        argv = ["docker", "import", *(arg for c in changes for arg in ("--change", c)), "-", STANDIN_BASE]
+        subprocess.run(argv, stdin=tar.stdout, check=True, capture_output=True)
         tar.wait()
         log(f"built {STANDIN_BASE} from Debian's packages in {time.monotonic() - t:.0f} s")
     return STANDIN_BASE

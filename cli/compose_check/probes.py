@@ -133,16 +133,8 @@ def baked_in(image: str) -> str:
     deterministically, not downloaded."""
     user = sh("docker", "image", "inspect", "--format", "{{.Config.User}}", image).stdout.strip()
     expect(user == IMAGE_USER, f"image user {user!r}, not {IMAGE_USER}")
-    listing = sh(
-        "docker",
-        "run",
-        "--rm",
-        "--entrypoint",
-        "sh",
-        image,
-        "-c",
-        f"cd {IMAGE_MODELS} && find . -type f | sort | xargs sha256sum",
-    ).stdout
+    script = f"cd {IMAGE_MODELS} && find . -type f | sort | xargs sha256sum"
+    listing = sh("docker", "run", "--rm", "--entrypoint", "sh", image, "-c", script).stdout
     theirs = {  # the files of each model's directory (not the cache's lock file)
         path: digest
         for digest, path in (line.split() for line in listing.splitlines())

@@ -19,11 +19,11 @@ from libs.common.nats_credentials import NatsAuth, auth_from
 GATEWAY_KEY_FILE = "/data/api-key"
 """Where compose's gateway keeps the API key it generated (docker-compose.yml, OMNIRELAY_API_KEYS_FILE)."""
 PROJECT = "omnirelay-check"
+"""Compose project name of the check (its containers, network and volumes), not the user's."""
 ONE_SHOT = ("nats-init",)
 """Services that run once, before the others (``completed`` once they exited with status 0)."""
 NATS_SECRETS = "/run/nats"
 """Where a service's NATS identity volume is mounted (docker-compose.yml)."""
-"""Compose project name of the check (its containers, network and volumes), not the user's."""
 
 
 @dataclass

@@ -7,7 +7,6 @@ import pytest
 from benchmarks.comparison_stats import (
     FIGURES,
     RoundResult,
-    aggregate,
     default_requests,
     late_first_token_share,
     machine_note,
@@ -16,7 +15,7 @@ from benchmarks.comparison_stats import (
     verdict_line,
 )
 from benchmarks.gateway_vs_vllm import _commonest_error
-from benchmarks.harness import RequestTiming, Summary, percentile
+from benchmarks.harness import RequestTiming, percentile
 from benchmarks.paired import order
 from benchmarks.process_table import cpu_share_pct
 
@@ -51,12 +50,6 @@ def test_percentile_rejects_empty_and_out_of_range() -> None:
         percentile([1.0], 101)
 
 
-def test_summary_of_values_and_of_nothing() -> None:
-    s = Summary.of([1.0, 2.0, 3.0, 4.0])
-    assert s == Summary(p50=2.5, p90=pytest.approx(3.7), mean=2.5, count=4)
-    assert Summary.of([]) is None
-
-
 # --- one request --------------------------------------------------------------------------
 def test_request_timing_metrics() -> None:
     # sent at 10.0, first content at 10.1, last at 10.5 after 5 tokens, stream ends at 10.6
@@ -79,7 +72,7 @@ def test_failed_request_has_no_metrics() -> None:
     assert not RequestTiming(sent_s=0.0, done_s=1.0).ok  # no content ever arrived
 
 
-# --- aggregation --------------------------------------------------------------------------
+# --- a round's figures and the verdict ---------------------------------------------------
 def _req(sent: float, ttft: float, tpot: float, tokens: int, tail: float = 0.0) -> RequestTiming:
     first = sent + ttft
     last = first + tpot * (tokens - 1)
@@ -88,30 +81,21 @@ def _req(sent: float, ttft: float, tpot: float, tokens: int, tail: float = 0.0) 
     )
 
 
-def test_aggregate_pools_rounds_and_sums_wall_time() -> None:
-    r0 = RoundResult(wall_s=2.0, timings=[_req(0, 0.1, 0.01, 11), _req(1, 0.3, 0.03, 11)])
-    r1 = RoundResult(
-        wall_s=2.0, timings=[_req(0, 0.2, 0.02, 11), RequestTiming(sent_s=0, done_s=1, error="HTTP 500")]
+def test_a_rounds_figures_leave_failed_requests_out() -> None:
+    failed = RequestTiming(sent_s=0, done_s=1, error="HTTP 500")
+    r = RoundResult(
+        wall_s=4.0, timings=[_req(0, 0.1, 0.01, 11), _req(1, 0.3, 0.03, 11), _req(0, 0.2, 0.02, 11), failed]
     )
-    s = aggregate([r0, r1])
-    assert s.requests == 4 and s.errors == 1
-    # TTFTs 0.1, 0.2, 0.3 -> p50 0.2, p90 at position 1.8 -> 0.28, mean 0.2
-    assert s.ttft.p50 == pytest.approx(0.2)
-    assert s.ttft.p90 == pytest.approx(0.28)
-    assert s.ttft.mean == pytest.approx(0.2)
-    assert s.tpot.p50 == pytest.approx(0.02)
-    # e2e = ttft + 10 * tpot: 0.2, 0.4, 0.6 -> mean 0.4
-    assert s.e2e.mean == pytest.approx(0.4)
-    # 3 good requests * 11 tokens / (2 + 2) s
-    assert s.throughput_tok_s == pytest.approx(33 / 4)
+    got = {f.name: f.of(r) for f in FIGURES}
+    # TTFTs 100, 200, 300 ms -> p50 200, p90 at position 1.8 -> 280, mean 200
+    assert (got["TTFT p50"], got["TTFT p90"], got["TTFT mean"]) == pytest.approx((200.0, 280.0, 200.0))
+    assert got["TPOT p50"] == pytest.approx(20.0)
+    assert got["E2E mean"] == pytest.approx(400.0)  # e2e = ttft + 10 × tpot: 200, 400, 600 ms
+    assert got["throughput"] == pytest.approx(33 / 4)  # 3 good requests × 11 tokens in 4 s
+    only_failed = RoundResult(1.0, [failed])
+    assert [f.of(only_failed) for f in FIGURES] == [None] * 9 + [0.0]
 
 
-def test_aggregate_of_only_failures() -> None:
-    s = aggregate([RoundResult(1.0, [RequestTiming(sent_s=0, done_s=1, error="x")])])
-    assert (s.ttft, s.tpot, s.e2e, s.throughput_tok_s, s.errors) == (None, None, None, 0.0, 1)
-
-
-# --- a round's figures and the verdict ---------------------------------------------------
 def test_a_rounds_figures_are_its_latencies_in_ms_and_its_throughput() -> None:
     r = RoundResult(wall_s=2.0, timings=[_req(0, 0.1, 0.01, 11), _req(1, 0.3, 0.03, 11)])
     got = {f.name: f.of(r) for f in FIGURES}

@@ -127,9 +127,7 @@ def test_the_client_command_line_is_one_vllms_parser_accepts(tmp_path: Path) -> 
     from vllm.benchmarks.serve import add_cli_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    target = Target(
-        "omnirelay", "http://127.0.0.1:8123/v1", "omni-text", "http://127.0.0.1:8123/health", None
-    )  # type: ignore[arg-type]
+    target = Target("omnirelay", "http://127.0.0.1:8123/v1", "omni-text", None)  # type: ignore[arg-type]
     argv = client_argv(target, "/models/tiny", VllmClientOptions(), 16, seed=3, out=tmp_path / "r.json")
     assert argv[1:3] == ["-m", "benchmarks.vllm_bench_client"]
     parser = FlexibleArgumentParser()

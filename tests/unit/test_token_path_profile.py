@@ -1,45 +1,46 @@
 """The folding of ``omnirelay bench profile`` (benchmarks/token_path_profile.py): py-spy's raw
-lines into frame groups and µs per output token."""
+lines by package and by omnirelay function, and µs per output token."""
 
 from __future__ import annotations
 
 import pytest
 
 from benchmarks.token_path_profile import (
-    GROUPS,
-    OTHER,
+    NOT_OURS,
     Frame,
-    Group,
-    Rule,
     fold,
-    group_of,
+    innermost_ours,
+    package_of,
     parse_raw,
     render_profile,
 )
 
-ROOT = "_run_once (/usr/lib/python3.12/asyncio/base_events.py:1987);_run (/usr/lib/python3.12/asyncio/events.py:88)"
-SITE = "/work/main/.venv/lib/python3.12/site-packages"
+BOOT = (
+    "<module> (cli/__main__.py:9);serve (services/gateway/app.py:167);"
+    "run (uvicorn/main.py:600);Server.run (uvicorn/server.py:60);"
+    "Runner.run (asyncio/runners.py:118);_run_once (asyncio/base_events.py:1987)"
+)
+"""Above the event loop's entry: ancestors of every sample (py-spy's short file names)."""
 RAW = "\n".join(
     [
         # a gateway event: nats-py's subscription task → _on_event → decode → pydantic
-        f"{ROOT};_wait_for_msgs ({SITE}/nats/aio/subscription.py:90);"
-        "_on_event (/work/main/services/gateway/pipeline_client.py:170);"
-        "decode (/work/main/libs/common/envelopes.py:58);"
-        f"model_validate ({SITE}/pydantic/main.py:700) 30",
+        f"{BOOT};_wait_for_msgs (nats/aio/subscription.py:90);"
+        "_on_event (services/gateway/pipeline_client.py:170);"
+        "decode (libs/common/envelopes.py:58);"
+        "model_validate (pydantic/main.py:700) 30",
         # the same path, but the time is the callback's own
-        f"{ROOT};_wait_for_msgs ({SITE}/nats/aio/subscription.py:90);"
-        "_on_event (/work/main/services/gateway/pipeline_client.py:190) 10",
-        # a log line written while rendering: logging wins over rendering
-        f"{ROOT};sse_stream (/work/main/services/gateway/responses.py:280);"
-        "_chat_render (/work/main/services/gateway/routes.py:170);"
-        "info (/usr/lib/python3.12/logging/__init__.py:1500) 5",
+        f"{BOOT};_wait_for_msgs (nats/aio/subscription.py:90);"
+        "_on_event (services/gateway/pipeline_client.py:190) 10",
+        # a log line written while rendering a chunk
+        f"{BOOT};sse_stream (services/gateway/responses.py:280);"
+        "_chat_render (services/gateway/routes.py:170);"
+        "info (logging/__init__.py:1500) 5",
         # rendering a chunk
-        f"{ROOT};sse_stream (/work/main/services/gateway/responses.py:280);"
-        "_chat_chunk (/work/main/services/gateway/routes.py:160) 20",
-        # h11 writing the body: only framework frames
-        f"{ROOT};send ({SITE}/uvicorn/protocols/http/h11_impl.py:480);send ({SITE}/h11/_connection.py:500) 15",
+        f"{BOOT};sse_stream (services/gateway/responses.py:280);_chat_chunk (services/gateway/routes.py:160) 20",
+        # h11 writing the body: only framework frames below the loop
+        f"{BOOT};send (uvicorn/protocols/http/h11_impl.py:480);send (h11/_connection.py:500) 15",
         # the event loop itself
-        f"{ROOT} 20",
+        f"{BOOT} 20",
         # frames py-spy prints without a file (with --subprocesses/--threads)
         "process 123;thread 0x7f 0",
     ]
@@ -51,10 +52,9 @@ def test_parse_raw_reads_stacks_root_first_and_counts() -> None:
     assert len(samples) == 7
     stack, n = samples[0]
     assert n == 30
-    assert stack[0] == Frame("_run_once", "/usr/lib/python3.12/asyncio/base_events.py")
-    assert stack[-1].function == "model_validate"
+    assert stack[0] == Frame("<module>", "cli/__main__.py")
     assert stack[-1].label == "model_validate (pydantic/main.py)"
-    assert samples[-1][1] == 0
+    assert samples[-1] == ((Frame("process 123", ""), Frame("thread 0x7f", "")), 0)
 
 
 def test_parse_raw_rejects_a_line_without_a_count() -> None:
@@ -62,98 +62,61 @@ def test_parse_raw_rejects_a_line_without_a_count() -> None:
         parse_raw("main (x.py:1);other (y.py:2)")
 
 
-def test_the_first_matching_group_wins_whatever_the_frame_depth() -> None:
-    samples = parse_raw(RAW)
-    names = [group_of(stack) for stack, _ in samples]
-    assert names[0] == "event decode (msgpack + pydantic validate)"  # not nats-py, not intake
-    assert names[1] == "gateway event intake (pipeline_client)"  # not nats-py's read loop
-    assert names[2] == "logging"  # not rendering
-    assert names[3].startswith("SSE chunk rendering")
-    assert names[4].startswith("HTTP write/read")
-    assert names[5].startswith("event loop")
-    assert names[6] == OTHER
+def test_packages_are_omnirelay_modules_and_other_top_level_packages() -> None:
+    assert package_of("services/gateway/routes.py") == "services/gateway/routes.py"
+    assert package_of("libs/common/envelopes.py") == "libs/common/envelopes.py"
+    assert package_of("asyncio/queues.py") == "asyncio"
+    assert package_of("uvicorn/protocols/http/h11_impl.py") == "uvicorn"
+    assert package_of("selectors.py") == "selectors.py"
+
+
+def test_the_innermost_omnirelay_frame_under_the_event_loop_takes_the_sample() -> None:
+    names = [innermost_ours(stack) for stack, _ in parse_raw(RAW)]
+    assert names[0] == "decode (libs/common/envelopes.py)"  # with pydantic under it
+    assert names[1] == "_on_event (services/gateway/pipeline_client.py)"
+    assert names[2] == "_chat_render (services/gateway/routes.py)"  # with the log line it wrote
+    assert names[3] == "_chat_chunk (services/gateway/routes.py)"
+    # serve (services/gateway/app.py) is above the loop's entry: not the framework's work's owner
+    assert names[4] == names[5] == names[6] == NOT_OURS
+
+
+def test_a_thread_without_an_event_loop_is_read_whole() -> None:
+    stack = parse_raw(
+        "run (threading.py:1);step (services/stage_worker/mock_engine.py:9);x (json/encoder.py:3) 1"
+    )
+    assert innermost_ours(stack[0][0]) == "step (services/stage_worker/mock_engine.py)"
 
 
 def test_fold_shares_and_microseconds_per_token() -> None:
     p = fold(parse_raw(RAW), interval_s=0.005, tokens=500)
     assert p.samples == 100
-    by = {s.name: s for s in p.groups}
-    decode = by["event decode (msgpack + pydantic validate)"]
-    assert decode.samples == 30
-    assert decode.pct == pytest.approx(30.0)
-    assert decode.us_per_token == pytest.approx(30 * 5000 / 500)  # 300 µs
     assert p.us_per_token == pytest.approx(100 * 5000 / 500)
-    assert sum(s.samples for s in p.groups) == p.samples
-    assert [s.samples for s in p.groups] == sorted((s.samples for s in p.groups), reverse=True)
-    # functions by self samples: the leaf frame
-    assert p.functions[0].name == "model_validate (pydantic/main.py)"
-    assert p.functions[0].samples == 30
+    packages = {s.name: s for s in p.packages}
+    assert packages["pydantic"].samples == 30
+    assert packages["pydantic"].pct == pytest.approx(30.0)
+    assert packages["pydantic"].us_per_token == pytest.approx(30 * 5000 / 500)  # 300 µs
+    assert packages["asyncio"].samples == 20 and packages["h11"].samples == 15
+    assert packages["services/gateway/routes.py"].samples == 20
+    functions = {s.name: s.samples for s in p.functions}
+    assert functions["decode (libs/common/envelopes.py)"] == 30
+    assert functions[NOT_OURS] == 35
+    for shares in (p.packages, p.functions):
+        assert sum(s.samples for s in shares) == p.samples
+        assert [s.samples for s in shares] == sorted((s.samples for s in shares), reverse=True)
 
 
 def test_fold_with_no_tokens_or_no_samples_is_zero_not_an_error() -> None:
     assert fold(parse_raw(RAW), 0.005, tokens=0).us_per_token == 0.0
     empty = fold([], 0.005, tokens=10)
-    assert empty.samples == 0 and empty.groups == [] and empty.functions == []
+    assert empty.samples == 0 and empty.packages == [] and empty.functions == []
 
 
-def test_custom_groups_and_rule_function_filter() -> None:
-    groups = (Group("decode only", (Rule("envelopes.py", ("decode",)),)),)
-    samples = parse_raw(RAW)
-    assert group_of(samples[0][0], groups) == "decode only"
-    assert group_of(samples[1][0], groups) == OTHER
-
-
-def test_group_names_are_unique() -> None:
-    names = [g.name for g in GROUPS]
-    assert len(names) == len(set(names)) and OTHER not in names
-
-
-def test_rule_functions_match_py_spy_qualified_names() -> None:
-    rule = Rule("nats/aio/client.py", ("_flusher",))
-    assert rule.matches(Frame("Client._flusher", "/x/nats/aio/client.py"))
-    assert rule.matches(Frame("_flusher", "/x/nats/aio/client.py"))
-    assert not rule.matches(Frame("Client.not_flusher", "/x/nats/aio/client.py"))
-    assert not rule.matches(Frame("Client._flusher", "/x/other.py"))
-    timed = Frame("ResponseTimer.__call__.<locals>.timed_send", "/w/services/gateway/app.py")
-    assert group_of([timed]) == "ResponseTimer and middlewares (own code)"
-    # the body write under ResponseTimer's send is the HTTP write's, its timeout asyncio's
-    h11 = Frame("Connection.send", "/v/site-packages/h11/_connection.py")
-    assert group_of([timed, h11]).startswith("HTTP write/read")
-    assert group_of([timed, Frame("timeout", "/usr/lib/python3.11/asyncio/timeouts.py")]) == (
-        "asyncio.timeout (enter/exit)"
-    )
-
-
-def test_render_profile_has_the_cpu_column_only_with_a_cpu_reading() -> None:
+def test_render_profile_has_the_cpu_column_only_with_a_cpu_reading_and_sums_the_rest() -> None:
     p = fold(parse_raw(RAW), 0.005, tokens=500)
-    with_cpu = render_profile("gateway, c = 1", p, cpu_us_per_token=200.0)
+    with_cpu = render_profile("gateway, c = 1", p, cpu_us_per_token=200.0, top=2)
     assert "share × CPU" in with_cpu
-    assert "| event decode (msgpack + pydantic validate) | 30 | 30.0 % | 300.0 | 60.0 |" in with_cpu
+    assert "decode (libs/common/envelopes.py)" in with_cpu
+    row = next(line for line in with_cpu.splitlines() if line.startswith("pydantic"))
+    assert row.split() == ["pydantic", "30", "30.0", "300.0", "60.0"]
+    assert "(5 more)" in with_cpu and "(3 more)" in with_cpu  # 7 packages and 5 functions, 2 of each shown
     assert "share × CPU" not in render_profile("gateway, c = 1", p, None)
-
-
-LOOP = "Runner.run (/usr/lib/python3.11/asyncio/runners.py:118)"
-BOOT = (
-    "<module> (/w/cli/__main__.py:9);serve (/w/services/gateway/app.py:167);"
-    "run (/v/site-packages/uvicorn/main.py:600);Server.run (/v/site-packages/uvicorn/server.py:60)"
-)
-
-
-def test_frames_above_the_event_loop_are_cut_before_grouping() -> None:
-    # the gateway runs under uvicorn.run and app.py: without the cut, every sample would be the
-    # HTTP framework's
-    read = parse_raw(
-        f"{BOOT};{LOOP};Client._read_loop ({SITE}/nats/aio/client.py:2100);"
-        f"Parser.parse ({SITE}/nats/protocol/parser.py:80) 4"
-    )[0][0]
-    assert group_of(read) == "nats-py read loop + subscription tasks"
-    own = parse_raw(f"{BOOT};{LOOP} 3")[0][0]
-    assert group_of(own) == "event loop (uvloop/asyncio, tasks, selectors)"
-
-
-def test_a_leaf_rule_takes_a_middleware_own_time_only() -> None:
-    mw = "ResponseTimer.__call__ (/w/services/gateway/app.py:55)"
-    own = parse_raw(f"{BOOT};{LOOP};{mw} 1")[0][0]
-    below = parse_raw(f"{BOOT};{LOOP};{mw};Submitter.chat (/w/services/gateway/submission.py:90) 1")[0][0]
-    assert group_of(own) == "ResponseTimer and middlewares (own code)"
-    assert group_of(below).startswith("request admission")
