@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 START_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
+"""How vLLM starts its engine processes (``fork`` or ``spawn``); its CPU platform sets ``spawn``."""
 
 EXECUTOR_ARG = "distributed_executor_backend"
 """The engine argument that names an executor; a stage that sets it in ``extra`` keeps it."""
