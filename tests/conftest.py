@@ -49,6 +49,12 @@ def wait_port(port: int, timeout_s: float = 10.0) -> None:
     raise RuntimeError(f"port {port} did not open in {timeout_s} s")
 
 
+SESSION_MAX_FILE_STORE = "1T"
+"""JetStream's file-store bound for the session server. Every pipeline a test module declares
+reserves its stages stream's ``max_bytes`` (1 GiB) on it, and about fifty modules share it; the
+default bound, 75 % of the disk free at start, would refuse streams once the disk is fuller."""
+
+
 class NatsServer:
     """A nats-server process started for the tests."""
 
@@ -62,8 +68,11 @@ class NatsServer:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        self.store.mkdir(parents=True, exist_ok=True)
+        conf = self.store / "session.conf"
+        conf.write_text(f"jetstream {{\n  max_file_store: {SESSION_MAX_FILE_STORE}\n}}\n")
         argv = nats_server_argv(self.store, self.port, self.monitor_port)
-        argv += ["--profile", str(self.profile_port)]  # goroutine dumps for the broker watch
+        argv += ["-c", str(conf), "--profile", str(self.profile_port)]  # profile: goroutine dumps
         self.proc = subprocess.Popen(
             argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
         )
