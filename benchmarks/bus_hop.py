@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from benchmarks.harness import Processes, percentile, wait_port
+from benchmarks.harness import percentile
 from libs.common.jetstream import JetStream
 from libs.common.runtime import run_service
 
@@ -156,20 +156,17 @@ def measure_hop(url: str, mode: str, count: int, interval_s: float, cpu: int | N
 def run_bus_bench(messages: int, interval_s: float, warmup: int) -> list[HopStats]:
     """Start a private nats-server; measure each hop kind with the processes on any core, then
     with the server and both processes on one core (as ``omnirelay bench gateway`` puts every front end)."""
-    from libs.stack.local_nats import free_port, nats_server_argv
+    from libs.stack.local_stack import Stack
 
     store = Path(tempfile.mkdtemp(prefix="omnirelay-bench-bus-"))
-    procs = Processes(store)
-    port = free_port()
-    server = procs.start("nats", nats_server_argv(store / "jetstream", port, free_port()), {})
-    url = f"nats://127.0.0.1:{port}"
+    stack = Stack(store, log_dir=store, name="bus bench")
     mine = os.sched_getaffinity(0)
     try:
-        wait_port(server, port, 20)
+        url = stack.start_nats()
         asyncio.run(_prepare(url))
         out = []
         for cpu in (None, max(mine)):
-            for pid in (os.getpid(), server.proc.pid):
+            for pid in (os.getpid(), stack.processes["nats"].pid):
                 os.sched_setaffinity(pid, mine if cpu is None else {cpu})
             for mode in MODES:
                 xs = measure_hop(url, mode, messages + warmup, interval_s, cpu)[warmup:]
@@ -177,5 +174,5 @@ def run_bus_bench(messages: int, interval_s: float, warmup: int) -> list[HopStat
         return out
     finally:
         os.sched_setaffinity(0, mine)
-        procs.stop_all()
+        stack.stop()
         shutil.rmtree(store, ignore_errors=True)

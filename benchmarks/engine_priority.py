@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.chat_streams import MODEL, TWO_REPLICA_PIPELINE, Seen, send
-from benchmarks.harness import Processes, Stack, is_engine, log, percentile, run_with_stacks, start_stack
+from benchmarks.harness import Processes, is_engine, log, percentile, run_with_stacks, start_stack
 from benchmarks.paired import Figure, render, run_paired, write_json
 from benchmarks.process_table import descendants
+from libs.stack.local_stack import Stack
 
 PROBE_EVERY_S = 0.1
 TEXT_STREAMS, TEXT_TOKENS = 6, 1900
@@ -139,8 +140,8 @@ async def run_block(stack: Stack, nice: int, seconds: float) -> Block:
     js = nc.jetstream()
     with contextlib.suppress(Exception):
         await js.add_stream(name=PROBE_STREAM, subjects=[PROBE_SUBJECT], storage="memory", max_msgs=1000)
-    client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="bench", max_retries=0, timeout=300)
-    health = stack.base_url.removesuffix("/v1") + "/health"
+    client = openai.AsyncOpenAI(base_url=stack.api_url, api_key="bench", max_retries=0, timeout=300)
+    health = f"{stack.base_url}/health"
     t0 = time.monotonic()
     until = t0 + seconds
     async with httpx.AsyncClient(timeout=30) as http:

@@ -30,21 +30,21 @@ from pathlib import Path
 from benchmarks.comparison_stats import split_requests
 from benchmarks.harness import (
     PROMPTS,
-    Managed,
     Processes,
     RequestTiming,
-    Stack,
+    answers_200,
     closed_loop,
     log,
     percentile,
     run_with_stacks,
     start_stack,
     timed_request,
-    wait_http_ok,
 )
 from benchmarks.paired import table
 from benchmarks.process_table import cpu_share_pct, descendants, foreign_cpu_s, process_cpu_s
 from libs.common.pipeline import load_pipeline
+from libs.stack.local_stack import Stack
+from libs.stack.processes import Process, wait_for
 
 MOCK_PIPELINE = Path(__file__).resolve().parents[1] / "compose" / "pipelines" / "mock-text.yaml"
 SATURATED_PCT = 90.0
@@ -233,15 +233,13 @@ def _role(cmdline: str) -> str:
     return Path(args[0]).name if args else "?"
 
 
-def stack_roles(
-    stack: Stack, nats: Sequence[Managed], second: Managed | None, pool_pids: Sequence[int]
-) -> dict[str, list[int]]:
+def stack_roles(stack: Stack, second: Process | None, pool_pids: Sequence[int]) -> dict[str, list[int]]:
     """Role → pids: every process of the stack (``up`` and its services, NATS), the second
     gateway, the client processes and this bench."""
     import psutil
 
     roles: dict[str, list[int]] = {}
-    nats_pids = [m.proc.pid for m in nats]
+    nats_pids = [stack.processes[name].pid for name in stack.monitors]
     for pid in [stack.root_pid, *descendants(stack.root_pid), *nats_pids]:
         try:
             role = _role(" ".join(psutil.Process(pid).cmdline()))
@@ -250,7 +248,7 @@ def stack_roles(
         role = "gateway-1" if role == "gateway" else role
         roles.setdefault(role, []).append(pid)
     if second is not None:
-        roles["gateway-2"] = [second.proc.pid]
+        roles["gateway-2"] = [second.pid]
     roles[f"clients ({len(pool_pids)})"] = list(pool_pids)
     roles["bench"] = [os.getpid()]
     return roles
@@ -278,7 +276,7 @@ def stack_env(concurrency: Sequence[int]) -> dict[str, str]:
 
 def _start_second_gateway(
     procs: Processes, stack: Stack, pipeline_path: Path, env: dict[str, str]
-) -> tuple[Managed, str]:
+) -> tuple[Process, str]:
     """Another ``omnirelay gateway`` on the stack's NATS; (its process, its ``/v1`` URL)."""
     from libs.stack.local_nats import free_port
 
@@ -291,7 +289,9 @@ def _start_second_gateway(
         "OMNIRELAY_ADMIN_PORT": str(admin),
     }
     gw = procs.start("gateway-2", [sys.executable, "-m", "cli", "gateway"], env, signal.SIGTERM)
-    wait_http_ok(gw, f"http://127.0.0.1:{port}/health", 120)
+    wait_for(
+        lambda: answers_200(f"http://127.0.0.1:{port}/health"), "gateway-2 healthy", 120, 0.25, watch=[gw]
+    )
     return gw, f"http://127.0.0.1:{port}/v1"
 
 
@@ -345,8 +345,7 @@ def run_capacity_bench(opts: CapacityOptions) -> int:
     def work(procs: Processes, data_dir: Path) -> None:
         env = stack_env(opts.concurrency)
         stack = start_stack(procs, "mock stack", opts.pipeline_path, env, data_dir)
-        nats = [m for m in procs.items if m.name.startswith("nats")]
-        urls = [stack.base_url]
+        urls = [stack.api_url]
         second = None
         if max(opts.gateways) > 1:
             second, url2 = _start_second_gateway(procs, stack, opts.pipeline_path, env)
@@ -356,7 +355,7 @@ def run_capacity_bench(opts: CapacityOptions) -> int:
 
             def roles_of() -> dict[str, list[int]]:
                 pool_pids = [p.pid for p in pool._processes.values()]  # the pool's own processes
-                return stack_roles(stack, nats, second, pool_pids)
+                return stack_roles(stack, second, pool_pids)
 
             cells = _measure(opts, urls, model, roles_of, pool)
         print(render(cells), flush=True)

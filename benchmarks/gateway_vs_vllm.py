@@ -47,6 +47,7 @@ from benchmarks.harness import (
     Processes,
     RequestTiming,
     Target,
+    answers_200,
     engine_env,
     engine_flags,
     front_end_cores,
@@ -55,12 +56,12 @@ from benchmarks.harness import (
     run_load,
     run_with_stacks,
     start_stack,
-    wait_http_ok,
 )
 from benchmarks.paired import Figure, Paired, render, run_paired, settle, write_json
 from benchmarks.process_table import cpu_share_pct, foreign_cpu_s, machine_activity
 from libs.common.pipeline import PipelineConfig, load_pipeline
 from libs.stack.local_nats import SYNC_INTERVAL
+from libs.stack.processes import wait_for
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -99,7 +100,7 @@ async def _wait_ready(target: Target, timeout_s: float = 60.0) -> None:
             with contextlib.suppress(httpx.HTTPError):
                 if (await client.get(target.base_url.removesuffix("/v1") + "/health")).status_code == 200:
                     return
-            if target.process.proc.poll() is not None or time.monotonic() > deadline:
+            if target.process.returncode is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{target.name} not healthy after resume:\n{target.process.log_tail()}")
             await asyncio.sleep(0.2)
 
@@ -196,10 +197,12 @@ def _start_targets(
     stack = start_stack(
         procs, GATEWAY, opts.pipeline_path, env, data_dir, sync_interval=opts.nats_sync_interval
     )
-    log(f"vllm ready in {wait_http_ok(vllm, f'http://127.0.0.1:{port}/health', 600):.1f} s")
-    nats = tuple(m for m in procs.items if m.name.startswith("nats"))
+    t0 = time.monotonic()
+    wait_for(lambda: answers_200(f"http://127.0.0.1:{port}/health"), "vllm healthy", 600, 0.25, watch=[vllm])
+    log(f"vllm ready in {time.monotonic() - t0:.1f} s")
+    nats = tuple(stack.processes[name] for name in stack.monitors)
     return {
-        GATEWAY: Target(GATEWAY, stack.base_url, model, stack.process, companions=nats),
+        GATEWAY: Target(GATEWAY, stack.api_url, model, stack.processes["up"], companions=nats),
         DIRECT: Target(DIRECT, f"http://127.0.0.1:{port}/v1", model, vllm),
     }
 
@@ -287,7 +290,8 @@ def run_against_vllm(
         log(f"engines bound to core {core}; machine: {machine_activity()}")
         with front_end_cores(core if start.isolate_engines else None):
             targets = _start_targets(procs, pipeline, start, data_dir, core)
-        if start.isolate_engines and (moved := isolate_engines(procs.items, core)) is not None:
+        started = [p for t in targets.values() for p in (t.process, *t.companions)]
+        if start.isolate_engines and (moved := isolate_engines(started, core)) is not None:
             log(
                 f"{moved[0]} vLLM engine processes bound to core {core}; {moved[1]} others to the other cores"
             )

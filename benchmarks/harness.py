@@ -1,7 +1,7 @@
 """What every benchmark here shares: client-side request timing, the processes a benchmark
-starts (NATS servers, ``omnirelay up`` stacks, vLLM's own server) and stops, and which CPU cores
-engines and front ends run on. Request timings are ``time.perf_counter()`` readings of this
-process, seconds.
+starts and stops (its own, such as vLLM's server, and ``omnirelay up`` stacks with NATS of their
+own: :mod:`libs.stack.processes`, :mod:`libs.stack.local_stack`), and which CPU cores engines and
+front ends run on. Request timings are ``time.perf_counter()`` readings of this process, seconds.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
-import psutil
 
 from benchmarks.process_table import ENGINE_TITLE, descendants
 from libs.common.pipeline import PipelineConfig
-from libs.stack.local_nats import SYNC_INTERVAL, ClusterNode
+from libs.stack.local_nats import SYNC_INTERVAL
+from libs.stack.local_stack import Stack
+from libs.stack.processes import Process
 
 ROOT = Path(__file__).resolve().parents[1]
 """The checkout."""
@@ -112,66 +113,16 @@ def commit() -> str:
 # --- processes -----------------------------------------------------------------------------
 
 
-@dataclass
-class Managed:
-    """A process this bench started, with its log file."""
-
-    name: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    stop_signal: int = signal.SIGTERM
-    stop_timeout_s: float = 30.0
-
-    def log_tail(self, chars: int = 4000) -> str:
-        with contextlib.suppress(OSError):
-            return self.log_path.read_text(errors="replace")[-chars:]
-        return ""
-
-    def _signal_family(self, sig: int) -> None:
-        for pid in [self.proc.pid, *descendants(self.proc.pid)]:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, sig)
-
-    def pause(self) -> None:
-        """SIGSTOP it and everything it started: an idle vLLM is not idle (its executor polls
-        shared memory on the engine's core), so the target not being measured is frozen."""
-        self._signal_family(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        """SIGCONT it and everything it started."""
-        self._signal_family(signal.SIGCONT)
-
-    def stop(self) -> None:
-        """Signal it, wait, then SIGKILL whatever is left of it and everything it started (psutil
-        knows each process by pid and start time, so a reused pid is never hit)."""
-        if self.proc.poll() is not None:
-            return
-        family = psutil.Process(self.proc.pid).children(recursive=True)  # not reaped: still there
-        self.resume()  # a stopped process would not act on the stop signal
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(self.stop_signal)
-        try:
-            self.proc.wait(self.stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            log(f"{self.name}: still running {self.stop_timeout_s:.0f} s after the signal; killing")
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
-        for p in family:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(5)
-
-
 class Processes:
-    """Processes started together, stopped in reverse start order."""
+    """What a bench started: processes of its own (:attr:`items`) and stacks (:attr:`stoppers`)."""
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
-        self.items: list[Managed] = []
+        self.items: list[Process] = []
         self.stoppers: list[Callable[[], None]] = []
-        """What stops the groups of processes kept elsewhere (a stack of supervised services,
-        tests/verification/service_stack.py): called, last added first, before :attr:`items` stop."""
+        """What stops each stack (:meth:`libs.stack.local_stack.Stack.stop`): called, last added
+        first, after :attr:`items` stop (a process the bench added to a stack, a second gateway or
+        a profiler, goes before the stack it leans on)."""
 
     def start(
         self,
@@ -181,101 +132,36 @@ class Processes:
         stop_signal: int = signal.SIGTERM,
         stop_timeout_s: float = 30.0,
         cwd: Path | None = None,
-    ) -> Managed:
+    ) -> Process:
         """Start ``argv`` (in ``cwd``, default this one) in its own session, output to
         ``<log_dir>/<name>.log``."""
         log(f"starting {name}")
         path = self.log_dir / f"{name}.log"
-        with path.open("wb") as out:
-            proc = subprocess.Popen(
-                argv,
-                env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=cwd,
-                start_new_session=True,  # Ctrl-C reaches the bench only; it stops them in order
-            )
-        managed = Managed(name, proc, path, stop_signal, stop_timeout_s)
-        self.items.append(managed)
-        return managed
+        process = Process(
+            name, argv, env, path, stop_signal=stop_signal, stop_timeout_s=stop_timeout_s, cwd=cwd
+        )
+        self.items.append(process.start())
+        return process
 
     def stop_all(self) -> None:
-        """Stop every group of :attr:`stoppers`, then every process, last started first."""
+        """Stop every process, last started first, then every stack of :attr:`stoppers`."""
+        for p in reversed(self.items):
+            if p.returncode is None:
+                log(f"stopping {p.name}")
+            p.stop()
         for stop in reversed(self.stoppers):
             stop()
-        for m in reversed(self.items):
-            if m.proc.poll() is None:
-                log(f"stopping {m.name}")
-            m.stop()
 
 
-def _wait(check: Callable[[], bool], m: Managed, timeout_s: float, what: str) -> float:
-    """Poll ``check`` until true; seconds waited. Fails when ``m`` exits or time runs out."""
-    t0 = time.monotonic()
-    while not check():
-        if m.proc.poll() is not None:
-            raise RuntimeError(f"{m.name} exited ({m.proc.returncode}) before {what}:\n{m.log_tail()}")
-        if time.monotonic() - t0 > timeout_s:
-            raise RuntimeError(f"{m.name}: no {what} after {timeout_s:.0f} s:\n{m.log_tail()}")
-        time.sleep(0.25)
-    return time.monotonic() - t0
-
-
-def wait_log(m: Managed, needle: str, timeout_s: float) -> float:
-    """Wait until ``needle`` appears in ``m``'s log; seconds waited."""
-    return _wait(lambda: needle in m.log_tail(1 << 30), m, timeout_s, repr(needle))
-
-
-def wait_http_ok(m: Managed, url: str, timeout_s: float) -> float:
-    """Wait until GET ``url`` answers 200; seconds waited."""
+def answers_200(url: str) -> bool:
+    """Whether GET ``url`` answers 200 (within 2 s): a predicate for
+    :func:`libs.stack.processes.wait_for`."""
     import httpx
 
-    def ok() -> bool:
-        try:
-            return httpx.get(url, timeout=2.0).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    return _wait(ok, m, timeout_s, f"200 from {url}")
-
-
-def wait_port(m: Managed, port: int, timeout_s: float) -> float:
-    """Wait until 127.0.0.1:``port`` accepts connections; seconds waited."""
-    import socket
-
-    def ok() -> bool:
-        with socket.socket() as s:
-            return s.connect_ex(("127.0.0.1", port)) == 0
-
-    return _wait(ok, m, timeout_s, f"port {port}")
-
-
-@dataclass(frozen=True)
-class Stack:
-    """An ``omnirelay up`` stack with NATS of its own (one server or a cluster), started by a bench."""
-
-    name: str
-    base_url: str
-    nats_url: str
-    """Every NATS server's client URL, comma-separated."""
-    process: Managed
-    nats_nodes: tuple[ClusterNode, ...] = ()
-    """The cluster's nodes (empty for one server); node ``n`` runs as process ``"<n.name> (<stack name>)"``."""
-
-    @property
-    def root_pid(self) -> int:
-        """The process every service of the stack descends from: ``omnirelay up``."""
-        return self.process.proc.pid
-
-    @property
-    def log_path(self) -> Path:
-        """The log with the orchestrators' lines (``omnirelay up``'s: every service's, prefixed)."""
-        return self.process.log_path
-
-    def stop(self) -> None:
-        """Stop ``omnirelay up`` (and so every service; the NATS servers the bench started stay)."""
-        self.process.stop()
+    try:
+        return httpx.get(url, timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def start_stack(
@@ -291,37 +177,16 @@ def start_stack(
 ) -> Stack:
     """Start NATS (one server, or a cluster of ``nats_nodes``, with JetStream's ``sync_interval``)
     and ``omnirelay up`` (from checkout ``tree``, default this one) with ``up_args``; their files
-    go under ``data_dir/name``. Returns once the stack is up."""
-    from libs.stack.local_nats import client_urls, cluster_argvs, cluster_nodes, free_port, nats_server_argv
-
+    and logs go under ``data_dir/name``. Returns once every replica is live behind the gateway."""
     root = data_dir / name.replace(" ", "-")
-    nodes: tuple[ClusterNode, ...] = ()
-    if nats_nodes == 1:
-        nport, mport = free_port(), free_port()
-        store = root / "jetstream"
-        store.mkdir(parents=True)
-        nats = procs.start(f"nats ({name})", nats_server_argv(store, nport, mport, sync_interval), {})
-        wait_port(nats, nport, 30)
-        nats_url = f"nats://127.0.0.1:{nport}"
-    else:
-        nodes = tuple(cluster_nodes(root / "cluster", nats_nodes))
-        started = [
-            procs.start(f"{node.name} ({name})", argv, {})
-            for node, argv in zip(nodes, cluster_argvs(list(nodes), sync_interval), strict=True)
-        ]
-        for node, m in zip(nodes, started, strict=True):
-            wait_http_ok(m, f"{node.monitor_url}/healthz", 30)
-        nats_url = client_urls(list(nodes))
-    port = free_port()
-    argv = [sys.executable, "-m", "cli", "up", "--pipeline", str(pipeline_path), "--port", str(port)]
-    # Any free admin port: the default (8001) is another stack's when a bench runs several.
-    argv += ["--data-dir", str(root), "--admin-port", "0", *up_args]
-    stack_env = {**env, "NATS_URL": nats_url}
-    if tree is not None:  # `python -m` looks in the working directory first
-        stack_env["PYTHONPATH"] = str(tree)
-    stack = procs.start(name, argv, stack_env, signal.SIGINT, 90.0, cwd=tree)
-    log(f"{name} ready in {wait_log(stack, 'omnirelay is up', 600):.1f} s")
-    return Stack(name, f"http://127.0.0.1:{port}/v1", nats_url, stack, nodes)
+    root.mkdir(parents=True)
+    stack = Stack(root, log_dir=root, name=name)
+    procs.stoppers.append(stack.stop)
+    log(f"starting {name}")
+    stack.start_nats(nats_nodes, sync_interval)
+    stack.start_up(pipeline_path, env, list(up_args), tree)
+    log(f"{name} ready in {stack.wait_all_live(pipeline_path):.1f} s")
+    return stack
 
 
 @contextlib.contextmanager
@@ -408,7 +273,7 @@ def is_engine(pid: int) -> bool:
         return False
 
 
-def isolate_engines(started: Sequence[Managed], engine_core: int) -> tuple[int, int] | None:
+def isolate_engines(started: Sequence[Process], engine_core: int) -> tuple[int, int] | None:
     """Put vLLM's engine processes of every started process tree on ``engine_core`` and all the
     other processes (API servers, gateway, orchestrator, workers' front ends, NATS, this bench
     client) on the remaining usable cores; (engine processes, other processes) moved, or None
@@ -419,7 +284,7 @@ def isolate_engines(started: Sequence[Managed], engine_core: int) -> tuple[int, 
     others = set(os.sched_getaffinity(0)) - {engine_core}
     if not others:
         return None
-    pids = [os.getpid(), *(pid for m in started for pid in [m.proc.pid, *descendants(m.proc.pid)])]
+    pids = [os.getpid(), *(pid for p in started for pid in [p.pid, *descendants(p.pid)])]
     engines = [pid for pid in pids if is_engine(pid)]
     for pid in pids:
         _set_affinity(pid, {engine_core} if pid in engines else others)
@@ -463,8 +328,8 @@ class Target:
     name: str
     base_url: str
     model: str
-    process: Managed
-    companions: tuple[Managed, ...] = ()
+    process: Process
+    companions: tuple[Process, ...] = ()
     """Processes it needs and did not start (omnirelay's nats-server): counted in its CPU."""
 
 

@@ -23,7 +23,6 @@ from benchmarks.harness import (
     DEFAULT_PIPELINE,
     Processes,
     RequestTiming,
-    Stack,
     engine_env,
     percentile,
     run_with_stacks,
@@ -31,6 +30,7 @@ from benchmarks.harness import (
 )
 from benchmarks.paired import Figure, Paired, render, run_sequential, write_json
 from libs.common.pipeline import PipelineConfig, load_pipeline
+from libs.stack.local_stack import Stack
 
 OFF, ON = "log-stats off", "log-stats on"
 PROMPT = "Describe the harbour at dawn in a few sentences."
@@ -58,7 +58,7 @@ def _scrape_ms(side: Stack, pipeline: PipelineConfig, repeats: int = 50) -> floa
     """Median time to fetch a thinker worker's ``/metrics``, milliseconds."""
     from libs.stack.bus_state import snapshot
 
-    side.process.resume()
+    side.resume()
     try:
         snap = asyncio.run(snapshot(side.nats_url, pipeline))
         url = next(s["metrics_url"] for s in snap["services"] if s["service"] == "worker" and s["stage"] == 0)
@@ -70,7 +70,7 @@ def _scrape_ms(side: Stack, pipeline: PipelineConfig, repeats: int = 50) -> floa
                 times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
     finally:
-        side.process.pause()
+        side.pause()
 
 
 def report(paired: Paired[list[RequestTiming]], scrape_ms: dict[str, float]) -> str:

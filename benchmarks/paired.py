@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from benchmarks.harness import PROMPTS, RequestTiming, Stack, log, timed_request
+from benchmarks.harness import PROMPTS, RequestTiming, log, timed_request
+from libs.stack.local_stack import Stack
 
 T = TypeVar("T")
 W = TypeVar("W")
@@ -160,11 +161,11 @@ async def settle(
 @contextlib.asynccontextmanager
 async def resumed(stack: Stack) -> AsyncIterator[None]:
     """``stack`` (paused while another arm runs) resumed inside the block, paused after it."""
-    stack.process.resume()
+    stack.resume()
     try:
         yield
     finally:
-        stack.process.pause()
+        stack.pause()
 
 
 async def sequential(
@@ -175,7 +176,7 @@ async def sequential(
     naming the first failure."""
     from openai import AsyncOpenAI
 
-    async with AsyncOpenAI(base_url=stack.base_url, api_key="bench", timeout=120.0, max_retries=0) as client:
+    async with AsyncOpenAI(base_url=stack.api_url, api_key="bench", timeout=120.0, max_retries=0) as client:
         if settle_first:
             await settle(stack.name, model, client, settle_first, max_tokens)
         timings = [await timed_request(client, model, prompt, max_tokens) for _ in range(n)]
@@ -242,7 +243,7 @@ def run_sequential(
     resumes (:func:`resumed`), each run ``per_round`` :func:`sequential` requests (after
     ``settle_first``), after ``warmup`` unmeasured ones on each."""
     for stack in stacks.values():
-        stack.process.pause()
+        stack.pause()
     run = run_paired(
         list(stacks),
         {workload: per_round},

@@ -102,7 +102,7 @@ def run_ab_bench(
                 n: start_stack(procs, n, pipeline_path.resolve(), env, data_dir, tree=t)
                 for n, t in trees.items()
             }
-        isolate_engines(procs.items, core)
+        isolate_engines([p for s in sides.values() for p in s.processes.values()], core)
         model = pipeline.served_model_name
         paired = run_sequential(
             sides, "block", block, blocks, FIGURES, model, max_tokens, PROMPT, settle_first=1

@@ -201,7 +201,7 @@ def run_realtime_bench(
         before = machine_activity()
         results = [
             asyncio.run(
-                measure(stack.base_url, pipeline.served_model_name, pcm, n, turns, max_tokens, listeners)
+                measure(stack.api_url, pipeline.served_model_name, pcm, n, turns, max_tokens, listeners)
             )
             for n in levels
         ]

@@ -425,14 +425,14 @@ def run_speech_bench(
 
     def work(procs: Processes, data_dir: Path) -> None:
         stack = start_stack(procs, "speech", pipeline_path, {}, data_dir)
-        gateways = stack_roles(stack, [], None, []).get("gateway-1", [])
+        gateways = stack_roles(stack, None, []).get("gateway-1", [])
         if len(gateways) != 1:
             raise RuntimeError(f"{len(gateways)} gateway processes under omnirelay up, expected 1")
         gateway_cpu_s = functools.partial(process_cpu_s, gateways[0])
         before = machine_activity()
         log(f"machine before: {before}")
         try:
-            results = asyncio.run(measure(stack.base_url, gateway_cpu_s))
+            results = asyncio.run(measure(stack.api_url, gateway_cpu_s))
         except ValueError as e:
             raise RuntimeError(str(e)) from None
         after = machine_activity()

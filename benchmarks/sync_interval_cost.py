@@ -31,7 +31,6 @@ from benchmarks.harness import (
     PROMPTS,
     Processes,
     RequestTiming,
-    Stack,
     engine_env,
     log,
     percentile,
@@ -42,6 +41,7 @@ from benchmarks.log_stats_cost import e2e_figures
 from benchmarks.paired import Figure, Paired, render, run_sequential, table, write_json
 from libs.common.bus import server_urls
 from libs.common.pipeline import load_pipeline
+from libs.stack.local_stack import Stack
 
 SETUPS = {
     "1 server, 2m": (1, "2m"),
@@ -104,7 +104,7 @@ def _start(procs: Processes, data_dir: Path, env: dict[str, str]) -> dict[str, S
             nats_nodes=nodes,
             sync_interval=sync,
         )
-        sides[name].process.pause()
+        sides[name].pause()
     return sides
 
 

@@ -36,14 +36,15 @@ from benchmarks.harness import (
     ROOT,
     Processes,
     RequestTiming,
+    answers_200,
     commit,
     log,
     percentile,
     start_stack,
-    wait_http_ok,
 )
 from benchmarks.paired import Figure, Paired, Spread, render, run_paired, write_json
 from libs.stack.local_nats import free_port
+from libs.stack.processes import wait_for
 
 BASELINE_PATH = ROOT / "benchmarks" / "baselines" / "token_cost.json"
 GUARD_FACTOR = 1.5
@@ -276,12 +277,12 @@ def stack_side(procs: Processes, name: str, tree: Path | None, env: dict[str, st
     pipeline_path = (tree or ROOT) / "compose" / "pipelines" / "mock-text.yaml"
     pipeline_path = pipeline_path if pipeline_path.is_file() else MOCK_PIPELINE
     stack = start_stack(procs, f"stack {name}", pipeline_path, env, data_dir, tree=tree)
-    found = stack_roles(stack, [], None, [])
+    found = stack_roles(stack, None, [])
     roles = {"gateway": found.get("gateway-1", []), "worker": found.get("worker", [])}
     if not all(roles.values()):
         raise RuntimeError(f"stack {name}: gateway or worker process not found among {sorted(found)}")
     label = f"omnirelay up, mock engine ({tree or ROOT})"
-    return Side(name, label, stack.base_url, load_pipeline(pipeline_path).served_model_name, roles)
+    return Side(name, label, stack.api_url, load_pipeline(pipeline_path).served_model_name, roles)
 
 
 def _sides(opts: TokenCostOptions, procs: Processes, data_dir: Path) -> dict[str, Side]:
@@ -294,10 +295,12 @@ def _sides(opts: TokenCostOptions, procs: Processes, data_dir: Path) -> dict[str
     argv = [sys.executable, "-m", "benchmarks.sse_reference", "--port", str(port)]
     ref = procs.start("reference A", argv, {}, cwd=ROOT)
     stack = stack_side(procs, "B", None, env, data_dir)
-    wait_http_ok(ref, f"http://127.0.0.1:{port}/health", 60)
+    wait_for(
+        lambda: answers_200(f"http://127.0.0.1:{port}/health"), "reference A healthy", 60, 0.25, watch=[ref]
+    )
     label = "reference: bare uvicorn + Starlette SSE server (benchmarks/sse_reference.py)"
     return {
-        "A": Side("A", label, f"http://127.0.0.1:{port}/v1", REFERENCE_MODEL, {"server": [ref.proc.pid]}),
+        "A": Side("A", label, f"http://127.0.0.1:{port}/v1", REFERENCE_MODEL, {"server": [ref.pid]}),
         "B": stack,
     }
 

@@ -36,9 +36,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchmarks.frontend_capacity import stack_env
-from benchmarks.harness import Managed, Processes, log, run_with_stacks, wait_log
+from benchmarks.harness import Processes, log, run_with_stacks
 from benchmarks.paired import table
 from benchmarks.token_cost import Sample, Side, load_side, stack_side
+from libs.stack.processes import Process, wait_for
 
 # --- folding (pure) -------------------------------------------------------------------------------
 
@@ -224,13 +225,14 @@ def _level(
     # The rate of this level, from a short unrecorded run, sets how many requests fill --seconds.
     calib = load_side(pool, side, max(2 * c, 8), c, opts.max_tokens)
     requests = max(c, math.ceil(calib.requests / max(calib.wall_s, 1e-3) * opts.seconds))
-    spies: dict[str, tuple[Managed, Path]] = {}
+    spies: dict[str, tuple[Process, Path]] = {}
     for role, (pid,) in side.roles.items():
         raw = work / f"c{c}-{role}.raw.txt"
         argv = [_py_spy(), "record", "--pid", str(pid), "--rate", str(opts.rate), "--format", "raw"]
         argv += ["-o", str(raw), *(["--gil"] if opts.gil else [])]
-        spies[role] = (procs.start(f"c{c}-{role}.py-spy", argv, {}, signal.SIGINT), raw)
-        wait_log(spies[role][0], "Sampling process", 30)
+        spy = procs.start(f"c{c}-{role}.py-spy", argv, {}, signal.SIGINT)
+        wait_for(lambda s=spy: "Sampling process" in s.text(), f"{spy.name} sampling", 30, 0.25, watch=[spy])
+        spies[role] = (spy, raw)
     result = LevelResult(c, load_side(pool, side, requests, c, opts.max_tokens))
     for role, (spy, raw) in spies.items():
         spy.stop()  # py-spy writes its file on Ctrl-C

@@ -279,7 +279,7 @@ async def measure(
     async def one(name: str, c: int, r: int, _client: object) -> ClientRun:
         out = work_dir / f"r{r}-c{c}-{name}.json"
         argv = client_argv(targets[name], model_path, opts, c, seed=r, out=out)
-        roots = [targets[name].process.proc.pid, *(m.proc.pid for m in targets[name].companions)]
+        roots = [targets[name].process.pid, *(p.pid for p in targets[name].companions)]
         return run_from_result(await _client_run(argv, out, work_dir / "vllm-client.log", roots))
 
     return await measure_targets(targets, opts.concurrency, opts.rounds, one, FIGURES, 16, opts.output_len)

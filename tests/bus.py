@@ -30,7 +30,8 @@ from libs.common.subjects import (
     max_deliveries_advisory,
 )
 from libs.stack.bus_state import snapshot
-from tests.procs import stop_confirmed, until
+from libs.stack.processes import until
+from tests.procs import stop_confirmed
 
 E = TypeVar("E")
 EVERY_EVENT = 1 << 31

@@ -27,6 +27,7 @@ from libs.common.bus import bucket_keys as listed_keys
 from libs.common.envelopes import ClientEvent, ClientEventType, Liveness, decode
 from libs.common.records import RequestRecord
 from libs.common.subjects import REQUESTS_BUCKET, Subjects
+from libs.stack.processes import until
 from tests.bus import client_events
 
 PROMPT = "Tell me everything about the sea."
@@ -77,11 +78,12 @@ async def stream_chat(client: AsyncOpenAI, model: str, seen: Seen, max_tokens: i
 async def until_tokens(seen: Seen, task: asyncio.Task[None], count: int, timeout_s: float = 120.0) -> None:
     """Wait until the client of ``seen`` has its request id and ``count`` tokens (fails if its
     stream ended first)."""
-    deadline = time.monotonic() + timeout_s
-    while len(seen.token_ids) < count or not seen.id:
+
+    def reached() -> bool:
         assert not task.done(), f"the stream ended with {len(seen.token_ids)} tokens: {seen.error}"
-        assert time.monotonic() < deadline, f"{len(seen.token_ids)} tokens after {timeout_s} s"
-        await asyncio.sleep(0.02)
+        return len(seen.token_ids) >= count and bool(seen.id)
+
+    await until(reached, f"{count} tokens and the request id", timeout_s, every_s=0.02)
 
 
 @dataclass

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 from libs.common import tracing
 from libs.common.runtime import freeze_startup_heap
 from libs.stack.local_nats import free_port, nats_server_argv, raise_broker_share
+from libs.stack.processes import wait_for
 from tests import needs
 from tests.broker_watch import BrokerWatch
 from tests.procs import STARTED, stop_left
@@ -40,13 +40,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def wait_port(port: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def open_() -> bool:
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"port {port} did not open in {timeout_s} s")
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    wait_for(open_, f"port {port} open", timeout_s)
 
 
 SESSION_MAX_FILE_STORE = "1T"

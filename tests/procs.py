@@ -3,57 +3,29 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import inspect
 import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
 from urllib.parse import urlparse
 
 from benchmarks.process_table import descendants
 from libs.stack.local_nats import free_port
-
-T = TypeVar("T")
-
-
-async def until(
-    check: Callable[[], T | Awaitable[T]], what: str, timeout_s: float = 10.0, every_s: float = 0.05
-) -> T:
-    """Ask ``check`` (a function or a coroutine function) every ``every_s`` seconds until it
-    answers something truthy, and return that answer; fail naming ``what`` once ``timeout_s``
-    seconds (``time.monotonic()``) have passed without one. The way a test waits for a condition,
-    instead of sleeping for a time it hopes is long enough."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        answer = check()
-        if inspect.isawaitable(answer):
-            answer = await answer
-        if answer:
-            return answer
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s:g} s (last answer {answer!r})")
-        await asyncio.sleep(every_s)
+from libs.stack.processes import Process, until, wait_for
 
 
-class ServiceProcess:
+class ServiceProcess(Process):
     """``python -m cli <args>`` with extra environment, logging to ``log``."""
 
     def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
-        self.args, self.env, self.log = args, env, log
-        self.proc: subprocess.Popen[bytes] | None = None
+        super().__init__(args[0], [sys.executable, "-m", "cli", *args], env, log)
+        self.args, self.log = args, log
         self.metrics_url: str | None = None
         self.shared = False
         """Belongs to a session-wide fixture: outlives the module that started it."""
-        self.started_ns = 0
-        """Wall clock (``time.time_ns()``) at the latest :meth:`start`: a registry record of this
-        incarnation was started after it (``ServiceRecord.started_ns``)."""
-        self._offset = 0
-        """Where this process's output begins in :attr:`log` (bytes)."""
 
     @property
     def admin_url(self) -> str:
@@ -74,48 +46,25 @@ class ServiceProcess:
     def start(self) -> ServiceProcess:
         """Start the process (again, for a service a test stopped: same command, environment and
         ports, its output appended to the same log)."""
-        self._offset = self.log.stat().st_size if self.log.exists() else 0
-        self.started_ns = time.time_ns()
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "cli", *self.args],
-                env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"},
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        super().start()
         STARTED.append(self)
         return self
 
-    def text(self) -> str:
-        """What this process wrote: its part of the log, which a process started before it with
-        the same log file (an earlier incarnation of the same service) may have begun (a restart
-        once found the first incarnation's "serving" line and went on before it served)."""
-        if not self.log.exists():
-            return ""
-        with self.log.open("rb") as f:
-            f.seek(self._offset)
-            return f.read().decode(errors="replace")
-
     def wait_log(self, *needles: str, timeout_s: float = 60.0) -> str:
-        """The first line of the log containing all ``needles`` (waits for it; fails if the
-        process exits first)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for line in self.text().splitlines():
-                if all(n in line for n in needles):
-                    return line
-            if self.proc is not None and self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise AssertionError(f"{self.args}: no log line with {needles!r}:\n{self.text()[-3000:]}")
+        """The first line of this incarnation's output containing all ``needles`` (waits for it;
+        fails if the process exits first)."""
+
+        def line() -> str | None:
+            return next((ln for ln in self.text().splitlines() if all(n in ln for n in needles)), None)
+
+        try:
+            return wait_for(line, f"{self.args}: a log line with {needles!r}", timeout_s, 0.1, watch=[self])
+        except RuntimeError as e:
+            raise AssertionError(f"{e}\n{self.text()[-3000:]}") from None
 
     async def await_log(self, *needles: str, timeout_s: float = 60.0) -> str:
         """:meth:`wait_log` for async tests (does not block their event loop)."""
         return await asyncio.to_thread(self.wait_log, *needles, timeout_s=timeout_s)
-
-    def stop(self, timeout_s: float = 30.0) -> int | None:
-        return None if self.proc is None else stop_process(self.proc, signal.SIGTERM, timeout_s)
 
 
 def stop_process(proc: subprocess.Popen[bytes], sig: int, timeout_s: float) -> int:
@@ -124,7 +73,11 @@ def stop_process(proc: subprocess.Popen[bytes], sig: int, timeout_s: float) -> i
     if proc.poll() is not None:
         return proc.returncode
     proc.send_signal(sig)
-    return _reaped(proc, time.monotonic() + timeout_s)
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
 
 
 STARTED: list[ServiceProcess] = []
@@ -135,33 +88,17 @@ or the session, left running)."""
 def stop_left(procs: Iterable[ServiceProcess]) -> None:
     """Stop every one of ``procs`` still running (continued first: a fault test may have left it
     stopped)."""
-    left = [p for p in procs if p.proc is not None and p.proc.poll() is None]
-    for p in left:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.proc.pid, signal.SIGCONT)
-    stop_all(left)
+    stop_all([p for p in procs if p.returncode is None])
 
 
-def stop_all(procs: Iterable[ServiceProcess], timeout_s: float = 30.0) -> None:
-    """SIGTERM every process at once, then wait for each until ``timeout_s`` from now and SIGKILL
-    the process group of any still running: a vLLM worker takes seconds to shut its engine down,
-    and a stack's workers do it side by side rather than in turn."""
-    live = [p.proc for p in procs if p.proc is not None and p.proc.poll() is None]
-    for proc in live:
-        proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for proc in live:
-        _reaped(proc, deadline)
-
-
-def _reaped(proc: subprocess.Popen[bytes], deadline: float) -> int:
-    """The exit code of ``proc``, signalled already: waited for until ``deadline``
-    (``time.monotonic()``), then its process group SIGKILLed."""
-    try:
-        return proc.wait(max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        return proc.wait()
+def stop_all(procs: Iterable[Process]) -> None:
+    """Stop every process at once (SIGCONT, SIGTERM, SIGKILL of its group after its stop timeout):
+    a vLLM worker takes seconds to shut its engine down, and a stack's workers do it side by side
+    rather than in turn."""
+    started = [p for p in procs if p.proc is not None]
+    if started:
+        with ThreadPoolExecutor(len(started)) as pool:
+            list(pool.map(Process.stop, started))
 
 
 def start_service(

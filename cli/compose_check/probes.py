@@ -20,7 +20,7 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 from openai import AsyncOpenAI
 
 from cli.compose_check.engine import log, sh
-from cli.compose_check.stack import Stack
+from cli.compose_check.project import ComposeProject
 from libs.common.bus import evictions_kv, requests_kv
 from libs.common.nats_credentials import NatsAuth
 from libs.models.tiny import models_dir
@@ -159,7 +159,7 @@ def baked_in(image: str) -> str:
     return f"runs as {user}; {len(theirs)} model files, byte-identical to this host's generation"
 
 
-def admin_get(stack: Stack, path: str) -> str:
+def admin_get(stack: ComposeProject, path: str) -> str:
     """The body of ``GET <path>`` on the gateway's admin port (``/metrics``, ``/prometheus/targets``),
     asked from inside the gateway's container: compose publishes that port on no host port."""
     port = stack.run("exec", "-T", "gateway", "printenv", "OMNIRELAY_ADMIN_PORT").stdout.strip()
@@ -170,7 +170,9 @@ def admin_get(stack: Stack, path: str) -> str:
     return stack.run("exec", "-T", "gateway", "python", "-c", code).stdout
 
 
-def discovery(prometheus_url: str, gateway_url: str, workers: set[tuple[str, str]], stack: Stack) -> str:
+def discovery(
+    prometheus_url: str, gateway_url: str, workers: set[tuple[str, str]], stack: ComposeProject
+) -> str:
     """The gateway's public port serves neither ``/metrics`` nor ``/prometheus/targets`` (404);
     Prometheus found every service the gateway lists on its admin port, scrapes it, and has worker
     series with ``stage`` and ``replica`` for every (stage, replica) in ``workers``."""
@@ -257,7 +259,7 @@ async def _marker(
 
 
 def jetstream_survives_restart(
-    stack: Stack, nats_url: str, gateway: Gateway, model: str, names: list[str]
+    stack: ComposeProject, nats_url: str, gateway: Gateway, model: str, names: list[str]
 ) -> str:
     """``docker compose restart nats``: every stream of ``names``, every request record (same key,
     same value) and a value the check wrote are there after it, and the stack serves again. Read and
@@ -293,7 +295,7 @@ class Outage:
     """Requests sent during the outage that completed (all must)."""
 
 
-def worker_dies(stack: Stack, service: str, gateway: Gateway, model: str, n: int = 8) -> Outage:
+def worker_dies(stack: ComposeProject, service: str, gateway: Gateway, model: str, n: int = 8) -> Outage:
     """``docker kill`` of ``service``'s container, then ``kill -9`` of its main process from the host
     (what a crash or the OOM killer does): the restart policy brings the container back, healthy,
     and ``n`` requests sent right after the kill all complete."""

@@ -22,7 +22,7 @@ from cli.compose_check.images import (
     pullable,
     standin,
 )
-from cli.compose_check.stack import Stack
+from cli.compose_check.project import ComposeProject
 from libs.common.pipeline import load_pipeline
 from libs.common.subjects import BUCKETS, Subjects, kv_stream
 from libs.stack.local_nats import free_port
@@ -47,7 +47,7 @@ def image_vars(compose_file: Path) -> dict[str, str]:
     return out
 
 
-def choose_images(stack: Stack, base: str, repo: Path) -> tuple[list[str], list[str]]:
+def choose_images(stack: ComposeProject, base: str, repo: Path) -> tuple[list[str], list[str]]:
     """Which services run (official image here or pullable, else a stand-in set through the file's
     own ``*_IMAGE`` variable, which this adds to ``stack.env``) and which are left out (no image)."""
     variables = image_vars(stack.directory / "docker-compose.yml")
@@ -81,7 +81,7 @@ def build(repo: Path, base: str, cold: bool, rows: list[tuple[str, str]]) -> Non
     rows.append(("image", probes.baked_in(IMAGE)))
 
 
-def exercise(stack: Stack, repo: Path, ports: dict[str, str], rows: list[tuple[str, str]]) -> None:
+def exercise(stack: ComposeProject, repo: Path, ports: dict[str, str], rows: list[tuple[str, str]]) -> None:
     """Steps 3 to 8 on ``stack``: up, healthy, traffic, discovery, a NATS restart, a worker killed."""
     pipeline = load_pipeline(repo / "compose" / "pipelines" / "default.yaml")
     url = f"http://127.0.0.1:{ports['OMNIRELAY_GATEWAY_PORT']}"
@@ -132,7 +132,7 @@ def main(repo: Path, cold: bool, keep: bool) -> int:
         "OMNIRELAY_LOG_STATS": "true",
         "OMNIRELAY_ALLOW_IGNORE_EOS": "true",
     }
-    stack = Stack(compose, repo / "compose", env, [])
+    stack = ComposeProject(compose, repo / "compose", env, [])
     passed = False
     try:
         base, which = choose_base(work)

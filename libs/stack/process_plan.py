@@ -4,7 +4,7 @@ starts each one.
 
 One plan for every way the stack is run: ``omnirelay up`` (``cli/launcher.py``), the compose file
 (``compose/docker-compose.yml``, held to this plan by ``tests/integration/test_compose.py``) and the
-fault suite's stack of one supervised process per service (``tests/verification/service_stack.py``). A pure
+fault suite's stack of one supervised process per service (``libs/stack/local_stack.py``). A pure
 function of the pipeline and options.
 """
 

@@ -14,12 +14,13 @@ import pytest
 from cli.stack_file import StackInfo, read_live_stack
 from libs.common.pipeline import load_pipeline
 from libs.stack.local_nats import free_port
+from libs.stack.processes import until
 from tests.conftest import NatsServer
 from tests.e2e.prometheus_events import dead_lettered, events  # noqa: F401 (fixtures of test_prometheus.py)
 from tests.e2e.prometheus_server import prom  # noqa: F401 (a fixture of test_prometheus.py)
 from tests.otlp_receiver import Receiver, start_receiver
 from tests.pipeline_services import CLIENT_TIMEOUT_S, openai_client
-from tests.procs import ServiceProcess, stop_process, until
+from tests.procs import ServiceProcess, stop_process
 
 START_TIMEOUT_S = 420.0
 

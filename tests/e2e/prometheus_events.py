@@ -35,6 +35,7 @@ from libs.common.publish import Hop, publish_task
 from libs.common.registry import ServiceRecord
 from libs.common.subjects import Subjects
 from libs.stack.bus_state import request_record, snapshot
+from libs.stack.processes import until
 from tests.bus import await_replacement, dead_letter
 from tests.e2e.prometheus_server import eventually
 from tests.procs import (
@@ -44,7 +45,6 @@ from tests.procs import (
     ServiceProcess,
     kill_confirmed,
     stop_confirmed,
-    until,
     worker_pid,
     write_pipeline,
 )

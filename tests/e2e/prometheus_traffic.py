@@ -20,9 +20,9 @@ from libs.common import headers as h
 from libs.common.envelopes import StageTask, decode
 from libs.common.subjects import Subjects
 from libs.stack.bus_state import request_record
+from libs.stack.processes import until
 from tests.e2e.prometheus_events import audio_stream
 from tests.e2e.prometheus_server import WAIT_S
-from tests.procs import until
 
 
 @dataclass

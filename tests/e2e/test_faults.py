@@ -15,7 +15,7 @@ import pytest
 from libs.common import headers as h
 from libs.common.subjects import Subjects, consumer_name
 from libs.stack.bus_state import request_record, snapshot
-from tests.procs import until
+from libs.stack.processes import until
 
 pytestmark = pytest.mark.e2e
 

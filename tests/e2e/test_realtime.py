@@ -25,8 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from libs.common.envelopes import Liveness, decode
 from libs.common.subjects import Subjects
+from libs.stack.processes import until
 from tests.pipeline_services import Services
-from tests.procs import CODE2WAV_YAML, LISTENER_YAML, TALKER_YAML, mock_thinker_yaml, until, write_pipeline
+from tests.procs import CODE2WAV_YAML, LISTENER_YAML, TALKER_YAML, mock_thinker_yaml, write_pipeline
 from tests.realtime_events import until_event
 from tests.speech import padded, recall, spoken
 

@@ -24,9 +24,10 @@ from openai import AsyncOpenAI
 from libs.common.bus import requests_kv
 from libs.common.pipeline import load_pipeline
 from libs.stack.bus_state import request_record, snapshot
+from libs.stack.processes import until
 from tests.bus import await_replacement
 from tests.metrics_scrape import delta, scrape
-from tests.procs import kill_confirmed, stop_confirmed, until, worker_pid
+from tests.procs import kill_confirmed, stop_confirmed, worker_pid
 
 pytestmark = pytest.mark.e2e
 

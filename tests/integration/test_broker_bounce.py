@@ -31,19 +31,12 @@ from libs.common.bus import bucket_keys, connect, evictions_kv
 from libs.common.subjects import EVICTIONS_BUCKET, Subjects
 from libs.stack.bus_state import request_record
 from libs.stack.local_nats import client_urls
+from libs.stack.processes import until
 from tests.conftest import NatsServer
 from tests.e2e.test_replica_death import Seen, _stream
 from tests.nats_cluster import node_of
 from tests.pipeline_services import Services
-from tests.procs import (
-    THINKER_YAML,
-    gone,
-    kill_confirmed,
-    process_state,
-    stop_confirmed,
-    until,
-    write_pipeline,
-)
+from tests.procs import THINKER_YAML, gone, kill_confirmed, process_state, stop_confirmed, write_pipeline
 
 pytestmark = pytest.mark.integration
 

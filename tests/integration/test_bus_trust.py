@@ -36,12 +36,12 @@ from libs.common.pipeline import PipelineConfig
 from libs.common.registry import LiveServices, ServiceKind, ServiceRecord
 from libs.common.settings import GatewaySettings
 from libs.common.subjects import Subjects
+from libs.stack.processes import until
 from services.gateway.discovery import sd_targets
 from services.gateway.pipeline_client import PipelineClient
 from services.gateway.request_stats import GatewayStatLogger
 from services.gateway.responses import error_of
 from services.orchestrator.routing import ReplicaPicker
-from tests.procs import until
 
 pytestmark = pytest.mark.integration
 

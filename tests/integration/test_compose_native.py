@@ -7,14 +7,11 @@ return audio."""
 from __future__ import annotations
 
 import base64
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -22,7 +19,8 @@ import pytest
 import yaml
 
 from libs.common.pipeline import load_pipeline
-from libs.stack.local_nats import SYNC_INTERVAL, free_port, nats_server_argv
+from libs.stack.local_nats import SYNC_INTERVAL, free_port
+from libs.stack.local_stack import Stack, http_status
 from libs.stack.nats_security import prepare
 from tests.compose_files import (
     CHAT_TIMEOUT_S,
@@ -45,85 +43,15 @@ pytestmark = pytest.mark.integration
 
 
 # --- 3. native start -----------------------------------------------------------------------------
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
-    wave: int
-
-    def tail(self, lines: int = 40) -> str:
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        return "\n".join(f"{self.name:>13} | {ln}" for ln in text.splitlines()[-lines:])
-
-
-@dataclass
-class ProcGroup:
-    """Processes started in their own sessions (process groups), stopped like ``docker compose down``:
-    the last-started wave first (all of it at once), SIGTERM, SIGKILL of the group after a grace period,
-    then the wave before (so NATS outlives the services that drain into it)."""
-
-    log_dir: Path
-    procs: list[Proc] = field(default_factory=list)
-    killed: list[str] = field(default_factory=list)
-
-    def start(self, name: str, argv: list[str], env: Mapping[str, str], wave: int = 0) -> Proc:
-        log = self.log_dir / f"{name}.log"
-        with log.open("wb") as out:
-            popen = subprocess.Popen(
-                argv, cwd=REPO, env=dict(env), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        proc = Proc(name, popen, log, wave)
-        self.procs.append(proc)
-        return proc
-
-    def dead(self) -> list[str]:
-        return [f"{p.name} (exit {p.popen.returncode})" for p in self.procs if p.popen.poll() is not None]
-
-    def logs(self) -> str:
-        return "\n".join(p.tail() for p in self.procs)
-
-    def stop(self, grace_s: float = 30.0) -> None:
-        for wave in sorted({p.wave for p in self.procs}, reverse=True):
-            procs = [p for p in self.procs if p.wave == wave]
-            for p in procs:
-                if p.popen.poll() is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        p.popen.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            for p in procs:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            self.killed += [p.name for p in procs if p.popen.poll() is None]
-            for p in procs:  # the group: stragglers and what they spawned (vLLM's EngineCore)
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(p.popen.pid, signal.SIGKILL)
-                p.popen.wait()
-        if self.killed:
-            print(f"\nstill running {grace_s:.0f} s after SIGTERM, killed: {', '.join(self.killed)}")
-
-
 @pytest.fixture
-def procs(tmp_path: Path) -> Iterator[ProcGroup]:
-    group = ProcGroup(tmp_path)
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    """Processes stopped like ``docker compose down``: the gateway first, then the services it
+    fronts, NATS last (so it outlives the services that drain into it)."""
+    services = Stack(tmp_path, log_dir=tmp_path)
     try:
-        yield group
+        yield services
     finally:
-        group.stop()
-
-
-def _wait_http_ok(url: str, group: ProcGroup, timeout_s: float) -> float:
-    """Poll until ``url`` answers 200; returns the seconds it took. Fails early if a process dies."""
-    t0 = time.monotonic()
-    with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() - t0 < timeout_s:
-            if dead := group.dead():
-                pytest.fail(f"exited during start: {', '.join(dead)}\n{group.logs()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if client.get(url).status_code == 200:
-                    return time.monotonic() - t0
-            time.sleep(0.5)
-    pytest.fail(f"{url} not 200 after {timeout_s:.0f} s\n{group.logs()}")
+        services.stop()
 
 
 def _local_env(
@@ -176,7 +104,7 @@ def test_healthcheck_script_fails_on_a_closed_port() -> None:
 
 @pytest.mark.timeout(600)
 def test_compose_services_start_natively_and_serve_audio(
-    procs: ProcGroup, tmp_path: Path, record_property
+    stack: Stack, tmp_path: Path, record_property
 ) -> None:
     from libs.models.tiny import make_tiny
 
@@ -186,13 +114,7 @@ def test_compose_services_start_natively_and_serve_audio(
 
     # NATS as the launcher starts it, on free loopback ports, with nats-init's identities and TLS.
     secrets = prepare(tmp_path / "nats-secrets", pipeline, tls=True)
-    nport, mport = free_port(), free_port()
-    store = tmp_path / "jetstream"
-    store.mkdir()
-    argv = nats_server_argv(store, nport, mport, SYNC_INTERVAL, secrets.server_conf)
-    procs.start("nats", argv, os.environ)
-    _wait_http_ok(f"http://127.0.0.1:{mport}/healthz", procs, 30)
-    nats_url = f"nats://127.0.0.1:{nport}"
+    nats_url = stack.start_nats(1, SYNC_INTERVAL, secrets.server_conf)
 
     # Every omnirelay service of the compose file, with its compose environment, on a clean base env.
     base = {
@@ -208,10 +130,10 @@ def test_compose_services_start_natively_and_serve_audio(
             name, as_env(svc["environment"]), nats_url, tmp_path / "gateway-data", secrets.root
         )
         argv = [sys.executable, "-m", "cli", *svc["command"]]
-        procs.start(name, argv, base | envs[name], wave=1)
+        stack.spawn(name, argv, base | envs[name], cwd=REPO, inherit_env=False)
 
     gateway = f"http://127.0.0.1:{envs['gateway']['OMNIRELAY_PORT']}"
-    _wait_http_ok(f"{gateway}/health", procs, HEALTHY_TIMEOUT_S)
+    stack.wait(lambda: http_status(f"{gateway}/health") == 200, "the gateway healthy", HEALTHY_TIMEOUT_S)
     gateway_s = time.monotonic() - t0
     health = httpx.get(f"{gateway}/health", timeout=5).json()
     assert health["orchestrators"] >= 1 and all(n >= 1 for n in health["stages"].values()), health
@@ -225,8 +147,7 @@ def test_compose_services_start_natively_and_serve_audio(
             done = subprocess.run(argv, env=base | envs[name], capture_output=True, timeout=30)
             if done.returncode == 0:
                 del pending[name]
-        if dead := procs.dead():
-            pytest.fail(f"exited during start: {', '.join(dead)}\n{procs.logs()}")
+        assert not stack.dead(), f"exited during start: {stack.dead()}"
         if pending and time.monotonic() - t0 > HEALTHY_TIMEOUT_S:
             pytest.fail(f"healthchecks still failing after {HEALTHY_TIMEOUT_S:.0f} s: {sorted(pending)}")
         time.sleep(1 if pending else 0)
@@ -255,13 +176,13 @@ def test_compose_services_start_natively_and_serve_audio(
     chat_s = time.monotonic() - t1
     record_property("seconds_chat_text_audio", round(chat_s, 2))
     print(f"text+audio chat request: HTTP {resp.status_code} in {chat_s:.2f} s")
-    assert resp.status_code == 200, f"{resp.status_code} {resp.text}\n{procs.logs()}"
+    assert resp.status_code == 200, f"{resp.status_code} {resp.text}"
     message = resp.json()["choices"][0]["message"]
     data = (message.get("audio") or {}).get("data")
     assert data, f"no audio in {message}"
     wav = base64.b64decode(data)
     assert wav[:4] == b"RIFF" and len(wav) > 44, f"not a WAV with samples: {len(wav)} bytes"
-    assert not procs.dead(), procs.dead()
+    assert not stack.dead(), stack.dead()
     _assert_log_stats_off_exports_no_vllm_family(gateway, envs, record_property)
 
 

@@ -36,6 +36,7 @@ from libs.common.bus import requests_kv
 from libs.common.envelopes import ClientEventType, Liveness, decode
 from libs.common.settings import WorkerSettings
 from libs.common.subjects import Subjects
+from libs.stack.processes import until
 from services.orchestrator.liveness import PROBE_PERIOD_S, PROBE_TIMEOUT_S
 from services.stage_worker.engine_health import ENGINE_DEAD_EXIT_STATUS, ENGINE_HUNG_EXIT_STATUS
 from services.stage_worker.progress import HUNG_AFTER_STALLS
@@ -52,7 +53,7 @@ from tests.client_streams import (
 )
 from tests.metrics_scrape import delta, scrape
 from tests.pipeline_services import Services
-from tests.procs import ServiceProcess, gone, kill_confirmed, process_state, stop_all, stop_confirmed, until
+from tests.procs import ServiceProcess, gone, kill_confirmed, process_state, stop_all, stop_confirmed
 from tests.thinker_pair import MODEL, PIPELINE, STALL_TIMEOUT_S, ThinkerPair
 
 pytestmark = pytest.mark.integration

@@ -6,7 +6,6 @@ A real gateway process with API keys and a real nats-server; no stage runs (none
 from __future__ import annotations
 
 import ipaddress
-import signal
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,9 +20,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from libs.common.bus import bucket_keys, services_kv
 from libs.common.registry import ServiceRecord
 from libs.common.subjects import SERVICES_BUCKET
-from libs.stack.local_nats import free_port
+from libs.stack.processes import until
 from tests.metrics_scrape import scrape, total
-from tests.procs import THINKER_YAML, ServiceProcess, start_service, until, write_pipeline
+from tests.pipeline_services import Services
+from tests.procs import THINKER_YAML, ServiceProcess, write_pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -42,13 +42,11 @@ class Gateway:
 def gateway(nats_server, tmp_path_factory) -> Iterator[Gateway]:
     tmp = tmp_path_factory.mktemp("admin")
     path = write_pipeline(tmp / "p.yaml", PIPELINE, THINKER_YAML)
-    port = free_port()
-    proc = start_service(
-        ["gateway", "--port", str(port)], nats_server.url, path, tmp / "gw.log", {"OMNIRELAY_API_KEYS": KEY}
+    services = Services(nats_server.url, path, tmp).start(
+        orchestrators=0, gateway_env={"OMNIRELAY_API_KEYS": KEY}
     )
-    proc.wait_log("Uvicorn running")
-    yield Gateway(f"http://127.0.0.1:{port}", proc)
-    assert proc.stop() in (0, -signal.SIGTERM)
+    with services.serving():  # its stop checks that the gateway ended cleanly
+        yield Gateway(services.base_url, services.gateway)
 
 
 def outward_address() -> str | None:

@@ -14,8 +14,9 @@ import httpx
 import pytest
 
 from libs.stack.bus_state import request_record
+from libs.stack.processes import until
 from tests.pipeline_services import Services
-from tests.procs import LISTENER_YAML, kill_confirmed, mock_thinker_yaml, until, write_pipeline
+from tests.procs import LISTENER_YAML, kill_confirmed, mock_thinker_yaml, write_pipeline
 from tests.speech import recall, spoken
 
 pytestmark = pytest.mark.integration

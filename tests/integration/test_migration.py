@@ -37,11 +37,12 @@ from libs.common.envelopes import (
 from libs.common.records import RequestRecord
 from libs.common.registry import ServiceKind, ServiceRecord
 from libs.common.subjects import Subjects
+from libs.stack.processes import until
 from services.orchestrator.migration import stored_inputs
 from tests.bus import collect
 from tests.metrics_scrape import delta, scrape
 from tests.pipeline_services import Services
-from tests.procs import ServiceProcess, until, write_pipeline
+from tests.procs import ServiceProcess, write_pipeline
 
 pytestmark = pytest.mark.integration
 

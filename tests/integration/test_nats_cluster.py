@@ -26,8 +26,10 @@ from nats.js.api import ConsumerConfig
 from libs.common.bus import connect, ensure_topology, requests_kv, server_urls
 from libs.common.subjects import EVICTIONS_BUCKET, REQUESTS_BUCKET, SERVICES_BUCKET, Subjects
 from libs.stack.local_nats import client_urls
+from libs.stack.local_stack import Stack
+from libs.stack.processes import until
 from tests.nats_cluster import Node, node_of
-from tests.procs import gone, until
+from tests.procs import gone
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -257,14 +259,12 @@ async def test_kill_9_of_the_stream_leader_under_load_loses_nothing(cluster: lis
 async def test_the_launcher_starts_nats_with_its_sync_interval_and_stops_it(
     nodes: int, tmp_path: Path
 ) -> None:
-    """``omnirelay up``'s NATS (``cli.launcher._start_nats``): every server healthy with the chosen
+    """``omnirelay up``'s NATS (``Stack.start_nats``): every server healthy with the chosen
     ``sync_interval`` (``/varz``), in a cluster of ``nodes``, and stopped with the stack."""
-    from cli.launcher import NatsOptions, Stack, _start_nats, wait_nats_healthy
-
-    stack = Stack()
+    stack = Stack(tmp_path)
     try:
-        urls, monitors = await _start_nats(stack, tmp_path, NatsOptions(nodes, "always"))
-        await wait_nats_healthy(monitors, stack)
+        urls = await asyncio.to_thread(stack.start_nats, nodes, "always")
+        monitors = list(stack.monitors.values())
         assert len(server_urls(urls)) == len(monitors) == nodes
         async with httpx.AsyncClient(timeout=5) as http:
             for monitor in monitors:
@@ -277,5 +277,5 @@ async def test_the_launcher_starts_nats_with_its_sync_interval_and_stops_it(
         assert info.config.num_replicas == nodes
         await nc.close()
     finally:
-        await stack.stop()
-    assert all(c.proc is not None and c.proc.returncode is not None for c in stack.children)
+        await asyncio.to_thread(stack.stop)
+    assert all(p.returncode is not None for p in stack.processes.values())

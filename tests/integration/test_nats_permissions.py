@@ -36,6 +36,7 @@ from libs.common.nats_credentials import auth_from
 from libs.common.pipeline import load_pipeline
 from libs.common.subjects import SERVICES_BUCKET, Subjects
 from libs.stack.local_nats import free_port, nats_server_argv
+from libs.stack.local_stack import Stack
 from libs.stack.nats_security import SECRETS_DIR, NatsSecurity, prepare
 from libs.stack.nats_tls import ensure_ca
 from tests.client_streams import ended, until_record
@@ -318,15 +319,12 @@ async def _final_status(up: Up, request_id: str) -> str:
 
 @pytest.mark.parametrize("nodes", [1, 3])
 async def test_the_launchers_nats_with_identities_forms_its_cluster(nodes: int, tmp_path: Path) -> None:
-    """``omnirelay up``'s servers (``cli.launcher._start_nats``) with the identities: the routes
+    """``omnirelay up``'s servers (``Stack.start_nats``) with the identities: the routes
     authenticate (the cluster elects leaders and replicates a stream on every node), clients must."""
-    from cli.launcher import NatsOptions, Stack, _start_nats, wait_nats_healthy
-
     sec = prepare(tmp_path / "secrets", load_pipeline(REPO / "compose/pipelines/text-only.yaml"))
-    stack = Stack()
+    stack = Stack(tmp_path)
     try:
-        urls, monitors = await _start_nats(stack, tmp_path, NatsOptions(nodes, "always"), sec)
-        await wait_nats_healthy(monitors, stack)
+        urls = await asyncio.to_thread(stack.start_nats, nodes, "always", sec.server_conf, sec.route_password)
         nc = await connect(urls, "launcher-test", sec.credentials("orchestrator"))
         await ensure_topology(nc.jetstream(), Subjects("text"))
         assert (await nc.jetstream().stream_info("OMNI_TEXT_STAGES")).config.num_replicas == nodes
@@ -336,4 +334,4 @@ async def test_the_launchers_nats_with_identities_forms_its_cluster(nodes: int, 
             await c.connect(server_urls(urls)[0], None)
         assert any("authorization violation" in e for e in c.errors), c.errors
     finally:
-        await stack.stop()
+        await asyncio.to_thread(stack.stop)

@@ -40,6 +40,7 @@ from libs.common.bus import requests_kv
 from libs.common.envelopes import StageTask
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt
 from libs.models.tiny import resolve_model
+from libs.stack.processes import until
 from services.stage_worker.codecs import load_codec_adapter
 from services.stage_worker.engine_health import ENGINE_DEAD_EXIT_STATUS
 from tests.client_streams import record
@@ -58,7 +59,7 @@ from tests.orpheus_bus import (
     stream_audio_timed,
 )
 from tests.pipeline_services import Services
-from tests.procs import THINKER_YAML, ServiceProcess, gone, until, write_pipeline
+from tests.procs import THINKER_YAML, ServiceProcess, gone, write_pipeline
 
 pytestmark = pytest.mark.integration
 

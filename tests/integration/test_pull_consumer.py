@@ -13,7 +13,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StreamConfig
 from libs.common import consumer as consumer_module
 from libs.common.bus import consume
 from libs.common.consumer import LOST_GRACE_S, NEXT_API, WATCH_PERIOD_S, PullConsumer
-from tests.procs import until
+from libs.stack.processes import until
 
 pytestmark = pytest.mark.integration
 

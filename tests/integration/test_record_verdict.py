@@ -27,9 +27,11 @@ from libs.common.envelopes import ClientEvent, ClientEventType, Sampling, StageT
 from libs.common.publish import Hop, publish_task
 from libs.common.records import RequestRecord
 from libs.common.subjects import Subjects, consumer_name
+from libs.stack.processes import until
 from services.orchestrator.migration import apply_move, plan_move
 from tests.bus import collect
-from tests.procs import TALKER_YAML, THINKER_YAML, start_service, until, write_pipeline
+from tests.pipeline_services import Services
+from tests.procs import TALKER_YAML, THINKER_YAML, write_pipeline
 from tests.records import bound_record
 
 pytestmark = pytest.mark.integration
@@ -49,10 +51,12 @@ STAGES_YAML = THINKER_YAML.replace(
 def worker(nats_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("recverdict")
     path = write_pipeline(tmp / "p.yaml", PIPELINE, STAGES_YAML, timeout_s=60)
-    proc = start_service(["worker"], nats_server.url, path, tmp / "worker.log", {"OMNIRELAY_STAGE": "0"})
-    proc.wait_log("serving omni.", timeout_s=120)
-    yield proc
-    proc.stop()
+    with (
+        Services(nats_server.url, path, tmp)
+        .start(orchestrators=0, gateway=False, workers=[(0, 0)])
+        .serving() as s
+    ):
+        yield s.worker(0)
 
 
 def _record(rid: str, route: list[int]) -> RequestRecord:

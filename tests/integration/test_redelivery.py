@@ -17,19 +17,12 @@ from libs.common.envelopes import ClientEvent, ClientEventType, NdArray, StageTa
 from libs.common.publish import Hop, publish_task
 from libs.common.subjects import Subjects, consumer_name
 from libs.common.tracing import start_span
-from libs.stack.local_nats import free_port
+from libs.stack.processes import until
 from tests.bus import collect, consumer_holds, dead_letter
 from tests.metrics_scrape import delta, scrape, total
 from tests.otlp_receiver import Receiver, start_receiver, tracing_in_this_process
-from tests.procs import (
-    CODE2WAV_YAML,
-    TALKER_YAML,
-    THINKER_YAML,
-    ServiceProcess,
-    stop_all,
-    until,
-    write_pipeline,
-)
+from tests.pipeline_services import Services
+from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, write_pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -56,14 +49,9 @@ def _chunk(rid: str, seq: int, final: bool) -> StageTask:
 REDELIVERED = "vllm:omni_bus_consumer_redelivered"
 
 
-async def gauge_becomes(url: str, name: str, value: float, timeout_s: float = 8.0) -> bool:
-    """Whether the worker's gauge reads ``value`` within ``timeout_s`` (it is refreshed every 2 s)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if total(scrape(url), name) == value:
-            return True
-        await asyncio.sleep(0.25)
-    return False
+async def gauge_becomes(url: str, name: str, value: float, timeout_s: float = 8.0) -> None:
+    """Wait until the worker's gauge reads ``value`` (it is refreshed every 2 s)."""
+    await until(lambda: total(scrape(url), name) == value, f"{name} = {value}", timeout_s, every_s=0.25)
 
 
 @pytest.fixture
@@ -87,27 +75,13 @@ async def test_redelivered_message_is_finished_by_the_next_worker_with_a_linked_
     nats_server, tmp_path, otlp
 ) -> None:
     path = write_pipeline(tmp_path / "p.yaml", PIPELINE, THINKER_YAML + TALKER_YAML + CODE2WAV_YAML)
-    env = {
-        "NATS_URL": nats_server.url,
-        "OMNIRELAY_PIPELINE": str(path),
-        "OMNIRELAY_STAGE": "2",
-        "OMNIRELAY_ACK_WAIT_S": "1",
-        **{
-            k: os.environ[k]
-            for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_BSP_SCHEDULE_DELAY")
-        },
-    }
-    first = ServiceProcess(["worker"], env, tmp_path / "first.log").start()
-    port = free_port()
-    second = ServiceProcess(
-        ["worker"],
-        {**env, "OMNIRELAY_LOG_STATS": "true", "OMNIRELAY_METRICS_PORT": str(port)},
-        tmp_path / "second.log",
-    )
-    metrics = f"http://127.0.0.1:{port}/metrics"
+    tracing = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_BSP_SCHEDULE_DELAY")
+    env = {"OMNIRELAY_ACK_WAIT_S": "1", **{k: os.environ[k] for k in tracing}}
+    services = Services(nats_server.url, path, tmp_path, env)
     nc = await nats.connect(nats_server.url)
     try:
-        await first.await_log("serving omni.", timeout_s=120)
+        first = services.start_worker(2)
+        await services.ready()
         rid = f"redeliver-{time.time_ns()}"
         events: asyncio.Queue = asyncio.Queue()
         await nc.subscribe(SUBJECTS.out("gw3", rid), cb=collect(events, ClientEvent))
@@ -115,13 +89,14 @@ async def test_redelivered_message_is_finished_by_the_next_worker_with_a_linked_
         ack = await publish_task(nc.jetstream(), SUBJECTS, _chunk(rid, 1, final=True), HOP, sender)
         # delivered; seq 0 has not come, so seq 1 is held un-acked
         await consumer_holds(nc.jetstream(), SUBJECTS.stages_stream, consumer_name(HOP.to_stage, 0), ack.seq)
-        os.killpg(first.proc.pid, signal.SIGKILL)  # dies holding seq 1, un-acked
+        os.killpg(first.pid, signal.SIGKILL)  # dies holding seq 1, un-acked
         assert first.proc.wait(10) == -signal.SIGKILL
-        second.start()
-        await second.await_log("serving omni.", timeout_s=120)
+        second = services.start_worker(2)
+        await services.ready()
+        metrics = second.metrics_url
         # The consumer's state, as the new incarnation reports it: one message redelivered and
         # waiting for its acknowledgement (seq 1, held until seq 0 comes).
-        assert await gauge_becomes(metrics, REDELIVERED, 1.0), "the redelivery is not reported"
+        await gauge_becomes(metrics, REDELIVERED, 1.0)  # the redelivery reported
         await publish_task(nc.jetstream(), SUBJECTS, _chunk(rid, 0, final=False), HOP, sender)
         got = []
         while not got or got[-1].type != ClientEventType.AUDIO_DONE:
@@ -131,15 +106,14 @@ async def test_redelivered_message_is_finished_by_the_next_worker_with_a_linked_
             ClientEventType.AUDIO,
             ClientEventType.AUDIO_DONE,
         ]
-        assert await gauge_becomes(metrics, REDELIVERED, 0.0), "acknowledged, it still shows as redelivered"
+        await gauge_becomes(metrics, REDELIVERED, 0.0)  # acknowledged: no longer redelivered
         sender.end()
         trace_id = format(sender.get_span_context().trace_id, "032x")
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            spans = [s for s in otlp.trace(trace_id) if s.name == "omni.stage code2wav"]
-            if spans:
-                break
-            await asyncio.sleep(0.2)
+        spans = await until(
+            lambda: [s for s in otlp.trace(trace_id) if s.name == "omni.stage code2wav"],
+            "the code2wav span exported",
+            every_s=0.2,
+        )
         (span,) = spans
         sender_id = format(sender.get_span_context().span_id, "016x")
         assert span.parent_span_id == sender_id
@@ -150,7 +124,7 @@ async def test_redelivered_message_is_finished_by_the_next_worker_with_a_linked_
         ]
     finally:
         await nc.close()
-        stop_all([second, first])
+        services.stop()
 
 
 async def test_a_message_past_max_deliver_is_counted_as_dead_lettered(nats_server, tmp_path) -> None:
@@ -159,20 +133,12 @@ async def test_a_message_past_max_deliver_is_counted_as_dead_lettered(nats_serve
     ``max_deliver``, then drops it with an advisory. The worker, resumed, reads the advisory and
     counts it: ``vllm:omni_bus_dead_lettered_total`` moves by exactly the advisories seen."""
     path = write_pipeline(tmp_path / "p.yaml", PIPELINE, THINKER_YAML + TALKER_YAML + CODE2WAV_YAML)
-    port = free_port()
-    env = {
-        "NATS_URL": nats_server.url,
-        "OMNIRELAY_PIPELINE": str(path),
-        "OMNIRELAY_STAGE": "2",
-        "OMNIRELAY_ACK_WAIT_S": "1",
-        "OMNIRELAY_LOG_STATS": "true",
-        "OMNIRELAY_METRICS_PORT": str(port),
-    }
-    worker = ServiceProcess(["worker"], env, tmp_path / "worker.log").start()
-    metrics = f"http://127.0.0.1:{port}/metrics"
+    services = Services(nats_server.url, path, tmp_path, {"OMNIRELAY_ACK_WAIT_S": "1"})
     nc = await nats.connect(nats_server.url)
     try:
-        await worker.await_log("serving omni.", timeout_s=120)
+        worker = services.start_worker(2)
+        await services.ready()
+        metrics = worker.metrics_url
         before = scrape(metrics)
         held = _chunk(f"deadletter-{time.time_ns()}", 1, final=True)  # chunk 0 never comes
         seen = await dead_letter(nc, SUBJECTS, HOP, held, worker.proc.pid)
@@ -186,7 +152,6 @@ async def test_a_message_past_max_deliver_is_counted_as_dead_lettered(nats_serve
         # counts an advisory the moment it reads it).
         await asyncio.sleep(1.0)
         assert delta(before, scrape(metrics), "vllm:omni_bus_dead_lettered_total") == seen
-        await worker.await_log("a message reached max_deliver and was dropped by JetStream", timeout_s=5)
     finally:
         await nc.close()
-        worker.stop()
+        services.stop()

@@ -15,7 +15,7 @@ import pytest
 
 from libs.common.bus import LIMITS, services_kv
 from libs.common.registry import Heartbeat, LiveServices, ServiceKind, ServiceRecord
-from tests.procs import until
+from libs.stack.processes import until
 
 pytestmark = pytest.mark.integration
 

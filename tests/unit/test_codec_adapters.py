@@ -20,12 +20,12 @@ from libs.common.envelopes import ClientEventType, NdArray, StageTask, TaskKind
 from libs.common.pipeline import StageConfig
 from libs.models.codec import decode_to_pcm16, load_codec
 from libs.models.tiny import BUILDERS, CODE2WAV, TINY_SNAC
+from libs.stack.processes import until
 from services.stage_worker.codecs import CodeChunk, codec_class, load_codec_adapter
 from services.stage_worker.codecs.batcher import DecodeBatcher
 from services.stage_worker.codecs.snac import SnacCodecAdapter
 from services.stage_worker.codecs.tiny import TinyCodecAdapter
 from services.stage_worker.handlers.code2wav import Code2WavHandler
-from tests.procs import until
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,6 @@ adds: the restart policy's back-off, the victim lookup, and a real process under
 
 from __future__ import annotations
 
-import asyncio
-import os
-import signal
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +10,6 @@ import pytest
 from benchmarks.chat_streams import TWO_REPLICA_PIPELINE, Seen
 from libs.common.pipeline import load_pipeline
 from libs.stack.process_plan import plan_services
-from tests.procs import until
 from tests.verification.fault_injection import (
     FAULTS,
     REPLICAS,
@@ -25,7 +20,6 @@ from tests.verification.fault_injection import (
 )
 from tests.verification.fault_sessions import SAMPLES_PER_TOKEN
 from tests.verification.fault_suite import bound_in_stage, busiest, render, replaced_by_a_new_process, row_of
-from tests.verification.service_stack import Service, restart_delay_s
 
 
 def test_a_row_counts_completed_failed_hung_and_wrong_counts_and_the_longest_pause() -> None:
@@ -106,19 +100,6 @@ def test_verdicts_are_counted_from_the_orchestrators_log_lines_after_the_fault(t
     assert verdicts_since(log, 0) == (3, 2)
 
 
-def test_the_restart_policy_backs_off_as_docker_does() -> None:
-    """Docker's documented rule for a container with a restart policy: 100 ms before the first
-    restart, doubling with every exit in a row, at most one minute; a container that ran at least
-    10 s starts over at 100 ms."""
-    delays, previous = [], 0.0
-    for _ in range(12):  # a service that crashes at once, again and again
-        previous = restart_delay_s(previous, ran_s=0.5)
-        delays.append(previous)
-    assert delays == [0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8, 25.6, 51.2, 60.0, 60.0]
-    assert restart_delay_s(60.0, ran_s=10.0) == 0.1  # ran 10 s: no longer a crash loop
-    assert restart_delay_s(0.4, ran_s=9.9) == 0.8
-
-
 def _proc(cmdline: str, **env: str) -> tuple[str, list[str]]:
     return cmdline, [f"{k}={v}" for k, v in env.items()]
 
@@ -173,60 +154,6 @@ def test_a_row_waits_for_a_replacement_exactly_after_the_faults_that_end_a_proce
         "kill -9 every thinker replica (down while their engines start)",
         "kill -9 the orchestrator",
     }
-
-
-def _ppid(pid: int) -> int | None:
-    """The parent of a live ``pid``; None when it is gone or a zombie."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] == "Z" else int(fields[1])
-
-
-async def test_a_service_that_exits_is_restarted_by_its_policy_and_what_it_started_dies_with_it(
-    tmp_path: Path,
-) -> None:
-    """A real process under the policy, killed with SIGKILL: gone, its own child killed with it
-    (as in a container), then a new process with the same command and environment; a held restart
-    waits for the release; a stopped service is not restarted."""
-    script = (
-        "import subprocess, sys, time; "
-        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-        "print('grandchild', g.pid, flush=True); time.sleep(60)"
-    )
-    log = tmp_path / "sleeper.log"
-    service = Service("sleeper", [sys.executable, "-c", script, "marker-arg"], {"SLEEPER_ENV": "1"}, log)
-    service.start()
-    service.supervise()
-    try:
-        first = service.pid
-
-        def grandchild() -> int | None:
-            lines = [ln for ln in log.read_text().splitlines() if ln.startswith("grandchild ")]
-            return int(lines[-1].split()[1]) if lines else None
-
-        old_child = await until(grandchild, "the service's own child started")
-        os.kill(first, signal.SIGKILL)
-        await until(lambda: service.restarts == 1, "a restart by the policy")
-        assert service.pid != first and service.delay_s == 0.1
-        assert Path(f"/proc/{service.pid}/cmdline").read_bytes().split(b"\0")[-2:] == [b"marker-arg", b""]
-        assert b"SLEEPER_ENV=1" in Path(f"/proc/{service.pid}/environ").read_bytes().split(b"\0")
-        await until(lambda: _ppid(old_child) is None, f"the old child {old_child} gone")
-        # held: exited, and not restarted until released
-        second = service.pid
-        service.hold()
-        os.kill(second, signal.SIGKILL)
-        await until(lambda: f"sleeper (pid {second}) exited (-9)" in log.read_text(), "the exit noted")
-        await asyncio.sleep(1.0)  # 5 x the 0.2 s back-off: an unheld restart would have come by now
-        assert service.restarts == 1 and service.managed.proc.returncode == -signal.SIGKILL
-        service.release()
-        await until(lambda: service.restarts == 2, "the restart after the release")
-        assert service.delay_s == 0.2  # the second exit in a row, within 10 s of its start
-    finally:
-        service.stop()
-    assert service.managed.proc.returncode is not None and service.restarts == 2
-    assert f"sleeper (pid {first}) exited (-9) after" in log.read_text()
 
 
 def _record(rid: str, status: str, route: list[int], done: list[bool]) -> dict:

@@ -26,6 +26,7 @@ from libs.common.pipeline import load_pipeline
 from libs.common.settings import GatewaySettings
 from libs.models.tiny import resolve_model
 from libs.stack.local_nats import free_port
+from libs.stack.processes import wait_for
 from services.gateway.app import server_options
 from services.gateway.errors import APIError, response_of
 from services.gateway.limits import InputLimits
@@ -496,10 +497,7 @@ def _read_to_end(s: socket.socket) -> bytes:
 
 
 def _wait(condition, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
+    wait_for(condition, what, timeout_s, every_s=0.02)
 
 
 @pytest.mark.parametrize(

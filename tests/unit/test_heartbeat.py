@@ -13,7 +13,7 @@ import time
 
 from libs.common.bus import LIMITS
 from libs.common.registry import LATE_BEAT_S, Heartbeat, ServiceKind, ServiceRecord
-from tests.procs import until
+from libs.stack.processes import until
 
 
 class SlowBucket:

@@ -6,8 +6,8 @@ import asyncio
 import time
 
 from libs.common.envelopes import ClientEventType
+from libs.stack.processes import until
 from services.stage_worker.handlers.thinker import STARTED_DELAY_S, _StartedNotice
-from tests.procs import until
 
 
 class Recorder:

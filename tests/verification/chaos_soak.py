@@ -211,7 +211,7 @@ class Soak:
             await _until(lambda h: h["stages"].get(stage, 0) >= REPLICAS, stack, f"{stage} live again")
             return
         if fault.target == "orchestrator":
-            root = stack.process.proc.pid
+            root = stack.root_pid
             await _until(
                 lambda h: (
                     bool(set(pids_of(root, "-m cli orchestrator")) - set(done.pids))
@@ -275,7 +275,7 @@ async def soak(
 
     await healthy(injector.stack)
     client = AsyncOpenAI(
-        base_url=injector.stack.base_url, api_key="unused", max_retries=0, timeout=HUNG_AFTER_S + 30
+        base_url=injector.stack.api_url, api_key="unused", max_retries=0, timeout=HUNG_AFTER_S + 30
     )
     refs = await take_references(client, concurrency)
     log(f"took {len(refs)} fault-free references; load: {concurrency} in flight for {minutes:g} min")
@@ -316,10 +316,8 @@ def run_chaos_soak(
         pipeline = data_dir / "faults.yaml"
         pipeline.write_text(TWO_REPLICA_PIPELINE)
         stack = start_stack(procs, "chaos", pipeline, {}, data_dir, ["--log-stats"])
-        (nats,) = [m for m in procs.items if m.name == "nats (chaos)"]
-        injector = Injector(procs, stack, list(nats.proc.args))
-        results.append(asyncio.run(soak(injector, minutes, seed, concurrency, faults)))
-        stack.process.stop()
+        results.append(asyncio.run(soak(Injector(stack), minutes, seed, concurrency, faults)))
+        stack.stop()
 
     code = run_with_stacks("omnirelay-chaos-", work, keep=keep_logs)
     if not results:

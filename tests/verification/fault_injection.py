@@ -4,10 +4,10 @@ the :class:`Injector` that finds a fault's process and verifies that the fault t
 gone or a zombie, or in state ``T`` for ``SIGSTOP``), and the registry reads that tell when a
 killed worker's (or orchestrator's) replacement is up.
 
-The stack is ``omnirelay up`` (:class:`benchmarks.harness.Stack`: its launcher restarts a process
-that exits; the bench itself restarts the NATS servers it started) or one process per service,
-each under a restart policy (:class:`tests.verification.service_stack.ServiceStack`, as docker compose
-runs it: NATS is restarted by its policy too, held back as long as the fault says).
+The stack (:class:`libs.stack.local_stack.Stack`) is ``omnirelay up`` (its launcher restarts a
+process that exits; the suite itself restarts the NATS servers it killed) or one process per
+service, each under Docker's restart policy (:data:`libs.stack.processes.COMPOSE_RESTARTS`, as docker
+compose runs it: NATS is restarted by its policy too, held back as long as the fault says).
 
 Clocks: ``time.monotonic()`` of this process, seconds; ``started_ns`` in the registry is the
 worker's wall clock (``time.time_ns()``), only compared with itself.
@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.harness import Managed, Processes, Stack, wait_http_ok, wait_port
+from benchmarks.harness import answers_200
 from benchmarks.process_table import descendants
 from libs.common.bus import bucket_keys, server_urls
 from libs.common.subjects import (
@@ -34,7 +34,8 @@ from libs.common.subjects import (
     Subjects,
     kv_stream,
 )
-from tests.verification.service_stack import Service, ServiceStack
+from libs.stack.local_stack import Stack
+from libs.stack.processes import Process, wait_for
 
 REPLICAS = 2
 """Replicas of every stage in :data:`~benchmarks.chat_streams.TWO_REPLICA_PIPELINE`."""
@@ -174,7 +175,7 @@ async def signal_and_verify(pids: list[int], sig: int) -> Injection:
     return Injection(verified, all(took(state, sig) for state in states), tuple(pids))
 
 
-async def _leaders(stack: Stack | ServiceStack) -> dict[str, str]:
+async def _leaders(stack: Stack) -> dict[str, str]:
     """The server that leads each stream and KV bucket of the pipeline: name → ``server_name``."""
     import nats
 
@@ -215,33 +216,38 @@ def verdicts_since(log_path: Path, offset: int) -> tuple[int, int]:
     return len(set(_JUDGED_DEAD.findall(text))), moved
 
 
+def supervised(stack: Stack) -> bool:
+    """Whether ``stack`` runs its services itself, each under its restart policy (NATS too), rather
+    than through ``omnirelay up``."""
+    return "up" not in stack.processes
+
+
+def nats_healthy(process: Process, monitor: str, timeout_s: float) -> None:
+    """Wait until the NATS server ``process`` (monitoring URL ``monitor``) reports JetStream
+    healthy; RuntimeError after ``timeout_s``, or at once when its incarnation exits."""
+    wait_for(
+        lambda: answers_200(f"{monitor}/healthz"), f"{process.name} healthy", timeout_s, 0.25, watch=[process]
+    )
+
+
 class Injector:
     """Finds a fault's process in the stack and injects the fault, verifying that it took."""
 
-    def __init__(
-        self,
-        procs: Processes,
-        stack: Stack | ServiceStack,
-        nats_argv: list[str] | None = None,
-        stage_names: tuple[str, ...] = STAGE_NAMES,
-    ) -> None:
-        """``nats_argv``: the command line of the ``omnirelay up`` stack's NATS server (a
-        :class:`ServiceStack`'s is its service's); ``stage_names``: the pipeline's stages by id."""
-        self.procs, self.stack, self.nats_argv = procs, stack, nats_argv or []
-        self.stage_names = stage_names
-        self.killed_node: tuple[Managed, str] | None = None
-        """The cluster node killed by the last fault of a cluster node, with its monitoring URL."""
-        self.held_node: tuple[Service, str] | None = None
-        """The same in a :class:`ServiceStack`: the node's service (its restart held) and URL."""
+    def __init__(self, stack: Stack, stage_names: tuple[str, ...] = STAGE_NAMES) -> None:
+        """``stage_names``: the pipeline's stages by id."""
+        self.stack, self.stage_names = stack, stage_names
+        self.killed_node: Process | None = None
+        """The cluster node killed by the last fault of a cluster node: down until :meth:`restore`
+        (:func:`supervised`: its restart is held until then)."""
 
     def _pid(self, service: str, *words: str) -> int:
         """The one process below the stack's root whose command line and environment have
-        ``words``; in a :class:`ServiceStack`, it must be the one the policy of ``service``
+        ``words``; in a :func:`supervised` stack, it must be the one the policy of ``service``
         started last (else RuntimeError)."""
         (pid,) = pids_of(self.stack.root_pid, *words)
-        if isinstance(self.stack, ServiceStack) and pid != self.stack.services[service].pid:
+        if supervised(self.stack) and pid != self.stack.processes[service].pid:
             raise RuntimeError(
-                f"{service}: pid {pid} in /proc, but its policy started pid {self.stack.services[service].pid}"
+                f"{service}: pid {pid} in /proc, but its policy started pid {self.stack.processes[service].pid}"
             )
         return pid
 
@@ -288,32 +294,30 @@ class Injector:
 
     async def _restart_nats(self) -> Injection:
         """``kill -9`` the stack's only NATS server and, :data:`NATS_DOWN_S` later, start it again
-        on its store (a :class:`ServiceStack`'s: its policy does, held back until then)."""
-        if isinstance(self.stack, ServiceStack):
-            return await self._restart_nats_service(self.stack.services["nats"], self.stack.monitors["nats"])
-        nats = next(
-            m
-            for m in self.procs.items
-            if m.name.startswith("nats") and m.name.endswith(f"{self.stack.name})") and m.proc.poll() is None
-        )
+        on its store (a :func:`supervised` stack's: its policy does, held back until then); returns
+        once its JetStream is healthy."""
+        nats, monitor = self.stack.processes["nats"], self.stack.monitors["nats"]
+        if supervised(self.stack):
+            return await self._restart_nats_service(nats, monitor)
+        pid = nats.pid
+        assert nats.proc is not None
         nats.proc.kill()
         nats.proc.wait(5)
-        state = proc_state(nats.proc.pid)
+        state = proc_state(pid)
         await asyncio.sleep(NATS_DOWN_S)
-        port = int(self.nats_argv[self.nats_argv.index("-p") + 1])
-        restarted = self.procs.start(f"nats (restarted, {self.stack.name})", self.nats_argv, {})
-        await asyncio.to_thread(wait_port, restarted, port, 30)
-        return Injection(f"pid {nats.proc.pid} {state}", took(state, signal.SIGKILL), (nats.proc.pid,))
+        nats.start()  # the same command, store and log
+        await asyncio.to_thread(nats_healthy, nats, monitor, 30)
+        return Injection(f"pid {pid} {state}", took(state, signal.SIGKILL), (pid,))
 
-    async def _restart_nats_service(self, service: Service, monitor: str) -> Injection:
-        """``kill -9`` a NATS service with its restart held back :data:`NATS_DOWN_S`; returns once
-        its policy has started it again and its JetStream is healthy."""
+    async def _restart_nats_service(self, service: Process, monitor: str) -> Injection:
+        """``kill -9`` a supervised NATS server with its restart held back :data:`NATS_DOWN_S`;
+        returns once its policy has started it again and its JetStream is healthy."""
         restarts = service.restarts
         service.hold(NATS_DOWN_S)
         done = await signal_and_verify([service.pid], signal.SIGKILL)
         t0 = time.monotonic()
         pid = await asyncio.to_thread(service.wait_restarted, restarts, NATS_DOWN_S + 30)
-        await asyncio.to_thread(wait_http_ok, service.managed, f"{monitor}/healthz", 30)
+        await asyncio.to_thread(nats_healthy, service, monitor, 30)
         back = f"restarted by its policy as pid {pid}, healthy {time.monotonic() - t0:.1f} s after the kill"
         return Injection(f"{done.verified}; {back}", done.took, done.pids)
 
@@ -330,23 +334,18 @@ class Injector:
         else:
             worker = f"worker-{fault.stage}-{replica}"
             (victim,) = [name for name, on_it in clients.items() if worker in on_it]
-        (node,) = [n for n in self.stack.nats_nodes if n.name == victim]
-        if isinstance(self.stack, ServiceStack):  # down until restore(): its policy is held
-            service = self.stack.services[victim]
-            service.hold()
-            self.held_node = (service, node.monitor_url)
-            done = await signal_and_verify([service.pid], signal.SIGKILL)
+        node = self.stack.processes[victim]  # down until restore()
+        if supervised(self.stack):  # its policy is held
+            node.hold()
+            done = await signal_and_verify([node.pid], signal.SIGKILL)
             pid, state = done.pids[0], proc_state(done.pids[0])
         else:
-            # The node's live process: a node killed by an earlier row runs as its restart now.
-            (managed,) = [
-                m for m in self.procs.items if m.name.startswith(f"{victim} (") and m.proc.poll() is None
-            ]
-            pid = managed.proc.pid
+            assert node.proc is not None
+            pid = node.pid
             os.kill(pid, signal.SIGKILL)
-            managed.proc.wait(5)
-            self.killed_node = (managed, node.monitor_url)
+            node.proc.wait(5)
             state = proc_state(pid)
+        self.killed_node = node
         led = sum(leader == victim for leader in leaders.values())
         on_it = ", ".join(sorted(clients[victim])) or "none"
         return Injection(
@@ -358,33 +357,30 @@ class Injector:
 
     def restore(self) -> None:
         """Start the killed cluster node again (same configuration and store) and wait until its
-        JetStream is healthy, so the next fault meets a whole cluster (a :class:`ServiceStack`'s:
-        its policy is let go, and restarts it)."""
-        if self.held_node is not None:
-            service, monitor = self.held_node
-            restarts = service.restarts
-            service.release()
-            service.wait_restarted(restarts, 30)
-            wait_http_ok(service.managed, f"{monitor}/healthz", 60)
-            self.held_node = None
-        if self.killed_node is None:
+        JetStream is healthy, so the next fault meets a whole cluster (a :func:`supervised`
+        stack's: its policy is let go, and restarts it)."""
+        node, self.killed_node = self.killed_node, None
+        if node is None:
             return
-        managed, monitor = self.killed_node
-        name = managed.name.replace(" (", " (restarted, ", 1)
-        wait_http_ok(self.procs.start(name, list(managed.proc.args), {}), f"{monitor}/healthz", 60)
-        self.killed_node = None
+        if supervised(self.stack):
+            restarts = node.restarts
+            node.release()
+            node.wait_restarted(restarts, 30)
+        else:
+            node.start()
+        nats_healthy(node, self.stack.monitors[node.name], 60)
 
 
-async def health(stack: Stack | ServiceStack) -> dict:
+async def health(stack: Stack) -> dict:
     """The gateway's ``/health`` body (``status``, ``orchestrators``, live replicas per stage in
     ``stages``, keyed ``<id>:<name>``); raises on no answer."""
     import httpx
 
     async with httpx.AsyncClient(timeout=5) as http:
-        return (await http.get(stack.base_url.removesuffix("/v1") + "/health")).json()
+        return (await http.get(f"{stack.base_url}/health")).json()
 
 
-async def healthy(stack: Stack | ServiceStack, timeout_s: float = 300.0) -> None:
+async def healthy(stack: Stack, timeout_s: float = 300.0) -> None:
     """Wait until every declared replica is live again (``/health`` status ``ok``)."""
     import httpx
 
@@ -397,7 +393,7 @@ async def healthy(stack: Stack | ServiceStack, timeout_s: float = 300.0) -> None
     raise RuntimeError(f"the stack did not heal within {timeout_s:.0f} s")
 
 
-async def incarnation(stack: Stack | ServiceStack, stage: int, replica: int) -> int:
+async def incarnation(stack: Stack, stage: int, replica: int) -> int:
     """``started_ns`` of the worker (stage, replica) in the registry (0 when it is not there);
     raises when the broker cannot be reached."""
     import nats
@@ -417,9 +413,7 @@ async def incarnation(stack: Stack | ServiceStack, stage: int, replica: int) -> 
         await nc.close()
 
 
-async def replaced(
-    stack: Stack | ServiceStack, stage: int, replica: int, before_ns: int, timeout_s: float = 300.0
-) -> None:
+async def replaced(stack: Stack, stage: int, replica: int, before_ns: int, timeout_s: float = 300.0) -> None:
     """Wait until a new incarnation of the worker (stage, replica) has registered (its engine is
     up: a worker registers after its engine has started). A registry that cannot be read (the
     broker is down) is read again a second later."""
@@ -433,7 +427,7 @@ async def replaced(
         await asyncio.sleep(1.0)
 
 
-async def orchestrator_replaced(stack: Stack | ServiceStack, after_ns: int, timeout_s: float = 300.0) -> None:
+async def orchestrator_replaced(stack: Stack, after_ns: int, timeout_s: float = 300.0) -> None:
     """Wait until an orchestrator registered after ``after_ns`` (``time.time_ns()`` of this
     machine: its record's ``started_ns``): the killed one's replacement is on the bus. A registry
     that cannot be read (the broker is down) is read again a second later."""

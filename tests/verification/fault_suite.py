@@ -8,7 +8,7 @@ paused, and when a killed process's replacement was up.
 Two modes (:data:`MODES`): ``up`` runs the stack as ``omnirelay up`` (its launcher restarts a process
 that exits); ``services`` as docker compose runs it, one process per service (every NATS server, the
 orchestrator, each worker, the gateway), each under a restart policy like ``restart: unless-stopped``
-(:mod:`tests.verification.service_stack`).
+(:func:`start_services`).
 
 The faults, the pipeline and the injection are :mod:`tests.verification.fault_injection`'s; the clients'
 requests (:func:`benchmarks.chat_streams.send`, :func:`reference`) are shared with ``omnirelay verify chaos``.
@@ -28,9 +28,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from benchmarks.chat_streams import MODEL, Seen, send
-from benchmarks.harness import Processes, Stack, log, run_with_stacks, start_stack
+from benchmarks.harness import Processes, log, run_with_stacks, start_stack
 from libs.common.bus import bucket_keys, server_urls
+from libs.common.pipeline import load_pipeline
 from libs.common.subjects import REQUESTS_BUCKET, Subjects
+from libs.stack.local_nats import SYNC_INTERVAL, free_port
+from libs.stack.local_stack import Stack
+from libs.stack.process_plan import plan_services
+from libs.stack.processes import COMPOSE_RESTARTS
 from tests.verification.audio_accounting import AudioTally, ChunkJudge
 from tests.verification.fault_injection import (
     CLUSTER_NODE_TARGETS,
@@ -46,7 +51,6 @@ from tests.verification.fault_injection import (
 )
 from tests.verification.fault_pipelines import pipelines
 from tests.verification.fault_sessions import SAMPLES_PER_TOKEN, caller_speech, send_session
-from tests.verification.service_stack import ServiceStack, start_services
 
 PROMPT = "Tell me everything about the sea."
 SAMPLE_RATE = 24_000
@@ -249,12 +253,12 @@ async def run_fault(injector: Injector, fault: Fault, model: str, judge: ChunkJu
 
     await healthy(injector.stack)
     client = AsyncOpenAI(
-        base_url=injector.stack.base_url, api_key="unused", max_retries=0, timeout=HUNG_AFTER_S
+        base_url=injector.stack.api_url, api_key="unused", max_retries=0, timeout=HUNG_AFTER_S
     )
     if fault.session:
         pcm = await asyncio.to_thread(caller_speech)
         ref = Seen()
-        await send_session(injector.stack.base_url, model, ref, pcm, fault.max_tokens)
+        await send_session(injector.stack.api_url, model, ref, pcm, fault.max_tokens)
         if ref.error is not None or ref.ended_s is None:
             raise RuntimeError(f"the fault-free session failed: {ref.error or 'no end'}")
     else:
@@ -269,7 +273,7 @@ async def run_fault(injector: Injector, fault: Fault, model: str, judge: ChunkJu
         )
         tasks = [
             asyncio.create_task(
-                send_session(injector.stack.base_url, model, s, pcm, fault.max_tokens)
+                send_session(injector.stack.api_url, model, s, pcm, fault.max_tokens)
                 if fault.session
                 else send(client, model, s, PROMPT, fault.max_tokens, fault.audio)
             )
@@ -341,7 +345,7 @@ def replaced_by_a_new_process(fault: Fault) -> bool:
 
 
 async def _replacement(
-    stack: Stack | ServiceStack, fault: Fault, replica: int, befores: list[int], fault_ns: int
+    stack: Stack, fault: Fault, replica: int, befores: list[int], fault_ns: int
 ) -> float | None:
     """``time.monotonic()`` when the victim of ``fault`` was replaced: every killed worker's new
     incarnation registered after its ``befores`` one (its engine up), or an orchestrator registered
@@ -354,6 +358,38 @@ async def _replacement(
         for r in range(REPLICAS) if fault.target == "all_replicas" else [replica]:
             await replaced(stack, fault.stage, r, befores[r])
     return time.monotonic()
+
+
+def start_services(
+    procs: Processes,
+    name: str,
+    pipeline_path: Path,
+    data_dir: Path,
+    nats_nodes: int = 1,
+    sync_interval: str = SYNC_INTERVAL,
+    log_stats: bool = True,
+) -> Stack:
+    """The stack as docker compose runs it, without containers: NATS (one server, or a cluster of
+    ``nats_nodes``), then the orchestrator, every worker and the gateway of the pipeline at
+    ``pipeline_path`` (compose's plan, :func:`libs.stack.process_plan.plan_services`), each its own
+    process; once every replica is live, each under Docker's restart policy
+    (:data:`~libs.stack.processes.COMPOSE_RESTARTS`: a process that exits, however it ends, is
+    started again, and what it started dies with it). Stores and one log per process go under
+    ``data_dir/name``; ``procs`` stops the stack at the end."""
+    from libs.models.tiny import make_tiny
+
+    root = data_dir / name.replace(" ", "-")
+    root.mkdir(parents=True)
+    stack = Stack(root, log_dir=root, note=log, name=name)
+    procs.stoppers.append(stack.stop)
+    log(f"starting {name}: one process per service")
+    stack.start_nats(nats_nodes, sync_interval)
+    make_tiny()
+    pipeline, port = load_pipeline(pipeline_path), free_port()
+    stack.start_services(plan_services(pipeline, pipeline_path, stack.nats_url, port, log_stats), port)
+    log(f"{name} ready in {stack.wait_all_live(pipeline):.1f} s")
+    stack.supervise(COMPOSE_RESTARTS)
+    return stack
 
 
 CHUNK_COLUMNS = (
@@ -448,16 +484,10 @@ def run_fault_suite(
         for nodes in sorted({f.nats_nodes for f in selected}):
             name = "faults" if nodes == 1 else f"faults-{nodes}-node-nats"
             if mode == "services":
-                stack: Stack | ServiceStack = start_services(
-                    procs, name, pipeline, data_dir, nats_nodes=nodes
-                )
-                injector = Injector(procs, stack, stage_names=spec.stage_names)
+                stack = start_services(procs, name, pipeline, data_dir, nats_nodes=nodes)
             else:
                 stack = start_stack(procs, name, pipeline, {}, data_dir, ["--log-stats"], nats_nodes=nodes)
-                nats = next(
-                    m for m in procs.items if m.name.startswith("nats") and m.name.endswith(f"({name})")
-                )
-                injector = Injector(procs, stack, list(nats.proc.args), spec.stage_names)
+            injector = Injector(stack, spec.stage_names)
             for fault in (f for f in selected if f.nats_nodes == nodes):
                 rows.append(asyncio.run(run_fault(injector, fault, MODEL, judge)))
                 log(render(rows[-1:]).splitlines()[-1])

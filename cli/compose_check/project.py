@@ -27,7 +27,7 @@ NATS_SECRETS = "/run/nats"
 
 
 @dataclass
-class Stack:
+class ComposeProject:
     compose: list[str]
     """``docker compose`` or ``docker-compose``."""
     directory: Path
