@@ -6,8 +6,6 @@ behind in its gauges."""
 
 from __future__ import annotations
 
-import signal
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +16,10 @@ import pytest
 
 from libs.common.pipeline import DEFAULT_PIPELINE_PATH
 from libs.stack.local_nats import free_port
+from libs.stack.local_stack import http_status
+from libs.stack.processes import wait_for
 from tests.metrics_scrape import scrape, total
-from tests.procs import ServiceProcess, start_service, stop_process
+from tests.procs import ServiceProcess, start_service
 
 pytestmark = pytest.mark.e2e
 
@@ -63,20 +63,13 @@ def gateway(stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeyedGa
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_S
-        while True:
-            assert proc.proc.poll() is None, f"the gateway exited:\n{proc.text()[-3000:]}"
-            assert time.monotonic() < deadline, f"not healthy in {START_S} s:\n{proc.text()[-3000:]}"
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_for(
+            lambda: http_status(f"{url}/health") == 200, "the keyed gateway healthy", START_S, 0.2, [proc]
+        )
         (key,) = [ln for ln in key_file.read_text().splitlines() if not ln.startswith("#")]
         yield KeyedGateway(url, key, proc)
     finally:
-        stop_process(proc.proc, signal.SIGTERM, 30)
+        proc.stop()
 
 
 def test_the_key_is_generated_private_and_never_logged(gateway: KeyedGateway) -> None:
