@@ -19,6 +19,9 @@ the same install produces the same bytes every time.
 The weights are random, so the outputs are meaningless; their shapes, timings and metrics are real.
 Models live under ``<cache>/models/<id>/`` with ``<cache>`` = ``$OMNIRELAY_CACHE_DIR`` or
 ``~/.cache/omnirelay``. Generation is atomic and safe to run from several processes at once.
+
+Resolving a model loads neither torch nor transformers (a gateway resolves its thinker's
+directory); the builders import them when they run.
 """
 
 from __future__ import annotations
@@ -33,15 +36,12 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from tokenizers import AddedToken, Tokenizer, processors
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from libs.models.codec import CodecConfig, build_codec, save_codec
-from libs.models.hf_build import quiet_progress_bars, train_text_bpe
-from libs.models.tiny_orpheus import build_tiny_orpheus
-from libs.models.tiny_snac import build_tiny_snac
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 THINKER, TALKER, CODE2WAV = "tiny-thinker", "tiny-talker", "tiny-code2wav"
 TINY_SNAC = "tiny-snac"
@@ -109,6 +109,8 @@ def code_token(k: int) -> str:
 def _text_tokenizer_json() -> str:
     """The thinker's text tokenizer (byte-level BPE on the bundled corpus, its specials first);
     returns tokenizer JSON."""
+    from libs.models.hf_build import train_text_bpe
+
     tok = train_text_bpe(SPECIAL_TOKENS)
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
@@ -132,6 +134,8 @@ def _talker_tokenizer() -> Tokenizer:
 
 def _save_hf_tokenizer(tok: Tokenizer, directory: Path) -> PreTrainedTokenizerFast:
     """Wrap ``tok`` as a transformers fast tokenizer and save it (chat template in the config)."""
+    from transformers import PreTrainedTokenizerFast
+
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
@@ -150,6 +154,11 @@ def _save_hf_tokenizer(tok: Tokenizer, directory: Path) -> PreTrainedTokenizerFa
 
 def _save_llama(tok: PreTrainedTokenizerFast, seed: int, directory: Path) -> None:
     """Save a randomly initialised tiny Llama sized to ``tok`` (fp32 safetensors + configs)."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from libs.models.hf_build import quiet_progress_bars
+
     eos_ids = [tok.convert_tokens_to_ids(EOS), tok.convert_tokens_to_ids(END)]
     config = LlamaConfig(
         vocab_size=len(tok),
@@ -196,16 +205,30 @@ def _build_talker(directory: Path) -> None:
 
 
 def _build_code2wav(directory: Path) -> None:
+    from libs.models.codec import CodecConfig, build_codec, save_codec
+
     cfg = CodecConfig(num_codes=NUM_CODES)
     save_codec(build_codec(cfg, CODE2WAV_SEED), cfg, directory)
+
+
+def _build_snac(directory: Path) -> None:
+    from libs.models.tiny_snac import build_tiny_snac
+
+    build_tiny_snac(directory)
+
+
+def _build_orpheus(directory: Path) -> None:
+    from libs.models.tiny_orpheus import build_tiny_orpheus
+
+    build_tiny_orpheus(directory)
 
 
 BUILDERS: dict[str, Callable[[Path], None]] = {
     THINKER: _build_thinker,
     TALKER: _build_talker,
     CODE2WAV: _build_code2wav,
-    TINY_SNAC: build_tiny_snac,
-    TINY_ORPHEUS: build_tiny_orpheus,
+    TINY_SNAC: _build_snac,
+    TINY_ORPHEUS: _build_orpheus,
 }
 
 

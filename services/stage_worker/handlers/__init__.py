@@ -2,21 +2,20 @@
 :class:`~services.stage_worker.handlers.base.StageHandler`: ``thinker`` and ``talker`` (``llm``
 stages on vLLM's ``AsyncLLM``, through :mod:`~services.stage_worker.handlers.llm`), ``code2wav``
 (a ``codec`` stage on a torch decoder) and ``listener`` (an ``asr`` stage on faster-whisper).
-:func:`make_handler` picks the worker's."""
+:func:`make_handler` picks the worker's, and imports only its module: a code2wav or listener worker
+never loads vLLM."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from libs.common.pipeline import Payload, PipelineConfig, StageType
 from libs.common.settings import WorkerSettings
-from services.stage_worker.engine_core.tracing_config import EngineTracing
 from services.stage_worker.handlers.base import StageHandler
-from services.stage_worker.handlers.code2wav import Code2WavHandler
-from services.stage_worker.handlers.listener import Listened, ListenerHandler
-from services.stage_worker.handlers.talker import TalkerHandler
-from services.stage_worker.handlers.thinker import ThinkerHandler
-from services.stage_worker.llm_engine import LLMEngineSpec
+
+if TYPE_CHECKING:
+    from services.stage_worker.handlers.listener import Listened
 
 
 def make_handler(
@@ -27,9 +26,18 @@ def make_handler(
     stage_id, replica = settings.stage, settings.replica
     stage = pipeline.stages[stage_id]
     if stage.type == StageType.CODEC:
+        from services.stage_worker.handlers.code2wav import Code2WavHandler
+
         return Code2WavHandler(stage, settings.engine_nice)
     if stage.type == StageType.ASR:
+        from services.stage_worker.handlers.listener import ListenerHandler
+
         return ListenerHandler(stage, on_listened, settings.engine_nice)
+    from services.stage_worker.engine_core.tracing_config import EngineTracing
+    from services.stage_worker.handlers.talker import TalkerHandler
+    from services.stage_worker.handlers.thinker import ThinkerHandler
+    from services.stage_worker.llm_engine import LLMEngineSpec
+
     engine = LLMEngineSpec.for_replica(
         pipeline,
         stage_id,
