@@ -214,10 +214,11 @@ async def await_replacement(
     """Wait until the registry lists service ``key`` with an incarnation started after
     ``started_ns`` (the launcher's replacement of a killed process: /health alone still counts the
     dead one until its registration expires)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    async def back() -> bool:
         now = {s["key"]: s for s in (await snapshot(nats_url, pipeline))["services"]}
-        if key in now and now[key]["started_ns"] > started_ns:
-            return
-        await asyncio.sleep(0.5)
-    raise AssertionError(f"{key} did not come back within {timeout_s:.0f} s")
+        return key in now and now[key]["started_ns"] > started_ns
+
+    await until(
+        back, f"{key} back (an incarnation started after the kill registered)", timeout_s, every_s=0.5
+    )

@@ -115,8 +115,8 @@ class Streams:
 
     async def admitted(self, kv: KeyValue, pipeline: str, timeout_s: float = 60.0) -> set[str]:
         """The request ids of the streams, once each has its record."""
-        deadline = time.monotonic() + timeout_s
-        while len(self.ids) < len(self.seen):
+
+        async def all_admitted() -> bool:
             for key in await bucket_keys(self.nc, REQUESTS_BUCKET) - self.before - self.ids:
                 with contextlib.suppress(KeyNotFoundError):
                     rec = await record(kv, key)
@@ -124,8 +124,11 @@ class Streams:
                         self.ids.add(key)
                     else:
                         self.before.add(key)
-            assert time.monotonic() < deadline, f"{len(self.ids)} of {len(self.seen)} admitted"
-            await asyncio.sleep(0.02)
+            return len(self.ids) >= len(self.seen)
+
+        await until(
+            all_admitted, f"a record for each of the {len(self.seen)} streams", timeout_s, every_s=0.02
+        )
         return self.ids
 
     async def finish(self, timeout_s: float = 180.0) -> None:
@@ -280,14 +283,15 @@ async def until_record(
     """The request's record once ``check`` holds for it (read every 20 ms; a read the broker does
     not answer in time is read again: the broker goes quiet for seconds on a loaded box, see
     docs/reliability.md)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    async def holds() -> RequestRecord | None:
         with contextlib.suppress(KeyNotFoundError, NatsTimeoutError):
             rec = await record(kv, request_id)
             if check(rec):
                 return rec
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"request {request_id}: not {what} within {timeout_s} s")
+        return None
+
+    return await until(holds, f"request {request_id}: {what}", timeout_s, every_s=0.02)
 
 
 def moved(rec: RequestRecord) -> bool:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
 
 from libs.common.envelopes import Admission, decode
+from libs.stack.processes import wait_for
 from services.gateway.errors import APIError
 from services.gateway.schemas import Health
 
@@ -44,10 +44,12 @@ def served(app: Any, start_timeout_s: float = 30.0, **options: Any) -> Iterator[
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + start_timeout_s
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-            time.sleep(0.02)
+
+        def started() -> bool:
+            assert server.started or thread.is_alive(), "the server did not start (its thread ended)"
+            return server.started
+
+        wait_for(started, "the server started", start_timeout_s, every_s=0.02)
         yield server
     finally:
         server.should_exit = True

@@ -7,8 +7,6 @@ slowest part of those modules to start, start once per session (``thinker_pair``
 
 from __future__ import annotations
 
-import asyncio
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from nats.errors import Error as NatsError
 from openai import AsyncOpenAI
 
 from libs.common.subjects import Subjects
+from libs.stack.processes import until
 from tests.pipeline_services import Services
 from tests.procs import THINKER_YAML, ServiceProcess, start_service, write_pipeline
 
@@ -111,18 +110,25 @@ class ThinkerPair:
         2026-11-26), and the test's orchestrators judged it stalled besides the replica the test
         killed."""
         nc = await nats.connect(self.nats_url)
+
+        async def settled(r: int) -> None:
+            subject, in_row = Subjects(PIPELINE).alive(0, r), 0
+
+            async def answered_in_row() -> bool:
+                nonlocal in_row
+                try:
+                    await nc.request(subject, b"", timeout=PROBE_WAIT_S)
+                    in_row += 1
+                except NatsError:
+                    in_row = 0
+                return in_row >= SETTLED_PROBES
+
+            what = f"thinker {r} answering {SETTLED_PROBES} probes in a row promptly"
+            await until(answered_in_row, what, timeout_s, every_s=PROBE_EVERY_S)
+
         try:
             for r in replicas:
-                subject, in_row = Subjects(PIPELINE).alive(0, r), 0
-                deadline = time.monotonic() + timeout_s
-                while in_row < SETTLED_PROBES:
-                    assert time.monotonic() < deadline, f"thinker {r} did not answer its probes promptly"
-                    try:
-                        await nc.request(subject, b"", timeout=PROBE_WAIT_S)
-                        in_row += 1
-                    except NatsError:
-                        in_row = 0
-                    await asyncio.sleep(PROBE_EVERY_S)
+                await settled(r)
         finally:
             await nc.close()
 

@@ -117,17 +117,15 @@ def _longest_pause(seen: Seen, down: float) -> float:
 async def _stage0_done_ns(nats_url: str, request_id: str, timeout_s: float = 10.0) -> int:
     """When the thinker finished ``request_id`` (its record hears of it a little after the client
     has the last token), wall clock ns."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    async def done_ns() -> int | None:
         rec = None
         # After a node's death the bucket's own stream may still be electing its leader (503).
         with contextlib.suppress(ServiceUnavailableError, NatsTimeoutError):
             rec = await request_record(nats_url, request_id)
-        done = rec and rec["stages"][0]["done_ns"]
-        if done or time.monotonic() > deadline:
-            assert done, rec
-            return done
-        await asyncio.sleep(0.2)
+        return rec and rec["stages"][0]["done_ns"]
+
+    return await until(done_ns, f"request {request_id}: stage 0 done in its record", timeout_s, every_s=0.2)
 
 
 async def _streams_under_way(client: AsyncOpenAI, model: str) -> tuple[list[Seen], list[asyncio.Task[None]]]:
@@ -135,17 +133,18 @@ async def _streams_under_way(client: AsyncOpenAI, model: str) -> tuple[list[Seen
     (``MIDWAY_TOKENS`` each, or ``LEAD_TOKENS`` in one)."""
     seen = [Seen() for _ in range(STREAMS)]
     tasks = [asyncio.create_task(_stream(client, model, s)) for s in seen]
-    deadline = time.monotonic() + 60
-    while not (
-        all(s.id for s in seen)  # every stream admitted (its first chunk came)
-        and (
+
+    def under_way() -> bool:
+        if all(s.id for s in seen) and (  # every stream admitted (its first chunk came)
             all(len(s.token_ids) >= MIDWAY_TOKENS for s in seen)
             or any(len(s.token_ids) >= LEAD_TOKENS for s in seen)
-        )
-    ):
+        ):
+            return True
         assert not any(t.done() for t in tasks), [str(s.error) for s in seen]
-        assert time.monotonic() < deadline, [len(s.token_ids) for s in seen]
-        await asyncio.sleep(0.02)
+        return False
+
+    what = f"{STREAMS} streams admitted, each {MIDWAY_TOKENS} tokens in or one {LEAD_TOKENS}"
+    await until(under_way, what, 60, every_s=0.02)
     return seen, tasks
 
 

@@ -171,10 +171,9 @@ async def _stop_replica(worker: ServiceProcess, what: str) -> list[int]:
     be left to stop after ``SIGCONT``.)"""
     pids = [worker.proc.pid, *descendants(worker.proc.pid)]
     os.killpg(worker.proc.pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 5
-    while any(process_state(p) != "T" for p in pids):
-        assert time.monotonic() < deadline, f"{what}: not every process stopped"
-        await asyncio.sleep(0.02)
+    await until(
+        lambda: all(process_state(p) == "T" for p in pids), f"{what}: every process stopped", 5, every_s=0.02
+    )
     return pids
 
 

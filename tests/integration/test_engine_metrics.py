@@ -47,6 +47,7 @@ from vllm.v1.spec_decode.metrics import SpecDecodingStats
 from libs.common.metrics_catalog import OMNI_REGISTRY
 from libs.common.metrics_server import exposition_registry
 from libs.common.pipeline import DEFAULT_PIPELINE_PATH, load_pipeline
+from libs.stack.processes import until
 from services.stage_worker.engine_metrics import EngineIdentity, prometheus_logger_class
 from services.stage_worker.handlers.llm import LLMHandler
 from services.stage_worker.handlers.thinker import ThinkerHandler
@@ -404,14 +405,11 @@ class TestLogStatsOn:
         assert on.idle == dict.fromkeys(GAUGES, 0.0), on.idle
 
     async def test_periodic_log_line_is_prefixed(self, on: OnEngine) -> None:
-        deadline = time.monotonic() + 4 * LOG_INTERVAL_S
-        lines: list[str] = []
-        while time.monotonic() < deadline and not lines:
-            await asyncio.sleep(0.2)
-            lines = [
-                r.getMessage() for r in on.log_lines.records if "Avg prompt throughput" in r.getMessage()
-            ]
-        assert lines, "no periodic stats line"
+
+        def stats_lines() -> list[str]:
+            return [r.getMessage() for r in on.log_lines.records if "Avg prompt throughput" in r.getMessage()]
+
+        lines = await until(stats_lines, "a periodic stats line", 4 * LOG_INTERVAL_S, every_s=0.2)
         print(f"log_stats on: {lines[0]}")
         for line in lines:
             assert line.startswith("stage 0 (thinker) replica 0: Avg prompt throughput: "), line

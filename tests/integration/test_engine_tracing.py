@@ -36,6 +36,7 @@ from vllm.inputs import TokensPrompt
 
 from libs.common import tracing
 from libs.common.pipeline import DEFAULT_PIPELINE_PATH, PipelineConfig, load_pipeline
+from libs.stack.processes import wait_for
 from services.stage_worker.engine_core.step_tracing import (
     BATCH_SUMMARY_EVENT,
     BATCH_SUMMARY_REQUIRED,
@@ -163,8 +164,8 @@ def spans_where(otlp: Receiver, pred, n: int, timeout_s: float = 20.0) -> list[S
 def step_spans(otlp: Receiver, pid: int, timeout_s: float = 20.0) -> list[SpanRecord]:
     """Every scheduler_steps span of the EngineCore ``pid``, once the last one (ended by engine
     shutdown) and all before it have arrived."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def all_arrived() -> list[SpanRecord] | None:
         with otlp.lock:
             got = [
                 s
@@ -174,11 +175,14 @@ def step_spans(otlp: Receiver, pid: int, timeout_s: float = 20.0) -> list[SpanRe
         last = [s.attributes[SPAN_INDEX] for s in got if s.attributes.get(SPAN_LAST)]
         if last and sorted(s.attributes[SPAN_INDEX] for s in got) == list(range(last[0] + 1)):
             return got
-        if time.monotonic() > deadline:
-            with otlp.lock:
-                seen = [(s.name, s.service, s.attributes.get("omnirelay.engine.pid")) for s in otlp.spans]
-            raise AssertionError(f"{len(got)} scheduler_steps spans of pid {pid}, last {last}; seen {seen}")
-        time.sleep(0.1)
+        return None
+
+    try:
+        return wait_for(all_arrived, f"every scheduler_steps span of pid {pid}", timeout_s, every_s=0.1)
+    except RuntimeError as e:
+        with otlp.lock:
+            seen = [(s.name, s.service, s.attributes.get("omnirelay.engine.pid")) for s in otlp.spans]
+        raise AssertionError(f"{e}; seen {seen}") from None
 
 
 def parents_in_trace(rate: float, want: bool, n: int) -> list[Span]:

@@ -30,6 +30,7 @@ from vllm.utils.network_utils import get_open_zmq_ipc_path
 from libs.common.metrics_catalog import ENGINE_PROCESSES
 from libs.common.metrics_server import exposition_registry
 from libs.common.pipeline import DEFAULT_PIPELINE_PATH, load_pipeline
+from libs.stack.processes import wait_for
 from services.stage_worker.engine_core import wait_plugin
 from services.stage_worker.engine_core.wait_plugin import NAP_ENV, SPIN_ENV, WaitPolicy
 from services.stage_worker.engine_executor import EXECUTOR_ARG
@@ -61,14 +62,17 @@ def reader(monkeypatch: pytest.MonkeyPatch):
     # Until the subscription has reached the publisher (ZeroMQ drops what comes before): each try
     # sends a token of its own, and the handshake ends when the latest one arrives. Earlier ones
     # came before it (one socket keeps its order), so none is still on its way to disturb a wait.
-    deadline = time.monotonic() + 10
     token, arrived = 0, -1
-    while arrived != token:
-        assert time.monotonic() < deadline, "the notification socket never connected"
+
+    def latest_arrived() -> bool:
+        nonlocal token, arrived
         token += 1
         writer.local_notify_socket.send(token.to_bytes(4, "big"))
-        while arrived != token and r.local_notify_socket.poll(50):
+        while arrived != token and r.local_notify_socket.poll(50):  # the poll: up to 50 ms
             arrived = int.from_bytes(r.local_notify_socket.recv(), "big")
+        return arrived == token
+
+    wait_for(latest_arrived, "the notification socket connected", 10, every_s=0)
     yield r, writer
     ctx.destroy(linger=0)
 

@@ -57,14 +57,15 @@ async def test_topology_gets_a_replica_on_every_server_and_scales_what_exists(cl
     kv = await one.jetstream().key_value(REQUESTS_BUCKET)
     # A stream just created on one node of a cluster is not heard on every node at once: a write
     # may meet "no responders" for a moment (a service's write is tried again when that happens).
-    deadline = time.monotonic() + 10.0
-    while True:
+
+    async def created() -> bool:
         try:
             await kv.create("r1", b"{}")
-            break
+            return True
         except NoRespondersError:
-            assert time.monotonic() < deadline, "the new bucket never took a write"
-            await asyncio.sleep(0.1)
+            return False
+
+    await until(created, "the new bucket taking a write", 10.0, every_s=0.1)
     assert (await kv.get("r1")).value == b"{}"
     await one.close()
     # ... a client given every server scales them to 3.
@@ -74,15 +75,20 @@ async def test_topology_gets_a_replica_on_every_server_and_scales_what_exists(cl
         await ensure_topology(js, subjects)
         names = [subjects.requests_stream, subjects.stages_stream, subjects.events_stream]
         names += [f"KV_{b}" for b in (SERVICES_BUCKET, REQUESTS_BUCKET, EVICTIONS_BUCKET)]
-        deadline = time.monotonic() + 10.0  # the servers add the new peers after the update returns
-        for name in names:
-            info = await js.stream_info(name)
+        infos = {name: await js.stream_info(name) for name in names}
+        for name, info in infos.items():
             assert info.config.num_replicas == 3, name
             # a follower's direct-get answer could lag what its leader acknowledged
             assert not info.config.allow_direct, name
-            while len(info.cluster.replicas or []) < 2 and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
-                info = await js.stream_info(name)
+
+        async def peers_added() -> bool:  # the servers add the new peers after the update returns
+            for name, info in infos.items():
+                if len(info.cluster.replicas or []) < 2:
+                    infos[name] = await js.stream_info(name)
+            return all(len(info.cluster.replicas or []) >= 2 for info in infos.values())
+
+        await until(peers_added, f"two followers of each of {names}", 10.0, every_s=0.1)
+        for name, info in infos.items():
             assert info.cluster.leader and len(info.cluster.replicas or []) == 2, f"{name}: {info.cluster}"
     finally:
         await nc.close()

@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,7 @@ from libs.stack.local_nats import free_port, nats_server_argv
 from libs.stack.local_stack import Stack
 from libs.stack.nats_security import SECRETS_DIR, NatsSecurity, prepare
 from libs.stack.nats_tls import ensure_ca
+from libs.stack.processes import until, wait_for
 from tests.client_streams import ended, until_record
 from tests.conftest import wait_port
 from tests.procs import stop_process
@@ -83,11 +83,19 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while (info := read_live_stack(data_dir)) is None:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"up did not come up (exit {proc.poll()}):\n{log.read_text()[-5000:]}")
-            time.sleep(1)
+
+        def live() -> StackInfo | None:
+            info = read_live_stack(data_dir)
+            if info is None and proc.poll() is not None:
+                raise RuntimeError("up exited")
+            return info
+
+        try:
+            info = wait_for(live, "up's live stack", START_TIMEOUT_S, every_s=1)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"up did not come up ({e}; exit {proc.poll()}):\n{log.read_text()[-5000:]}"
+            ) from None
         yield Up(info, data_dir, f"http://127.0.0.1:{port}")
     finally:
         stop_process(proc, signal.SIGINT, 60)
@@ -110,10 +118,11 @@ class Client:
 
     async def violation(self, subject: str) -> None:
         """Wait until the server has reported a permissions violation naming ``subject``."""
-        deadline = time.monotonic() + WAIT_S
-        while not any("permissions violation" in e and subject.lower() in e for e in self.errors):
-            assert time.monotonic() < deadline, f"no violation for {subject}: {self.errors}"
-            await asyncio.sleep(0.05)
+        await until(
+            lambda: any("permissions violation" in e and subject.lower() in e for e in self.errors),
+            f"a permissions violation for {subject}",
+            WAIT_S,
+        )
 
 
 async def _as(up: Up, identity: str) -> Client:
@@ -124,10 +133,7 @@ async def _as(up: Up, identity: str) -> Client:
 
 async def _received(sub, want: int) -> list[bytes]:
     """The payloads ``sub`` received once it has ``want`` of them (fails after WAIT_S)."""
-    deadline = time.monotonic() + WAIT_S
-    while sub.pending_msgs < want:
-        assert time.monotonic() < deadline, f"{sub.subject}: {sub.pending_msgs} of {want} messages"
-        await asyncio.sleep(0.05)
+    await until(lambda: sub.pending_msgs >= want, f"{sub.subject}: {want} messages", WAIT_S)
     return [(await sub.next_msg(timeout=1)).data for _ in range(sub.pending_msgs)]
 
 

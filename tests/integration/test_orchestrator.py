@@ -36,6 +36,7 @@ from libs.common.publish import publish_lifecycle
 from libs.common.records import RequestRecord, RequestStatus, StageProgress
 from libs.common.registry import ServiceKind, ServiceRecord
 from libs.common.subjects import ORCHESTRATOR_ADMISSION_CONSUMER, Subjects
+from libs.stack.processes import until
 from services.orchestrator.admission import MAX_CONCURRENT_ADMISSIONS
 from services.orchestrator.orchestrator import HEALTH_PERIOD_S, LOOP_LAG_PERIOD_S
 from tests.metrics_scrape import Samples, delta, scrape, total
@@ -266,26 +267,26 @@ async def counted(
     """Wait until counter ``name`` (with ``labels``) has grown by ``want`` since ``before``: it is
     incremented just after the work it counts is visible, so a scrape right after may be early.
     More than ``want``, or not within ``timeout_s``, fails."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    got = 0.0
+
+    async def grown() -> bool:
+        nonlocal got
         got = delta(before, await asyncio.to_thread(scrape, url), name, **labels)
-        if got >= want or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.05)
+        return got >= want
+
+    await until(grown, f"{name}{labels} grown by {want}", timeout_s)
     assert got == want, f"{name}{labels} grew by {got}, expected {want}"
 
 
 async def gauge_until(url: str, name: str, ok, timeout_s: float = 10.0, **labels) -> float:
     """Poll gauge ``name`` until ``ok(value)``; its value then (fails after ``timeout_s``)."""
-    deadline = time.monotonic() + timeout_s
-    seen = []
-    while True:
+
+    async def value_if_ok() -> tuple[float] | None:
         value = total(await asyncio.to_thread(scrape, url), name, **labels)
-        seen.append(value)
-        if ok(value):
-            return value
-        assert time.monotonic() < deadline, f"{name}{labels}: {seen[-20:]}"
-        await asyncio.sleep(0.05)
+        return (value,) if ok(value) else None  # a tuple: 0.0 may be the value waited for
+
+    (value,) = await until(value_if_ok, f"{name}{labels} as wanted", timeout_s)
+    return value
 
 
 async def test_admission_outcomes_are_exported(orchestrator, nc) -> None:

@@ -27,6 +27,7 @@ from openai import AsyncOpenAI
 from libs.common.bus import LIMITS, requests_kv, services_kv
 from libs.common.records import RequestRecord
 from libs.common.subjects import EVICTIONS_BUCKET, ORCHESTRATOR_ADMISSION_CONSUMER, Subjects
+from libs.stack.processes import until
 from tests.client_streams import (
     Streams,
     Wire,
@@ -281,16 +282,15 @@ async def _forgotten(nc, replica: int, orchestrators: list[Orchestrator], timeou
     2026-11-26 the replica had died 5 s before the test's orchestrators started, and they routed
     to it for another 6 s)."""
     kv = await services_kv(nc.jetstream())
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    async def unregistered() -> bool:
         try:
             await kv.get(f"worker.{PIPELINE}.0.{replica}")
         except KeyNotFoundError:
-            break
-        assert time.monotonic() < deadline, (
-            f"thinker {replica} is still registered {timeout_s} s after its death"
-        )
-        await asyncio.sleep(0.25)
+            return True
+        return False
+
+    await until(unregistered, f"thinker {replica} unregistered after its death", timeout_s, every_s=0.25)
     aged = max(o.started for o in orchestrators) + LIMITS.service_ttl_s + VIEW_MARGIN_S
     await asyncio.sleep(max(VIEW_MARGIN_S, aged - time.monotonic()))
 

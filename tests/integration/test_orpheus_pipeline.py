@@ -24,20 +24,23 @@ e) ``/v1/audio/speech``: the input's sentences are the talker's input, spoken in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import httpx
 import numpy as np
 import openai
 import pytest
+from nats.errors import TimeoutError as NatsTimeoutError
 
 from benchmarks.process_table import descendants
 from libs.common.bus import requests_kv
-from libs.common.envelopes import StageTask
+from libs.common.envelopes import Liveness, StageTask, decode
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt
 from libs.models.tiny import resolve_model
 from libs.stack.processes import until
@@ -524,8 +527,11 @@ async def test_a_speech_client_that_hangs_up_mid_stream_stops_the_request_in_eve
     stack, capture, nc
 ) -> None:
     """The client reads the first bytes of a long speech and closes the connection: the talker and
-    code2wav replicas that held the request stop it (their logs say so) and it ends aborted."""
-    base_url, workers = stack.base_url, workers_of(stack)
+    code2wav replicas that held the request stop it and it ends aborted. Both held it (the talker
+    sent code chunks, code2wav the client's first bytes); each then holds no request (its answer
+    to the orchestrators' liveness probe) though neither finished its part (the talker never sent
+    the last code chunk, and the record has no stage done)."""
+    base_url = stack.base_url
     text = " ".join(f"Sentence number {i} rolls on like the sea." for i in range(12))
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
         body = {"model": MODEL, "input": text, "voice": "tara", "response_format": "pcm"}
@@ -537,7 +543,7 @@ async def test_a_speech_client_that_hangs_up_mid_stream_stops_the_request_in_eve
                     break
     talker = capture.codes[rid][0][0]
     for name in (f"talker{talker}", "code2wav"):
-        await workers[name].await_log(f"request {rid} stopped (client disconnected)", timeout_s=30)
+        await until(partial(holds_none, nc, name), f"{name} holding no request ({rid} stopped)", timeout_s=30)
     sent = len(capture.codes[rid])
     await asyncio.sleep(0.5)  # a stopped talker sends nothing more
     assert len(capture.codes[rid]) == sent
@@ -548,6 +554,17 @@ async def test_a_speech_client_that_hangs_up_mid_stream_stops_the_request_in_eve
         return (await record(kv, rid)).status == RequestStatus.ABORTED
 
     await until(aborted, "the request's record aborted", timeout_s=10)
+    rec = await record(kv, rid)
+    assert [s.done_ns for s in rec.stages[1:]] == [None, None], "a stage finished its part anyway"
+
+
+async def holds_none(nc, name: str) -> bool:
+    """Whether worker ``name`` (:data:`WORKERS`) says, in its liveness answer, that it holds no
+    request (an answer not given within a second counts as no)."""
+    with contextlib.suppress(NatsTimeoutError):
+        reply = await nc.request(SUBJECTS.alive(*WORKERS[name]), b"", timeout=1.0)
+        return decode(Liveness, reply.data).in_flight == 0
+    return False
 
 
 MOVE_SENTENCES = [f"Wave number {i} broke on the old stone pier." for i in range(8)]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+from libs.stack.processes import wait_for
 from services.stage_worker.engine_priority import lowered_children
 
 SLEEPER = [
@@ -31,10 +32,12 @@ def test_a_process_started_inside_runs_at_the_nice_value_while_the_body_still_ru
     try:
         with lowered_children(own + 7, every_s=0.02):
             child = subprocess.Popen(SLEEPER)
-            deadline = time.monotonic() + 5
-            while not (len(_threads(child.pid)) == 2 and _nices(child.pid) == {own + 7}):
-                assert time.monotonic() < deadline, (len(_threads(child.pid)), _nices(child.pid))
-                time.sleep(0.01)
+            wait_for(
+                lambda: len(_threads(child.pid)) == 2 and _nices(child.pid) == {own + 7},
+                f"both threads of the child at nice {own + 7}",
+                5,
+                every_s=0.01,
+            )
         assert os.getpriority(os.PRIO_PROCESS, 0) == own, "the worker's own thread was changed"
     finally:
         if child is not None:
@@ -46,10 +49,12 @@ def test_a_thread_already_lower_is_left_as_it_is() -> None:
     own = os.getpriority(os.PRIO_PROCESS, 0)
     child = subprocess.Popen(["nice", "-n", "12", *SLEEPER])  # nice adds to its own value
     try:
-        deadline = time.monotonic() + 5
-        while len(_threads(child.pid)) < 2 or _nices(child.pid) != {own + 12}:
-            assert time.monotonic() < deadline, _nices(child.pid)
-            time.sleep(0.01)
+        wait_for(
+            lambda: len(_threads(child.pid)) >= 2 and _nices(child.pid) == {own + 12},
+            f"both threads of the child at nice {own + 12}",
+            5,
+            every_s=0.01,
+        )
         with lowered_children(own + 7, every_s=0.02):
             time.sleep(0.1)
         assert _nices(child.pid) == {own + 12}

@@ -51,6 +51,7 @@ from tests.verification.fault_injection import (
     pids_of,
     proc_state,
     replaced,
+    until_back,
 )
 from tests.verification.fault_suite import PROMPT, reference
 
@@ -242,13 +243,13 @@ class Soak:
 async def _until(check, stack, what: str) -> None:
     """Poll the gateway's ``/health`` every second until ``check(body)`` holds (an unreadable
     answer is asked again); RuntimeError after :data:`BACK_WITHIN_S`."""
-    deadline = time.monotonic() + BACK_WITHIN_S
-    while time.monotonic() < deadline:
+
+    async def holds() -> bool:
         with contextlib.suppress(Exception):
-            if check(await health(stack)):
-                return
-        await asyncio.sleep(1.0)
-    raise RuntimeError(f"no {what} within {BACK_WITHIN_S:.0f} s")
+            return bool(check(await health(stack)))
+        return False
+
+    await until_back(holds, what, BACK_WITHIN_S)
 
 
 async def take_references(client, concurrency: int) -> dict[tuple[str, int, bool], Seen]:

@@ -22,6 +22,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from libs.common.subjects import (
     kv_stream,
 )
 from libs.stack.local_stack import Stack
-from libs.stack.processes import Process, wait_for
+from libs.stack.processes import Process, until, wait_for
 
 REPLICAS = 2
 """Replicas of every stage in :data:`~benchmarks.chat_streams.TWO_REPLICA_PIPELINE`."""
@@ -371,6 +372,16 @@ class Injector:
         nats_healthy(node, self.stack.monitors[node.name], 60)
 
 
+async def until_back(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float) -> None:
+    """:func:`~libs.stack.processes.until` asking every second, failing with ``RuntimeError``: what
+    a run reports as its failure (``benchmarks.harness.run_with_stacks``), and the chaos soak as a
+    victim that did not come back."""
+    try:
+        await until(check, what, timeout_s, every_s=1.0)
+    except AssertionError as e:
+        raise RuntimeError(str(e)) from None
+
+
 async def health(stack: Stack) -> dict:
     """The gateway's ``/health`` body (``status``, ``orchestrators``, live replicas per stage in
     ``stages``, keyed ``<id>:<name>``); raises on no answer."""
@@ -384,13 +395,12 @@ async def healthy(stack: Stack, timeout_s: float = 300.0) -> None:
     """Wait until every declared replica is live again (``/health`` status ``ok``)."""
     import httpx
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    async def ok() -> bool:
         with contextlib.suppress(httpx.HTTPError):
-            if (await health(stack)).get("status") == "ok":
-                return
-        await asyncio.sleep(1.0)
-    raise RuntimeError(f"the stack did not heal within {timeout_s:.0f} s")
+            return (await health(stack)).get("status") == "ok"
+        return False
+
+    await until_back(ok, "the stack healed (every declared replica live)", timeout_s)
 
 
 async def incarnation(stack: Stack, stage: int, replica: int) -> int:
@@ -417,14 +427,13 @@ async def replaced(stack: Stack, stage: int, replica: int, before_ns: int, timeo
     """Wait until a new incarnation of the worker (stage, replica) has registered (its engine is
     up: a worker registers after its engine has started). A registry that cannot be read (the
     broker is down) is read again a second later."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    async def registered() -> bool:
         with contextlib.suppress(Exception):
-            if await incarnation(stack, stage, replica) > before_ns:
-                return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"worker {stage}/{replica} was not replaced within {timeout_s:.0f} s")
-        await asyncio.sleep(1.0)
+            return await incarnation(stack, stage, replica) > before_ns
+        return False
+
+    await until_back(registered, f"worker {stage}/{replica} replaced", timeout_s)
 
 
 async def orchestrator_replaced(stack: Stack, after_ns: int, timeout_s: float = 300.0) -> None:
@@ -451,11 +460,9 @@ async def orchestrator_replaced(stack: Stack, after_ns: int, timeout_s: float = 
         finally:
             await nc.close()
 
-    deadline = time.monotonic() + timeout_s
-    while True:
+    async def registered() -> bool:
         with contextlib.suppress(Exception):
-            if await newest() > after_ns:
-                return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no orchestrator replaced the killed one within {timeout_s:.0f} s")
-        await asyncio.sleep(1.0)
+            return await newest() > after_ns
+        return False
+
+    await until_back(registered, "an orchestrator replacing the killed one", timeout_s)
