@@ -123,6 +123,7 @@ async def run_stack(
 
     stop = shutdown_event()
     stack = Stack(data_dir, stop_timeout_s=STOP_TIMEOUT_S)
+    stack.prefix_width = max(len(f"{s.name}-{r}") for s in pipeline.stages for r in range(s.replicas)) + 1
     admin_port = admin_port or free_port()
 
     def start() -> NatsSecurity | None:

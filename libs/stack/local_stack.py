@@ -75,6 +75,7 @@ class Stack:
         self.base_url = ""
         """The gateway's root URL (``/health``; the OpenAI API below ``/v1``)."""
         self.prefix_width = 12
+        """How wide the name before each copied output line is (without a ``log_dir``)."""
         self._stopping = False
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str], **options: object) -> Process:
@@ -181,7 +182,6 @@ class Stack:
     ) -> None:
         """Start every planned service (``extra_env``: what a service adds to its planned
         environment, such as its NATS identity); the gateway serves on ``port``."""
-        self.prefix_width = max(len(s.name) for s in specs) + 1
         self.base_url = f"http://127.0.0.1:{port}"
         for spec in specs:
             self.spawn(spec.name, spec.argv, {**spec.env, **(extra_env(spec) if extra_env else {})})
