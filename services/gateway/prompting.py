@@ -3,6 +3,10 @@ limits checked here so bad input is answered before anything is queued."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from libs.common.envelopes import Sampling
 from libs.common.pipeline import PipelineConfig
 from libs.common.voices import UnknownVoice, resolve_voice, talker_config
@@ -15,18 +19,42 @@ from services.gateway.schemas import (
     InputAudio,
 )
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 AUDIO_FORMATS = ("wav", "mp3", "flac", "opus", "pcm16")
 """``audio.format`` values served (OpenAI's list). Streamed audio is always raw PCM16 chunks, as
 OpenAI streams it; a non-streamed answer is the whole file in the format."""
+
+
+GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+"""``tokenizer_class`` values naming transformers' generic fast tokenizer (its name before and
+since transformers 5): the class ``AutoTokenizer`` picks for them, built here directly."""
+
+
+def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer ``AutoTokenizer`` loads from ``model_path``. A model directory whose
+    ``tokenizer_config.json`` names the generic fast tokenizer gets that class directly:
+    ``AutoTokenizer`` would first import its model configuration classes, and with them torch
+    (about 2.5 s of a core for a gateway that runs no model)."""
+    config = Path(model_path) / "tokenizer_config.json"
+    if (
+        config.is_file()
+        and json.loads(config.read_text()).get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES
+    ):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(model_path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
 
 
 class Tokenizer:
     """The thinker's tokenizer (loaded with transformers from the stage's model directory)."""
 
     def __init__(self, model_path: str) -> None:
-        from transformers import AutoTokenizer
-
-        self._tok = AutoTokenizer.from_pretrained(model_path)
+        self._tok = load_tokenizer(model_path)
         self._tok.model_max_length = 1 << 62  # the limit is checked here, against the engine's max_model_len
 
     def chat(self, messages: list[dict[str, str]]) -> list[int]:

@@ -58,3 +58,25 @@ async def test_through_the_app_nothing_is_queued(
         assert client.published == [] and not app.state.concurrency.running
         body["messages"] = [{"role": "user", "content": "hi"}]
         assert (await h.post("/v1/chat/completions", json=body)).status_code == REFUSED  # reaches the bus
+
+
+@pytest.mark.parametrize("model", ["tiny-thinker", "tiny-orpheus"])
+def test_the_gateways_tokenizer_gives_the_ids_autotokenizer_gives(model: str) -> None:
+    """The gateway builds the generic fast tokenizer directly (no torch in the gateway); the ids
+    of prompts, texts and chats are those of the tokenizer vLLM's own server loads
+    (``AutoTokenizer``)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model(model)
+    ours, auto = Tokenizer(path), AutoTokenizer.from_pretrained(path)
+    assert type(ours._tok) is type(auto)
+    for text in ("Hello!", "  spaces and\ttabs\nnew lines ", "ünïcödé ✓ 中文", ""):
+        assert ours.text(text) == auto.encode(text, add_special_tokens=True)
+        assert ours.words(text) == auto.encode(text, add_special_tokens=False)
+    if auto.chat_template:
+        chat = [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Tell me about the sea."},
+        ]
+        rendered = auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        assert ours.chat(chat) == auto.encode(rendered, add_special_tokens=False)
