@@ -38,6 +38,8 @@ class Seen:
     at: list[float] = field(default_factory=list)
     """When each chunk with tokens or audio arrived (a response not streamed: one arrival)."""
     usage_tokens: int | None = None
+    """``usage.completion_tokens``."""
+    finish_reason: str | None = None
     audio_bytes: int = 0
     error: str | None = None
     """A failure: the OpenAI error's ``code``, else the exception's type name."""
@@ -73,6 +75,7 @@ def _chunk_seen(seen: Seen, chunk, now: float) -> None:
         if ids or data:
             seen.at.append(now)
         seen.token_ids += ids
+        seen.finish_reason = chunk.choices[0].finish_reason or seen.finish_reason
         seen.text += delta.content or (delta.audio.transcript if delta.audio is not None else None) or ""
         if data:
             pcm = base64.b64decode(data)
@@ -89,6 +92,7 @@ def _message_seen(seen: Seen, r, now: float) -> None:
     seen.id = r.id
     message = r.choices[0].message
     seen.token_ids = (r.choices[0].model_extra or {}).get("token_ids") or []
+    seen.finish_reason = r.choices[0].finish_reason
     data = message.audio.data if message.audio is not None else None
     seen.text = message.content or (message.audio.transcript if message.audio is not None else "") or ""
     if seen.token_ids or data:

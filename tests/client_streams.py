@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import openai
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
@@ -23,6 +22,7 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 from openai import AsyncOpenAI
 
+from benchmarks.chat_streams import Seen, send
 from libs.common.bus import bucket_keys as listed_keys
 from libs.common.envelopes import ClientEvent, ClientEventType, Liveness, decode
 from libs.common.records import RequestRecord
@@ -31,48 +31,6 @@ from libs.stack.processes import until
 from tests.bus import client_events
 
 PROMPT = "Tell me everything about the sea."
-
-
-@dataclass
-class Seen:
-    """What one client saw of its stream (``time.monotonic()`` readings)."""
-
-    id: str = ""
-    """The request id (the chunks' ``id``)."""
-    token_ids: list[int] = field(default_factory=list)
-    tokens: int | None = None
-    """``usage.completion_tokens``."""
-    finish_reason: str | None = None
-    error: str | None = None
-    last_at: float | None = None
-    """When the last chunk with tokens arrived."""
-
-
-async def stream_chat(client: AsyncOpenAI, model: str, seen: Seen, max_tokens: int) -> None:
-    """One greedy streamed chat completion of ``max_tokens`` tokens (``ignore_eos``), recorded in
-    ``seen``; an API error is recorded, not raised."""
-    try:
-        stream = await client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": PROMPT}],
-            max_tokens=max_tokens,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True, "return_token_ids": True},
-        )
-        async for chunk in stream:
-            seen.id = chunk.id
-            if chunk.choices:
-                ids = (chunk.choices[0].model_extra or {}).get("token_ids") or []
-                if ids:
-                    seen.token_ids += ids
-                    seen.last_at = time.monotonic()
-                seen.finish_reason = chunk.choices[0].finish_reason or seen.finish_reason
-            if chunk.usage is not None:
-                seen.tokens = chunk.usage.completion_tokens
-    except openai.APIError as e:
-        seen.error = f"{type(e).__name__}: {getattr(e, 'code', None)}: {e}"
 
 
 async def until_tokens(seen: Seen, task: asyncio.Task[None], count: int, timeout_s: float = 120.0) -> None:
@@ -110,7 +68,7 @@ class Streams:
         """``count`` streams of ``max_tokens`` tokens, started (returns at once)."""
         before, sent_ns = await bucket_keys(nc, REQUESTS_BUCKET), time.time_ns()
         seen = [Seen() for _ in range(count)]
-        tasks = [asyncio.create_task(stream_chat(client, model, s, max_tokens)) for s in seen]
+        tasks = [asyncio.create_task(send(client, model, s, PROMPT, max_tokens)) for s in seen]
         return cls(seen, tasks, nc, before, sent_ns)
 
     async def admitted(self, kv: KeyValue, pipeline: str, timeout_s: float = 60.0) -> set[str]:
@@ -324,7 +282,7 @@ def judge_moves(
     for s in streams.seen:
         rec = records[s.id]
         assert s.error is None, s.error
-        assert (s.tokens, len(s.token_ids), s.finish_reason) == (max_tokens, max_tokens, "length"), s.id
+        assert (s.usage_tokens, len(s.token_ids), s.finish_reason) == (max_tokens, max_tokens, "length"), s.id
         assert rec.status.value == "completed", rec
         if s.id in moved_ids:
             assert attempts_of(rec) == attempts, (s.id, attempts_of(rec))

@@ -226,6 +226,7 @@ class Process:
     def supervise(self, policy: RestartPolicy, note: Callable[[str], None]) -> None:
         """From now on, start the process again whenever it exits, as ``policy`` says (in a thread
         of this process); ``note`` gets one line per exit and one per restart."""
+        self._stopping.clear()  # a process stopped and started again may be supervised again
         self._supervisor = self._thread(self._keep_running, policy, note)
 
     def _keep_running(self, policy: RestartPolicy, note: Callable[[str], None]) -> None:

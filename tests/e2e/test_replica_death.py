@@ -12,15 +12,13 @@ import json
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 
 import httpx
 import nats
-import openai
 import pytest
 from nats.js.errors import KeyNotFoundError
-from openai import AsyncOpenAI
 
+from benchmarks.chat_streams import Seen, send
 from libs.common.bus import requests_kv
 from libs.common.pipeline import load_pipeline
 from libs.stack.bus_state import request_record, snapshot
@@ -61,44 +59,6 @@ time of the kill (twice in a row: "no stream was moved by the fault")."""
 CLIENT_LAG_S = 3.0
 """How far the test's own client may run behind the server when a stall strikes (it reads six
 streams on a two-core box), seconds: its pause is that much shorter than the stall."""
-
-
-@dataclass
-class Seen:
-    """What one client saw of its stream (``time.monotonic()`` readings)."""
-
-    id: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    at: list[float] = field(default_factory=list)
-    """When each chunk with tokens arrived."""
-    tokens: int | None = None
-    finish_reason: str | None = None
-    error: openai.APIError | None = None
-
-
-async def _stream(client: AsyncOpenAI, model: str, seen: Seen) -> None:
-    try:
-        stream = await client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": PROMPT}],
-            max_tokens=MAX_TOKENS,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True, "return_token_ids": True},
-        )
-        async for chunk in stream:
-            seen.id = chunk.id
-            if chunk.choices:
-                ids = (chunk.choices[0].model_extra or {}).get("token_ids") or []
-                if ids:
-                    seen.token_ids += ids
-                    seen.at.append(time.monotonic())
-                seen.finish_reason = chunk.choices[0].finish_reason or seen.finish_reason
-            if chunk.usage is not None:
-                seen.tokens = chunk.usage.completion_tokens
-    except openai.APIError as e:
-        seen.error = e
 
 
 async def _reference(stack, pipeline) -> list[int]:
@@ -165,7 +125,10 @@ async def _streams_and_victim(stack, pipeline):
         kv = await requests_kv(nc.jetstream())
         for n in range(1, ROUNDS + 1):
             seen = [Seen() for _ in range(STREAMS)]
-            tasks = [asyncio.create_task(_stream(client, pipeline.served_model_name, s)) for s in seen]
+            tasks = [
+                asyncio.create_task(send(client, pipeline.served_model_name, s, PROMPT, MAX_TOKENS))
+                for s in seen
+            ]
             victim = await asyncio.wait_for(_midway_victim(kv, seen, tasks, timeline), 120)
             assert all(s.error is None for s in seen), [str(s.error) for s in seen if s.error]
             if victim is not None:
@@ -186,7 +149,7 @@ async def _moved(stack, seen: list[Seen], victim: int, reason: str, reference: l
     moved: dict[str, dict] = {}
     for s in seen:
         assert s.error is None, (s.id, s.error)
-        assert s.tokens == MAX_TOKENS, (s.id, s.tokens)
+        assert s.usage_tokens == MAX_TOKENS, (s.id, s.usage_tokens)
         assert len(s.token_ids) == MAX_TOKENS, (s.id, len(s.token_ids))
         assert s.finish_reason == "length", (s.id, s.finish_reason)
         # None missing, none repeated, none out of order: the greedy tokens of the same request

@@ -27,13 +27,14 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import ServiceUnavailableError
 from openai import AsyncOpenAI
 
+from benchmarks.chat_streams import Seen, send
 from libs.common.bus import bucket_keys, connect, evictions_kv
 from libs.common.subjects import EVICTIONS_BUCKET, Subjects
 from libs.stack.bus_state import request_record
 from libs.stack.local_nats import client_urls
 from libs.stack.processes import until
 from tests.conftest import NatsServer
-from tests.e2e.test_replica_death import Seen, _stream
+from tests.e2e.test_replica_death import PROMPT
 from tests.nats_cluster import node_of
 from tests.pipeline_services import Services
 from tests.procs import THINKER_YAML, gone, kill_confirmed, process_state, stop_confirmed, write_pipeline
@@ -100,7 +101,7 @@ async def _reference(client: AsyncOpenAI, model: str) -> list[int]:
     seen = Seen()
     for _ in range(60):
         seen = Seen()
-        await _stream(client, model, seen)
+        await send(client, model, seen, PROMPT, MAX_TOKENS)
         if seen.error is None:
             return seen.token_ids
         await asyncio.sleep(0.5)
@@ -132,7 +133,7 @@ async def _streams_under_way(client: AsyncOpenAI, model: str) -> tuple[list[Seen
     """``STREAMS`` streams of ``MAX_TOKENS``, returned once every one is admitted and under way
     (``MIDWAY_TOKENS`` each, or ``LEAD_TOKENS`` in one)."""
     seen = [Seen() for _ in range(STREAMS)]
-    tasks = [asyncio.create_task(_stream(client, model, s)) for s in seen]
+    tasks = [asyncio.create_task(send(client, model, s, PROMPT, MAX_TOKENS)) for s in seen]
 
     def under_way() -> bool:
         if all(s.id for s in seen) and (  # every stream admitted (its first chunk came)
@@ -184,7 +185,7 @@ async def test_streams_on_one_replica_survive_a_broker_restart(own_nats, bounce_
     assert all(d > back_ns for d in cut), (killed_ns, back_ns, done)
     for s in seen:
         assert s.token_ids == reference, (len(s.token_ids), s.id)
-        assert s.tokens == MAX_TOKENS and s.finish_reason == "length"
+        assert s.usage_tokens == MAX_TOKENS and s.finish_reason == "length"
     assert max(recovered, default=0.0) <= RECOVERY_LIMIT_S, recovered
     worker_log = bounce_stack.worker(0).text()
     assert "OutboundBufferLimitError" not in worker_log
@@ -321,6 +322,6 @@ async def test_streams_on_one_replica_survive_the_death_of_the_stream_leader(clu
     assert any(d > killed_ns for d in done), "the thinker had finished every stream before the kill"
     for s in seen:
         assert s.token_ids == reference, (len(s.token_ids), s.id)
-        assert s.tokens == MAX_TOKENS and s.finish_reason == "length"
+        assert s.usage_tokens == MAX_TOKENS and s.finish_reason == "length"
     worker_log = cluster_stack.worker(0).text()
     assert not re.search(r"request \S+ failed", worker_log)

@@ -31,6 +31,7 @@ import pytest
 from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
+from benchmarks.chat_streams import send
 from benchmarks.process_table import descendants
 from libs.common.bus import requests_kv
 from libs.common.envelopes import ClientEventType, Liveness, decode
@@ -41,6 +42,7 @@ from services.orchestrator.liveness import PROBE_PERIOD_S, PROBE_TIMEOUT_S
 from services.stage_worker.engine_health import ENGINE_DEAD_EXIT_STATUS, ENGINE_HUNG_EXIT_STATUS
 from services.stage_worker.progress import HUNG_AFTER_STALLS
 from tests.client_streams import (
+    PROMPT,
     Seen,
     Streams,
     Wire,
@@ -48,7 +50,6 @@ from tests.client_streams import (
     holding,
     judge_moves,
     records_at_end,
-    stream_chat,
     struck,
 )
 from tests.metrics_scrape import delta, scrape
@@ -136,7 +137,7 @@ async def streaming(pair: ThinkerPair, tokens: int = LONG, count: int = STREAMS)
     try:
         for _ in range(60):  # the orchestrator's registry view may not have a new worker yet
             warm = Seen()
-            await stream_chat(client, MODEL, warm, 8)
+            await send(client, MODEL, warm, PROMPT, 8)
             if warm.error is None:
                 break
             await asyncio.sleep(0.5)

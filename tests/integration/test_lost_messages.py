@@ -30,6 +30,7 @@ import pytest
 from nats.js.errors import NoStreamResponseError
 from openai import AsyncOpenAI
 
+from benchmarks.chat_streams import send
 from libs.common.bus import requests_kv
 from libs.common.envelopes import (
     ClientEvent,
@@ -43,12 +44,12 @@ from libs.common.envelopes import (
 from libs.common.subjects import BATCH_TOKEN, EVENT_KINDS, Subjects
 from libs.stack.local_nats import free_port
 from tests.client_streams import (
+    PROMPT,
     Seen,
     Wire,
     attempts_of,
     ended,
     record,
-    stream_chat,
     tokens_of,
     until_record,
 )
@@ -239,7 +240,7 @@ async def client_of(stack: Services) -> AsyncIterator[AsyncOpenAI]:
     try:
         for _ in range(60):
             warm = Seen()
-            await stream_chat(client, MODEL, warm, 8)
+            await send(client, MODEL, warm, PROMPT, 8)
             if warm.error is None:
                 break
             await asyncio.sleep(0.5)
@@ -268,7 +269,7 @@ async def test_a_lost_client_event_is_sent_again_by_its_worker(stack, fault, nc,
             fault.arm(lambda e: e.type == ClientEventType.TEXT_DONE)
         seen = [Seen() for _ in range(STREAMS)]
         t0 = time.monotonic()
-        await asyncio.wait_for(asyncio.gather(*(stream_chat(client, MODEL, s, LONG) for s in seen)), 180)
+        await asyncio.wait_for(asyncio.gather(*(send(client, MODEL, s, PROMPT, LONG) for s in seen)), 180)
         took_s = time.monotonic() - t0
         after = scrape(stack.metrics_url), scrape(stack.orchestrator.metrics_url)
     fault.pick = None
@@ -277,7 +278,7 @@ async def test_a_lost_client_event_is_sent_again_by_its_worker(stack, fault, nc,
     assert fault.answers_lost == ANSWERS_LOST, "the worker asked the gateway too few times"
     for s in seen:
         assert s.error is None, s.error
-        assert (s.tokens, len(s.token_ids), s.finish_reason) == (LONG, LONG, "length"), s.id
+        assert (s.usage_tokens, len(s.token_ids), s.finish_reason) == (LONG, LONG, "length"), s.id
         rec = await until_record(kv, s.id, ended, "ended")
         assert attempts_of(rec) == [(1, 0, None)], "a stream moved"
         assert s.token_ids == tokens_of(wire.text_events(s.id, 1)), (
@@ -310,7 +311,7 @@ async def test_a_lifecycle_event_no_stream_takes_is_published_again_until_one_do
         try:
             with pytest.raises(NoStreamResponseError):  # the fault holds: no stream takes the subject
                 await js.publish(SUBJECTS.event("finished"), b"", timeout=2)
-            await stream_chat(client, MODEL, seen, 64)
+            await send(client, MODEL, seen, PROMPT, 64)
             done = time.monotonic()
             while time.monotonic() - done < HOLD_S:
                 rec = await record(kv, seen.id)
@@ -322,7 +323,7 @@ async def test_a_lifecycle_event_no_stream_takes_is_published_again_until_one_do
         rec = await until_record(kv, seen.id, ended, "ended", timeout_s=15)
         ended_after_s = time.monotonic() - restored
     assert seen.error is None, seen.error
-    assert (seen.tokens, len(seen.token_ids), seen.finish_reason) == (64, 64, "length")
+    assert (seen.usage_tokens, len(seen.token_ids), seen.finish_reason) == (64, 64, "length")
     assert (rec.status.value, rec.finish_reason) == ("completed", "length"), rec
     assert "finished.0.1" in rec.events
     tries = stack.worker(0).text().count(f"request {seen.id}: lifecycle event finished not stored yet")

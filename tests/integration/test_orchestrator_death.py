@@ -337,7 +337,7 @@ async def test_a_replica_death_judged_by_two_orchestrators_is_counted_once(
             assert "no_live_replica" in s.error, s.error
             assert (rec.status.value, rec.error) == ("failed", "no_live_replica"), rec
         else:
-            assert (rec.status.value, s.tokens) == ("completed", LONG), (rec, s)
+            assert (rec.status.value, s.usage_tokens) == ("completed", LONG), (rec, s)
     assert NO_REPLICA_WAIT_S <= failed_after_s < 30, f"failed {failed_after_s:.1f} s after the kill"
     counted = [
         delta(b, a, "vllm:omni_replica_evictions_total", stage="0", replica=str(dead), reason="exit")
