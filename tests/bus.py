@@ -222,3 +222,20 @@ async def await_replacement(
     await until(
         back, f"{key} back (an incarnation started after the kill registered)", timeout_s, every_s=0.5
     )
+
+
+async def in_flight(
+    nc: Client, subjects: Subjects, stage: int, replica: int, timeout_s: float = 1.0
+) -> int | None:
+    """The requests a worker holds, as it says in its answer to the liveness probe the
+    orchestrators send; None when it does not answer within ``timeout_s`` (none subscribed, or a
+    broker or worker too slow)."""
+    with contextlib.suppress(nats.errors.Error):
+        reply = await nc.request(subjects.alive(stage, replica), b"", timeout=timeout_s)
+        return decode(Liveness, reply.data).in_flight
+    return None
+
+
+async def holds_nothing(nc: Client, subjects: Subjects, stage: int, replica: int) -> bool:
+    """Whether the worker answers its liveness probe holding no request (:func:`in_flight`)."""
+    return await in_flight(nc, subjects, stage, replica) == 0

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
@@ -24,11 +23,11 @@ from openai import AsyncOpenAI
 
 from benchmarks.chat_streams import Seen, send
 from libs.common.bus import bucket_keys as listed_keys
-from libs.common.envelopes import ClientEvent, ClientEventType, Liveness, decode
+from libs.common.envelopes import ClientEvent, ClientEventType
 from libs.common.records import RequestRecord
 from libs.common.subjects import REQUESTS_BUCKET, Subjects
 from libs.stack.processes import until
-from tests.bus import client_events
+from tests.bus import client_events, in_flight
 
 PROMPT = "Tell me everything about the sea."
 
@@ -130,13 +129,9 @@ async def holding(
     on a loaded box (the broker was silent for 5 s once)."""
 
     async def until_holding(replica: int) -> int:
-        subject = Subjects(pipeline).alive(0, replica)
-        while True:
-            with contextlib.suppress(NatsError):  # no answer in time, or none subscribed (exited)
-                reply = await nc.request(subject, b"", timeout=2.0)
-                if decode(Liveness, reply.data).in_flight >= n:
-                    return replica
-            await asyncio.sleep(0.05)
+        while (await in_flight(nc, Subjects(pipeline), 0, replica, timeout_s=2.0) or 0) < n:
+            await asyncio.sleep(0.05)  # no answer in time, or none subscribed (exited), or fewer
+        return replica
 
     watches = [asyncio.create_task(until_holding(r)) for r in replicas]
     try:

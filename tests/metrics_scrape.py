@@ -26,3 +26,16 @@ def total(samples: Samples, name: str, **labels: str) -> float:
 
 def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
     return total(after, name, **labels) - total(before, name, **labels)
+
+
+def bucket_of(before: Samples, after: Samples, name: str, **labels: str) -> tuple[float, float]:
+    """(lower, upper] edges of the histogram bucket that the one observation of ``name`` made
+    between the two scrapes fell in."""
+    les = sorted(
+        {dict(ls)["le"] for (n, ls) in after if n == f"{name}_bucket" and set(labels.items()) <= ls},
+        key=float,
+    )
+    counts = [delta(before, after, f"{name}_bucket", le=le, **labels) for le in les]
+    first = counts.index(1)
+    assert counts[first:] == [1] * (len(les) - first) and not any(counts[:first]), counts
+    return (float(les[first - 1]) if first else 0.0), float(les[first])

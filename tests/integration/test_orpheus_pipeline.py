@@ -24,7 +24,6 @@ e) ``/v1/audio/speech``: the input's sentences are the talker's input, spoken in
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import time
@@ -36,20 +35,20 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from nats.errors import TimeoutError as NatsTimeoutError
 
 from benchmarks.process_table import descendants
 from libs.common.bus import requests_kv
-from libs.common.envelopes import Liveness, StageTask, decode
+from libs.common.envelopes import StageTask
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt
 from libs.models.tiny import resolve_model
 from libs.stack.processes import until
 from services.stage_worker.codecs import load_codec_adapter
 from services.stage_worker.engine_health import ENGINE_DEAD_EXIT_STATUS
+from tests.bus import holds_nothing
 from tests.client_streams import record
 from tests.e2e.test_metrics import Player, _check_player
 from tests.e2e.test_speech import decoded
-from tests.metrics_scrape import Samples, delta, scrape
+from tests.metrics_scrape import Samples, bucket_of, delta, scrape
 from tests.orpheus_bus import (
     MODEL,
     PIPELINE,
@@ -181,19 +180,6 @@ STAGE_SLACK_S = 0.1
 its worker's clock) may differ from the same interval seen on the bus by the test's subscriber
 (first message to the stage published → ``audio_done`` published): delivery to the worker and the
 event loops of the worker and the subscriber."""
-
-
-def bucket_of(before: Samples, after: Samples, name: str, **labels: str) -> tuple[float, float]:
-    """(lower, upper] edges of the histogram bucket that the one observation of ``name`` made
-    between the two scrapes fell in."""
-    les = sorted(
-        {dict(ls)["le"] for (n, ls) in after if n == f"{name}_bucket" and set(labels.items()) <= ls},
-        key=float,
-    )
-    counts = [delta(before, after, f"{name}_bucket", le=le, **labels) for le in les]
-    first = counts.index(1)
-    assert counts[first:] == [1] * (len(les) - first) and not any(counts[:first]), counts
-    return (float(les[first - 1]) if first else 0.0), float(les[first])
 
 
 async def test_audio_and_transfer_metrics_are_what_the_client_and_the_bus_saw(stack, capture, nc) -> None:
@@ -543,7 +529,8 @@ async def test_a_speech_client_that_hangs_up_mid_stream_stops_the_request_in_eve
                     break
     talker = capture.codes[rid][0][0]
     for name in (f"talker{talker}", "code2wav"):
-        await until(partial(holds_none, nc, name), f"{name} holding no request ({rid} stopped)", timeout_s=30)
+        idle = partial(holds_nothing, nc, SUBJECTS, *WORKERS[name])
+        await until(idle, f"{name} holding no request ({rid} stopped)", timeout_s=30)
     sent = len(capture.codes[rid])
     await asyncio.sleep(0.5)  # a stopped talker sends nothing more
     assert len(capture.codes[rid]) == sent
@@ -556,15 +543,6 @@ async def test_a_speech_client_that_hangs_up_mid_stream_stops_the_request_in_eve
     await until(aborted, "the request's record aborted", timeout_s=10)
     rec = await record(kv, rid)
     assert [s.done_ns for s in rec.stages[1:]] == [None, None], "a stage finished its part anyway"
-
-
-async def holds_none(nc, name: str) -> bool:
-    """Whether worker ``name`` (:data:`WORKERS`) says, in its liveness answer, that it holds no
-    request (an answer not given within a second counts as no)."""
-    with contextlib.suppress(NatsTimeoutError):
-        reply = await nc.request(SUBJECTS.alive(*WORKERS[name]), b"", timeout=1.0)
-        return decode(Liveness, reply.data).in_flight == 0
-    return False
 
 
 MOVE_SENTENCES = [f"Wave number {i} broke on the old stone pier." for i in range(8)]
