@@ -32,19 +32,19 @@ from benchmarks.harness import (
     PROMPTS,
     Processes,
     RequestTiming,
-    answers_200,
     closed_loop,
     log,
     percentile,
     run_with_stacks,
     start_stack,
     timed_request,
+    wait_healthy,
 )
 from benchmarks.paired import table
 from benchmarks.process_table import cpu_share_pct, descendants, foreign_cpu_s, process_cpu_s
 from libs.common.pipeline import load_pipeline
 from libs.stack.local_stack import Stack
-from libs.stack.processes import Process, wait_for
+from libs.stack.processes import Process
 
 MOCK_PIPELINE = Path(__file__).resolve().parents[1] / "compose" / "pipelines" / "mock-text.yaml"
 SATURATED_PCT = 90.0
@@ -289,9 +289,7 @@ def _start_second_gateway(
         "OMNIRELAY_ADMIN_PORT": str(admin),
     }
     gw = procs.start("gateway-2", [sys.executable, "-m", "cli", "gateway"], env, signal.SIGTERM)
-    wait_for(
-        lambda: answers_200(f"http://127.0.0.1:{port}/health"), "gateway-2 healthy", 120, 0.25, watch=[gw]
-    )
+    wait_healthy(gw, port, 120)
     return gw, f"http://127.0.0.1:{port}/v1"
 
 

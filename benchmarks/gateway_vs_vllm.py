@@ -47,7 +47,6 @@ from benchmarks.harness import (
     Processes,
     RequestTiming,
     Target,
-    answers_200,
     engine_env,
     engine_flags,
     front_end_cores,
@@ -56,12 +55,12 @@ from benchmarks.harness import (
     run_load,
     run_with_stacks,
     start_stack,
+    wait_healthy,
 )
 from benchmarks.paired import Figure, Paired, render, run_paired, settle, write_json
 from benchmarks.process_table import cpu_share_pct, foreign_cpu_s, machine_activity
 from libs.common.pipeline import PipelineConfig, load_pipeline
 from libs.stack.local_nats import SYNC_INTERVAL
-from libs.stack.processes import wait_for
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -197,9 +196,7 @@ def _start_targets(
     stack = start_stack(
         procs, GATEWAY, opts.pipeline_path, env, data_dir, sync_interval=opts.nats_sync_interval
     )
-    t0 = time.monotonic()
-    wait_for(lambda: answers_200(f"http://127.0.0.1:{port}/health"), "vllm healthy", 600, 0.25, watch=[vllm])
-    log(f"vllm ready in {time.monotonic() - t0:.1f} s")
+    log(f"vllm ready in {wait_healthy(vllm, port, 600):.1f} s")
     nats = tuple(stack.processes[name] for name in stack.monitors)
     return {
         GATEWAY: Target(GATEWAY, stack.api_url, model, stack.processes["up"], companions=nats),

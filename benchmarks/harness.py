@@ -26,8 +26,8 @@ import numpy as np
 from benchmarks.process_table import ENGINE_TITLE, descendants
 from libs.common.pipeline import PipelineConfig
 from libs.stack.local_nats import SYNC_INTERVAL
-from libs.stack.local_stack import Stack
-from libs.stack.processes import Process
+from libs.stack.local_stack import Stack, http_status
+from libs.stack.processes import Process, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 """The checkout."""
@@ -153,15 +153,13 @@ class Processes:
             stop()
 
 
-def answers_200(url: str) -> bool:
-    """Whether GET ``url`` answers 200 (within 2 s): a predicate for
-    :func:`libs.stack.processes.wait_for`."""
-    import httpx
-
-    try:
-        return httpx.get(url, timeout=2.0).status_code == 200
-    except httpx.HTTPError:
-        return False
+def wait_healthy(process: Process, port: int, timeout_s: float) -> float:
+    """Wait until ``process`` answers 200 on ``http://127.0.0.1:<port>/health`` (fails when it
+    exits first); seconds waited."""
+    t0 = time.monotonic()
+    url = f"http://127.0.0.1:{port}/health"
+    wait_for(lambda: http_status(url) == 200, f"{process.name} healthy", timeout_s, 0.25, watch=[process])
+    return time.monotonic() - t0
 
 
 def start_stack(

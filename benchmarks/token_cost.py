@@ -36,15 +36,14 @@ from benchmarks.harness import (
     ROOT,
     Processes,
     RequestTiming,
-    answers_200,
     commit,
     log,
     percentile,
     start_stack,
+    wait_healthy,
 )
 from benchmarks.paired import Figure, Paired, Spread, render, run_paired, write_json
 from libs.stack.local_nats import free_port
-from libs.stack.processes import wait_for
 
 BASELINE_PATH = ROOT / "benchmarks" / "baselines" / "token_cost.json"
 GUARD_FACTOR = 1.5
@@ -295,9 +294,7 @@ def _sides(opts: TokenCostOptions, procs: Processes, data_dir: Path) -> dict[str
     argv = [sys.executable, "-m", "benchmarks.sse_reference", "--port", str(port)]
     ref = procs.start("reference A", argv, {}, cwd=ROOT)
     stack = stack_side(procs, "B", None, env, data_dir)
-    wait_for(
-        lambda: answers_200(f"http://127.0.0.1:{port}/health"), "reference A healthy", 60, 0.25, watch=[ref]
-    )
+    wait_healthy(ref, port, 60)
     label = "reference: bare uvicorn + Starlette SSE server (benchmarks/sse_reference.py)"
     return {
         "A": Side("A", label, f"http://127.0.0.1:{port}/v1", REFERENCE_MODEL, {"server": [ref.pid]}),

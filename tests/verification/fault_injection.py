@@ -26,7 +26,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.harness import answers_200
 from benchmarks.process_table import descendants
 from libs.common.bus import bucket_keys, server_urls
 from libs.common.subjects import (
@@ -35,7 +34,7 @@ from libs.common.subjects import (
     Subjects,
     kv_stream,
 )
-from libs.stack.local_stack import Stack
+from libs.stack.local_stack import Stack, http_status
 from libs.stack.processes import Process, until, wait_for
 
 REPLICAS = 2
@@ -227,7 +226,11 @@ def nats_healthy(process: Process, monitor: str, timeout_s: float) -> None:
     """Wait until the NATS server ``process`` (monitoring URL ``monitor``) reports JetStream
     healthy; RuntimeError after ``timeout_s``, or at once when its incarnation exits."""
     wait_for(
-        lambda: answers_200(f"{monitor}/healthz"), f"{process.name} healthy", timeout_s, 0.25, watch=[process]
+        lambda: http_status(f"{monitor}/healthz") == 200,
+        f"{process.name} healthy",
+        timeout_s,
+        0.25,
+        watch=[process],
     )
 
 
