@@ -17,7 +17,15 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerInfo
 
 from libs.common.bus import services_kv
-from libs.common.envelopes import ClientEvent, Liveness, ResumePoint, StageTask, decode, unpack_batch
+from libs.common.envelopes import (
+    AbortNotice,
+    ClientEvent,
+    Liveness,
+    ResumePoint,
+    StageTask,
+    decode,
+    unpack_batch,
+)
 from libs.common.publish import Hop, publish_task
 from libs.common.registry import ServiceKind, ServiceRecord
 from libs.common.subjects import (
@@ -188,7 +196,8 @@ async def dead_letter(
     ``pid``, whose ``task`` must wait for an input that never comes, and whose ``ack_wait`` should
     be short): once it holds the message it is stopped (``SIGSTOP``: no in-progress acks), and the
     caller pulls from the same consumer and never acknowledges until the server's max-deliveries
-    advisory comes; then the worker is resumed. Returns the advisories seen (1 when it worked)."""
+    advisory comes; then the worker is resumed and ``task``'s request aborted, so that the worker
+    holds nothing afterwards. Returns the advisories seen (1 when it worked)."""
     advisories: asyncio.Queue[Msg] = asyncio.Queue()
     consumer = consumer_name(hop.to_stage, hop.to_replica)
     sub = await nc.subscribe(max_deliveries_advisory(subjects.stages_stream, consumer), cb=advisories.put)
@@ -205,7 +214,17 @@ async def dead_letter(
     finally:
         os.kill(pid, signal.SIGCONT)
     await sub.unsubscribe()
+    await abort(nc, subjects, task.request_id)
     return advisories.qsize()
+
+
+async def abort(nc: Client, subjects: Subjects, *request_ids: str) -> None:
+    """Abort ``request_ids`` as a client that hung up would: every worker stops them, so none
+    waits for inputs that will never come when the test's services stop (a worker's stop waits
+    up to 10 s for its requests in flight)."""
+    for rid in request_ids:
+        await nc.publish(subjects.abort, AbortNotice(request_id=rid, reason="client disconnected").encode())
+    await nc.flush()
 
 
 async def await_replacement(

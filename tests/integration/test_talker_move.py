@@ -33,7 +33,7 @@ from libs.common.publish import Hop, publish_task
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
 from libs.common.subjects import Subjects
 from libs.stack.processes import until
-from tests.bus import collect
+from tests.bus import abort, collect
 from tests.metrics_scrape import delta, scrape
 from tests.pipeline_services import Services
 from tests.procs import CODE2WAV_YAML, THINKER_YAML, kill_confirmed, write_pipeline
@@ -256,6 +256,7 @@ async def test_a_talker_attempt_waiting_in_the_backlog_answers_a_hold_with_its_f
         if held.known:
             break
         await asyncio.sleep(0.1)
+    await abort(nc, SUBJECTS, busy, waiting)
     assert held.known, "the worker never held the waiting request"
     # Text chunk 2 starts at token 22, code 88: code chunk 3 (codes 75-99) went out before the
     # move, with the end of text chunk 1; the attempt sends code chunk 4 first.
