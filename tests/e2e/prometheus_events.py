@@ -38,12 +38,14 @@ from libs.stack.bus_state import request_record, snapshot
 from libs.stack.processes import until
 from tests.bus import await_replacement, dead_letter
 from tests.e2e.prometheus_server import eventually
+from tests.metrics_scrape import scrape, total
 from tests.procs import (
     CODE2WAV_YAML,
     TALKER_YAML,
     THINKER_YAML,
     ServiceProcess,
     kill_confirmed,
+    start_service,
     stop_confirmed,
     worker_pid,
     write_pipeline,
@@ -395,14 +397,8 @@ def outside_codec_worker(stack, pipeline: str, tmp: Path, **env: str) -> tuple[s
     (``--log-stats``, its own instance id, ``env`` added); returns (instance id, process)."""
     path = write_pipeline(tmp / "p.yaml", pipeline, THINKER_YAML + TALKER_YAML + CODE2WAV_YAML)
     instance = f"{pipeline}-{uuid.uuid4().hex[:8]}"
-    env = {
-        "NATS_URL": stack.nats_url,
-        "OMNIRELAY_PIPELINE": str(path),
-        "OMNIRELAY_STAGE": "2",
-        "OMNIRELAY_INSTANCE_ID": instance,
-        **env,
-    }
-    return instance, ServiceProcess(["worker", "--log-stats"], env, tmp / "worker.log").start()
+    env = {"OMNIRELAY_STAGE": "2", "OMNIRELAY_INSTANCE_ID": instance, **env}
+    return instance, start_service(["worker"], stack.nats_url, path, tmp / "worker.log", env)
 
 
 def wait_registered(stack, pipeline: str, worker: ServiceProcess, timeout_s: float = 120.0) -> None:
@@ -472,9 +468,12 @@ def dead_lettered(stack, prom, tmp_path_factory: pytest.TempPathFactory) -> Iter
                 await nc.close()
 
         advisories = asyncio.run(lose())
-        # The worker counts the advisory when it runs again (it was stopped when the advisory came),
-        # and logs it just before; t1 is after that.
-        worker.wait_log("reached max_deliver", timeout_s=30)
+        # The worker counts the advisory when it runs again (it was stopped when the advisory
+        # came); t1 is after its own /metrics shows it.
+        counted = eventually(
+            lambda: total(scrape(worker.metrics_url), "vllm:omni_bus_dead_lettered_total"), bool, timeout_s=30
+        )
+        assert counted == 1, f"the worker counted {counted} dead letters"
         t1 = time.time()
         # Stopped for longer than the registry's TTL, it left the service discovery meanwhile: its
         # series are stale until it is listed and scraped again.

@@ -29,7 +29,7 @@ from libs.common.settings import WorkerSettings
 from libs.common.subjects import Subjects, consumer_name
 from libs.models.tiny import resolve_model
 from tests import procs
-from tests.bus import collect
+from tests.bus import collect, holds_nothing, in_flight
 from tests.metrics_scrape import delta, scrape, total
 from tests.pipeline_services import Services
 from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, write_pipeline
@@ -194,8 +194,11 @@ async def test_abort_notice_stops_a_waiting_request_and_late_chunks_are_dropped(
     js = nc.jetstream()
     await publish_task(js, SUBJECTS, chunk(rid, 0, [1, 2]), HOP)
     assert (await asyncio.wait_for(q.get(), 10)).type == ClientEventType.AUDIO
+    assert await in_flight(nc, SUBJECTS, 2, 0) == 1, "the request does not wait for its last chunk"
     await nc.publish(SUBJECTS.abort, AbortNotice(request_id=rid, reason="client disconnected").encode())
-    await worker.await_log(f"request {rid} stopped (client disconnected)", timeout_s=10)
+    await procs.until(
+        lambda: holds_nothing(nc, SUBJECTS, 2, 0), "the worker stopped the request", timeout_s=10
+    )
     await publish_task(js, SUBJECTS, chunk(rid, 1, [3], final=True), HOP)
     # The late chunk is taken and acknowledged (dropped), and nothing reaches the client.
     await consumer_drained(js)
