@@ -1,23 +1,17 @@
 """Per-position constraint of a talker's audio tokens: a vLLM v1 logits processor (engine process).
 
-A talker that emits codec frames of ``frame_size`` tokens (Orpheus: 7 SNAC tokens per frame) must
-give code2wav, at audio position ``i`` of its response, a token of that position's block:
-``[first_audio + (i mod frame_size) * codebook_size, ... + codebook_size)``. A real model
-mostly does; random weights (the tiny models) never do. This processor makes it a rule instead of a
-hope, per request, inside the engine, before vLLM's penalties, temperature and top-p see the logits:
+A talker that emits codec frames of ``frame_size`` tokens (Orpheus: 7 SNAC tokens) must give, at
+audio position ``i`` of its response, a token of that position's block ``[first_audio + (i mod
+frame_size) * codebook_size, ... + codebook_size)``. Random weights (the tiny models) never do, so
+this processor makes it a rule, per request, before vLLM's penalties, temperature and top-p:
 
-- at position ``i`` only the ``codebook_size`` tokens of block ``i mod frame_size`` may be sampled;
-- the stop token (Orpheus: end_of_speech) may be sampled only on a frame boundary, once the response
-  holds at least ``min_frames`` frames, so every response is whole frames;
-- at ``max_frames`` frames the stop token is the only choice: the cap ends the response with the
-  same token a model's own stop does, on a frame boundary.
+- at position ``i`` only the tokens of block ``i mod frame_size`` may be sampled;
+- the stop token only on a frame boundary, once the response holds ``min_frames`` frames;
+- at ``max_frames`` frames the stop token is the only choice.
 
-The rule travels in ``SamplingParams.extra_args[EXTRA_ARGS_KEY]`` (a dict of :class:`FrameRule`'s
-fields); requests without it are left alone. The worker names this class to vLLM by string
-(``AsyncEngineArgs(logits_processors=[FRAME_LOGITS_PROCESSOR])``) and vLLM builds one instance per
-engine in the process that samples. With asynchronous scheduling vLLM keeps a placeholder in a
-request's output token list for each token still in flight, so the list's length is the position of
-the token being sampled.
+The rule travels in ``SamplingParams.extra_args[EXTRA_ARGS_KEY]`` (:class:`FrameRule`'s fields);
+requests without it are left alone. With asynchronous scheduling vLLM keeps a placeholder in a
+request's output token list for each token in flight, so the list's length is the position sampled.
 """
 
 from __future__ import annotations

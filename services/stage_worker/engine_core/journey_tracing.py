@@ -1,27 +1,15 @@
-"""Request journey tracing inside the engine (docs/contract.md, "Tracing").
+"""Request journey tracing inside the engine (docs/engine-tracing.md).
 
-Each sampled request gets one ``llm_core`` span (SpanKind.INTERNAL) in the EngineCore, started
-when the scheduler admits the request and ended when vLLM frees it. Its parent is the context
-carried in the request's ``trace_headers`` (the worker's per-request stage span), so it sits in
-the request's trace; without headers it is a root span. Events, in order of occurrence:
+Each sampled request gets one ``llm_core`` span (SpanKind.INTERNAL) in the EngineCore, from its
+admission by the scheduler to vLLM freeing it, parented by the request's ``trace_headers`` (a root
+span without them). Its events: ``journey.QUEUED`` → ``journey.SCHEDULED`` (``schedule.kind`` FIRST
+or RESUME) → ``journey.FIRST_TOKEN`` → [``journey.PREEMPTED`` → ``journey.SCHEDULED`` ...] →
+``journey.FINISHED``, each with ``ts.monotonic_ns`` (int ns) and ``ts.monotonic`` (float s) of one
+``time.monotonic_ns()`` read, the scheduler step (``scheduler.step``) and the request's progress.
 
-``journey.QUEUED`` (added to the scheduler) → ``journey.SCHEDULED`` (``schedule.kind`` FIRST or
-RESUME) → ``journey.FIRST_TOKEN`` → [``journey.PREEMPTED`` → ``journey.SCHEDULED`` ...] →
-``journey.FINISHED``.
-
-Every event carries ``ts.monotonic_ns`` (int ns) and ``ts.monotonic`` (float s) from a single
-``time.monotonic_ns()`` read (the float is derived from the int, so both name the same instant;
-``ts.monotonic`` is kept for existing consumers and may be dropped once they read the ns value),
-the scheduler step (``scheduler.step``) and the request's progress at that moment.
-
-Sampling: one decision per request at admission, ``sampler(key, journey_sample_rate)``
-with ``key`` the request's trace id when it carries a W3C ``traceparent`` (so deterministic
-samplers decide the same way for a trace in every engine) and its request id otherwise.
-Unsampled requests cost one failed dict lookup per hook. The sampled set is keyed by request id
-and emptied as requests finish; no ``Request`` field is added or changed.
-
-Tracing failures are contained: a failing sampler, span or event is logged (once per kind at
-warning, then debug) and scheduling proceeds.
+Sampling: one decision per request at admission, ``sampler(key, journey_sample_rate)``, ``key`` the
+request's W3C trace id if it has one (every engine decides alike for a trace), else its request id.
+Tracing failures are contained: logged (once per kind at warning, then debug), scheduling proceeds.
 """
 
 from __future__ import annotations
@@ -30,7 +18,6 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 from opentelemetry.context import Context
@@ -43,83 +30,7 @@ log = logging.getLogger("vllm.omnirelay.journey_tracing")
 """Under ``vllm.``: vLLM's logging set-up prints it in the EngineCore, prefixed with the process."""
 
 CORE_SPAN_NAME = "llm_core"
-EVENT_PREFIX = "journey."
-
-# Event attributes.
-TS_MONOTONIC = "ts.monotonic"
-"""float seconds; kept for compatibility (deprecation candidate, superseded by ``ts.monotonic_ns``)."""
-TS_MONOTONIC_NS = "ts.monotonic_ns"
-SCHEDULER_STEP = "scheduler.step"
-PHASE = "phase"
-PREFILL_DONE_TOKENS = "prefill.done_tokens"
-PREFILL_TOTAL_TOKENS = "prefill.total_tokens"
-DECODE_DONE_TOKENS = "decode.done_tokens"
-DECODE_MAX_TOKENS = "decode.max_tokens"
-NUM_PREEMPTIONS = "num_preemptions"
-SCHEDULE_KIND = "schedule.kind"
-FINISH_STATUS = "finish.status"
-
-# Span attributes.
-REQUEST_ID = "gen_ai.request.id"
-SAMPLE_RATE = "journey.sample_rate"
-"""The rate the span was sampled at (lets a consumer weight sampled journeys)."""
-INCOMPLETE = "journey.incomplete"
-"""Set (True) on spans ended by engine shutdown before the request finished."""
-
 _PROPAGATOR = TraceContextTextMapPropagator()
-
-
-class JourneyEventType(StrEnum):
-    QUEUED = "QUEUED"
-    SCHEDULED = "SCHEDULED"
-    FIRST_TOKEN = "FIRST_TOKEN"
-    PREEMPTED = "PREEMPTED"
-    FINISHED = "FINISHED"
-
-    @property
-    def event_name(self) -> str:
-        return EVENT_PREFIX + self.value
-
-
-class ScheduleKind(StrEnum):
-    FIRST = "FIRST"
-    RESUME = "RESUME"
-
-
-@dataclass(frozen=True, slots=True)
-class RequestJourneyEvent:
-    """One journey event; :meth:`attributes` is its OTel event payload."""
-
-    event_type: JourneyEventType
-    ts_monotonic: float
-    ts_monotonic_ns: int
-    scheduler_step: int
-    phase: str
-    prefill_done_tokens: int
-    prefill_total_tokens: int
-    decode_done_tokens: int
-    decode_max_tokens: int
-    num_preemptions: int
-    schedule_kind: ScheduleKind | None = None
-    finish_status: str | None = None
-
-    def attributes(self) -> dict[str, str | int | float]:
-        attrs: dict[str, str | int | float] = {
-            TS_MONOTONIC: self.ts_monotonic,
-            TS_MONOTONIC_NS: self.ts_monotonic_ns,
-            SCHEDULER_STEP: self.scheduler_step,
-            PHASE: self.phase,
-            PREFILL_DONE_TOKENS: self.prefill_done_tokens,
-            PREFILL_TOTAL_TOKENS: self.prefill_total_tokens,
-            DECODE_DONE_TOKENS: self.decode_done_tokens,
-            DECODE_MAX_TOKENS: self.decode_max_tokens,
-            NUM_PREEMPTIONS: self.num_preemptions,
-        }
-        if self.schedule_kind is not None:
-            attrs[SCHEDULE_KIND] = self.schedule_kind.value
-        if self.finish_status is not None:
-            attrs[FINISH_STATUS] = self.finish_status
-        return attrs
 
 
 def monotonic_pair(clock_ns: Callable[[], int] = time.monotonic_ns) -> tuple[float, int]:
@@ -143,13 +54,11 @@ def finish_status(request: Any) -> str:
     return name.removeprefix("FINISHED_").lower()
 
 
+@dataclass(slots=True)
 class _Journey:
-    __slots__ = ("ever_scheduled", "running", "span")
-
-    def __init__(self, span: Span) -> None:
-        self.span = span
-        self.running = False
-        self.ever_scheduled = False
+    span: Span
+    running: bool = False
+    ever_scheduled: bool = False
 
 
 class JourneyTracer:
@@ -172,12 +81,9 @@ class JourneyTracer:
         self.sampler = sampler
         self._clock_ns = clock_ns
         self.sampled: dict[str, _Journey] = {}
-        """Request id → journey of every sampled request not yet finished (spec: the scheduler's
-        ``_journey_sampled_requests``)."""
+        """Request id → journey of every sampled request not yet finished."""
         self.awaiting_first_token: set[str] = set()
         self._warned: set[str] = set()
-
-    # -- hooks -----------------------------------------------------------------------------------
 
     def on_request_added(self, request: Any, step: int) -> None:
         """A new request entered the scheduler: decide sampling; if sampled, start its span and
@@ -191,7 +97,7 @@ class JourneyTracer:
             if rate < 1.0 and not self.sampler(sampling_key(rid, headers), rate):
                 return
             parent = _PROPAGATOR.extract(dict(headers)) if headers else Context()
-            attrs: dict[str, Any] = {REQUEST_ID: rid, SAMPLE_RATE: rate}
+            attrs: dict[str, Any] = {"gen_ai.request.id": rid, "journey.sample_rate": rate}
             max_tokens = getattr(request, "max_tokens", None)
             if isinstance(max_tokens, int):
                 attrs["gen_ai.request.max_tokens"] = max_tokens
@@ -203,7 +109,7 @@ class JourneyTracer:
             return
         self.sampled[rid] = _Journey(span)
         self.awaiting_first_token.add(rid)
-        self._emit(self.sampled[rid], request, JourneyEventType.QUEUED, step, phase="WAITING")
+        self._emit(self.sampled[rid], request, "QUEUED", step, phase="WAITING")
 
     def on_scheduled(self, output: Any, step: int, requests: Mapping[str, Any]) -> None:
         """End of ``schedule()``: PREEMPTED for sampled requests preempted since the last step,
@@ -217,17 +123,17 @@ class JourneyTracer:
                     j = self.sampled.get(rid)
                     if j is not None and (req := requests.get(rid)) is not None:
                         j.running = False
-                        self._emit(j, req, JourneyEventType.PREEMPTED, step, phase="WAITING")
+                        self._emit(j, req, "PREEMPTED", step, phase="WAITING")
             for rid in _entered_ids(output):
                 j = self.sampled.get(rid)
                 if j is None or j.running or (req := requests.get(rid)) is None:
                     continue
-                kind = ScheduleKind.RESUME if j.ever_scheduled else ScheduleKind.FIRST
+                kind = "RESUME" if j.ever_scheduled else "FIRST"
                 j.running = j.ever_scheduled = True
                 # num_computed_tokens already counts this step's tokens: report the progress the
                 # request had when it was picked.
                 done = req.num_computed_tokens - output.num_scheduled_tokens.get(rid, 0)
-                self._emit(j, req, JourneyEventType.SCHEDULED, step, schedule_kind=kind, computed=done)
+                self._emit(j, req, "SCHEDULED", step, schedule_kind=kind, computed=done)
         except Exception as e:
             self._failed("schedule hook", e)
 
@@ -249,7 +155,7 @@ class JourneyTracer:
                 j = self.sampled.get(rid)
                 if req is not None and j is not None and req.num_output_tokens > 0:
                     awaiting.discard(rid)
-                    self._emit(j, req, JourneyEventType.FIRST_TOKEN, step)
+                    self._emit(j, req, "FIRST_TOKEN", step)
         except Exception as e:
             self._failed("output hook", e)
 
@@ -264,15 +170,15 @@ class JourneyTracer:
             if rid in self.awaiting_first_token:
                 self.awaiting_first_token.discard(rid)
                 if request.num_output_tokens > 0:
-                    self._emit(j, request, JourneyEventType.FIRST_TOKEN, step)
+                    self._emit(j, request, "FIRST_TOKEN", step)
             status = finish_status(request)
-            self._emit(j, request, JourneyEventType.FINISHED, step, phase="FINISHED", status=status)
+            self._emit(j, request, "FINISHED", step, phase="FINISHED", status=status)
             j.span.set_attributes(
                 {
                     "gen_ai.usage.prompt_tokens": request.num_prompt_tokens,
                     "gen_ai.usage.completion_tokens": request.num_output_tokens,
-                    FINISH_STATUS: status,
-                    NUM_PREEMPTIONS: request.num_preemptions,
+                    "finish.status": status,
+                    "num_preemptions": request.num_preemptions,
                 }
             )
         except Exception as e:
@@ -286,47 +192,47 @@ class JourneyTracer:
         self.awaiting_first_token.clear()
         for j in journeys.values():
             try:
-                j.span.set_attribute(INCOMPLETE, True)
+                j.span.set_attribute("journey.incomplete", True)
             except Exception as e:
                 self._failed("close", e)
             self._end(j)
-
-    # -- internals -------------------------------------------------------------------------------
 
     def _emit(
         self,
         j: _Journey,
         req: Any,
-        kind: JourneyEventType,
+        kind: str,
         step: int,
         *,
         phase: str | None = None,
-        schedule_kind: ScheduleKind | None = None,
+        schedule_kind: str | None = None,
         status: str | None = None,
         computed: int | None = None,
     ) -> None:
+        """Add event ``journey.<kind>`` to ``j``'s span."""
         try:
             ts, ts_ns = monotonic_pair(self._clock_ns)
             prompt, outputs = req.num_prompt_tokens, req.num_output_tokens
             if computed is None:
                 computed = req.num_computed_tokens
-            event = RequestJourneyEvent(
-                event_type=kind,
-                ts_monotonic=ts,
-                ts_monotonic_ns=ts_ns,
-                scheduler_step=step,
-                phase=phase or ("PREFILL" if outputs == 0 else "DECODE"),
-                prefill_done_tokens=max(min(computed, prompt), 0),
-                prefill_total_tokens=prompt,
-                decode_done_tokens=outputs,
-                decode_max_tokens=req.max_tokens,
-                num_preemptions=req.num_preemptions,
-                schedule_kind=schedule_kind,
-                finish_status=status,
-            )
-            j.span.add_event(kind.event_name, event.attributes())
+            attrs: dict[str, str | int | float] = {
+                "ts.monotonic": ts,
+                "ts.monotonic_ns": ts_ns,
+                "scheduler.step": step,
+                "phase": phase or ("PREFILL" if outputs == 0 else "DECODE"),
+                "prefill.done_tokens": max(min(computed, prompt), 0),
+                "prefill.total_tokens": prompt,
+                "decode.done_tokens": outputs,
+                "decode.max_tokens": req.max_tokens,
+                "num_preemptions": req.num_preemptions,
+            }
+            if schedule_kind is not None:
+                attrs["schedule.kind"] = schedule_kind
+            if status is not None:
+                attrs["finish.status"] = status
+            j.span.add_event("journey." + kind, attrs)
         except Exception as e:
-            self._failed(f"{kind.value} event", e)
+            self._failed(f"{kind} event", e)
 
     def _end(self, j: _Journey) -> None:
         try:

@@ -1,22 +1,10 @@
-"""Read-only KV-cache figures for tracing (docs/contract.md, "Tracing"), from interfaces vLLM already has.
+"""Read-only KV-cache figures for tracing, from what vLLM 0.32 already exposes.
 
-Nothing here allocates, frees, touches a block or adds bookkeeping: the functions read the
-``KVCacheManager``'s per-group managers (``coordinator.single_type_managers``: ``req_to_blocks``,
-``num_cached_block``), the ``BlockPool`` (``num_gpu_blocks``, ``get_num_free_blocks()``,
-``get_usage()``) and existing ``Request`` fields. They never raise: a figure that cannot be read
-comes back as 0 (guaranteed fields) or ``None`` (optional fields).
-
-What vLLM 0.32 exposes, and so what is guaranteed:
-
-- per request: blocks held in the GPU pool (summed over KV-cache groups) and, of those, the
-  blocks registered in the prefix cache (``num_cached_block``: prefix-cache hits plus the
-  request's own full blocks once cached — vLLM keeps one counter for both);
-- per step: pool size (minus the reserved null block), free blocks, usage ratio.
-
-Optional, ``None`` on this vLLM: CPU/disk offload counts (the offloading connector keeps no
-per-request or per-pool count the scheduler can read cheaply) and ``effective_prompt_len`` once
-the request's prefill stats have been handed to the frontend (``Request.num_cached_tokens`` does
-not exist in 0.32; ``Request.prefill_stats`` holds the cached-token count until the first output).
+Nothing here allocates, frees or touches a block: the functions read the ``KVCacheManager``'s
+per-group managers (``req_to_blocks``, ``num_cached_block``), the ``BlockPool`` and ``Request``
+fields. They never raise: an unreadable figure is 0 (guaranteed fields) or ``None`` (optional ones:
+CPU/disk offload counts, which this vLLM does not keep, and ``effective_prompt_len`` once the
+request's prefill stats have gone to the frontend).
 """
 
 from __future__ import annotations
@@ -31,13 +19,9 @@ log = logging.getLogger("vllm.omnirelay.kv_observability")
 
 @dataclass(frozen=True, slots=True)
 class PerRequestKVMetrics:
-    """One request's KV-cache footprint.
-
-    Guaranteed: ``blocks_allocated_gpu`` (blocks the request holds in the GPU pool, all groups),
-    ``blocks_cached_gpu`` (of those, blocks registered in the prefix cache; never more than
-    allocated). Optional (``None`` when not readable): offload counts, ``effective_prompt_len``
-    (prompt tokens left to compute after prefix-cache/external hits).
-    """
+    """One request's KV-cache footprint: blocks it holds in the GPU pool (all groups), of those the
+    blocks registered in the prefix cache; optional: offload counts, ``effective_prompt_len``
+    (prompt tokens left to compute after prefix-cache/external hits)."""
 
     blocks_allocated_gpu: int
     blocks_cached_gpu: int
@@ -48,11 +32,8 @@ class PerRequestKVMetrics:
 
 @dataclass(frozen=True, slots=True)
 class StepKVSummary:
-    """The GPU KV pool at one scheduler step.
-
-    Guaranteed: ``blocks_total_gpu`` (pool size minus the null block), ``blocks_free_gpu``,
-    ``usage_gpu_ratio`` in [0, 1]. Optional: offload counts.
-    """
+    """The GPU KV pool at one scheduler step: size (minus the null block), free blocks, usage in
+    [0, 1]; optional: offload counts."""
 
     blocks_total_gpu: int
     blocks_free_gpu: int

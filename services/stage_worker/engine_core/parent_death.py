@@ -1,16 +1,10 @@
 """An engine process dies with the process that started it.
 
-vLLM's EngineCore is a child of the worker (its frontend) and has no way of noticing that the worker
-is gone: after a ``kill -9`` of a worker it lives on as an orphan with its own child, the model
-runner (measured: two orphans of 2.3 GB each left by two test runs). The model runner already
-watches its parent (vLLM's death pipe), the EngineCore does not. The kernel can do it for every
-engine process: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` asks it to kill this process when its parent
-exits, however the parent ends.
-
-Called by the vLLM general plugin (:mod:`~services.stage_worker.engine_core.plugin`) in every vLLM
-process, where only a process started by Python's ``multiprocessing`` (the engine's) is linked, never
-the worker itself; an EngineCore forked from its worker, which inherits the plugins as loaded, links
-itself right after the fork (:mod:`services.stage_worker.engine_executor`).
+vLLM's EngineCore has no way of noticing that its worker is gone, and would live on as an orphan
+after a ``kill -9`` of the worker. ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` asks the kernel to kill it
+when its parent exits. Called by the vLLM plugin (:mod:`.plugin`) in every vLLM process (only one
+that ``multiprocessing`` started is linked), and right after the fork of an EngineCore forked from
+its worker (:mod:`services.stage_worker.engine_executor`).
 """
 
 from __future__ import annotations

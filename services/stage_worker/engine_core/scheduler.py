@@ -1,30 +1,17 @@
 """The scheduler of every ``llm`` worker's engine, and its 1 Hz ``SchedulerStats`` throttle.
 
 vLLM loads :class:`OmniScheduler` inside the EngineCore process through
-``AsyncEngineArgs(scheduler_cls=OMNI_SCHEDULER_CLS)``. It subclasses ``AsyncScheduler`` (vLLM warns
-that a plain ``Scheduler`` subclass turns async scheduling off) and, with stats on, hands the
-frontend at most one ``SchedulerStats`` per :data:`STATS_INTERVAL_S`, which saves serialising one
-per engine step over ZMQ.
+``AsyncEngineArgs(scheduler_cls=OMNI_SCHEDULER_CLS)``. It subclasses ``AsyncScheduler`` (a plain
+``Scheduler`` subclass turns async scheduling off) and, with stats on, hands the frontend at most one
+``SchedulerStats`` per :data:`STATS_INTERVAL_S`. :class:`SchedulerStatsThrottle` folds the suppressed
+steps instead of dropping them: per-step deltas are summed, so vLLM's counters end where an
+unthrottled engine puts them; levels take the latest step's value; a step that leaves the engine idle
+goes out at once unless it would repeat the previous emission (docs/engine-metrics.md).
 
-Unlike a throttle that drops the suppressed steps, :class:`SchedulerStatsThrottle` folds them:
-
-- per-step *deltas* (prefix-cache and connector prefix-cache queries/hits, spec-decoding counts,
-  KV-cache eviction samples, perf-model flops/bytes, KV/EC connector transfer stats) are summed
-  over the suppressed steps and shipped with the next emitted stats, so vLLM's counters end up
-  exactly where an unthrottled engine would put them;
-- *levels* (running, waiting, deferred, KV-fetch stages, KV-cache usage, step counter, wave,
-  iteration details, LoRA adapter maps, the CUDA-graph sample) take the latest step's value;
-- a step that leaves the engine idle (nothing running, nothing waiting) is emitted at once, even
-  inside the window, so gauges never stay stale while the engine sleeps (an idle step that would
-  repeat the previous emission exactly, with nothing counted since, is held instead).
-
-The throttle is a plain object (no scheduler needed) so it can be tested on hand-built stats.
-
-The scheduler also hosts the engine-side tracing (docs/contract.md, "Tracing"; docs/engine-tracing.md):
-journey events per sampled request (:mod:`~services.stage_worker.engine_core.journey_tracing`) and
-scheduler step tracing (:mod:`~services.stage_worker.engine_core.step_tracing`), configured through
-``VllmConfig.additional_config`` (:mod:`~services.stage_worker.engine_core.tracing_config`). Without that
-configuration no tracing object exists and every hook costs one ``is None`` check.
+The scheduler also hosts the engine-side tracing (docs/engine-tracing.md): journey events
+(:mod:`.journey_tracing`) and step tracing (:mod:`.step_tracing`), configured through
+``VllmConfig.additional_config`` (:mod:`.tracing_config`). Without that configuration no tracing
+object exists and every hook costs one ``is None`` check.
 """
 
 from __future__ import annotations
@@ -36,17 +23,15 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 from itertools import zip_longest
 from typing import Any
 
 from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.metrics.perf import DebugPerfStats, PerfStats
-from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
+from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.request import Request
-from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 from services.stage_worker.engine_core import tracing_config
 from services.stage_worker.engine_core.journey_tracing import JourneyTracer
@@ -96,6 +81,8 @@ DELTA_FIELDS = frozenset(
 (``kv_connector_stats``/``ec_connector_stats`` are folded as connector objects, see
 :meth:`SchedulerStatsThrottle.offer`.)"""
 
+_SUMMED = ("prefix_cache_stats", "connector_prefix_cache_stats", "spec_decoding_stats", "perf_stats")
+
 
 class SchedulerStatsThrottle:
     """Lets one ``SchedulerStats`` through per ``interval_s`` and folds the steps in between.
@@ -134,8 +121,8 @@ class SchedulerStatsThrottle:
         if self._pending is None:
             self._pending = SchedulerStats()
         fold(self._pending, step)
-        self._kv_connector_stats = _aggregate(self._kv_connector_stats, kv_connector_stats)
-        self._ec_connector_stats = _aggregate(self._ec_connector_stats, ec_connector_stats)
+        self._kv_connector_stats = _add(self._kv_connector_stats, kv_connector_stats)
+        self._ec_connector_stats = _add(self._ec_connector_stats, ec_connector_stats)
         self.steps_folded += 1
 
         now = self._clock()
@@ -207,98 +194,40 @@ def fold(acc: SchedulerStats, step: SchedulerStats) -> None:
     for f in fields(SchedulerStats):
         name = f.name
         new = getattr(step, name)
-        if name == "prefix_cache_stats":
-            _add_cache_stats(acc.prefix_cache_stats, new)
-        elif name == "connector_prefix_cache_stats":
-            if new is not None:
-                if acc.connector_prefix_cache_stats is None:
-                    acc.connector_prefix_cache_stats = PrefixCacheStats()
-                _add_cache_stats(acc.connector_prefix_cache_stats, new)
+        if name in _SUMMED:
+            setattr(acc, name, _add(getattr(acc, name), new))
         elif name == "kv_cache_eviction_events":
             acc.kv_cache_eviction_events.extend(new)
-        elif name == "spec_decoding_stats":
-            acc.spec_decoding_stats = _add_spec_decoding(acc.spec_decoding_stats, new)
-        elif name == "perf_stats":
-            acc.perf_stats = _add_perf(acc.perf_stats, new)
         elif new is not None or name in LEVEL_FIELDS:
             # Levels, and (defensively) connector payloads that arrive already serialised or
             # a field a newer vLLM added: the latest value wins.
             setattr(acc, name, copy.copy(new) if isinstance(new, dict) else new)
 
 
-def _aggregate(held: Any, new: Any) -> Any:
-    if new is None:
-        return held
-    if held is None:
-        return copy.deepcopy(new)  # aggregate() mutates; the step's object is not ours
-    return held.aggregate(new)
-
-
-def _add_counts(acc: dict[Any, int], new: dict[Any, int]) -> None:
-    for k, v in new.items():
-        acc[k] = acc.get(k, 0) + v
-
-
-def _add_cache_stats(acc: PrefixCacheStats, new: PrefixCacheStats) -> None:
-    acc.reset = acc.reset or new.reset
-    acc.requests += new.requests
-    acc.queries += new.queries
-    acc.hits += new.hits
-    acc.preempted_requests += new.preempted_requests
-    acc.preempted_queries += new.preempted_queries
-    acc.preempted_hits += new.preempted_hits
-    _add_counts(acc.hits_by_source, new.hits_by_source)
-
-
-def _add_spec_decoding(
-    acc: SpecDecodingStats | None, new: SpecDecodingStats | None
-) -> SpecDecodingStats | None:
+def _add(acc: Any, new: Any) -> Any:
+    """``acc`` plus ``new``, vLLM's per-step counts (dataclasses of numbers, flags, per-key and
+    per-position counts, or connector stats that ``aggregate()`` themselves); ``acc`` (ours) is
+    changed in place, ``new`` never; None adds nothing."""
     if new is None:
         return acc
     if acc is None:
         return copy.deepcopy(new)
-    acc.num_spec_tokens = max(acc.num_spec_tokens, new.num_spec_tokens)
-    acc.num_drafts += new.num_drafts
-    acc.num_draft_tokens += new.num_draft_tokens
-    acc.num_accepted_tokens += new.num_accepted_tokens
-    acc.num_accepted_tokens_per_pos = _add_lists(
-        acc.num_accepted_tokens_per_pos, new.num_accepted_tokens_per_pos
-    )
-    acc.num_draft_tokens_per_pos = _add_lists(acc.num_draft_tokens_per_pos, new.num_draft_tokens_per_pos)
-    return acc
-
-
-def _add_lists(a: list[int], b: list[int]) -> list[int]:
-    return [x + y for x, y in zip_longest(a, b, fillvalue=0)]
-
-
-def _add_perf(acc: PerfStats | None, new: PerfStats | None) -> PerfStats | None:
-    if new is None:
+    if hasattr(new, "aggregate"):
+        return acc.aggregate(new)
+    if isinstance(new, bool):
+        return acc or new
+    if isinstance(new, dict):
+        for k, v in new.items():
+            acc[k] = acc.get(k, 0) + v
         return acc
-    if acc is None:
-        return copy.deepcopy(new)
-    acc.num_flops_per_gpu += new.num_flops_per_gpu
-    acc.num_read_bytes_per_gpu += new.num_read_bytes_per_gpu
-    acc.num_write_bytes_per_gpu += new.num_write_bytes_per_gpu
-    if new.debug_stats is not None:
-        if acc.debug_stats is None:
-            acc.debug_stats = copy.deepcopy(new.debug_stats)
-        else:
-            _add_debug_perf(acc.debug_stats, new.debug_stats)
-    return acc
-
-
-def _add_debug_perf(acc: DebugPerfStats, new: DebugPerfStats) -> None:
-    for f in fields(DebugPerfStats):
+    if isinstance(new, list):
+        return [x + y for x, y in zip_longest(acc, new, fillvalue=0)]
+    if not is_dataclass(new):
+        return acc + new
+    for f in fields(new):
         a, b = getattr(acc, f.name), getattr(new, f.name)
-        if b is None:
-            continue
-        if a is None:
-            setattr(acc, f.name, copy.deepcopy(b))
-        elif isinstance(a, dict):
-            _add_counts(a, b)
-        else:
-            setattr(acc, f.name, a + b)
+        setattr(acc, f.name, max(a, b) if f.name == "num_spec_tokens" else _add(a, b))
+    return acc
 
 
 class OmniScheduler(AsyncScheduler):
@@ -357,7 +286,14 @@ class OmniScheduler(AsyncScheduler):
                     cfg.rich_subsample_rate,
                     step_sampler,
                     rich_sampler,
-                    span_attributes=tracing_config_attributes(cfg),
+                    span_attributes={
+                        "omnirelay.engine.pid": os.getpid(),
+                        "omnirelay.tracing.journey_sample_rate": cfg.journey_sample_rate,
+                        "omnirelay.tracing.step_enabled": cfg.step_enabled,
+                        "omnirelay.tracing.step_sample_rate": cfg.step_sample_rate,
+                        "omnirelay.tracing.rich_subsample_rate": cfg.rich_subsample_rate,
+                        "omnirelay.tracing.sampler": cfg.sampler,
+                    },
                 )
         except Exception as e:  # tracing never prevents the engine from running
             trace_log.warning("engine tracing disabled: cannot set it up: %r", e)
@@ -377,15 +313,10 @@ class OmniScheduler(AsyncScheduler):
         )
 
     def _watch_shutdown_signals(self) -> None:
-        """Note SIGTERM/SIGINT before passing them to the EngineCore's own handlers.
-
-        ``EngineCore.shutdown()`` tears the model executor down before it calls
-        ``scheduler.shutdown()``; when the executor's workers are slow to exit, the process
-        manager's grace period (5 s) runs out and the EngineCore is killed before the last spans
-        are flushed. With the signal noted, :meth:`has_requests` ends and flushes the spans as soon
-        as the engine has drained, before the teardown starts. Only handlers the EngineCore
-        installed (Python callables) are wrapped; nothing happens outside the main thread.
-        """
+        """Note SIGTERM/SIGINT before passing them to the EngineCore's own handlers, so that
+        :meth:`has_requests` ends and flushes the spans once drained, before the teardown (which may
+        outlast the process manager's 5 s grace). Only Python handlers are wrapped, only on the main
+        thread."""
         if threading.current_thread() is not threading.main_thread():
             return
         me = weakref.ref(self)
@@ -415,8 +346,7 @@ class OmniScheduler(AsyncScheduler):
 
     @property
     def _journey_sampled_requests(self) -> set[str]:
-        """Ids of the sampled requests still in the engine (named as in vLLM's step-level tracing
-        plan, which docs/contract.md follows)."""
+        """Ids of the sampled requests still in the engine."""
         return set(self._journey.sampled) if self._journey is not None else set()
 
     # -- hooks ---------------------------------------------------------------------------------------
@@ -468,8 +398,7 @@ class OmniScheduler(AsyncScheduler):
     def has_requests(self) -> bool:
         busy = super().has_requests()
         if not busy and self._shutdown_signalled and self._trace_provider is not None:
-            # Drained after SIGTERM/SIGINT: the EngineCore tears down next (see
-            # _watch_shutdown_signals); end and flush the spans now.
+            # Drained after SIGTERM/SIGINT: the EngineCore tears down next.
             self._stop_tracing()
         return busy
 
@@ -518,16 +447,3 @@ class OmniScheduler(AsyncScheduler):
         if step is None:
             return None
         return throttle.offer(step, kv_connector_stats, ec_connector_stats)
-
-
-def tracing_config_attributes(cfg: EngineTracingConfig) -> dict[str, Any]:
-    """Attributes of the ``scheduler_steps`` span: the tracing settings as the EngineCore
-    received them, and its pid (evidence that the flags reached the engine process)."""
-    return {
-        "omnirelay.engine.pid": os.getpid(),
-        "omnirelay.tracing.journey_sample_rate": cfg.journey_sample_rate,
-        "omnirelay.tracing.step_enabled": cfg.step_enabled,
-        "omnirelay.tracing.step_sample_rate": cfg.step_sample_rate,
-        "omnirelay.tracing.rich_subsample_rate": cfg.rich_subsample_rate,
-        "omnirelay.tracing.sampler": cfg.sampler,
-    }

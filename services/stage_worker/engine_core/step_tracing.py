@@ -1,30 +1,17 @@
-"""Scheduler step tracing: the step span and its two events (docs/contract.md, "Tracing").
+"""Scheduler step tracing: the ``scheduler_steps`` span and its two events (docs/engine-tracing.md).
 
-At the end of every ``schedule()`` the scheduler offers the step to :class:`StepTracer`:
+At the end of every ``schedule()`` the scheduler offers the step to :class:`StepTracer`: sampled at
+``step_sample_rate`` (keyed by the step id, the scheduler's ``current_step``), the step adds one
+``step.BATCH_SUMMARY`` event, empty steps included; of those, sampled at ``rich_subsample_rate`` (an
+independent sampler), one ``step.REQUEST_SNAPSHOT`` event per running request, with the same
+``step.id``. Payloads use only what the scheduler has, and the read-only KV helpers of
+:mod:`.kv_observability`.
 
-1. with probability ``step_sample_rate`` (sampler keyed by the step id) it adds one
-   ``step.BATCH_SUMMARY`` event (attributes: :func:`batch_summary_attributes`; docs/contract.md,
-   "Tracing") to the long-lived ``scheduler_steps`` span — also for empty steps;
-2. only for a summarized step, with probability ``rich_subsample_rate`` (an independent sampler),
-   one ``step.REQUEST_SNAPSHOT`` event per request in ``scheduler.running``
-   (:func:`request_snapshot_attributes`), all with the summary's ``step.id``.
-
-``step.id`` is the scheduler's own step counter (``current_step``, incremented at every
-``schedule()``; vLLM 0.32's ``SchedulerOutput`` has no step field). Payloads only use what the
-scheduler already has: ``SchedulerOutput``, the running list, the ``Request`` counters and the
-read-only KV helpers of :mod:`services.stage_worker.engine_core.kv_observability`.
-
-The span (SpanKind.INTERNAL, always a root span, whatever context is current) is created with the tracer and carries the tracing
-configuration as attributes (``omnirelay.tracing.*``, plus the EngineCore's pid). It is ended by
-:meth:`StepTracer.close` (the scheduler's ``shutdown()``, called by ``EngineCore.shutdown()``).
-One deviation from "one span for the engine's life", forced by the OpenTelemetry SDK: a span is
-exported only when it ends, and keeps at most ``OTEL_SPAN_EVENT_COUNT_LIMIT`` (128) events. So
-the tracer *rotates*: when the span holds that many events, or is older than
-``max_span_age_s`` when a summary is due, it is ended and a new ``scheduler_steps`` span
-(linked to the previous one, ``scheduler_steps.index`` + 1) takes over. Nothing is dropped, memory
-stays bounded, and step events reach the backend within ``max_span_age_s`` plus the batch delay.
-
-Emission failures are contained: the step is scheduled whatever happens here.
+The span (SpanKind.INTERNAL, always a root span) carries the tracing settings as attributes. The
+OpenTelemetry SDK exports a span only when it ends and keeps at most ``OTEL_SPAN_EVENT_COUNT_LIMIT``
+(128) events, so the tracer rotates: at that many events, or when a summary is due on a span older
+than ``max_span_age_s``, a new span (linked to the previous one, ``scheduler_steps.index`` + 1)
+takes over. :meth:`StepTracer.close` (engine shutdown) ends the last. Failures are contained.
 """
 
 from __future__ import annotations
@@ -78,7 +65,7 @@ BATCH_SUMMARY_REQUIRED: dict[str, type] = {
     "kv.blocks_total_gpu": int,
     "kv.blocks_free_gpu": int,
 }
-"""The batch summary's required attributes (docs/contract.md, "Tracing") and their types."""
+"""The batch summary's required attributes and their types."""
 
 BATCH_SUMMARY_OPTIONAL: dict[str, type] = {"kv.blocks_cpu_offload": int, "kv.blocks_disk_offload": int}
 
@@ -94,7 +81,7 @@ REQUEST_SNAPSHOT_REQUIRED: dict[str, type] = {
     "kv.blocks_allocated_gpu": int,
     "kv.blocks_cached_gpu": int,
 }
-"""The request snapshot's required attributes (docs/contract.md, "Tracing") and their types."""
+"""The request snapshot's required attributes and their types."""
 
 REQUEST_SNAPSHOT_OPTIONAL: dict[str, type] = {
     "kv.blocks_cpu_offload": int,
@@ -115,14 +102,9 @@ def batch_summary_attributes(
     requests: Mapping[str, Any],
     kv: StepKVSummary,
 ) -> dict[str, int | float]:
-    """The ``step.BATCH_SUMMARY`` payload (docs/contract.md, "Tracing").
-
-    Each side of the prefill/decode split is counted on its own, as the contract defines it: prefill
-    where ``num_output_tokens == 0``, decode where ``num_output_tokens > 0`` (request counts over
-    ``running``, token counts over ``output.num_scheduled_tokens``), so the summary's invariants
-    (prefill + decode = running depth, = scheduled tokens) check the counts rather than hold by
-    construction. A scheduled request the scheduler does not know is in neither.
-    """
+    """The ``step.BATCH_SUMMARY`` payload. Prefill (``num_output_tokens == 0``) and decode
+    (``> 0``) are each counted on their own, so the contract's invariants (prefill + decode =
+    running depth, = scheduled tokens) check the counts; an unknown scheduled request is in neither."""
     num_prefill = sum(1 for req in running if req.num_output_tokens == 0)
     num_decode = sum(1 for req in running if req.num_output_tokens > 0)
     prefill_tokens = decode_tokens = 0
@@ -163,7 +145,7 @@ def batch_summary_attributes(
 def request_snapshot_attributes(
     request: Any, *, step_id: int, output: Any, kv: PerRequestKVMetrics
 ) -> dict[str, int | str]:
-    """The ``step.REQUEST_SNAPSHOT`` payload of one running request (docs/contract.md, "Tracing")."""
+    """The ``step.REQUEST_SNAPSHOT`` payload of one running request."""
     n_out = request.num_output_tokens
     attrs: dict[str, int | str] = {
         "step.id": step_id,
@@ -277,8 +259,6 @@ class StepTracer:
                 span.end()
             except Exception as e:
                 self._failed("span end", e)
-
-    # -- internals -------------------------------------------------------------------------------
 
     def _open_span(self, previous: Span | None) -> None:
         try:

@@ -1,22 +1,15 @@
-"""How tracing inside a vLLM engine (docs/contract.md, "Tracing") is configured, carried into the
+"""How tracing inside a vLLM engine (docs/engine-tracing.md) is configured, carried into the
 EngineCore process, sampled, and exported.
 
-The worker process decides (:func:`libs.common.tracing.otlp_traces_endpoint` plus the worker's tracing flags) and
-builds an :class:`EngineTracingConfig`; ``build_async_llm`` puts it, as a plain dict, under
-``AsyncEngineArgs(additional_config={ADDITIONAL_CONFIG_KEY: ...})``. vLLM carries
-``additional_config`` inside the ``VllmConfig`` it hands to the EngineCore process, where
-:class:`~services.stage_worker.engine_core.scheduler.OmniScheduler` reads it back with
-:meth:`EngineTracingConfig.from_vllm_config` (invalid values raise there too: the engine fails to
-start). No key → no tracing objects at all in the engine.
+The worker builds an :class:`EngineTracingConfig`; ``build_async_llm`` puts it, as a dict, in
+``AsyncEngineArgs(additional_config={ADDITIONAL_CONFIG_KEY: ...})``, which vLLM hands to the
+EngineCore, where ``OmniScheduler`` reads it back with :meth:`EngineTracingConfig.from_vllm_config`
+(invalid values raise: the engine fails to start). No key: no tracing objects in the engine. The
+engine exports through a tracer provider of its own (:func:`make_tracer_provider`).
 
-Inside the EngineCore the scheduler exports through a tracer provider of its own
-(:func:`make_tracer_provider`: service ``omnirelay-engine``, resource attributes naming the
-pipeline, stage, replica and process), to the endpoint and protocol computed in the worker, so the
-engine's spans land where the worker's spans land whatever vLLM does with its own global provider.
-
-Samplers have the signature ``sampler(key, rate) -> bool``: :func:`random_sampler` in production
-(not stable across runs), :func:`make_deterministic_sampler` (sha1 of ``"<seed>:<key>"``, stable
-across processes and runs) for tests. Rate 0 never samples, rate 1 always does.
+Samplers are ``sampler(key, rate) -> bool``: :func:`random_sampler` in production,
+:func:`make_deterministic_sampler` (stable across processes and runs) for tests. Rate 0 never
+samples, rate 1 always does.
 """
 
 from __future__ import annotations
@@ -52,12 +45,8 @@ def random_sampler(key: object, rate: float) -> bool:
 
 
 def make_deterministic_sampler(seed: int | str = 0) -> Sampler:
-    """A stable sampler: ``key`` is sampled iff the first 8 bytes of
-    ``sha1(f"{seed}:{key}")``, read as a big-endian fraction of 2**64, are below ``rate``.
-
-    Unlike ``hash()`` (salted per process) it gives the same answer in every process and run, so
-    tests can predict exactly which keys are sampled. Different seeds give independent samplers.
-    """
+    """A stable sampler: ``key`` is sampled iff the first 8 bytes of ``sha1(f"{seed}:{key}")``,
+    read as a big-endian fraction of 2**64, are below ``rate`` (same answer in every process)."""
 
     def sampler(key: object, rate: float) -> bool:
         digest = hashlib.sha1(f"{seed}:{key}".encode()).digest()
@@ -78,13 +67,9 @@ def validate_rate(name: str, value: object) -> float:
 
 @dataclass(frozen=True)
 class EngineTracing:
-    """What the engine traces (docs/contract.md, "Tracing"): journey events and scheduler step
-    tracing; rates in [0, 1] (anything else raises ``ValueError``: the worker fails at start).
-
-    ``sampler``/``seed`` choose the sampler family: ``random`` (production) or ``sha1`` (stable,
-    for tests); the journey, step and rich samplers use seeds ``seed``, ``seed + 1`` and
-    ``seed + 2`` so the two stages of step sampling stay independent.
-    """
+    """What the engine traces: journey events and scheduler steps; rates in [0, 1] (else
+    ``ValueError``). ``sampler``: ``random`` or ``sha1`` (the journey, step and rich samplers
+    seeded ``seed``, ``seed + 1``, ``seed + 2``, so they are independent)."""
 
     journey_sample_rate: float = 1.0
     step_enabled: bool = False
@@ -166,11 +151,8 @@ class EngineTracingConfig(EngineTracing):
 
 
 def make_tracer_provider(cfg: EngineTracingConfig):  # -> opentelemetry.sdk.trace.TracerProvider
-    """A tracer provider (not installed globally) exporting to ``cfg.endpoint`` in batches.
-
-    Honours the usual ``OTEL_*`` settings the SDK reads itself (sampler, batch delay, headers,
-    span limits, ``OTEL_RESOURCE_ATTRIBUTES``).
-    """
+    """A tracer provider (not installed globally) exporting to ``cfg.endpoint`` in batches; the
+    SDK's own ``OTEL_*`` settings apply."""
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor

