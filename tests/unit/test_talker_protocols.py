@@ -22,13 +22,8 @@ from libs.common.pipeline import PipelineConfig, PipelineConfigError, TalkerConf
 from libs.models.tiny_orpheus import build_tiny_orpheus
 from libs.models.tiny_snac import CODEBOOK_SIZE, build_tiny_snac
 from services.stage_worker.engine_core.frame_logits import FrameLogitsProcessor, FrameRule
-from services.stage_worker.talkers import (
-    TalkerInputError,
-    TalkerOutputError,
-    UnknownVoice,
-    engine_args,
-    make_protocol,
-)
+from services.stage_worker.talkers import engine_args, make_protocol
+from services.stage_worker.talkers.base import TalkerInputError, TalkerOutputError, UnknownVoice
 from services.stage_worker.talkers.orpheus import OrpheusProtocol, codec_codebook_size
 from services.stage_worker.talkers.tiny import TinyProtocol
 

@@ -35,13 +35,8 @@ from services.stage_worker.handlers.llm import LLMHandler
 from services.stage_worker.inbox import Delivery
 from services.stage_worker.llm_engine import LLMEngineSpec
 from services.stage_worker.request_context import RequestContext
-from services.stage_worker.talkers import (
-    TalkerInputError,
-    TalkerProtocol,
-    TalkerRequest,
-    UnknownVoice,
-    make_protocol,
-)
+from services.stage_worker.talkers import make_protocol
+from services.stage_worker.talkers.base import TalkerInputError, TalkerProtocol, TalkerRequest, UnknownVoice
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +127,15 @@ class TalkerHandler(LLMHandler):
         chunker: CodeChunker | None = None
         unsent: deque[tuple[Delivery, int]] = deque()
         """Text chunks not yet acknowledged, with the position after their last code."""
+
+        async def send(seq: int, codes: list[int], final: bool = False) -> None:
+            array = NdArray.of(np.asarray(codes, dtype=np.int32))
+            await req.downstream(final=final, codes=array, offset=seq * chunker.size)
+
+        async def ack_sent() -> None:  # the text chunks whose codes have all been sent
+            while unsent and unsent[0][1] <= chunker.sent_upto:
+                await req.ack(unsent.popleft()[0])
+
         while True:
             d = await req.next()
             if chunker is None:  # the first text chunk of this attempt
@@ -145,24 +149,16 @@ class TalkerHandler(LLMHandler):
                 stream = self.protocol.code_stream()
                 prompt = tokens_input(talk.prompt_token_ids)
                 async for out in self.generate(prompt, talk.params, self._sub_id(req, d.task), req.span):
-                    codes = stream.feed(out.outputs[0].token_ids).tolist()
-                    for seq, chunk in chunker.feed(codes):
-                        await req.downstream(
-                            codes=NdArray.of(np.asarray(chunk, dtype=np.int32)), offset=seq * chunker.size
-                        )
-                        while unsent and unsent[0][1] <= chunker.sent_upto:
-                            await req.ack(unsent.popleft()[0])
+                    for seq, chunk in chunker.feed(stream.feed(out.outputs[0].token_ids).tolist()):
+                        await send(seq, chunk)
+                        await ack_sent()
             if d.task.final:
-                seq, rest = chunker.flush()
-                await req.downstream(
-                    final=True, codes=NdArray.of(np.asarray(rest, dtype=np.int32)), offset=seq * chunker.size
-                )
+                await send(*chunker.flush(), final=True)
                 for sent, _ in unsent:
                     await req.ack(sent)
                 req.lifecycle("stage_done")
                 return
-            while unsent and unsent[0][1] <= chunker.sent_upto:  # no codes, or all of them sent
-                await req.ack(unsent.popleft()[0])
+            await ack_sent()
 
     # --- segments of frames (orpheus) ---------------------------------------------------
     async def _run_segments(self, req: RequestContext) -> None:

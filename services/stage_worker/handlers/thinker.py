@@ -20,10 +20,8 @@ if TYPE_CHECKING:
 
 STARTED_DELAY_S = 0.001
 """How long after handing a request to vLLM the thinker sends ``started`` (unless the first
-output comes sooner), seconds. vLLM's hand-off completes on its ZeroMQ I/O thread; a ``started``
-sent at once woke the gateway and its client, whose work on the response's start then ran
-first on the shared front-end core and kept the request from the engine for ~1.9 ms (perf sched
-trace at concurrency 1). Sent a little later, that work still overlaps the engine's computing."""
+output comes sooner), seconds: sent at once, the gateway's and client's work on it would run first
+on the shared front-end core and delay vLLM's hand-off (docs/performance.md)."""
 
 
 def _retrieved(task: asyncio.Task) -> None:
@@ -151,7 +149,9 @@ class ThinkerHandler(LLMHandler):
                 tokenizer = self.engine.get_tokenizer()
                 text = ResumedText(tokenizer, req.request_id, task.prompt_token_ids, resumed, params)
                 params = engine_params(params)
-            outputs = self._outputs(prompt, params, req)
+            # A later attempt's engine request id is its own: an older one may still be winding down.
+            engine_id = req.request_id if req.attempt == 1 else f"{req.request_id}-a{req.attempt}"
+            outputs = self.generate(prompt, params, engine_id, req.span)
             generated, finish_reason = await _relay(req, outputs, text, chunker if forward else None)
         else:  # the client has every token; only text_done was missing
             await _StartedNotice(req).sent()
@@ -161,7 +161,19 @@ class ThinkerHandler(LLMHandler):
             rest = chunker.flush()
             await req.downstream(final=True, token_ids=rest.token_ids, text=rest.text, offset=rest.offset)
         usage = Usage(prompt_tokens=len(task.prompt_token_ids), completion_tokens=generated)
-        req.span.set_attributes(self._span_attributes(s, usage, finish_reason))
+        req.span.set_attributes(
+            {
+                "gen_ai.operation.name": "chat",
+                "gen_ai.system": "vllm",
+                "gen_ai.request.model": self._spec.pipeline.served_model_name,
+                "gen_ai.request.max_tokens": s.max_tokens,
+                "gen_ai.request.temperature": s.temperature,
+                "gen_ai.request.top_p": s.top_p,
+                "gen_ai.usage.input_tokens": usage.prompt_tokens,
+                "gen_ai.usage.output_tokens": usage.completion_tokens,
+                "gen_ai.response.finish_reasons": [finish_reason or ""],
+            }
+        )
         await req.client(
             ClientEvent(
                 request_id=req.request_id,
@@ -172,23 +184,3 @@ class ThinkerHandler(LLMHandler):
         )
         await req.ack(d)
         req.lifecycle("stage_done", finish_reason=finish_reason)
-
-    def _span_attributes(self, s: Sampling, usage: Usage, finish_reason: str | None) -> dict[str, object]:
-        """The request span's GenAI attributes, once it has ended."""
-        return {
-            "gen_ai.operation.name": "chat",
-            "gen_ai.system": "vllm",
-            "gen_ai.request.model": self._spec.pipeline.served_model_name,
-            "gen_ai.request.max_tokens": s.max_tokens,
-            "gen_ai.request.temperature": s.temperature,
-            "gen_ai.request.top_p": s.top_p,
-            "gen_ai.usage.input_tokens": usage.prompt_tokens,
-            "gen_ai.usage.output_tokens": usage.completion_tokens,
-            "gen_ai.response.finish_reasons": [finish_reason or ""],
-        }
-
-    def _outputs(self, prompt, params, req: RequestContext) -> AsyncGenerator[RequestOutput, None]:
-        """The engine's outputs for ``req`` (a later attempt has an engine request id of its own:
-        an older one may still be winding down in this engine)."""
-        engine_id = req.request_id if req.attempt == 1 else f"{req.request_id}-a{req.attempt}"
-        return self.generate(prompt, params, engine_id, req.span)

@@ -1,14 +1,9 @@
 """Talker protocols: how an ``llm`` stage that emits ``codec_codes`` turns text chunks into codes.
 
-A protocol (:class:`~.base.TalkerProtocol`) decides a text chunk's prompt, its sampling, when its
-generation stops and how many codes it may yield, and turns the engine's output token ids into
-codec codes (:class:`~.base.CodeStream`). The pipeline YAML chooses one per stage
-(``talker.protocol``):
-
-- :mod:`.tiny` — the generated tiny talker's: prompt = the chunk's thinker token ids, exactly
-  ``codes_per_token`` codes per token, 1-D codes;
-- :mod:`.orpheus` — Orpheus TTS's: a voice, its own tokenizer, SNAC frames of 7 codes ended by
-  end_of_speech, constrained per position in the engine.
+A protocol (:class:`~.base.TalkerProtocol`) decides a text chunk's prompt, sampling, stop and cap,
+and turns the engine's output token ids into codec codes (:class:`~.base.CodeStream`). The pipeline
+YAML chooses one per stage (``talker.protocol``): :mod:`.tiny` (the generated tiny talker's) or
+:mod:`.orpheus` (Orpheus TTS's).
 """
 
 from __future__ import annotations
@@ -18,27 +13,9 @@ from typing import Any
 from libs.common.pipeline import PipelineConfig, StageConfig, TalkerProtocolName
 from libs.models.tiny import resolve_model
 from services.stage_worker.engine_core.frame_logits import FRAME_LOGITS_PROCESSOR
-from services.stage_worker.talkers.base import (
-    CodeStream,
-    TalkerInputError,
-    TalkerOutputError,
-    TalkerProtocol,
-    TalkerRequest,
-    UnknownVoice,
-)
+from services.stage_worker.talkers.base import TalkerProtocol
 from services.stage_worker.talkers.orpheus import OrpheusProtocol
 from services.stage_worker.talkers.tiny import TinyProtocol
-
-__all__ = [
-    "CodeStream",
-    "TalkerInputError",
-    "TalkerOutputError",
-    "TalkerProtocol",
-    "TalkerRequest",
-    "UnknownVoice",
-    "engine_args",
-    "make_protocol",
-]
 
 
 def make_protocol(pipeline: PipelineConfig, stage_id: int, model_dir: str) -> TalkerProtocol:
@@ -55,10 +32,8 @@ def make_protocol(pipeline: PipelineConfig, stage_id: int, model_dir: str) -> Ta
 def engine_args(stage: StageConfig) -> dict[str, Any]:
     """``AsyncEngineArgs`` fields a stage's talker protocol needs: Orpheus's per-position logits
     processor, and no prefix caching (a prompt prefilled over cached blocks computes slightly other
-    logits than a whole prefill, and sampling near-even logits then picks other codes: a redo on a
-    replica that had, or had not, seen the prompt would not make the dead replica's frames; each
-    text chunk's prompt is its own, so the cache saves next to nothing); none for ``tiny``
-    (vLLM's ``allowed_token_ids`` suffices, its prompts are shorter than a cache block) or a
+    logits, so a redo on another replica would not make the dead replica's frames; each text
+    chunk's prompt is its own, so the cache saves next to nothing); none for ``tiny`` or a
     non-talker stage."""
     if stage.talker.protocol == TalkerProtocolName.ORPHEUS:
         return {"logits_processors": [FRAME_LOGITS_PROCESSOR], "enable_prefix_caching": False}

@@ -78,18 +78,15 @@ class TalkerProtocol(ABC):
         """The voices a request may ask for (empty: the protocol takes none)."""
         return TALKER_VOICES[self.name]
 
-    def check_voice(self, voice: str) -> str:
-        """``voice`` if the protocol has it, else :class:`UnknownVoice`."""
-        if voice not in self.voices:
-            known = ", ".join(self.voices) if self.voices else "none"
-            raise UnknownVoice(
-                f"unknown voice '{voice}' for talker protocol '{self.name.value}' (voices: {known})"
-            )
-        return voice
-
     def resolve_voice(self, voice: str | None) -> str | None:
-        """The voice a request speaks with: its own (checked) or the stage's default."""
-        return self.default_voice if voice is None else self.check_voice(voice)
+        """The voice a request speaks with: its own, or the stage's default if None;
+        :class:`UnknownVoice` if the protocol does not have it."""
+        if voice is None or voice in self.voices:
+            return self.default_voice if voice is None else voice
+        known = ", ".join(self.voices) if self.voices else "none"
+        raise UnknownVoice(
+            f"unknown voice '{voice}' for talker protocol '{self.name.value}' (voices: {known})"
+        )
 
     def sampling_overrides(self) -> dict[str, Any]:
         """The YAML's sampling overrides (only the fields it sets)."""

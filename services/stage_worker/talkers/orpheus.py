@@ -1,22 +1,15 @@
 """The ``orpheus`` talker protocol: Orpheus TTS (``canopylabs/orpheus-3b-0.1-ft``, ``tiny-orpheus``).
 
-Prompt of a text chunk: ``start_of_human``, the talker tokenizer's encoding of ``"{voice}: {text}"``
-(with its own ``<|begin_of_text|>``), then ``end_of_text`` (``<|eot_id|>``), ``end_of_human``,
-``start_of_ai``, ``start_of_speech``. The response is SNAC frames of 7 audio tokens, ended by
-``end_of_speech``. Audio token ``i`` of the response (from 0) is code ``id − first_audio −
-(i mod 7) · codebook_size``; frame position 0 holds SNAC layer 0, positions 1 and 4 layer 1, and
-2, 3, 5, 6 layer 2. Codes go downstream as int32 ``[frames, 7]`` in that order.
-
-Every id comes from the talker's tokenizer by name (``<custom_token_N>``: 1 start_of_speech,
-2 end_of_speech, 3 start_of_human, 4 end_of_human, 5 start_of_ai, 10 the first audio token), and
-the codebook size from the codec stage's ``config.json`` (``codebook_size``), never from constants:
-a tokenizer with Orpheus's layout at any scale works (tiny-orpheus's has 256 codes per block).
+Prompt of a text chunk: ``start_of_human``, the talker tokenizer's encoding of ``"{voice}: {text}"``,
+then ``end_of_text``, ``end_of_human``, ``start_of_ai``, ``start_of_speech``. The response is SNAC
+frames of 7 audio tokens, ended by ``end_of_speech``; audio token ``i`` is code ``id − first_audio −
+(i mod 7) · codebook_size``, sent downstream as int32 ``[frames, 7]``. Every id comes from the
+tokenizer by name (``<custom_token_N>``), the codebook size from the codec's ``config.json``, so a
+tokenizer with Orpheus's layout at any scale works.
 
 Generation is constrained per position inside the engine
-(:mod:`services.stage_worker.engine_core.frame_logits`): each position can only sample its own
-block, end_of_speech only on a frame boundary, and at the cap (``max_frames_per_char`` × the text's
-characters, at least ``min_frames``) end_of_speech is forced. The decoder still checks every token
-and raises :class:`TalkerOutputError` on one out of place (an engine without the processor).
+(:mod:`services.stage_worker.engine_core.frame_logits`), capped at ``max_frames_per_char`` × the
+text's characters (at least ``min_frames``); the decoder still checks every token.
 """
 
 from __future__ import annotations
@@ -26,7 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -194,45 +187,29 @@ class OrpheusProtocol(TalkerProtocol):
         encoded = self.tokenizer(said).input_ids
         return [t.start_of_human, *encoded, t.end_of_text, t.end_of_human, t.start_of_ai, t.start_of_speech]
 
-    def max_frames(self, text: str) -> int:
-        """The cap of ``text``'s frames: ``max_frames_per_char`` per character, at least ``min_frames``."""
-        return max(self.config.min_frames, math.ceil(self.config.max_frames_per_char * len(text.strip())))
-
-    def frame_rule(self, text: str) -> FrameRule:
-        """What the engine lets ``text``'s request sample at each position."""
-        t = self.tokens
-        return FrameRule(
-            first_audio=t.first_audio,
-            codebook_size=t.codebook_size,
-            frame_size=FRAME_SIZE,
-            stop_id=t.end_of_speech,
-            max_frames=self.max_frames(text),
-        )
-
-    def sampling(self) -> dict[str, Any]:
-        """Temperature, top_p and repetition_penalty: Orpheus's, with the YAML's overrides."""
-        return {**DEFAULT_SAMPLING, **self.sampling_overrides()}
-
     def request(
         self, text: str, token_ids: Sequence[int], *, voice: str | None = None, seed: int | None = None
     ) -> TalkerRequest | None:
-        """Stops at end_of_speech; at most ``max_frames(text)`` frames (then end_of_speech is forced,
-        hence ``max_tokens`` = 7 · frames + 1). None for a blank text."""
+        """Stops at end_of_speech; at most the text's cap of frames (then end_of_speech is forced,
+        hence ``max_tokens`` = 7 · frames + 1); Orpheus's sampling with the YAML's overrides. None
+        for a blank text."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         if not text.strip():
             self.resolve_voice(voice)
             return None
-        rule = self.frame_rule(text)
+        t = self.tokens
+        cap = max(self.config.min_frames, math.ceil(self.config.max_frames_per_char * len(text.strip())))
+        rule = FrameRule(t.first_audio, t.codebook_size, FRAME_SIZE, t.end_of_speech, max_frames=cap)
         params = SamplingParams(
             max_tokens=rule.max_frames * FRAME_SIZE + 1,
-            stop_token_ids=[self.tokens.end_of_speech],
+            stop_token_ids=[t.end_of_speech],
             seed=seed,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
             extra_args=rule.to_extra_args(),
-            **self.sampling(),
+            **{**DEFAULT_SAMPLING, **self.sampling_overrides()},
         )
         return TalkerRequest(
             prompt_token_ids=self.prompt(text, voice), params=params, max_codes=rule.max_frames * FRAME_SIZE
