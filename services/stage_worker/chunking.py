@@ -1,6 +1,5 @@
-"""When a talker forwards its codes downstream: pure functions of what was produced so far
-(fixed-size code chunks, and code chunks cut from segments of frames). Text chunks are
-:mod:`libs.common.text_chunks`' (the gateway cuts streamed speech input the same way)."""
+"""How a talker cuts its codes into chunks for downstream: pure functions of what was produced so
+far (fixed-size code chunks, and code chunks cut from segments of frames)."""
 
 from __future__ import annotations
 
@@ -14,12 +13,9 @@ class CodeChunker:
     """Cuts a request's codec codes into chunks of exactly ``size`` codes: chunk ``k`` holds codes
     ``k·size`` to ``(k+1)·size − 1`` of the request's code stream, the last one may be short.
 
-    The numbering depends only on positions, so a talker that takes a request over from a dead
-    one cuts the same chunks with the same numbers: it starts at ``start``, the position of the
-    first code it will be fed (where the oldest text chunk the dead one had not acknowledged
-    begins), and drops the codes before the first chunk boundary at or after it — those went out
-    in a chunk shared with the previous text chunk, which was acknowledged only once that chunk
-    had been sent.
+    A talker that takes a request over starts at ``start``, the position of the first code it
+    will be fed, and drops the codes before the first chunk boundary at or after it (they went out
+    already), so it cuts the same chunks with the same numbers.
     """
 
     size: int
@@ -66,11 +62,10 @@ class FrameChunk:
     first_frame: int
     """Absolute index of its first own frame, counted across the request's segments (``StageTask.offset``)."""
     frames: np.ndarray
-    """``[before + own + after, frame_size]`` codes."""
+    """``[before + own + after, frame_size]`` codes: ``before`` and ``after`` context frames
+    (``StageTask.context_before`` / ``context_after``) around its own."""
     before: int
-    """Context frames at the start of ``frames`` (``StageTask.context_before``)."""
     after: int
-    """Context frames at the end of ``frames`` (``StageTask.context_after``)."""
 
     @property
     def own_frames(self) -> int:
@@ -80,11 +75,10 @@ class FrameChunk:
 class FrameChunker:
     """Cuts a request's segments of frames into code chunks of at most ``size`` own frames.
 
-    A segment (one talker engine request's frames) is a whole utterance for the codec: chunks never
-    straddle segments, and a chunk's context frames (up to ``context = (before, after)``) come from
-    its own segment only, fewer at the segment's ends. A chunk is cut as soon as ``after`` frames
-    past it exist, or when its segment ends. Chunks are numbered contiguously from ``next_seq``;
-    frames are counted from ``next_frame`` (where a talker that took the request over starts).
+    Chunks never straddle segments (one talker engine request's frames), and their context frames
+    (up to ``context = (before, after)``) come from their own segment. A chunk is cut as soon as
+    ``after`` frames past it exist, or when its segment ends. Chunks are numbered from ``next_seq``,
+    frames counted from ``next_frame``.
     """
 
     def __init__(
@@ -95,14 +89,11 @@ class FrameChunker:
         self.size, self.frame_size = size, frame_size
         self.before, self.after = context
         self.next_seq = next_seq
-        """The number of the next chunk cut."""
-        self._buffer_start = next_frame
-        """Absolute index of the first frame kept of the current segment."""
+        self._buffer_start = next_frame  # absolute index of the first frame kept of the segment
+        # the segment's frames still needed (joined lazily): those in no chunk yet, and up to
+        # ``before`` frames before them as context
         self._frames: list[np.ndarray] = []
-        """The current segment's frames still needed (each ``[n, frame_size]``), joined lazily: those
-        in no chunk yet, and up to ``before`` frames before them as context."""
-        self._cut = 0
-        """Frames kept that are already in chunks as own frames."""
+        self._cut = 0  # frames kept that are already in chunks as own frames
 
     @property
     def next_frame(self) -> int:
@@ -119,9 +110,8 @@ class FrameChunker:
         return out
 
     def end_segment(self, last: bool = False) -> list[FrameChunk]:
-        """End the current segment: return its remaining chunks (short ones, with the context
-        there is). ``last``: the request's last segment, whose chunks include at least one (an
-        empty one when no frame is left) so that the request's final chunk has a number."""
+        """End the current segment: return its remaining chunks. ``last``: the request's last
+        segment, which yields at least one chunk (maybe empty) so the final chunk has a number."""
         out = []
         while self._cut < self._length():
             own = min(self.size, self._length() - self._cut)

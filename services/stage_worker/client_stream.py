@@ -1,23 +1,13 @@
 """One attempt's client events, kept by the worker that sent them until the gateway confirms them.
 
-Client events travel over core NATS, at most once: a broker restart or the death of a cluster node
-drops what it held, and no later event may come to show the gap. So the sender keeps what it sent
-and asks the request's gateway how far the attempt's stream has got: a :class:`ResumeQuery` sent as
-a request on the request's own ``out`` subject, answered with a :class:`ResumePoint` whose
-``next_seq`` is the first event the gateway lacks. The question leaves after every event sent
-before it (the worker's sender is flushed first, and one connection keeps the order), so event
-``next_seq`` was lost: it and the later ones sent before the question are sent again (the gateway
-drops those it has by their ``seq``), and the events before ``next_seq`` are forgotten. The worker
-asks every :data:`ASK_PERIOD_S` while some events are unconfirmed and the attempt runs, and once it
-has ended goes on asking (:meth:`ClientStream.finish`) until the gateway has them all or the
-request's deadline passes: its last events are confirmed too, though no later event would show
-them missing. Acknowledgements and lifecycle events do not wait for it (a stage's end is not held
-up by a round trip to the gateway).
-
-The stream ends (nothing more to deliver) when the gateway answers that it no longer takes the
-attempt's events — its client is gone, or the request moved past the attempt — or when nobody has
-taken the question for :data:`GATEWAY_GONE_S` (the gateway died; a gateway reconnecting after a
-broker restart answers again well within it).
+Client events travel over core NATS, at most once. The sender keeps what it sent and asks the
+request's gateway (a :class:`ResumeQuery` on the request's ``out`` subject) how far the attempt's
+stream has got; the :class:`ResumePoint` answer's ``next_seq`` is the first event the gateway lacks.
+The question leaves after every event sent before it, so events from ``next_seq`` to the question
+are sent again and those before are forgotten. It asks every :data:`ASK_PERIOD_S` while events are
+unconfirmed, and after the attempt ended (:meth:`ClientStream.finish`) until all are confirmed or
+the deadline passes. The stream ends when the gateway no longer takes the attempt's events, or
+nobody has taken the question for :data:`GATEWAY_GONE_S`.
 """
 
 from __future__ import annotations
@@ -59,16 +49,14 @@ class ClientStream:
         self._subject = subject
         self._query = query.encode()
         self._flushed = flushed
-        self._events: list[bytes] = []
-        """Events ``confirmed`` … ``sent - 1``."""
+        self._events: list[bytes] = []  # events confirmed … sent - 1
         self.confirmed = 0
         """Events ``0 … confirmed - 1`` have reached the gateway."""
         self.ended = False
         """Nothing more is delivered: the gateway no longer takes the attempt's events."""
         self._unanswered_since: float | None = None
         self._asking = asyncio.Lock()
-        self._watch: asyncio.Task[None] | None = None
-        """The periodic questions while the attempt runs; its last ones once it has ended."""
+        self._watch: asyncio.Task[None] | None = None  # the periodic questions, or the last ones
 
     @property
     def sent(self) -> int:
@@ -76,8 +64,7 @@ class ClientStream:
         return self.confirmed + len(self._events)
 
     def add(self, data: bytes) -> None:
-        """Keep event ``seq`` = :attr:`sent`, once handed to the worker's sender; starts the
-        periodic questions."""
+        """Keep event ``seq`` = :attr:`sent`, once handed to the worker's sender."""
         self._events.append(data)
         if self._watch is None:
             self._watch = asyncio.get_running_loop().create_task(self._ask_periodically())

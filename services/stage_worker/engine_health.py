@@ -1,11 +1,9 @@
 """Whether a worker's engine lives and makes progress, and what the worker does when it does not.
 
-The worker answers every liveness probe and heartbeat from :meth:`EngineHealth.liveness`
-(services/orchestrator/liveness.py judges them). An engine that died (vLLM's EngineCore gone) or
-that hangs (no output while it has work for ``HUNG_AFTER_STALLS × stall_timeout_s``,
-:class:`~services.stage_worker.progress.HungEngineWatch`) makes the worker exit soon after, with a
-status that says which, so that the launcher or compose starts the replica anew; until then its
-probes answer ``engine_dead`` and the orchestrators move what it holds at once.
+Liveness probes and heartbeats are answered from :meth:`EngineHealth.liveness`. An engine that died
+or hangs (:class:`~services.stage_worker.progress.HungEngineWatch`) makes the worker exit soon after
+with a status that says which, so that it is started anew; until then its probes answer
+``engine_dead``.
 """
 
 from __future__ import annotations
@@ -28,13 +26,10 @@ log = logging.getLogger(__name__)
 ENGINE_CHECK_PERIOD_S = 0.5
 """How often the worker checks that its engine lives and makes progress, seconds."""
 ENGINE_DEAD_EXIT_AFTER_S = 1.5
-"""A worker whose engine died exits this long after noticing, seconds: every orchestrator probes a
-busy replica every 0.5 s, so each sees the ``engine_dead`` answer first."""
+"""A worker whose engine died exits this long after noticing, seconds (every orchestrator's probe
+sees ``engine_dead`` first)."""
 ENGINE_DEAD_EXIT_STATUS = 3
-"""Exit status of a worker whose engine died."""
 ENGINE_HUNG_EXIT_STATUS = 4
-"""Exit status of a worker whose engine made no progress with work for
-``HUNG_AFTER_STALLS × stall_timeout_s`` (:class:`~services.stage_worker.progress.HungEngineWatch`)."""
 
 
 class EngineHealth:
@@ -47,11 +42,9 @@ class EngineHealth:
         self._in_flight = in_flight
         self._label = label
         self.hang_watch = HungEngineWatch(stall_timeout_s, max_step_s=2 * ENGINE_CHECK_PERIOD_S)
-        self._dead_since: float | None = None
-        """When the engine was found dead or hung (monotonic s); the worker exits soon after."""
+        self._dead_since: float | None = None  # engine found dead or hung (monotonic s)
 
     def liveness(self) -> Liveness:
-        """What the worker's probe answer and heartbeat say about it now."""
         p = self._handler.progress
         return Liveness(
             engine_dead=self._dead_since is not None,
@@ -61,8 +54,7 @@ class EngineHealth:
         )
 
     def engine_died(self) -> bool:
-        """Whether the engine has died under this worker; the first time, say so in the log and
-        exit ``ENGINE_DEAD_EXIT_AFTER_S`` later."""
+        """Whether the engine has died under this worker (the first time, the worker exits soon)."""
         if self._dead_since is not None:
             return True
         if not self._handler.engine_dead():
@@ -71,9 +63,8 @@ class EngineHealth:
         return True
 
     def _exit_soon(self, why: str, status: int) -> None:
-        """Leave ``ENGINE_DEAD_EXIT_AFTER_S`` from now with ``status``, taking the engine's
-        processes along (a hung one would outlive this process); probes answer ``engine_dead``
-        meanwhile, so the orchestrators move what this replica holds at once."""
+        """Leave ``ENGINE_DEAD_EXIT_AFTER_S`` from now with ``status``, taking the engine's processes
+        along; probes answer ``engine_dead`` meanwhile."""
         self._dead_since = time.monotonic()
         log.critical(
             "%s: %s; exiting in %.1f s (exit status %d) so that this replica is started anew",
@@ -85,9 +76,7 @@ class EngineHealth:
         asyncio.get_running_loop().call_later(ENGINE_DEAD_EXIT_AFTER_S, _exit_with_children, status)
 
     async def watch(self) -> None:
-        """Notice an engine that died while nothing ran on it, or that hangs: no output while it
-        has work for ``HUNG_AFTER_STALLS × stall_timeout_s`` (the orchestrators have moved its
-        requests after one ``stall_timeout_s``; this replica then starts anew)."""
+        """Notice an engine that died while nothing ran on it, or that hangs."""
         watch = self.hang_watch
         last = time.monotonic()
         while not self.engine_died():

@@ -1,22 +1,14 @@
-"""vLLM's stat loggers for an ``llm`` worker, reshaped for a pipeline of (stage, replica) workers.
+"""vLLM's stat loggers for an ``llm`` worker, reshaped for a pipeline of (stage, replica) workers
+(:func:`stat_loggers_for`):
 
-With ``--log-stats`` the worker's ``AsyncLLM`` gets exactly two stat loggers (see
-:func:`stat_loggers_for`):
-
-- :class:`OmniPrometheusStatLogger`, a subclass of vLLM's ``PrometheusStatLogger`` that registers
-  every upstream ``vllm:*`` family with the label ``engine`` replaced by ``stage`` + ``replica``
-  (this worker's ids), ``model_name`` set to the pipeline's served model name on every family
-  (also those upstream registers without it), and an upstream label that would collide with ours
-  renamed (``stage`` of ``vllm:num_requests_kv_fetch_by_stage`` becomes ``kv_fetch_stage``).
-  It works through the metric-class slots upstream provides (``_gauge_cls``, ``_counter_cls``,
-  ``_histogram_cls``, and the same slots of the spec-decode / KV-connector / EC-connector / perf
-  helpers): each slot holds a relabelling subclass of the prometheus_client class whose
-  ``labels()`` accepts upstream's label values (positional or keyword, ``engine`` as int or str)
-  and translates them. Upstream's code runs unchanged.
-- :class:`OmniLoggingStatLogger`, vLLM's periodic log line with the prefix
-  ``stage <id> (<name>) replica <r>: `` instead of ``Engine 000: ``; :func:`log_stats_periodically`
-  calls it every ``log_stats_interval_s`` (vLLM's own timer lives in its API server, which a
-  worker does not run).
+- :class:`OmniPrometheusStatLogger`: vLLM's ``PrometheusStatLogger`` whose metric-class slots
+  (``_gauge_cls``, ``_counter_cls``, ``_histogram_cls``, and those of its spec-decode, KV/EC
+  connector and perf helpers) hold relabelling subclasses: every ``vllm:*`` family gets
+  ``stage`` + ``replica`` instead of ``engine``, ``model_name`` the served model name, and an
+  upstream label that collides with ours is renamed (:data:`RENAMED_LABELS`). Upstream's code runs
+  unchanged.
+- :class:`OmniLoggingStatLogger`: vLLM's periodic log line prefixed ``stage <id> (<name>) replica
+  <r>: ``, called by :func:`log_stats_periodically` (vLLM's own timer lives in its API server).
 """
 
 from __future__ import annotations
@@ -66,24 +58,6 @@ class EngineIdentity:
     def log_prefix(self) -> str:
         return f"{self.label}: "
 
-    def check_engine(self, value: object) -> None:
-        if str(value) != str(self.engine_index):
-            raise ValueError(
-                f"{self.log_prefix}vLLM labelled a metric with engine {value!r}; this worker runs "
-                f"only engine {self.engine_index}"
-            )
-
-
-def relabel_names(family: str, upstream: tuple[str, ...]) -> tuple[tuple[str, ...], dict[str, str]]:
-    """Our label names for an upstream family, and the renames of upstream labels that collide."""
-    renames = {
-        name: RENAMED_LABELS.get(family, {}).get(name, f"upstream_{name}")
-        for name in upstream
-        if name in IDENTITY_LABELS[1:]
-    }
-    rest = tuple(renames.get(n, n) for n in upstream if n not in ("engine", "model_name"))
-    return (*IDENTITY_LABELS, *rest), renames
-
 
 class _Relabel:
     """Mixed into a prometheus_client metric class: creates the family with our label names and
@@ -95,10 +69,14 @@ class _Relabel:
 
     def __init__(self, name: str, documentation: str = "", labelnames: Any = (), *args: Any, **kwargs: Any):
         if kwargs.get("_labelvalues") is None:
-            upstream = tuple(labelnames)
-            labelnames, renames = relabel_names(name, upstream)
-            self._upstream_labelnames = upstream
-            self._renames = renames
+            upstream = self._upstream_labelnames = tuple(labelnames)
+            self._renames = {
+                n: RENAMED_LABELS.get(name, {}).get(n, f"upstream_{n}")
+                for n in upstream
+                if n in IDENTITY_LABELS[1:]
+            }
+            rest = (self._renames.get(n, n) for n in upstream if n not in ("engine", "model_name"))
+            labelnames = (*IDENTITY_LABELS, *rest)
         super().__init__(name, documentation, labelnames, *args, **kwargs)  # type: ignore[call-arg]
 
     def labels(self, *labelvalues: object, **labelkwargs: object):
@@ -120,20 +98,19 @@ class _Relabel:
             "replica": ident.replica,
         }
         for name, value in given.items():
-            if name == "engine":
-                ident.check_engine(value)
-            elif name != "model_name":
+            if name == "engine" and str(value) != str(ident.engine_index):
+                raise ValueError(
+                    f"{ident.log_prefix}vLLM labelled a metric with engine {value!r}; this worker runs "
+                    f"only engine {ident.engine_index}"
+                )
+            if name not in ("engine", "model_name"):
                 ours[self._renames.get(name, name)] = value
         return super().labels(**ours)  # type: ignore[misc]
 
 
-def _relabelled(base: type, identity: EngineIdentity) -> type:
-    return type(f"Omni{base.__name__}", (_Relabel, base), {"_identity": identity})
-
-
 class OmniPrometheusStatLogger(PrometheusStatLogger):
-    """vLLM's Prometheus stat logger with ``engine`` → ``stage`` + ``replica``. Use the class
-    :func:`prometheus_logger_class` makes for a worker (its metric slots carry the identity)."""
+    """vLLM's Prometheus stat logger with ``engine`` → ``stage`` + ``replica``; use
+    :func:`prometheus_logger_class`'s subclass."""
 
     identity: ClassVar[EngineIdentity]
 
@@ -161,11 +138,12 @@ class OmniLoggingStatLogger(LoggingStatLogger):
 def prometheus_logger_class(identity: EngineIdentity) -> type[OmniPrometheusStatLogger]:
     """An :class:`OmniPrometheusStatLogger` subclass whose metric slots relabel for ``identity``.
 
-    It must be a class (not a factory function): vLLM's ``StatLoggerManager`` recognises a custom
-    Prometheus logger only by ``issubclass(factory, PrometheusStatLogger)`` and otherwise adds its
-    own, unlabelled one beside it.
+    A class, not a factory: vLLM recognises a custom Prometheus logger only by ``issubclass`` and
+    otherwise adds its own, unlabelled one beside it.
     """
-    gauge, counter, histogram = (_relabelled(c, identity) for c in (Gauge, Counter, Histogram))
+    gauge, counter, histogram = (
+        type(f"Omni{c.__name__}", (_Relabel, c), {"_identity": identity}) for c in (Gauge, Counter, Histogram)
+    )
     slots = {"_gauge_cls": gauge, "_counter_cls": counter, "_histogram_cls": histogram}
     helpers = {
         "_spec_decoding_cls": type("OmniSpecDecodingProm", (SpecDecodingProm,), {"_counter_cls": counter}),
@@ -180,22 +158,15 @@ def prometheus_logger_class(identity: EngineIdentity) -> type[OmniPrometheusStat
     )
 
 
-def logging_logger_class(identity: EngineIdentity) -> type[OmniLoggingStatLogger]:
-    """An :class:`OmniLoggingStatLogger` subclass that prefixes its lines for ``identity``."""
-    return type("OmniLoggingStatLogger", (OmniLoggingStatLogger,), {"identity": identity})
-
-
 def stat_loggers_for(identity: EngineIdentity) -> list[StatLoggerFactory]:
-    """The ``stat_loggers`` for ``AsyncLLM.from_engine_args``: one Prometheus logger and one
-    logging logger. Pass them with ``disable_log_stats=True``: custom loggers switch stats on in
-    vLLM by themselves, and ``disable_log_stats=False`` would add vLLM's default logging logger
-    (an ``Engine 000:`` line) beside ours."""
-    return [prometheus_logger_class(identity), logging_logger_class(identity)]
+    """The ``stat_loggers`` for ``AsyncLLM``: one Prometheus logger and one logging logger. Pass
+    them with ``disable_log_stats=True`` (False would add vLLM's ``Engine 000:`` line beside ours)."""
+    logging_cls = type("OmniLoggingStatLogger", (OmniLoggingStatLogger,), {"identity": identity})
+    return [prometheus_logger_class(identity), logging_cls]
 
 
 async def log_stats_periodically(engine: Any, interval_s: float, label: str) -> None:
-    """Call ``engine.do_log_stats()`` every ``interval_s`` (what vLLM's API server does every
-    ``VLLM_LOG_STATS_INTERVAL``). vLLM logs an idle engine's line at DEBUG level."""
+    """Call ``engine.do_log_stats()`` every ``interval_s``, as vLLM's API server does."""
     while True:
         await asyncio.sleep(interval_s)
         try:

@@ -1,17 +1,11 @@
-"""The engines run at a lower CPU priority than the control plane.
+"""The engines run at a lower CPU priority than the control plane (docs/reliability.md, "The
+engines yield the CPU"): on a box with fewer cores than busy threads, an engine at the same priority
+starves the broker and the event loops.
 
-On a box with fewer cores than busy threads, an engine's model runner is always runnable; at the
-same priority as the broker, the gateway, the orchestrator and the workers' event loops it takes its
-full share, and they wait for a core: the broker was seen silent for 3.5 s at a load of 11 on two
-cores (docs/reliability.md, "The engines yield the CPU"). A higher nice value gives
-the scheduler's fair share to the control plane whenever both want a core, and costs the engines
-nothing when the control plane is idle (most of the time: it handles a message in microseconds).
-
-Linux keeps a nice value per thread, and a new thread or process inherits its creator's: raising
-it on every thread of the engine's processes from the moment they appear (polled while the engine
-starts) covers the threads they start later. Raising one's own or a child's nice value needs no
-privilege; lowering it again would (``CAP_SYS_NICE``, which containers lack), which is why the
-worker does not simply raise its own before it starts the engine.
+Linux keeps a nice value per thread, inherited by new threads and processes: raising it on every
+thread of the engine's processes while the engine starts covers the threads they start later.
+Raising it needs no privilege, lowering it again would (``CAP_SYS_NICE``), so the worker does not
+raise its own.
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ import psutil
 log = logging.getLogger(__name__)
 
 STARTUP_POLL_S = 0.1
-"""How often the engine's new processes and threads are looked for while it starts, seconds."""
+"""How often the starting engine's new processes and threads are looked for, seconds."""
 
 
 def _raise_thread(tid: int, nice: int) -> bool:
@@ -59,11 +53,8 @@ def _lower_descendants(nice: int) -> int:
 
 @contextlib.contextmanager
 def lowered_children(nice: int, every_s: float = STARTUP_POLL_S) -> Iterator[None]:
-    """Around an engine's start (an ``llm`` worker's: vLLM spawns its processes, which load the
-    model, profile and warm up for seconds to minutes, the heaviest work they do): every
-    ``every_s`` seconds, and once more at the end, raise every thread of this process's
-    descendants to ``nice``. A replacement engine that started at nice 0 under load starved the
-    broker and let another service's heartbeat expire."""
+    """Around an engine's start: every ``every_s`` seconds, and once more at the end, raise every
+    thread of this process's descendants to ``nice``."""
     stop = threading.Event()
     raised = 0
 
@@ -84,6 +75,5 @@ def lowered_children(nice: int, every_s: float = STARTUP_POLL_S) -> Iterator[Non
 
 
 def lower_this_thread(nice: int) -> None:
-    """Raise the calling thread (a codec worker's decoding thread) to ``nice``; a thread pool's
-    ``initializer``."""
+    """Raise the calling thread to ``nice`` (a thread pool's ``initializer``)."""
     _raise_thread(threading.get_native_id(), nice)

@@ -1,13 +1,7 @@
-"""An ``llm`` worker's ``/metrics`` also covers its engine's processes.
-
-vLLM runs the engine in processes of its own (the EngineCore, and a Worker where its model runs
-apart: services/stage_worker/engine_executor.py), where the worker's ``process_*`` families do not
-look: their CPU time, memory and file descriptors would be invisible. prometheus_client's
-``ProcessCollector`` reads them from ``/proc/<pid>`` at each scrape, under the namespaces of
-:data:`~libs.common.metrics_catalog.ENGINE_PROCESSES`, e.g.
-``rate(vllm:omni_engine_core_process_cpu_seconds_total[1m])`` is the cores the EngineCore keeps
-busy. A process that is not (or no longer) there exports nothing. Like every
-``vllm:`` family they exist only with ``--log-stats`` (:class:`~services.stage_worker.llm_engine.LLMHandler`).
+"""An ``llm`` worker's ``/metrics`` also covers its engine's processes: prometheus_client's
+``ProcessCollector`` reads their CPU time, memory and file descriptors from ``/proc/<pid>`` at each
+scrape, under the namespaces of :data:`~libs.common.metrics_catalog.ENGINE_PROCESSES` (with
+``--log-stats`` only). A process that is not there exports nothing.
 """
 
 from __future__ import annotations
@@ -20,17 +14,14 @@ from prometheus_client.process_collector import ProcessCollector
 from libs.common.metrics_catalog import ENGINE_PROCESSES, OMNI_REGISTRY
 
 MISSING = "missing"
-"""What the pid callable answers when there is no such process: ``/proc/missing`` does not exist,
-so the collector exports nothing."""
-
+"""The pid answered when there is no such process (``/proc/missing`` does not exist)."""
 COMM_LEN = 15
 """A process name as the kernel keeps it (``/proc/<pid>/comm``) is cut to this many characters."""
 
 
 class ChildByTitle:
     """The pid of this process's nearest descendant whose name starts with ``title`` (remembered
-    while that process lives). Nearest: a process that runs engines of other stacks below it (a
-    test run, a launcher) finds its own engine's processes, a generation above theirs."""
+    while it lives): nearest, so a launcher finds its own engine, not another stack's below it."""
 
     def __init__(self, title: str) -> None:
         self._title = title
@@ -42,7 +33,7 @@ class ChildByTitle:
             return p.pid
         self._proc = None
         level = [psutil.Process()]
-        while level:  # nearest generation first: this process's own engine, not one further down
+        while level:  # nearest generation first
             children: list[psutil.Process] = []
             for parent in level:
                 try:

@@ -1,21 +1,10 @@
 """A worker's client events, sent once per event-loop turn: one message per gateway.
 
-An engine step gives every running request its next tokens at once: vLLM's output handler wakes
-each request's handler in the same turn of the event loop, and each hands its event to
-:meth:`ClientEventBatcher.add`. The first event of a turn goes at once, alone (so one request in
-flight pays nothing for this); the second starts a send task, which runs in the next turn, after
-every handler of this one has added its event, and publishes what was added after the first as
-one message per gateway (:func:`frames`): the events of several requests in one batch on
-``out.<gateway>.~`` (``Subjects.out_batch``; the body is ``envelopes.pack_batch``), those of a
-single request each on its request's own subject, as before. The gateway's one subscription takes
-both in the order they were sent, and each event in a batch is judged as if it had come alone.
-
-Order: events go out in the order they were added, per gateway and so per request; one send task
-runs at a time, and one started while the connection is down waits for it (``publish_core``)
-with what came later queued behind. Back-pressure: past :data:`MAX_WAITING_BYTES` waiting, adding
-waits for the send task (a broker that does not read stops the requests' production, as it did
-when each event was published alone). Nothing here keeps events for sending again: the caller
-keeps each until the gateway confirms it (``ClientStream``).
+An engine step wakes every running request's handler in the same turn, and each hands its event to
+:meth:`ClientEventBatcher.add`. The first event of a turn goes at once, alone; the rest go in the
+next turn as one message per gateway (:func:`frames`). Events go out in the order they were added;
+past :data:`MAX_WAITING_BYTES` waiting, adding waits (a broker that does not read stops the
+requests' production). Nothing here keeps events for sending again (``ClientStream`` does).
 """
 
 from __future__ import annotations
@@ -33,22 +22,19 @@ from libs.common.subjects import Subjects
 log = logging.getLogger(__name__)
 
 MAX_WAITING_BYTES = 1 << 20
-"""Bytes of events added and not yet taken by the send task beyond which :meth:`ClientEventBatcher.add`
-waits (while the broker does not read: nats-py's own buffer then holds its 2 MiB and the send task
-waits on it), so that a request's production pauses as when each event was published alone."""
+"""Bytes of events added and not yet taken by the send task beyond which adding waits."""
 MAX_BATCH_BYTES = 64 << 10
-"""A batch carries events up to this many bytes of bodies; an event this large or larger (an
-audio chunk) goes alone on its request's subject, in its place in the order."""
+"""A batch carries events up to this many bytes of bodies; a larger event goes alone."""
 
 
 def frames(
     subjects: Subjects, gateway_id: str, events: list[tuple[str, bytes]], max_bytes: int = MAX_BATCH_BYTES
 ) -> Iterator[tuple[str, bytes]]:
-    """The messages (subject, body) that carry ``events`` ((request id, body) in the order they
-    were added) to gateway ``gateway_id``, in that order. Events of one request only go each on
-    its request's subject, as they always did. Events of several requests go as runs of small
-    events in batches of at most ``max_bytes`` of bodies, an event alone on its request's
-    subject when its run holds only it or it is ``max_bytes`` or larger."""
+    """The messages (subject, body) that carry ``events`` ((request id, body), in order) to
+    gateway ``gateway_id``, in that order: each on its request's subject when they are of one
+    request; else runs of small events in batches (``out_batch``) of at most ``max_bytes`` of
+    bodies, an event alone on its request's subject when its run holds only it or it is
+    ``max_bytes`` or larger."""
     if len({request_id for request_id, _ in events}) < 2:
         for request_id, body in events:
             yield subjects.out(gateway_id, request_id), body
@@ -82,30 +68,20 @@ class ClientEventBatcher:
     def __init__(self, nc: NATS, subjects: Subjects) -> None:
         self._nc = nc
         self._subjects = subjects
+        # gateway id -> (request id, event body) added since the send task last took them
         self._pending: dict[str, list[tuple[str, bytes]]] = {}
-        """Gateway id → (request id, event body) added since the send task last took them."""
-        self._waiting = 0
-        """Bytes of :attr:`_pending`."""
-        self._room = asyncio.Event()
-        """Set when the send task has taken what waited."""
+        self._waiting = 0  # bytes of _pending
+        self._room = asyncio.Event()  # set when the send task has taken what waited
         self._sending: asyncio.Task[None] | None = None
-        self._direct = False
-        """An event is being published at once (:meth:`add`)."""
-        self._turn_used = False
-        """An event went at once in this turn of the event loop."""
+        self._direct = False  # an event is being published at once
+        self._turn_used = False  # an event went at once in this turn of the event loop
         self._added = 0
-        """Events added so far."""
-        self._handed = 0
-        """Events handed to nats-py so far: always the oldest of those added."""
-        self._progress = asyncio.Event()
-        """Set whenever :attr:`_handed` grows."""
+        self._handed = 0  # events handed to nats-py so far: always the oldest added
+        self._progress = asyncio.Event()  # set whenever _handed grows
 
     async def add(self, gateway_id: str, request_id: str, body: bytes) -> None:
-        """Send ``body`` (one client event of ``request_id``) to ``gateway_id``. The first event
-        of a turn, when nothing waits, goes at once on its request's subject: a lone request
-        pays no extra turn, and an engine step's first event does not wait for the rest. The
-        turn's later events go together in the next turn (:func:`frames`). Returns at once
-        unless :data:`MAX_WAITING_BYTES` wait already."""
+        """Send ``body`` (one client event of ``request_id``) to ``gateway_id``: at once when it is
+        the turn's first and nothing waits, else with the turn's others in the next turn."""
         self._added += 1
         if not (self._turn_used or self._direct or self._pending or self._sending):
             self._turn_used, self._direct = True, True

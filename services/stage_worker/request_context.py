@@ -40,14 +40,12 @@ from services.stage_worker.transfer_stats import TransferStats
 log = logging.getLogger(__name__)
 
 STARTED_REPORT_DELAY_S = 0.25
-"""A stage still working this long after taking a request's first input reports ``started``;
-one that ends sooner reports its start in its ending event, seconds."""
+"""A stage still working this long after taking a request's first input reports ``started``,
+seconds; one that ends sooner reports its start in its ending event."""
 
 
 @dataclass
 class Identity:
-    """Who this worker is."""
-
     stage: int
     replica: int
 
@@ -73,8 +71,7 @@ class RequestContext:
     span: Span = INVALID_SPAN
     """This request's span in this stage (non-recording when tracing is off)."""
     stream: ClientStream | None = None
-    """The client events this attempt sent and the gateway has not confirmed (created with the
-    first one)."""
+    """The client events this attempt sent and the gateway has not confirmed."""
     _out_seq: int = 0
     _client_seq: int = 0
     _started_ns: int | None = None
@@ -86,28 +83,23 @@ class RequestContext:
     _in_hand: dict[int, Delivery] = field(default_factory=dict)
     _edges: dict[tuple[str, str], EdgeSummary] = field(default_factory=dict)
     received_s: float = field(default_factory=time.monotonic)
-    """When the request's first input reached this worker (monotonic; it may have waited in the
-    backlog since)."""
+    """When the request's first input reached this worker (monotonic)."""
     _background: set[asyncio.Task[None]] = field(default_factory=set)
     abort_reason: str | None = None
-    """Why the request was aborted (set by :meth:`abort`); once set, every later inbox or bus
-    step of the handler raises."""
+    """Why the request was aborted (:meth:`abort`)."""
     route: list[int] = field(default_factory=list)
     """Replica of each stage, as this worker sends (the first task's, until a move re-routes)."""
     _next_attempt: int = 1
-    """The next stage's attempt that this worker's chunks go to."""
+    """The next stage's attempt that this worker's chunks go to, and its ``start_seq``."""
     _next_start: int = 0
-    """``start_seq`` of that attempt."""
     _sending: asyncio.Lock = field(default_factory=asyncio.Lock)
     _released: asyncio.Event = field(default_factory=asyncio.Event)
     """Set unless the orchestrator holds this request's chunks while the next stage moves."""
     route_notices: int = 0
     """Holds and releases applied to this request here (:meth:`hold_now`, :meth:`release`)."""
     _cleared: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set unless this request's start here awaits its record's verdict (:meth:`await_clearance`):
-    until then nothing of it leaves this worker."""
+    """Set unless this request's start awaits its record's verdict (:meth:`await_clearance`)."""
     _refused: bool = False
-    """The record refused the start (:meth:`refuse`): every send is abandoned."""
 
     def __post_init__(self) -> None:
         self.route = list(self.first.route)
@@ -141,24 +133,28 @@ class RequestContext:
         return self.abort_reason is not None
 
     def abort(self, reason: str) -> None:
-        """Make the request stop at its handler's next step even if a cancellation of its task is
-        lost (Python 3.11's ``asyncio.wait_for``, used by nats-py's publish acknowledgement, drops
-        a cancellation that arrives together with the awaited result)."""
+        """Make every later inbox or bus step of the handler raise (a cancellation of its task can
+        be lost: Python 3.11's ``asyncio.wait_for`` drops one that arrives with the result)."""
         self.abort_reason = reason
 
     def _check_aborted(self) -> None:
         if self.aborted:
             raise asyncio.CancelledError(f"request {self.request_id} aborted")
 
+    async def _ready_to_send(self) -> None:
+        """Raise if aborted; wait for the record's verdict if one is pending (a refusal aborts)."""
+        self._check_aborted()
+        if not self._cleared.is_set():  # only a request's first outputs can meet a pending verdict
+            await self._cleared.wait()
+            self._check_aborted()
+
     def await_clearance(self) -> None:
-        """Send nothing of this request (client events, chunks, lifecycle events) until
-        :meth:`clear` or :meth:`refuse`: its handler may start while the record is being read
-        (``Worker._check_record``), so the engine's work overlaps the read."""
+        """Send nothing of this request until :meth:`clear` or :meth:`refuse` (its handler runs
+        while the record is read)."""
         self._cleared.clear()
 
     @property
     def awaits_clearance(self) -> bool:
-        """True while the record's verdict on this start is pending."""
         return not self._cleared.is_set()
 
     def clear(self) -> None:
@@ -170,13 +166,6 @@ class RequestContext:
         self._refused = True
         self.abort(reason)
         self._cleared.set()
-
-    async def _cleared_to_send(self) -> bool:
-        """Wait for the record's verdict (at once when there is none pending); False when it
-        refused the start."""
-        if not self._cleared.is_set():
-            await self._cleared.wait()
-        return not self._refused
 
     async def next(self) -> Delivery:
         """The next input in sequence order; the first call stamps the stage's start (see
@@ -197,9 +186,8 @@ class RequestContext:
         return d
 
     async def ack(self, d: Delivery) -> None:
-        """Acknowledge an input whose output has been published. An acknowledgement lost with
-        the broker is not the request's failure: the input comes again after ``ack_wait`` and is
-        dropped as the input of an ended attempt (``Worker._dropped``)."""
+        """Acknowledge an input whose output has been published (one lost with the broker is no
+        failure: the input comes again and is dropped as the input of an ended attempt)."""
         self._in_hand.pop(d.task.seq, None)
         await until_connected(self.bus.nc)
         try:
@@ -216,9 +204,7 @@ class RequestContext:
     async def downstream(self, *, final: bool = False, **payload: object) -> None:
         """Send one chunk to the next stage's bound replica, numbered in order (it waits while
         the orchestrator holds the request's chunks, :meth:`hold`)."""
-        self._check_aborted()
-        await self._cleared_to_send()
-        self._check_aborted()
+        await self._ready_to_send()
         while True:
             await self._released.wait()
             await self._sending.acquire()
@@ -291,43 +277,15 @@ class RequestContext:
         self._released.set()
 
     async def client(self, event: ClientEvent) -> None:
-        """Send a client-visible event to the request's gateway, stamped with stage and replica.
-
-        The event is kept until the gateway confirms it (:class:`ClientStream`). While the
-        broker is away this waits for the connection: the request's production pauses (its
-        engine's outputs wait in vLLM's output collector) and nothing fails."""
-        self._check_aborted()
-        await self._cleared_to_send()
-        self._check_aborted()
+        """Send a client-visible event to the request's gateway (with the other events of this
+        turn, ``Bus.events``, or alone), stamped with stage, replica, attempt and seq, and keep it
+        until the gateway confirms it (:class:`ClientStream`). While the broker is away this waits
+        for the connection: the request's production pauses and nothing fails."""
+        await self._ready_to_send()
         event.stage, event.replica, event.seq = self.me.stage, self.me.replica, self._client_seq
         event.attempt = self.attempt
         self._client_seq += 1
-        await self._send_client(event.seq, event.encode())
-
-    async def client_text(self, text: str, token_ids: list[int]) -> None:
-        """:meth:`client` for a text delta (one per streamed token)."""
-        self._check_aborted()
-        if not self._cleared.is_set():  # only a request's first tokens can meet a pending verdict
-            await self._cleared_to_send()
-            self._check_aborted()
-        seq = self._client_seq
-        self._client_seq += 1
-        me, attempt = self.me, self.attempt
-        event = ClientEvent(
-            type=ClientEventType.TEXT,
-            request_id=self.request_id,
-            stage=me.stage,
-            replica=me.replica,
-            seq=seq,
-            attempt=attempt,
-            text=text,
-            token_ids=token_ids,
-        )
-        await self._send_client(seq, event.encode())
-
-    async def _send_client(self, seq: int, data: bytes) -> None:
-        """Send client event ``seq`` to the request's gateway (with the other events of this turn,
-        ``Bus.events``, or alone), and keep it until the gateway confirms it."""
+        data = event.encode()
         if self.stream is None:
             query = ResumeQuery(
                 request_id=self.request_id, stage=self.me.stage, attempt=self.attempt, replica=self.me.replica
@@ -341,6 +299,13 @@ class RequestContext:
                 await until_connected(self.bus.nc)
             await self.bus.events.add(self.first.gateway_id, self.request_id, data)
         self.stream.add(data)  # after the sender has it: a question asked from now on leaves after it
+
+    async def client_text(self, text: str, token_ids: list[int]) -> None:
+        """:meth:`client` for a text delta (one per streamed token)."""
+        event = ClientEvent(
+            type=ClientEventType.TEXT, request_id=self.request_id, text=text, token_ids=token_ids
+        )
+        await self.client(event)
 
     @cached_property
     def _out_subject(self) -> str:
@@ -369,9 +334,8 @@ class RequestContext:
             self._send(LifecycleEvent(**self._event_fields("started", self._started_ns)))
 
     def close(self) -> None:
-        """The request has ended here: no late ``started``. Its client events are still delivered
-        until the gateway has them all (until the request's deadline), unless it was aborted (moved
-        elsewhere, or its client left: nobody takes them any more)."""
+        """The request has ended here: no late ``started``; its client events are still delivered
+        until the gateway has them all or the deadline passes, unless it was aborted."""
         self._no_late_started()
         if self.stream is not None:
             self.stream.finish(0.0 if self.aborted else self.seconds_left)
@@ -382,14 +346,9 @@ class RequestContext:
         self._started_sent = True
 
     def lifecycle(self, kind: str, **fields: object) -> None:
-        """Report a lifecycle event to the orchestrator without waiting for it.
-
-        An ending event of a stage that has not reported ``started`` carries ``started_ns``. A
-        short stage thus costs one event and one record update instead of two, and the record
-        still shows within ``STARTED_REPORT_DELAY_S`` where a long request is. ``stage_done``
-        carries the transfers this stage received for the request; in the last stage it is
-        folded into the ``finished`` event that follows it.
-        """
+        """Report a lifecycle event to the orchestrator without waiting for it. An ending event of
+        a stage that has not reported ``started`` carries ``started_ns``; ``stage_done`` carries the
+        transfers this stage received, and in the last stage is folded into ``finished``."""
         if not self._started_sent and self._started_ns is not None:
             fields = {**fields, "started_ns": self._started_ns}
             self._no_late_started()
@@ -418,12 +377,11 @@ class RequestContext:
         task.add_done_callback(self._background.discard)
 
     async def _send_lifecycle(self, event: LifecycleEvent) -> None:
-        """Publish ``event``, again and again while the stream does not take it (a broker
-        restart, a cluster electing a new leader) until the request's deadline: the record, and
-        with it the client's end notice, depends on it. ``Nats-Msg-Id`` makes a retry of an event
-        that was stored after all a duplicate."""
+        """Publish ``event``, again while the stream does not take it, until the request's deadline
+        (``Nats-Msg-Id`` makes a retry of an event that was stored after all a duplicate)."""
         what = f"request {self.request_id}: lifecycle event {event.kind}"
-        if not await self._cleared_to_send():
+        await self._cleared.wait()
+        if self._refused:
             return
         try:
             await until_stored(

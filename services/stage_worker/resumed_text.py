@@ -1,17 +1,11 @@
 """The text of a moved thinker request's new attempt, exactly as the fault-free run streams it.
 
-vLLM decodes a request's text incrementally, starting from its prompt. A moved request's new
-attempt has the original prompt followed by the tokens the client already has as its prompt, and
-vLLM starts its decoder on all of them at once, while the fault-free run decoded those tokens one
-by one. The two decoders differ where the client's tokens end inside a character (a byte-level
-tokenizer holds the bytes back until the character is whole) or inside a stop string's look-back
-(vLLM holds back that much text): the new attempt's text then leaves the fault-free text at the
-seam although every token is right. The chaos soak found five such requests in 30 minutes.
-
-:class:`ResumedText` rebuilds the fault-free decoder instead: vLLM's own incremental detokenizer,
-started on the original prompt and fed the resumed tokens; the text it would have streamed up to
-there is what the client has. It then decodes the new tokens and checks the stop strings itself,
-so the engine is given neither (``detokenize=False``, no ``stop``: :func:`engine_params`).
+The new attempt's prompt ends with the tokens the client already has, and vLLM would decode them at
+once, while the fault-free run decoded them one by one: the texts differ where those tokens end
+inside a character or a stop string's look-back. :class:`ResumedText` rebuilds the fault-free
+decoder instead (vLLM's incremental detokenizer on the original prompt, fed the resumed tokens),
+then decodes the new tokens and checks the stop strings itself, so the engine does neither
+(:func:`engine_params`).
 """
 
 from __future__ import annotations
@@ -27,8 +21,7 @@ if TYPE_CHECKING:
 
 
 def engine_params(params: SamplingParams) -> SamplingParams:
-    """``params`` for the engine of a resumed attempt: no detokenizing and no stop strings there
-    (:class:`ResumedText` does both)."""
+    """``params`` for the engine of a resumed attempt: no detokenizing, no stop strings."""
     engine = params.clone()
     engine.stop = []
     engine.detokenize = False
@@ -39,8 +32,8 @@ def engine_params(params: SamplingParams) -> SamplingParams:
 def incremental_detokenizer(
     tokenizer: TokenizerLike | None, request_id: str, prompt_token_ids: list[int], params: SamplingParams
 ) -> IncrementalDetokenizer:
-    """vLLM's incremental detokenizer for one request, as vLLM's output processor makes it (one
-    that decodes nothing when ``tokenizer`` is None)."""
+    """vLLM's incremental detokenizer for one request, as its output processor makes it (one that
+    decodes nothing when ``tokenizer`` is None)."""
     request = EngineCoreRequest(
         request_id=request_id,
         prompt_token_ids=prompt_token_ids,

@@ -1,8 +1,7 @@
 """The stage worker's bus plumbing: pull consumer, per-request tasks, acks, aborts, registry.
 
-One process per (stage, replica). Messages are acked explicitly once their output is published;
-while they wait or are being worked on they are kept alive with in-progress acks. A malformed
-message is terminated (``term``) and logged; it never stops the worker.
+A message is acked once its output is published, kept alive with in-progress acks until then; a
+malformed one is terminated (``term``) and logged.
 """
 
 from __future__ import annotations
@@ -64,14 +63,12 @@ log = logging.getLogger(__name__)
 
 CONSUMER_STATE_PERIOD_S = 2.0
 PULL_BATCH = 64
-"""Messages asked of the stage consumer at a time (those beyond ``max_inflight`` requests wait
-in the backlog, kept alive by in-progress acks)."""
+"""Messages asked of the stage consumer at a time (beyond ``max_inflight`` requests they wait)."""
 
 
 class StageWorker:
     """One stage replica: takes its stage's tasks from JetStream, runs them on its engine, publishes
-    what they produce; what it knows of each request is in :attr:`requests`, and its answers to
-    control messages are :attr:`control`'s."""
+    what they produce."""
 
     def __init__(self, settings: WorkerSettings, pipeline: PipelineConfig) -> None:
         if settings.stage >= len(pipeline.stages):
@@ -96,8 +93,7 @@ class StageWorker:
         self._labels = (pipeline.served_model_name, str(settings.stage), str(settings.replica))
         self.requests = RequestTable()
         self.bus: Bus | None = None
-        self._records: KeyValue | None = None
-        """The ``omni_requests`` bucket, read when a request starts here (record_check.py)."""
+        self._records: KeyValue | None = None  # omni_requests, read when a request starts here
         self._heartbeat: Heartbeat | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._consumer: PullConsumer | None = None
@@ -107,7 +103,6 @@ class StageWorker:
         self.control = ControlAnswers(self.me, pipeline, self.handler, self.health, self.requests, self.label)
 
     def _listened(self, listened: Listened) -> None:
-        """Record one of the listener's transcriptions."""
         if self.metrics.enabled:
             self.metrics["vllm:omni_input_audio_duration_s"].labels(*self._labels).observe(listened.audio_s)
             self.metrics["vllm:omni_asr_rtf"].labels(*self._labels).observe(listened.rtf)
@@ -116,27 +111,12 @@ class StageWorker:
     def label(self) -> str:
         return f"stage {self.me.stage} ({self.stage_cfg.name}) replica {self.me.replica}"
 
-    # --- lifecycle ---------------------------------------------------------------------
-    def _record(self, metrics_port: int) -> ServiceRecord:
-        """This replica's registry record (its heartbeat adds the load and progress)."""
-        return ServiceRecord(
-            service=ServiceKind.WORKER,
-            pipeline=self.pipeline.name,
-            instance=self.settings.instance_id,
-            stage=self.me.stage,
-            stage_name=self.stage_cfg.name,
-            replica=self.me.replica,
-            metrics_url=f"http://{self.settings.advertise_host}:{metrics_port}/metrics",
-            version=VERSION,
-        )
-
     async def start(self) -> None:
         t0 = time.monotonic()
         await self.handler.start()
         log.info("%s: engine ready in %.1f s", self.label, time.monotonic() - t0)
-        # Before the replica is reachable: the full collection walks the whole start-up heap
-        # (torch, vLLM, the engine's client) with the event loop held; on a loaded box that can
-        # take seconds, and a replica that answers no probe meanwhile is judged stalled.
+        # Before the replica is reachable: a full collection of the start-up heap holds the event
+        # loop for seconds on a loaded box, and a replica that answers no probe is judged stalled.
         freeze_startup_heap()
         nc = await connect(self.settings.nats_url, f"omnirelay-worker-{self.me.stage}-{self.me.replica}")
         js = JetStream(nc)
@@ -159,15 +139,21 @@ class StageWorker:
             batch=PULL_BATCH,
             name=self.label,
         )
-        # Orchestrators probe this while the replica has work (services/orchestrator/liveness.py);
-        # it answers before the replica is routable.
+        # Liveness probes are answered before the replica is routable.
         await nc.subscribe(self.subjects.alive(self.me.stage, self.me.replica), cb=self.control.on_alive)
         await nc.subscribe(self.subjects.route(self.me.stage, self.me.replica), cb=self.control.on_route)
+        record = ServiceRecord(
+            service=ServiceKind.WORKER,
+            pipeline=self.pipeline.name,
+            instance=self.settings.instance_id,
+            stage=self.me.stage,
+            stage_name=self.stage_cfg.name,
+            replica=self.me.replica,
+            metrics_url=f"http://{self.settings.advertise_host}:{port}/metrics",
+            version=VERSION,
+        )
         self._heartbeat = Heartbeat(
-            await services_kv(js),
-            self._record(port),
-            lambda: self.requests.running_count,
-            self.health.liveness,
+            await services_kv(js), record, lambda: self.requests.running_count, self.health.liveness
         )
         await self._heartbeat.start()
         self._tasks = [
@@ -207,7 +193,6 @@ class StageWorker:
             with contextlib.suppress(Exception):
                 await self.bus.nc.drain()
 
-    # --- receiving -----------------------------------------------------------------------
     async def _dispatch(self, msg: Msg) -> None:
         received_ns, t0 = time.time_ns(), time.perf_counter()
         transfer = None
@@ -245,10 +230,8 @@ class StageWorker:
         await self._accept(delivery)
 
     async def _dropped(self, msg: Msg, task: StageTask) -> bool:
-        """Drop ``task`` when the request table says so (:meth:`RequestTable.judge`): input of an
-        attempt that ended here, or of a stage-0 attempt the request moved past, is acknowledged;
-        input of an attempt that moved off this replica is left for the move, which sends it on
-        from the stream (acknowledged here, it would be gone from the stream first)."""
+        """Drop ``task`` when :meth:`RequestTable.judge` says so: acknowledged (``DROP``, ``STALE``)
+        or left unacknowledged for the move that sends it on from the stream (``LEAVE``)."""
         rid = task.request_id
         verdict = self.requests.judge(task)
         if verdict == Verdict.TAKE:
@@ -280,7 +263,7 @@ class StageWorker:
 
     async def _accept(self, d: Delivery, route: RouteNotice | None = None) -> None:
         """Hand ``d`` to its running request, or start the request with it (applying ``route``,
-        a hold or release that came while it was queued)."""
+        a route notice kept while it was queued)."""
         msg, task = d.msg, d.task
         rid = task.request_id
         if await self._dropped(msg, task):  # it was queued while its request ended or moved
@@ -288,8 +271,7 @@ class StageWorker:
         entry = self.requests.get(rid)
         running = entry is not None and entry.phase == Phase.RUNNING
         if running and entry.ctx is not None and entry.run is not None and entry.ctx.attempt < task.attempt:
-            # The request moved here while its older attempt still winds down here (a replica
-            # that resumed after a stall can be chosen again): that attempt ends first.
+            # The request moved here while its older attempt still winds down here: that ends first.
             entry.ctx.abort(MOVED)
             entry.run.cancel()
             await asyncio.wait([entry.run])
@@ -311,8 +293,7 @@ class StageWorker:
             await msg.ack()
 
     def _request_span(self, msg: Msg, task: StageTask) -> Span:
-        """The span of this request in this stage: a child of the sender's span; a redelivered
-        first message also links to it, marking the new attempt."""
+        """This request's span in this stage: a child of the sender's; a redelivery also links to it."""
         if not tracing.enabled():
             return INVALID_SPAN
         parent = tracing.context_from_headers(msg.headers)
@@ -356,13 +337,10 @@ class StageWorker:
             )
         return task
 
-    # --- running a request ---------------------------------------------------------------
     async def _check_record(self, ctx: RequestContext, run: asyncio.Task[None]) -> None:
-        """Judge the start of ``ctx`` by its record (record_check.py) while its handler runs:
-        refuse it (``run`` stops, nothing it produced is sent, its input is acknowledged) when
-        a notice that would have said so missed this worker, point its chunks at the next
-        stage's current attempt when that stage moved before it started and no notice about it
-        has reached it here since, then clear it to send."""
+        """Judge the start of ``ctx`` by its record while its handler ``run`` runs: refuse it, or
+        point its chunks at the next stage's current attempt (unless a route notice came), then
+        clear it to send."""
         rid = ctx.request_id
         verdict = await read_verdict(self._records, self.me.stage, ctx.first)
         if verdict.drop is not None:
@@ -423,8 +401,10 @@ class StageWorker:
             self.requests.end(ctx, moved_away)
             if self._heartbeat:
                 self._heartbeat.load_dropped()
-            if not moved_away:
-                await self._ack_all(ctx)
+            if not moved_away:  # its input was handled, failed or aborted
+                for d in ctx.unacked():
+                    with contextlib.suppress(Exception):
+                        await d.msg.ack()
             await self._start_queued()
 
     async def _start_queued(self) -> None:
@@ -437,8 +417,8 @@ class StageWorker:
                 await self._accept(d, route)
 
     async def _report_failure(self, ctx: RequestContext, status: int, code: str, message: str) -> None:
-        """Tell the client (its gateway) and the orchestrator that the request failed here (not
-        when it was aborted: the abort's sender has told them already)."""
+        """Tell the client and the orchestrator that the request failed here (unless aborted: the
+        abort's sender has told them)."""
         if ctx.aborted:
             return
         ctx.span.set_status(Status(StatusCode.ERROR, f"{code}: {message}"))
@@ -448,12 +428,6 @@ class StageWorker:
         with contextlib.suppress(Exception):
             await ctx.client(event)
         ctx.lifecycle("failed", reason=code)
-
-    async def _ack_all(self, ctx: RequestContext) -> None:
-        """Ack what the request left behind (its input was handled, failed or aborted)."""
-        for d in ctx.unacked():
-            with contextlib.suppress(Exception):
-                await d.msg.ack()
 
     async def _keep_alive_loop(self) -> None:
         """In-progress acks for every message held by an active request."""
@@ -471,13 +445,12 @@ class StageWorker:
         while True:
             try:
                 ci = await self.bus.js.consumer_info(self.subjects.stages_stream, consumer)
-                self.metrics["vllm:omni_bus_consumer_pending"].labels(*self._labels).set(ci.num_pending or 0)
-                self.metrics["vllm:omni_bus_consumer_ack_pending"].labels(*self._labels).set(
-                    ci.num_ack_pending or 0
-                )
-                self.metrics["vllm:omni_bus_consumer_redelivered"].labels(*self._labels).set(
-                    ci.num_redelivered or 0
-                )
+                for family, value in (
+                    ("vllm:omni_bus_consumer_pending", ci.num_pending),
+                    ("vllm:omni_bus_consumer_ack_pending", ci.num_ack_pending),
+                    ("vllm:omni_bus_consumer_redelivered", ci.num_redelivered),
+                ):
+                    self.metrics[family].labels(*self._labels).set(value or 0)
             except Exception as e:
                 log.debug("%s: consumer info unavailable: %s", self.label, e)
             await asyncio.sleep(CONSUMER_STATE_PERIOD_S)
