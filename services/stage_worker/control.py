@@ -1,7 +1,6 @@
 """The stage worker's answers to control messages: liveness probes, the orchestrator's route
-notices and aborts (core NATS, on the worker's own subjects and ``ctl.abort``). Each reads and
-changes the worker's :class:`~services.stage_worker.request_table.RequestTable` only through its
-transitions.
+notices and aborts (core NATS). Each changes the worker's
+:class:`~services.stage_worker.request_table.RequestTable` only through its transitions.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from libs.common.pipeline import PipelineConfig
 from services.stage_worker.engine_health import EngineHealth
 from services.stage_worker.handlers.base import StageHandler
 from services.stage_worker.request_context import Identity, RequestContext
-from services.stage_worker.request_table import Entry, Phase, RequestTable
+from services.stage_worker.request_table import Entry, RequestTable
 
 log = logging.getLogger(__name__)
 
@@ -33,19 +32,16 @@ class ControlAnswers:
     requests: RequestTable
     label: str
     records: KeyValue | None = None
-    """The ``omni_requests`` bucket (set once connected): where a queued talker request's first
-    code chunk is noted."""
+    """The ``omni_requests`` bucket (set once connected)."""
 
     async def on_alive(self, msg: Msg) -> None:
-        """Answer a liveness probe: the answer itself says this event loop runs; its fields say
-        whether the engine lives and makes progress (services/orchestrator/liveness.py)."""
+        """Answer a liveness probe (its fields say whether the engine lives and makes progress)."""
         await msg.respond(self.health.liveness().encode())
 
     async def on_route(self, msg: Msg) -> None:
-        """The orchestrator moves the next stage of one of this worker's requests
-        (services/orchestrator/moves.py): its :class:`ResumeQuery` holds the request's chunks and
-        is answered with the next one's ``seq``; its moved :class:`AbortNotice` sends them on to
-        the new replica. Not ``known``: this worker does not run the request."""
+        """The orchestrator moves the next stage of one of this worker's requests: its
+        :class:`ResumeQuery` holds the request's chunks and is answered with the next one's
+        ``seq``; its moved :class:`AbortNotice` sends them on to the new replica."""
         if (change := decode_or_log(RouteNotice, msg.data, "route notice", log, f"{self.label}: ")) is None:
             return
         if not self._routable(change):
@@ -60,7 +56,7 @@ class ControlAnswers:
             next_seq = await self.handler.first_chunk_seq(first, self.records)
             await msg.respond(ResumePoint(known=True, next_seq=next_seq).encode())
             return
-        ctx = _running(entry)
+        ctx = self.requests.running_ctx(change.request_id)
         if ctx is None or ctx.aborted:
             await msg.respond(ResumePoint(known=False).encode())
             return
@@ -80,27 +76,19 @@ class ControlAnswers:
         await msg.respond(ResumePoint(known=True, next_seq=next_seq).encode())
 
     def _routable(self, change: RouteNotice) -> bool:
-        """A route notice names this worker's next stage and one of its declared replicas (a
-        notice to abort is not one)."""
-        moving = isinstance(change, ResumeQuery) or change.reason == MOVED
+        """A move's notice that names this worker's next stage and one of its declared replicas."""
         stage, replica = change.stage, change.replica
         return (
-            moving
+            (isinstance(change, ResumeQuery) or change.reason == MOVED)
             and stage is not None
             and self.pipeline.upstream(stage) == self.me.stage
             and replica is not None
             and self.pipeline.declares(stage, replica)
         )
 
-    @property
-    def _upstream_restarts(self) -> bool:
-        """The stage before this one is the thinker, whose new attempt sends its chunks anew."""
-        up = self.pipeline.upstream(self.me.stage)
-        return up is not None and self.pipeline.takes_start(up)
-
     async def on_abort(self, msg: Msg) -> None:
         """Stop a request everywhere, or (reason ``moved``) the attempts of one of its stages that
-        the request moved past (a replica that resumed after a stall, or that it was queued on)."""
+        the request moved past."""
         if (notice := decode_or_log(AbortNotice, msg.data, "abort notice", log, f"{self.label}: ")) is None:
             return
         rid = notice.request_id
@@ -109,7 +97,9 @@ class ControlAnswers:
             return
         if notice.stage is None:
             return
-        restarts = self._upstream_restarts and notice.stage == self.me.stage - 1
+        # the stage before this one is the thinker, whose new attempt sends its chunks anew
+        up = self.pipeline.upstream(self.me.stage)
+        restarts = up is not None and self.pipeline.takes_start(up) and notice.stage == self.me.stage - 1
         stop = self.requests.moved(rid, notice.stage, notice.attempt, self.me.stage, restarts)
         if restarts:
             log.info(
@@ -125,10 +115,6 @@ class ControlAnswers:
             _stop(stop, notice.reason)
 
 
-def _running(entry: Entry | None) -> RequestContext | None:
-    return entry.ctx if entry is not None and entry.phase == Phase.RUNNING else None
-
-
 def _stop(entry: Entry | None, reason: str) -> None:
     """Abort a running request's handler (``reason`` stays on its context)."""
     if entry is not None and entry.ctx is not None and entry.run is not None:
@@ -137,8 +123,7 @@ def _stop(entry: Entry | None, reason: str) -> None:
 
 
 def reroute(ctx: RequestContext, change: RouteNotice) -> None:
-    """Apply a route notice to a request that has not seen it (one that was queued takes the
-    latest: held by a move's question, or released to the new replica by its moved notice)."""
+    """Apply a route notice (a move's hold or release) to a request that has not seen it."""
     if isinstance(change, ResumeQuery):
         ctx.hold_now()
     elif change.replica is not None and change.stage is not None:

@@ -1,8 +1,5 @@
-"""Per-request inbox: holds a request's delivered messages and hands them out in ``Omni-Seq`` order.
-
-Messages stay un-acked while they wait; the worker keeps them alive with in-progress acks and
-acks each one once its output has been published.
-"""
+"""Per-request inbox: holds a request's delivered messages (unacknowledged) and hands them out in
+``Omni-Seq`` order."""
 
 from __future__ import annotations
 
@@ -23,19 +20,18 @@ class Delivery:
     msg: Msg
     task: StageTask
     received_ns: int
-    """Wall clock (ns) when the worker got the message."""
+    """When the worker got the message (wall clock, ns)."""
     transfer: TransferStats | None = None
     """How the message travelled (measured with --log-stats)."""
     received_s: float = field(default_factory=time.monotonic)
-    """When the worker got the message (monotonic)."""
+    """When the worker got the message (monotonic s)."""
 
 
 class RequestInbox:
     """Reorders one request's chunks by sequence number."""
 
     def __init__(self, start_seq: int = 0) -> None:
-        """``start_seq``: the first sequence number handed out (an attempt after a move starts
-        where the one that died left off)."""
+        """``start_seq``: the first sequence number handed out."""
         self._next_seq = start_seq
         self._waiting: dict[int, Delivery] = {}
         self._ready = asyncio.Event()

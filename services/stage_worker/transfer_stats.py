@@ -1,9 +1,7 @@
 """Per-hop transfer statistics, computed by the receiving worker from the message headers.
 
-Intervals within one clock (tx: the sender's; rx: the receiver's) are exact. Intervals across
-clocks (in-flight: sender → receiver; publish: sender → broker; queue wait: broker → receiver)
-can come out negative when clocks disagree: they are clamped to 0 and the clamp is reported,
-never silently dropped.
+Intervals across clocks (in-flight, publish, queue wait) that come out negative are clamped to 0
+and the clamp is reported.
 """
 
 from __future__ import annotations
@@ -27,13 +25,13 @@ class TransferStats:
     rx_s: float
     in_flight_s: float
     publish_s: float | None
-    """Omni-Tx-End-Ns → JetStream stored timestamp (None without a stored timestamp)."""
+    """Omni-Tx-End-Ns → JetStream stored timestamp → (``queue_wait_s``) receipt; None without a
+    stored timestamp."""
     queue_wait_s: float | None
-    """JetStream stored timestamp → receipt."""
     clamped: tuple[str, ...] = field(default=())
     """Names of the cross-clock intervals that were negative and clamped to 0."""
     trace_id: str | None = None
-    """Trace of the request the chunk belongs to (from ``traceparent``): the histograms' exemplar."""
+    """Trace of the request (from ``traceparent``): the histograms' exemplar."""
 
 
 def _cross_clock(name: str, later_ns: int, earlier_ns: int, clamped: list[str]) -> float:
@@ -48,10 +46,8 @@ def transfer_stats(
     headers: dict[str, str], received_ns: int, stored_ns: int | None, rx_s: float, size_bytes: int
 ) -> TransferStats | None:
     """Stats of one received message, or None when its transfer headers are incomplete.
-
     ``received_ns``: receiver wall clock at receipt; ``stored_ns``: JetStream's stored timestamp
-    (broker clock); ``rx_s``: receipt → deserialized on the receiver's monotonic clock.
-    """
+    (broker clock); ``rx_s``: receipt → deserialized (receiver's monotonic clock)."""
     tx_start, tx_end = h.header_int(headers, h.TX_START_NS), h.header_int(headers, h.TX_END_NS)
     edge = [headers.get(k) for k in (h.FROM_STAGE, h.FROM_REPLICA, h.TO_STAGE, h.TO_REPLICA)]
     if tx_start is None or tx_end is None or None in edge:

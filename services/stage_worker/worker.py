@@ -220,11 +220,10 @@ class StageWorker:
             return
         if await self._dropped(msg, task):
             return
-        entry = self.requests.get(task.request_id)
+        phase = entry.phase if (entry := self.requests.get(task.request_id)) is not None else None
         delivery = Delivery(msg, task, received_ns, transfer)
-        waits = entry is not None and entry.phase == Phase.QUEUED
         full = self.requests.running_count >= self.settings.max_inflight
-        if waits or (full and (entry is None or entry.phase != Phase.RUNNING)):
+        if phase == Phase.QUEUED or (full and phase != Phase.RUNNING):
             self.requests.queue(delivery)  # started when a request ends (kept alive meanwhile)
             return
         await self._accept(delivery)
@@ -268,18 +267,15 @@ class StageWorker:
         rid = task.request_id
         if await self._dropped(msg, task):  # it was queued while its request ended or moved
             return
-        entry = self.requests.get(rid)
-        running = entry is not None and entry.phase == Phase.RUNNING
-        if running and entry.ctx is not None and entry.run is not None and entry.ctx.attempt < task.attempt:
+        ctx = self.requests.running_ctx(rid)
+        if ctx is not None and ctx.attempt < task.attempt:
             # The request moved here while its older attempt still winds down here: that ends first.
-            entry.ctx.abort(MOVED)
-            entry.run.cancel()
-            await asyncio.wait([entry.run])
-            entry = self.requests.get(rid)
-            running = entry is not None and entry.phase == Phase.RUNNING
-        if running and entry is not None and entry.ctx is not None:
-            ctx = entry.ctx
-        else:
+            run = self.requests.get(rid).run
+            ctx.abort(MOVED)
+            run.cancel()
+            await asyncio.wait([run])
+            ctx = self.requests.running_ctx(rid)
+        if ctx is None:
             ctx = RequestContext(
                 self.me, self.bus, task, span=self._request_span(msg, task), received_s=d.received_s
             )
