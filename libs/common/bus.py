@@ -1,12 +1,8 @@
 """Connecting to NATS and declaring the JetStream streams, consumers and KV buckets of a pipeline.
 
-Every declaration is idempotent (create, or update to the declared config), so any service may
-call :func:`ensure_topology` at start; the last writer wins with the same config.
-
-A client may be given several servers (every server of a JetStream cluster, comma-separated as
-``NATS_URL`` conventionally is): it connects to one of them and moves to another when that one
-goes, and the streams and KV buckets it declares get one replica per server it was given
-(:func:`replicas`), so that they survive the loss of any one server.
+Every declaration is idempotent, so any service may call :func:`ensure_topology` at start. A
+client given several servers (comma-separated) moves between them, and the streams and buckets
+it declares get one replica per server (:func:`replicas`).
 """
 
 from __future__ import annotations
@@ -57,51 +53,42 @@ class BusLimits:
     """JetStream limits and redelivery settings (seconds, counts, bytes)."""
 
     requests_max_msgs: int = 10_000
-    """Admission queue bound; a full queue rejects new requests (HTTP 429)."""
+    """Admission queue bound (a full queue: HTTP 429)."""
     stages_max_bytes: int = 1 << 30
     ack_wait_s: float = 30.0
-    """Redelivery timer; workers send in-progress acks every ``ack_wait_s / 6`` while busy."""
     max_deliver: int = 5
     max_ack_pending: int = 1024
     duplicate_window_s: float = 120.0
-    """``Nats-Msg-Id`` de-duplication window."""
     service_ttl_s: float = 6.0
     """``omni_services`` entries vanish this long after the last heartbeat."""
     heartbeat_s: float = 2.0
     request_record_ttl_s: float = 3600.0
-    """``omni_requests`` records vanish this long after their last update."""
+    """``omni_requests`` and ``omni_evictions`` entries vanish this long after their last update."""
 
     @property
     def backoff_s(self) -> tuple[float, ...]:
-        """Delay before redelivery n = 1, 2, ...: 1, 1, 2, 4 × ``ack_wait_s`` (NATS uses the first
-        entry in place of ``ack_wait``)."""
+        """Delay before redelivery n = 1, 2, ...: 1, 1, 2, 4 × ``ack_wait_s``."""
         return tuple(self.ack_wait_s * k for k in (1, 1, 2, 4))[: self.max_deliver - 1]
 
 
 LIMITS = BusLimits()
 ORCHESTRATOR_ACK_WAIT_S = 1.0
-"""Redelivery timer of the orchestrators' consumers (admissions, lifecycle events), seconds. An
-orchestrator works on one of these messages for milliseconds and sends in-progress acks while it
-works longer, so a message is redelivered to another instance about this long after the one
-holding it died or stopped: the delay an orchestrator's death adds to a request."""
+"""Redelivery timer of the orchestrators' consumers (admissions, lifecycle events), seconds: the
+delay an orchestrator's death adds to a request (they send in-progress acks while they work)."""
 ORCHESTRATOR_MAX_DELIVER = 30
-"""Deliveries of an orchestrator's message before JetStream gives up on it (a message whose
-handling keeps failing; an admission is answered 504 once its deadline has passed anyway)."""
 RECONNECT_WAIT_S = 0.25
-"""How long a client waits between attempts to reach a server again, seconds: a broker that comes
-back is used within this much (an attempt against a server that is down is a refused connection)."""
+"""Pause between a client's attempts to reach a server again, seconds."""
 DRAIN_TIMEOUT_S = 5.0
 """How long a shutting-down service waits for its subscriptions to drain, seconds."""
 MAX_REPLICAS = 5
 """JetStream keeps at most this many replicas of a stream."""
 
 _replicas: WeakKeyDictionary[NATS, int] = WeakKeyDictionary()
-"""Replicas of what each client made by :func:`connect` declares (one per server it was given)."""
+"""Replicas of what each client made by :func:`connect` declares."""
 
 
 def server_urls(url: str) -> list[str]:
-    """The server URLs in ``url``: one, or several separated by commas (blanks around them dropped);
-    ValueError when there is none."""
+    """The server URLs in comma-separated ``url``; ValueError when there is none."""
     servers = [u.strip() for u in url.split(",") if u.strip()]
     if not servers:
         raise ValueError(f"no NATS server URL in {url!r}")
@@ -109,29 +96,24 @@ def server_urls(url: str) -> list[str]:
 
 
 def replicas_for(servers: list[str]) -> int:
-    """Replicas of streams and buckets for a client given ``servers``: one per distinct server,
-    at most :data:`MAX_REPLICAS` (1 for a single server)."""
+    """Replicas of streams and buckets: one per distinct server, at most :data:`MAX_REPLICAS`."""
     return min(len(set(servers)), MAX_REPLICAS)
 
 
 def direct_reads(n_replicas: int) -> bool:
-    """Whether a bucket of ``n_replicas`` answers reads by direct get (``allow_direct``): a plain
-    request its stream answers with the stored message, instead of a JetStream API call whose
-    reply is JSON with the message in base64. Only with one replica: with more, every replica
-    answers direct gets, and a follower's answer can lag a write its leader has acknowledged, so
-    a record read could miss the route an orchestrator just wrote."""
+    """Whether a bucket answers reads by direct get: only with one replica (with more, a
+    follower's answer can lag a write its leader has acknowledged)."""
     return n_replicas == 1
 
 
 def replicas(js: JetStreamContext) -> int:
-    """Replicas of the streams and buckets declared through ``js``: :func:`replicas_for` the servers
-    its client was given by :func:`connect`; 1 for a client made otherwise (a tool, a test)."""
+    """Replicas of what is declared through ``js``: :func:`replicas_for` the servers given to
+    :func:`connect`; 1 for a client made otherwise."""
     return _replicas.get(js._nc, 1)  # nats-py keeps the client of a context only there
 
 
 def redact(url: str) -> str:
-    """``url`` (one or several servers) as it may be logged: a user or password in it replaced by
-    ``***``."""
+    """``url`` as it may be logged: a user or password in it replaced by ``***``."""
     out = []
     for server in server_urls(url):
         parts = urlsplit(server if "://" in server else f"nats://{server}")
@@ -146,14 +128,10 @@ def redact(url: str) -> str:
 async def connect(
     url: str, name: str, credentials: NatsAuth | None = None, on_reconnect: Callable[[], None] | None = None
 ) -> NATS:
-    """Connect to one of the servers in ``url`` (comma-separated: every server of a cluster), with
-    unlimited reconnects to any of them (services survive a broker restart or a node's loss).
+    """Connect to one of the servers in ``url`` (comma-separated), reconnecting without limit.
 
-    As the identity of ``credentials``, by default the one the environment names
-    (``OMNIRELAY_NATS_USER`` ..., :class:`libs.common.nats_credentials.NatsCredentials`; none: an
-    anonymous client, for a server without authorization), with its own inbox prefix, over TLS
-    verified against ``OMNIRELAY_NATS_CA`` when it is set. ``on_reconnect`` is called (on the
-    event loop, not awaited: start a task for any work) each time the client is connected again."""
+    As the identity of ``credentials``, by default the environment's (:class:`NatsCredentials`;
+    none: anonymous). ``on_reconnect`` is called (on the loop, not awaited) on every reconnect."""
     servers = server_urls(url)
     shown = redact(url)
     options = (credentials if credentials is not None else NatsCredentials()).connect_options()
@@ -190,11 +168,9 @@ async def connect(
 async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
     """Create the stream ``cfg`` describes, or update the one that exists to it.
 
-    JetStream fixes a stream's persist mode when it creates it, and takes ``async`` only on a
-    single replica (ADR-56): a stream whose mode must change (the requests stream of one server,
-    ``async``, given a cluster's replicas, or a stream made before in the default mode) is made
-    anew when nothing uses it (no message, no consumer) and this identity may delete it; otherwise
-    it keeps its mode and its replicas, and the log says so."""
+    JetStream fixes a stream's persist mode at creation (``async`` only on a single replica): a
+    stream whose mode must change is made anew when it holds no message or consumer and this
+    identity may delete it; otherwise it keeps its mode and replicas, and the log says so."""
     try:
         await js.add_stream(cfg)
         return
@@ -229,28 +205,24 @@ async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
 
 
 def _persist_mode(cfg: StreamConfig) -> PersistMode:
-    """``cfg``'s persist mode (JetStream leaves the default unset)."""
     return PersistMode(cfg.persist_mode) if cfg.persist_mode else PersistMode.DEFAULT
 
 
 T = TypeVar("T")
 
 TOPOLOGY_TRIES = 3
-"""Declaring the topology, or looking a KV bucket up (:func:`_kv`), is tried this often when
-JetStream does not answer in time (a cluster creating replicated streams elects a leader for
-each, which can outlast one API timeout)."""
+"""Tries of a topology declaration or bucket look-up that JetStream does not answer in time (a
+cluster elects a leader per replicated stream)."""
 
 
 async def ensure_topology(js: JetStreamContext, subjects: Subjects, limits: BusLimits = LIMITS) -> None:
     """Declare the pipeline's streams and KV buckets, each with :func:`replicas` replicas (an
-    existing stream or bucket with another number is scaled to it). Every declaration is
-    idempotent, so a declaration that timed out is simply made again (``TOPOLOGY_TRIES``)."""
+    existing one with another number is scaled to it)."""
     await _asked_again("a topology declaration", lambda: _declare_topology(js, subjects, limits))
 
 
 async def _asked_again(what: str, ask: Callable[[], Awaitable[T]]) -> T:
-    """``ask()``, made again when JetStream does not answer it in time (``TOPOLOGY_TRIES`` in all;
-    the last timeout is raised). ``what`` names it in the log."""
+    """``ask()``, made again on a JetStream timeout (``TOPOLOGY_TRIES`` in all)."""
     for tries_left in range(TOPOLOGY_TRIES - 1, 0, -1):
         try:
             return await ask()
@@ -260,36 +232,32 @@ async def _asked_again(what: str, ask: Callable[[], Awaitable[T]]) -> T:
 
 
 async def _declare_topology(js: JetStreamContext, subjects: Subjects, limits: BusLimits) -> None:
+    n = replicas(js)
     work_queue = dict(
-        num_replicas=replicas(js),
+        num_replicas=n,
         retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE,
         discard=DiscardPolicy.NEW,
         duplicate_window=limits.duplicate_window_s,
     )
-    await _ensure_stream(
-        js,
+    for cfg in (
         StreamConfig(
             name=subjects.requests_stream,
             subjects=[subjects.requests],
             max_msgs=limits.requests_max_msgs,
-            persist_mode=PersistMode.ASYNC if work_queue["num_replicas"] == 1 else None,
+            persist_mode=PersistMode.ASYNC if n == 1 else None,
             **work_queue,
         ),
-    )
-    await _ensure_stream(
-        js,
         StreamConfig(
             name=subjects.stages_stream,
             subjects=[subjects.stages_wildcard],
             max_bytes=limits.stages_max_bytes,
             **work_queue,
         ),
-    )
-    await _ensure_stream(
-        js,
         StreamConfig(name=subjects.events_stream, subjects=[subjects.events_wildcard], **work_queue),
-    )
+    ):
+        await _ensure_stream(js, cfg)
+
     for bucket, ttl_s in (
         (SERVICES_BUCKET, limits.service_ttl_s),
         (REQUESTS_BUCKET, limits.request_record_ttl_s),
@@ -299,7 +267,7 @@ async def _declare_topology(js: JetStreamContext, subjects: Subjects, limits: Bu
 
 
 async def _ensure_kv_replicas(js: JetStreamContext, bucket: str, ttl_s: float) -> None:
-    """Create ``bucket``, or scale the stream behind it (``KV_<bucket>``) to :func:`replicas`."""
+    """Create ``bucket``, or scale its stream to :func:`replicas`."""
     try:
         info = await js.stream_info(kv_stream(bucket))
     except NotFoundError:
@@ -312,11 +280,8 @@ async def _ensure_kv_replicas(js: JetStreamContext, bucket: str, ttl_s: float) -
 
 
 async def _kv(js: JetStreamContext, bucket: str, ttl_s: float) -> KeyValue:
-    """``bucket``, created with :func:`replicas` replicas when missing (an existing one is taken as
-    it is: only :func:`ensure_topology` scales). Only a bucket JetStream says it does not have is
-    created: a look-up that timed out is made again (``TOPOLOGY_TRIES`` in all), and one that met
-    a stream without a leader raises. Creating then would meet an existing bucket, perhaps with
-    more replicas than this client's servers count, and fail with "stream name already in use"."""
+    """``bucket``, created with :func:`replicas` replicas only when JetStream says it has none (a
+    look-up that timed out is made again; one that met a stream without a leader raises)."""
     try:
         return await _asked_again(f"the look-up of bucket {bucket}", lambda: js.key_value(bucket))
     except NotFoundError:  # nats-py's BucketNotFoundError is one
@@ -335,17 +300,14 @@ async def _kv(js: JetStreamContext, bucket: str, ttl_s: float) -> KeyValue:
 
 
 async def services_kv(js: JetStreamContext, limits: BusLimits = LIMITS) -> KeyValue:
-    """The ``omni_services`` bucket (entries expire ``service_ttl_s`` after the last write)."""
     return await _kv(js, SERVICES_BUCKET, limits.service_ttl_s)
 
 
 async def requests_kv(js: JetStreamContext, limits: BusLimits = LIMITS) -> KeyValue:
-    """The ``omni_requests`` bucket."""
     return await _kv(js, REQUESTS_BUCKET, limits.request_record_ttl_s)
 
 
 async def evictions_kv(js: JetStreamContext, limits: BusLimits = LIMITS) -> KeyValue:
-    """The ``omni_evictions`` bucket (entries kept as long as request records)."""
     return await _kv(js, EVICTIONS_BUCKET, limits.request_record_ttl_s)
 
 
@@ -365,8 +327,7 @@ def stage_consumer_config(
 
 
 def orchestrator_consumer_config(subject: str, durable: str, limits: BusLimits = LIMITS) -> ConsumerConfig:
-    """Shared durable pull consumer of the orchestrator instances: a message an instance holds is
-    redelivered :data:`ORCHESTRATOR_ACK_WAIT_S` after it stopped working on it."""
+    """Shared durable pull consumer of the orchestrator instances."""
     return ConsumerConfig(
         durable_name=durable,
         filter_subject=subject,
@@ -387,8 +348,7 @@ async def consume(
     batch: int,
     name: str,
 ) -> PullConsumer:
-    """Declare durable pull consumer ``config`` on ``stream`` (one that exists is updated to it:
-    a deployment that changes its redelivery settings gets them) and hand its messages to
+    """Declare (or update) durable pull consumer ``config`` on ``stream`` and hand its messages to
     ``handle`` as they arrive, at most ``batch`` asked for at a time."""
     try:
         await js.add_consumer(stream, config)
@@ -400,15 +360,11 @@ async def consume(
 
 
 async def bucket_keys(nc: NATS, bucket: str, timeout_s: float = 5.0) -> set[str]:
-    """Every key ``bucket`` holds a message for: a value, or the marker a delete or purge left
-    (a get of such a key says it is gone). Read from the subjects the stream's leader counts, in
-    one answer per page of up to 100,000 keys; ``timeout_s`` bounds each answer, seconds.
+    """Every key ``bucket`` holds a message for (a value, or a delete or purge marker), from the
+    subjects its stream's leader counts, a page of up to 100,000 at a time (``timeout_s`` per
+    page). ``KeyValue.keys()`` can stop early while keys are written (nats-io/nats.py#995).
+    Raises :class:`NotFoundError` (no such bucket) or :class:`ServiceUnavailableError`."""
 
-    ``KeyValue.keys()`` is not used: it stops at the first delivery that reports nothing pending,
-    and while keys are written (every service's heartbeat) that can come before the last key
-    (nats-io/nats.py#995). Raises :class:`NotFoundError` when there is no such bucket, and
-    :class:`ServiceUnavailableError` when no server answers for it. A key written between two
-    pages may be missed or repeated; one page always holds a bucket of fewer keys whole."""
     prefix = kv_subject(bucket, "")
     asked = {"subjects_filter": kv_subject(bucket)}
     keys: set[str] = set()

@@ -1,11 +1,8 @@
 """Message bodies on the bus: one ``msgspec.Struct`` per message kind, encoded with msgpack.
 
-One encoder and one decoder per kind (:func:`decode`); decoding checks every field's type and bound,
-so a malformed message raises :class:`MalformedMessage` (the receiver terminates it and counts the
-reason). Arrays travel as raw bytes with dtype and shape (:class:`NdArray`). Unknown map keys are
-ignored, so a receiver takes a sender's body that has a field more. A :class:`ClientEvent` (one per
-streamed token) travels as an array of its fields' values in declared order; every other kind as a
-map of the fields that differ from their defaults.
+Decoding checks every field's type and bound (:func:`decode` raises :class:`MalformedMessage`);
+unknown map keys are ignored. A :class:`ClientEvent` travels as an array of its fields' values in
+declared order; every other kind as a map of the fields that differ from their defaults.
 Times are wall-clock ns (``time.time_ns()``) unless a field says otherwise.
 """
 
@@ -31,25 +28,19 @@ class MalformedMessage(ValueError):
 
 
 MAX_ID_CHARS = 128
-"""Longest request or gateway id a message may carry (the gateway's are 40-odd characters)."""
+"""Longest request or gateway id a message may carry."""
 Id = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$", max_length=MAX_ID_CHARS)]
-"""A request or gateway id: one NATS subject token and KV key (``subjects.check_token``). Services
-put these ids into subjects (``out.<gateway>.<request>``) and KV keys; one with a space, a dot or
-a wildcard, or longer than the server's control line, would make the server close the publishing
-connection (tests/e2e/test_fuzz_bus.py), so a message carrying one is malformed."""
+"""A request or gateway id: one NATS subject token and KV key (a message carrying another is
+malformed: in a subject it would make the server close the publishing connection)."""
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 
 class _Envelope(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A message kind: a map of its fields on the bus."""
-
     def encode(self) -> bytes:
-        """msgpack bytes of this message."""
         return _ENCODER.encode(self)
 
     def replace(self, **changes: object) -> Self:
-        """A copy with ``changes`` to its fields."""
         return msgspec.structs.replace(self, **changes)
 
 
@@ -58,8 +49,6 @@ E = TypeVar("E", bound=_Envelope)
 
 
 _WRONG_SHAPE = re.compile(r"Expected `(object|array)`, got `\w+`")
-"""msgspec's complaint about a body that is not the kind's shape at all (a map, or for
-:class:`ClientEvent` an array): reason ``not_a_map``."""
 
 
 @cache
@@ -83,8 +72,8 @@ def decode(cls: type[E], data: bytes) -> E:
 
 
 def decode_or_log(cls: type[E], data: bytes, what: str, log: logging.Logger, context: str = "") -> E | None:
-    """:func:`decode` a control message, or log that a malformed ``what`` is ignored (``context``
-    prefixes the line) and return None: a bad control message never stops its receiver."""
+    """:func:`decode`, or log that a malformed ``what`` is ignored (``context`` prefixes the line)
+    and return None."""
     try:
         return decode(cls, data)
     except MalformedMessage as e:
@@ -123,8 +112,7 @@ class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class SpeechChunk(msgspec.Struct, kw_only=True):
-    """One chunk of a speech request's input: its text and its tokens in the thinker's tokenizer
-    (what a thinker's text chunk carries; a ``tiny`` talker speaks the tokens, others the text)."""
+    """One chunk of a speech request's input: its text and its tokens in the thinker's tokenizer."""
 
     text: str
     token_ids: list[int]
@@ -159,14 +147,12 @@ class Admission(_Envelope, kw_only=True):
     audio: bool = False
     trace_id: str | None = None
     voice: str | None = None
-    """The voice the talker speaks the request with, resolved by the gateway
-    (:func:`libs.common.voices.resolve_voice`); None (or absent): the talker stage's default."""
+    """The talker's voice (:func:`libs.common.voices.resolve_voice`); None: the stage's default."""
     entry_stage: NonNegative = 0
-    """The stage the request enters at: 0 (the thinker runs the prompt), or the talker's id for a
-    speech request (``/v1/audio/speech``), whose input is ``text_chunks`` (the thinker is not run)."""
+    """The stage the request enters at: the thinker, the listener, or the talker for a speech
+    request, whose input is ``text_chunks``."""
     text_chunks: list[SpeechChunk] = msgspec.field(default_factory=list)
-    """A speech request's input text, cut by the gateway into chunks the talker speaks one by one,
-    in order."""
+    """A speech request's input text in the chunks the talker speaks, in order."""
     transcription: Transcription | None = None
     """A transcription request's input, for the listener it enters at."""
 
@@ -188,13 +174,10 @@ class TaskKind(StrEnum):
 class StageTask(_Envelope, kw_only=True):
     """Orchestrator or upstream worker → worker (stage, replica) (subject ``stage.<s>.<r>.in``).
 
-    ``route[s]`` is the replica bound to stage ``s`` for this request (sticky until the replica
-    dies and the request moves). A chunk with ``final`` set is the last one of its request from
-    the sender; it may carry no data.
-
-    Attempts: a request's first run in a stage is attempt 1; each move to another replica of the
-    stage (docs/reliability.md) starts the next. ``attempt`` is the receiving stage's attempt this
-    task belongs to, ``from_attempt`` the sender's (1 for the orchestrator).
+    ``route[s]`` is the replica bound to stage ``s``. A chunk with ``final`` set is the sender's
+    last for the request (it may carry no data). ``attempt`` is the receiving stage's attempt (1,
+    then one more per move to another replica), ``from_attempt`` the sender's (1 for the
+    orchestrator).
     """
 
     request_id: Id
@@ -213,30 +196,25 @@ class StageTask(_Envelope, kw_only=True):
     attempt: Positive = 1
     from_attempt: Positive = 1
     resume: list[TextDelta] = msgspec.field(default_factory=list)
-    """The listener or the thinker after a move: the text deltas the client already has, in order; the new attempt
-    goes on after them (its input is the prompt plus their tokens)."""
+    """The listener or the thinker after a move: the text deltas the client already has, in order
+    (the new attempt goes on after them)."""
     start_seq: NonNegative = 0
-    """A later stage after a move: the first chunk the new attempt takes (those before it were
-    handled by the attempt that died)."""
+    """A later stage after a move: the first chunk the new attempt takes."""
     offset: NonNegative = 0
-    """A chunk: the position of its first item (token of a text chunk, code of a code chunk) in
-    what its sender produced for the request; a talker that takes a request over starts its
-    code numbering from the offset of its first text chunk."""
+    """A chunk: the position of its first item (token, or code) in what its sender produced for
+    the request."""
     context_before: NonNegative = 0
     context_after: NonNegative = 0
-    """A code chunk: frames of context at the start and at the end of ``codes`` that are not the
-    chunk's own audio (its neighbours' frames, which a non-causal codec needs to decode the own
-    frames exactly as a whole-utterance decode would). The own frames are
-    ``codes[context_before : len(codes) - context_after]``; the first of them is frame ``offset``
-    of the request's code stream."""
+    """A code chunk: frames of its neighbours' context at the start and end of ``codes``; its own
+    frames are ``codes[context_before : len(codes) - context_after]``, the first being frame
+    ``offset`` of the request's code stream."""
     moved: bool = False
-    """Set by the orchestrator on a stored input it sends again to the stage's new attempt after a
-    move. The attempt before had taken that input, so the thinker's fence (chunks of a thinker attempt
-    the request moved past) does not drop it: for a chunk number it holds, no later copy may come."""
+    """A stored input the orchestrator sends again to the stage's new attempt after a move (the
+    thinker's fence does not drop it)."""
     next_attempt: Positive = 1
     next_start_seq: NonNegative = 0
-    """A moved task: the next stage's current attempt and its ``start_seq`` (that stage may have
-    moved before), which the new attempt's chunks go to."""
+    """A moved task: the next stage's current attempt and its ``start_seq``, where the new
+    attempt's chunks go."""
     transcription: Transcription | None = None
     """The listener's ``start`` task: the audio to transcribe."""
 
@@ -247,9 +225,8 @@ class Usage(msgspec.Struct, kw_only=True):
 
 
 class Heard(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """What the listener heard. On its ``text`` event: where the segment's speech is in the input
-    audio (seconds from its start) and Whisper's confidence figures of the segment; on its
-    ``text_done``: the whole input (``end_s`` its duration) and the language."""
+    """What the listener heard: on ``text``, the segment's place in the input audio (seconds from
+    its start) and Whisper's confidence figures; on ``text_done``, the whole input and language."""
 
     start_s: float = 0.0
     end_s: float = 0.0
@@ -261,8 +238,7 @@ class Heard(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class ClientEventType(StrEnum):
     STARTED = "started"
-    """The entry stage (listener or thinker) handed the request to its engine (once, before any output): the gateway starts a
-    streamed response on it."""
+    """The entry stage handed the request to its engine (once, before any output)."""
     TEXT = "text"
     """A text delta of the thinker, or a segment of the listener's transcript."""
     TEXT_DONE = "text_done"
@@ -276,10 +252,8 @@ class ClientEventType(StrEnum):
 
 
 class ClientEvent(_Envelope, kw_only=True, array_like=True):
-    """Worker/orchestrator → gateway (subject ``out.<gateway_id>.<request_id>``).
-
-    On the bus an array of the fields' values in this order, no names: a one-token text delta is
-    about 30 bytes (a map of the same fields took 218)."""
+    """Worker/orchestrator → gateway (subject ``out.<gateway_id>.<request_id>``); on the bus an
+    array of the fields' values in this order."""
 
     type: ClientEventType
     request_id: Id
@@ -287,8 +261,7 @@ class ClientEvent(_Envelope, kw_only=True, array_like=True):
     replica: int | None = None
     seq: int = 0
     attempt: int = 1
-    """The sending stage's attempt; the gateway drops events of an attempt older than the one it
-    was told of (the request moved on)."""
+    """The sending stage's attempt."""
     text: str = ""
     token_ids: list[int] = msgspec.field(default_factory=list)
     pcm16: bytes = b""
@@ -301,28 +274,25 @@ class ClientEvent(_Envelope, kw_only=True, array_like=True):
     in_seq: int | None = None
     """``audio``: the sequence number of the input chunk it was decoded from."""
     frames: int = 0
-    """``audio``: the codec frames (a chunk's own, context excluded) its PCM was decoded from; a
-    frame is one step of the codec (SNAC: 7 talker tokens; ``tiny``: one code)."""
+    """``audio``: the codec frames (the chunk's own) its PCM was decoded from."""
     stage_gen_s: float | None = None
-    """``audio_done``: the audio stage's generation time for the request, seconds: from its first
-    input reaching the worker to its last audio sent, on that worker's monotonic clock (after a
-    move, of the attempt that finished)."""
+    """``audio_done``: the audio stage's generation time for the request, seconds: first input to
+    last audio sent, on that worker's monotonic clock."""
     heard: Heard | None = None
-    """The listener's ``text`` and ``text_done`` events: what it heard (:class:`Heard`)."""
+    """The listener's ``text`` and ``text_done`` events."""
 
 
 _BATCH_DECODER = msgspec.msgpack.Decoder(list[bytes])
 
 
 def pack_batch(bodies: list[bytes]) -> bytes:
-    """One message's body carrying several client events: a msgpack array of their bodies, each
-    exactly as it would travel alone (binary items: nothing inside is packed again)."""
+    """One body carrying several client events: a msgpack array of their bodies as sent alone."""
     return _ENCODER.encode(bodies)
 
 
 def unpack_batch(data: bytes) -> list[bytes]:
-    """The event bodies of a :func:`pack_batch` body, in order, or :class:`MalformedMessage` when
-    it is not a msgpack array of binary items (then none is taken)."""
+    """The event bodies of a :func:`pack_batch` body, in order; :class:`MalformedMessage` when it
+    is not a msgpack array of binary items."""
     try:
         return _BATCH_DECODER.decode(data)
     except msgspec.ValidationError:
@@ -335,8 +305,7 @@ def unpack_batch(data: bytes) -> list[bytes]:
 
 @dataclass
 class EdgeSummary:
-    """One request's transfers over one edge, as the receiver measured them (sums, seconds); a
-    dataclass, which both msgspec (the lifecycle event) and pydantic (the request record) take."""
+    """One request's transfers over one edge, as the receiver measured them (sums, seconds)."""
 
     from_stage: str
     from_replica: str
@@ -350,13 +319,8 @@ class EdgeSummary:
 
 
 class LifecycleEvent(_Envelope, kw_only=True):
-    """All → orchestrator (subject ``events.<kind>``).
-
-    A stage still working ``STARTED_REPORT_DELAY_S`` after taking a request's first input reports
-    ``started`` (stamped with that moment); a stage that ends sooner carries the moment in
-    ``started_ns`` of its ending event instead. The last stage folds ``stage_done`` into
-    ``finished``.
-    """
+    """All → orchestrator (subject ``events.<kind>``). The last stage folds ``stage_done`` into
+    ``finished``."""
 
     request_id: Id
     kind: Literal["started", "stage_done", "finished", "failed", "aborted"]
@@ -366,13 +330,11 @@ class LifecycleEvent(_Envelope, kw_only=True):
     finish_reason: str | None = None
     reason: str | None = None
     started_ns: int | None = None
-    """When the stage took its first input (wall clock, ns), on an ending event whose stage sent
-    no ``started``."""
+    """When the stage took its first input, on an ending event whose stage sent no ``started``."""
     edges: list[EdgeSummary] = msgspec.field(default_factory=list)
-    """Transfers this stage received for the request (``stage_done`` or the last stage's
-    ``finished``, with --log-stats)."""
+    """Transfers this stage received for the request (with --log-stats)."""
     attempt: int = 1
-    """The reporting stage's attempt; the record ignores events of an attempt it has moved past."""
+    """The reporting stage's attempt."""
 
 
 MOVED = "moved"
@@ -383,80 +345,64 @@ ENGINE_DEAD = "engine_dead"
 
 class Liveness(_Envelope, kw_only=True):
     """A worker's answer to its liveness probe (subject ``ctl.alive.<s>.<r>``); also the progress
-    fields of its heartbeat. The answer itself says the worker's event loop runs; the fields say
-    whether its engine does."""
+    fields of its heartbeat."""
 
     engine_dead: bool = False
     """The engine died under the live worker (it exits soon after)."""
     in_flight: int = 0
     """Requests this worker holds (running or waiting for their next input)."""
     busy: int = 0
-    """Engine operations under way right now: generations waiting for their next engine output,
-    chunks being decoded."""
+    """Engine operations under way right now (generations, chunks being decoded)."""
     progress: int = 0
-    """Outputs the engine has produced since the worker started (engine outputs of generations,
-    decoded chunks): a counter that is flat while ``busy`` > 0 only when the engine is stuck."""
+    """Outputs the engine has produced since the worker started: flat while ``busy`` > 0 only
+    when the engine is stuck."""
 
 
 class AbortNotice(_Envelope, kw_only=True, tag="abort"):
     """Stop work on a request. Gateway/orchestrator → every worker (subject ``ctl.abort``).
 
-    With reason :data:`MOVED` only the attempts of ``stage`` older than ``attempt`` stop: the
-    request runs on as ``attempt`` on another replica. Sent by a move as a request to the worker
-    upstream of ``stage`` (subject ``ctl.route.<s - 1>.<r>``), a moved notice also ends the hold
-    that the move's :class:`ResumeQuery` put on the request's chunks: they go on to ``replica`` as
-    ``attempt``, whose first chunk is ``start_seq``; the answer is a :class:`ResumePoint`
-    (``known`` false: this worker no longer works on the request)."""
+    With reason :data:`MOVED` only the attempts of ``stage`` older than ``attempt`` stop. Sent as
+    a request to the worker upstream of ``stage`` (``ctl.route.<s - 1>.<r>``), a moved notice
+    also releases the request's chunks held by the move's :class:`ResumeQuery`: they go on to
+    ``replica`` as ``attempt`` from ``start_seq``; the answer is a :class:`ResumePoint`."""
 
     request_id: Id
     reason: str = "abort"
     stage: int | None = None
     attempt: int = 0
     replica: int | None = None
-    """Where ``stage`` now runs (a moved notice sent to the upstream worker)."""
     start_seq: NonNegative = 0
-    """The first chunk the new attempt takes (a moved notice sent to the upstream worker)."""
 
 
 class ResumeQuery(_Envelope, kw_only=True, tag="resume"):
-    """Where does the stream of ``stage`` attempt ``attempt`` stand? One question, asked of
-    whoever sends that stage's stream:
+    """Where does the stream of ``stage`` attempt ``attempt`` stand? Asked of:
 
-    - of the request's gateway (the client's events) by an orchestrator moving the request
-      (subject ``ctl.resume.<gateway>``: from then on the gateway drops events of that stage's
-      attempts older than ``attempt``), and by the worker running the attempt (a request on the
-      request's own ``out`` subject), which keeps its client events until the answer confirms
-      them (services/stage_worker/client_stream.py);
-    - of the worker upstream of ``stage`` (its chunks) by an orchestrator moving a later stage
-      (subject ``ctl.route.<s - 1>.<r>``): that worker stops sending the request's chunks (a
-      chunk being sent finishes first) until the move's :class:`AbortNotice` tells it where the
-      stage now runs, and answers with the next chunk's ``seq``."""
+    - the request's gateway, by an orchestrator moving the request (``ctl.resume.<gateway>``;
+      the gateway then drops events of older attempts of the stage), and by the worker running
+      the attempt (a request on the request's ``out`` subject);
+    - the worker upstream of ``stage``, by an orchestrator moving a later stage
+      (``ctl.route.<s - 1>.<r>``): it holds the request's chunks until the move's
+      :class:`AbortNotice` and answers with the next chunk's ``seq``."""
 
     request_id: Id
     stage: int
     attempt: int
     replica: int | None = None
-    """The replica running the attempt. A move's question binds the new attempt to it (the
-    gateway takes that attempt's events from it only; absent: from the replica its first event
-    names); a worker's must name the replica the attempt is bound to."""
+    """The replica running the attempt (a move's question binds the new attempt to it)."""
 
 
 RouteNotice = ResumeQuery | AbortNotice
-"""What a move sends the worker upstream of the stage it moves (subject ``ctl.route.<s>.<r>``):
-the question that holds the request's chunks, then the moved notice that releases them."""
+"""What a move sends the worker upstream of the stage it moves (subject ``ctl.route.<s>.<r>``)."""
 
 
 class ResumePoint(_Envelope, kw_only=True):
-    """Where a stream stands: the answer to :class:`ResumeQuery`. The gateway's to a move is taken
-    after the fence was raised; a worker's, and an upstream worker's (of the request's chunks for
-    the stage), carry ``known`` and ``next_seq`` only."""
+    """Where a stream stands: the answer to :class:`ResumeQuery` (an upstream worker's carries
+    ``known`` and ``next_seq`` only)."""
 
     known: bool
-    """False when the gateway no longer takes events of the attempt: it no longer holds the
-    request (its client is gone), or the request has moved past the attempt."""
+    """False when the asked attempt's stream is no longer taken (client gone, request moved on)."""
     next_seq: NonNegative = 0
-    """The ``seq`` of the next event of the asked attempt the client's stream takes: every
-    event before it has arrived."""
+    """The ``seq`` of the next event of the asked attempt: every one before it has arrived."""
     deltas: list[TextDelta] = msgspec.field(default_factory=list)
     """The text deltas (of the thinker or the listener) the gateway has received, in order."""
     text_done: bool = False

@@ -1,11 +1,8 @@
 """``/metrics`` of every service: the default registry (process, vLLM's families, http_*) plus
 :data:`~libs.common.metrics_catalog.OMNI_REGISTRY` (ours), in the format the scraper asks for.
 
-OpenMetrics (with exemplars) when the ``Accept`` header allows it, else the Prometheus text format.
-prometheus_client 0.26 escapes the ``:`` of sample names to ``_`` in OpenMetrics output unless the
-scraper asked for ``escaping=allow-utf-8`` (while leaving ``# TYPE`` lines unescaped), which would
-rename every ``vllm:*`` series for Prometheus 2.x scrapers. Our names are all valid classic names,
-so we always encode without escaping: the output is plain OpenMetrics 1.0.0.
+OpenMetrics is always encoded without escaping: prometheus_client would otherwise turn the ``:``
+of every ``vllm:*`` sample name into ``_`` for Prometheus 2.x scrapers.
 """
 
 from __future__ import annotations
@@ -45,7 +42,6 @@ def exposition_registry() -> CollectorRegistry:
 
 
 EXPOSITION = exposition_registry()
-"""The process's ``/metrics`` content."""
 
 
 def render(accept: str) -> tuple[bytes, str]:
@@ -58,8 +54,7 @@ def render(accept: str) -> tuple[bytes, str]:
 
 
 Route = Callable[[], tuple[int, bytes, str]]
-"""An extra ``GET`` path of a metrics server: called on the request's thread, it returns (HTTP
-status, body, content type)."""
+"""An extra ``GET`` path of a metrics server: returns (HTTP status, body, content type)."""
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -85,14 +80,12 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 METRICS_HOST = "127.0.0.1"
-"""Default bind address of every service's ``/metrics`` (``OMNIRELAY_METRICS_HOST``; the gateway's
-admin listener too): this machine only; compose binds ``0.0.0.0`` inside the container network
-for Prometheus."""
+"""Default bind address of every service's ``/metrics``."""
 
 
 class MetricsServer(ThreadingHTTPServer):
-    """``/metrics`` (and ``routes``) on ``host:port``, bound and listening once constructed
-    (``port=0`` picks a free one: :attr:`port`); :func:`serve_metrics` serves it."""
+    """``/metrics`` (and ``routes``) on ``host:port``, listening once constructed (``port=0``: any
+    free one, :attr:`port`)."""
 
     daemon_threads = True
 
@@ -102,12 +95,10 @@ class MetricsServer(ThreadingHTTPServer):
 
     @property
     def port(self) -> int:
-        """The bound port."""
         return self.server_address[1]
 
     def close(self) -> None:
-        """Stop serving (waits for the serving loop, at most its 0.5 s poll interval) and close
-        the listening socket."""
+        """Stop serving (within the 0.5 s poll interval) and close the listening socket."""
         self.shutdown()
         self.server_close()
 
@@ -115,14 +106,13 @@ class MetricsServer(ThreadingHTTPServer):
 def serve_metrics(
     port: int, host: str = METRICS_HOST, routes: Mapping[str, Route] | None = None
 ) -> MetricsServer:
-    """Serve ``/metrics`` (and ``routes``) on ``host:port`` in a background thread; the server, for
-    its bound :attr:`~MetricsServer.port` and :meth:`~MetricsServer.close`."""
+    """Serve ``/metrics`` (and ``routes``) on ``host:port`` in a background thread."""
     server = MetricsServer(host, port, routes)
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server
 
 
 def start_metrics_server(port: int, host: str = METRICS_HOST) -> int:
-    """Serve ``/metrics`` on ``host:port`` in a background thread for the process's life; returns
-    the bound port (``port=0`` picks a free one)."""
+    """Serve ``/metrics`` on ``host:port`` for the process's life; returns the bound port."""
+
     return serve_metrics(port, host).port

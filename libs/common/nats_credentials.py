@@ -1,11 +1,5 @@
-"""How a client proves who it is to NATS: an identity's user and password, and TLS.
-
-Read from the environment (``OMNIRELAY_NATS_USER``, ``OMNIRELAY_NATS_PASSWORD`` or
-``OMNIRELAY_NATS_PASSWORD_FILE``, ``OMNIRELAY_NATS_CA``, and for mutual TLS ``OMNIRELAY_NATS_CERT``
-and ``OMNIRELAY_NATS_KEY``); every field is optional, so a client of a server without
-authorization (the tests' own servers) connects as before. :func:`libs.common.bus.connect` turns
-them into nats-py's connect options (:meth:`NatsCredentials.connect_options`).
-"""
+"""How a client proves who it is to NATS: an identity's user and password, and TLS, from the
+``OMNIRELAY_NATS_*`` environment (every field optional: none, an anonymous client)."""
 
 from __future__ import annotations
 
@@ -55,20 +49,9 @@ class NatsAuth(BaseModel):
             return self.nats_password_file.read_text().strip()
         return None if self.nats_password is None else self.nats_password.get_secret_value()
 
-    def ssl_context(self) -> ssl.SSLContext | None:
-        """A client TLS context that verifies the server against ``nats_ca`` (and presents
-        ``nats_cert`` when given); None without a CA."""
-        if self.nats_ca is None:
-            return None
-        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(self.nats_ca))
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        if self.nats_cert is not None and self.nats_key is not None:
-            ctx.load_cert_chain(str(self.nats_cert), str(self.nats_key))
-        return ctx
-
     def connect_options(self) -> dict[str, Any]:
         """nats-py ``connect`` keyword arguments: user, password and the identity's own inbox
-        prefix (its permissions allow no other inbox), and the TLS context."""
+        prefix, and a TLS context verifying the server against ``nats_ca`` (with ``nats_cert``)."""
         opts: dict[str, Any] = {}
         if self.nats_user is not None:
             opts |= {
@@ -76,7 +59,11 @@ class NatsAuth(BaseModel):
                 "password": self.password(),
                 "inbox_prefix": inbox_prefix(self.nats_user),
             }
-        if (ctx := self.ssl_context()) is not None:
+        if self.nats_ca is not None:
+            ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(self.nats_ca))
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+            if self.nats_cert is not None and self.nats_key is not None:
+                ctx.load_cert_chain(str(self.nats_cert), str(self.nats_key))
             opts["tls"] = ctx
         return opts
 
@@ -88,6 +75,6 @@ class NatsCredentials(NatsAuth, BaseSettings):
 
 
 def auth_from(env: Mapping[str, str]) -> NatsAuth:
-    """The :class:`NatsAuth` that the variables ``env`` name (``OMNIRELAY_NATS_USER`` ...), and
-    nothing from this process's environment."""
+    """The :class:`NatsAuth` that the variables ``env`` name (not this process's environment)."""
+
     return NatsAuth.model_validate({k.removeprefix(ENV_PREFIX).lower(): v for k, v in env.items()})

@@ -1,21 +1,9 @@
-"""Least-privilege NATS identities of a pipeline: one per role, each allowed exactly the subjects
-and JetStream API calls that role's code uses, and nothing else (a pure function of the pipeline).
+"""Least-privilege NATS identities of a pipeline (a pure function of it): ``gateway``,
+``orchestrator``, ``worker-<s>-<r>`` and ``operator`` (read-only), each allowed exactly the
+subjects and JetStream API calls its code uses (docs/security.md).
 
-| identity | who | may |
-| --- | --- | --- |
-| ``gateway`` | every gateway instance | admit requests, abort them, read the client events on ``omni.<p>.out.>`` and answer their senders' questions, keep its registry key |
-| ``orchestrator`` | every orchestrator instance | consume admissions and lifecycle events, send stage tasks, probe, move, answer clients on failure, write request records and evictions |
-| ``worker-<s>-<r>`` | the worker of stage ``s``, replica ``r`` | consume only its own consumer ``stage-<s>-<r>``, send to the next stage's replicas, send client events and lifecycle events, write only its own registry key (a talker also the request records' position notes) |
-| ``operator`` | ``omnirelay inspect``, the ``nats`` CLI | read stream and consumer state and the KV buckets; publish nothing but JetStream info/list/get calls |
-
-Each identity has its own inbox prefix (``_INBOX.<identity>``, :func:`inbox_prefix`), the only
-inbox it may subscribe to, so nobody else reads its replies. ``allow_responses`` (a reply to a
-request the identity received, once) is on for the three service roles, which answer probes and
-questions; the operator answers nothing.
-
-Every service declares the topology it uses at start (``libs.common.bus.ensure_topology``), so the
-three service roles may create the pipeline's streams and buckets (a create with the same config is
-a no-op on an existing stream); only the orchestrator may update them (scaling their replicas).
+Each identity may subscribe only to its own inbox prefix (:func:`inbox_prefix`). The service roles
+may create the pipeline's streams and buckets; only the orchestrator may update them.
 """
 
 from __future__ import annotations
@@ -55,8 +43,7 @@ def inbox_prefix(identity: str) -> str:
 
 @dataclass(frozen=True)
 class Identity:
-    """One NATS user: its name and what it may publish and subscribe to (allow lists: anything
-    not listed is denied)."""
+    """One NATS user: its name and what it may publish and subscribe to (allow lists)."""
 
     name: str
     publish: tuple[str, ...]
@@ -69,8 +56,7 @@ class Identity:
 
 
 def _declare(subjects: Subjects, update: bool) -> list[str]:
-    """Creating (and with ``update`` updating) the pipeline's streams and the KV buckets, and
-    reading their info."""
+    """Creating (and with ``update`` updating) the streams and KV buckets, reading their info."""
     streams = [subjects.requests_stream, subjects.stages_stream, subjects.events_stream]
     streams += [kv_stream(b) for b in BUCKETS]
     calls = ["INFO", "CREATE", "UPDATE"] if update else ["INFO", "CREATE"]
@@ -78,8 +64,7 @@ def _declare(subjects: Subjects, update: bool) -> list[str]:
 
 
 def _kv_read(bucket: str) -> list[str]:
-    """Reading ``bucket``: a get (direct, or the stream's message get) and a watch (an ephemeral
-    ordered consumer, flow-controlled, whose info nats-py reads)."""
+    """Reading ``bucket``: a get (direct, or the stream's message get) and a watch."""
     s = kv_stream(bucket)
     return [
         f"{JS_API}.DIRECT.GET.{s}.>",
@@ -92,8 +77,7 @@ def _kv_read(bucket: str) -> list[str]:
 
 
 def _durable(stream: str, consumer: str) -> list[str]:
-    """Creating durable pull consumer ``consumer`` of ``stream``, reading its info, pulling and
-    acknowledging its messages."""
+    """Creating durable pull consumer ``consumer`` of ``stream``, reading its info, pulling, acking."""
     return [
         f"{JS_API}.CONSUMER.DURABLE.CREATE.{stream}.{consumer}",
         f"{JS_API}.CONSUMER.INFO.{stream}.{consumer}",
@@ -148,9 +132,8 @@ def orchestrator(pipeline: PipelineConfig) -> Identity:
 
 
 def worker(pipeline: PipelineConfig, stage: int, replica: int) -> Identity:
-    """Worker (stage, replica): its own consumer and registry key; the inputs of the stage it
-    feeds (none for the last stage and the listener); a talker (the ``llm`` stage that emits codec
-    codes) also writes request records."""
+    """Worker (stage, replica): its own consumer and registry key, the inputs of the stage it
+    feeds; a talker also writes request records."""
     p = Subjects(pipeline.name)
     me = pipeline.stages[stage]
     name = worker_identity(stage, replica)
@@ -180,9 +163,7 @@ def worker(pipeline: PipelineConfig, stage: int, replica: int) -> Identity:
 
 
 def operator() -> Identity:
-    """Read-only: stream, consumer and account info and lists, KV gets and key listings (what
-    ``omnirelay inspect``, ``nats stream ls``, ``nats consumer report`` and ``nats kv get`` call);
-    never a message of the work streams, never a subject of the pipeline."""
+    """Read-only: stream, consumer and account info and lists, KV gets and key listings."""
     publish = [
         f"{JS_API}.INFO",
         f"{JS_API}.STREAM.NAMES",
@@ -197,7 +178,7 @@ def operator() -> Identity:
 
 
 def identities(pipeline: PipelineConfig) -> list[Identity]:
-    """Every identity of ``pipeline``: gateway, orchestrator, one per worker (stage, replica),
-    operator."""
+    """Every identity of ``pipeline``: gateway, orchestrator, one per worker, operator."""
+
     workers = [worker(pipeline, s, r) for s, r in _replicas(pipeline)]
     return [gateway(pipeline), orchestrator(pipeline), *workers, operator()]

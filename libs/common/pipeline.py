@@ -1,8 +1,7 @@
 """Pipeline configuration: the YAML file that names the stages, their models and how they chain.
 
-Stage ids are the 0-based position in ``stages``; subjects and metric labels use the id, the CLI
-and ``vllm:omni_stage_info`` show the name. Invalid files fail at load time with a message that
-names the file, the field and the reason.
+Stage ids are the 0-based position in ``stages``. Invalid files fail at load time with a message
+that names the file, the field and the reason.
 """
 
 from __future__ import annotations
@@ -40,12 +39,8 @@ class _Strict(BaseModel):
 
 
 class Chunking(_Strict):
-    """When a stage forwards a chunk downstream.
-
-    ``tokens``: text tokens per chunk (llm stages emitting text); ``sentence_end``: also cut at
-    ``.``/``!``/``?``; ``codes``: codec codes per chunk (llm stages emitting codec codes), or own
-    frames per chunk at most for a talker protocol with frames of several codes (``orpheus``).
-    """
+    """When a stage forwards a chunk downstream: every ``tokens`` text tokens (or at a sentence's
+    end with ``sentence_end``); every ``codes`` codec codes (``orpheus``: frames at most)."""
 
     tokens: int = Field(default=16, ge=1, le=4096)
     sentence_end: bool = True
@@ -67,8 +62,7 @@ TALKER_VOICES: dict[TalkerProtocolName, tuple[str, ...]] = {
 
 
 class TalkerSampling(_Strict):
-    """Sampling overrides of a talker; unset fields keep the protocol's defaults
-    (``tiny``: vLLM's, 1.0 each; ``orpheus``: temperature 0.6, top_p 0.8, repetition_penalty 1.3)."""
+    """Sampling overrides of a talker; unset fields keep the protocol's defaults."""
 
     temperature: float | None = Field(default=None, ge=0, le=10)
     top_p: float | None = Field(default=None, gt=0, le=1)
@@ -84,11 +78,7 @@ class TalkerConfig(_Strict):
     )
     sampling: TalkerSampling = TalkerSampling()
     max_frames_per_char: float = Field(
-        default=2.0,
-        gt=0,
-        le=100,
-        description="orpheus: cap of a text chunk's codec frames per character of its text (2.0 frames "
-        "= 0.17 s at SNAC 24 kHz's 11.7 frames/s); the cap ends the chunk's speech on a frame boundary",
+        default=2.0, gt=0, le=100, description="orpheus: cap of a text chunk's codec frames per character"
     )
     min_frames: int = Field(
         default=12, ge=1, le=100_000, description="orpheus: the cap is at least this many frames"
@@ -106,16 +96,10 @@ class TalkerConfig(_Strict):
 
 
 class MockEngineConfig(_Strict):
-    """A fake engine in place of vLLM for a thinker stage (``engine.mock``): the worker streams
-    ``max_tokens`` tokens of the stage model's tokenizer without computing anything
-    (:mod:`services.stage_worker.mock_engine`, docs/pipeline.md "The mock engine")."""
+    """A fake engine in place of vLLM for a thinker stage (:mod:`services.stage_worker.mock_engine`)."""
 
     inter_token_ms: float = Field(
-        default=0.0,
-        ge=0,
-        le=10_000,
-        description="time between two tokens of a request, ms; 0: the next token as soon as the worker "
-        "asks for it (one token per output), so only omnirelay's own per-token work sets the pace",
+        default=0.0, ge=0, le=10_000, description="time between two tokens of a request, ms (0: none)"
     )
 
 
@@ -150,22 +134,19 @@ class EngineArgs(_Strict):
         default=5.0,
         ge=0,
         le=1000,
-        description="after each message the engine's processes read from their shared-memory queues, "
-        "they busy-wait (sched_yield) this long for the next one; vLLM's own: 1000",
+        description="how long the engine's processes busy-wait for their next shared-memory message (vLLM's: 1000)",
     )
     busy_nap_ms: float = Field(
         default=0.2,
         gt=0,
         le=100,
-        description="then, until vLLM's 1 s busy window ends, they check every this many ms and sleep in between",
+        description="then, within vLLM's 1 s busy window, they check every this many ms",
     )
     extra: dict[str, object] = Field(
         default_factory=dict, description="any other AsyncEngineArgs field, passed through"
     )
     mock: MockEngineConfig | None = Field(
-        default=None,
-        description="serve from a fake engine instead of vLLM (thinker stages only; benchmarks of "
-        "omnirelay's own per-token cost); the other engine settings but max_num_seqs are then unused",
+        default=None, description="serve from a fake engine instead of vLLM (thinker stages only)"
     )
 
 
@@ -192,24 +173,13 @@ class StageConfig(_Strict):
         default=ListenerConfig(), description="asr stages: how faster-whisper runs the model"
     )
     stall_timeout_s: float = Field(
-        default=10.0,
-        gt=0,
-        le=600,
-        description="a replica with work that leaves its liveness probe unanswered this long is dead, seconds",
+        default=10.0, gt=0, le=600, description="a replica with work silent to its probe this long is dead, s"
     )
     migration_limit: int = Field(
-        default=3,
-        ge=0,
-        le=100,
-        description="how many times one request may move to another replica of this stage when the one "
-        "it runs on dies; past it the request fails (503 migration_limit)",
+        default=3, ge=0, le=100, description="moves of one request within this stage before it fails (503)"
     )
     no_replica_wait_s: float = Field(
-        default=2.0,
-        ge=0,
-        le=600,
-        description="how long a request whose replica died waits for a live replica of the stage to move "
-        "to before it fails (503 no_live_replica), seconds",
+        default=2.0, ge=0, le=600, description="how long a request waits for a live replica to move to, s"
     )
 
 
@@ -257,8 +227,7 @@ class PipelineConfig(_Strict):
 
     @property
     def speech_stage(self) -> int | None:
-        """Id of the talker (the ``llm`` stage that emits codec codes), where a speech request
-        (``/v1/audio/speech``) enters; None for a pipeline without one."""
+        """Id of the talker (the ``llm`` stage that emits codec codes), or None."""
         for i, s in enumerate(self.stages):
             if s.type == StageType.LLM and s.emits == Payload.CODEC_CODES:
                 return i
@@ -266,23 +235,20 @@ class PipelineConfig(_Strict):
 
     @property
     def listener_stage(self) -> int | None:
-        """Id of the listener (the ``asr`` stage, always the first), or None for a pipeline without one."""
+        """Id of the listener (the ``asr`` stage, always the first), or None."""
         return 0 if self.stages[0].type == StageType.ASR else None
 
     @property
     def thinker_stage(self) -> int:
-        """Id of the thinker (the first stage after the listener, if any): where chat and
-        completion requests enter."""
+        """Id of the thinker (the first stage after the listener, if any)."""
         return 1 if self.stages[0].type == StageType.ASR else 0
 
     @property
     def thinker(self) -> StageConfig:
-        """The thinker's stage."""
         return self.stages[self.thinker_stage]
 
     def takes_start(self, stage: int) -> bool:
-        """Whether ``stage`` takes a request whole from the orchestrator (a ``start`` task: the
-        listener's audio, the thinker's prompt) rather than chunks of the stage before it."""
+        """Whether ``stage`` takes ``start`` tasks from the orchestrator rather than chunks."""
         return stage in (self.listener_stage, self.thinker_stage)
 
     def upstream(self, stage: int) -> int | None:
@@ -290,26 +256,22 @@ class PipelineConfig(_Strict):
         return None if self.takes_start(stage) else stage - 1
 
     def too_far(self, deadline_ns: int, now_ns: int) -> bool:
-        """Whether ``deadline_ns`` (wall clock) lies further ahead than any request of this
-        pipeline's may: ``request_timeout_s`` from now, plus 5 s for hosts' clocks. Such a deadline is
-        forged, and would keep its request, and what holds it, alive for good."""
+        """Whether ``deadline_ns`` (wall clock) lies further ahead than ``request_timeout_s`` + 5 s
+        from now: a forged deadline."""
         return deadline_ns > now_ns + int((self.request_timeout_s + 5) * 1e9)
 
     def declares(self, stage: int, replica: int) -> bool:
-        """Whether (``stage``, ``replica``) is one of this pipeline's stage replicas."""
         return 0 <= stage < len(self.stages) and 0 <= replica < self.stages[stage].replicas
 
     def stages_for(self, audio: bool, entry: int) -> list[int]:
-        """Stage ids a request that enters at stage ``entry`` runs through: the listener alone
-        (a transcription), the thinker alone (text), or every stage from the thinker or the
-        talker on (audio out; a speech request enters at the talker)."""
+        """Stage ids a request entering at ``entry`` runs through: the listener or thinker alone,
+        or every stage from ``entry`` on (audio out)."""
         if entry == self.listener_stage or not audio:
             return [entry]
         return list(range(entry, len(self.stages)))
 
 
 def _check_stage(i: int, s: StageConfig, after: StageConfig | None) -> None:
-    """The rules one stage keeps whatever the chain: which fields its kind has, which payloads."""
     is_talker = s.type == StageType.LLM and s.emits == Payload.CODEC_CODES
     if "talker" in s.model_fields_set and not is_talker:
         raise ValueError(f"stages[{i}].talker: only an llm stage that emits codec_codes has a talker")
@@ -334,7 +296,7 @@ def _check_stage(i: int, s: StageConfig, after: StageConfig | None) -> None:
 
 
 class PipelineConfigError(ValueError):
-    """A pipeline file that cannot be used; the message names file, field and reason."""
+    """A pipeline file that cannot be used."""
 
 
 def load_pipeline(path: str | Path | None = None) -> PipelineConfig:

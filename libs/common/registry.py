@@ -1,7 +1,5 @@
-"""Service registry in the ``omni_services`` KV bucket: heartbeats and the live-service view.
-
-Values are JSON so ``nats kv get omni_services <key>`` is readable. An entry is live while it
-is younger than the bucket TTL; readers judge age by their own monotonic clock (time since the
+"""Service registry in the ``omni_services`` KV bucket (JSON values): heartbeats and the
+live-service view. Readers judge an entry's age by their own monotonic clock (time since the
 update was received), never by comparing wall clocks across hosts.
 """
 
@@ -26,17 +24,13 @@ from libs.common.runtime import cancel_and_wait
 log = logging.getLogger(__name__)
 
 WATCH_SILENCE_S = 2 * LIMITS.heartbeat_s
-"""A registry watch that has delivered nothing for this long is cut off from the bucket, seconds
-(:meth:`LiveServices.live`)."""
+"""A registry watch silent this long is cut off from the bucket, seconds (:meth:`LiveServices.live`)."""
 MIN_BEAT_GAP_S = 0.25
-"""An early beat (see :meth:`Heartbeat.load_dropped`) comes at least this long after the last
-one, seconds."""
+"""Least time between two beats, seconds (:meth:`Heartbeat.load_dropped`)."""
 LATE_BEAT_S = 2 * LIMITS.heartbeat_s
-"""A write that is stored this long after the one before it is logged as late (the entry expires
-``service_ttl_s`` after its last write, and readers count the service dead then), seconds."""
+"""A write stored this long after the one before it is logged as late, seconds."""
 MAX_LOGGED_KEYS = 10_000
-"""Rejected keys remembered so that each is logged once; past this many they are forgotten (and
-logged again)."""
+"""Rejected keys remembered so that each is logged once (past this many, forgotten)."""
 
 
 class ServiceKind(StrEnum):
@@ -46,7 +40,7 @@ class ServiceKind(StrEnum):
 
 
 class ServiceRecord(BaseModel):
-    """One live service instance (the value stored under :meth:`key`)."""
+    """One live service instance (the value stored under :attr:`key`)."""
 
     service: ServiceKind
     pipeline: str
@@ -75,11 +69,9 @@ class ServiceRecord(BaseModel):
 
 
 def record_problem(key: str, rec: ServiceRecord, pipeline: PipelineConfig | None) -> str | None:
-    """Why the record stored under ``key`` must not be used (None: it may). Its fields must give
-    back its key (service kind, pipeline, and stage and replica or instance); a worker of
-    ``pipeline`` must name a stage it declares, by its name, and a replica below the stage's
-    ``replicas`` (records of other pipelines are checked against their key only); a metrics URL,
-    when there is one, must be one Prometheus may be sent to (:func:`metrics_url_problem`)."""
+    """Why the record stored under ``key`` must not be used (None: it may): its fields must give
+    back its key, a worker of ``pipeline`` must name a declared stage (by its name) and replica,
+    and a metrics URL must pass :func:`metrics_url_problem`."""
     if rec.key != key:
         return f"its fields name {rec.key}"
     if rec.service == ServiceKind.WORKER and pipeline is not None and rec.pipeline == pipeline.name:
@@ -97,8 +89,8 @@ def record_problem(key: str, rec: ServiceRecord, pipeline: PipelineConfig | None
 
 
 class Heartbeat:
-    """Keeps a :class:`ServiceRecord` alive in the registry; ``load`` (and a worker's
-    ``liveness``) is read on every beat."""
+    """Keeps a :class:`ServiceRecord` alive in the registry; ``load`` and ``liveness`` are read on
+    every beat."""
 
     def __init__(
         self,
@@ -117,8 +109,7 @@ class Heartbeat:
         """When the last write was acknowledged (``time.monotonic()``)."""
 
     async def beat(self) -> None:
-        """Write the record now; waits at most one heartbeat period for the acknowledgement (the
-        next beat writes it again)."""
+        """Write the record now, waiting at most one heartbeat period for the acknowledgement."""
         self._record.load = self._load()
         if self._liveness is not None:
             now = self._liveness()
@@ -137,11 +128,8 @@ class Heartbeat:
             )
 
     def load_dropped(self) -> None:
-        """Call when the load went down: if it has fallen to half or less of what the registry
-        shows, and by 2 or more, the record is written early (within ``MIN_BEAT_GAP_S``).
-        Routers then stop steering around a replica that has just finished a burst, instead of
-        for up to a heartbeat period; a replica serving one request at a time sends no extra
-        writes."""
+        """Call when the load went down: once it is half or less of what the registry shows, and
+        2 or more below, the record is written early (within ``MIN_BEAT_GAP_S``)."""
         shown, now = self._record.load, self._load()
         if shown - now >= 2 and 2 * now <= shown:
             self._early.set()
@@ -156,10 +144,8 @@ class Heartbeat:
         loop = asyncio.get_running_loop()
         began = loop.time()
         while True:
-            # The regular beat is due a period after the last one began, on an absolute deadline:
-            # a slow acknowledgement does not push the next write later, and after a stall (a
-            # stopped process, a starved core) it is written the moment this process runs again,
-            # not a period later, while readers already count the replica dead.
+            # Due a period after the last beat began (an absolute deadline): after a stall it is
+            # written the moment this process runs again.
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout_at(max(began + LIMITS.heartbeat_s, loop.time() + MIN_BEAT_GAP_S)):
                     await asyncio.sleep(MIN_BEAT_GAP_S)
@@ -180,11 +166,8 @@ class Heartbeat:
 
 class LiveServices:
     """A watched, in-memory view of one pipeline's part of the registry (every pipeline's when
-    ``pipeline`` is None).
-
-    Only records that pass :func:`record_problem` enter it (``config``: the pipeline whose workers
-    must be declared ones); an update that does not pass removes what its key held, is logged once
-    per key and told to ``on_rejected(reason, key)``."""
+    ``pipeline`` is None). An update that fails :func:`record_problem` (against ``config``) removes
+    what its key held, is logged once per key and told to ``on_rejected(reason, key)``."""
 
     def __init__(
         self,
@@ -201,16 +184,15 @@ class LiveServices:
         self._config = config
         self._on_rejected = on_rejected
         self._logged: set[str] = set()
-        """Keys whose rejection has been logged (once per key: a forger writes every heartbeat)."""
+        """Keys whose rejection has been logged."""
         self._entries: dict[str, tuple[ServiceRecord, float]] = {}
         self._last_update = time.monotonic()
-        """When the watch last delivered anything (this process's monotonic clock)."""
+        """When the watch last delivered anything (``time.monotonic()``)."""
         self._task: asyncio.Task[None] | None = None
         self._listeners: list[Callable[[ServiceRecord], None]] = []
         self.ready = asyncio.Event()
 
     def on_update(self, fn: Callable[[ServiceRecord], None]) -> None:
-        """Call ``fn`` with every record update received."""
         self._listeners.append(fn)
 
     async def start(self) -> None:
@@ -238,8 +220,8 @@ class LiveServices:
                 await watcher.stop()
 
     def accept(self, key: str, value: bytes) -> ServiceRecord | None:
-        """The record of an update to ``key``, or None when it must not be used (then whatever
-        ``key`` held is dropped too: its latest value is not a record to trust)."""
+        """The record of an update to ``key``, or None when it must not be used (then what ``key``
+        held is dropped too)."""
         try:
             rec: ServiceRecord | None = ServiceRecord.model_validate_json(value)
             why = record_problem(key, rec, self._config)
@@ -262,8 +244,8 @@ class LiveServices:
         await cancel_and_wait(self._task)
 
     def last_heard(self, service: ServiceKind, stage: int | None = None) -> list[tuple[ServiceRecord, float]]:
-        """Every record of ``service`` (and ``stage``) ever received and not deleted, live or
-        expired, with the seconds since it was last received (this process's monotonic clock)."""
+        """Every record of ``service`` (and ``stage``) received and not deleted, live or expired,
+        with the seconds since it was last received (monotonic)."""
         now = time.monotonic()
         return [
             (rec, now - seen)
@@ -272,13 +254,10 @@ class LiveServices:
         ]
 
     def live(self, service: ServiceKind | None = None, stage: int | None = None) -> list[ServiceRecord]:
-        """Records updated within the TTL, filtered by service kind and stage.
+        """Records updated within the TTL, filtered by service kind and stage. Age stops counting
+        while the watch is silent beyond :data:`WATCH_SILENCE_S` (the bucket is unreachable, not
+        every service dead)."""
 
-        Age counts only while the registry itself is heard: every service heartbeats every
-        ``heartbeat_s``, this one included, so a watch silent for longer than
-        :data:`WATCH_SILENCE_S` means the bucket is unreachable (a broker restart, a cluster
-        electing a leader), not that every service died. Its clock stops there, and the view
-        stays as it was until updates flow again (the liveness probes judge real deaths)."""
         now = min(time.monotonic(), self._last_update + WATCH_SILENCE_S)
         return [
             rec

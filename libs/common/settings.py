@@ -21,12 +21,8 @@ from libs.common.nats_credentials import NatsCredentials
 from libs.common.pipeline import DEFAULT_PIPELINE_PATH
 
 SchedBatch = Annotated[
-    bool,
-    Field(
-        description="run as SCHED_BATCH: no preemption on wake-up (see libs/common/runtime.yield_on_wakeup)"
-    ),
+    bool, Field(description="run as SCHED_BATCH: no preemption on wake-up (runtime.yield_on_wakeup)")
 ]
-"""``OMNIRELAY_SCHED_BATCH`` of the services that publish on a request's way to its engine."""
 
 
 def _instance_id() -> str:
@@ -41,10 +37,7 @@ class ServiceSettings(NatsCredentials):
     nats_url: str = Field(
         default="nats://127.0.0.1:4222",
         validation_alias=AliasChoices("NATS_URL", "OMNIRELAY_NATS_URL"),
-        description=(
-            "NATS server with JetStream, or every server of a JetStream cluster, comma-separated "
-            "(streams and KV buckets then get one replica per server, at most 5)"
-        ),
+        description="NATS server with JetStream, or every server of a JetStream cluster, comma-separated",
     )
     pipeline: Path = Field(default=DEFAULT_PIPELINE_PATH, description="pipeline YAML file")
     log_stats: bool = Field(default=False, description="record metrics and stats log lines")
@@ -91,15 +84,10 @@ class GatewaySettings(ServiceSettings):
         default=None, description="file of API keys, one per line ('#' starts a comment)"
     )
     generate_api_key: bool = Field(
-        default=False,
-        description=(
-            "api_keys_file is optional: when it does not exist and no key is set, write a new random "
-            "key there (mode 0600)"
-        ),
+        default=False, description="no key and no api_keys_file: write a new random key there (mode 0600)"
     )
     allow_no_auth: bool = Field(
-        default=False,
-        description="UNSAFE: serve without API keys on a non-loopback address (anyone who reaches the port may use it)",
+        default=False, description="UNSAFE: serve without API keys on a non-loopback address"
     )
     gateway_docs: bool = Field(default=False, description="serve /docs, /redoc and /openapi.json")
     max_body_bytes: int = Field(
@@ -107,53 +95,34 @@ class GatewaySettings(ServiceSettings):
     )
     max_headers: int = Field(default=100, ge=10, description="most headers in a request (431 above)")
     max_header_bytes: int = Field(
-        default=16 << 10,
-        ge=1024,
-        description="largest request head (headers; the HTTP parser bounds a head still arriving), bytes (431 above)",
+        default=16 << 10, ge=1024, description="largest request head, bytes (431 above)"
     )
     request_head_timeout_s: float = Field(
-        default=10.0,
-        gt=0,
-        description="a request's head must arrive within this of the connection's start, seconds",
+        default=10.0, gt=0, description="a request's head must arrive within this, seconds"
     )
     keep_alive_s: int = Field(
         default=5, ge=1, description="idle keep-alive connections close after this, seconds"
     )
     max_messages: int = Field(default=1024, ge=1, description="most messages in a chat request")
-    max_prompt_chars: int = Field(
-        default=500_000,
-        ge=1,
-        description="most characters of a request's prompt (all messages' text together)",
-    )
+    max_prompt_chars: int = Field(default=500_000, ge=1, description="most characters of a request's prompt")
     max_stop: int = Field(default=4, ge=0, description="most stop sequences in a request (OpenAI's limit)")
-    max_tokens_limit: int = Field(
-        default=8192,
-        ge=1,
-        description="most tokens a request may generate; the default max_tokens is what the context leaves, at most this",
-    )
+    max_tokens_limit: int = Field(default=8192, ge=1, description="most tokens a request may generate")
     allow_ignore_eos: bool | None = Field(
-        default=None,
-        description="let clients send vLLM's ignore_eos (unset: only when bound to a loopback address)",
+        default=None, description="let clients send vLLM's ignore_eos (unset: only on a loopback address)"
     )
     max_buffered_events: int = Field(
         default=1024,
         ge=0,
-        description="events a streamed response may have waiting for a slow reader for 1 s (or 8 × this at once) before it is aborted; 0: no limit",
+        description="events waiting for a slow reader for 1 s (or 8 × this at once) before it is aborted; 0: no limit",
     )
     slow_reader_timeout_s: float = Field(
-        default=30.0,
-        gt=0,
-        description="a response write the client does not take within this aborts it, seconds",
+        default=30.0, gt=0, description="a response write the client does not take within this aborts it, s"
     )
     max_realtime_sessions_per_key: int = Field(
-        default=16,
-        ge=0,
-        description="realtime sessions (/v1/realtime WebSockets) one API key may hold open at once; 0: no limit",
+        default=16, ge=0, description="realtime sessions one API key may hold open at once; 0: no limit"
     )
     max_concurrent_per_key: int = Field(
-        default=256,
-        ge=0,
-        description="requests one API key (one client address without keys) may run at once; 0: no limit",
+        default=256, ge=0, description="requests one API key (or client address) may run at once; 0: no limit"
     )
 
     @field_validator("admin_port")
@@ -164,33 +133,31 @@ class GatewaySettings(ServiceSettings):
         return value
 
 
-class OrchestratorSettings(ServiceSettings):
+class _BackendSettings(ServiceSettings):
+    """The orchestrator's and the workers' own ``/metrics`` listener and stats log line."""
+
     metrics_port: int = Field(default=0, ge=0, le=65535, description="/metrics port (0: any free)")
     metrics_host: str = Field(
         default="127.0.0.1", description="/metrics bind address (0.0.0.0: every interface, as in compose)"
     )
     log_stats_interval_s: float = Field(
-        default=5.0, gt=0, description="period of the pipeline stats log line (with --log-stats), seconds"
+        default=5.0, gt=0, description="period of the stats log line (with --log-stats), seconds"
     )
+
+
+class OrchestratorSettings(_BackendSettings):
     sched_batch: SchedBatch = True
 
 
-class WorkerSettings(ServiceSettings):
+class WorkerSettings(_BackendSettings):
     stage: int = Field(default=0, ge=0, description="stage id (0-based position in the pipeline)")
     replica: int = Field(default=0, ge=0, description="replica id of this stage")
-    metrics_port: int = Field(default=0, ge=0, le=65535, description="/metrics port (0: any free)")
-    metrics_host: str = Field(
-        default="127.0.0.1", description="/metrics bind address (0.0.0.0: every interface, as in compose)"
-    )
     max_inflight: int = Field(default=128, ge=1, description="requests handled at once")
     engine_nice: int = Field(
         default=10,
         ge=0,
         le=19,
         description="nice value of the engine's threads (vLLM's processes, the codec's decoding thread)",
-    )
-    log_stats_interval_s: float = Field(
-        default=5.0, gt=0, description="period of vLLM's stats log line (with --log-stats), seconds"
     )
     journey_tracing_sample_rate: float = Field(
         default=1.0, ge=0, le=1, description="share of requests whose engine journey events are traced"

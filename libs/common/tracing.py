@@ -1,13 +1,8 @@
 """OpenTelemetry set-up and W3C context propagation through NATS headers.
 
-Tracing is configured by the standard ``OTEL_*`` environment variables. It is on when an OTLP
-endpoint is set (``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) or
-``OTEL_TRACES_EXPORTER`` names ``otlp``/``console``, and ``OTEL_SDK_DISABLED`` is not true. Off, no
-tracer provider is installed: every helper here returns after one flag check, and the OpenTelemetry
-API hands out non-recording spans.
-
-Failures of tracing never fail a request: exporting runs in the SDK's batch processor thread, and
-injection/extraction errors are swallowed.
+Tracing is on when the standard ``OTEL_*`` variables set an OTLP endpoint or name an ``otlp`` or
+``console`` trace exporter, and ``OTEL_SDK_DISABLED`` is not true. Off, every helper here returns
+after one flag check. Failures of tracing never fail a request.
 """
 
 from __future__ import annotations
@@ -25,11 +20,15 @@ log = logging.getLogger(__name__)
 _enabled = False
 
 
+def _exporters(env: Mapping[str, str], default: str) -> set[str]:
+    return {e.strip() for e in env.get("OTEL_TRACES_EXPORTER", default).split(",") if e.strip()}
+
+
 def tracing_configured(env: Mapping[str, str] = os.environ) -> bool:
     """Whether the environment asks for trace export."""
     if env.get("OTEL_SDK_DISABLED", "").lower() == "true":
         return False
-    exporters = {e.strip() for e in env.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()}
+    exporters = _exporters(env, "")
     if "none" in exporters:
         return False
     endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -40,22 +39,13 @@ def _protocol(env: Mapping[str, str]) -> str:
     raw = (
         env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
     ).strip()
-    # _otlp_exporter exports every http* protocol as http/protobuf; do the same.
     return "http/protobuf" if raw.startswith("http") else "grpc"
 
 
 def otlp_traces_endpoint(env: Mapping[str, str] = os.environ) -> tuple[str, str] | None:
-    """(traces endpoint, protocol) the worker's OTLP exporter uses, or None when the environment
-    configures no OTLP trace export (tracing off, or a console-only exporter).
-
-    Resolved as the OpenTelemetry SDK does: ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` as is, else
-    ``OTEL_EXPORTER_OTLP_ENDPOINT`` (with ``/v1/traces`` appended for HTTP), else the SDK
-    default for the protocol.
-    """
-    if not tracing_configured(env):
-        return None
-    exporters = {e.strip() for e in env.get("OTEL_TRACES_EXPORTER", "otlp").split(",") if e.strip()}
-    if "otlp" not in exporters:
+    """(traces endpoint, protocol) of the OTLP trace export the environment configures, resolved
+    as the OpenTelemetry SDK does; None without one."""
+    if not tracing_configured(env) or "otlp" not in _exporters(env, "otlp"):
         return None
     protocol = _protocol(env)
     endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
@@ -69,12 +59,8 @@ def otlp_traces_endpoint(env: Mapping[str, str] = os.environ) -> tuple[str, str]
 
 
 def setup_tracing(service: str, pipeline: str, stage: int | None = None, replica: int | None = None) -> bool:
-    """Install a tracer provider for ``omnirelay-<service>`` if the environment asks for one.
-
-    Resource attributes: ``service.name``, ``service.instance.id`` (from ``OTEL_RESOURCE_ATTRIBUTES``
-    if given), ``omnirelay.pipeline``, ``omnirelay.stage``, ``omnirelay.replica``. Returns whether
-    tracing is on.
-    """
+    """Install a tracer provider for ``omnirelay-<service>`` if the environment asks for one;
+    returns whether tracing is on."""
     global _enabled
     if not tracing_configured():
         return False
@@ -88,27 +74,19 @@ def setup_tracing(service: str, pipeline: str, stage: int | None = None, replica
     if replica is not None:
         attrs["omnirelay.replica"] = replica
     provider = TracerProvider(resource=Resource.create(attrs))
-    exporters = {e.strip() for e in os.environ.get("OTEL_TRACES_EXPORTER", "otlp").split(",") if e.strip()}
+    exporters = _exporters(os.environ, "otlp")
     if "console" in exporters:
         provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
     if "otlp" in exporters:
-        provider.add_span_processor(BatchSpanProcessor(_otlp_exporter()))
+        if _protocol(os.environ) == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        else:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
     _enabled = True
     log.info("tracing on: service omnirelay-%s", service)
     return True
-
-
-def _otlp_exporter():
-    """OTLP over gRPC or HTTP/protobuf, as ``OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL`` says (gRPC default)."""
-    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get(
-        "OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"
-    )
-    if protocol.startswith("http"):
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    else:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    return OTLPSpanExporter()
 
 
 def enabled() -> bool:
@@ -123,10 +101,6 @@ def shutdown_tracing() -> None:
             provider.shutdown()  # type: ignore[attr-defined]
         except Exception as e:
             log.warning("tracing shutdown failed: %s", e)
-
-
-def tracer(name: str) -> trace.Tracer:
-    return trace.get_tracer(name)
 
 
 def inject_headers(headers: dict[str, str], span: Span | None = None) -> None:
@@ -163,7 +137,7 @@ def start_span(
     wall clock ns (default now)."""
     if not _enabled:
         return trace.INVALID_SPAN
-    return tracer("omnirelay").start_span(
+    return trace.get_tracer("omnirelay").start_span(
         name, context=parent, kind=kind, attributes=attributes, links=links, start_time=start_time
     )
 
