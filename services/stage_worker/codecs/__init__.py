@@ -1,14 +1,6 @@
-"""Codec adapters: how code2wav turns a chunk of codec codes into PCM16 mono.
-
-:class:`~services.stage_worker.codecs.base.CodecAdapter` is the interface (sample rate, samples
-per frame, codebook size per position, context frames, single and batched decode);
-:func:`codec_class` tells the family from the model directory's ``config.json`` and
-:func:`load_codec_adapter` loads it, so the pipeline file needs no field for it:
-
-- ``snac`` (:mod:`~services.stage_worker.codecs.snac`): a SNAC checkpoint, ``config.json`` with
-  ``vq_strides`` beside ``pytorch_model.bin`` (``hubertsiuzdak/snac_24khz``, ``tiny-snac``);
-- ``tiny`` (:mod:`~services.stage_worker.codecs.tiny`): ``tiny-code2wav``'s ``config.json`` with
-  ``samples_per_code`` beside ``model.safetensors``.
+"""Codec adapters (:class:`~.base.CodecAdapter`): how code2wav turns a chunk of codec codes into
+PCM16 mono. The family comes from the model directory's ``config.json``: ``snac`` (:mod:`.snac`,
+with ``vq_strides``) or ``tiny`` (:mod:`.tiny`, ``tiny-code2wav``'s, with ``samples_per_code``).
 """
 
 from __future__ import annotations
@@ -20,7 +12,7 @@ from services.stage_worker.codecs.base import CodecAdapter, CodeChunk
 from services.stage_worker.codecs.snac import SnacCodecAdapter
 from services.stage_worker.codecs.tiny import TinyCodecAdapter
 
-__all__ = ["CodeChunk", "CodecAdapter", "codec_class", "load_codec_adapter"]
+__all__ = ["CodeChunk", "codec_class", "load_codec_adapter"]
 
 
 def codec_class(model_dir: Path | str) -> type[CodecAdapter]:

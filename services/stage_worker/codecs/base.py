@@ -1,10 +1,7 @@
 """What code2wav needs of a codec: codes of whole frames in, PCM16 mono of the chunk's own frames out.
 
-A code chunk (``StageTask.codes``) is an integer array ``[frames, codes_per_frame]`` (a codec with
-one code per frame also takes ``[frames]``), each code already an index into the codebook of its
-position. Its first ``before`` and last ``after`` frames are context: frames of the neighbouring
-chunks that a non-causal decoder needs so that the chunk's own frames come out with the samples of
-a whole-utterance decode. Only the own frames' samples are returned, ``samples_per_frame`` each.
+A chunk's first ``before`` and last ``after`` frames are context: frames of the neighbouring chunks
+that a non-causal decoder needs for the own frames to decode as in a whole-utterance decode.
 """
 
 from __future__ import annotations
@@ -62,12 +59,10 @@ class CodecAdapter(ABC):
     codebook_sizes: tuple[int, ...]
     """Codebook size of each position of a frame (``len`` = codes per frame)."""
     context: tuple[int, int]
-    """Frames of context (before, after) a chunk needs for its own frames to decode exactly as in a
-    whole-utterance decode; the talker sends them (``StageTask.context_before``/``_after``). A class
-    attribute: known without loading weights."""
+    """Frames of context (before, after) a chunk needs (``StageTask.context_before``/``_after``); a
+    class attribute: known without loading weights."""
     max_batch_chunks: int
-    """Chunks code2wav's batcher puts in one forward pass at most: 1 where a shared pass does not
-    pay (``results/models/2026-11-25-codec-batching.md`` has the measurements)."""
+    """Chunks code2wav's batcher puts in one forward pass at most."""
 
     @classmethod
     @abstractmethod

@@ -1,11 +1,9 @@
 """Cross-request batching for code2wav: chunks that wait together decode in one forward pass.
 
-There is no batching window: a chunk that arrives while the decoder is idle is decoded at once,
-alone; chunks that arrive while a decode runs wait, and the next decode takes them together, up to
-the codec's ``max_batch_chunks`` (1 on a CPU, where a shared pass was measured not to pay). An idle
-worker adds no latency; a busy one shares each forward pass among the requests that have a chunk
-ready. Each request awaits its chunk's audio before it takes its next chunk, so a request's chunks
-stay in order.
+No batching window: a chunk that arrives while the decoder is idle is decoded at once; chunks that
+arrive while a decode runs wait, and the next decode takes them together, up to the codec's
+``max_batch_chunks``. Each request awaits its chunk's audio before its next chunk, so a request's
+chunks stay in order.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ class DecodeBatcher:
         self._codec = codec
         self._executor = executor
         self._max_batch = max_batch or codec.max_batch_chunks
-        """Chunks one pass takes at most (the codec's ``max_batch_chunks`` unless given)."""
         self._waiting: list[tuple[CodeChunk, asyncio.Future[np.ndarray]]] = []
         self._runner: asyncio.Task[None] | None = None
         self.passes = 0

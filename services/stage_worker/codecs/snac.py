@@ -1,25 +1,16 @@
 """The ``snac`` codec adapter: SNAC 24 kHz (PyPI ``snac``), the decoder of Orpheus TTS.
 
-Frames. SNAC 24 kHz has three codebook layers at 12, 23 and 47 Hz (``vq_strides`` [4, 2, 1] of
-a 512-sample hop); one frame is one layer-0 code, 2,048 samples, and holds 1 + 2 + 4 = 7 codes. A
-chunk's ``codes`` are ``[frames, 7]`` in Orpheus's frame order (:data:`LAYER_OF_POSITION`):
-position 0 is layer 0, positions 1 and 4 are layer 1 (in time order), positions 2, 3, 5, 6 are
-layer 2 (in time order).
+Frames. One frame is one layer-0 code (2,048 samples) and holds 1 + 2 + 4 = 7 codes of SNAC's three
+layers, in Orpheus's order (:data:`LAYER_OF_POSITION`; within a layer, in time order).
 
-Context. The decoder is not causal: its convolutions reach about 2.5 frames to each side of a
-sample (a depthwise kernel of 7 on the latent, then the residual units' dilations 1, 3, 9 at each
-upsampling rate). With :data:`CONTEXT_FRAMES` = 3 frames of the neighbouring chunks on each side,
-a chunk's own frames decode to the samples of a whole-utterance decode (tests/unit/test_snac_codec.py
-shows it, and that 2 frames are not enough).
+Context. The decoder is not causal: with :data:`CONTEXT_FRAMES` = 3 frames of the neighbouring
+chunks on each side, a chunk's own frames decode to the samples of a whole-utterance decode
+(tests/unit/test_snac_codec.py shows it, and that 2 frames are not enough).
 
-Noise. Each upsampling block of the decoder ends in a ``NoiseBlock`` that adds
-``randn(T) · linear(x)``: fresh random noise on every call, so no two decodes of the same codes
-agree. At load time each ``NoiseBlock`` is swapped for :class:`FrameSeededNoise`, which keeps the
-block's own trained ``linear`` and draws the noise of every frame from a generator seeded by that
-frame's absolute index in the request's code stream (:func:`frame_noise`). Each frame's noise is
-then the same whichever chunk it is decoded in, as context or as own frame, by whichever replica,
-and in a whole decode. The ``snac`` package itself is used as published (no fork): only those
-modules of the loaded model are replaced, the same way for the real checkpoint and ``tiny-snac``.
+Noise. Each ``NoiseBlock`` of the decoder adds fresh random noise on every call. At load time each
+is swapped for :class:`FrameSeededNoise`, which keeps the block's trained ``linear`` and draws each
+frame's noise from a generator seeded by the frame's absolute index (:func:`frame_noise`), so a
+frame decodes alike in any chunk, on any replica, and in a whole decode.
 """
 
 from __future__ import annotations
@@ -44,9 +35,8 @@ VQ_STRIDES = [4, 2, 1]
 CONTEXT_FRAMES = (3, 3)
 """Frames of context (before, after) a chunk needs for its own frames to decode exactly."""
 GPU_MAX_BATCH_CHUNKS = 16
-"""Chunks per forward pass on a GPU, where one pass's cost hardly grows with the batch. On a CPU a
-pass takes one chunk: there the decoder is bound by arithmetic and memory traffic, and a batch of
-4 or 16 was measured as slow as or slower than the same chunks one by one (docs/models.md)."""
+"""Chunks per forward pass on a GPU; on a CPU a pass takes one chunk (a batch measured no faster
+there, docs/models.md)."""
 NOISE_SEED = 0x5EED_0000
 """Frame ``f``'s noise comes from a generator seeded with ``NOISE_SEED + f``."""
 

@@ -1,10 +1,7 @@
 """The ``tiny`` codec adapter: the generated ``tiny-code2wav`` decoder (:mod:`libs.models.codec`).
 
-One code per frame, 480 samples per frame at 24 kHz. Each code decodes on its own (an embedding and
-transposed convolutions whose stride is their kernel), so no context is needed. A batch decodes
-chunk by chunk: one pass over the chunks' codes concatenated would change float32 rounding (by
-1 PCM16 step on some samples) and so the bytes a chunk gets, and this decoder is too cheap for a
-shared pass to matter.
+One code per frame; each code decodes on its own, so no context is needed. A batch decodes chunk
+by chunk: one pass over concatenated codes would change float32 rounding, hence a chunk's bytes.
 """
 
 from __future__ import annotations

@@ -95,7 +95,6 @@ class FrameLogitsProcessor(LogitsProcessor):
     allow (a few batched tensor operations per step, whatever the batch size)."""
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
-        self._device = device
         self._rows: dict[int, tuple[FrameRule, Sequence[int]]] = {}
         """Batch row -> (rule, the request's live output token list)."""
 

@@ -85,14 +85,9 @@ _SUMMED = ("prefix_cache_stats", "connector_prefix_cache_stats", "spec_decoding_
 
 
 class SchedulerStatsThrottle:
-    """Lets one ``SchedulerStats`` through per ``interval_s`` and folds the steps in between.
-
-    Call :meth:`offer` once per engine step with that step's stats; it returns the stats to send
-    (this step plus everything folded since the last emission) or ``None``. The first step, the
-    first step after ``interval_s`` has passed since the last emission, and an idle step are
-    emitted (an idle step only if it tells something the last emission did not); after an
-    emission the next window starts from zero.
-    """
+    """Lets one ``SchedulerStats`` through per ``interval_s`` (seconds on ``clock``) and folds the
+    steps in between: the first step, the first one ``interval_s`` after the last emission, and an
+    idle step that tells something new are emitted, with everything folded since."""
 
     def __init__(self, interval_s: float = STATS_INTERVAL_S, clock: Callable[[], float] = time.monotonic):
         self.interval_s = interval_s
@@ -111,13 +106,9 @@ class SchedulerStatsThrottle:
         kv_connector_stats: Any = None,
         ec_connector_stats: Any = None,
     ) -> SchedulerStats | None:
-        """Fold one step's stats in; return what to send now, or ``None`` while throttled.
-
-        ``kv_connector_stats``/``ec_connector_stats`` are the step's connector stats *objects*
-        (``KVConnectorStats``/``ECConnectorStats``); they are merged with their own
-        ``aggregate()`` and turned into the payload upstream would send (``to_dict()`` /
-        ``.data``) on emission. ``step`` is never modified.
-        """
+        """Fold one step's stats in (``step`` is not modified); return what to send now, or
+        ``None`` while throttled. The connector stats *objects* are aggregated and turned into the
+        payload upstream sends (``to_dict()`` / ``.data``) on emission."""
         if self._pending is None:
             self._pending = SchedulerStats()
         fold(self._pending, step)
@@ -142,9 +133,8 @@ class SchedulerStatsThrottle:
         return out
 
     def _idle_snapshot_is_news(self) -> bool:
-        """Whether an idle step must go out now: unless the last emission already showed this
-        idle state and nothing was counted since (vLLM runs one more, empty step after a request
-        finishes; its snapshot would be a duplicate)."""
+        """Whether an idle step must go out now: not if the last emission showed this idle state
+        and nothing was counted since (vLLM's empty step after a request finishes)."""
         assert self._pending is not None
         return (
             self._last_levels != _levels(self._pending)
@@ -231,15 +221,11 @@ def _add(acc: Any, new: Any) -> Any:
 
 
 class OmniScheduler(AsyncScheduler):
-    """vLLM's async scheduler with the stats throttle and the engine-side tracing (docs/contract.md,
-    "Tracing").
-
-    Tracing hooks wrap vLLM's own methods and never change what they return: ``add_request``
-    (QUEUED), ``schedule`` (SCHEDULED, PREEMPTED, step events), ``update_from_output``
-    (FIRST_TOKEN), ``_free_request`` (FINISHED: every finished request, whatever the reason,
-    passes through it), ``has_requests`` (after SIGTERM/SIGINT, once drained: spans ended and
-    flushed before the engine's teardown) and ``shutdown`` (the same, if not done yet).
-    """
+    """vLLM's async scheduler with the stats throttle and the engine-side tracing, whose hooks wrap
+    vLLM's methods without changing what they return: ``add_request`` (QUEUED), ``schedule``
+    (SCHEDULED, PREEMPTED, step events), ``update_from_output`` (FIRST_TOKEN), ``_free_request``
+    (FINISHED, whatever the reason), ``has_requests`` (drained after SIGTERM/SIGINT: spans ended and
+    flushed before the teardown) and ``shutdown``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -251,8 +237,8 @@ class OmniScheduler(AsyncScheduler):
                 logger.warning("iteration-details logging is on: scheduler stats are not throttled")
             else:
                 self._stats_throttle = SchedulerStatsThrottle()
-        self._journey: JourneyTracer | None = None
-        self._steps: StepTracer | None = None
+        self.journey_tracer: JourneyTracer | None = None
+        self.step_tracer: StepTracer | None = None
         self._trace_provider: Any = None
         self._output_steps: dict[int, int] = {}
         """id(SchedulerOutput) → its step, while journeys are open (FIRST_TOKEN names the step
@@ -298,7 +284,7 @@ class OmniScheduler(AsyncScheduler):
         except Exception as e:  # tracing never prevents the engine from running
             trace_log.warning("engine tracing disabled: cannot set it up: %r", e)
             return
-        self._trace_provider, self._journey, self._steps = provider, journey, steps
+        self._trace_provider, self.journey_tracer, self.step_tracer = provider, journey, steps
         trace_log.info(
             "engine tracing on (pid %d): journey_sample_rate=%s step_tracing_enabled=%s "
             "step_sample_rate=%s rich_subsample_rate=%s sampler=%s -> %s (%s)",
@@ -337,29 +323,21 @@ class OmniScheduler(AsyncScheduler):
                 trace_log.debug("engine tracing: cannot watch signal %s: %r", sig, e)
 
     @property
-    def journey_tracer(self) -> JourneyTracer | None:
-        return self._journey
-
-    @property
-    def step_tracer(self) -> StepTracer | None:
-        return self._steps
-
-    @property
     def _journey_sampled_requests(self) -> set[str]:
         """Ids of the sampled requests still in the engine."""
-        return set(self._journey.sampled) if self._journey is not None else set()
+        return set(self.journey_tracer.sampled) if self.journey_tracer is not None else set()
 
     # -- hooks ---------------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        journey = self._journey
+        journey = self.journey_tracer
         is_new = journey is not None and request.request_id not in self.requests
         super().add_request(request)
         if is_new and request.request_id in self.requests:
             journey.on_request_added(request, self.current_step)  # type: ignore[union-attr]
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
-        journey, steps = self._journey, self._steps
+        journey, steps = self.journey_tracer, self.step_tracer
         if journey is None and steps is None:
             return super().schedule(throttle_prefills)
         ts_start_ns = time.monotonic_ns()
@@ -376,7 +354,7 @@ class OmniScheduler(AsyncScheduler):
         return output
 
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any) -> Any:
-        journey = self._journey
+        journey = self.journey_tracer
         if journey is None:
             return super().update_from_output(scheduler_output, model_runner_output)
         step = self._output_steps.pop(id(scheduler_output), self.current_step)
@@ -389,7 +367,7 @@ class OmniScheduler(AsyncScheduler):
         return outputs
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
-        journey = self._journey
+        journey = self.journey_tracer
         if journey is not None and journey.sampled:
             step = self._output_step if self._output_step is not None else self.current_step
             journey.on_finished(request, step)
@@ -409,8 +387,8 @@ class OmniScheduler(AsyncScheduler):
             super().shutdown()
 
     def _stop_tracing(self) -> None:
-        journey, steps, provider = self._journey, self._steps, self._trace_provider
-        self._journey = self._steps = self._trace_provider = None
+        journey, steps, provider = self.journey_tracer, self.step_tracer, self._trace_provider
+        self.journey_tracer = self.step_tracer = self._trace_provider = None
         try:
             if journey is not None:
                 journey.close()

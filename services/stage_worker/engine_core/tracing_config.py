@@ -122,24 +122,20 @@ class EngineTracingConfig(EngineTracing):
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> EngineTracingConfig:
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"{ADDITIONAL_CONFIG_KEY} must be a mapping, got {type(raw).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"{ADDITIONAL_CONFIG_KEY}: unknown keys {unknown}")
-        return cls(**dict(raw))
-
-    @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> EngineTracingConfig | None:
         """Our settings as carried by ``vllm_config.additional_config``; None if absent.
         Invalid settings raise ``ValueError`` (the engine must not start with them)."""
         extra = getattr(vllm_config, "additional_config", None)
         if not isinstance(extra, Mapping) or ADDITIONAL_CONFIG_KEY not in extra:
             return None
+        raw = extra[ADDITIONAL_CONFIG_KEY]
         try:
-            return cls.from_dict(extra[ADDITIONAL_CONFIG_KEY])
+            if not isinstance(raw, Mapping):
+                raise ValueError(f"{ADDITIONAL_CONFIG_KEY} must be a mapping, got {type(raw).__name__}")
+            unknown = sorted(set(raw) - {f.name for f in fields(cls)})
+            if unknown:
+                raise ValueError(f"{ADDITIONAL_CONFIG_KEY}: unknown keys {unknown}")
+            return cls(**dict(raw))
         except (TypeError, ValueError) as e:
             raise ValueError(f"invalid engine tracing settings ({ADDITIONAL_CONFIG_KEY}): {e}") from e
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 SPIN_ENV = "OMNIRELAY_ENGINE_SPIN_S"
@@ -33,13 +32,6 @@ class WaitPolicy:
 
     def env(self) -> dict[str, str]:
         return {SPIN_ENV: repr(self.spin_s), NAP_ENV: repr(self.nap_s)}
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> WaitPolicy | None:
-        """The policy the environment names, or None when it names none."""
-        if SPIN_ENV not in environ or NAP_ENV not in environ:
-            return None
-        return cls(float(environ[SPIN_ENV]), float(environ[NAP_ENV]))
 
 
 def install(policy: WaitPolicy) -> None:
@@ -65,6 +57,5 @@ def install(policy: WaitPolicy) -> None:
 
 def register() -> None:
     """vLLM general plugin entry point: install the policy the environment names, if any."""
-    policy = WaitPolicy.from_env(os.environ)
-    if policy is not None:
-        install(policy)
+    if SPIN_ENV in os.environ and NAP_ENV in os.environ:
+        install(WaitPolicy(float(os.environ[SPIN_ENV]), float(os.environ[NAP_ENV])))

@@ -1,9 +1,6 @@
-"""What each kind of stage computes, one handler per kind, all subclasses of
-:class:`~services.stage_worker.handlers.base.StageHandler`: ``thinker`` and ``talker`` (``llm``
-stages on vLLM's ``AsyncLLM``, through :mod:`~services.stage_worker.handlers.llm`), ``code2wav``
-(a ``codec`` stage on a torch decoder) and ``listener`` (an ``asr`` stage on faster-whisper).
-:func:`make_handler` picks the worker's, and imports only its module: a code2wav or listener worker
-never loads vLLM."""
+"""What each kind of stage computes, one :class:`~.base.StageHandler` per kind: ``thinker`` and
+``talker`` (``llm`` stages on vLLM, :mod:`.llm`), ``code2wav`` (``codec``) and ``listener`` (``asr``).
+:func:`make_handler` imports only the worker's: a code2wav or listener worker never loads vLLM."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""code2wav: a ``codec`` stage that decodes codec codes into PCM16 audio streamed to the client.
-
-The codec family comes from the model directory (:func:`~services.stage_worker.codecs.load_codec_adapter`).
-A code chunk carries its own frames plus ``context_before``/``context_after`` frames of its
-neighbours; only the own frames' samples go to the client. Chunks of the worker's requests that
-wait together decode in one forward pass (:class:`~services.stage_worker.codecs.batcher.DecodeBatcher`).
-"""
+"""code2wav: a ``codec`` stage that decodes codec codes into PCM16 audio streamed to the client: the
+own frames' samples of each chunk (:mod:`services.stage_worker.codecs`)."""
 
 from __future__ import annotations
 
@@ -23,7 +18,7 @@ from services.stage_worker.request_context import RequestContext
 
 class Code2WavHandler(StageHandler):
     def __init__(self, stage: StageConfig, nice: int = 0) -> None:
-        """``nice``: the decoding thread's nice value (:mod:`~services.stage_worker.engine_priority`)."""
+        """``nice``: the decoding thread's nice value."""
         super().__init__()
         self._stage = stage
         self._pool = ThreadPoolExecutor(

@@ -1,10 +1,7 @@
-"""The listener: an ``asr`` stage that transcribes the caller's audio with faster-whisper
-(CTranslate2) and streams the transcript to the client, one ``text`` event per segment.
-
-Transcriptions run one at a time on a thread of their own (CTranslate2 computes there, the event
-loop stays free); each segment goes to the client as soon as Whisper has it. Decoding is greedy at
-temperature 0 unless the request asks otherwise, so a moved request's new attempt hears the same
-segments again: it skips the ones the client already has (``StageTask.resume``) and sends the rest.
+"""The listener: an ``asr`` stage that transcribes the caller's audio with faster-whisper and streams
+the transcript to the client, one ``text`` event per segment, as Whisper finds it (one transcription
+at a time, on a thread of its own). Decoding is greedy at temperature 0 unless the request asks
+otherwise, so a moved request's new attempt skips the segments the client has (``StageTask.resume``).
 """
 
 from __future__ import annotations
@@ -40,8 +37,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Listened:
-    """One transcription as the listener ran it: the input's length and the time it took to
-    transcribe (seconds, the worker's monotonic clock), produced when the transcript ends."""
+    """One finished transcription: the input's length and the time it took (seconds, monotonic)."""
 
     audio_s: float
     processing_s: float
@@ -52,14 +48,13 @@ class Listened:
         return self.processing_s / self.audio_s if self.audio_s > 0 else 0.0
 
 
-_END = object()
-"""Marks the end of a transcription's segments on its queue."""
+_END = object()  # the end of a transcription's segments on its queue
 
 
 class ListenerHandler(StageHandler):
     def __init__(self, stage: StageConfig, on_listened: Callable[[Listened], None], nice: int = 0) -> None:
-        """``on_listened``: told of every finished transcription (the worker's metrics);
-        ``nice``: the transcription thread's nice value (:mod:`~services.stage_worker.engine_priority`)."""
+        """``on_listened``: told of every finished transcription; ``nice``: the transcription
+        thread's nice value."""
         super().__init__()
         self._stage = stage
         self._on_listened = on_listened
@@ -173,7 +168,6 @@ class ListenerHandler(StageHandler):
 
 
 def _segment_event(request_id: str, seg: Any) -> ClientEvent:
-    """The client event of one of Whisper's segments."""
     return ClientEvent(
         request_id=request_id,
         type=ClientEventType.TEXT,

@@ -1,5 +1,4 @@
-"""The base of the ``llm`` stage handlers (thinker, talker): an engine built from the stage's
-:class:`~services.stage_worker.llm_engine.LLMEngineSpec`, started and stopped with the worker."""
+"""The base of the ``llm`` stage handlers (thinker, talker): the stage's vLLM engine."""
 
 from __future__ import annotations
 
@@ -53,7 +52,7 @@ class LLMHandler(StageHandler):
     ) -> AsyncGenerator[RequestOutput, None]:
         """``AsyncLLM.generate`` of one engine request, traced under ``span``, counted in
         ``progress``: busy while waiting for the engine's next output (not while the caller works
-        on the last one: a publish held up by the broker is no engine hang), one output each."""
+        on the last one), one step per output."""
         outputs = self.engine.generate(prompt, params, engine_id, trace_headers=self.trace_headers(span))
         async with contextlib.aclosing(outputs):
             while True:

@@ -1,17 +1,12 @@
 """The talker: an ``llm`` stage that turns each text chunk into codec codes through the stage's
-talker protocol (:mod:`services.stage_worker.talkers`: the prompt, sampling and stop of each text
-chunk, and how output tokens become codes) and forwards them downstream in code chunks.
+talker protocol (:mod:`services.stage_worker.talkers`) and forwards them downstream in code chunks,
+cut one of two ways (docs/reliability.md, "How a talker request moves"):
 
-Two ways of cutting code chunks, chosen by the protocol's ``fixed_codes_per_token``
-(docs/reliability.md, "How a talker request moves"):
-
-- fixed (``tiny``): chunks of exactly ``chunking.codes`` codes numbered by code position
-  (:class:`~services.stage_worker.chunking.CodeChunker`); they may straddle text chunks;
-- variable (``orpheus``): each text chunk's engine request makes one segment of frames, cut into
-  chunks of at most ``chunking.codes`` own frames with the codec's context frames from the same
-  segment (:class:`~services.stage_worker.chunking.FrameChunker`); where each text chunk's code
-  chunks start is noted in the request's record (``StageProgress.code_positions``) before the text
-  chunk before it is acknowledged, so a talker that takes the request over knows it.
+- fixed codes per token (``tiny``): chunks of exactly ``chunking.codes`` codes numbered by code
+  position (:class:`~services.stage_worker.chunking.CodeChunker`), straddling text chunks;
+- variable (``orpheus``): each text chunk makes one segment of frames, cut with the codec's context
+  frames (:class:`~services.stage_worker.chunking.FrameChunker`); where each text chunk's code
+  chunks start is noted in the request's record before the text chunk before it is acknowledged.
 """
 
 from __future__ import annotations

@@ -7,13 +7,12 @@ import asyncio
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
-from libs.common.envelopes import ClientEvent, ClientEventType, Sampling, Usage
+from libs.common.envelopes import ClientEvent, ClientEventType, Usage
 from libs.common.text_chunks import TextChunker
 from services.stage_worker.handlers.llm import LLMHandler
 from services.stage_worker.request_context import RequestContext
 
 if TYPE_CHECKING:
-    from vllm import SamplingParams
     from vllm.outputs import RequestOutput
 
     from services.stage_worker.resumed_text import ResumedText
@@ -56,22 +55,6 @@ class _StartedNotice:
         self._timer.cancel()
         if self._task is not None:
             self._task.cancel()
-
-
-def _engine_sampling(s: Sampling, max_tokens: int) -> SamplingParams:
-    """vLLM's sampling parameters for the request's, streaming deltas."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        seed=s.seed,
-        stop=s.stop or None,
-        ignore_eos=s.ignore_eos,
-        output_kind=RequestOutputKind.DELTA,
-    )
 
 
 async def _relay(
@@ -119,7 +102,9 @@ async def _relay(
 
 class ThinkerHandler(LLMHandler):
     async def run(self, req: RequestContext) -> None:
+        from vllm import SamplingParams
         from vllm.inputs import tokens_input
+        from vllm.sampling_params import RequestOutputKind
 
         from services.stage_worker.resumed_text import ResumedText, engine_params
 
@@ -131,7 +116,15 @@ class ThinkerHandler(LLMHandler):
         # left of max_tokens (docs/reliability.md).
         resumed = [t for delta in task.resume for t in delta.token_ids]
         left = s.max_tokens - len(resumed)
-        params = _engine_sampling(s, max(left, 1))
+        params = SamplingParams(
+            max_tokens=max(left, 1),
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed,
+            stop=s.stop or None,
+            ignore_eos=s.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+        )
         forward = not req.is_last_stage  # an audio request: the talker takes the text in chunks
         chunker = TextChunker(self._stage.chunking.tokens, self._stage.chunking.sentence_end)
         if forward:
