@@ -1,14 +1,10 @@
 """Admission: an admission from the requests stream becomes a route (one live replica per stage),
 the request's record and its entry stage's task — or an error to the client when it cannot be served.
 
-An admission may be handled more than once: the orchestrators' consumers redeliver what an
-instance has not acknowledged within a second (``ORCHESTRATOR_ACK_WAIT_S``), so that the death of
-the instance holding it delays a request by about that much, not by a long redelivery timer. Every
-handling is therefore idempotent: the record is *created* first (a compare-and-set on its key), so
-exactly one handling chooses the route; every handling then sends the entry stage's task to the record's
-route, and the task's ``Nats-Msg-Id`` makes every copy after the first a duplicate the stream
-drops. The admission is acknowledged only after that, so an instance that dies anywhere on the way
-leaves it to be redelivered (docs/reliability.md, "An orchestrator dies").
+Every handling is idempotent (an admission not acknowledged within ``ORCHESTRATOR_ACK_WAIT_S`` is
+redelivered): the record is *created* first (compare-and-set), so exactly one handling chooses the
+route; every handling sends the entry task to the record's route under one ``Nats-Msg-Id``; the
+admission is acknowledged last (docs/reliability.md, "An orchestrator dies").
 """
 
 from __future__ import annotations
@@ -112,15 +108,6 @@ class Admissions:
         if self.ctx.metrics.enabled:
             self.ctx.metrics["vllm:omni_orchestrator_admissions"].labels(self.ctx.model, outcome).inc()
 
-    def _count_rejection(self, outcome: str, delivered: int) -> None:
-        """Count a rejection by the admission's first delivery only. A redelivered copy was
-        handled before by an instance that stalled past ``ack_wait`` (and, resumed, handles and
-        counts it too) or died; it is answered again (harmless: the gateway took the first
-        answer), not counted again. (A first handler that died before counting leaves the
-        admission uncounted: milliseconds against a stall of a second or more.)"""
-        if delivered <= 1:
-            self._count(outcome)
-
     async def admit(self, msg: Msg) -> None:
         """Route one admission, create its record and send the entry stage its input, or answer
         the client why not; acknowledged once one of those is done."""
@@ -160,8 +147,7 @@ class Admissions:
         None when the request is answered with an error instead: it expired, or a stage has no
         live replica."""
         if time.time_ns() >= adm.deadline_ns:
-            await self._reject(adm, 504, "timeout", "request expired while waiting for admission")
-            self._count_rejection("expired", delivered)
+            await self._reject(adm, delivered, "timeout", "request expired while waiting for admission")
             return None
         entry = adm.entry_stage
         if (why := _bad_entry(adm, self.ctx.pipeline)) is not None:
@@ -173,8 +159,7 @@ class Admissions:
         except NoLiveReplica as e:
             name = self.ctx.pipeline.stages[e.stage].name
             message = f"stage {e.stage} ({name}) has no live replica"
-            await self._reject(adm, 503, "no_live_replica", message, e.why())
-            self._count_rejection("no_live_replica", delivered)
+            await self._reject(adm, delivered, "no_live_replica", message, e.why())
             return None
 
     def _record(self, adm: Admission, route: list[int], delivered: int) -> RequestRecord:
@@ -217,7 +202,14 @@ class Admissions:
             return None
         return earlier.route
 
-    async def _reject(self, adm: Admission, status: int, code: str, message: str, detail: str = "") -> None:
-        """Answer the client with ``message``; the log line adds ``detail`` (for the operator)."""
+    async def _reject(
+        self, adm: Admission, delivered: int, code: str, message: str, detail: str = ""
+    ) -> None:
+        """Answer the client with 504 ``timeout`` or 503 ``code`` (the log line adds ``detail``, for
+        the operator), counted on the admission's first delivery only (a redelivered copy is
+        answered again, harmlessly: the gateway took the first answer)."""
         log.warning("request %s rejected: %s%s", adm.request_id, message, f"; {detail}" if detail else "")
-        await self.ctx.tell_client(adm.request_id, adm.gateway_id, status, code, message)
+        timeout = code == "timeout"
+        await self.ctx.tell_client(adm.request_id, adm.gateway_id, 504 if timeout else 503, code, message)
+        if delivered <= 1:
+            self._count("expired" if timeout else code)

@@ -1,42 +1,30 @@
-"""Which stage replicas are dead: probed while they have work, judged by what the probe meets.
+"""Which stage replicas are dead: probed while they have work, judged by what the probe meets
+(docs/reliability.md, "Probing").
 
-Every ``PROBE_PERIOD_S`` each orchestrator sends a core-NATS request to the liveness subject
-(``omni.<p>.ctl.alive.<s>.<r>``) of every replica that has a request bound to it and not finished
-there (:class:`~services.orchestrator.inflight.InflightRequests`). The worker answers from its event
-loop with :class:`~libs.common.envelopes.Liveness`: whether its engine lives, how many engine
-operations are under way (``busy``) and how many outputs its engine has produced (``progress``).
-The verdicts:
+Every ``PROBE_PERIOD_S`` each orchestrator sends a core-NATS request to the liveness subject of
+every replica with a request bound to it and not finished there; the worker answers
+:class:`~libs.common.envelopes.Liveness`. The verdicts (:func:`verdict`): ``exit`` — "no
+responders" (the connection is gone); ``stall`` — no answer for the stage's ``stall_timeout_s``
+while the broker answered this orchestrator (:class:`BrokerProof`), or answers whose ``progress``
+stays flat with ``busy`` > 0 for as long (a hung engine); ``engine_dead`` — the worker says its
+engine died.
 
-- ``exit`` — NATS answers "no responders": no connection holds the subscription any more (the
-  process is gone; the server notices a closed TCP connection at once). Seen within one probe period
-  of a ``kill -9``. Not for :data:`RECONNECT_GRACE_S` after this orchestrator reconnected (a broker
-  restart: the workers are reconnecting too). Against a NATS cluster, only once "no responders" has
-  lasted :data:`CLUSTER_EXIT_CONFIRM_S` (a worker whose node died is reconnecting to another).
-- ``stall`` — no answer at all for the stage's ``stall_timeout_s`` (pipeline YAML) while the broker
-  answered this orchestrator: the process is stopped, or its event loop is blocked; or answers whose
-  ``progress`` stays flat while ``busy`` > 0 for as long: the event loop runs, the engine does not (a
-  hung engine). Silence counts only from the last moment the broker was seen slow
-  (:class:`BrokerProof`): when the broker itself goes quiet, every replica is silent and none of them
-  is to blame.
-- ``engine_dead`` — the worker answers that its engine died (it exits right after, and is
-  started anew by the launcher or compose).
-
-A verdict is about one incarnation of the replica (its ``started_ns`` in ``omni_services``): the
-first orchestrator to create its key in ``omni_evictions`` counts and logs it; every orchestrator
-then hands the requests bound to it to ``on_dead``, which acts on each through a compare-and-set on
-its record (exactly one instance acts per request). Clocks: ``time.monotonic()`` of this process.
+A verdict is about one incarnation of the replica (``started_ns`` in ``omni_services``): the first
+orchestrator to create its key in ``omni_evictions`` counts and logs it; every orchestrator hands
+the requests bound to it to ``on_dead``. Clocks: ``time.monotonic()`` of this process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -44,11 +32,10 @@ from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from libs.common.envelopes import Liveness, MalformedMessage, decode
-from libs.common.pipeline import PipelineConfig
 from libs.common.records import RequestRecord
 from libs.common.registry import LiveServices, ServiceKind, ServiceRecord
 from libs.common.runtime import cancel_and_wait
-from libs.common.subjects import Subjects
+from services.orchestrator.context import OrchestratorContext
 from services.orchestrator.inflight import InflightRequests
 
 log = logging.getLogger(__name__)
@@ -58,19 +45,14 @@ PROBE_PERIOD_S = 0.5
 PROBE_TIMEOUT_S = 1.0
 """How long one probe waits for its answer, seconds."""
 RECONNECT_GRACE_S = 5.0
-"""After this orchestrator reconnects to NATS (a broker restart), "no responders" is no verdict for
-this long, seconds: the workers are reconnecting too (every 0.5 s), and until one has, its
-subscription is missing although it lives. Silence does not count towards a stall meanwhile
-either: the broker does not carry this orchestrator's own round trips (:class:`BrokerProof`)."""
+"""After this orchestrator reconnects to NATS, "no responders" is no verdict for this long,
+seconds: the workers are reconnecting too, their subscriptions missing until they have."""
 CLUSTER_EXIT_CONFIRM_S = 1.0
-"""Against a NATS cluster (more than one server known to this connection), "no responders" is an
-``exit`` only after it has lasted this long, seconds: when the node a worker is connected to dies,
-the worker reconnects to another one and its subscription is missing meanwhile."""
-
-
+"""Against a NATS cluster (more than one server known), "no responders" is an ``exit`` only once
+it has lasted this long, seconds: a worker whose node died is reconnecting to another one."""
 ANSWERED_RECENTLY_S = PROBE_PERIOD_S + PROBE_TIMEOUT_S
-"""A replica that answered a probe this recently may be routed to (a move, an admission) even
-when its registration has expired, if no other is live (:meth:`ReplicaWatch.answering`), seconds."""
+"""A replica that answered a probe this recently may be routed to even when its registration has
+expired, if no other is live (:meth:`ReplicaWatch.answering`), seconds."""
 
 
 class DeathReason(StrEnum):
@@ -114,12 +96,11 @@ def verdict(
     flat_s: float = 0.0,
     exit_confirm_s: float = 0.0,
 ) -> DeathReason | None:
-    """The verdict on one probe: ``answer`` is ``ok``, ``engine_dead`` (the worker lives, its
-    engine does not), ``no_responders`` or ``timeout``;
-    ``silent_s`` is how long the replica has not answered (0 after an answer); ``flat_s`` how long
-    its answers have shown work under way and no progress; ``reconnecting``: this orchestrator
-    reconnected less than :data:`RECONNECT_GRACE_S` ago; ``exit_confirm_s``: how long "no
-    responders" must have lasted (``silent_s``) to be an exit."""
+    """The verdict on one probe: ``answer`` is ``ok``, ``engine_dead``, ``no_responders`` or
+    ``timeout``; ``silent_s``: how long the replica has not answered; ``flat_s``: how long its
+    answers have shown work under way and no progress; ``reconnecting``: within
+    :data:`RECONNECT_GRACE_S` of this orchestrator's reconnect; ``exit_confirm_s``: how long "no
+    responders" must have lasted to be an exit. Seconds."""
     if answer == "ok":
         return DeathReason.STALL if flat_s >= stall_timeout_s else None
     if answer == "engine_dead":
@@ -133,11 +114,9 @@ def verdict(
 
 def judgment_lifted(judged: Death, heartbeat: ServiceRecord) -> bool:
     """Whether ``heartbeat`` (a registry record of the judged replica) makes it routable again:
-    a new incarnation always does; otherwise, after an ``engine_dead`` verdict nothing does (the
-    worker heartbeats on until it exits, but its engine does not come back: in one full-suite run
-    a heartbeat arriving between the verdict and the move made the move pick the dead replica
-    again), after a hung engine's verdict a heartbeat showing more progress does, and after a
-    silence any heartbeat does (the replica is heard again)."""
+    a new incarnation always does; otherwise, after ``engine_dead`` nothing does (the worker
+    heartbeats on until it exits), after a hung engine a heartbeat showing more progress does, and
+    after a silence any heartbeat does."""
     if heartbeat.started_ns > judged.started_ns:
         return True
     if judged.reason == DeathReason.ENGINE_DEAD:
@@ -149,11 +128,9 @@ def judgment_lifted(judged: Death, heartbeat: ServiceRecord) -> bool:
 
 @dataclass
 class BrokerProof:
-    """Whether the broker carried this orchestrator's messages promptly: every probe period a
-    request to its own liveness subject (answered by itself, through the broker) measures it. A
-    round trip slower than :data:`PROBE_TIMEOUT_S`, or one that failed, leaves the broker unproven
-    from its start until its end (or until now while it is under way); a replica's silence is
-    counted only from the end of the last such time (:meth:`silent_s`). Clock:
+    """Whether the broker carried this orchestrator's round trips to itself promptly: one slower
+    than :data:`PROBE_TIMEOUT_S`, or failed, leaves the broker unproven until its end (until now
+    while it is under way); a replica's silence counts only from then (:meth:`silent_s`). Clock:
     ``time.monotonic()``."""
 
     unproven_until: float = 0.0
@@ -171,9 +148,8 @@ class BrokerProof:
             self.unproven_until = max(self.unproven_until, now)
 
     def silent_s(self, since: float, now: float) -> float:
-        """Seconds of a replica's silence (no answer since ``since``) that the broker is not to
-        blame for: 0 while a round trip is late, else from the later of ``since`` and the end of
-        the broker's last slow time."""
+        """Seconds of a replica's silence (no answer since ``since``) the broker is not to blame
+        for: 0 while a round trip is late, else from the later of ``since`` and its last slow time."""
         if any(now - t > PROBE_TIMEOUT_S for t in self.outstanding):
             return 0.0
         return max(0.0, now - max(since, self.unproven_until))
@@ -197,9 +173,7 @@ class ProgressSeen:
 class ReplicaWatch:
     def __init__(
         self,
-        nc: NATS,
-        subjects: Subjects,
-        pipeline: PipelineConfig,
+        ctx: OrchestratorContext,
         inflight: InflightRequests,
         services: LiveServices,
         evictions: KeyValue,
@@ -207,12 +181,12 @@ class ReplicaWatch:
         on_dead: Callable[[Death, RequestRecord], Awaitable[None]],
         own_alive: str,
     ) -> None:
-        """``own_alive``: this orchestrator's own liveness subject, which it answers: the round
-        trip of :class:`BrokerProof`."""
-        self._nc = nc
+        """``own_alive``: this orchestrator's own liveness subject, answered from its event loop
+        (the round trip of :class:`BrokerProof`, and other orchestrators' probes of this one)."""
+        self._nc = ctx.nc
         self._own_alive = own_alive
-        self._subjects = subjects
-        self._pipeline = pipeline
+        self._subjects = ctx.subjects
+        self._pipeline = ctx.pipeline
         self._inflight = inflight
         self._services = services
         self._evictions = evictions
@@ -234,9 +208,8 @@ class ReplicaWatch:
         services.on_update(self._on_heartbeat)
 
     def judged_dead(self, rec: ServiceRecord) -> bool:
-        """Whether this incarnation of a worker was judged dead and has not heartbeat since (its
-        registration lingers for up to the registry's TTL after a ``kill -9``; a worker with a hung
-        engine keeps heartbeating and stays judged until its engine moves again)."""
+        """Whether this incarnation of a worker was judged dead and no heartbeat has lifted that
+        (:func:`judgment_lifted`)."""
         judged = self._judged.get((rec.stage or 0, rec.replica or 0))
         return judged is not None and rec.started_ns <= judged.started_ns
 
@@ -255,6 +228,7 @@ class ReplicaWatch:
             del self._judged[key]
 
     async def start(self) -> None:
+        await self._nc.subscribe(self._own_alive, cb=_answer)
         self._task = asyncio.create_task(self._run(), name="replica-watch")
 
     async def stop(self) -> None:
@@ -330,28 +304,21 @@ class ReplicaWatch:
         if answer == "ok":
             self._last_answer[key] = self._answered[key] = now
             if liveness is not None:
-                flat_s = self._progress.setdefault(key, ProgressSeen(liveness.progress, now)).update(
-                    liveness, now
-                )
-                progress = liveness.progress
+                seen = self._progress.setdefault(key, ProgressSeen(liveness.progress, now))
+                flat_s, progress = seen.update(liveness, now), liveness.progress
         silent_s = self._broker.silent_s(since, now)
         stall_timeout_s = self._pipeline.stages[stage].stall_timeout_s
         exit_confirm_s = CLUSTER_EXIT_CONFIRM_S if len(self._nc.servers) > 1 else 0.0
         reason = verdict(answer, silent_s, stall_timeout_s, self._reconnecting(), flat_s, exit_confirm_s)
         if reason is None:
             return
-        hung = answer == "ok"
-        death = Death(
-            stage,
-            replica,
-            self._incarnation(stage, replica),
-            reason,
-            flat_s if hung else silent_s,
-            progress if hung else None,
-        )
+        silent = flat_s if answer == "ok" else silent_s  # a hung engine: how long it made no progress
+        death = Death(stage, replica, self._incarnation(stage, replica), reason, silent, progress)
         if death.started_ns >= getattr(self._judged.get(key), "started_ns", 0):
             self._judged[key] = death
-        if await self._claim(death):
+        eviction = self._subjects.eviction_key(stage, replica, death.started_ns)
+        with contextlib.suppress(KeyWrongLastSequenceError):  # another orchestrator counted it
+            await self._evictions.create(eviction, reason.value.encode())
             self._on_eviction(death)
         await asyncio.gather(*(self._handle(death, rec) for rec in self._inflight.bound_to(stage, replica)))
 
@@ -371,16 +338,10 @@ class ReplicaWatch:
         return time.monotonic() < self._grace_until
 
     def _incarnation(self, stage: int, replica: int) -> int:
-        heard = [
-            rec for rec, _ in self._services.last_heard(ServiceKind.WORKER, stage) if rec.replica == replica
-        ]
-        return max((rec.started_ns for rec in heard), default=0)
+        heard = self._services.last_heard(ServiceKind.WORKER, stage)
+        return max((rec.started_ns for rec, _ in heard if rec.replica == replica), default=0)
 
-    async def _claim(self, death: Death) -> bool:
-        """True for the one orchestrator that creates the incarnation's eviction key."""
-        key = self._subjects.eviction_key(death.stage, death.replica, death.started_ns)
-        try:
-            await self._evictions.create(key, death.reason.value.encode())
-        except KeyWrongLastSequenceError:
-            return False
-        return True
+
+async def _answer(msg: Msg) -> None:
+    """Answer a probe of this orchestrator: its event loop runs."""
+    await msg.respond(b"")

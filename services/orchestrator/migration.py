@@ -18,7 +18,7 @@ from nats.js.api import RawStreamMsg
 from nats.js.errors import NotFoundError
 
 from libs.common import headers as h
-from libs.common.records import RequestRecord, StageAttempt
+from libs.common.records import RequestRecord, StageAttempt, StageProgress
 
 
 class Phase(StrEnum):
@@ -58,8 +58,8 @@ def plan_move(
 ) -> Move | NoMove:
     """What to do with ``rec``, bound to ``dead_replica`` of ``stage`` when it died: move it to
     ``to_replica`` as the stage's next attempt, or not (and why)."""
-    progress = rec.stages[stage] if stage < len(rec.stages) else None
-    if rec.status.terminal or progress is None or progress.done_ns is not None:
+    progress = _running(rec, stage)
+    if progress is None:
         return NoMove.ENDED
     if rec.route[stage] != dead_replica:
         return NoMove.MOVED
@@ -73,13 +73,13 @@ def still_bound(rec: RequestRecord, stage: int, replica: int) -> bool:
     """Whether ``rec``'s ``stage`` still runs on ``replica``: the request has not ended, and the
     stage has neither finished nor moved elsewhere (an orchestrator's in-memory index lags the
     bucket: a request it hands over again after a verdict may have moved already)."""
+    return _running(rec, stage) is not None and rec.route[stage] == replica
+
+
+def _running(rec: RequestRecord, stage: int) -> StageProgress | None:
+    """``stage``'s progress, or None when the request is terminal or the stage has finished."""
     progress = rec.stages[stage] if stage < len(rec.stages) else None
-    return (
-        not rec.status.terminal
-        and progress is not None
-        and progress.done_ns is None
-        and rec.route[stage] == replica
-    )
+    return None if rec.status.terminal or progress is None or progress.done_ns is not None else progress
 
 
 def apply_move(rec: RequestRecord, move: Move, now_ns: int, claimed_by: str | None = None) -> None:

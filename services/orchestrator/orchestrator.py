@@ -2,12 +2,7 @@
 
 Stateless: every instance pulls from the same two durable consumers (admissions, lifecycle
 events) and keeps all request state in the ``omni_requests`` KV bucket, so any number of
-instances can run and any of them may die.
-
-This module wires the parts together (start/stop, the consumers, the metrics loops): admission
-(:mod:`~services.orchestrator.admission`), the lifecycle (:mod:`~services.orchestrator.lifecycle`)
-and moves off dead replicas (:mod:`~services.orchestrator.moves`), over what they share
-(:mod:`~services.orchestrator.context`).
+instances can run and any of them may die. This module wires the parts together.
 """
 
 from __future__ import annotations
@@ -37,9 +32,8 @@ from libs.common.jetstream import JetStream
 from libs.common.metrics_catalog import Exporter, MetricSet
 from libs.common.metrics_server import start_metrics_server
 from libs.common.pipeline import PipelineConfig
-from libs.common.records import RequestRecord
 from libs.common.registry import Heartbeat, LiveServices, ServiceKind, ServiceRecord
-from libs.common.runtime import freeze_startup_heap
+from libs.common.runtime import cancel_and_wait, freeze_startup_heap
 from libs.common.settings import OrchestratorSettings
 from libs.common.subjects import (
     ORCHESTRATOR_ADMISSION_CONSUMER,
@@ -50,7 +44,7 @@ from libs.common.tracing import setup_tracing, shutdown_tracing
 from libs.common.version import VERSION
 from services.orchestrator.admission import MAX_CONCURRENT_ADMISSIONS, Admissions
 from services.orchestrator.context import OrchestratorContext
-from services.orchestrator.deadlines import DeadlineSweeper
+from services.orchestrator.deadlines import sweep_deadlines
 from services.orchestrator.inflight import InflightRequests
 from services.orchestrator.lifecycle import MAX_CONCURRENT_EVENTS, Lifecycle
 from services.orchestrator.liveness import ReplicaWatch
@@ -71,7 +65,6 @@ class Orchestrator:
         self.subjects = Subjects(pipeline.name)
         self._tasks: list[asyncio.Task[None]] = []
         self._consumers: list[PullConsumer] = []
-        self._inflight = 0
         self.metrics = MetricSet(Exporter.ORCHESTRATOR, settings.log_stats)
         self._tally = PipelineTally()
         self.model = pipeline.served_model_name
@@ -84,12 +77,33 @@ class Orchestrator:
         await ensure_topology(self.js, self.subjects)
         self.requests: KeyValue = await requests_kv(self.js)
         skv = await services_kv(self.js)
-        await self._watch_services(skv)
+        rejected = rejection_counter(self.metrics, self.model)
+        self.services = LiveServices(
+            skv, self.pipeline.name, config=self.pipeline, on_rejected=lambda reason, _key: rejected(reason)
+        )
+        picker = ReplicaPicker(
+            self.services,
+            lambda rec: self._watch.judged_dead(rec),
+            lambda stage, replica: self._watch.answering(stage, replica),
+        )
+        self._ctx = OrchestratorContext(
+            self.nc, self.js, self.subjects, self.pipeline, self.requests, picker, self.metrics
+        )
+        await self.services.start()
+        await asyncio.wait_for(self.services.ready.wait(), timeout=10)
         self._index = InflightRequests(self.requests, self.pipeline.name)
         await self._index.start()
-        self._sweeper = DeadlineSweeper(self.requests, self._index, self._expired)
-        await self._sweeper.start()
-        await self._judge_replicas()
+        mover = Mover(self._ctx, self._index, self.services, self.settings.instance_id)
+        own_alive = self.subjects.orchestrator_alive(self.settings.instance_id)
+        evictions = await evictions_kv(self.js)
+        self._watch = ReplicaWatch(
+            self._ctx, self._index, self.services, evictions, mover.evicted, mover.replica_died, own_alive
+        )
+        await self._watch.start()
+        self._tasks += [
+            asyncio.create_task(sweep_deadlines(self._ctx, self._index), name="deadline-sweep"),
+            asyncio.create_task(mover.unfinished_moves_loop(), name="unfinished-moves"),
+        ]
         port = await self._register(skv)
         if self.metrics.enabled:
             self._tasks += [
@@ -99,42 +113,6 @@ class Orchestrator:
             ]
         await self._consume()
         log.info("orchestrator %s: ready, metrics on :%d", self.settings.instance_id, port)
-
-    async def _watch_services(self, skv: KeyValue) -> None:
-        """The registry's view, the replica picker over it, and what the parts share."""
-        rejected = rejection_counter(self.metrics, self.model)
-        self.services = LiveServices(
-            skv, self.pipeline.name, config=self.pipeline, on_rejected=lambda reason, _key: rejected(reason)
-        )
-        self.picker = ReplicaPicker(
-            self.services,
-            lambda rec: self._watch.judged_dead(rec),
-            lambda stage, replica: self._watch.answering(stage, replica),
-        )
-        self._ctx = OrchestratorContext(
-            self.nc, self.js, self.subjects, self.pipeline, self.requests, self.picker, self.metrics
-        )
-        await self.services.start()
-        await asyncio.wait_for(self.services.ready.wait(), timeout=10)
-
-    async def _judge_replicas(self) -> None:
-        """Probe the replicas, move requests off the dead ones, and answer other orchestrators'
-        probes of this one (a move it claimed is taken over when it stops answering)."""
-        self._mover = Mover(self._ctx, self._index, self.services, self.settings.instance_id)
-        self._watch = ReplicaWatch(
-            self.nc,
-            self.subjects,
-            self.pipeline,
-            self._index,
-            self.services,
-            await evictions_kv(self.js),
-            self._mover.evicted,
-            self._mover.replica_died,
-            self.subjects.orchestrator_alive(self.settings.instance_id),
-        )
-        await self.nc.subscribe(self.subjects.orchestrator_alive(self.settings.instance_id), cb=_answer)
-        await self._watch.start()
-        self._tasks.append(asyncio.create_task(self._mover.unfinished_moves_loop(), name="unfinished-moves"))
 
     async def _register(self, skv: KeyValue) -> int:
         """Serve the metrics and keep this instance's registry record alive; the metrics port."""
@@ -146,7 +124,7 @@ class Orchestrator:
             metrics_url=f"http://{self.settings.advertise_host}:{port}/metrics",
             version=VERSION,
         )
-        self._heartbeat = Heartbeat(skv, record, lambda: self._inflight)
+        self._heartbeat = Heartbeat(skv, record, lambda: 0)
         await self._heartbeat.start()
         return port
 
@@ -161,7 +139,7 @@ class Orchestrator:
                 self.js,
                 self.subjects.requests_stream,
                 orchestrator_consumer_config(self.subjects.requests, ORCHESTRATOR_ADMISSION_CONSUMER, limits),
-                self._concurrently(admissions.admit, MAX_CONCURRENT_ADMISSIONS),
+                _concurrently(admissions.admit, MAX_CONCURRENT_ADMISSIONS),
                 batch=MAX_CONCURRENT_ADMISSIONS,
                 name="orchestrator admissions",
             ),
@@ -172,7 +150,7 @@ class Orchestrator:
                 orchestrator_consumer_config(
                     self.subjects.events_wildcard, ORCHESTRATOR_EVENTS_CONSUMER, limits
                 ),
-                self._concurrently(lifecycle.on_event, MAX_CONCURRENT_EVENTS),
+                _concurrently(lifecycle.on_event, MAX_CONCURRENT_EVENTS),
                 batch=MAX_CONCURRENT_EVENTS,
                 name="orchestrator events",
             ),
@@ -211,32 +189,23 @@ class Orchestrator:
         for c in self._consumers:
             await c.stop()
         for t in self._tasks:
-            t.cancel()
+            await cancel_and_wait(t)
         await self._watch.stop()
-        await self._sweeper.stop()
         await self._index.stop()
         await self._heartbeat.stop()
         await self.services.stop()
         with contextlib.suppress(Exception):
             await self.nc.drain()
 
-    def _concurrently(self, handle: Handler, concurrency: int) -> Handler:
-        """A message handler that runs ``handle`` on up to ``concurrency`` messages at once
-        (it waits for a free slot before taking the next message)."""
-        slots = asyncio.Semaphore(concurrency)
-        running: set[asyncio.Task[None]] = set()
 
-        async def start(msg: Msg) -> None:
-            await slots.acquire()
-            task = asyncio.create_task(self._handle(msg, handle))
-            running.add(task)
-            task.add_done_callback(running.discard)
-            task.add_done_callback(lambda _: slots.release())
+def _concurrently(handle: Handler, concurrency: int) -> Handler:
+    """A message handler that runs ``handle`` on up to ``concurrency`` messages at once (it waits
+    for a free slot before taking the next message), each kept in progress meanwhile: a malformed
+    message is terminated, one whose handling failed redelivered."""
+    slots = asyncio.Semaphore(concurrency)
+    running: set[asyncio.Task[None]] = set()
 
-        return start
-
-    @staticmethod
-    async def _handle(msg: Msg, handle) -> None:
+    async def run(msg: Msg) -> None:
         try:
             with InProgress(msg, ORCHESTRATOR_ACK_WAIT_S / 3):
                 await handle(msg)
@@ -249,14 +218,14 @@ class Orchestrator:
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1.0)
 
-    async def _expired(self, rec: RequestRecord) -> None:
-        """A request past its deadline: abort it in every worker and answer the client."""
-        await self._ctx.end_everywhere(rec, 504, "timeout", "the request did not finish before its deadline")
+    async def start(msg: Msg) -> None:
+        await slots.acquire()
+        task = asyncio.create_task(run(msg))
+        running.add(task)
+        task.add_done_callback(running.discard)
+        task.add_done_callback(lambda _: slots.release())
 
-
-async def _answer(msg: Msg) -> None:
-    """Answer a probe: this orchestrator's event loop runs."""
-    await msg.respond(b"")
+    return start
 
 
 async def run_orchestrator(settings: OrchestratorSettings, pipeline: PipelineConfig) -> None:
