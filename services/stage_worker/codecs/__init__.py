@@ -17,8 +17,7 @@ __all__ = ["CodeChunk", "codec_class", "load_codec_adapter"]
 
 def codec_class(model_dir: Path | str) -> type[CodecAdapter]:
     """The adapter class of the codec in ``model_dir``, told by its ``config.json`` alone (no
-    weights are read: a talker learns its codec's ``context`` this way). Raises ValueError naming
-    the directory when no family claims it."""
+    weights are read); ValueError naming the directory when no family claims it."""
     directory = Path(model_dir)
     try:
         config = json.loads((directory / "config.json").read_text(encoding="utf-8"))

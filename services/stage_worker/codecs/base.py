@@ -84,8 +84,7 @@ class CodecAdapter(ABC):
         allows; the results in the order of ``chunks``. Every chunk is validated before any is
         decoded: one bad chunk raises ValueError for the call (callers decode a chunk alone to
         learn which one)."""
-        normalized = [self._checked(c) for c in chunks]
-        return self._decode_valid(normalized)
+        return self._decode_valid([self._checked(c) for c in chunks])
 
     def _checked(self, chunk: CodeChunk) -> CodeChunk:
         """The chunk with ``codes`` as int64 ``[frames, codes_per_frame]``, or ValueError naming

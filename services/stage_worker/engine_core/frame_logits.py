@@ -35,20 +35,16 @@ FRAME_LOGITS_PROCESSOR = f"{__name__}:FrameLogitsProcessor"
 
 @dataclass(frozen=True)
 class FrameRule:
-    """Which token ids one request may sample at each position of its response."""
+    """Which token ids one request may sample at each position of its response: block ``p`` (frame
+    position ``p``) is ``codebook_size`` ids from ``first_audio + p * codebook_size``; ``stop_id`` is
+    allowed from ``min_frames`` frames on, forced at ``max_frames``."""
 
     first_audio: int
-    """Token id of code 0 at frame position 0."""
     codebook_size: int
-    """Codes per block; block ``p`` (frame position ``p``) starts at ``first_audio + p * codebook_size``."""
     frame_size: int
-    """Audio tokens per frame."""
     stop_id: int
-    """The token that ends the response (only on a frame boundary)."""
     max_frames: int
-    """Frames after which the stop token is forced."""
     min_frames: int = 1
-    """Frames before which the stop token is not allowed."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -62,12 +62,8 @@ class _Journey:
 
 
 class JourneyTracer:
-    """Journey spans and events for the requests of one scheduler.
-
-    The scheduler calls :meth:`on_request_added`, :meth:`on_scheduled` (end of ``schedule()``),
-    :meth:`on_outputs` (end of ``update_from_output()``), :meth:`on_finished` (when vLLM frees a
-    finished request) and :meth:`close` (engine shutdown). None of them raises.
-    """
+    """Journey spans and events for the requests of one scheduler, whose hooks call the ``on_*``
+    methods and :meth:`close` (engine shutdown). None of them raises."""
 
     def __init__(
         self,

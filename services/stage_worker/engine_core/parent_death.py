@@ -19,9 +19,7 @@ PR_SET_PDEATHSIG = 1
 
 
 def link_to_parent() -> bool:
-    """Have the kernel ``SIGKILL`` this process when its parent exits; exit now if the parent is
-    already gone. False (nothing done) in a process that ``multiprocessing`` did not start, or off
-    Linux."""
+    """:func:`die_with_parent` in a process that ``multiprocessing`` started, on Linux; else False."""
     parent = multiprocessing.parent_process()
     if parent is None or not hasattr(os, "sched_getaffinity"):
         return False

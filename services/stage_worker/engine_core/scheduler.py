@@ -241,8 +241,7 @@ class OmniScheduler(AsyncScheduler):
         self.step_tracer: StepTracer | None = None
         self._trace_provider: Any = None
         self._output_steps: dict[int, int] = {}
-        """id(SchedulerOutput) → its step, while journeys are open (FIRST_TOKEN names the step
-        that produced the token; async scheduling updates step N after scheduling step N + 1)."""
+        """id(SchedulerOutput) → its step (async scheduling updates step N after scheduling N + 1)."""
         self._output_step: int | None = None
         self._shutdown_signalled = False
         # Invalid settings raise here: the engine does not start (fail fast).

@@ -135,10 +135,14 @@ def batch_summary_attributes(
         "kv.blocks_total_gpu": kv.blocks_total_gpu,
         "kv.blocks_free_gpu": kv.blocks_free_gpu,
     }
-    if kv.blocks_cpu_offload is not None:
-        attrs["kv.blocks_cpu_offload"] = kv.blocks_cpu_offload
-    if kv.blocks_disk_offload is not None:
-        attrs["kv.blocks_disk_offload"] = kv.blocks_disk_offload
+    return _with_offloads(attrs, kv)
+
+
+def _with_offloads(attrs: dict[str, Any], kv: StepKVSummary | PerRequestKVMetrics) -> dict[str, Any]:
+    """``attrs`` with ``kv``'s optional offload counts, those it has."""
+    for name in ("blocks_cpu_offload", "blocks_disk_offload"):
+        if (n := getattr(kv, name)) is not None:
+            attrs[f"kv.{name}"] = n
     return attrs
 
 
@@ -165,17 +169,12 @@ def request_snapshot_attributes(
         attrs["request.max_tokens"] = max_tokens
     if kv.effective_prompt_len is not None:
         attrs["request.effective_prompt_len"] = kv.effective_prompt_len
-    if kv.blocks_cpu_offload is not None:
-        attrs["kv.blocks_cpu_offload"] = kv.blocks_cpu_offload
-    if kv.blocks_disk_offload is not None:
-        attrs["kv.blocks_disk_offload"] = kv.blocks_disk_offload
-    return attrs
+    return _with_offloads(attrs, kv)
 
 
 def _event_limit() -> int:
-    raw = os.environ.get("OTEL_SPAN_EVENT_COUNT_LIMIT", "")
     try:
-        limit = int(raw) if raw else _DEFAULT_EVENT_LIMIT
+        limit = int(os.environ.get("OTEL_SPAN_EVENT_COUNT_LIMIT") or _DEFAULT_EVENT_LIMIT)
     except ValueError:
         limit = _DEFAULT_EVENT_LIMIT
     return max(1, min(limit, 4096))  # also bounds memory when the SDK limit is lifted

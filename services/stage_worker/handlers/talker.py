@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import zlib
 from collections import deque
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 from nats.js.kv import KeyValue
@@ -32,6 +34,9 @@ from services.stage_worker.llm_engine import LLMEngineSpec
 from services.stage_worker.request_context import RequestContext
 from services.stage_worker.talkers import make_protocol
 from services.stage_worker.talkers.base import TalkerInputError, TalkerProtocol, TalkerRequest, UnknownVoice
+
+if TYPE_CHECKING:
+    from vllm.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +93,8 @@ class TalkerHandler(LLMHandler):
             raise StageError(400, "invalid_value", str(e)) from e
 
     async def _voice(self, req: RequestContext) -> str | None:
-        """The request's voice, as the gateway resolved it: its record's ``voice`` (None: the
-        stage's default), read once per attempt at its first text chunk, so an attempt that takes
-        the request over speaks on in the same voice. A protocol without voices reads nothing."""
+        """The request's voice as the gateway resolved it (its record's ``voice``; None: the stage's
+        default), read once per attempt, so an attempt that takes the request over speaks alike."""
         if not self.protocol.voices:
             return None
         rec = await read_record(await self._records_kv(req), req.request_id, req.first.deadline_ns)
@@ -99,9 +103,14 @@ class TalkerHandler(LLMHandler):
             return None
         return rec.voice
 
-    def _sub_id(self, req: RequestContext, task: StageTask) -> str:
-        """The engine request id of a text chunk."""
-        return f"{req.request_id}-{task.seq}" + (f"-a{req.attempt}" if req.attempt > 1 else "")
+    def _outputs(
+        self, req: RequestContext, task: StageTask, talk: TalkerRequest
+    ) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for text chunk ``task`` (engine request ``<id>-<seq>[-a<attempt>]``)."""
+        from vllm.inputs import tokens_input
+
+        engine_id = f"{req.request_id}-{task.seq}" + (f"-a{req.attempt}" if req.attempt > 1 else "")
+        return self.generate(tokens_input(talk.prompt_token_ids), talk.params, engine_id, req.span)
 
     # --- fixed codes per token (tiny) ---------------------------------------------------
     def _code_chunker(self, first: StageTask) -> CodeChunker:
@@ -111,13 +120,9 @@ class TalkerHandler(LLMHandler):
         )
 
     async def _run_fixed(self, req: RequestContext) -> None:
-        """Each text chunk becomes ``codes_per_token`` codes per token, sent on in chunks of
-        ``chunking.codes`` numbered by position (:class:`CodeChunker`). A text chunk is
-        acknowledged only once every code made from it has been sent: the text chunks left in the
-        stream when this replica dies are exactly those a successor must redo, and it can tell
-        from the first one's ``offset`` where the code chunks stand."""
-        from vllm.inputs import tokens_input
-
+        """Codes sent on in chunks numbered by position (:class:`CodeChunker`); a text chunk is
+        acknowledged once every code made from it has been sent, so the text chunks left in the
+        stream are those a successor must redo, and the first one's ``offset`` says where."""
         per_token = self.protocol.fixed_codes_per_token
         chunker: CodeChunker | None = None
         unsent: deque[tuple[Delivery, int]] = deque()
@@ -142,8 +147,7 @@ class TalkerHandler(LLMHandler):
             unsent.append((d, (d.task.offset * per_token) + n))
             if talk is not None:
                 stream = self.protocol.code_stream()
-                prompt = tokens_input(talk.prompt_token_ids)
-                async for out in self.generate(prompt, talk.params, self._sub_id(req, d.task), req.span):
+                async for out in self._outputs(req, d.task, talk):
                     for seq, chunk in chunker.feed(stream.feed(out.outputs[0].token_ids).tolist()):
                         await send(seq, chunk)
                         await ack_sent()
@@ -157,12 +161,9 @@ class TalkerHandler(LLMHandler):
 
     # --- segments of frames (orpheus) ---------------------------------------------------
     async def _run_segments(self, req: RequestContext) -> None:
-        """Each text chunk's frames are one segment, sent on as :class:`FrameChunker` cuts them.
-        Once a segment's last code chunk has been sent, where the next text chunk's code chunks
-        start is noted in the record, and only then is the text chunk acknowledged: whichever text
-        chunk a successor starts at, its position is there."""
-        from vllm.inputs import tokens_input
-
+        """Each text chunk's frames are one segment, cut by :class:`FrameChunker`. Once its last code
+        chunk has been sent, where the next text chunk's code chunks start is noted in the record,
+        and only then is the text chunk acknowledged."""
         chunker: FrameChunker | None = None
         while True:
             d = await req.next()
@@ -176,8 +177,7 @@ class TalkerHandler(LLMHandler):
             talk = self._talk(d.task, voice)
             if talk is not None:
                 stream = self.protocol.code_stream()
-                prompt = tokens_input(talk.prompt_token_ids)
-                async for out in self.generate(prompt, talk.params, self._sub_id(req, d.task), req.span):
+                async for out in self._outputs(req, d.task, talk):
                     for chunk in chunker.feed(stream.feed(out.outputs[0].token_ids)):
                         await self._send(req, chunk)
             tail = chunker.end_segment(last=d.task.final)

@@ -23,12 +23,6 @@ output comes sooner), seconds: sent at once, the gateway's and client's work on 
 on the shared front-end core and delay vLLM's hand-off (docs/performance.md)."""
 
 
-def _retrieved(task: asyncio.Task) -> None:
-    """Mark the outcome of a task whose failure is reported another way as seen."""
-    if not task.cancelled():
-        task.exception()
-
-
 class _StartedNotice:
     """Stage 0's ``started`` client event: sent once, ``STARTED_DELAY_S`` after it is created
     or when :meth:`sent` is awaited, whichever comes first."""
@@ -42,7 +36,8 @@ class _StartedNotice:
         if self._task is None:
             event = ClientEvent(request_id=self._req.request_id, type=ClientEventType.STARTED)
             self._task = asyncio.ensure_future(self._req.client(event))
-            self._task.add_done_callback(_retrieved)
+            # Its failure is raised by sent(); mark it seen if no one awaits it.
+            self._task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def sent(self) -> None:
         """Send it now unless it is under way; returns once it is out (its failure raised here)."""

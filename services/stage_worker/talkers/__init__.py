@@ -30,11 +30,9 @@ def make_protocol(pipeline: PipelineConfig, stage_id: int, model_dir: str) -> Ta
 
 
 def engine_args(stage: StageConfig) -> dict[str, Any]:
-    """``AsyncEngineArgs`` fields a stage's talker protocol needs: Orpheus's per-position logits
-    processor, and no prefix caching (a prompt prefilled over cached blocks computes slightly other
-    logits, so a redo on another replica would not make the dead replica's frames; each text
-    chunk's prompt is its own, so the cache saves next to nothing); none for ``tiny`` or a
-    non-talker stage."""
+    """``AsyncEngineArgs`` fields a stage's talker protocol needs: Orpheus's logits processor, and no
+    prefix caching (cached blocks shift the logits, so a redo on another replica would make other
+    frames); none for ``tiny`` or a non-talker stage."""
     if stage.talker.protocol == TalkerProtocolName.ORPHEUS:
         return {"logits_processors": [FRAME_LOGITS_PROCESSOR], "enable_prefix_caching": False}
     return {}

@@ -58,8 +58,7 @@ class TalkerProtocol(ABC):
 
     name: TalkerProtocolName
     frame_size: int
-    """Codes per frame: what code2wav receives as one row (``StageTask.codes`` is ``[frames,
-    frame_size]`` when above 1, else 1-D)."""
+    """Codes per frame (``StageTask.codes`` is ``[frames, frame_size]`` when above 1, else 1-D)."""
 
     def __init__(self, config: TalkerConfig) -> None:
         self.config = config
@@ -68,9 +67,8 @@ class TalkerProtocol(ABC):
 
     @property
     def fixed_codes_per_token(self) -> int | None:
-        """Codes each thinker token makes, when the protocol fixes it (``tiny``): its code chunks
-        are then numbered by code position and may straddle text chunks. None (``orpheus``): a text
-        chunk makes any number of frames, a segment of its own (docs/reliability.md)."""
+        """Codes each thinker token makes, when the protocol fixes it (``tiny``: code chunks numbered
+        by code position); None (``orpheus``: each text chunk makes a segment of frames)."""
         return None
 
     @property

@@ -21,16 +21,6 @@ TALKER_VOCAB_FILE = "omnirelay_talker.json"
 """File in the talker's model dir: ``{"code_offset": int, "num_codes": int}``."""
 
 
-def load_code_range(model_dir: str) -> tuple[int, int]:
-    """(code_offset, num_codes) of a tiny talker model: code k is token id ``code_offset + k``."""
-    path = Path(model_dir) / TALKER_VOCAB_FILE
-    try:
-        meta = json.loads(path.read_text())
-        return int(meta["code_offset"]), int(meta["num_codes"])
-    except (OSError, ValueError, KeyError) as e:
-        raise SystemExit(f"talker model {model_dir}: cannot read {TALKER_VOCAB_FILE}: {e}") from None
-
-
 class TinyCodeStream(CodeStream):
     """Each output token is one code: ``token − code_offset``."""
 
@@ -63,7 +53,13 @@ class TinyProtocol(TalkerProtocol):
 
     @classmethod
     def from_model_dir(cls, config: TalkerConfig, model_dir: str, codes_per_token: int) -> TinyProtocol:
-        return cls(config, *load_code_range(model_dir), codes_per_token=codes_per_token)
+        """The protocol of the tiny talker in ``model_dir`` (its code range from ``TALKER_VOCAB_FILE``)."""
+        try:
+            meta = json.loads((Path(model_dir) / TALKER_VOCAB_FILE).read_text())
+            code_range = int(meta["code_offset"]), int(meta["num_codes"])
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"talker model {model_dir}: cannot read {TALKER_VOCAB_FILE}: {e}") from None
+        return cls(config, *code_range, codes_per_token=codes_per_token)
 
     def request(
         self, text: str, token_ids: Sequence[int], *, voice: str | None = None, seed: int | None = None
