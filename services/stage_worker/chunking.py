@@ -1,5 +1,4 @@
-"""How a talker cuts its codes into chunks for downstream: pure functions of what was produced so
-far (fixed-size code chunks, and code chunks cut from segments of frames)."""
+"""How a talker cuts its codes into chunks for downstream: pure functions of what was produced."""
 
 from __future__ import annotations
 
@@ -10,20 +9,15 @@ import numpy as np
 
 @dataclass
 class CodeChunker:
-    """Cuts a request's codec codes into chunks of exactly ``size`` codes: chunk ``k`` holds codes
-    ``k·size`` to ``(k+1)·size − 1`` of the request's code stream, the last one may be short.
-
-    A talker that takes a request over starts at ``start``, the position of the first code it
-    will be fed, and drops the codes before the first chunk boundary at or after it (they went out
-    already), so it cuts the same chunks with the same numbers.
-    """
+    """Cuts a request's codec codes into chunks of ``size`` codes: chunk ``k`` holds codes
+    ``k·size`` to ``(k+1)·size − 1`` (the last may be short). A talker that took the request over
+    starts at code ``start`` and drops the codes before the next chunk boundary (sent already)."""
 
     size: int
     start: int = 0
     _codes: list[int] = field(default_factory=list)
     _skip: int = 0
-    next_seq: int = 0
-    """The number of the next chunk cut."""
+    next_seq: int = 0  # the number of the next chunk cut
 
     def __post_init__(self) -> None:
         self.next_seq = -(-self.start // self.size)
@@ -31,7 +25,7 @@ class CodeChunker:
 
     @property
     def sent_upto(self) -> int:
-        """Codes before this position are in chunks already cut (or were dropped as sent)."""
+        """Codes before this position are in chunks already cut."""
         return self.next_seq * self.size
 
     def feed(self, codes: list[int]) -> list[tuple[int, list[int]]]:
@@ -57,10 +51,8 @@ class CodeChunker:
 class FrameChunk:
     """One code chunk cut from a segment: its own frames with their context frames around them."""
 
-    seq: int
-    """Its number among the request's code chunks (``StageTask.seq``)."""
-    first_frame: int
-    """Absolute index of its first own frame, counted across the request's segments (``StageTask.offset``)."""
+    seq: int  # StageTask.seq
+    first_frame: int  # absolute index of its first own frame (StageTask.offset)
     frames: np.ndarray
     """``[before + own + after, frame_size]`` codes: ``before`` and ``after`` context frames
     (``StageTask.context_before`` / ``context_after``) around its own."""
@@ -73,13 +65,9 @@ class FrameChunk:
 
 
 class FrameChunker:
-    """Cuts a request's segments of frames into code chunks of at most ``size`` own frames.
-
-    Chunks never straddle segments (one talker engine request's frames), and their context frames
-    (up to ``context = (before, after)``) come from their own segment. A chunk is cut as soon as
-    ``after`` frames past it exist, or when its segment ends. Chunks are numbered from ``next_seq``,
-    frames counted from ``next_frame``.
-    """
+    """Cuts a request's segments of frames into code chunks of at most ``size`` own frames, with up
+    to ``context = (before, after)`` context frames from their own segment; a chunk is cut once
+    ``after`` frames past it exist or its segment ends. Numbered from ``next_seq``."""
 
     def __init__(
         self, size: int, context: tuple[int, int], frame_size: int, next_seq: int = 0, next_frame: int = 0
@@ -97,7 +85,7 @@ class FrameChunker:
 
     @property
     def next_frame(self) -> int:
-        """Absolute index of the first frame not yet in a chunk as an own frame."""
+        """Absolute index of the first frame in no chunk yet."""
         return self._buffer_start + self._cut
 
     def feed(self, frames: np.ndarray) -> list[FrameChunk]:

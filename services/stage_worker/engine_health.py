@@ -1,9 +1,5 @@
-"""Whether a worker's engine lives and makes progress, and what the worker does when it does not.
-
-Liveness probes and heartbeats are answered from :meth:`EngineHealth.liveness`. An engine that died
-or hangs (:class:`~services.stage_worker.progress.HungEngineWatch`) makes the worker exit soon after
-with a status that says which, so that it is started anew; until then its probes answer
-``engine_dead``.
+"""Whether a worker's engine lives and makes progress; a worker whose engine died or hangs answers
+``engine_dead`` and exits soon after with a status that says which, to be started anew.
 """
 
 from __future__ import annotations
@@ -26,8 +22,7 @@ log = logging.getLogger(__name__)
 ENGINE_CHECK_PERIOD_S = 0.5
 """How often the worker checks that its engine lives and makes progress, seconds."""
 ENGINE_DEAD_EXIT_AFTER_S = 1.5
-"""A worker whose engine died exits this long after noticing, seconds (every orchestrator's probe
-sees ``engine_dead`` first)."""
+"""A worker whose engine died exits this long after noticing, seconds."""
 ENGINE_DEAD_EXIT_STATUS = 3
 ENGINE_HUNG_EXIT_STATUS = 4
 
@@ -63,8 +58,7 @@ class EngineHealth:
         return True
 
     def _exit_soon(self, why: str, status: int) -> None:
-        """Leave ``ENGINE_DEAD_EXIT_AFTER_S`` from now with ``status``, taking the engine's processes
-        along; probes answer ``engine_dead`` meanwhile."""
+        """Exit ``ENGINE_DEAD_EXIT_AFTER_S`` from now with ``status``, with the engine's processes."""
         self._dead_since = time.monotonic()
         log.critical(
             "%s: %s; exiting in %.1f s (exit status %d) so that this replica is started anew",

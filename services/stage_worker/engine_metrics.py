@@ -1,14 +1,7 @@
-"""vLLM's stat loggers for an ``llm`` worker, reshaped for a pipeline of (stage, replica) workers
-(:func:`stat_loggers_for`):
-
-- :class:`OmniPrometheusStatLogger`: vLLM's ``PrometheusStatLogger`` whose metric-class slots
-  (``_gauge_cls``, ``_counter_cls``, ``_histogram_cls``, and those of its spec-decode, KV/EC
-  connector and perf helpers) hold relabelling subclasses: every ``vllm:*`` family gets
-  ``stage`` + ``replica`` instead of ``engine``, ``model_name`` the served model name, and an
-  upstream label that collides with ours is renamed (:data:`RENAMED_LABELS`). Upstream's code runs
-  unchanged.
-- :class:`OmniLoggingStatLogger`: vLLM's periodic log line prefixed ``stage <id> (<name>) replica
-  <r>: ``, called by :func:`log_stats_periodically` (vLLM's own timer lives in its API server).
+"""vLLM's stat loggers for an ``llm`` worker (:func:`stat_loggers_for`): every ``vllm:*`` family
+with ``stage`` + ``replica`` instead of ``engine`` and the served ``model_name``, through the metric
+class slots of vLLM's ``PrometheusStatLogger`` (upstream's code runs unchanged); vLLM's periodic
+log line prefixed with the worker's stage and replica (:func:`log_stats_periodically`).
 """
 
 from __future__ import annotations
@@ -34,8 +27,7 @@ IDENTITY_LABELS = ("model_name", "stage", "replica")
 RENAMED_LABELS: dict[str, dict[str, str]] = {
     "vllm:num_requests_kv_fetch_by_stage": {"stage": "kv_fetch_stage"},
 }
-"""Upstream labels that would collide with ours, per family. A colliding label of a family not
-listed here becomes ``upstream_<label>``."""
+"""Upstream labels that would collide with ours, per family (otherwise ``upstream_<label>``)."""
 
 
 @dataclass(frozen=True)
@@ -46,12 +38,10 @@ class EngineIdentity:
     stage: str
     replica: str
     stage_name: str
-    engine_index: int = 0
-    """The only engine index the worker's ``AsyncLLM`` has (no data parallelism per worker)."""
+    engine_index: int = 0  # the only engine index a worker's AsyncLLM has
 
     @property
     def label(self) -> str:
-        """``stage <id> (<name>) replica <r>``, as the worker's own log lines say it."""
         return f"stage {self.stage} ({self.stage_name}) replica {self.replica}"
 
     @property
@@ -60,8 +50,8 @@ class EngineIdentity:
 
 
 class _Relabel:
-    """Mixed into a prometheus_client metric class: creates the family with our label names and
-    translates upstream's ``labels(...)`` calls. Children (``_labelvalues`` set) pass through."""
+    """Mixed into a prometheus_client metric class: our label names, upstream's ``labels()`` calls
+    translated (children, ``_labelvalues`` set, pass through)."""
 
     _identity: ClassVar[EngineIdentity]
     _upstream_labelnames: tuple[str, ...] = ()
@@ -136,11 +126,8 @@ class OmniLoggingStatLogger(LoggingStatLogger):
 
 
 def prometheus_logger_class(identity: EngineIdentity) -> type[OmniPrometheusStatLogger]:
-    """An :class:`OmniPrometheusStatLogger` subclass whose metric slots relabel for ``identity``.
-
-    A class, not a factory: vLLM recognises a custom Prometheus logger only by ``issubclass`` and
-    otherwise adds its own, unlabelled one beside it.
-    """
+    """An :class:`OmniPrometheusStatLogger` subclass whose metric slots relabel for ``identity``
+    (a class: vLLM recognises a custom Prometheus logger only by ``issubclass``)."""
     gauge, counter, histogram = (
         type(f"Omni{c.__name__}", (_Relabel, c), {"_identity": identity}) for c in (Gauge, Counter, Histogram)
     )

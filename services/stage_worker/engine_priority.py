@@ -1,11 +1,6 @@
 """The engines run at a lower CPU priority than the control plane (docs/reliability.md, "The
-engines yield the CPU"): on a box with fewer cores than busy threads, an engine at the same priority
-starves the broker and the event loops.
-
-Linux keeps a nice value per thread, inherited by new threads and processes: raising it on every
-thread of the engine's processes while the engine starts covers the threads they start later.
-Raising it needs no privilege, lowering it again would (``CAP_SYS_NICE``), so the worker does not
-raise its own.
+engines yield the CPU"). Nice values are per thread and inherited; raising them needs no privilege,
+lowering them would, so the worker raises its engine's threads, not its own.
 """
 
 from __future__ import annotations
@@ -53,8 +48,7 @@ def _lower_descendants(nice: int) -> int:
 
 @contextlib.contextmanager
 def lowered_children(nice: int, every_s: float = STARTUP_POLL_S) -> Iterator[None]:
-    """Around an engine's start: every ``every_s`` seconds, and once more at the end, raise every
-    thread of this process's descendants to ``nice``."""
+    """Around an engine's start: raise its threads to ``nice`` every ``every_s`` s and at the end."""
     stop = threading.Event()
     raised = 0
 

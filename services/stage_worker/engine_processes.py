@@ -1,8 +1,5 @@
-"""An ``llm`` worker's ``/metrics`` also covers its engine's processes: prometheus_client's
-``ProcessCollector`` reads their CPU time, memory and file descriptors from ``/proc/<pid>`` at each
-scrape, under the namespaces of :data:`~libs.common.metrics_catalog.ENGINE_PROCESSES` (with
-``--log-stats`` only). A process that is not there exports nothing.
-"""
+"""An ``llm`` worker's ``/metrics`` also covers its engine's processes (``ProcessCollector`` under
+the namespaces of :data:`~libs.common.metrics_catalog.ENGINE_PROCESSES`)."""
 
 from __future__ import annotations
 
@@ -20,8 +17,7 @@ COMM_LEN = 15
 
 
 class ChildByTitle:
-    """The pid of this process's nearest descendant whose name starts with ``title`` (remembered
-    while it lives): nearest, so a launcher finds its own engine, not another stack's below it."""
+    """The pid of this process's nearest descendant whose name starts with ``title``."""
 
     def __init__(self, title: str) -> None:
         self._title = title
@@ -53,7 +49,6 @@ class ChildByTitle:
 
 @functools.cache
 def export_engine_processes() -> None:
-    """Register the engine process families on :data:`OMNI_REGISTRY` (once per process: the
-    collectors find whichever engine runs at scrape time)."""
+    """Register the engine process families on :data:`OMNI_REGISTRY` (once per process)."""
     for namespace, title in ENGINE_PROCESSES.items():
         ProcessCollector(namespace=namespace, pid=ChildByTitle(title), registry=OMNI_REGISTRY)

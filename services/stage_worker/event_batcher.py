@@ -1,10 +1,7 @@
 """A worker's client events, sent once per event-loop turn: one message per gateway.
 
-An engine step wakes every running request's handler in the same turn, and each hands its event to
-:meth:`ClientEventBatcher.add`. The first event of a turn goes at once, alone; the rest go in the
-next turn as one message per gateway (:func:`frames`). Events go out in the order they were added;
-past :data:`MAX_WAITING_BYTES` waiting, adding waits (a broker that does not read stops the
-requests' production). Nothing here keeps events for sending again (``ClientStream`` does).
+The first event of a turn goes at once, alone; the rest go in the next turn (:func:`frames`), in
+the order added. Past :data:`MAX_WAITING_BYTES` waiting, adding waits. Nothing is kept for resending.
 """
 
 from __future__ import annotations
@@ -30,11 +27,9 @@ MAX_BATCH_BYTES = 64 << 10
 def frames(
     subjects: Subjects, gateway_id: str, events: list[tuple[str, bytes]], max_bytes: int = MAX_BATCH_BYTES
 ) -> Iterator[tuple[str, bytes]]:
-    """The messages (subject, body) that carry ``events`` ((request id, body), in order) to
-    gateway ``gateway_id``, in that order: each on its request's subject when they are of one
-    request; else runs of small events in batches (``out_batch``) of at most ``max_bytes`` of
-    bodies, an event alone on its request's subject when its run holds only it or it is
-    ``max_bytes`` or larger."""
+    """The messages (subject, body) that carry ``events`` ((request id, body)) to ``gateway_id``, in
+    order: each alone on its request's subject when all are of one request, when it is
+    ``max_bytes`` or larger, or alone in its run; else in batches of at most ``max_bytes``."""
     if len({request_id for request_id, _ in events}) < 2:
         for request_id, body in events:
             yield subjects.out(gateway_id, request_id), body
@@ -101,8 +96,7 @@ class ClientEventBatcher:
             await self._room.wait()
 
     async def flushed(self) -> None:
-        """Return once every event added before the call has been handed to nats-py (so a message
-        published next leaves after them, on the same connection)."""
+        """Return once every event added before the call has been handed to nats-py."""
         target = self._added
         while self._handed < target:
             self._progress.clear()

@@ -1,14 +1,10 @@
-"""A fake engine for a thinker stage (``engine.mock``): the part of vLLM's ``AsyncLLM`` the ``llm``
-handlers use, answering from no model, so a benchmark measures omnirelay's own ceiling.
+"""A fake engine for a thinker stage (``engine.mock``): what the ``llm`` handlers use of vLLM's
+``AsyncLLM``, answering from no model, so a benchmark measures omnirelay's own ceiling.
 
-Per request it streams ``max_tokens`` tokens of the stage model's tokenizer (:data:`MOCK_TEXT`'s,
-cycled: the token at sequence position *p*, prompt included, is ``cycle[p % len]``, so a moved
-request's new attempt continues where the first one was), decoded and stop-checked by vLLM's
-incremental detokenizer; it never emits EOS. With ``inter_token_ms`` 0 it gives one token per
-output when asked; otherwise token *k* is due ``(k + 1) × inter_token_ms`` after the request got
-one of ``max_num_seqs`` slots, and the tokens due when the caller asks come in one ``DELTA``
-output. Closing or cancelling the generator frees the slot and counts the request aborted. vLLM's
-own metrics do not exist on a mock engine.
+Each request streams ``max_tokens`` tokens of :data:`MOCK_TEXT` (the token at sequence position *p*,
+prompt included, is ``cycle[p % len]``: a moved request continues where it was), decoded and
+stop-checked by vLLM's incremental detokenizer, never EOS. Token *k* is due ``(k + 1) ×
+inter_token_ms`` after the request got one of ``max_num_seqs`` slots (0: one per output, when asked).
 """
 
 from __future__ import annotations
@@ -36,8 +32,7 @@ MOCK_TEXT = (
 
 
 def token_cycle(tokenizer: TokenizerLike, text: str = MOCK_TEXT) -> list[int]:
-    """The token ids the mock engine streams: ``text`` tokenized by ``tokenizer`` without
-    special tokens (so no EOS or role token ever appears). Raises ValueError when none remain."""
+    """``text``'s token ids without special tokens; ValueError when none remain."""
     special = set(tokenizer.all_special_ids)
     ids = [t for t in tokenizer.encode(text, add_special_tokens=False) if t not in special]
     if not ids:
@@ -46,8 +41,7 @@ def token_cycle(tokenizer: TokenizerLike, text: str = MOCK_TEXT) -> list[int]:
 
 
 def prompt_token_ids(prompt: Any) -> list[int]:
-    """The token ids of a prompt as the handlers pass it to ``generate`` (vLLM's
-    ``tokens_input`` mapping, or a plain list of ids)."""
+    """The token ids of a prompt (vLLM's ``tokens_input`` mapping, or a list of ids)."""
     if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
         return list(prompt["prompt_token_ids"])
     if isinstance(prompt, Sequence) and not isinstance(prompt, str):
@@ -56,9 +50,8 @@ def prompt_token_ids(prompt: Any) -> list[int]:
 
 
 def tokens_due(elapsed_s: float, inter_token_s: float, produced: int, max_tokens: int) -> int:
-    """How many tokens a request should have produced ``elapsed_s`` seconds after it got its slot
-    (token *k* is due at ``(k + 1) × inter_token_s``), at least ``produced`` and at most
-    ``max_tokens``; with ``inter_token_s`` 0, one more than ``produced``."""
+    """Tokens due ``elapsed_s`` after the request got its slot, within ``produced`` … ``max_tokens``
+    (with ``inter_token_s`` 0, one more than ``produced``)."""
     if inter_token_s <= 0:
         return min(produced + 1, max_tokens)
     return max(produced, min(int(elapsed_s / inter_token_s + 1e-9), max_tokens))
@@ -78,19 +71,15 @@ class MockAsyncLLM:
         self._aborted: set[str] = set()
         self._shut_down = False
         self.label = label
-        self.finished = 0
-        """Requests that ran to their end (``length`` or ``stop``)."""
-        self.aborted = 0
-        """Requests whose stream was closed or cancelled before their end, or aborted."""
+        self.finished = 0  # requests that ran to their end (length or stop)
+        self.aborted = 0  # requests closed, cancelled or aborted before their end
 
     @property
     def errored(self) -> bool:
-        """Never, until :meth:`shutdown` (nothing can die under it)."""
         return self._shut_down
 
     @property
     def running(self) -> int:
-        """Requests holding a slot now."""
         return len(self._running)
 
     def get_tokenizer(self) -> TokenizerLike:
@@ -100,8 +89,7 @@ class MockAsyncLLM:
         """Nothing to log: vLLM's stats do not exist here."""
 
     async def abort(self, request_id: str | Sequence[str]) -> None:
-        """End the streams of the running requests ``request_id`` (their generators return
-        without a further output, as an aborted ``AsyncLLM`` request's do)."""
+        """End the streams of the running requests ``request_id`` (without a further output)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         self._aborted.update(i for i in ids if i in self._running)
 
@@ -117,8 +105,7 @@ class MockAsyncLLM:
         trace_headers: Mapping[str, str] | None = None,
         **_: Any,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream ``sampling_params.max_tokens`` tokens as ``RequestOutput`` deltas
-        (``trace_headers`` are unused)."""
+        """Stream ``sampling_params.max_tokens`` tokens as ``RequestOutput`` deltas."""
         from vllm.sampling_params import RequestOutputKind
 
         from services.stage_worker.resumed_text import incremental_detokenizer
@@ -168,11 +155,9 @@ class MockAsyncLLM:
         if self._inter_token_s <= 0:
             await asyncio.sleep(0)
             return produced + 1
-        while True:
-            due = tokens_due(loop.time() - t0, self._inter_token_s, produced, max_tokens)
-            if due > produced:
-                return due
+        while (due := tokens_due(loop.time() - t0, self._inter_token_s, produced, max_tokens)) <= produced:
             await asyncio.sleep(t0 + (produced + 1) * self._inter_token_s - loop.time())
+        return due
 
 
 def _output(

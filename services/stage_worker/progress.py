@@ -1,9 +1,5 @@
-"""What a worker's engine is doing, for liveness from progress.
-
-A handler counts its engine operations under way (``busy``) and the outputs they produce
-(``outputs``); liveness answers and heartbeats carry both. The orchestrators move the requests of a
-replica whose ``busy`` stays above 0 while ``outputs`` stays flat for ``stall_timeout_s``; the
-worker itself (:class:`HungEngineWatch`) exits a while later so that it is started anew.
+"""What a worker's engine is doing, for liveness from progress: operations under way (``busy``) and
+outputs produced; a replica busy with flat outputs for ``stall_timeout_s`` counts as stalled.
 """
 
 from __future__ import annotations
@@ -17,10 +13,8 @@ from dataclasses import dataclass
 class EngineProgress:
     """Counters of one worker's engine, updated where the work happens (event loop only)."""
 
-    busy: int = 0
-    """Engine operations under way (generations, chunk decodes)."""
-    outputs: int = 0
-    """Outputs produced since start (engine outputs, decoded chunks); never decreases."""
+    busy: int = 0  # engine operations under way (generations, chunk decodes)
+    outputs: int = 0  # outputs produced since start; never decreases
 
     @contextmanager
     def working(self) -> Iterator[None]:
@@ -36,24 +30,19 @@ class EngineProgress:
 
 
 HUNG_AFTER_STALLS = 2.0
-"""A worker gives up on its engine after this many ``stall_timeout_s`` without progress: the
-orchestrators have moved its requests after one."""
+"""A worker gives up on its engine after this many ``stall_timeout_s`` without progress."""
 
 
 @dataclass
 class HungEngineWatch:
     """Whether an engine is hung: flat ``outputs`` while it had work, for
-    ``HUNG_AFTER_STALLS × stall_timeout_s`` of this process's running time.
-
-    :meth:`observe` takes the counters and the seconds since its previous call (monotonic), at most
-    ``max_step_s`` of them (a stopped process did not watch). Once flat with work for
-    ``stall_timeout_s``, only new outputs clear the suspicion (its requests move and ``busy`` drops).
-    """
+    ``HUNG_AFTER_STALLS × stall_timeout_s``. :meth:`observe` takes the seconds since its previous
+    call (monotonic), at most ``max_step_s``; once flat with work for ``stall_timeout_s``, only new
+    outputs clear the suspicion."""
 
     stall_timeout_s: float
     max_step_s: float
     flat_s: float = 0.0
-    """Seconds of flat outputs counted so far."""
     suspect: bool = False
     _last: int = 0
 
@@ -66,8 +55,7 @@ class HungEngineWatch:
             self.flat_s = 0.0
 
     def moved_away(self) -> None:
-        """A request of this worker moved to another replica: after half a stall timeout flat, the
-        orchestrators judged the engine stalled (their clock may run ahead): keep counting."""
+        """A request moved away: after half a stall timeout flat, keep counting without work."""
         if self.flat_s >= self.stall_timeout_s / 2:
             self.suspect = True
 

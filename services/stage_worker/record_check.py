@@ -1,11 +1,6 @@
-"""What a request's record says about an input a worker is about to start.
-
-A worker learns of moves from notices on core NATS, and a notice can miss it (a replacement worker
-started after it, or an input that still waited in the stream when the orchestrator asked to hold
-the request's chunks). The record in ``omni_requests`` is written before any notice is sent, so a
-worker that reads it when a request starts catches up: it drops an input of an attempt its stage
-has moved past, and sends its chunks to the next stage's current attempt. The read runs beside the
-request's handler; nothing of the request leaves the worker until the verdict.
+"""What a request's record says about an input a worker is about to start: the record is written
+before any notice of a move is sent, so a worker that missed a notice catches up when it starts the
+request (drops an input of an attempt its stage has moved past, re-points its chunks).
 """
 
 from __future__ import annotations
@@ -45,8 +40,7 @@ class StartVerdict:
 
 
 def judge_start(rec: RequestRecord, stage: int, task: StageTask) -> StartVerdict:
-    """The verdict on starting ``task`` (the first input of its request at this worker of ``stage``)
-    given the request's record ``rec``."""
+    """The verdict on starting ``task`` at this worker of ``stage``, given the record ``rec``."""
     # A terminal status is no reason to drop: an older attempt's end can complete the record
     # while the newer one, which the client waits for, has yet to start.
     if stage < len(rec.stages) and rec.stages[stage].attempt > task.attempt:
@@ -63,8 +57,7 @@ def judge_start(rec: RequestRecord, stage: int, task: StageTask) -> StartVerdict
 
 
 async def read_verdict(records: KeyValue | None, stage: int, task: StageTask) -> StartVerdict:
-    """:func:`judge_start` on the record as stored now; start as the input says when there is no
-    record to read."""
+    """:func:`judge_start` on the stored record; start as the input says without one."""
     if records is None:
         return StartVerdict()
     try:

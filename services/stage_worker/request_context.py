@@ -55,8 +55,7 @@ class Bus:
     nc: NATS
     js: JetStreamContext
     subjects: Subjects
-    events: ClientEventBatcher | None = None
-    """Sends the client events of a turn together (a worker's; None: each on its own)."""
+    events: ClientEventBatcher | None = None  # None: each client event is published on its own
 
 
 @dataclass
@@ -65,40 +64,28 @@ class RequestContext:
 
     me: Identity
     bus: Bus
-    first: StageTask
-    """Envelope of the first delivery: route, gateway, arrival and deadline."""
+    first: StageTask  # the first delivery's envelope: route, gateway, arrival and deadline
     inbox: RequestInbox = field(default_factory=RequestInbox)
-    span: Span = INVALID_SPAN
-    """This request's span in this stage (non-recording when tracing is off)."""
-    stream: ClientStream | None = None
-    """The client events this attempt sent and the gateway has not confirmed."""
+    span: Span = INVALID_SPAN  # this request's span in this stage
+    stream: ClientStream | None = None  # client events sent and not confirmed
     _out_seq: int = 0
     _client_seq: int = 0
-    _started_ns: int | None = None
-    """When the handler took its first input (wall clock, ns)."""
+    _started_ns: int | None = None  # when the handler took its first input (wall clock, ns)
     _started_sent: bool = False
     _started_timer: asyncio.TimerHandle | None = None
-    _done_fields: dict[str, object] | None = None
-    """A last stage's ``stage_done`` fields, folded into its ``finished`` event."""
+    _done_fields: dict[str, object] | None = None  # a last stage's stage_done, folded into finished
     _in_hand: dict[int, Delivery] = field(default_factory=dict)
     _edges: dict[tuple[str, str], EdgeSummary] = field(default_factory=dict)
-    received_s: float = field(default_factory=time.monotonic)
-    """When the request's first input reached this worker (monotonic)."""
+    received_s: float = field(default_factory=time.monotonic)  # first input's arrival (monotonic s)
     _background: set[asyncio.Task[None]] = field(default_factory=set)
     abort_reason: str | None = None
-    """Why the request was aborted (:meth:`abort`)."""
-    route: list[int] = field(default_factory=list)
-    """Replica of each stage, as this worker sends (the first task's, until a move re-routes)."""
-    _next_attempt: int = 1
-    """The next stage's attempt that this worker's chunks go to, and its ``start_seq``."""
+    route: list[int] = field(default_factory=list)  # replica of each stage, as this worker sends
+    _next_attempt: int = 1  # the next stage's attempt this worker's chunks go to, and its start_seq
     _next_start: int = 0
     _sending: asyncio.Lock = field(default_factory=asyncio.Lock)
-    _released: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set unless the orchestrator holds this request's chunks while the next stage moves."""
-    route_notices: int = 0
-    """Holds and releases applied to this request here (:meth:`hold_now`, :meth:`release`)."""
-    _cleared: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set unless this request's start awaits its record's verdict (:meth:`await_clearance`)."""
+    _released: asyncio.Event = field(default_factory=asyncio.Event)  # clear while chunks are held
+    route_notices: int = 0  # holds and releases applied here
+    _cleared: asyncio.Event = field(default_factory=asyncio.Event)  # clear while awaiting the verdict
     _refused: bool = False
 
     def __post_init__(self) -> None:
@@ -115,17 +102,16 @@ class RequestContext:
 
     @property
     def attempt(self) -> int:
-        """This stage's attempt at the request (1 unless it moved here from a dead replica)."""
+        """This stage's attempt at the request."""
         return self.first.attempt
 
     @property
     def is_last_stage(self) -> bool:
-        """True when this stage is the last one the request runs through."""
         return self.me.stage == len(self.first.route) - 1
 
     @property
     def seconds_left(self) -> float:
-        """Time until the request's deadline (wall clock), in seconds."""
+        """Seconds until the request's deadline (wall clock)."""
         return (self.first.deadline_ns - time.time_ns()) / 1e9
 
     @property
@@ -168,8 +154,7 @@ class RequestContext:
         self._cleared.set()
 
     async def next(self) -> Delivery:
-        """The next input in sequence order; the first call stamps the stage's start (see
-        :meth:`lifecycle` for when it is reported)."""
+        """The next input in sequence order; the first call stamps the stage's start."""
         self._check_aborted()
         d = await self.inbox.next()
         self._check_aborted()
@@ -198,12 +183,11 @@ class RequestContext:
             )
 
     def unacked(self) -> list[Delivery]:
-        """Inputs received and not yet acknowledged (waiting or being worked on)."""
+        """Inputs received and not yet acknowledged."""
         return [*self._in_hand.values(), *self.inbox.held()]
 
     async def downstream(self, *, final: bool = False, **payload: object) -> None:
-        """Send one chunk to the next stage's bound replica, numbered in order (it waits while
-        the orchestrator holds the request's chunks, :meth:`hold`)."""
+        """Send the next chunk to the next stage's bound replica (waits while it is held)."""
         await self._ready_to_send()
         while True:
             await self._released.wait()
@@ -212,7 +196,23 @@ class RequestContext:
                 break
             self._sending.release()  # held while this send waited for the lock
         try:
-            hop, task = self._chunk(final, payload)
+            to_stage = self.me.stage + 1
+            hop = Hop(str(self.me.stage), str(self.me.replica), to_stage, self.route[to_stage])
+            task = StageTask(
+                request_id=self.request_id,
+                gateway_id=self.first.gateway_id,
+                arrival_ns=self.first.arrival_ns,
+                deadline_ns=self.first.deadline_ns,
+                route=self.route,
+                kind=TaskKind.CHUNK,
+                seq=self._out_seq,
+                final=final,
+                attempt=self._next_attempt,
+                from_attempt=self.attempt,
+                start_seq=self._next_start if self._next_attempt > 1 else 0,
+                **payload,
+            )
+            self._out_seq += 1
             await until_stored(
                 self.bus.nc,
                 lambda: publish_task(self.bus.js, self.bus.subjects, task, hop, self.span),
@@ -231,34 +231,13 @@ class RequestContext:
                 },
             )
 
-    def _chunk(self, final: bool, payload: dict[str, object]) -> tuple[Hop, StageTask]:
-        """The next chunk for the next stage, numbered, and where it goes."""
-        to_stage = self.me.stage + 1
-        task = StageTask(
-            request_id=self.request_id,
-            gateway_id=self.first.gateway_id,
-            arrival_ns=self.first.arrival_ns,
-            deadline_ns=self.first.deadline_ns,
-            route=self.route,
-            kind=TaskKind.CHUNK,
-            seq=self._out_seq,
-            final=final,
-            attempt=self._next_attempt,
-            from_attempt=self.attempt,
-            start_seq=self._next_start if self._next_attempt > 1 else 0,
-            **payload,
-        )
-        self._out_seq += 1
-        return Hop(str(self.me.stage), str(self.me.replica), to_stage, self.route[to_stage]), task
-
     def continue_from(self, seq: int) -> None:
-        """Number the next chunk sent downstream ``seq``: an attempt that took the request over
-        goes on where the chunks of the one before it stand."""
+        """Number the next chunk sent downstream ``seq`` (an attempt that took the request over)."""
         self._out_seq = seq
 
     async def hold(self) -> int:
-        """Stop sending chunks downstream (a send under way finishes first) until
-        :meth:`release`; returns the sequence number of the next chunk."""
+        """Stop sending chunks downstream (after a send under way) until :meth:`release`; returns
+        the next chunk's ``seq``."""
         async with self._sending:
             self.hold_now()
             return self._out_seq
@@ -269,18 +248,15 @@ class RequestContext:
         self._released.clear()
 
     def release(self, stage: int, replica: int, attempt: int, start_seq: int) -> None:
-        """Send on to ``replica`` of ``stage``, whose attempt ``attempt`` takes chunks from
-        ``start_seq``."""
+        """Send on to ``replica`` of ``stage``, whose ``attempt`` takes chunks from ``start_seq``."""
         self.route_notices += 1
         self.route[stage] = replica
         self._next_attempt, self._next_start = attempt, start_seq
         self._released.set()
 
     async def client(self, event: ClientEvent) -> None:
-        """Send a client-visible event to the request's gateway (with the other events of this
-        turn, ``Bus.events``, or alone), stamped with stage, replica, attempt and seq, and keep it
-        until the gateway confirms it (:class:`ClientStream`). While the broker is away this waits
-        for the connection: the request's production pauses and nothing fails."""
+        """Send a client event to the request's gateway, stamped with stage, replica, attempt and
+        seq, and keep it until the gateway confirms it; waits while the broker is away."""
         await self._ready_to_send()
         event.stage, event.replica, event.seq = self.me.stage, self.me.replica, self._client_seq
         event.attempt = self.attempt
@@ -309,12 +285,10 @@ class RequestContext:
 
     @cached_property
     def _out_subject(self) -> str:
-        """Where the request's client events go: ``out.<gateway>.<request>``."""
         return self.bus.subjects.out(self.first.gateway_id, self.request_id)
 
     def _add_transfer(self, t: TransferStats) -> None:
-        e = self._edges.get((t.from_stage, t.from_replica))
-        if e is None:
+        if (e := self._edges.get((t.from_stage, t.from_replica))) is None:
             e = self._edges[(t.from_stage, t.from_replica)] = EdgeSummary(
                 from_stage=t.from_stage,
                 from_replica=t.from_replica,
@@ -328,7 +302,6 @@ class RequestContext:
         e.in_flight_s += t.in_flight_s
 
     def _report_started(self) -> None:
-        """Send ``started`` for a stage still at work ``STARTED_REPORT_DELAY_S`` after it began."""
         if not self._started_sent:
             self._started_sent = True
             self._send(LifecycleEvent(**self._event_fields("started", self._started_ns)))
@@ -377,8 +350,7 @@ class RequestContext:
         task.add_done_callback(self._background.discard)
 
     async def _send_lifecycle(self, event: LifecycleEvent) -> None:
-        """Publish ``event``, again while the stream does not take it, until the request's deadline
-        (``Nats-Msg-Id`` makes a retry of an event that was stored after all a duplicate)."""
+        """Publish ``event``, again while the stream does not take it, until the deadline."""
         what = f"request {self.request_id}: lifecycle event {event.kind}"
         await self._cleared.wait()
         if self._refused:
@@ -395,7 +367,6 @@ class RequestContext:
 
 
 def _chunk_attributes(d: Delivery) -> dict[str, object]:
-    """Span event attributes of one received chunk: sequence, size and transfer times (s)."""
     attrs: dict[str, object] = {
         "omni.seq": d.task.seq,
         "omni.final": d.task.final,

@@ -1,11 +1,6 @@
-"""The text of a moved thinker request's new attempt, exactly as the fault-free run streams it.
-
-The new attempt's prompt ends with the tokens the client already has, and vLLM would decode them at
-once, while the fault-free run decoded them one by one: the texts differ where those tokens end
-inside a character or a stop string's look-back. :class:`ResumedText` rebuilds the fault-free
-decoder instead (vLLM's incremental detokenizer on the original prompt, fed the resumed tokens),
-then decodes the new tokens and checks the stop strings itself, so the engine does neither
-(:func:`engine_params`).
+"""The text of a moved thinker request's new attempt, exactly as the fault-free run streams it:
+vLLM's incremental detokenizer on the original prompt, fed the resumed tokens, decodes the new
+tokens and checks the stop strings, so the engine does neither (:func:`engine_params`).
 """
 
 from __future__ import annotations
@@ -32,8 +27,7 @@ def engine_params(params: SamplingParams) -> SamplingParams:
 def incremental_detokenizer(
     tokenizer: TokenizerLike | None, request_id: str, prompt_token_ids: list[int], params: SamplingParams
 ) -> IncrementalDetokenizer:
-    """vLLM's incremental detokenizer for one request, as its output processor makes it (one that
-    decodes nothing when ``tokenizer`` is None)."""
+    """vLLM's incremental detokenizer for one request (decoding nothing when ``tokenizer`` is None)."""
     request = EngineCoreRequest(
         request_id=request_id,
         prompt_token_ids=prompt_token_ids,
@@ -62,12 +56,10 @@ class ResumedText:
         self._detok = incremental_detokenizer(tokenizer, request_id, prompt_token_ids, params)
         self._detok.update(resumed_token_ids, stop_terminated=False)
         self.client_text = self._detok.get_next_output_text(finished=False, delta=True)
-        """The text the fault-free run had streamed with the resumed tokens: what the client has."""
 
     def feed(self, token_ids: list[int], finished: bool, eos: bool) -> tuple[list[int], str, str | None]:
-        """The engine's next tokens (``eos``: the last one ended the request as a stop token) ->
-        the tokens to send (fewer when a stop string ends the text), their text, and the stop
-        string that ended it (None: none did)."""
+        """The engine's next tokens -> the tokens to send, their text, and the stop string that
+        ended it (None: none did)."""
         before = self._detok.num_output_tokens()
         stop = self._detok.update(token_ids, stop_terminated=eos)
         kept = self._detok.output_token_ids[before:]

@@ -70,24 +70,16 @@ def _trace_id(headers: dict[str, str]) -> str | None:
     return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else None
 
 
-class TransferStatLogger:
-    """Feeds :class:`TransferStats` into the ``vllm:omni_transfer_*`` families."""
-
-    def __init__(self, metrics: MetricSet, model_name: str) -> None:
-        self._m = metrics
-        self._model = model_name
-
-    def record(self, s: TransferStats) -> None:
-        if not self._m.enabled:
-            return
-        edge = (self._model, s.from_stage, s.from_replica, s.to_stage, s.to_replica)
-        ex = {"trace_id": s.trace_id} if s.trace_id else None
-        self._m["vllm:omni_transfer_size_bytes"].labels(*edge).observe(s.size_bytes, ex)
-        self._m["vllm:omni_transfer_tx_s"].labels(*edge).observe(s.tx_s, ex)
-        self._m["vllm:omni_transfer_rx_s"].labels(*edge).observe(s.rx_s, ex)
-        self._m["vllm:omni_transfer_in_flight_s"].labels(*edge).observe(s.in_flight_s, ex)
-        if s.publish_s is not None:
-            self._m["vllm:omni_transfer_publish_s"].labels(*edge).observe(s.publish_s, ex)
-            self._m["vllm:omni_transfer_queue_wait_s"].labels(*edge).observe(s.queue_wait_s, ex)
-        for interval in s.clamped:
-            self._m["vllm:omni_transfer_clock_skew_clamps"].labels(*edge, interval).inc()
+def record_transfer(m: MetricSet, model_name: str, s: TransferStats) -> None:
+    """Feed ``s`` into the ``vllm:omni_transfer_*`` families of an enabled :class:`MetricSet`."""
+    edge = (model_name, s.from_stage, s.from_replica, s.to_stage, s.to_replica)
+    ex = {"trace_id": s.trace_id} if s.trace_id else None
+    m["vllm:omni_transfer_size_bytes"].labels(*edge).observe(s.size_bytes, ex)
+    m["vllm:omni_transfer_tx_s"].labels(*edge).observe(s.tx_s, ex)
+    m["vllm:omni_transfer_rx_s"].labels(*edge).observe(s.rx_s, ex)
+    m["vllm:omni_transfer_in_flight_s"].labels(*edge).observe(s.in_flight_s, ex)
+    if s.publish_s is not None:
+        m["vllm:omni_transfer_publish_s"].labels(*edge).observe(s.publish_s, ex)
+        m["vllm:omni_transfer_queue_wait_s"].labels(*edge).observe(s.queue_wait_s, ex)
+    for interval in s.clamped:
+        m["vllm:omni_transfer_clock_skew_clamps"].labels(*edge, interval).inc()

@@ -57,7 +57,7 @@ from services.stage_worker.inbox import Delivery
 from services.stage_worker.record_check import STALE_START, read_verdict
 from services.stage_worker.request_context import Bus, Identity, RequestContext
 from services.stage_worker.request_table import Phase, RequestTable, Verdict
-from services.stage_worker.transfer_stats import TransferStatLogger, transfer_stats
+from services.stage_worker.transfer_stats import record_transfer, transfer_stats
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,6 @@ class StageWorker:
         self.subjects = Subjects(pipeline.name)
         self.metrics = MetricSet(Exporter.WORKER, settings.log_stats)
         self.handler: StageHandler = make_handler(pipeline, settings, self._listened)
-        self.transfers = TransferStatLogger(self.metrics, pipeline.served_model_name)
         self._labels = (pipeline.served_model_name, str(settings.stage), str(settings.replica))
         self.requests = RequestTable()
         self.bus: Bus | None = None
@@ -125,10 +124,8 @@ class StageWorker:
         self._records = self.control.records = await requests_kv(js)
         await nc.subscribe(self.subjects.abort, cb=self.control.on_abort)
         if self.metrics.enabled:
-            st = self.stage_cfg
-            self.metrics["vllm:omni_stage_info"].labels(*self._labels, st.name, st.type.value, st.model).set(
-                1
-            )
+            info = (self.stage_cfg.name, self.stage_cfg.type.value, self.stage_cfg.model)
+            self.metrics["vllm:omni_stage_info"].labels(*self._labels, *info).set(1)
         port = start_metrics_server(self.settings.metrics_port, self.settings.metrics_host)
         self._consumer = await consume(
             nc,
@@ -204,7 +201,7 @@ class StageWorker:
                     msg.headers or {}, received_ns, _stored_ns(msg), rx_s, len(msg.data)
                 )
                 if transfer is not None:
-                    self.transfers.record(transfer)
+                    record_transfer(self.metrics, self.pipeline.served_model_name, transfer)
         except MalformedMessage as e:
             if self.metrics.enabled:
                 self.metrics["vllm:omni_bus_messages_terminated"].labels(*self._labels, e.reason).inc()
