@@ -1,16 +1,10 @@
 """Reading a durable JetStream pull consumer through standing pull requests.
 
-nats-py's ``fetch(batch=1)`` sends one pull request per message and waits for each reply; its
-batched fetch waits for the whole batch (or its timeout) before returning anything. Here a few
-pull requests stand at the server at once, asking for up to ``batch`` messages in all; each
-message is handled the moment it arrives, and the requests are topped up when fewer than half
-of ``batch`` are still asked for. At one request at a time this takes a pull-request round trip
-(a publish and a broker wake-up on the busy front-end core) off every message's path.
-
-Accounting: every delivered message uses up one requested message. A request that expires
-(status 408) or is ended by the server (409) reports what it left unfulfilled in
-``Nats-Pending-Messages``. If nothing at all arrives for longer than a request lives (the
-requests were lost, e.g. the broker restarted), the count starts over.
+Pull requests stand at the server asking for up to ``batch`` messages in all; each message is
+handled the moment it arrives, and the requests are topped up once fewer than half of ``batch``
+are still asked for. Every delivered message uses up one requested; a request that expires (408)
+or is ended (409) reports what it left in ``Nats-Pending-Messages``. After silence longer than a
+request lives (the requests were lost), the count starts over.
 """
 
 from __future__ import annotations
@@ -42,12 +36,8 @@ Handler = Callable[[Msg], Awaitable[None]]
 
 
 class PullConsumer:
-    """Hands every message of durable pull consumer ``consumer`` (of ``stream``) to ``handle``,
-    one at a time, in delivery order.
-
-    ``batch`` bounds the messages delivered to this instance and not yet handed over (other
-    instances of the same consumer get the rest); each pull request lives ``expires_s`` seconds.
-    """
+    """Hands every message of durable pull consumer ``consumer`` (of ``stream``) to ``handle``, in
+    delivery order; at most ``batch`` asked for at a time, each pull request living ``expires_s``."""
 
     def __init__(
         self,
@@ -83,9 +73,7 @@ class PullConsumer:
         self._watchdog = asyncio.create_task(self._watch(), name=f"pull-watchdog:{self._name}")
 
     async def stop(self) -> None:
-        """Ask for nothing more and stop handing messages over (the server drops standing
-        requests whose inbox has no subscriber; what it had sent and was not handed over is
-        redelivered after ``ack_wait``)."""
+        """Ask for nothing more and stop handing messages over (unhandled ones are redelivered)."""
         self._stopped = True
         if self._watchdog:
             self._watchdog.cancel()
@@ -110,9 +98,8 @@ class PullConsumer:
             log.exception("%s: handling a message failed", self._name)
 
     def _on_status(self, status: str, headers: dict[str, str]) -> bool:
-        """Account for a status message; True when the standing requests may be topped up now
-        (a refusal, e.g. ``409 Consumer is push based``, waits for the watchdog's next tick
-        instead, so a lasting one costs a request a second, not a busy loop)."""
+        """Account for a status message; True when the requests may be topped up now (after a
+        refusal, the watchdog's next tick tops them up)."""
         if status == "100":  # idle heartbeat / flow control: nothing to account
             return False
         try:
@@ -152,10 +139,8 @@ class PullConsumer:
 
 
 class InProgress:
-    """While a handler works on ``msg``, tells JetStream every ``period_s`` seconds that it is in
-    progress (its ``ack_wait`` starts again), so that a short ``ack_wait`` redelivers a message
-    only when the instance holding it stopped working on it. Use as a context manager around the
-    handling; the timer costs nothing for a handling shorter than ``period_s``."""
+    """A context manager that, while a handler works on ``msg``, tells JetStream every
+    ``period_s`` seconds that it is in progress (its ``ack_wait`` starts again)."""
 
     def __init__(self, msg: Msg, period_s: float) -> None:
         self._msg, self._period_s = msg, period_s

@@ -1,9 +1,5 @@
-"""NATS header names (one canonical, case-sensitive spelling) and helpers to read them.
-
-Times are wall-clock nanoseconds since the Unix epoch (``time.time_ns()``) of the process that
-wrote them; ``Omni-Arrival-Ns`` is the gateway's clock at HTTP arrival, the anchor of every
-request latency.
-"""
+"""NATS header names (one canonical, case-sensitive spelling). Times are wall-clock ns since the
+epoch of the writing process; ``Omni-Arrival-Ns`` is the gateway's at HTTP arrival."""
 
 from __future__ import annotations
 
@@ -33,8 +29,3 @@ def header_int(headers: dict[str, str] | None, name: str) -> int | None:
         return int(headers[name])
     except ValueError:
         return None
-
-
-def header_bool(headers: dict[str, str] | None, name: str) -> bool:
-    """``true``/``1`` → True; anything else or absent → False."""
-    return bool(headers) and headers.get(name, "").lower() in ("true", "1")

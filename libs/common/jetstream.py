@@ -1,15 +1,6 @@
-"""A JetStream context whose ``publish`` costs less on the way to the stream's acknowledgement.
-
-nats-py's ``JetStreamContext.publish`` is a request: a response future waited on through
-``asyncio.wait_for`` (two extra event-loop turns after the ack arrives) and the ack decoded into
-a dataclass by reflecting over its fields. Every request of a pipeline makes two or three such
-publishes before its first token (admission, stage-0 task, request record), each on the same
-front-end core as the services that wait for them, so the services use :class:`JetStream`: one
-wildcard reply subscription per connection, a plain future per publish resolved by that
-subscription, ``asyncio.timeout`` for the deadline, and the ack's three fields read directly.
-Errors are those of nats-py: ``nats.errors.TimeoutError``, ``NoStreamResponseError`` when no
-stream takes the subject, ``nats.js.errors.APIError`` (and its subclasses) when the stream
-refuses the message.
+"""A JetStream context whose ``publish`` costs less on the way to the stream's acknowledgement:
+one wildcard reply subscription per connection, a plain future per publish, the ack's fields read
+directly. Errors are nats-py's (``TimeoutError``, ``NoStreamResponseError``, ``APIError``).
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """The metric catalog: every ``vllm:omni_*`` family omnirelay exports, defined once.
 
-Names, types, labels and bucket families follow vLLM-Omni's Prometheus metrics so that dashboards
-written against them work unchanged, plus the families omnirelay adds (docs/contract.md, "Metrics:
-names and labels"). Values are in seconds (``_s``), bytes (``_bytes``) or counts; counters get
-``_total`` from prometheus_client.
-
-The families live in :data:`OMNI_REGISTRY`, a registry of our own served beside the default one,
-so vLLM's ``unregister_vllm_metrics()`` (which strips every ``vllm:`` collector from the default
-registry when an engine starts) cannot remove them.
+Names, types, labels and buckets follow vLLM-Omni's Prometheus metrics, plus omnirelay's own
+families (docs/contract.md, "Metrics: names and labels"). Values are in seconds (``_s``), bytes
+(``_bytes``) or counts; counters get ``_total`` from prometheus_client. The families live in
+:data:`OMNI_REGISTRY`, out of reach of vLLM's ``unregister_vllm_metrics()``.
 """
 
 from __future__ import annotations
@@ -34,11 +30,8 @@ RTF_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 1.5, 2.0,
     3.0, 5.0, 10.0,
 )  # fmt: skip
-"""Real-time factor; extends below 0.1 because small models decode far faster than real time, and
-has vLLM-Omni's 0.9 and 1.25 either side of the RTF = 1 SLO line.
-
-Every bucket list here holds all of vLLM-Omni's edges for the same family (a dashboard written for
-it finds each ``le`` it asks for) plus finer ones of ours."""
+"""Real-time factor. Every bucket list here holds all of vLLM-Omni's edges for the same family
+plus finer ones of ours."""
 BYTES_BUCKETS = tuple(float(4**k) for k in range(3, 15))
 """64 B – 256 MiB in powers of four: per-transfer payload sizes."""
 CONTINUITY_THRESHOLDS_MS = (50, 100, 200)
@@ -71,11 +64,9 @@ class Family:
     exporter: Exporter
     buckets: tuple[float, ...] | None = None
     spec: bool = True
-    """True for vLLM-Omni's families, False for omnirelay's additions (docs/contract.md, "Metrics:
-    names and labels")."""
+    """True for vLLM-Omni's families, False for omnirelay's additions."""
     also: tuple[Exporter, ...] = ()
-    """Other services whose ``/metrics`` carry the family too (the scrape's ``service`` label tells
-    them apart)."""
+    """Other services whose ``/metrics`` carry the family too."""
 
     @property
     def exporters(self) -> tuple[Exporter, ...]:
@@ -102,30 +93,25 @@ FAMILIES: tuple[Family, ...] = (
            "Requests that failed, by reason (timeout, stage_error, no_live_replica, queue_full, ...).",
            (*PIPELINE, "reason"), Exporter.GATEWAY, spec=False),
     Family("vllm:omni_slow_reader_aborts", Kind.COUNTER,
-           "Streamed responses aborted because the client read too slowly: more events waiting for it "
-           "than OMNIRELAY_MAX_BUFFERED_EVENTS, or a write it did not take within "
-           "OMNIRELAY_SLOW_READER_TIMEOUT_S.", PIPELINE, Exporter.GATEWAY, spec=False),
+           "Streamed responses aborted because the client read too slowly (OMNIRELAY_MAX_BUFFERED_EVENTS, "
+           "OMNIRELAY_SLOW_READER_TIMEOUT_S).", PIPELINE, Exporter.GATEWAY, spec=False),
     # --- audio (gateway, client-facing edge) ---------------------------------------------------
     Family("vllm:omni_stale_events_dropped", Kind.COUNTER,
            "Client events dropped by the gateway because they came from an attempt of the stage the "
-           "request had moved past (a replica that resumed after a stall, or one still sending as it "
-           "died).", ("model_name", "stage"), Exporter.GATEWAY, spec=False),
+           "request had moved past.", ("model_name", "stage"), Exporter.GATEWAY, spec=False),
     Family("vllm:omni_bus_messages_rejected", Kind.COUNTER,
            "Bus messages dropped as stale or forged, by reason (subject_mismatch, unknown_request, "
            "ended_request, bad_stage, bad_attempt, wrong_replica, bad_status, bad_record), counted by "
            "the process that dropped them.", (*PIPELINE, "reason"), Exporter.GATEWAY, spec=False,
            also=(Exporter.ORCHESTRATOR,)),
     Family("vllm:omni_client_event_gaps", Kind.COUNTER,
-           "Gaps found in the events a stage attempt sent to the gateway (events lost on the way, e.g. "
-           "held by a broker that was killed): the events after a gap wait at the gateway until the "
-           "worker, which keeps its events until the gateway confirms them, sends the lost ones again.",
-           ("model_name", "stage"), Exporter.GATEWAY, spec=False),
+           "Gaps found in the events a stage attempt sent to the gateway (events lost on the way); the "
+           "worker sends the lost ones again.", ("model_name", "stage"), Exporter.GATEWAY, spec=False),
     Family("vllm:omni_realtime_sessions", Kind.GAUGE,
            "Realtime sessions (/v1/realtime WebSockets) open now.", PIPELINE, Exporter.GATEWAY, spec=False),
     Family("vllm:omni_realtime_voice_to_voice_s", Kind.HISTOGRAM,
-           "Voice-to-voice latency of a realtime turn: the caller's audio where the VAD marks the end of "
-           "their speech reaching the gateway → the response's first audio delta sent, seconds "
-           "(the VAD's silence_duration_ms included).", PIPELINE, Exporter.GATEWAY, SECONDS_BUCKETS, spec=False),
+           "Voice-to-voice latency of a realtime turn: the end of the caller's speech (VAD) reaching the "
+           "gateway → the first audio delta sent, seconds.", PIPELINE, Exporter.GATEWAY, SECONDS_BUCKETS, spec=False),
     Family("vllm:omni_realtime_interruptions", Kind.COUNTER,
            "Realtime responses cancelled before they completed, by cause: turn_detected (the caller spoke: "
            "barge-in) or client_cancelled (response.cancel).", (*PIPELINE, "cause"), Exporter.GATEWAY, spec=False),
@@ -136,14 +122,11 @@ FAMILIES: tuple[Family, ...] = (
            "Duration of the audio delivered to the client (frames / sample rate), seconds.",
            AUDIO, Exporter.GATEWAY, SECONDS_BUCKETS),
     Family("vllm:omni_audio_rtf", Kind.HISTOGRAM,
-           "Real-time factor: the audio stage's generation time for the request (its first input "
-           "reaching the worker to its last output, on the worker's clock) / audio duration. Below 1: "
-           "the stage makes audio faster than it plays.",
-           AUDIO, Exporter.GATEWAY, RTF_BUCKETS),
+           "Real-time factor: the audio stage's generation time for the request / audio duration "
+           "(below 1: faster than it plays).", AUDIO, Exporter.GATEWAY, RTF_BUCKETS),
     Family("vllm:omni_audio_client_rtf", Kind.HISTOGRAM,
            "Real-time factor as the client experiences it: HTTP arrival to the last audio chunk at the "
-           "gateway / audio duration (every stage's time and the wait for the first audio included).",
-           AUDIO, Exporter.GATEWAY, RTF_BUCKETS, spec=False),
+           "gateway / audio duration.", AUDIO, Exporter.GATEWAY, RTF_BUCKETS, spec=False),
     Family("vllm:omni_audio_frames", Kind.COUNTER,
            "Audio frames (samples per channel) delivered to clients.", AUDIO, Exporter.GATEWAY),
     Family("vllm:omni_audio_underrun_s", Kind.HISTOGRAM,
@@ -192,14 +175,11 @@ FAMILIES: tuple[Family, ...] = (
            "Duration of the caller's audio of one request the listener transcribed, seconds.",
            WORKER, Exporter.WORKER, SECONDS_BUCKETS, spec=False),
     Family("vllm:omni_asr_rtf", Kind.HISTOGRAM,
-           "The listener's real-time factor: time to transcribe a request's audio (its task taken to "
-           "its last segment, on the worker's clock) / the audio's duration. Below 1: faster than real time.",
-           WORKER, Exporter.WORKER, RTF_BUCKETS, spec=False),
+           "The listener's real-time factor: time to transcribe a request's audio / the audio's "
+           "duration.", WORKER, Exporter.WORKER, RTF_BUCKETS, spec=False),
     Family("vllm:omni_stale_chunks_dropped", Kind.COUNTER,
            "Chunks a stage-1 worker dropped because they came from an attempt of stage 0 that the "
-           "request had moved past (a thinker that resumed after a stall, or still sent as its "
-           "request moved: its successor sends every chunk again).", WORKER, Exporter.WORKER,
-           spec=False),
+           "request had moved past.", WORKER, Exporter.WORKER, spec=False),
     Family("vllm:omni_bus_messages_terminated", Kind.COUNTER,
            "Malformed bus messages terminated (never redelivered), by reason.", (*WORKER, "reason"),
            Exporter.WORKER, spec=False),
@@ -220,16 +200,13 @@ FAMILIES: tuple[Family, ...] = (
            "Event-loop lag of the orchestrator (scheduled vs actual wake-up), seconds.", PIPELINE,
            Exporter.ORCHESTRATOR, SECONDS_FAST_BUCKETS, spec=False),
     Family("vllm:omni_replica_evictions", Kind.COUNTER,
-           "Stage replicas declared dead while they had work, by reason (exit: its connection is gone; "
-           "stall: it left its liveness probe unanswered for the stage's stall_timeout_s; engine_dead: "
-           "its worker answered that its engine died). Counted once per replica incarnation across "
-           "orchestrators.", (*PIPELINE, "stage", "replica", "reason"),
-           Exporter.ORCHESTRATOR, spec=False),
+           "Stage replicas declared dead while they had work, by reason (exit, stall, engine_dead); once "
+           "per replica incarnation.", (*PIPELINE, "stage", "replica", "reason"), Exporter.ORCHESTRATOR, spec=False),
     Family("vllm:omni_requests_migrated", Kind.COUNTER,
            "Requests moved to another replica of a stage because the one they ran on died, by reason "
-           "(exit, stall, engine_dead) and phase (queued: its engine had not started it; in_progress). Counted by "
-           "the orchestrator that moved the request.",
+           "(exit, stall, engine_dead) and phase (queued, in_progress).",
            (*PIPELINE, "stage", "from_replica", "to_replica", "reason", "phase"), Exporter.ORCHESTRATOR, spec=False),
+
     Family("vllm:omni_orchestrator_admissions", Kind.COUNTER,
            "Admissions handled, by outcome (dispatched, no_live_replica, expired).", (*PIPELINE, "outcome"),
            Exporter.ORCHESTRATOR, spec=False),
@@ -241,20 +218,14 @@ ENGINE_PROCESSES: dict[str, str] = {
     "vllm:omni_engine_core": "VLLM::EngineCore",
     "vllm:omni_engine_worker": "VLLM::Worker",
 }
-"""Process families of an ``llm`` worker's engine (worker ``/metrics``, with ``--log-stats``): namespace →
-the title vLLM gives the process. Each namespace gets prometheus_client's process families
-(``<namespace>_process_cpu_seconds_total``, ...)."""
+"""Process families of an ``llm`` worker's engine (worker ``/metrics``, with ``--log-stats``):
+namespace → the title vLLM gives the process; each gets prometheus_client's process families."""
 
 
 def engine_process_names() -> tuple[str, ...]:
-    """Exposed sample names of the engine process families: those prometheus_client's process
-    collector exports for this process, under each namespace of :data:`ENGINE_PROCESSES`."""
+    """Exposed sample names of the engine process families, under each of :data:`ENGINE_PROCESSES`."""
     own = ProcessCollector(pid=lambda: "self", registry=None).collect()
     return tuple(f"{ns}_{s.name}" for ns in ENGINE_PROCESSES for m in own for s in m.samples)
-
-
-def families_for(exporter: Exporter) -> tuple[Family, ...]:
-    return tuple(f for f in FAMILIES if exporter in f.exporters)
 
 
 def exposed_names(f: Family) -> tuple[str, ...]:
@@ -288,17 +259,15 @@ def markdown_table() -> str:
 
 
 class MetricSet:
-    """The collectors of one exporter's families.
-
-    Created on :data:`OMNI_REGISTRY` only when ``enabled`` (``--log-stats``); when disabled no
-    family is registered and :attr:`enabled` tells callers to skip their observations.
-    """
+    """The collectors of one exporter's families, registered only when ``enabled``
+    (``--log-stats``); disabled, callers skip their observations."""
 
     def __init__(
         self, exporter: Exporter, enabled: bool, registry: CollectorRegistry = OMNI_REGISTRY
     ) -> None:
         self.enabled = enabled
-        self._collectors = {f.name: _build(f, registry) for f in families_for(exporter)} if enabled else {}
+        mine = [f for f in FAMILIES if exporter in f.exporters] if enabled else []
+        self._collectors = {f.name: _build(f, registry) for f in mine}
 
     def __getitem__(self, name: str):
         return self._collectors[name]

@@ -131,16 +131,10 @@ class EngineArgs(_Strict):
     )
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     busy_spin_ms: float = Field(
-        default=5.0,
-        ge=0,
-        le=1000,
-        description="how long the engine's processes busy-wait for their next shared-memory message (vLLM's: 1000)",
+        default=5.0, ge=0, le=1000, description="busy-wait of the engine's queue readers, ms (vLLM's: 1000)"
     )
     busy_nap_ms: float = Field(
-        default=0.2,
-        gt=0,
-        le=100,
-        description="then, within vLLM's 1 s busy window, they check every this many ms",
+        default=0.2, gt=0, le=100, description="then, in vLLM's 1 s busy window, poll every this many ms"
     )
     extra: dict[str, object] = Field(
         default_factory=dict, description="any other AsyncEngineArgs field, passed through"
@@ -165,9 +159,9 @@ class StageConfig(_Strict):
         default=4, ge=1, le=64, description="talker: codec codes generated per input text token (exactly)"
     )
     talker: TalkerConfig = Field(
-        default=TalkerConfig(),
-        description="llm stages emitting codec_codes: the talker protocol, its default voice and sampling",
+        default=TalkerConfig(), description="llm stages emitting codec_codes: protocol, voice, sampling"
     )
+
     engine: EngineArgs = EngineArgs()
     listener: ListenerConfig = Field(
         default=ListenerConfig(), description="asr stages: how faster-whisper runs the model"

@@ -1,8 +1,7 @@
 """Real-time playback simulation of a streamed audio response: did the listener hear gaps?
 
-A player starts when the first chunk arrives and plays continuously; each chunk adds its duration
-to the buffer. When a chunk arrives after the buffer ran dry, the listener heard silence for the
-difference (an underrun) and playback resumes with that chunk. All times are seconds on one clock.
+Playback starts at the first chunk's arrival; a chunk that arrives after the buffer ran dry is an
+underrun (silence for the difference), and playback resumes with it. Times are seconds, one clock.
 """
 
 from __future__ import annotations
@@ -28,19 +27,15 @@ class Playback:
     """Chunks that arrived after the buffer ran dry."""
 
 
-def chunk_seconds(nbytes: int, sample_rate: int, sample_width: int = 2, channels: int = 1) -> float:
-    """Duration of ``nbytes`` of interleaved PCM."""
-    return nbytes / (sample_rate * sample_width * channels)
-
-
 def simulate_playback(
     chunks: list[AudioChunk], sample_rate: int, sample_width: int = 2, channels: int = 1
 ) -> Playback:
-    """Play ``chunks`` (in arrival order) in real time from the first arrival."""
+    """Play ``chunks`` (in arrival order, interleaved PCM) in real time from the first arrival."""
     dry_at: float | None = None  # when the buffered audio runs out
     worst, late, total = 0.0, 0, 0.0
     for c in chunks:
-        d = chunk_seconds(c.nbytes, sample_rate, sample_width, channels)
+        d = c.nbytes / (sample_rate * sample_width * channels)
+
         total += d
         if dry_at is None:
             dry_at = c.t_s + d

@@ -1,9 +1,8 @@
 """Sending on the bus with the contract's headers.
 
 ``Omni-Tx-Start-Ns`` is read before the envelope is serialized and ``Omni-Tx-End-Ns`` when the
-serialized bytes are handed to the NATS client, both on the sender's wall clock (ns). A header
-cannot carry the time of its own publish acknowledgement, so the acknowledgement round trip is
-part of what the receiver sees as in-flight time, never of tx.
+bytes are handed to the NATS client (sender's wall clock, ns); the publish acknowledgement is
+part of the receiver's in-flight time.
 """
 
 from __future__ import annotations
@@ -36,8 +35,8 @@ RECONNECT_POLL_S = 0.05
 """How often a publish waiting for the connection looks again, seconds."""
 STORE_RETRY_S = 0.25
 STORE_RETRY_MAX_S = 2.0
-"""A stream publish that got no acknowledgement is sent again after ``STORE_RETRY_S``, doubling up
-to ``STORE_RETRY_MAX_S``, seconds."""
+"""A stream publish that got no acknowledgement is sent again after ``STORE_RETRY_S`` seconds,
+doubling up to ``STORE_RETRY_MAX_S``."""
 NOT_NOW = (
     OutboundBufferLimitError,
     ConnectionReconnectingError,
@@ -46,16 +45,12 @@ NOT_NOW = (
     NoStreamResponseError,
     ServiceUnavailableError,
 )
-"""What a publish raises while the broker is away (restarting, or a cluster electing a stream's
-leader): the message may go out later, so none of these is a reason to fail a request."""
+"""What a publish raises while the broker is away: the message may go out later."""
 
 
 async def until_connected(nc: NATS) -> None:
-    """Return once ``nc`` is connected (at once when it is). A service holds its publishes here
-    while the broker is away instead of letting them fill nats-py's reconnect buffer, which every
-    publish of the process shares (acks, pull requests, heartbeats) and which raises
-    ``OutboundBufferLimitError`` for all of them once full (docs/reliability.md, "Publishing
-    while the broker is away")."""
+    """Return once ``nc`` is connected (or closed). Publishes wait here while the broker is away
+    instead of filling nats-py's reconnect buffer, which every publish of the process shares."""
     while not nc.is_connected:
         if nc.is_closed:
             return  # the publish that follows raises ConnectionClosedError
@@ -63,10 +58,9 @@ async def until_connected(nc: NATS) -> None:
 
 
 async def publish_core(nc: NATS, subject: str, data: bytes) -> None:
-    """Core NATS publish that waits out a lost connection (:func:`until_connected`) and sends
-    again what the client could not buffer; it returns once nats-py has taken the message."""
+    """Core NATS publish that waits out a lost connection; returns once nats-py has taken it."""
     while True:
-        if not nc.is_connected:  # (no coroutine to wait on per message while it is)
+        if not nc.is_connected:  # no coroutine per message while connected
             await until_connected(nc)
         try:
             await nc.publish(subject, data)
@@ -87,11 +81,7 @@ class Hop:
 
 def task_msg_id(task: StageTask, to_stage: int) -> str:
     """``Nats-Msg-Id`` of a task: ``<request>.<to_stage>.<seq>``, plus ``.<attempt>`` for the
-    receiving stage's attempts after the first (a moved request's input is new to the stream,
-    while a chunk its upstream sends again is the duplicate the stream drops), plus ``.f<attempt>``
-    for the sending stage's attempts after the first (a chunk a stale sender got in first must not
-    make the stream drop its successor's chunk of the same number; the receiver's inbox drops a
-    number it has had)."""
+    receiving stage's attempts after the first, plus ``.f<attempt>`` for the sending stage's."""
     base = f"{task.request_id}.{to_stage}.{task.seq}"
     if task.attempt > 1:
         base = f"{base}.{task.attempt}"
@@ -105,9 +95,8 @@ async def publish_task(
     hop: Hop,
     span: Span | None = None,
 ) -> PubAck:
-    """Publish ``task`` to worker (to_stage, to_replica) and wait for JetStream's ack (whose
-    ``duplicate`` flag tells a re-send that ``Nats-Msg-Id`` de-duplication dropped). ``span``'s
-    context travels in ``traceparent``/``tracestate`` when tracing is on."""
+    """Publish ``task`` to worker (to_stage, to_replica) and wait for JetStream's ack; ``span``'s
+    context travels in ``traceparent`` when tracing is on."""
     tx_start = time.time_ns()
     body = task.encode()
     hdrs = {
@@ -134,24 +123,18 @@ async def publish_task(
 
 
 async def publish_client(nc: NATS, subjects: Subjects, gateway_id: str, event: ClientEvent) -> None:
-    """Send a client-visible event of one request to its gateway (core NATS, at most once; while
-    the broker is away it waits for the connection, :func:`publish_core`).
-
-    No headers: the subject names the gateway and the request, and the body says the rest. A
-    request streams one of these per token, and headers cost both ends (nats-py builds and parses
-    them in Python): without them the worker and the gateway spend ~12 % less CPU per request at
-    concurrency 16."""
+    """Send a client-visible event of one request to its gateway (core NATS, at most once, no
+    headers: they cost both ends CPU per token)."""
     await publish_core(nc, subjects.out(gateway_id, event.request_id), event.encode())
 
 
 async def until_stored(
     nc: NATS, send: Callable[[], Awaitable[T]], what: str, expired: Callable[[], bool] | None = None
 ) -> T:
-    """``send()`` (a stream publish), again and again while the broker is away (:data:`NOT_NOW`):
-    each time once the connection is back, after ``STORE_RETRY_S`` doubling to
-    ``STORE_RETRY_MAX_S``. A publish sent again carries the same ``Nats-Msg-Id``, so a copy the
-    stream took already comes back as a duplicate. ``expired()`` (checked after a failure) ends
-    the tries by raising the last error; without it the caller bounds the wait."""
+    """``send()`` (a stream publish), again while the broker is away (:data:`NOT_NOW`), once the
+    connection is back, after ``STORE_RETRY_S`` doubling to ``STORE_RETRY_MAX_S``. ``expired()``
+    (checked after a failure) ends the tries by raising the last error."""
+
     pause_s = STORE_RETRY_S
     while True:
         await until_connected(nc)

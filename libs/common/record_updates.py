@@ -1,6 +1,5 @@
-"""Reads and compare-and-set updates of a request's record in ``omni_requests`` (the record model
-itself is :mod:`libs.common.records`): several orchestrators, and a talker writing its position
-notes, may change one record at once."""
+"""Reads and compare-and-set updates of a request's record in ``omni_requests`` (several writers
+may change one record at once)."""
 
 from __future__ import annotations
 
@@ -18,8 +17,8 @@ KV_RETRIES = 5
 
 
 async def update_record(kv: KeyValue, key: str, change: Callable[[RequestRecord], bool | None]) -> bool:
-    """Read-modify-write of a record with optimistic concurrency (several writers);
-    False when there is no such record. A ``change`` that returns False leaves it as it is."""
+    """Read-modify-write of a record with optimistic concurrency; False when there is no such
+    record. A ``change`` that returns False leaves it as it is."""
     for _ in range(KV_RETRIES):
         try:
             entry = await kv.get(key)
@@ -37,10 +36,10 @@ async def update_record(kv: KeyValue, key: str, change: Callable[[RequestRecord]
 
 
 async def read_record(kv: KeyValue, key: str, deadline_ns: int) -> RequestRecord | None:
-    """The record ``key`` as stored now; None when there is none. A read the broker does not answer
-    (it restarts, or a cluster elects the bucket's leader: ``publish.NOT_NOW``) is tried again after
-    ``STORE_RETRY_S``, doubling up to ``STORE_RETRY_MAX_S``, while the retry would start before
-    ``deadline_ns`` (wall clock, ns; the request's deadline); past it, the read's error is raised."""
+    """The record ``key`` as stored now, or None. A read the broker does not answer
+    (``publish.NOT_NOW``) is tried again with ``publish``'s backoff while the retry would start
+    before ``deadline_ns`` (wall clock); past it, the read's error is raised."""
+
     wait_s = STORE_RETRY_S
     while True:
         try:

@@ -9,8 +9,7 @@ from pydantic import BaseModel, Field
 from libs.common.envelopes import EdgeSummary
 
 CODE_POSITIONS_KEPT = 4
-"""Position notes a talker keeps per request (:attr:`StageProgress.code_positions`): it acknowledges
-text chunks in order, so only the newest is ever read."""
+"""Position notes a talker keeps per request (:attr:`StageProgress.code_positions`)."""
 
 
 class RequestStatus(StrEnum):
@@ -31,22 +30,19 @@ class StageAttempt(BaseModel):
     attempt: int
     replica: int
     bound_ns: int
-    """When the request was bound to ``replica`` for this attempt (wall clock, ns)."""
+    """When the request was bound to ``replica`` for this attempt."""
     reason: str | None = None
-    """Why the previous attempt ended (``exit``, ``stall``); None for the first."""
+    """Why the previous attempt ended (``exit``, ``stall``, ``engine_dead``); None for the first."""
     phase: str | None = None
-    """Where the previous attempt was when its replica died: ``queued`` (its engine had not
-    started it) or ``in_progress``; None for the first."""
+    """Where the previous attempt was when its replica died: ``queued`` or ``in_progress``."""
     resumed_tokens: int = 0
-    """Stage 0: tokens the client already had, which this attempt went on from."""
+    """The entry stage: tokens the client already had, which this attempt went on from."""
     start_seq: int = 0
-    """A later stage: the first input chunk this attempt took (those before it were handled by
-    the attempts before)."""
+    """A later stage: the first input chunk this attempt took."""
     claimed_by: str | None = None
     """The orchestrator instance carrying out the move to this attempt; None for the first."""
     sent_ns: int | None = None
-    """When the move's input was sent to ``replica`` (wall clock, ns); None while the move is
-    under way (an orchestrator that finds it so, its claimer gone, carries the move out again)."""
+    """When the move's input was sent to ``replica``; None while the move is under way."""
 
 
 class StageProgress(BaseModel):
@@ -56,11 +52,8 @@ class StageProgress(BaseModel):
     attempts: list[StageAttempt] = Field(default_factory=list)
     """Every attempt of the request in this stage, the current one last."""
     code_positions: dict[int, tuple[int, int]] = Field(default_factory=dict)
-    """A talker whose segments have a variable number of frames (``orpheus``): text chunk seq ->
-    (seq of its first code chunk, absolute index of its first frame), written once the text chunk
-    before it has all its code chunks sent and before that one is acknowledged; the last
-    ``CODE_POSITIONS_KEPT`` only. A talker that takes the request over at text chunk ``i`` goes on
-    from ``code_positions[i]`` (docs/reliability.md, "How a talker request moves")."""
+    """A talker with variable frames per segment (``orpheus``): text chunk seq -> (seq of its first
+    code chunk, index of its first frame), where a talker taking the request over goes on from."""
 
     def note_code_position(self, text_seq: int, code_seq: int, frame: int) -> None:
         """Record where text chunk ``text_seq``'s code chunks start, dropping the oldest notes."""
@@ -88,11 +81,9 @@ class RequestRecord(BaseModel):
     attempt: int = 1
     trace_id: str | None = None
     voice: str | None = None
-    """The voice the talker speaks the request with (``Admission.voice``, as the gateway resolved
-    it); every attempt of the talker reads it here. None (or absent): the stage's default."""
+    """``Admission.voice``, read by every attempt of the talker."""
     entry_stage: int = 0
-    """The stage the request entered at (``Admission.entry_stage``): the stages before it are not
-    run (route ``-1``, no attempts, done at admission)."""
+    """``Admission.entry_stage``: the stages before it are not run (route ``-1``)."""
     arrival_ns: int
     admitted_ns: int
     deadline_ns: int
@@ -102,7 +93,6 @@ class RequestRecord(BaseModel):
     edges: list[EdgeSummary] = Field(default_factory=list)
     """Transfers into each stage (with --log-stats), as the receiving stages reported them."""
     events: list[str] = Field(default_factory=list)
-    """The lifecycle events folded into this record (``<kind>.<stage>.<attempt>``): one that
-    comes again (redelivered after the orchestrator that had it died) is not folded twice."""
+    """The lifecycle events folded into this record (``<kind>.<stage>.<attempt>``), each once."""
     summary_logged: bool = False
-    """The per-request summary line was written (exactly once across orchestrators)."""
+    """The per-request summary line was written (once across orchestrators)."""

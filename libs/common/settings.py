@@ -42,13 +42,9 @@ class ServiceSettings(NatsCredentials):
     pipeline: Path = Field(default=DEFAULT_PIPELINE_PATH, description="pipeline YAML file")
     log_stats: bool = Field(default=False, description="record metrics and stats log lines")
     log_level: str = Field(default="INFO", description="Python logging level")
-    advertise_host: str = Field(
-        default="127.0.0.1", description="host name other services and Prometheus use to reach this one"
-    )
+    advertise_host: str = Field(default="127.0.0.1", description="host name others reach this one by")
     instance_id: str = Field(default_factory=_instance_id, description="unique id of this process")
-    ack_wait_s: float = Field(
-        default=30.0, gt=0, description="JetStream redelivery timer of this service's consumers, seconds"
-    )
+    ack_wait_s: float = Field(default=30.0, gt=0, description="redelivery timer of its consumers, seconds")
 
     @field_validator("nats_url")
     @classmethod
@@ -67,42 +63,28 @@ class GatewaySettings(ServiceSettings):
     host: str = Field(default="127.0.0.1", description="HTTP bind address")
     port: int = Field(default=8000, ge=0, le=65535, description="HTTP port (the OpenAI API, /health)")
     admin_port: int = Field(
-        default=8001,
-        ge=0,
-        le=65535,
-        description="admin port: /metrics and /prometheus/targets, no API key (0: any free)",
+        default=8001, ge=0, le=65535, description="admin port: /metrics and /prometheus/targets, no API key"
     )
-    metrics_host: str = Field(
-        default="127.0.0.1",
-        description="admin port's bind address (0.0.0.0: every interface, as in compose's network)",
-    )
+    metrics_host: str = Field(default="127.0.0.1", description="admin port's bind address")
     sched_batch: SchedBatch = True
-    api_keys: str = Field(
-        default="", description="API keys clients send as 'Authorization: Bearer <key>', comma-separated"
-    )
+    api_keys: str = Field(default="", description="API keys (Authorization: Bearer), comma-separated")
     api_keys_file: Path | None = Field(
         default=None, description="file of API keys, one per line ('#' starts a comment)"
     )
-    generate_api_key: bool = Field(
-        default=False, description="no key and no api_keys_file: write a new random key there (mode 0600)"
-    )
-    allow_no_auth: bool = Field(
-        default=False, description="UNSAFE: serve without API keys on a non-loopback address"
-    )
+    generate_api_key: bool = Field(default=False, description="no key set: write a new one to api_keys_file")
+    allow_no_auth: bool = Field(default=False, description="UNSAFE: no API keys on a non-loopback address")
     gateway_docs: bool = Field(default=False, description="serve /docs, /redoc and /openapi.json")
     max_body_bytes: int = Field(
         default=4 << 20, ge=1024, description="largest request body, bytes (413 above)"
     )
     max_headers: int = Field(default=100, ge=10, description="most headers in a request (431 above)")
-    max_header_bytes: int = Field(
-        default=16 << 10, ge=1024, description="largest request head, bytes (431 above)"
-    )
+    max_header_bytes: int = Field(default=16 << 10, ge=1024, description="largest request head, bytes (431)")
     request_head_timeout_s: float = Field(
-        default=10.0, gt=0, description="a request's head must arrive within this, seconds"
+        default=10.0,
+        gt=0,
+        description="a request's head must arrive within this of the connection's start, s",
     )
-    keep_alive_s: int = Field(
-        default=5, ge=1, description="idle keep-alive connections close after this, seconds"
-    )
+    keep_alive_s: int = Field(default=5, ge=1, description="idle keep-alive connections close after this, s")
     max_messages: int = Field(default=1024, ge=1, description="most messages in a chat request")
     max_prompt_chars: int = Field(default=500_000, ge=1, description="most characters of a request's prompt")
     max_stop: int = Field(default=4, ge=0, description="most stop sequences in a request (OpenAI's limit)")
@@ -111,9 +93,7 @@ class GatewaySettings(ServiceSettings):
         default=None, description="let clients send vLLM's ignore_eos (unset: only on a loopback address)"
     )
     max_buffered_events: int = Field(
-        default=1024,
-        ge=0,
-        description="events waiting for a slow reader for 1 s (or 8 × this at once) before it is aborted; 0: no limit",
+        default=1024, ge=0, description="events a slow reader may leave waiting for 1 s (8 × at once); 0: any"
     )
     slow_reader_timeout_s: float = Field(
         default=30.0, gt=0, description="a response write the client does not take within this aborts it, s"

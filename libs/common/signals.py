@@ -16,5 +16,4 @@ def shutdown_event() -> asyncio.Event:
 
 
 async def wait_for_shutdown() -> None:
-    """Return when the process receives SIGINT or SIGTERM."""
     await shutdown_event().wait()

@@ -13,12 +13,10 @@ SERVICES_BUCKET = "omni_services"
 REQUESTS_BUCKET = "omni_requests"
 """KV bucket: one key per request (in flight, then kept until the bucket's max age)."""
 EVICTIONS_BUCKET = "omni_evictions"
-"""KV bucket: one key per replica incarnation declared dead (``<pipeline>.<stage>.<replica>.<started_ns>``);
-created once, so exactly one orchestrator counts and logs the eviction."""
+"""KV bucket: one key per replica incarnation declared dead (:meth:`Subjects.eviction_key`),
+created once, so exactly one orchestrator counts the eviction."""
 BUCKETS = (SERVICES_BUCKET, REQUESTS_BUCKET, EVICTIONS_BUCKET)
-"""Every KV bucket of omnirelay (shared by every pipeline)."""
 JS_API = "$JS.API"
-"""Prefix of JetStream's API subjects (no domain)."""
 
 
 def kv_stream(bucket: str) -> str:
@@ -32,10 +30,8 @@ def kv_subject(bucket: str, key: str = ">") -> str:
 
 
 ORCHESTRATOR_ADMISSION_CONSUMER = "orchestrator"
-"""Durable pull consumer on the requests stream, shared by every orchestrator instance."""
 ORCHESTRATOR_EVENTS_CONSUMER = "orchestrator-events"
-"""Durable pull consumer on the events stream, shared by every orchestrator instance."""
-
+"""Durable pull consumers on the requests and events streams, shared by the orchestrators."""
 
 EVENT_KINDS = ("started", "stage_done", "finished", "failed", "aborted")
 """Lifecycle event kinds published on ``omni.<pipeline>.events.<kind>``."""
@@ -56,8 +52,7 @@ def max_deliveries_advisory(stream: str, consumer: str) -> str:
 
 
 BATCH_TOKEN = "~"
-"""The last token of :meth:`Subjects.out_batch`: outside a request id's alphabet
-(``[A-Za-z0-9_-]``), so no request's own subject can be a batch's."""
+"""The last token of :meth:`Subjects.out_batch`: outside a request id's alphabet."""
 
 
 def consumer_name(stage: int, replica: int) -> str:
@@ -93,15 +88,12 @@ class Subjects:
         return f"omni.{self.pipeline}.stage.>"
 
     def out(self, gateway_id: str, request_id: str) -> str:
-        """Client-visible deltas and the terminal event of one request (core NATS); a request
-        (with a reply subject) on it is the sending worker asking how far the client's stream of
-        its attempt has got (``ResumeQuery`` → ``ResumePoint``)."""
+        """Client events of one request (core NATS); a request on it is the sending worker's
+        ``ResumeQuery``."""
         return f"omni.{self.pipeline}.out.{gateway_id}.{request_id}"
 
     def out_batch(self, gateway_id: str) -> str:
-        """Client events of several requests of one gateway sent by one worker in one message
-        (core NATS; :data:`BATCH_TOKEN` is no request id, and the gateway's one subscription to
-        :meth:`out_wildcard` takes these in order with the single events)."""
+        """Client events of several requests of one gateway in one message (core NATS)."""
         return f"omni.{self.pipeline}.out.{gateway_id}.{BATCH_TOKEN}"
 
     def out_wildcard(self, gateway_id: str) -> str:
@@ -123,25 +115,21 @@ class Subjects:
         return f"omni.{self.pipeline}.ctl.abort"
 
     def alive(self, stage: int, replica: int) -> str:
-        """Liveness probe of worker (stage, replica) (core NATS request/reply): the worker answers
-        while its event loop runs; NATS answers "no responders" once its connection is gone."""
+        """Liveness probe of worker (stage, replica) (core NATS request/reply)."""
         return f"omni.{self.pipeline}.ctl.alive.{stage}.{replica}"
 
     def orchestrator_alive(self, instance: str) -> str:
-        """Liveness probe of orchestrator ``instance`` (core NATS request/reply, empty body and
-        answer): asked by the others about the claimer of a move it has not carried out yet; NATS
-        answers "no responders" once its connection is gone."""
+        """Liveness probe of orchestrator ``instance`` (core NATS request/reply, empty body and answer)."""
         return f"omni.{self.pipeline}.ctl.alive.orchestrator.{instance}"
 
     def resume(self, gateway_id: str) -> str:
-        """Where a request's client stream stands (core NATS request/reply, orchestrator →
-        gateway ``gateway_id``): asked when the request moves to another replica; the question
-        also fences the stage's older attempts out of the client's stream."""
+        """A move's ``ResumeQuery`` to gateway ``gateway_id`` (core NATS request/reply)."""
         return f"omni.{self.pipeline}.ctl.resume.{gateway_id}"
 
     def route(self, stage: int, replica: int) -> str:
-        """Re-routing of a request's output, orchestrator → worker (stage, replica) (core NATS
-        request/reply): hold the chunks for the next stage while it moves, then send them on."""
+        """A move's route notices to worker (stage, replica) upstream of the stage it moves (core
+        NATS request/reply)."""
+
         return f"omni.{self.pipeline}.ctl.route.{stage}.{replica}"
 
     def eviction_key(self, stage: int, replica: int, started_ns: int) -> str:

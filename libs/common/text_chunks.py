@@ -1,7 +1,5 @@
-"""When text is cut into chunks for a talker: every ``max_tokens`` tokens, or earlier at a sentence's
-end. The thinker cuts its generated text this way (services/stage_worker/handlers/thinker.py), and
-the gateway cuts text streamed into speech the same way (services/gateway/speech_stream.py), so a
-talker hears the same chunks whichever door the text came in by."""
+"""When text is cut into chunks for a talker: every ``max_tokens`` tokens, or earlier at a
+sentence's end (the thinker's output and the gateway's streamed speech input alike)."""
 
 from __future__ import annotations
 
@@ -20,8 +18,8 @@ class TextChunk:
 
 @dataclass
 class TextChunker:
-    """Groups streamed text tokens into chunks of at most ``max_tokens`` tokens, cutting early
-    after a token whose text ends a sentence when ``sentence_end`` is set."""
+    """Groups streamed text tokens into chunks of at most ``max_tokens`` tokens (cut early at a
+    sentence's end with ``sentence_end``)."""
 
     max_tokens: int
     sentence_end: bool = True
@@ -31,11 +29,9 @@ class TextChunker:
     """Tokens in the chunks cut so far."""
 
     def feed(self, token_ids: list[int], text: str) -> list[TextChunk]:
-        """Add one streamed delta; return the chunks it completes (usually zero or one).
+        """Add one streamed delta (whole tokens; its text belongs to its last token); return the
+        chunks it completes."""
 
-        Deltas carry whole tokens; a delta's text is attributed to its last token, which is
-        how vLLM's incremental detokenizer reports it.
-        """
         out: list[TextChunk] = []
         self._text += text
         for tid in token_ids:

@@ -1,19 +1,5 @@
-"""The voice a request speaks with: the client's ``voice`` resolved against the pipeline's talker.
-
-One rule set for every API that takes a voice (chat completions' ``audio.voice``, the speech
-API's ``voice``), applied by the gateway before anything is published:
-
-- a voice the talker's protocol has: that voice;
-- one of OpenAI's built-in voice names (:data:`OPENAI_VOICES`): the talker stage's default voice
-  (its YAML ``talker.voice``, else the protocol's first), so clients that send ``alloy`` out of
-  habit keep working;
-- no voice asked: the stage's default voice;
-- a protocol without voices (``tiny``, one sound): None, whatever was asked;
-- anything else: :class:`UnknownVoice` (a 400 ``invalid_value`` listing the voices there are).
-
-The resolved voice (None: the stage's default) travels in ``Admission.voice`` and the request's
-record (``RequestRecord.voice``), where every attempt of the talker reads it.
-"""
+"""The voice a request speaks with: the client's ``voice`` resolved against the pipeline's talker
+(:func:`resolve_voice`, one rule set for every API that takes a voice)."""
 
 from __future__ import annotations
 
@@ -34,13 +20,11 @@ OPENAI_VOICES: tuple[str, ...] = (
     "marin",
     "cedar",
 )
-"""OpenAI's built-in voice names (its API reference for ``audio.voice`` and ``/v1/audio/speech``);
-each stands for the talker's default voice."""
+"""OpenAI's built-in voice names; each stands for the talker's default voice."""
 
 
 class UnknownVoice(ValueError):
-    """A voice neither the talker's protocol nor OpenAI's built-ins have: a client error, 400
-    ``invalid_value`` on the parameter ``param``; the message lists the voices the pipeline has."""
+    """A voice neither the talker's protocol nor OpenAI's built-ins have: 400 ``invalid_value``."""
 
     status = 400
     code = "invalid_value"
@@ -69,9 +53,10 @@ def default_voice(talker: TalkerConfig) -> str | None:
 
 
 def resolve_voice(talker: TalkerConfig | None, asked: str | None, param: str = "voice") -> str | None:
-    """The voice talker stage ``talker`` speaks a request with when the client asked for
-    ``asked`` (None: not given) in parameter ``param`` (named in the error); None when the
-    pipeline has no talker or its protocol has no voices. Raises :class:`UnknownVoice`."""
+    """The voice ``talker`` speaks a request with when the client asked for ``asked`` in ``param``:
+    a protocol's voice as is; none or an OpenAI name: the default; None without a talker or
+    voices. Anything else raises :class:`UnknownVoice`."""
+
     if talker is None:
         return None
     default = default_voice(talker)

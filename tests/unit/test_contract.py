@@ -81,4 +81,3 @@ def test_header_helpers() -> None:
     hdr = {h.SEQ: "4", h.FINAL: "true", h.TO_STAGE: "x"}
     assert h.header_int(hdr, h.SEQ) == 4
     assert h.header_int(hdr, h.TO_STAGE) is None and h.header_int(None, h.SEQ) is None
-    assert h.header_bool(hdr, h.FINAL) and not h.header_bool({}, h.FINAL)
