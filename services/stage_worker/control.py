@@ -31,17 +31,14 @@ class ControlAnswers:
     health: EngineHealth
     requests: RequestTable
     label: str
-    records: KeyValue | None = None
-    """The ``omni_requests`` bucket (set once connected)."""
+    records: KeyValue | None = None  # omni_requests, set once connected
 
     async def on_alive(self, msg: Msg) -> None:
-        """Answer a liveness probe (its fields say whether the engine lives and makes progress)."""
         await msg.respond(self.health.liveness().encode())
 
     async def on_route(self, msg: Msg) -> None:
-        """The orchestrator moves the next stage of one of this worker's requests: its
-        :class:`ResumeQuery` holds the request's chunks and is answered with the next one's
-        ``seq``; its moved :class:`AbortNotice` sends them on to the new replica."""
+        """A move of the next stage: a :class:`ResumeQuery` holds the request's chunks (answered with
+        the next ``seq``), a moved :class:`AbortNotice` sends them on to the new replica."""
         if (change := decode_or_log(RouteNotice, msg.data, "route notice", log, f"{self.label}: ")) is None:
             return
         if not self._routable(change):
@@ -87,8 +84,7 @@ class ControlAnswers:
         )
 
     async def on_abort(self, msg: Msg) -> None:
-        """Stop a request everywhere, or (reason ``moved``) the attempts of one of its stages that
-        the request moved past."""
+        """Stop a request, or (``moved``) the attempts of one of its stages it moved past."""
         if (notice := decode_or_log(AbortNotice, msg.data, "abort notice", log, f"{self.label}: ")) is None:
             return
         rid = notice.request_id

@@ -18,8 +18,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 START_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"  # fork or spawn; vLLM's CPU platform sets spawn
-EXECUTOR_ARG = "distributed_executor_backend"
-"""The engine argument that names an executor; a stage that sets it in ``extra`` keeps it."""
+EXECUTOR_ARG = "distributed_executor_backend"  # a stage that sets it in extra keeps its executor
 
 
 def model_in_engine_core(on_cpu: bool, world_size: int, engine_args: Mapping[str, Any]) -> bool:
@@ -30,7 +29,7 @@ def model_in_engine_core(on_cpu: bool, world_size: int, engine_args: Mapping[str
 @contextlib.contextmanager
 def one_process_engine(vllm_config: VllmConfig) -> Iterator[None]:
     """Within this block an ``AsyncLLM`` built from ``vllm_config`` forks an EngineCore that runs
-    the model itself on rank 0's cores (the environment is restored after)."""
+    the model on rank 0's cores."""
     from vllm.utils.ompmultiprocessing import OMPProcessManager
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 

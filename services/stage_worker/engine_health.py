@@ -70,7 +70,6 @@ class EngineHealth:
         asyncio.get_running_loop().call_later(ENGINE_DEAD_EXIT_AFTER_S, _exit_with_children, status)
 
     async def watch(self) -> None:
-        """Notice an engine that died while nothing ran on it, or that hangs."""
         watch = self.hang_watch
         last = time.monotonic()
         while not self.engine_died():

@@ -1,5 +1,4 @@
-"""Per-request inbox: holds a request's delivered messages (unacknowledged) and hands them out in
-``Omni-Seq`` order."""
+"""Per-request inbox: a request's delivered messages, handed out in ``Omni-Seq`` order."""
 
 from __future__ import annotations
 
@@ -19,19 +18,15 @@ class Delivery:
 
     msg: Msg
     task: StageTask
-    received_ns: int
-    """When the worker got the message (wall clock, ns)."""
-    transfer: TransferStats | None = None
-    """How the message travelled (measured with --log-stats)."""
-    received_s: float = field(default_factory=time.monotonic)
-    """When the worker got the message (monotonic s)."""
+    received_ns: int  # when the worker got it (wall clock, ns)
+    transfer: TransferStats | None = None  # how it travelled (with --log-stats)
+    received_s: float = field(default_factory=time.monotonic)  # when the worker got it (monotonic s)
 
 
 class RequestInbox:
     """Reorders one request's chunks by sequence number."""
 
     def __init__(self, start_seq: int = 0) -> None:
-        """``start_seq``: the first sequence number handed out."""
         self._next_seq = start_seq
         self._waiting: dict[int, Delivery] = {}
         self._ready = asyncio.Event()

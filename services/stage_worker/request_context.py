@@ -40,8 +40,7 @@ from services.stage_worker.transfer_stats import TransferStats
 log = logging.getLogger(__name__)
 
 STARTED_REPORT_DELAY_S = 0.25
-"""A stage still working this long after taking a request's first input reports ``started``,
-seconds; one that ends sooner reports its start in its ending event."""
+"""A stage still working this long after taking a request's first input reports ``started``, s."""
 
 
 @dataclass
@@ -102,7 +101,6 @@ class RequestContext:
 
     @property
     def attempt(self) -> int:
-        """This stage's attempt at the request."""
         return self.first.attempt
 
     @property
@@ -119,8 +117,7 @@ class RequestContext:
         return self.abort_reason is not None
 
     def abort(self, reason: str) -> None:
-        """Make every later inbox or bus step of the handler raise (a cancellation of its task can
-        be lost: Python 3.11's ``asyncio.wait_for`` drops one that arrives with the result)."""
+        """Make every later inbox or bus step of the handler raise (a task's cancellation can be lost)."""
         self.abort_reason = reason
 
     def _check_aborted(self) -> None:
@@ -135,8 +132,7 @@ class RequestContext:
             self._check_aborted()
 
     def await_clearance(self) -> None:
-        """Send nothing of this request until :meth:`clear` or :meth:`refuse` (its handler runs
-        while the record is read)."""
+        """Send nothing of this request until :meth:`clear` or :meth:`refuse`."""
         self._cleared.clear()
 
     @property
@@ -171,8 +167,7 @@ class RequestContext:
         return d
 
     async def ack(self, d: Delivery) -> None:
-        """Acknowledge an input whose output has been published (one lost with the broker is no
-        failure: the input comes again and is dropped as the input of an ended attempt)."""
+        """Acknowledge an input whose output has been published (a lost ack is no failure)."""
         self._in_hand.pop(d.task.seq, None)
         await until_connected(self.bus.nc)
         try:
@@ -236,8 +231,7 @@ class RequestContext:
         self._out_seq = seq
 
     async def hold(self) -> int:
-        """Stop sending chunks downstream (after a send under way) until :meth:`release`; returns
-        the next chunk's ``seq``."""
+        """Hold chunks (after a send under way) until :meth:`release`; the next chunk's ``seq``."""
         async with self._sending:
             self.hold_now()
             return self._out_seq
@@ -307,8 +301,7 @@ class RequestContext:
             self._send(LifecycleEvent(**self._event_fields("started", self._started_ns)))
 
     def close(self) -> None:
-        """The request has ended here: no late ``started``; its client events are still delivered
-        until the gateway has them all or the deadline passes, unless it was aborted."""
+        """The request has ended here; its client events are still delivered unless it was aborted."""
         self._no_late_started()
         if self.stream is not None:
             self.stream.finish(0.0 if self.aborted else self.seconds_left)
@@ -319,9 +312,8 @@ class RequestContext:
         self._started_sent = True
 
     def lifecycle(self, kind: str, **fields: object) -> None:
-        """Report a lifecycle event to the orchestrator without waiting for it. An ending event of
-        a stage that has not reported ``started`` carries ``started_ns``; ``stage_done`` carries the
-        transfers this stage received, and in the last stage is folded into ``finished``."""
+        """Report a lifecycle event without waiting for it (an ending one carries ``started_ns``
+        when ``started`` was not sent; the last stage's ``stage_done`` goes with ``finished``)."""
         if not self._started_sent and self._started_ns is not None:
             fields = {**fields, "started_ns": self._started_ns}
             self._no_late_started()

@@ -27,8 +27,7 @@ from services.stage_worker.inbox import Delivery
 from services.stage_worker.request_context import RequestContext
 
 KEEP_S = 600.0
-"""Once :data:`MAX_ENTRIES` are known, entries of requests that no longer run are forgotten this
-long after their last change, seconds (longer than any request's deadline)."""
+"""Past :data:`MAX_ENTRIES`, entries not running are forgotten this long after their last change, s."""
 MAX_ENTRIES = 10_000
 EVERY_ATTEMPT = 1 << 30  # above any real attempt: an abort of a request not seen yet drops all of it
 
@@ -78,7 +77,6 @@ class RequestTable:
         return self._entries.get(request_id)
 
     def running_ctx(self, request_id: str) -> RequestContext | None:
-        """The context of ``request_id`` when it runs here."""
         entry = self._entries.get(request_id)
         return entry.ctx if entry is not None and entry.phase == Phase.RUNNING else None
 
@@ -94,8 +92,7 @@ class RequestTable:
         return [d for rid in self._queue for d in self._entries[rid].queued]
 
     def judge(self, task: StageTask) -> Verdict:
-        """The verdict on an input of ``task.request_id``'s attempt ``task.attempt`` (one the
-        orchestrator moved here from a dead replica, ``moved``, is never stale)."""
+        """The verdict on an input (one moved here from a dead replica is never stale)."""
         entry = self._entries.get(task.request_id)
         if entry is None:
             return Verdict.TAKE
@@ -123,8 +120,7 @@ class RequestTable:
         return True
 
     def next_queued(self) -> tuple[list[Delivery], RouteNotice | None] | None:
-        """The oldest queued request's inputs and route notice, taken out of the queue for the
-        caller to start; None when nothing waits."""
+        """The oldest queued request's inputs and route notice, taken out for the caller to start."""
         if not self._queue:
             return None
         rid, _ = self._queue.popitem(last=False)
@@ -156,9 +152,8 @@ class RequestTable:
     def moved(
         self, request_id: str, stage: int, attempt: int, my_stage: int, upstream_restarts: bool
     ) -> Entry | None:
-        """The request moved ``stage`` to ``attempt``: at that stage, older attempts here end and
-        move away; with ``upstream_restarts`` (the thinker before this stage), chunks of its older
-        attempts are stale. Returns the running entry whose attempt is older (the caller stops it)."""
+        """The request moved ``stage`` to ``attempt``: older attempts here end and move away (with
+        ``upstream_restarts``, chunks of older attempts are stale). The running entry to stop."""
         entry = self._entry(request_id)
         if upstream_restarts:
             entry.upstream = max(entry.upstream, attempt)
@@ -173,8 +168,7 @@ class RequestTable:
         return None
 
     def aborted(self, request_id: str) -> Entry | None:
-        """The request was aborted everywhere: its attempt here ends (one not seen yet never
-        starts). Returns the running entry (the caller stops it)."""
+        """The request was aborted everywhere: its attempt here ends. The running entry to stop."""
         entry = self._entry(request_id)
         running = entry.phase == Phase.RUNNING and entry.ctx is not None
         entry.ended = max(entry.ended, entry.ctx.attempt if running else EVERY_ATTEMPT)
@@ -201,7 +195,6 @@ class RequestTable:
 
 
 def _settled(entry: Entry) -> Phase:
-    """The phase of a request that neither waits nor runs here, from its marks."""
     if entry.moved_away and entry.moved_away >= entry.ended:
         return Phase.MOVED_AWAY
     return Phase.ENDED if entry.ended else Phase.EXPECTED

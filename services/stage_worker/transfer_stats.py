@@ -1,8 +1,5 @@
-"""Per-hop transfer statistics, computed by the receiving worker from the message headers.
-
-Intervals across clocks (in-flight, publish, queue wait) that come out negative are clamped to 0
-and the clamp is reported.
-"""
+"""Per-hop transfer statistics, computed by the receiving worker from the message headers
+(cross-clock intervals that come out negative are clamped to 0, and the clamp reported)."""
 
 from __future__ import annotations
 
@@ -28,10 +25,8 @@ class TransferStats:
     """Omni-Tx-End-Ns → JetStream stored timestamp → (``queue_wait_s``) receipt; None without a
     stored timestamp."""
     queue_wait_s: float | None
-    clamped: tuple[str, ...] = field(default=())
-    """Names of the cross-clock intervals that were negative and clamped to 0."""
-    trace_id: str | None = None
-    """Trace of the request (from ``traceparent``): the histograms' exemplar."""
+    clamped: tuple[str, ...] = field(default=())  # the intervals clamped to 0
+    trace_id: str | None = None  # from traceparent: the histograms' exemplar
 
 
 def _cross_clock(name: str, later_ns: int, earlier_ns: int, clamped: list[str]) -> float:

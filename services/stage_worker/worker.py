@@ -62,13 +62,11 @@ from services.stage_worker.transfer_stats import record_transfer, transfer_stats
 log = logging.getLogger(__name__)
 
 CONSUMER_STATE_PERIOD_S = 2.0
-PULL_BATCH = 64
-"""Messages asked of the stage consumer at a time (beyond ``max_inflight`` requests they wait)."""
+PULL_BATCH = 64  # messages asked of the stage consumer at a time
 
 
 class StageWorker:
-    """One stage replica: takes its stage's tasks from JetStream, runs them on its engine, publishes
-    what they produce."""
+    """One stage replica: runs its stage's tasks from JetStream on its engine."""
 
     def __init__(self, settings: WorkerSettings, pipeline: PipelineConfig) -> None:
         if settings.stage >= len(pipeline.stages):
@@ -226,8 +224,7 @@ class StageWorker:
         await self._accept(delivery)
 
     async def _dropped(self, msg: Msg, task: StageTask) -> bool:
-        """Drop ``task`` when :meth:`RequestTable.judge` says so: acknowledged (``DROP``, ``STALE``)
-        or left unacknowledged for the move that sends it on from the stream (``LEAVE``)."""
+        """Whether ``task`` is dropped (:meth:`RequestTable.judge`); acked unless ``LEAVE``."""
         rid = task.request_id
         verdict = self.requests.judge(task)
         if verdict == Verdict.TAKE:
@@ -258,8 +255,7 @@ class StageWorker:
         return True
 
     async def _accept(self, d: Delivery, route: RouteNotice | None = None) -> None:
-        """Hand ``d`` to its running request, or start the request with it (applying ``route``,
-        a route notice kept while it was queued)."""
+        """Hand ``d`` to its running request, or start the request with it (and queued ``route``)."""
         msg, task = d.msg, d.task
         rid = task.request_id
         if await self._dropped(msg, task):  # it was queued while its request ended or moved
@@ -331,9 +327,7 @@ class StageWorker:
         return task
 
     async def _check_record(self, ctx: RequestContext, run: asyncio.Task[None]) -> None:
-        """Judge the start of ``ctx`` by its record while its handler ``run`` runs: refuse it, or
-        point its chunks at the next stage's current attempt (unless a route notice came), then
-        clear it to send."""
+        """Judge the start of ``ctx`` by its record while its handler ``run`` runs."""
         rid = ctx.request_id
         verdict = await read_verdict(self._records, self.me.stage, ctx.first)
         if verdict.drop is not None:
@@ -410,8 +404,7 @@ class StageWorker:
                 await self._accept(d, route)
 
     async def _report_failure(self, ctx: RequestContext, status: int, code: str, message: str) -> None:
-        """Tell the client and the orchestrator that the request failed here (unless aborted: the
-        abort's sender has told them)."""
+        """Tell the client and the orchestrator that the request failed here (unless aborted)."""
         if ctx.aborted:
             return
         ctx.span.set_status(Status(StatusCode.ERROR, f"{code}: {message}"))
@@ -433,7 +426,7 @@ class StageWorker:
                     await msg.in_progress()
 
     async def _consumer_state_loop(self) -> None:
-        """Export this worker's consumer state (what ``nats consumer info`` shows) every few seconds."""
+        """Export this worker's consumer state every few seconds."""
         consumer = consumer_name(self.me.stage, self.me.replica)
         while True:
             try:
