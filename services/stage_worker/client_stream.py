@@ -21,14 +21,10 @@ from libs.common.publish import NOT_NOW, publish_core, until_connected
 
 log = logging.getLogger(__name__)
 
-ASK_PERIOD_S = 0.5
-"""How often a running attempt with unconfirmed events asks the gateway, seconds."""
-ASK_TIMEOUT_S = 1.0
-"""How long one question waits for the gateway's answer, seconds."""
-RETRY_S = 0.1
-"""Pause before asking again while the attempt waits for its confirmation, seconds."""
-GATEWAY_GONE_S = 5.0
-"""The gateway is taken for gone once nobody has taken the question for this long, seconds."""
+ASK_PERIOD_S = 0.5  # how often a running attempt with unconfirmed events asks the gateway, s
+ASK_TIMEOUT_S = 1.0  # how long one question waits for the answer, s
+RETRY_S = 0.1  # pause before asking again while the attempt waits for its confirmation, s
+GATEWAY_GONE_S = 5.0  # the gateway is gone once nobody has taken the question this long, s
 
 
 class ClientStream:
@@ -119,15 +115,11 @@ class ClientStream:
             if not point.known:
                 self._end()
                 return
-            self._confirm(point.next_seq)
-            for data in self._events[: max(asked_after - self.confirmed, 0)]:
-                await publish_core(self._nc, self._subject, data)
-
-    def _confirm(self, next_seq: int) -> None:
-        done = min(max(next_seq - self.confirmed, 0), len(self._events))
-        if done:
+            done = min(max(point.next_seq - self.confirmed, 0), len(self._events))
             del self._events[:done]
             self.confirmed += done
+            for data in self._events[: max(asked_after - self.confirmed, 0)]:
+                await publish_core(self._nc, self._subject, data)
 
     def _end(self) -> None:
         self.ended = True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Iterator
 
 from nats.aio.client import Client as NATS
@@ -18,10 +19,8 @@ from libs.common.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
-MAX_WAITING_BYTES = 1 << 20
-"""Bytes of events added and not yet taken by the send task beyond which adding waits."""
-MAX_BATCH_BYTES = 64 << 10
-"""A batch carries events up to this many bytes of bodies; a larger event goes alone."""
+MAX_WAITING_BYTES = 1 << 20  # bytes of events not yet taken by the send task beyond which adding waits
+MAX_BATCH_BYTES = 64 << 10  # a batch carries up to this many bytes of bodies; a larger event goes alone
 
 
 def frames(
@@ -30,31 +29,21 @@ def frames(
     """The messages (subject, body) that carry ``events`` ((request id, body)) to ``gateway_id``, in
     order: each alone on its request's subject when all are of one request, when it is
     ``max_bytes`` or larger, or alone in its run; else in batches of at most ``max_bytes``."""
-    if len({request_id for request_id, _ in events}) < 2:
+    runs: list[list[tuple[str, bytes]]] = [[event] for event in events]
+    if len({request_id for request_id, _ in events}) > 1:
+        runs, size = [[]], 0.0
         for request_id, body in events:
-            yield subjects.out(gateway_id, request_id), body
-        return
-    run: list[tuple[str, bytes]] = []
-    size = 0
-
-    def close() -> Iterator[tuple[str, bytes]]:
+            alone = len(body) >= max_bytes
+            if alone or size + len(body) > max_bytes:
+                runs.append([])
+                size = 0.0
+            runs[-1].append((request_id, body))
+            size = math.inf if alone else size + len(body)  # nothing joins a large event
+    for run in runs:
         if len(run) == 1:
             yield subjects.out(gateway_id, run[0][0]), run[0][1]
         elif run:
             yield subjects.out_batch(gateway_id), pack_batch([body for _, body in run])
-
-    for request_id, body in events:
-        if len(body) >= max_bytes:
-            yield from close()
-            run, size = [], 0
-            yield subjects.out(gateway_id, request_id), body
-            continue
-        if size + len(body) > max_bytes:
-            yield from close()
-            run, size = [], 0
-        run.append((request_id, body))
-        size += len(body)
-    yield from close()
 
 
 class ClientEventBatcher:

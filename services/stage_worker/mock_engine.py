@@ -106,6 +106,7 @@ class MockAsyncLLM:
         **_: Any,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream ``sampling_params.max_tokens`` tokens as ``RequestOutput`` deltas."""
+        from vllm.outputs import CompletionOutput, RequestOutput
         from vllm.sampling_params import RequestOutputKind
 
         from services.stage_worker.resumed_text import incremental_detokenizer
@@ -118,7 +119,7 @@ class MockAsyncLLM:
             raise ValueError(f"request id {request_id} already running")
         ids = prompt_token_ids(prompt)
         max_tokens = sampling_params.max_tokens or 16
-        loop = asyncio.get_running_loop()
+        loop, inter = asyncio.get_running_loop(), self._inter_token_s
         ended = False
         async with self._slots:
             self._running.add(request_id)
@@ -127,7 +128,10 @@ class MockAsyncLLM:
                 detok = incremental_detokenizer(tokenizer, request_id, ids, sampling_params)
                 t0, produced = loop.time(), 0
                 while produced < max_tokens:
-                    due = await self._wait_due(t0, produced, max_tokens)
+                    if inter <= 0:
+                        await asyncio.sleep(0)  # one token per output, when the caller asks
+                    while (due := tokens_due(loop.time() - t0, inter, produced, max_tokens)) <= produced:
+                        await asyncio.sleep(t0 + (produced + 1) * inter - loop.time())
                     if request_id in self._aborted:
                         break
                     start = len(ids) + produced
@@ -137,8 +141,23 @@ class MockAsyncLLM:
                     stop = detok.update(new, False)
                     finish = "stop" if stop is not None else "length" if produced >= max_tokens else None
                     ended = finish is not None
-                    text = detok.get_next_output_text(ended, delta=True)
-                    yield _output(request_id, ids, detok.output_token_ids[sent:], text, finish, stop)
+                    completion = CompletionOutput(
+                        index=0,
+                        text=detok.get_next_output_text(ended, delta=True),
+                        token_ids=list(detok.output_token_ids[sent:]),
+                        cumulative_logprob=None,
+                        logprobs=None,
+                        finish_reason=finish,
+                        stop_reason=stop,
+                    )
+                    yield RequestOutput(
+                        request_id=request_id,
+                        prompt=None,
+                        prompt_token_ids=ids,
+                        prompt_logprobs=None,
+                        outputs=[completion],
+                        finished=ended,
+                    )
                     if ended:
                         break
             finally:
@@ -148,46 +167,6 @@ class MockAsyncLLM:
                     self.finished += 1
                 else:
                     self.aborted += 1
-
-    async def _wait_due(self, t0: float, produced: int, max_tokens: int) -> int:
-        """Wait until at least one more token is due; how many are due then."""
-        loop = asyncio.get_running_loop()
-        if self._inter_token_s <= 0:
-            await asyncio.sleep(0)
-            return produced + 1
-        while (due := tokens_due(loop.time() - t0, self._inter_token_s, produced, max_tokens)) <= produced:
-            await asyncio.sleep(t0 + (produced + 1) * self._inter_token_s - loop.time())
-        return due
-
-
-def _output(
-    request_id: str,
-    prompt_ids: list[int],
-    token_ids: list[int],
-    text: str,
-    finish_reason: str | None,
-    stop_reason: str | None,
-) -> RequestOutput:
-    """One ``RequestOutput`` delta, shaped as vLLM's output processor builds it."""
-    from vllm.outputs import CompletionOutput, RequestOutput
-
-    completion = CompletionOutput(
-        index=0,
-        text=text,
-        token_ids=list(token_ids),
-        cumulative_logprob=None,
-        logprobs=None,
-        finish_reason=finish_reason,
-        stop_reason=stop_reason,
-    )
-    return RequestOutput(
-        request_id=request_id,
-        prompt=None,
-        prompt_token_ids=prompt_ids,
-        prompt_logprobs=None,
-        outputs=[completion],
-        finished=finish_reason is not None,
-    )
 
 
 def build_mock_engine(
