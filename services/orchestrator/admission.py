@@ -9,6 +9,7 @@ admission is acknowledged last (docs/reliability.md, "An orchestrator dies").
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
@@ -58,16 +59,13 @@ def entry_tasks(adm: Admission, route: list[int]) -> list[StageTask]:
                 transcription=adm.transcription,
             )
         ]
-    offsets = [0]
-    for c in adm.text_chunks:
-        offsets.append(offsets[-1] + len(c.token_ids))
-    last = len(adm.text_chunks) - 1
+    offsets = [0, *itertools.accumulate(len(c.token_ids) for c in adm.text_chunks)]
     return [
         StageTask(
             **common,
             kind=TaskKind.CHUNK,
             seq=i,
-            final=i == last,
+            final=i == len(adm.text_chunks) - 1,
             text=c.text,
             token_ids=c.token_ids,
             offset=offsets[i],
@@ -91,9 +89,8 @@ def _bad_entry(adm: Admission, pipeline: PipelineConfig) -> str | None:
         ok = adm.sampling is not None and bool(adm.prompt_token_ids) and not adm.text_chunks
         return None if ok else "the thinker's request carries a prompt and sampling, no text chunks"
     if entry == pipeline.speech_stage:
-        return (
-            None if adm.audio and adm.text_chunks else "a speech request carries text chunks and wants audio"
-        )
+        ok = bool(adm.audio and adm.text_chunks)
+        return None if ok else "a speech request carries text chunks and wants audio"
     return "no request enters there"
 
 

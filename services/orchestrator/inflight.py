@@ -1,9 +1,5 @@
-"""Every request of one pipeline that is not terminal yet, as the ``omni_requests`` bucket says.
-
-Each orchestrator instance keeps the same index from a watch of the bucket: the deadline sweeper
-reads deadlines from it, the replica watch reads which replica each request is bound to. Acting on
-a record goes through a compare-and-set on it, so instances never act twice.
-"""
+"""Every request of one pipeline that is not terminal yet, from a watch of the ``omni_requests``
+bucket (each orchestrator instance keeps the same index; acting on a record is a compare-and-set)."""
 
 from __future__ import annotations
 
@@ -14,7 +10,6 @@ from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
 from libs.common.records import RequestRecord
-from libs.common.runtime import cancel_and_wait
 
 
 class InflightRequests:
@@ -23,7 +18,6 @@ class InflightRequests:
         self._pipeline = pipeline
         self.records: dict[str, RequestRecord] = {}
         """Request id → its latest non-terminal record."""
-        self._task: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
         return len(self.records)
@@ -34,22 +28,16 @@ class InflightRequests:
 
     def bound_to(self, stage: int, replica: int) -> list[RequestRecord]:
         """Requests whose ``stage`` runs on ``replica`` and has not finished there."""
-        return [
-            rec
-            for rec in self.records.values()
-            if len(rec.route) > stage and rec.route[stage] == replica and not _done(rec, stage)
-        ]
+        return [rec for rec in self.records.values() if (stage, replica) in _bound(rec)]
 
     def busy(self) -> set[tuple[int, int]]:
         """(stage, replica) of every replica with a request bound to it and not finished there."""
-        return {(s, r) for rec in self.records.values() for s, r in enumerate(rec.route) if not _done(rec, s)}
+        return {key for rec in self.records.values() for key in _bound(rec)}
 
-    async def start(self) -> None:
+    async def start(self) -> asyncio.Task[None]:
+        """Watch the bucket; the task that keeps the index (the caller cancels it)."""
         watcher = await self._kv.watchall()
-        self._task = asyncio.create_task(self._watch(watcher), name="inflight-watch")
-
-    async def stop(self) -> None:
-        await cancel_and_wait(self._task)
+        return asyncio.create_task(self._watch(watcher), name="inflight-watch")
 
     async def _watch(self, watcher: KeyValue.KeyWatcher) -> None:
         try:
@@ -74,5 +62,6 @@ class InflightRequests:
                 await watcher.stop()
 
 
-def _done(rec: RequestRecord, stage: int) -> bool:
-    return len(rec.stages) > stage and rec.stages[stage].done_ns is not None
+def _bound(rec: RequestRecord) -> list[tuple[int, int]]:
+    """(stage, replica) of each stage of ``rec`` not finished on its replica."""
+    return [(s, r) for s, r in enumerate(rec.route) if s >= len(rec.stages) or rec.stages[s].done_ns is None]

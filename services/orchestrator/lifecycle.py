@@ -27,37 +27,31 @@ MAX_CONCURRENT_EVENTS = 16
 """Lifecycle events one orchestrator works on at once (updates of one record are compare-and-set)."""
 
 
-class Lifecycle:
-    """Follows the lifecycle events one orchestrator takes from the events consumer."""
+async def on_event(ctx: OrchestratorContext, log_stats: bool, tally: PipelineTally, msg: Msg) -> None:
+    """Fold one lifecycle event from the events consumer into its request's record; with
+    ``log_stats``, log the summary of a request that has ended and count it in ``tally``."""
+    ev = decode(LifecycleEvent, msg.data)
+    await asyncio.sleep(EVENT_DEFER_S)
+    summary: list[RequestRecord] = []
 
-    def __init__(self, ctx: OrchestratorContext, log_stats: bool, tally: PipelineTally) -> None:
-        self.ctx = ctx
-        self.log_stats = log_stats
-        self._tally = tally
+    def change(rec: RequestRecord) -> bool:
+        if not apply_event(rec, ev):
+            return False  # folded before
+        if log_stats and ready_to_summarize(rec):
+            rec.summary_logged = True
+            summary[:] = [rec]
+        return True
 
-    async def on_event(self, msg: Msg) -> None:
-        ev = decode(LifecycleEvent, msg.data)
-        await asyncio.sleep(EVENT_DEFER_S)
-        summary: list[RequestRecord] = []
-
-        def change(rec: RequestRecord) -> bool:
-            if not apply_event(rec, ev):
-                return False  # folded before
-            if self.log_stats and ready_to_summarize(rec):
-                rec.summary_logged = True
-                summary[:] = [rec]
-            return True
-
-        if not await update_record(self.ctx.requests, ev.request_id, change):
-            attempt = msg.metadata.num_delivered if msg.metadata else 1
-            if attempt < UNKNOWN_EVENT_TRIES:  # its admission may still be writing the record
-                await msg.nak(delay=UNKNOWN_EVENT_RETRY_S)
-                return
-            log.warning("event %s of request %s dropped: the request has no record", ev.kind, ev.request_id)
-        await msg.ack()
-        for rec in summary:  # only the writer whose update stuck gets here
-            log.info("%s", format_summary(rec, self.ctx.pipeline))
-            self._tally.end(rec)
+    if not await update_record(ctx.requests, ev.request_id, change):
+        attempt = msg.metadata.num_delivered if msg.metadata else 1
+        if attempt < UNKNOWN_EVENT_TRIES:  # its admission may still be writing the record
+            await msg.nak(delay=UNKNOWN_EVENT_RETRY_S)
+            return
+        log.warning("event %s of request %s dropped: the request has no record", ev.kind, ev.request_id)
+    await msg.ack()
+    for rec in summary:  # only the writer whose update stuck gets here
+        log.info("%s", format_summary(rec, ctx.pipeline))
+        tally.end(rec)
 
 
 def apply_event(rec: RequestRecord, ev: LifecycleEvent) -> bool:

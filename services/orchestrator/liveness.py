@@ -34,7 +34,6 @@ from nats.js.kv import KeyValue
 from libs.common.envelopes import Liveness, MalformedMessage, decode
 from libs.common.records import RequestRecord
 from libs.common.registry import LiveServices, ServiceKind, ServiceRecord
-from libs.common.runtime import cancel_and_wait
 from services.orchestrator.context import OrchestratorContext
 from services.orchestrator.inflight import InflightRequests
 
@@ -164,7 +163,7 @@ class ProgressSeen:
     """Since when ``value`` has not changed while the replica had work."""
 
     def update(self, answer: Liveness, now: float) -> float:
-        """Take ``answer`` in; returns how long progress has been flat with work, seconds."""
+        """Take ``answer`` in; how long progress has been flat with work, seconds."""
         if answer.progress != self.value or answer.busy == 0:
             self.value, self.flat_since = answer.progress, now
         return now - self.flat_since
@@ -181,7 +180,8 @@ class ReplicaWatch:
         on_dead: Callable[[Death, RequestRecord], Awaitable[None]],
         own_alive: str,
     ) -> None:
-        """``own_alive``: this orchestrator's own liveness subject, answered from its event loop
+        """``on_dead`` (which must not raise) gets each request bound to a dead replica;
+        ``own_alive``: this orchestrator's own liveness subject, answered from its event loop
         (the round trip of :class:`BrokerProof`, and other orchestrators' probes of this one)."""
         self._nc = ctx.nc
         self._own_alive = own_alive
@@ -202,7 +202,6 @@ class ReplicaWatch:
         self._reconnects = 0
         self._grace_until = 0.0
         """No "exit" verdict before this (``time.monotonic()``): see :data:`RECONNECT_GRACE_S`."""
-        self._task: asyncio.Task[None] | None = None
         self._judged: dict[tuple[int, int], Death] = {}
         """(stage, replica) → its death, until a heartbeat lifts it (:func:`judgment_lifted`)."""
         services.on_update(self._on_heartbeat)
@@ -227,37 +226,31 @@ class ReplicaWatch:
         if judged is not None and judgment_lifted(judged, rec):
             del self._judged[key]
 
-    async def start(self) -> None:
+    async def start(self) -> asyncio.Task[None]:
+        """Answer this orchestrator's own liveness subject and probe; the probing task (the
+        caller cancels it)."""
         await self._nc.subscribe(self._own_alive, cb=_answer)
-        self._task = asyncio.create_task(self._run(), name="replica-watch")
-
-    async def stop(self) -> None:
-        await cancel_and_wait(self._task)
+        return asyncio.create_task(self._run(), name="replica-watch")
 
     async def _run(self) -> None:
         """Every period, a new probe for each busy replica, whether or not its earlier ones have
         been answered: a probe sent just before a death waits out its timeout, the next one meets
         "no responders" at once. A replica slow to answer delays no other replica's probes."""
-        probing: dict[tuple[int, int], set[asyncio.Task[None]]] = {}
-        pings: set[asyncio.Task[None]] = set()
+        running: set[asyncio.Task[None]] = set()
         try:
             while True:
                 await asyncio.sleep(PROBE_PERIOD_S)
                 busy = self._inflight.busy()
+                running -= {t for t in running if t.done()}
                 if busy:
-                    pings.add(asyncio.create_task(self._ping()))
-                    pings -= {t for t in pings if t.done()}
+                    running.add(asyncio.create_task(self._ping()))
                 for key in set(self._last_answer) - busy:  # idle again: judged afresh next time
                     del self._last_answer[key]
                     self._progress.pop(key, None)
-                for key in busy:
-                    tasks = probing.setdefault(key, set())
-                    tasks -= {t for t in tasks if t.done()}
-                    tasks.add(asyncio.create_task(self._check(*key)))
+                running |= {asyncio.create_task(self._check(*key)) for key in busy}
         finally:
-            for tasks in [*probing.values(), pings]:
-                for task in tasks:
-                    task.cancel()
+            for task in running:
+                task.cancel()
 
     async def _ping(self) -> None:
         """One round trip through the broker, for :class:`BrokerProof`: a request to this
@@ -320,18 +313,11 @@ class ReplicaWatch:
         with contextlib.suppress(KeyWrongLastSequenceError):  # another orchestrator counted it
             await self._evictions.create(eviction, reason.value.encode())
             self._on_eviction(death)
-        await asyncio.gather(*(self._handle(death, rec) for rec in self._inflight.bound_to(stage, replica)))
-
-    async def _handle(self, death: Death, rec: RequestRecord) -> None:
-        try:
-            await self._on_dead(death, rec)
-        except Exception as e:
-            log.warning("request %s: handling the death of its replica failed: %s", rec.request_id, e)
+        await asyncio.gather(*(self._on_dead(death, rec) for rec in self._inflight.bound_to(stage, replica)))
 
     def _reconnecting(self) -> bool:
         """Whether this orchestrator reconnected to NATS less than :data:`RECONNECT_GRACE_S` ago
-        (read after each probe: a probe sent during the outage is flushed, and answered, the moment
-        the connection is back)."""
+        (read after each probe: one sent during the outage is answered once the connection is back)."""
         if self._nc.stats["reconnects"] != self._reconnects:
             self._reconnects = self._nc.stats["reconnects"]
             self._grace_until = time.monotonic() + RECONNECT_GRACE_S

@@ -1,12 +1,7 @@
-"""Moving a request off a dead replica: the decision (pure, on the record) and the stored input.
-
-A request's stage runs on one replica at a time. When that replica is judged dead
-(:mod:`~services.orchestrator.liveness`), the orchestrator moves the stage's work to a live replica
-of the same stage as the stage's next *attempt*. The decision is a compare-and-set on the request's
-record (:func:`plan_move` + :func:`apply_move`), so exactly one orchestrator moves it; the work
-itself is the input the dead replica had not acknowledged, which JetStream still holds
-(:func:`stored_inputs`).
-"""
+"""Moving a request's stage off a dead replica to a live one as the stage's next *attempt*: the
+decision, pure, on the record (:func:`plan_move` + :func:`apply_move`, applied by compare-and-set
+so exactly one orchestrator moves it), and the input the dead replica had not acknowledged
+(:func:`stored_inputs`)."""
 
 from __future__ import annotations
 
@@ -131,10 +126,8 @@ def unfinished_moves(rec: RequestRecord, live: set[str], now_ns: int, grace_ns: 
 async def stored_inputs(
     js: JetStreamContext, stream: str, subject: str, request_id: str
 ) -> list[RawStreamMsg]:
-    """The messages of ``request_id`` still stored on ``subject`` of work-queue ``stream`` (a
-    worker acknowledges an input once it has handled it, and the stream then drops it), oldest
-    first. Reads them one by one (one request to the server each); the subject holds only what its
-    replica had not acknowledged."""
+    """The messages of ``request_id`` still stored (not acknowledged) on ``subject`` of work-queue
+    ``stream``, oldest first; one request to the server per message on the subject."""
     found: list[RawStreamMsg] = []
     seq = 1
     while True:

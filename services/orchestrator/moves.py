@@ -102,13 +102,17 @@ class Mover:
         now (503 ``no_live_replica`` after the stage's ``no_replica_wait_s``, 503
         ``migration_limit`` past its ``migration_limit``)."""
         if seen.request_id not in self._moving:  # the watch hands it over every probe period
-            await self._exclusively(seen.request_id, self._move_or_fail(death, seen))
+            work = self._move_or_fail(death, seen)
+            await self._exclusively(seen.request_id, work, "handling the death of its replica")
 
-    async def _exclusively(self, request_id: str, work: Awaitable[None]) -> None:
-        """Await ``work`` with ``request_id`` among the requests this instance is moving."""
+    async def _exclusively(self, request_id: str, work: Awaitable[None], what: str) -> None:
+        """Await ``work`` with ``request_id`` among the requests this instance is moving; its
+        failure is logged."""
         self._moving.add(request_id)
         try:
             await work
+        except Exception as e:
+            log.warning("request %s: %s failed: %s", request_id, what, e)
         finally:
             self._moving.discard(request_id)
 
@@ -174,10 +178,7 @@ class Mover:
             for move, rec, claimer in found:
                 if claimer in live or move.request_id in self._moving:
                     continue
-                try:
-                    await self._exclusively(move.request_id, self._take_over(move, rec))
-                except Exception as e:
-                    log.warning("request %s: taking over its move failed: %s", move.request_id, e)
+                await self._exclusively(move.request_id, self._take_over(move, rec), "taking over its move")
 
     async def _claimer_gone(self, instance: str) -> bool:
         """Whether orchestrator ``instance``'s connection is gone (NATS: "no responders")."""
@@ -226,11 +227,9 @@ class Mover:
         await self._move(move, seen, inputs, t0)
 
     async def _move(self, move: Move, seen: RequestRecord, inputs: list[RawStreamMsg], t0: float) -> None:
-        """Carry out ``move``: fence the old attempt off (its worker and the client's stream),
-        learn where the client's stream stands, and send the new attempt its input — a listener or
-        thinker the stored task going on after what the client has; a later stage the chunks the
-        dead replica had not acknowledged, its upstream holding the request's chunks meanwhile —
-        then drop the stored originals. ``t0``: the verdict, ``time.monotonic()``."""
+        """Carry out ``move`` (docs/reliability.md, "How a thinker request moves" and after): fence
+        the old attempt off, learn where the client's stream stands, send the new attempt its
+        input, drop the stored originals. ``t0``: the verdict, ``time.monotonic()``."""
         rid, s = move.request_id, move.stage
         t_claimed = time.monotonic()
         notice = AbortNotice(request_id=rid, reason=MOVED, stage=s, attempt=move.attempt)
@@ -258,8 +257,7 @@ class Mover:
         start = min((t.seq for t in tasks), default=held.next_seq)
         resumed = sum(len(d.token_ids) for d in point.deltas)
         phase = Phase.IN_PROGRESS if resumed or point.audio_seq is not None else move.phase
-        # the stored inputs to the new attempt, under an ``omni.migrate`` span: a child of the
-        # request's trace, linked to the attempt that died
+        # an ``omni.migrate`` span: a child of the request's trace, linked to the attempt that died
         parent = context_from_headers(inputs[0].headers) if inputs else None
         link = Link(trace.get_current_span(parent).get_span_context(), {"omnirelay.link": "moved_from"})
         names = ("request_id", "stage", "from_replica", "to_replica", "attempt")
@@ -367,9 +365,9 @@ class Mover:
     async def _fail(
         self, seen: RequestRecord, code: str, message: str, bound: tuple[int, int] | None = None
     ) -> None:
-        """Fail a request now (503 ``code``) unless it has ended or another orchestrator failed it
-        — or, with ``bound`` (stage, replica), unless that stage no longer runs on that replica
-        (:func:`still_bound`): mark its record, abort it everywhere and answer the client."""
+        """Fail a request now (503 ``code``) unless it has ended or, with ``bound`` (stage,
+        replica), that stage no longer runs there: mark its record, abort it everywhere and answer
+        the client."""
         failed = False
 
         def change(rec: RequestRecord) -> bool:
@@ -390,10 +388,9 @@ class Mover:
 def _moved_task(
     task: StageTask, move: Move, start_seq: int, point: ResumePoint, seen: RequestRecord
 ) -> StageTask:
-    """The stored ``task`` of the attempt that died, as input of ``move``'s new attempt: bound to
-    the new replica and, for the later stages, to where the record binds them now, sending to the
-    next stage's current attempt; a start task goes on after the client's text deltas, a later
-    stage's takes chunks from ``start_seq`` and carries no audio the client already has."""
+    """The stored ``task`` of the attempt that died, as input of ``move``'s new attempt, routed as
+    the record binds the later stages now; a start task goes on after the client's text deltas, a
+    chunk is taken from ``start_seq`` on and carries no codes whose audio the client has."""
     s = move.stage
     route = [*task.route[:s], move.to_replica, *seen.route[s + 1 :]]
     update: dict[str, object] = {"route": route, "attempt": move.attempt, "moved": True}

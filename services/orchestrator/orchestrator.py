@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 
 from nats.aio.msg import Msg
-from nats.js.kv import KeyValue
 
 from libs.common.bus import (
     ORCHESTRATOR_ACK_WAIT_S,
@@ -46,7 +46,7 @@ from services.orchestrator.admission import MAX_CONCURRENT_ADMISSIONS, Admission
 from services.orchestrator.context import OrchestratorContext
 from services.orchestrator.deadlines import sweep_deadlines
 from services.orchestrator.inflight import InflightRequests
-from services.orchestrator.lifecycle import MAX_CONCURRENT_EVENTS, Lifecycle
+from services.orchestrator.lifecycle import MAX_CONCURRENT_EVENTS, on_event
 from services.orchestrator.liveness import ReplicaWatch
 from services.orchestrator.moves import Mover
 from services.orchestrator.routing import ReplicaPicker
@@ -75,7 +75,7 @@ class Orchestrator:
         self.nc = await connect(self.settings.nats_url, "omnirelay-orchestrator")
         self.js = JetStream(self.nc)
         await ensure_topology(self.js, self.subjects)
-        self.requests: KeyValue = await requests_kv(self.js)
+        requests = await requests_kv(self.js)
         skv = await services_kv(self.js)
         rejected = rejection_counter(self.metrics, self.model)
         self.services = LiveServices(
@@ -87,35 +87,23 @@ class Orchestrator:
             lambda stage, replica: self._watch.answering(stage, replica),
         )
         self._ctx = OrchestratorContext(
-            self.nc, self.js, self.subjects, self.pipeline, self.requests, picker, self.metrics
+            self.nc, self.js, self.subjects, self.pipeline, requests, picker, self.metrics
         )
         await self.services.start()
         await asyncio.wait_for(self.services.ready.wait(), timeout=10)
-        self._index = InflightRequests(self.requests, self.pipeline.name)
-        await self._index.start()
+        self._index = InflightRequests(requests, self.pipeline.name)
+        self._tasks.append(await self._index.start())
         mover = Mover(self._ctx, self._index, self.services, self.settings.instance_id)
         own_alive = self.subjects.orchestrator_alive(self.settings.instance_id)
         evictions = await evictions_kv(self.js)
         self._watch = ReplicaWatch(
             self._ctx, self._index, self.services, evictions, mover.evicted, mover.replica_died, own_alive
         )
-        await self._watch.start()
+        self._tasks.append(await self._watch.start())
         self._tasks += [
             asyncio.create_task(sweep_deadlines(self._ctx, self._index), name="deadline-sweep"),
             asyncio.create_task(mover.unfinished_moves_loop(), name="unfinished-moves"),
         ]
-        port = await self._register(skv)
-        if self.metrics.enabled:
-            self._tasks += [
-                asyncio.create_task(self._queue_depth_loop(), name="queue-depth"),
-                asyncio.create_task(self._loop_lag_loop(), name="loop-lag"),
-                asyncio.create_task(self._pipeline_log_loop(), name="pipeline-log"),
-            ]
-        await self._consume()
-        log.info("orchestrator %s: ready, metrics on :%d", self.settings.instance_id, port)
-
-    async def _register(self, skv: KeyValue) -> int:
-        """Serve the metrics and keep this instance's registry record alive; the metrics port."""
         port = start_metrics_server(self.settings.metrics_port, self.settings.metrics_host)
         record = ServiceRecord(
             service=ServiceKind.ORCHESTRATOR,
@@ -126,12 +114,19 @@ class Orchestrator:
         )
         self._heartbeat = Heartbeat(skv, record, lambda: 0)
         await self._heartbeat.start()
-        return port
+        if self.metrics.enabled:
+            self._tasks += [
+                asyncio.create_task(self._queue_depth_loop(), name="queue-depth"),
+                asyncio.create_task(self._loop_lag_loop(), name="loop-lag"),
+                asyncio.create_task(self._pipeline_log_loop(), name="pipeline-log"),
+            ]
+        await self._consume()
+        log.info("orchestrator %s: ready, metrics on :%d", self.settings.instance_id, port)
 
     async def _consume(self) -> None:
         """Pull admissions and lifecycle events from the orchestrators' two durable consumers."""
         admissions = Admissions(self._ctx, self._tally)
-        lifecycle = Lifecycle(self._ctx, self.settings.log_stats, self._tally)
+        events = functools.partial(on_event, self._ctx, self.settings.log_stats, self._tally)
         limits = self.settings.bus_limits
         self._consumers = [
             await consume(
@@ -150,7 +145,7 @@ class Orchestrator:
                 orchestrator_consumer_config(
                     self.subjects.events_wildcard, ORCHESTRATOR_EVENTS_CONSUMER, limits
                 ),
-                _concurrently(lifecycle.on_event, MAX_CONCURRENT_EVENTS),
+                _concurrently(events, MAX_CONCURRENT_EVENTS),
                 batch=MAX_CONCURRENT_EVENTS,
                 name="orchestrator events",
             ),
@@ -190,8 +185,6 @@ class Orchestrator:
             await c.stop()
         for t in self._tasks:
             await cancel_and_wait(t)
-        await self._watch.stop()
-        await self._index.stop()
         await self._heartbeat.stop()
         await self.services.stop()
         with contextlib.suppress(Exception):

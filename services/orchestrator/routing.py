@@ -1,9 +1,6 @@
-"""Choosing a replica per stage for a new request: the least loaded live replica.
-
-Load is what each replica last reported in its heartbeat plus what this orchestrator has bound
-to it since that heartbeat (heartbeats are seconds apart; a burst would otherwise all go to one
-replica). Ties go to the replica bound least recently.
-"""
+"""Choosing a replica per stage for a new request: the least loaded live replica. Load is what
+each replica last reported in its heartbeat plus what this orchestrator has bound to it since;
+ties go to the replica bound least recently."""
 
 from __future__ import annotations
 
