@@ -21,11 +21,10 @@ from vllm.v1.spec_decode.metrics import SpecDecodingProm
 
 log = logging.getLogger(__name__)
 
-IDENTITY_LABELS = ("model_name", "stage", "replica")
-"""Labels every relabelled family starts with, in this order."""
+IDENTITY_LABELS = ("model_name", "stage", "replica")  # every relabelled family's first labels
 
 RENAMED_LABELS: dict[str, dict[str, str]] = {
-    "vllm:num_requests_kv_fetch_by_stage": {"stage": "kv_fetch_stage"},
+    "vllm:num_requests_kv_fetch_by_stage": {"stage": "kv_fetch_stage"}
 }
 """Upstream labels that would collide with ours, per family (otherwise ``upstream_<label>``)."""
 
@@ -82,11 +81,7 @@ class _Relabel:
                 raise ValueError(f"Incorrect label count for {self}: {labelvalues} for {upstream}")
             given = dict(zip(upstream, labelvalues, strict=True))
         ident = self._identity
-        ours: dict[str, object] = {
-            "model_name": ident.model_name,
-            "stage": ident.stage,
-            "replica": ident.replica,
-        }
+        ours: dict[str, object] = dict(model_name=ident.model_name, stage=ident.stage, replica=ident.replica)
         for name, value in given.items():
             if name == "engine" and str(value) != str(ident.engine_index):
                 raise ValueError(
@@ -139,9 +134,7 @@ def prometheus_logger_class(identity: EngineIdentity) -> type[OmniPrometheusStat
         "_perf_metrics_cls": type("OmniPerfMetricsProm", (PerfMetricsProm,), {"_counter_cls": counter}),
     }
     return type(
-        "OmniPrometheusStatLogger",
-        (OmniPrometheusStatLogger,),
-        {**slots, **helpers, "identity": identity},
+        "OmniPrometheusStatLogger", (OmniPrometheusStatLogger,), {**slots, **helpers, "identity": identity}
     )
 
 

@@ -60,22 +60,14 @@ async def read_verdict(records: KeyValue | None, stage: int, task: StageTask) ->
     """:func:`judge_start` on the stored record; start as the input says without one."""
     if records is None:
         return StartVerdict()
+    rid, rec = task.request_id, None
     try:
-        entry = await records.get(task.request_id)
+        entry = await records.get(rid)
+        rec = None if entry.value is None else RequestRecord.model_validate_json(entry.value)
     except KeyNotFoundError:
-        return StartVerdict()
-    except Exception as e:  # the broker is away: the input's own word stands
-        log.info(
-            "request %s: its record could not be read (%s); started as its input says", task.request_id, e
-        )
-        return StartVerdict()
-    if entry.value is None:
-        return StartVerdict()
-    try:
-        rec = RequestRecord.model_validate_json(entry.value)
+        pass
     except ValidationError:  # not a record (the bus fuzzer writes such)
-        log.warning(
-            "request %s: its record is not a request record; started as its input says", task.request_id
-        )
-        return StartVerdict()
-    return judge_start(rec, stage, task)
+        log.warning("request %s: its record is not a request record; started as its input says", rid)
+    except Exception as e:  # the broker is away: the input's own word stands
+        log.info("request %s: its record could not be read (%s); started as its input says", rid, e)
+    return StartVerdict() if rec is None else judge_start(rec, stage, task)

@@ -282,13 +282,9 @@ class RequestContext:
         return self.bus.subjects.out(self.first.gateway_id, self.request_id)
 
     def _add_transfer(self, t: TransferStats) -> None:
-        if (e := self._edges.get((t.from_stage, t.from_replica))) is None:
-            e = self._edges[(t.from_stage, t.from_replica)] = EdgeSummary(
-                from_stage=t.from_stage,
-                from_replica=t.from_replica,
-                to_stage=t.to_stage,
-                to_replica=t.to_replica,
-            )
+        edge = (t.from_stage, t.from_replica)
+        if (e := self._edges.get(edge)) is None:
+            e = self._edges[edge] = EdgeSummary(*edge, t.to_stage, t.to_replica)
         e.hops += 1
         e.bytes += t.size_bytes
         e.tx_s += t.tx_s

@@ -18,14 +18,7 @@ from opentelemetry.trace import INVALID_SPAN, Link, Span, SpanKind, Status, Stat
 
 from libs.common import headers as h
 from libs.common import tracing
-from libs.common.bus import (
-    connect,
-    consume,
-    ensure_topology,
-    requests_kv,
-    services_kv,
-    stage_consumer_config,
-)
+from libs.common.bus import connect, consume, ensure_topology, requests_kv, services_kv, stage_consumer_config
 from libs.common.consumer import PullConsumer
 from libs.common.envelopes import (
     ENGINE_DEAD,
@@ -109,13 +102,14 @@ class StageWorker:
         return f"stage {self.me.stage} ({self.stage_cfg.name}) replica {self.me.replica}"
 
     async def start(self) -> None:
+        stage, replica = self.me.stage, self.me.replica
         t0 = time.monotonic()
         await self.handler.start()
         log.info("%s: engine ready in %.1f s", self.label, time.monotonic() - t0)
         # Before the replica is reachable: a full collection of the start-up heap holds the event
         # loop for seconds on a loaded box, and a replica that answers no probe is judged stalled.
         freeze_startup_heap()
-        nc = await connect(self.settings.nats_url, f"omnirelay-worker-{self.me.stage}-{self.me.replica}")
+        nc = await connect(self.settings.nats_url, f"omnirelay-worker-{stage}-{replica}")
         js = JetStream(nc)
         await ensure_topology(js, self.subjects)
         self.bus = Bus(nc, js, self.subjects, ClientEventBatcher(nc, self.subjects))
@@ -129,21 +123,21 @@ class StageWorker:
             nc,
             js,
             self.subjects.stages_stream,
-            stage_consumer_config(self.subjects, self.me.stage, self.me.replica, self.settings.bus_limits),
+            stage_consumer_config(self.subjects, stage, replica, self.settings.bus_limits),
             self._dispatch,
             batch=PULL_BATCH,
             name=self.label,
         )
         # Liveness probes are answered before the replica is routable.
-        await nc.subscribe(self.subjects.alive(self.me.stage, self.me.replica), cb=self.control.on_alive)
-        await nc.subscribe(self.subjects.route(self.me.stage, self.me.replica), cb=self.control.on_route)
+        await nc.subscribe(self.subjects.alive(stage, replica), cb=self.control.on_alive)
+        await nc.subscribe(self.subjects.route(stage, replica), cb=self.control.on_route)
         record = ServiceRecord(
             service=ServiceKind.WORKER,
             pipeline=self.pipeline.name,
             instance=self.settings.instance_id,
-            stage=self.me.stage,
+            stage=stage,
             stage_name=self.stage_cfg.name,
-            replica=self.me.replica,
+            replica=replica,
             metrics_url=f"http://{self.settings.advertise_host}:{port}/metrics",
             version=VERSION,
         )
@@ -157,16 +151,11 @@ class StageWorker:
         ]
         if self.metrics.enabled:
             self._tasks.append(asyncio.create_task(self._consumer_state_loop(), name="consumer-state"))
-        consumer = consumer_name(self.me.stage, self.me.replica)
+        consumer = consumer_name(stage, replica)
         await nc.subscribe(
             max_deliveries_advisory(self.subjects.stages_stream, consumer), cb=self._on_dead_letter
         )
-        log.info(
-            "%s: serving %s, metrics on :%d",
-            self.label,
-            self.subjects.stage_in(self.me.stage, self.me.replica),
-            port,
-        )
+        log.info("%s: serving %s, metrics on :%d", self.label, self.subjects.stage_in(stage, replica), port)
 
     async def stop(self, drain_s: float = 10.0) -> None:
         """Stop taking work, let in-flight requests finish for up to ``drain_s``, then leave."""
@@ -289,9 +278,8 @@ class StageWorker:
         attempt = msg.metadata.num_delivered if msg.metadata else 1
         links = []
         if attempt > 1 and parent is not None:
-            links = [
-                Link(trace.get_current_span(parent).get_span_context(), {"omnirelay.link": "redelivery"})
-            ]
+            sender = trace.get_current_span(parent).get_span_context()
+            links = [Link(sender, {"omnirelay.link": "redelivery"})]
         attrs = {
             "omnirelay.request_id": task.request_id,
             "omnirelay.stage": self.me.stage,
