@@ -53,9 +53,7 @@ class FrameChunk:
 
     seq: int  # StageTask.seq
     first_frame: int  # absolute index of its first own frame (StageTask.offset)
-    frames: np.ndarray
-    """``[before + own + after, frame_size]`` codes: ``before`` and ``after`` context frames
-    (``StageTask.context_before`` / ``context_after``) around its own."""
+    frames: np.ndarray  # [before + own + after, frame_size] codes (context frames around its own)
     before: int
     after: int
 

@@ -1,8 +1,6 @@
 """One attempt's client events (core NATS, at most once), kept by their sender until the gateway
-confirms them: it asks the request's gateway (:class:`ResumeQuery` on the ``out`` subject) every
-:data:`ASK_PERIOD_S`, and after the attempt ended until the deadline; the answer's ``next_seq`` is the
-first event the gateway lacks, sent again with those after it. The stream ends when the gateway no
-longer takes the attempt's events, or nobody answers for :data:`GATEWAY_GONE_S`.
+confirms them: a :class:`ResumeQuery` on the request's ``out`` subject is answered with the first
+event the gateway lacks (``next_seq``), which is sent again with those after it.
 """
 
 from __future__ import annotations

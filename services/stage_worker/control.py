@@ -1,6 +1,5 @@
-"""The stage worker's answers to control messages: liveness probes, the orchestrator's route
-notices and aborts (core NATS). Each changes the worker's
-:class:`~services.stage_worker.request_table.RequestTable` only through its transitions.
+"""The stage worker's answers to control messages (liveness probes, route notices, aborts); they
+change its :class:`~services.stage_worker.request_table.RequestTable` only through its transitions.
 """
 
 from __future__ import annotations
@@ -47,8 +46,7 @@ class ControlAnswers:
             )
             await msg.respond(ResumePoint(known=False).encode())  # not the next stage, or no such replica
             return
-        entry = self.requests.get(change.request_id)
-        if entry is not None and self.requests.route_while_queued(change.request_id, change):
+        if (entry := self.requests.route_while_queued(change.request_id, change)) is not None:
             first = min((d.task for d in entry.queued), key=lambda t: t.seq)  # it has sent nothing yet
             next_seq = await self.handler.first_chunk_seq(first, self.records)
             await msg.respond(ResumePoint(known=True, next_seq=next_seq).encode())

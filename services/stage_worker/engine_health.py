@@ -50,12 +50,9 @@ class EngineHealth:
 
     def engine_died(self) -> bool:
         """Whether the engine has died under this worker (the first time, the worker exits soon)."""
-        if self._dead_since is not None:
-            return True
-        if not self._handler.engine_dead():
-            return False
-        self._exit_soon("the engine died", ENGINE_DEAD_EXIT_STATUS)
-        return True
+        if self._dead_since is None and self._handler.engine_dead():
+            self._exit_soon("the engine died", ENGINE_DEAD_EXIT_STATUS)
+        return self._dead_since is not None
 
     def _exit_soon(self, why: str, status: int) -> None:
         """Exit ``ENGINE_DEAD_EXIT_AFTER_S`` from now with ``status``, with the engine's processes."""

@@ -38,11 +38,8 @@ def _lower_descendants(nice: int) -> int:
     except psutil.Error:  # one ended while the tree was read: the next pass sees the rest
         return 0
     for child in children:
-        try:
-            threads = child.threads()
-        except psutil.Error:
-            continue
-        raised += sum(_raise_thread(t.id, nice) for t in threads)
+        with contextlib.suppress(psutil.Error):
+            raised += sum(_raise_thread(t.id, nice) for t in child.threads())
     return raised
 
 

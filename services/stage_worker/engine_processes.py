@@ -3,6 +3,7 @@ the namespaces of :data:`~libs.common.metrics_catalog.ENGINE_PROCESSES`)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import psutil
@@ -32,17 +33,13 @@ class ChildByTitle:
         while level:  # nearest generation first
             children: list[psutil.Process] = []
             for parent in level:
-                try:
+                with contextlib.suppress(psutil.Error):
                     children += parent.children()
-                except psutil.Error:
-                    continue
             for child in children:
-                try:
+                with contextlib.suppress(psutil.Error):
                     if child.name().startswith(self._title[:COMM_LEN]):
                         self._proc = child
                         return child.pid
-                except psutil.Error:
-                    continue
             level = children
         return MISSING
 

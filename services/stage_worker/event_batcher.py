@@ -1,7 +1,5 @@
-"""A worker's client events, sent once per event-loop turn: one message per gateway.
-
-The first event of a turn goes at once, alone; the rest go in the next turn (:func:`frames`), in
-the order added. Past :data:`MAX_WAITING_BYTES` waiting, adding waits. Nothing is kept for resending.
+"""A worker's client events, one message per gateway per event-loop turn: the first event of a turn
+goes at once, alone, the rest in the next turn (:func:`frames`), in the order added.
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 ``AsyncLLM``, answering from no model, so a benchmark measures omnirelay's own ceiling.
 
 Each request streams ``max_tokens`` tokens of :data:`MOCK_TEXT` (the token at sequence position *p*,
-prompt included, is ``cycle[p % len]``: a moved request continues where it was), decoded and
-stop-checked by vLLM's incremental detokenizer, never EOS. Token *k* is due ``(k + 1) ×
-inter_token_ms`` after the request got one of ``max_num_seqs`` slots (0: one per output, when asked).
+prompt included, is ``cycle[p % len]``), never EOS; token *k* is due ``(k + 1) × inter_token_ms``
+after the request got one of ``max_num_seqs`` slots (0: one per output, when asked).
 """
 
 from __future__ import annotations

@@ -111,13 +111,13 @@ class RequestTable:
         entry.queued.append(d)
         self._queue[d.task.request_id] = None
 
-    def route_while_queued(self, request_id: str, change: RouteNotice) -> bool:
-        """Keep a hold or release for a queued request; False when it is not queued here."""
+    def route_while_queued(self, request_id: str, change: RouteNotice) -> Entry | None:
+        """Keep a hold or release for a queued request: its entry; None when it is not queued here."""
         entry = self._entries.get(request_id)
         if entry is None or entry.phase != Phase.QUEUED:
-            return False
+            return None
         entry.route = change
-        return True
+        return entry
 
     def next_queued(self) -> tuple[list[Delivery], RouteNotice | None] | None:
         """The oldest queued request's inputs and route notice, taken out for the caller to start."""
@@ -177,9 +177,7 @@ class RequestTable:
         return entry if running else None
 
     def _entry(self, request_id: str) -> Entry:
-        entry = self._entries.get(request_id)
-        if entry is None:
-            entry = self._entries[request_id] = Entry(Phase.EXPECTED)
+        entry = self._entries.setdefault(request_id, Entry(Phase.EXPECTED))
         entry.changed_s = time.monotonic()
         return entry
 

@@ -21,10 +21,8 @@ class TransferStats:
     tx_s: float
     rx_s: float
     in_flight_s: float
-    publish_s: float | None
-    """Omni-Tx-End-Ns → JetStream stored timestamp → (``queue_wait_s``) receipt; None without a
-    stored timestamp."""
-    queue_wait_s: float | None
+    publish_s: float | None  # tx end → JetStream stored timestamp; None without one
+    queue_wait_s: float | None  # stored timestamp → receipt
     clamped: tuple[str, ...] = field(default=())  # the intervals clamped to 0
     trace_id: str | None = None  # from traceparent: the histograms' exemplar
 

@@ -1,7 +1,5 @@
-"""The stage worker's bus plumbing: pull consumer, per-request tasks, acks, aborts, registry.
-
-A message is acked once its output is published, kept alive with in-progress acks until then; a
-malformed one is terminated (``term``) and logged.
+"""The stage worker's bus plumbing: pull consumer, per-request tasks, acks, aborts, registry. A
+message is acked once its output is published (kept alive until then); a malformed one is termed.
 """
 
 from __future__ import annotations
