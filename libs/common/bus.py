@@ -73,8 +73,7 @@ class BusLimits:
 
 LIMITS = BusLimits()
 ORCHESTRATOR_ACK_WAIT_S = 1.0
-"""Redelivery timer of the orchestrators' consumers (admissions, lifecycle events), seconds: the
-delay an orchestrator's death adds to a request (they send in-progress acks while they work)."""
+"""Redelivery timer of the orchestrators' consumers, seconds: the delay an orchestrator's death adds."""
 ORCHESTRATOR_MAX_DELIVER = 30
 RECONNECT_WAIT_S = 0.25
 """Pause between a client's attempts to reach a server again, seconds."""
@@ -101,14 +100,12 @@ def replicas_for(servers: list[str]) -> int:
 
 
 def direct_reads(n_replicas: int) -> bool:
-    """Whether a bucket answers reads by direct get: only with one replica (with more, a
-    follower's answer can lag a write its leader has acknowledged)."""
+    """Direct gets only with one replica: a follower's answer can lag an acknowledged write."""
     return n_replicas == 1
 
 
 def replicas(js: JetStreamContext) -> int:
-    """Replicas of what is declared through ``js``: :func:`replicas_for` the servers given to
-    :func:`connect`; 1 for a client made otherwise."""
+    """Replicas of what is declared through ``js`` (1 for a client not made by :func:`connect`)."""
     return _replicas.get(js._nc, 1)  # nats-py keeps the client of a context only there
 
 
@@ -128,10 +125,9 @@ def redact(url: str) -> str:
 async def connect(
     url: str, name: str, credentials: NatsAuth | None = None, on_reconnect: Callable[[], None] | None = None
 ) -> NATS:
-    """Connect to one of the servers in ``url`` (comma-separated), reconnecting without limit.
+    """Connect to one of the servers in ``url`` (comma-separated), reconnecting without limit, as
+    ``credentials`` (default: the environment's); ``on_reconnect()`` runs on every reconnect."""
 
-    As the identity of ``credentials``, by default the environment's (:class:`NatsCredentials`;
-    none: anonymous). ``on_reconnect`` is called (on the loop, not awaited) on every reconnect."""
     servers = server_urls(url)
     shown = redact(url)
     options = (credentials if credentials is not None else NatsCredentials()).connect_options()
@@ -211,13 +207,11 @@ def _persist_mode(cfg: StreamConfig) -> PersistMode:
 T = TypeVar("T")
 
 TOPOLOGY_TRIES = 3
-"""Tries of a topology declaration or bucket look-up that JetStream does not answer in time (a
-cluster elects a leader per replicated stream)."""
+"""Tries of a topology declaration or bucket look-up that JetStream does not answer in time."""
 
 
 async def ensure_topology(js: JetStreamContext, subjects: Subjects, limits: BusLimits = LIMITS) -> None:
-    """Declare the pipeline's streams and KV buckets, each with :func:`replicas` replicas (an
-    existing one with another number is scaled to it)."""
+    """Declare the pipeline's streams and KV buckets, each scaled to :func:`replicas` replicas."""
     await _asked_again("a topology declaration", lambda: _declare_topology(js, subjects, limits))
 
 
@@ -257,7 +251,6 @@ async def _declare_topology(js: JetStreamContext, subjects: Subjects, limits: Bu
         StreamConfig(name=subjects.events_stream, subjects=[subjects.events_wildcard], **work_queue),
     ):
         await _ensure_stream(js, cfg)
-
     for bucket, ttl_s in (
         (SERVICES_BUCKET, limits.service_ttl_s),
         (REQUESTS_BUCKET, limits.request_record_ttl_s),
@@ -280,8 +273,7 @@ async def _ensure_kv_replicas(js: JetStreamContext, bucket: str, ttl_s: float) -
 
 
 async def _kv(js: JetStreamContext, bucket: str, ttl_s: float) -> KeyValue:
-    """``bucket``, created with :func:`replicas` replicas only when JetStream says it has none (a
-    look-up that timed out is made again; one that met a stream without a leader raises)."""
+    """``bucket``, created with :func:`replicas` replicas only when JetStream says it has none."""
     try:
         return await _asked_again(f"the look-up of bucket {bucket}", lambda: js.key_value(bucket))
     except NotFoundError:  # nats-py's BucketNotFoundError is one
@@ -348,8 +340,7 @@ async def consume(
     batch: int,
     name: str,
 ) -> PullConsumer:
-    """Declare (or update) durable pull consumer ``config`` on ``stream`` and hand its messages to
-    ``handle`` as they arrive, at most ``batch`` asked for at a time."""
+    """Declare (or update) durable pull consumer ``config`` on ``stream``; hand its messages to ``handle``."""
     try:
         await js.add_consumer(stream, config)
     except BadRequestError as e:  # a change the server does not allow on an existing consumer
@@ -364,7 +355,6 @@ async def bucket_keys(nc: NATS, bucket: str, timeout_s: float = 5.0) -> set[str]
     subjects its stream's leader counts, a page of up to 100,000 at a time (``timeout_s`` per
     page). ``KeyValue.keys()`` can stop early while keys are written (nats-io/nats.py#995).
     Raises :class:`NotFoundError` (no such bucket) or :class:`ServiceUnavailableError`."""
-
     prefix = kv_subject(bucket, "")
     asked = {"subjects_filter": kv_subject(bucket)}
     keys: set[str] = set()

@@ -30,15 +30,13 @@ class Rejected(StrEnum):
     WRONG_REPLICA = "wrong_replica"
     """A replica the stage does not declare, or another than the one bound to that (stage, attempt)."""
     BAD_STATUS = "bad_status"
-    """An error event whose status or code the gateway does not forward (the client gets 502
-    ``bad_status``; the request ends)."""
+    """An error event whose status or code the gateway does not forward (the client gets 502)."""
     BAD_RECORD = "bad_record"
     """A registry record that fails :func:`libs.common.registry.record_problem`."""
 
 
 def rejection_counter(metrics: MetricSet, model: str) -> Callable[[Rejected], None]:
-    """A function counting one dropped message by reason (nothing when ``metrics`` is disabled);
-    every reason's series exists from the start at 0."""
+    """A function counting one dropped message by reason; every reason's series starts at 0."""
     if not metrics.enabled:
         return lambda _reason: None
     family = metrics[REJECTED_FAMILY]
@@ -49,7 +47,6 @@ def rejection_counter(metrics: MetricSet, model: str) -> Callable[[Rejected], No
 def metrics_url_problem(url: str) -> str | None:
     """Why ``url`` must not become a Prometheus target (None: it may): it must be ``http(s)`` with
     a host and an explicit port, and no credentials, query, fragment or white space."""
-
     try:
         parts = urlsplit(url)
         port = parts.port

@@ -36,8 +36,7 @@ Handler = Callable[[Msg], Awaitable[None]]
 
 
 class PullConsumer:
-    """Hands every message of durable pull consumer ``consumer`` (of ``stream``) to ``handle``, in
-    delivery order; at most ``batch`` asked for at a time, each pull request living ``expires_s``."""
+    """Hands every message of durable pull consumer ``consumer`` (of ``stream``) to ``handle``."""
 
     def __init__(
         self,
@@ -98,8 +97,7 @@ class PullConsumer:
             log.exception("%s: handling a message failed", self._name)
 
     def _on_status(self, status: str, headers: dict[str, str]) -> bool:
-        """Account for a status message; True when the requests may be topped up now (after a
-        refusal, the watchdog's next tick tops them up)."""
+        """Account for a status message; True when the requests may be topped up now."""
         if status == "100":  # idle heartbeat / flow control: nothing to account
             return False
         try:
@@ -126,8 +124,7 @@ class PullConsumer:
             log.warning("%s: pull request failed (%r); the watchdog retries", self._name, e)
 
     async def _watch(self) -> None:
-        """Every second: start over when the server has been silent for longer than a request
-        lives, and top up what a refused request left short."""
+        """Start over after the server's silence, and top up what a refused request left short."""
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
             if time.monotonic() - self._heard > self.expires_s + LOST_GRACE_S:

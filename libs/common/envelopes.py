@@ -30,8 +30,7 @@ class MalformedMessage(ValueError):
 MAX_ID_CHARS = 128
 """Longest request or gateway id a message may carry."""
 Id = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$", max_length=MAX_ID_CHARS)]
-"""A request or gateway id: one NATS subject token and KV key (a message carrying another is
-malformed: in a subject it would make the server close the publishing connection)."""
+"""A request or gateway id: one NATS subject token and KV key."""
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 
@@ -65,15 +64,13 @@ def decode(cls: type[E], data: bytes) -> E:
     except msgspec.ValidationError as e:
         text = str(e)
         reason = "not_a_map" if _WRONG_SHAPE.fullmatch(text) else "invalid_envelope"
-        name = getattr(cls, "__name__", str(cls))
-        raise MalformedMessage(f"not a valid {name}: {text}", reason) from None
+        raise MalformedMessage(f"not a valid {getattr(cls, '__name__', cls)}: {text}", reason) from None
     except msgspec.DecodeError as e:
         raise MalformedMessage(f"body is not msgpack: {e}", "not_msgpack") from None
 
 
 def decode_or_log(cls: type[E], data: bytes, what: str, log: logging.Logger, context: str = "") -> E | None:
-    """:func:`decode`, or log that a malformed ``what`` is ignored (``context`` prefixes the line)
-    and return None."""
+    """:func:`decode`, or log that a malformed ``what`` is ignored and return None."""
     try:
         return decode(cls, data)
     except MalformedMessage as e:
@@ -149,8 +146,7 @@ class Admission(_Envelope, kw_only=True):
     voice: str | None = None
     """The talker's voice (:func:`libs.common.voices.resolve_voice`); None: the stage's default."""
     entry_stage: NonNegative = 0
-    """The stage the request enters at: the thinker, the listener, or the talker for a speech
-    request, whose input is ``text_chunks``."""
+    """The stage the request enters at (the talker for a speech request: ``text_chunks``)."""
     text_chunks: list[SpeechChunk] = msgspec.field(default_factory=list)
     """A speech request's input text in the chunks the talker speaks, in order."""
     transcription: Transcription | None = None
@@ -196,25 +192,21 @@ class StageTask(_Envelope, kw_only=True):
     attempt: Positive = 1
     from_attempt: Positive = 1
     resume: list[TextDelta] = msgspec.field(default_factory=list)
-    """The listener or the thinker after a move: the text deltas the client already has, in order
-    (the new attempt goes on after them)."""
+    """The entry stage after a move: the text deltas the client already has, in order."""
     start_seq: NonNegative = 0
     """A later stage after a move: the first chunk the new attempt takes."""
     offset: NonNegative = 0
-    """A chunk: the position of its first item (token, or code) in what its sender produced for
-    the request."""
+    """A chunk: the position of its first token or code in what its sender produced."""
     context_before: NonNegative = 0
     context_after: NonNegative = 0
     """A code chunk: frames of its neighbours' context at the start and end of ``codes``; its own
     frames are ``codes[context_before : len(codes) - context_after]``, the first being frame
     ``offset`` of the request's code stream."""
     moved: bool = False
-    """A stored input the orchestrator sends again to the stage's new attempt after a move (the
-    thinker's fence does not drop it)."""
+    """A stored input the orchestrator sends again to the stage's new attempt after a move."""
     next_attempt: Positive = 1
     next_start_seq: NonNegative = 0
-    """A moved task: the next stage's current attempt and its ``start_seq``, where the new
-    attempt's chunks go."""
+    """A moved task: where the new attempt's chunks go (the next stage's attempt and start_seq)."""
     transcription: Transcription | None = None
     """The listener's ``start`` task: the audio to transcribe."""
 
@@ -252,8 +244,7 @@ class ClientEventType(StrEnum):
 
 
 class ClientEvent(_Envelope, kw_only=True, array_like=True):
-    """Worker/orchestrator → gateway (subject ``out.<gateway_id>.<request_id>``); on the bus an
-    array of the fields' values in this order."""
+    """Worker/orchestrator → gateway (subject ``out.<gateway_id>.<request_id>``), an array on the bus."""
 
     type: ClientEventType
     request_id: Id
@@ -276,8 +267,7 @@ class ClientEvent(_Envelope, kw_only=True, array_like=True):
     frames: int = 0
     """``audio``: the codec frames (the chunk's own) its PCM was decoded from."""
     stage_gen_s: float | None = None
-    """``audio_done``: the audio stage's generation time for the request, seconds: first input to
-    last audio sent, on that worker's monotonic clock."""
+    """``audio_done``: first input to last audio sent, seconds on the worker's monotonic clock."""
     heard: Heard | None = None
     """The listener's ``text`` and ``text_done`` events."""
 
@@ -291,8 +281,7 @@ def pack_batch(bodies: list[bytes]) -> bytes:
 
 
 def unpack_batch(data: bytes) -> list[bytes]:
-    """The event bodies of a :func:`pack_batch` body, in order; :class:`MalformedMessage` when it
-    is not a msgpack array of binary items."""
+    """The event bodies of a :func:`pack_batch` body, in order, or :class:`MalformedMessage`."""
     try:
         return _BATCH_DECODER.decode(data)
     except msgspec.ValidationError:
@@ -319,8 +308,7 @@ class EdgeSummary:
 
 
 class LifecycleEvent(_Envelope, kw_only=True):
-    """All → orchestrator (subject ``events.<kind>``). The last stage folds ``stage_done`` into
-    ``finished``."""
+    """All → orchestrator (subject ``events.<kind>``); the last stage sends no ``stage_done``."""
 
     request_id: Id
     kind: Literal["started", "stage_done", "finished", "failed", "aborted"]
@@ -344,8 +332,7 @@ ENGINE_DEAD = "engine_dead"
 
 
 class Liveness(_Envelope, kw_only=True):
-    """A worker's answer to its liveness probe (subject ``ctl.alive.<s>.<r>``); also the progress
-    fields of its heartbeat."""
+    """A worker's answer to its liveness probe (subject ``ctl.alive.<s>.<r>``)."""
 
     engine_dead: bool = False
     """The engine died under the live worker (it exits soon after)."""
@@ -354,8 +341,7 @@ class Liveness(_Envelope, kw_only=True):
     busy: int = 0
     """Engine operations under way right now (generations, chunks being decoded)."""
     progress: int = 0
-    """Outputs the engine has produced since the worker started: flat while ``busy`` > 0 only
-    when the engine is stuck."""
+    """Outputs the engine has produced since the worker started (flat while busy: stuck)."""
 
 
 class AbortNotice(_Envelope, kw_only=True, tag="abort"):
@@ -396,8 +382,7 @@ RouteNotice = ResumeQuery | AbortNotice
 
 
 class ResumePoint(_Envelope, kw_only=True):
-    """Where a stream stands: the answer to :class:`ResumeQuery` (an upstream worker's carries
-    ``known`` and ``next_seq`` only)."""
+    """Where a stream stands: the answer to :class:`ResumeQuery`."""
 
     known: bool
     """False when the asked attempt's stream is no longer taken (client gone, request moved on)."""

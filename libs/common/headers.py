@@ -23,9 +23,7 @@ FROM_ORCHESTRATOR = "orchestrator"
 
 def header_int(headers: dict[str, str] | None, name: str) -> int | None:
     """Integer value of header ``name``, or None when absent or not an integer."""
-    if not headers or name not in headers:
-        return None
     try:
-        return int(headers[name])
-    except ValueError:
+        return int((headers or {})[name])
+    except (KeyError, ValueError):
         return None

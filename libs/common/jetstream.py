@@ -38,8 +38,7 @@ class JetStream(JetStreamContext):
         headers: dict[str, Any] | None = None,
         msg_ttl: float | None = None,
     ) -> PubAck:
-        """Publish to a stream and wait for its acknowledgement (``timeout`` seconds, default
-        the context's)."""
+        """Publish to a stream and wait for its acknowledgement (``timeout`` seconds)."""
         if stream is not None or msg_ttl is not None:  # rarer headers: nats-py adds them
             return await super().publish(subject, payload, timeout, stream, headers, msg_ttl)
         prefix = self._reply_prefix or await self._subscribe_replies()

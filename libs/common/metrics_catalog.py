@@ -206,7 +206,6 @@ FAMILIES: tuple[Family, ...] = (
            "Requests moved to another replica of a stage because the one they ran on died, by reason "
            "(exit, stall, engine_dead) and phase (queued, in_progress).",
            (*PIPELINE, "stage", "from_replica", "to_replica", "reason", "phase"), Exporter.ORCHESTRATOR, spec=False),
-
     Family("vllm:omni_orchestrator_admissions", Kind.COUNTER,
            "Admissions handled, by outcome (dispatched, no_live_replica, expired).", (*PIPELINE, "outcome"),
            Exporter.ORCHESTRATOR, spec=False),
@@ -218,8 +217,7 @@ ENGINE_PROCESSES: dict[str, str] = {
     "vllm:omni_engine_core": "VLLM::EngineCore",
     "vllm:omni_engine_worker": "VLLM::Worker",
 }
-"""Process families of an ``llm`` worker's engine (worker ``/metrics``, with ``--log-stats``):
-namespace → the title vLLM gives the process; each gets prometheus_client's process families."""
+"""Process families of an ``llm`` worker's engine: namespace → the title vLLM gives the process."""
 
 
 def engine_process_names() -> tuple[str, ...]:
@@ -243,12 +241,7 @@ def markdown_table() -> str:
         "| name | type | labels | buckets | exported by | origin |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    names = {
-        SECONDS_BUCKETS: "SECONDS_BUCKETS",
-        SECONDS_FAST_BUCKETS: "SECONDS_FAST_BUCKETS",
-        RTF_BUCKETS: "RTF_BUCKETS",
-        BYTES_BUCKETS: "BYTES_BUCKETS",
-    }
+    names = {v: k for k, v in globals().items() if k.endswith("_BUCKETS")}
     for f in FAMILIES:
         shown = exposed_names(f)[0] if f.kind == Kind.COUNTER else f.name
         rows.append(
@@ -259,8 +252,7 @@ def markdown_table() -> str:
 
 
 class MetricSet:
-    """The collectors of one exporter's families, registered only when ``enabled``
-    (``--log-stats``); disabled, callers skip their observations."""
+    """The collectors of one exporter's families, registered only when ``enabled`` (``--log-stats``)."""
 
     def __init__(
         self, exporter: Exporter, enabled: bool, registry: CollectorRegistry = OMNI_REGISTRY

@@ -23,21 +23,16 @@ disable_created_metrics()  # no *_created series: they double /metrics and no da
 OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 
 
-class Registries(Collector):
-    """Several registries exposed as one."""
-
-    def __init__(self, *registries: CollectorRegistry) -> None:
-        self._registries = registries
-
+class _Both(Collector):
     def collect(self) -> Iterable:
-        for r in self._registries:
-            yield from r.collect()
+        yield from REGISTRY.collect()
+        yield from OMNI_REGISTRY.collect()
 
 
 def exposition_registry() -> CollectorRegistry:
     """What a service's ``/metrics`` serves: the default registry plus :data:`OMNI_REGISTRY`."""
     both = CollectorRegistry(auto_describe=False)
-    both.register(Registries(REGISTRY, OMNI_REGISTRY))
+    both.register(_Both())
     return both
 
 
@@ -84,8 +79,7 @@ METRICS_HOST = "127.0.0.1"
 
 
 class MetricsServer(ThreadingHTTPServer):
-    """``/metrics`` (and ``routes``) on ``host:port``, listening once constructed (``port=0``: any
-    free one, :attr:`port`)."""
+    """``/metrics`` (and ``routes``) on ``host:port``, listening once constructed."""
 
     daemon_threads = True
 
@@ -114,5 +108,4 @@ def serve_metrics(
 
 def start_metrics_server(port: int, host: str = METRICS_HOST) -> int:
     """Serve ``/metrics`` on ``host:port`` for the process's life; returns the bound port."""
-
     return serve_metrics(port, host).port

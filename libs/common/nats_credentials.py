@@ -1,5 +1,4 @@
-"""How a client proves who it is to NATS: an identity's user and password, and TLS, from the
-``OMNIRELAY_NATS_*`` environment (every field optional: none, an anonymous client)."""
+"""How a client proves who it is to NATS: user and password, and TLS (``OMNIRELAY_NATS_*``)."""
 
 from __future__ import annotations
 
@@ -21,12 +20,8 @@ class NatsAuth(BaseModel):
 
     nats_user: str | None = Field(default=None, description="NATS identity (gateway, orchestrator, ...)")
     nats_password: SecretStr | None = Field(default=None, description="the identity's password")
-    nats_password_file: Path | None = Field(
-        default=None, description="a file holding the identity's password (instead of nats_password)"
-    )
-    nats_ca: Path | None = Field(
-        default=None, description="PEM CA certificate the NATS server's certificate must chain to (TLS)"
-    )
+    nats_password_file: Path | None = Field(default=None, description="a file holding the password")
+    nats_ca: Path | None = Field(default=None, description="PEM CA the server's certificate must chain to")
     nats_cert: Path | None = Field(default=None, description="client certificate (PEM), mutual TLS")
     nats_key: Path | None = Field(default=None, description="the client certificate's key (PEM)")
 
@@ -50,8 +45,7 @@ class NatsAuth(BaseModel):
         return None if self.nats_password is None else self.nats_password.get_secret_value()
 
     def connect_options(self) -> dict[str, Any]:
-        """nats-py ``connect`` keyword arguments: user, password and the identity's own inbox
-        prefix, and a TLS context verifying the server against ``nats_ca`` (with ``nats_cert``)."""
+        """nats-py ``connect`` keyword arguments: user, password, inbox prefix and TLS context."""
         opts: dict[str, Any] = {}
         if self.nats_user is not None:
             opts |= {
@@ -76,5 +70,4 @@ class NatsCredentials(NatsAuth, BaseSettings):
 
 def auth_from(env: Mapping[str, str]) -> NatsAuth:
     """The :class:`NatsAuth` that the variables ``env`` name (not this process's environment)."""
-
     return NatsAuth.model_validate({k.removeprefix(ENV_PREFIX).lower(): v for k, v in env.items()})

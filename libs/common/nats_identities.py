@@ -132,8 +132,7 @@ def orchestrator(pipeline: PipelineConfig) -> Identity:
 
 
 def worker(pipeline: PipelineConfig, stage: int, replica: int) -> Identity:
-    """Worker (stage, replica): its own consumer and registry key, the inputs of the stage it
-    feeds; a talker also writes request records."""
+    """Worker (stage, replica); a talker also writes request records."""
     p = Subjects(pipeline.name)
     me = pipeline.stages[stage]
     name = worker_identity(stage, replica)
@@ -179,6 +178,5 @@ def operator() -> Identity:
 
 def identities(pipeline: PipelineConfig) -> list[Identity]:
     """Every identity of ``pipeline``: gateway, orchestrator, one per worker, operator."""
-
     workers = [worker(pipeline, s, r) for s, r in _replicas(pipeline)]
     return [gateway(pipeline), orchestrator(pipeline), *workers, operator()]

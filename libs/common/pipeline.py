@@ -73,16 +73,10 @@ class TalkerConfig(_Strict):
     """The talker protocol of an ``llm`` stage that emits ``codec_codes``."""
 
     protocol: TalkerProtocolName = TalkerProtocolName.TINY
-    voice: str | None = Field(
-        default=None, description="default voice of the stage's requests; one of the protocol's voices"
-    )
+    voice: str | None = Field(default=None, description="the stage's default voice (a protocol's)")
     sampling: TalkerSampling = TalkerSampling()
-    max_frames_per_char: float = Field(
-        default=2.0, gt=0, le=100, description="orpheus: cap of a text chunk's codec frames per character"
-    )
-    min_frames: int = Field(
-        default=12, ge=1, le=100_000, description="orpheus: the cap is at least this many frames"
-    )
+    max_frames_per_char: float = Field(default=2.0, gt=0, le=100, description="orpheus: frames cap per char")
+    min_frames: int = Field(default=12, ge=1, le=100_000, description="orpheus: the cap's minimum")
 
     @model_validator(mode="after")
     def _check_voice(self) -> TalkerConfig:
@@ -98,24 +92,18 @@ class TalkerConfig(_Strict):
 class MockEngineConfig(_Strict):
     """A fake engine in place of vLLM for a thinker stage (:mod:`services.stage_worker.mock_engine`)."""
 
-    inter_token_ms: float = Field(
-        default=0.0, ge=0, le=10_000, description="time between two tokens of a request, ms (0: none)"
-    )
+    inter_token_ms: float = Field(default=0.0, ge=0, le=10_000, description="time between two tokens, ms")
 
 
 class ListenerConfig(_Strict):
     """How an ``asr`` stage runs faster-whisper (a CTranslate2 Whisper model directory)."""
 
     device: str = Field(default="cpu", pattern=r"^(cpu|cuda|auto)$", description="CTranslate2's device")
-    compute_type: str = Field(
-        default="int8", min_length=1, description="CTranslate2's compute type (int8 on CPU, float16 on a GPU)"
-    )
+    compute_type: str = Field(default="int8", min_length=1, description="CTranslate2's compute type")
     cpu_threads: int = Field(default=1, ge=1, le=256, description="threads of one transcription on CPU")
     beam_size: int = Field(default=1, ge=1, le=16, description="1: greedy decoding, the fastest")
     language: str | None = Field(
-        default="en",
-        pattern=r"^[a-z]{2,3}$",
-        description="the spoken language a request names none (ISO 639-1); null: detected per request",
+        default="en", pattern=r"^[a-z]{2,3}$", description="ISO 639-1 default of requests; null: detected"
     )
 
 
@@ -126,22 +114,12 @@ class EngineArgs(_Strict):
     max_num_seqs: int = Field(default=64, ge=1)
     enforce_eager: bool = True
     dtype: str = "auto"
-    kv_cache_space_gib: int = Field(
-        default=1, ge=1, description="VLLM_CPU_KVCACHE_SPACE of the worker (CPU builds only), GiB"
-    )
+    kv_cache_space_gib: int = Field(default=1, ge=1, description="VLLM_CPU_KVCACHE_SPACE (CPU builds), GiB")
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    busy_spin_ms: float = Field(
-        default=5.0, ge=0, le=1000, description="busy-wait of the engine's queue readers, ms (vLLM's: 1000)"
-    )
-    busy_nap_ms: float = Field(
-        default=0.2, gt=0, le=100, description="then, in vLLM's 1 s busy window, poll every this many ms"
-    )
-    extra: dict[str, object] = Field(
-        default_factory=dict, description="any other AsyncEngineArgs field, passed through"
-    )
-    mock: MockEngineConfig | None = Field(
-        default=None, description="serve from a fake engine instead of vLLM (thinker stages only)"
-    )
+    busy_spin_ms: float = Field(default=5.0, ge=0, le=1000, description="queue busy-wait, ms (vLLM's: 1000)")
+    busy_nap_ms: float = Field(default=0.2, gt=0, le=100, description="then poll period (1 s window), ms")
+    extra: dict[str, object] = Field(default_factory=dict, description="any other AsyncEngineArgs field")
+    mock: MockEngineConfig | None = Field(default=None, description="a fake engine in place of vLLM")
 
 
 class StageConfig(_Strict):
@@ -155,26 +133,13 @@ class StageConfig(_Strict):
     emits: Payload
     stream_to_client: bool = False
     chunking: Chunking = Chunking()
-    codes_per_token: int = Field(
-        default=4, ge=1, le=64, description="talker: codec codes generated per input text token (exactly)"
-    )
-    talker: TalkerConfig = Field(
-        default=TalkerConfig(), description="llm stages emitting codec_codes: protocol, voice, sampling"
-    )
-
+    codes_per_token: int = Field(default=4, ge=1, le=64, description="talker: codes per input text token")
+    talker: TalkerConfig = Field(default=TalkerConfig(), description="talkers: protocol, voice, sampling")
     engine: EngineArgs = EngineArgs()
-    listener: ListenerConfig = Field(
-        default=ListenerConfig(), description="asr stages: how faster-whisper runs the model"
-    )
-    stall_timeout_s: float = Field(
-        default=10.0, gt=0, le=600, description="a replica with work silent to its probe this long is dead, s"
-    )
-    migration_limit: int = Field(
-        default=3, ge=0, le=100, description="moves of one request within this stage before it fails (503)"
-    )
-    no_replica_wait_s: float = Field(
-        default=2.0, ge=0, le=600, description="how long a request waits for a live replica to move to, s"
-    )
+    listener: ListenerConfig = Field(default=ListenerConfig(), description="asr stages: faster-whisper")
+    stall_timeout_s: float = Field(default=10.0, gt=0, le=600, description="busy replica probe timeout, s")
+    migration_limit: int = Field(default=3, ge=0, le=100, description="moves of a request within the stage")
+    no_replica_wait_s: float = Field(default=2.0, ge=0, le=600, description="wait for a live replica, s")
 
 
 class PipelineConfig(_Strict):
@@ -188,13 +153,13 @@ class PipelineConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_chain(self) -> PipelineConfig:
-        if self.stages[0].type == StageType.ASR and len(self.stages) == 1:
+        t = self.thinker_stage
+        if t == len(self.stages):
             raise ValueError("stages[0] is a listener ('asr'): a thinker must come after it")
-        head = self.stages[1] if self.stages[0].type == StageType.ASR else self.stages[0]
-        where = "stages[1]" if head is not self.stages[0] else "stages[0]"
+        head = self.stages[t]
         if head.type != StageType.LLM or head.consumes != Payload.TEXT or head.emits != Payload.TEXT:
             raise ValueError(
-                f"{where} must be an 'llm' stage consuming and emitting 'text' (the thinker), "
+                f"stages[{t}] must be an 'llm' stage consuming and emitting 'text' (the thinker), "
                 "after an optional 'asr' stage (the listener)"
             )
         for i in range(1, len(self.stages)):
@@ -214,18 +179,12 @@ class PipelineConfig(_Strict):
     @property
     def audio_stage(self) -> int | None:
         """Id of the stage that emits audio, or None for a text-only pipeline."""
-        for i, s in enumerate(self.stages):
-            if s.emits == Payload.AUDIO:
-                return i
-        return None
+        return next((i for i, s in enumerate(self.stages) if s.emits == Payload.AUDIO), None)
 
     @property
     def speech_stage(self) -> int | None:
         """Id of the talker (the ``llm`` stage that emits codec codes), or None."""
-        for i, s in enumerate(self.stages):
-            if s.type == StageType.LLM and s.emits == Payload.CODEC_CODES:
-                return i
-        return None
+        return next((i for i, s in enumerate(self.stages) if _is_talker(s)), None)
 
     @property
     def listener_stage(self) -> int | None:
@@ -250,23 +209,25 @@ class PipelineConfig(_Strict):
         return None if self.takes_start(stage) else stage - 1
 
     def too_far(self, deadline_ns: int, now_ns: int) -> bool:
-        """Whether ``deadline_ns`` (wall clock) lies further ahead than ``request_timeout_s`` + 5 s
-        from now: a forged deadline."""
+        """Whether ``deadline_ns`` lies beyond ``request_timeout_s`` + 5 s from now: a forged deadline."""
         return deadline_ns > now_ns + int((self.request_timeout_s + 5) * 1e9)
 
     def declares(self, stage: int, replica: int) -> bool:
         return 0 <= stage < len(self.stages) and 0 <= replica < self.stages[stage].replicas
 
     def stages_for(self, audio: bool, entry: int) -> list[int]:
-        """Stage ids a request entering at ``entry`` runs through: the listener or thinker alone,
-        or every stage from ``entry`` on (audio out)."""
+        """Stage ids a request entering at ``entry`` runs through."""
         if entry == self.listener_stage or not audio:
             return [entry]
         return list(range(entry, len(self.stages)))
 
 
+def _is_talker(s: StageConfig) -> bool:
+    return s.type == StageType.LLM and s.emits == Payload.CODEC_CODES
+
+
 def _check_stage(i: int, s: StageConfig, after: StageConfig | None) -> None:
-    is_talker = s.type == StageType.LLM and s.emits == Payload.CODEC_CODES
+    is_talker = _is_talker(s)
     if "talker" in s.model_fields_set and not is_talker:
         raise ValueError(f"stages[{i}].talker: only an llm stage that emits codec_codes has a talker")
     if "listener" in s.model_fields_set and s.type != StageType.ASR:

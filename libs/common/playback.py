@@ -35,7 +35,6 @@ def simulate_playback(
     worst, late, total = 0.0, 0, 0.0
     for c in chunks:
         d = c.nbytes / (sample_rate * sample_width * channels)
-
         total += d
         if dry_at is None:
             dry_at = c.t_s + d

@@ -35,8 +35,7 @@ RECONNECT_POLL_S = 0.05
 """How often a publish waiting for the connection looks again, seconds."""
 STORE_RETRY_S = 0.25
 STORE_RETRY_MAX_S = 2.0
-"""A stream publish that got no acknowledgement is sent again after ``STORE_RETRY_S`` seconds,
-doubling up to ``STORE_RETRY_MAX_S``."""
+"""An unacknowledged stream publish is sent again after this, doubling up to the max, seconds."""
 NOT_NOW = (
     OutboundBufferLimitError,
     ConnectionReconnectingError,
@@ -49,8 +48,7 @@ NOT_NOW = (
 
 
 async def until_connected(nc: NATS) -> None:
-    """Return once ``nc`` is connected (or closed). Publishes wait here while the broker is away
-    instead of filling nats-py's reconnect buffer, which every publish of the process shares."""
+    """Return once ``nc`` is connected (or closed), instead of filling nats-py's reconnect buffer."""
     while not nc.is_connected:
         if nc.is_closed:
             return  # the publish that follows raises ConnectionClosedError
@@ -95,8 +93,7 @@ async def publish_task(
     hop: Hop,
     span: Span | None = None,
 ) -> PubAck:
-    """Publish ``task`` to worker (to_stage, to_replica) and wait for JetStream's ack; ``span``'s
-    context travels in ``traceparent`` when tracing is on."""
+    """Publish ``task`` to worker (to_stage, to_replica) and wait for JetStream's ack."""
     tx_start = time.time_ns()
     body = task.encode()
     hdrs = {
@@ -123,8 +120,8 @@ async def publish_task(
 
 
 async def publish_client(nc: NATS, subjects: Subjects, gateway_id: str, event: ClientEvent) -> None:
-    """Send a client-visible event of one request to its gateway (core NATS, at most once, no
-    headers: they cost both ends CPU per token)."""
+    """Send a client-visible event of one request to its gateway (core NATS, no headers)."""
+
     await publish_core(nc, subjects.out(gateway_id, event.request_id), event.encode())
 
 
@@ -134,7 +131,6 @@ async def until_stored(
     """``send()`` (a stream publish), again while the broker is away (:data:`NOT_NOW`), once the
     connection is back, after ``STORE_RETRY_S`` doubling to ``STORE_RETRY_MAX_S``. ``expired()``
     (checked after a failure) ends the tries by raising the last error."""
-
     pause_s = STORE_RETRY_S
     while True:
         await until_connected(nc)

@@ -1,5 +1,4 @@
-"""Reads and compare-and-set updates of a request's record in ``omni_requests`` (several writers
-may change one record at once)."""
+"""Reads and compare-and-set updates of a request's record in ``omni_requests``."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ KV_RETRIES = 5
 
 
 async def update_record(kv: KeyValue, key: str, change: Callable[[RequestRecord], bool | None]) -> bool:
-    """Read-modify-write of a record with optimistic concurrency; False when there is no such
-    record. A ``change`` that returns False leaves it as it is."""
+    """Compare-and-set ``change`` of a record (False from it: no write); False without a record."""
     for _ in range(KV_RETRIES):
         try:
             entry = await kv.get(key)
@@ -39,7 +37,6 @@ async def read_record(kv: KeyValue, key: str, deadline_ns: int) -> RequestRecord
     """The record ``key`` as stored now, or None. A read the broker does not answer
     (``publish.NOT_NOW``) is tried again with ``publish``'s backoff while the retry would start
     before ``deadline_ns`` (wall clock); past it, the read's error is raised."""
-
     wait_s = STORE_RETRY_S
     while True:
         try:

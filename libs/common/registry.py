@@ -89,8 +89,7 @@ def record_problem(key: str, rec: ServiceRecord, pipeline: PipelineConfig | None
 
 
 class Heartbeat:
-    """Keeps a :class:`ServiceRecord` alive in the registry; ``load`` and ``liveness`` are read on
-    every beat."""
+    """Keeps a :class:`ServiceRecord` alive in the registry (``load``, ``liveness`` read per beat)."""
 
     def __init__(
         self,
@@ -220,8 +219,7 @@ class LiveServices:
                 await watcher.stop()
 
     def accept(self, key: str, value: bytes) -> ServiceRecord | None:
-        """The record of an update to ``key``, or None when it must not be used (then what ``key``
-        held is dropped too)."""
+        """The record of an update to ``key``, or None (then what ``key`` held is dropped too)."""
         try:
             rec: ServiceRecord | None = ServiceRecord.model_validate_json(value)
             why = record_problem(key, rec, self._config)
@@ -244,8 +242,7 @@ class LiveServices:
         await cancel_and_wait(self._task)
 
     def last_heard(self, service: ServiceKind, stage: int | None = None) -> list[tuple[ServiceRecord, float]]:
-        """Every record of ``service`` (and ``stage``) received and not deleted, live or expired,
-        with the seconds since it was last received (monotonic)."""
+        """Every record of ``service`` (and ``stage``), live or expired, with its age in seconds."""
         now = time.monotonic()
         return [
             (rec, now - seen)

@@ -22,8 +22,7 @@ def run_service(main: Coroutine[Any, Any, T]) -> T:
 
 
 def freeze_startup_heap() -> None:
-    """Move everything allocated so far out of the garbage collector's sight (as vLLM's API
-    server does after start-up), so that collections walk only what serving allocates."""
+    """Move everything allocated so far out of the garbage collector's sight (as vLLM does)."""
     gc.collect()
     gc.freeze()
 
@@ -44,7 +43,6 @@ def yield_on_wakeup(enabled: bool) -> bool:
 
 async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
     """Cancel ``task`` (None: never started) and wait until it has ended."""
-
     if task is None:
         return
     task.cancel()

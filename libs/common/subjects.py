@@ -88,8 +88,7 @@ class Subjects:
         return f"omni.{self.pipeline}.stage.>"
 
     def out(self, gateway_id: str, request_id: str) -> str:
-        """Client events of one request (core NATS); a request on it is the sending worker's
-        ``ResumeQuery``."""
+        """Client events of one request (core NATS); also the worker's ``ResumeQuery``."""
         return f"omni.{self.pipeline}.out.{gateway_id}.{request_id}"
 
     def out_batch(self, gateway_id: str) -> str:
@@ -127,9 +126,7 @@ class Subjects:
         return f"omni.{self.pipeline}.ctl.resume.{gateway_id}"
 
     def route(self, stage: int, replica: int) -> str:
-        """A move's route notices to worker (stage, replica) upstream of the stage it moves (core
-        NATS request/reply)."""
-
+        """A move's route notices to the worker upstream (core NATS request/reply)."""
         return f"omni.{self.pipeline}.ctl.route.{stage}.{replica}"
 
     def eviction_key(self, stage: int, replica: int, started_ns: int) -> str:

@@ -18,8 +18,7 @@ class TextChunk:
 
 @dataclass
 class TextChunker:
-    """Groups streamed text tokens into chunks of at most ``max_tokens`` tokens (cut early at a
-    sentence's end with ``sentence_end``)."""
+    """Groups streamed text tokens into chunks of at most ``max_tokens`` tokens."""
 
     max_tokens: int
     sentence_end: bool = True
@@ -29,8 +28,7 @@ class TextChunker:
     """Tokens in the chunks cut so far."""
 
     def feed(self, token_ids: list[int], text: str) -> list[TextChunk]:
-        """Add one streamed delta (whole tokens; its text belongs to its last token); return the
-        chunks it completes."""
+        """Add one streamed delta (whole tokens); return the chunks it completes."""
 
         out: list[TextChunk] = []
         self._text += text

@@ -36,15 +36,12 @@ def tracing_configured(env: Mapping[str, str] = os.environ) -> bool:
 
 
 def _protocol(env: Mapping[str, str]) -> str:
-    raw = (
-        env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
-    ).strip()
-    return "http/protobuf" if raw.startswith("http") else "grpc"
+    raw = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or ""
+    return "http/protobuf" if raw.strip().startswith("http") else "grpc"
 
 
 def otlp_traces_endpoint(env: Mapping[str, str] = os.environ) -> tuple[str, str] | None:
-    """(traces endpoint, protocol) of the OTLP trace export the environment configures, resolved
-    as the OpenTelemetry SDK does; None without one."""
+    """(traces endpoint, protocol) of the configured OTLP trace export, as the SDK resolves it."""
     if not tracing_configured(env) or "otlp" not in _exporters(env, "otlp"):
         return None
     protocol = _protocol(env)
@@ -59,8 +56,7 @@ def otlp_traces_endpoint(env: Mapping[str, str] = os.environ) -> tuple[str, str]
 
 
 def setup_tracing(service: str, pipeline: str, stage: int | None = None, replica: int | None = None) -> bool:
-    """Install a tracer provider for ``omnirelay-<service>`` if the environment asks for one;
-    returns whether tracing is on."""
+    """Install a tracer provider for ``omnirelay-<service>`` if asked; returns whether tracing is on."""
     global _enabled
     if not tracing_configured():
         return False
@@ -69,10 +65,7 @@ def setup_tracing(service: str, pipeline: str, stage: int | None = None, replica
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
     attrs: dict[str, str | int] = {"service.name": f"omnirelay-{service}", "omnirelay.pipeline": pipeline}
-    if stage is not None:
-        attrs["omnirelay.stage"] = stage
-    if replica is not None:
-        attrs["omnirelay.replica"] = replica
+    attrs |= {k: v for k, v in (("omnirelay.stage", stage), ("omnirelay.replica", replica)) if v is not None}
     provider = TracerProvider(resource=Resource.create(attrs))
     exporters = _exporters(os.environ, "otlp")
     if "console" in exporters:
@@ -133,8 +126,7 @@ def start_span(
     links: list[Link] | None = None,
     start_time: int | None = None,
 ) -> Span:
-    """A started span (non-recording when tracing is off); the caller ends it. ``start_time``:
-    wall clock ns (default now)."""
+    """A started span (non-recording when tracing is off); ``start_time``: wall clock ns."""
     if not _enabled:
         return trace.INVALID_SPAN
     return trace.get_tracer("omnirelay").start_span(

@@ -39,15 +39,11 @@ class UnknownVoice(ValueError):
 
 def talker_config(pipeline: PipelineConfig) -> TalkerConfig | None:
     """The talker config of ``pipeline``'s stage that emits codec codes, None without one."""
-    for stage in pipeline.stages:
-        if stage.emits == Payload.CODEC_CODES:
-            return stage.talker
-    return None
+    return next((s.talker for s in pipeline.stages if s.emits == Payload.CODEC_CODES), None)
 
 
 def default_voice(talker: TalkerConfig) -> str | None:
-    """The voice a talker stage speaks with when a request names none: its YAML ``voice``, else
-    its protocol's first; None for a protocol without voices."""
+    """The voice a talker speaks when a request names none: its ``voice``, else its protocol's first."""
     voices = TALKER_VOICES[talker.protocol]
     return talker.voice or (voices[0] if voices else None)
 
@@ -56,11 +52,8 @@ def resolve_voice(talker: TalkerConfig | None, asked: str | None, param: str = "
     """The voice ``talker`` speaks a request with when the client asked for ``asked`` in ``param``:
     a protocol's voice as is; none or an OpenAI name: the default; None without a talker or
     voices. Anything else raises :class:`UnknownVoice`."""
-
-    if talker is None:
-        return None
-    default = default_voice(talker)
-    if default is None:  # a protocol without voices
+    default = None if talker is None else default_voice(talker)
+    if talker is None or default is None:  # no talker, or a protocol without voices
         return None
     voices = TALKER_VOICES[talker.protocol]
     if asked in voices:
