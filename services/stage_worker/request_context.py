@@ -294,7 +294,7 @@ class RequestContext:
     def _report_started(self) -> None:
         if not self._started_sent:
             self._started_sent = True
-            self._send("started", self._started_ns)
+            self._send(self._event("started", self._started_ns))
 
     def close(self) -> None:
         """The request has ended here; its client events are still delivered unless it was aborted."""
@@ -320,10 +320,10 @@ class RequestContext:
                 return
         if kind == "finished" and self._done_fields is not None:
             fields = {**self._done_fields, **fields}
-        self._send(kind, time.time_ns(), **fields)
+        self._send(self._event(kind, time.time_ns(), **fields))
 
-    def _send(self, kind: str, ts_ns: int, **fields: object) -> None:
-        event = LifecycleEvent(
+    def _event(self, kind: str, ts_ns: int, **fields: object) -> LifecycleEvent:
+        return LifecycleEvent(
             request_id=self.request_id,
             kind=kind,
             ts_ns=ts_ns,
@@ -332,6 +332,8 @@ class RequestContext:
             attempt=self.attempt,
             **fields,
         )
+
+    def _send(self, event: LifecycleEvent) -> None:
         task = asyncio.create_task(self._send_lifecycle(event))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
