@@ -76,8 +76,7 @@ class FrameChunker:
         self.before, self.after = context
         self.next_seq = next_seq
         self._buffer_start = next_frame  # absolute index of the first frame kept of the segment
-        # the segment's frames still needed (joined lazily): those in no chunk yet, and up to
-        # ``before`` frames before them as context
+        # the segment's frames in no chunk yet, and up to ``before`` before them (joined lazily)
         self._frames: list[np.ndarray] = []
         self._cut = 0  # frames kept that are already in chunks as own frames
 

@@ -216,15 +216,8 @@ class RequestContext:
         finally:
             self._sending.release()
         if tracing.enabled():
-            self.span.add_event(
-                "chunk.sent",
-                {
-                    "omni.seq": task.seq,
-                    "omni.final": final,
-                    "omni.to_stage": hop.to_stage,
-                    "omni.to_replica": hop.to_replica,
-                },
-            )
+            to = {"omni.to_stage": hop.to_stage, "omni.to_replica": hop.to_replica}
+            self.span.add_event("chunk.sent", {"omni.seq": task.seq, "omni.final": final, **to})
 
     def continue_from(self, seq: int) -> None:
         """Number the next chunk sent downstream ``seq`` (an attempt that took the request over)."""
