@@ -127,7 +127,6 @@ async def connect(
 ) -> NATS:
     """Connect to one of the servers in ``url`` (comma-separated), reconnecting without limit, as
     ``credentials`` (default: the environment's); ``on_reconnect()`` runs on every reconnect."""
-
     servers = server_urls(url)
     shown = redact(url)
     options = (credentials if credentials is not None else NatsCredentials()).connect_options()

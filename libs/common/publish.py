@@ -121,7 +121,6 @@ async def publish_task(
 
 async def publish_client(nc: NATS, subjects: Subjects, gateway_id: str, event: ClientEvent) -> None:
     """Send a client-visible event of one request to its gateway (core NATS, no headers)."""
-
     await publish_core(nc, subjects.out(gateway_id, event.request_id), event.encode())
 
 

@@ -254,7 +254,6 @@ class LiveServices:
         """Records updated within the TTL, filtered by service kind and stage. Age stops counting
         while the watch is silent beyond :data:`WATCH_SILENCE_S` (the bucket is unreachable, not
         every service dead)."""
-
         now = min(time.monotonic(), self._last_update + WATCH_SILENCE_S)
         return [
             rec

@@ -29,7 +29,6 @@ class TextChunker:
 
     def feed(self, token_ids: list[int], text: str) -> list[TextChunk]:
         """Add one streamed delta (whole tokens); return the chunks it completes."""
-
         out: list[TextChunk] = []
         self._text += text
         for tid in token_ids:
