@@ -1,10 +1,6 @@
 """Admission: an admission from the requests stream becomes a route (one live replica per stage),
 the request's record and its entry stage's task — or an error to the client when it cannot be served.
-
-Every handling is idempotent (an admission not acknowledged within ``ORCHESTRATOR_ACK_WAIT_S`` is
-redelivered): the record is *created* first (compare-and-set), so exactly one handling chooses the
-route; every handling sends the entry task to the record's route under one ``Nats-Msg-Id``; the
-admission is acknowledged last (docs/reliability.md, "An orchestrator dies").
+Every handling of a (redelivered) admission is idempotent (docs/reliability.md, "An orchestrator dies").
 """
 
 from __future__ import annotations
@@ -101,10 +97,6 @@ class Admissions:
         self.ctx = ctx
         self._tally = tally
 
-    def _count(self, outcome: str) -> None:
-        if self.ctx.metrics.enabled:
-            self.ctx.metrics["vllm:omni_orchestrator_admissions"].labels(self.ctx.model, outcome).inc()
-
     async def admit(self, msg: Msg) -> None:
         """Route one admission, create its record and send the entry stage its input, or answer
         the client why not; acknowledged once one of those is done."""
@@ -135,7 +127,7 @@ class Admissions:
                 delivered,
             )
         else:  # counted by the handling whose (first) task the stream stored: once
-            self._count("dispatched")
+            self.ctx.count("vllm:omni_orchestrator_admissions", "dispatched")
             self._tally.admitted += 1
         await msg.ack()
 
@@ -152,7 +144,8 @@ class Admissions:
         if self.ctx.pipeline.too_far(adm.deadline_ns, time.time_ns()):
             raise MalformedMessage("its deadline lies past the pipeline's request timeout", "bad_deadline")
         try:
-            return [SKIPPED] * entry + self.ctx.picker.route(self.ctx.pipeline.stages_for(adm.audio, entry))
+            stages = self.ctx.pipeline.stages_for(adm.audio, entry)
+            return [SKIPPED] * entry + [self.ctx.picker.pick(s) for s in stages]
         except NoLiveReplica as e:
             name = self.ctx.pipeline.stages[e.stage].name
             message = f"stage {e.stage} ({name}) has no live replica"
@@ -195,9 +188,8 @@ class Admissions:
             pass
         entry = await self.ctx.requests.get(record.request_id)
         earlier = RequestRecord.model_validate_json(entry.value)
-        if earlier.status != RequestStatus.ADMITTED or earlier.stages[earlier.entry_stage].attempt > 1:
-            return None
-        return earlier.route
+        fresh = earlier.status == RequestStatus.ADMITTED and earlier.stages[earlier.entry_stage].attempt <= 1
+        return earlier.route if fresh else None
 
     async def _reject(
         self, adm: Admission, delivered: int, code: str, message: str, detail: str = ""
@@ -209,4 +201,4 @@ class Admissions:
         timeout = code == "timeout"
         await self.ctx.tell_client(adm.request_id, adm.gateway_id, 504 if timeout else 503, code, message)
         if delivered <= 1:
-            self._count("expired" if timeout else code)
+            self.ctx.count("vllm:omni_orchestrator_admissions", "expired" if timeout else code)

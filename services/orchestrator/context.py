@@ -34,6 +34,11 @@ class OrchestratorContext:
     def model(self) -> str:
         return self.pipeline.served_model_name
 
+    def count(self, family: str, *labels: str) -> None:
+        """Add one to counter ``family`` for this model and ``labels`` (when metrics are on)."""
+        if self.metrics.enabled:
+            self.metrics[family].labels(self.model, *labels).inc()
+
     async def tell_client(
         self, request_id: str, gateway_id: str, status: int, code: str, message: str
     ) -> None:
@@ -45,7 +50,6 @@ class OrchestratorContext:
     async def end_everywhere(self, rec: RequestRecord, status: int, code: str, message: str) -> None:
         """A request this instance has just failed: abort it in every worker (reason ``code``)
         and answer the client."""
-        await self.nc.publish(
-            self.subjects.abort, AbortNotice(request_id=rec.request_id, reason=code).encode()
-        )
+        notice = AbortNotice(request_id=rec.request_id, reason=code)
+        await self.nc.publish(self.subjects.abort, notice.encode())
         await self.tell_client(rec.request_id, rec.gateway_id, status, code, message)

@@ -1,10 +1,6 @@
-"""Deadline enforcement for requests nobody is working on any more (one pipeline's).
-
-Workers stop their own part of a request at its deadline and tell the client; this sweeper
-covers the rest: a request still not terminal ``GRACE_S`` after its deadline is marked failed,
-aborted everywhere and answered with a 504. Every orchestrator instance sweeps the same index; a
-compare-and-set on the record makes exactly one of them act.
-"""
+"""Deadlines of requests nobody is working on any more: a request still not terminal ``GRACE_S``
+after its deadline is marked failed, aborted everywhere and answered with a 504 (by exactly one
+orchestrator: a compare-and-set on the record)."""
 
 from __future__ import annotations
 
@@ -40,11 +36,10 @@ async def sweep_deadlines(ctx: OrchestratorContext, inflight: InflightRequests) 
 async def _expire(ctx: OrchestratorContext, inflight: InflightRequests, rid: str) -> None:
     try:
         entry = await ctx.requests.get(rid)
+        rec = RequestRecord.model_validate_json(entry.value)
     except (NotFoundError, KeyError):
-        inflight.forget(rid)
-        return
-    rec = RequestRecord.model_validate_json(entry.value)
-    if rec.status.terminal:
+        rec = None
+    if rec is None or rec.status.terminal:
         inflight.forget(rid)
         return
     rec.status, rec.error, rec.updated_ns = RequestStatus.FAILED, "timeout", time.time_ns()

@@ -44,18 +44,14 @@ class InflightRequests:
             async for entry in watcher:
                 if entry is None:
                     continue
-                if entry.operation in ("DEL", "PURGE") or not entry.value:
-                    self.records.pop(entry.key, None)
-                    continue
+                gone = entry.operation in ("DEL", "PURGE") or not entry.value
                 try:
-                    rec = RequestRecord.model_validate_json(entry.value)
+                    rec = None if gone else RequestRecord.model_validate_json(entry.value)
                 except ValidationError:
                     continue
-                if rec.pipeline != self._pipeline:
-                    continue
-                if rec.status.terminal:
+                if rec is None or (rec.pipeline == self._pipeline and rec.status.terminal):
                     self.records.pop(entry.key, None)
-                else:
+                elif rec.pipeline == self._pipeline:
                     self.records[entry.key] = rec
         finally:
             with contextlib.suppress(Exception):

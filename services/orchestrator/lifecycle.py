@@ -55,13 +55,9 @@ async def on_event(ctx: OrchestratorContext, log_stats: bool, tally: PipelineTal
 
 
 def apply_event(rec: RequestRecord, ev: LifecycleEvent) -> bool:
-    """Fold a lifecycle event into a record; False when it was folded in before (a redelivery)
-    and the record stays as it is.
-
-    A terminal status is final: late events of a finished request only fill in timestamps. An
-    attempt the stage has moved past (a replica that resumed after a stall) neither starts nor
-    fails it; its ending events still count (it may have finished the stage before the move).
-    """
+    """Fold a lifecycle event into a record; False when it was folded in before (a redelivery).
+    A terminal status is final (late events only fill in timestamps); an attempt the stage has
+    moved past neither starts nor fails it, but its ending events still count."""
     key = f"{ev.kind}.{ev.stage}.{ev.attempt}"
     if key in rec.events:
         return False

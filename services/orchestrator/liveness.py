@@ -1,13 +1,6 @@
-"""Which stage replicas are dead: probed while they have work, judged by what the probe meets
-(docs/reliability.md, "Probing").
-
-Every ``PROBE_PERIOD_S`` each orchestrator sends a core-NATS request to the liveness subject of
-every replica with a request bound to it and not finished there; the worker answers
-:class:`~libs.common.envelopes.Liveness`. The verdicts (:func:`verdict`): ``exit`` — "no
-responders" (the connection is gone); ``stall`` — no answer for the stage's ``stall_timeout_s``
-while the broker answered this orchestrator (:class:`BrokerProof`), or answers whose ``progress``
-stays flat with ``busy`` > 0 for as long (a hung engine); ``engine_dead`` — the worker says its
-engine died.
+"""Which stage replicas are dead: every ``PROBE_PERIOD_S`` each orchestrator asks every replica
+with unfinished work bound to it for its :class:`~libs.common.envelopes.Liveness` and judges what
+the probe meets (:func:`verdict`; docs/reliability.md, "Probing").
 
 A verdict is about one incarnation of the replica (``started_ns`` in ``omni_services``): the first
 orchestrator to create its key in ``omni_evictions`` counts and logs it; every orchestrator hands
@@ -219,11 +212,9 @@ class ReplicaWatch:
         return at is not None and time.monotonic() - at <= ANSWERED_RECENTLY_S
 
     def _on_heartbeat(self, rec: ServiceRecord) -> None:
-        if rec.service != ServiceKind.WORKER:
-            return
         key = (rec.stage or 0, rec.replica or 0)
         judged = self._judged.get(key)
-        if judged is not None and judgment_lifted(judged, rec):
+        if rec.service == ServiceKind.WORKER and judged is not None and judgment_lifted(judged, rec):
             del self._judged[key]
 
     async def start(self) -> asyncio.Task[None]:
@@ -234,8 +225,8 @@ class ReplicaWatch:
 
     async def _run(self) -> None:
         """Every period, a new probe for each busy replica, whether or not its earlier ones have
-        been answered: a probe sent just before a death waits out its timeout, the next one meets
-        "no responders" at once. A replica slow to answer delays no other replica's probes."""
+        been answered (one sent just before a death waits out its timeout; the next meets "no
+        responders" at once)."""
         running: set[asyncio.Task[None]] = set()
         try:
             while True:
@@ -306,7 +297,9 @@ class ReplicaWatch:
         if reason is None:
             return
         silent = flat_s if answer == "ok" else silent_s  # a hung engine: how long it made no progress
-        death = Death(stage, replica, self._incarnation(stage, replica), reason, silent, progress)
+        heard = self._services.last_heard(ServiceKind.WORKER, stage)
+        incarnation = max((rec.started_ns for rec, _ in heard if rec.replica == replica), default=0)
+        death = Death(stage, replica, incarnation, reason, silent, progress)
         if death.started_ns >= getattr(self._judged.get(key), "started_ns", 0):
             self._judged[key] = death
         eviction = self._subjects.eviction_key(stage, replica, death.started_ns)
@@ -322,10 +315,6 @@ class ReplicaWatch:
             self._reconnects = self._nc.stats["reconnects"]
             self._grace_until = time.monotonic() + RECONNECT_GRACE_S
         return time.monotonic() < self._grace_until
-
-    def _incarnation(self, stage: int, replica: int) -> int:
-        heard = self._services.last_heard(ServiceKind.WORKER, stage)
-        return max((rec.started_ns for rec, _ in heard if rec.replica == replica), default=0)
 
 
 async def _answer(msg: Msg) -> None:

@@ -65,9 +65,8 @@ def plan_move(
 
 
 def still_bound(rec: RequestRecord, stage: int, replica: int) -> bool:
-    """Whether ``rec``'s ``stage`` still runs on ``replica``: the request has not ended, and the
-    stage has neither finished nor moved elsewhere (an orchestrator's in-memory index lags the
-    bucket: a request it hands over again after a verdict may have moved already)."""
+    """Whether ``rec``'s ``stage`` still runs on ``replica``: neither the request nor the stage
+    has ended, and the stage has not moved elsewhere (the in-memory index lags the bucket)."""
     return _running(rec, stage) is not None and rec.route[stage] == replica
 
 

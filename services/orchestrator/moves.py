@@ -66,8 +66,8 @@ CLAIMER_PROBE_TIMEOUT_S = 0.5
 
 
 class Mover:
-    """What one orchestrator does about dead replicas: counts its own verdicts, moves or fails the
-    requests bound to them and takes over moves whose claimer died."""
+    """Counts this orchestrator's verdicts, moves or fails the requests bound to dead replicas and
+    takes over moves whose claimer died."""
 
     def __init__(
         self, ctx: OrchestratorContext, index: InflightRequests, services: LiveServices, instance_id: str
@@ -92,10 +92,8 @@ class Mover:
             death.silent_s,
             len(self._index.bound_to(death.stage, death.replica)),
         )
-        if self.ctx.metrics.enabled:
-            self.ctx.metrics["vllm:omni_replica_evictions"].labels(
-                self.ctx.model, str(death.stage), str(death.replica), death.reason.value
-            ).inc()
+        labels = (str(death.stage), str(death.replica), death.reason.value)
+        self.ctx.count("vllm:omni_replica_evictions", *labels)
 
     async def replica_died(self, death: Death, seen: RequestRecord) -> None:
         """A request bound to a dead replica: it moves to a live replica of the stage, or fails
@@ -106,8 +104,7 @@ class Mover:
             await self._exclusively(seen.request_id, work, "handling the death of its replica")
 
     async def _exclusively(self, request_id: str, work: Awaitable[None], what: str) -> None:
-        """Await ``work`` with ``request_id`` among the requests this instance is moving; its
-        failure is logged."""
+        """Await ``work`` with ``request_id`` among those this instance is moving; log its failure."""
         self._moving.add(request_id)
         try:
             await work
@@ -127,8 +124,8 @@ class Mover:
                 break
             except NoLiveReplica:
                 if time.monotonic() >= deadline:
-                    message = f"{where} died ({death.reason}) and the stage has no live replica to move the request to"
-                    await self._fail(seen, "no_live_replica", message, (s, death.replica))
+                    why = f"died ({death.reason}) and the stage has no live replica to move the request to"
+                    await self._fail(seen, "no_live_replica", f"{where} {why}", (s, death.replica))
                     return
             await asyncio.sleep(NO_REPLICA_POLL_S)
         inputs: list[RawStreamMsg] = []
@@ -147,10 +144,9 @@ class Mover:
         def change(rec: RequestRecord) -> bool:
             nonlocal decision  # as of the last try: a retried compare-and-set calls this again
             decision = plan_move(rec, s, death.replica, target, death.reason.value, stage.migration_limit)
-            if not isinstance(decision, Move):
-                return False
-            apply_move(rec, decision, time.time_ns(), self.instance_id)
-            return True
+            if isinstance(decision, Move):
+                apply_move(rec, decision, time.time_ns(), self.instance_id)
+            return isinstance(decision, Move)
 
         await update_record(self.ctx.requests, seen.request_id, change)
         if decision == NoMove.LIMIT:
@@ -312,9 +308,8 @@ class Mover:
             sum(steps_ms),
             *steps_ms,
         )
-        if self.ctx.metrics.enabled:
-            labels = (str(s), str(move.from_replica), str(move.to_replica), move.reason, phase.value)
-            self.ctx.metrics["vllm:omni_requests_migrated"].labels(self.ctx.model, *labels).inc()
+        labels = (str(s), str(move.from_replica), str(move.to_replica), move.reason, phase.value)
+        self.ctx.count("vllm:omni_requests_migrated", *labels)
 
     async def _stored_inputs(self, stage: int, replica: int, request_id: str) -> list[RawStreamMsg]:
         """The request's inputs still stored for replica ``replica`` of ``stage`` (unacknowledged)."""
@@ -322,8 +317,7 @@ class Mover:
         return await stored_inputs(self.ctx.js, self.ctx.subjects.stages_stream, subject, request_id)
 
     async def _note_sent(self, move: Move, **fields: object) -> None:
-        """Write into the record that ``move`` was carried out (its takeover then stops), with
-        ``fields`` of its attempt."""
+        """Note in ``move``'s attempt that it was sent (its takeover then stops), and ``fields``."""
 
         def note(rec: RequestRecord) -> bool:
             attempts = rec.stages[move.stage].attempts
@@ -338,24 +332,17 @@ class Mover:
     async def _ask(self, subject: str, question: RouteNotice, what: str) -> Msg:
         """The answer to ``question`` on ``subject``, asked up to ``REROUTE_TRIES`` times while it
         goes unanswered; raises ``NoRespondersError``, or ``NatsTimeoutError`` after the last try."""
-        for tries_left in reversed(range(REROUTE_TRIES)):
+        for _ in range(REROUTE_TRIES - 1):
             try:
                 return await self.ctx.nc.request(subject, question.encode(), timeout=RESUME_TIMEOUT_S)
             except NatsTimeoutError:
-                if not tries_left:
-                    raise
-                log.info(
-                    "request %s: no answer to the move's %s on %s; asking again",
-                    question.request_id,
-                    what,
-                    subject,
-                )
-        raise AssertionError("not reached")
+                rid = question.request_id
+                log.info("request %s: no answer to the move's %s on %s; asking again", rid, what, subject)
+        return await self.ctx.nc.request(subject, question.encode(), timeout=RESUME_TIMEOUT_S)
 
     async def _reroute(self, subject: str, change: RouteNotice) -> ResumePoint:
         """Have the upstream worker hold the request's chunks (the move's question) or release
-        them (its moved notice); not held when it no longer works on the request, or does not
-        answer (it died too)."""
+        them (its moved notice); not held when it no longer works on the request or is gone."""
         try:
             reply = await self._ask(subject, change, "hold" if isinstance(change, ResumeQuery) else "release")
         except (NoRespondersError, NatsTimeoutError):

@@ -1,8 +1,5 @@
 """The orchestrator: admits requests, binds replicas, dispatches the entry stage, follows the lifecycle.
-
-Stateless: every instance pulls from the same two durable consumers (admissions, lifecycle
-events) and keeps all request state in the ``omni_requests`` KV bucket, so any number of
-instances can run and any of them may die. This module wires the parts together.
+Stateless (all request state is in ``omni_requests``): any number of instances may run, any may die.
 """
 
 from __future__ import annotations
@@ -35,11 +32,7 @@ from libs.common.pipeline import PipelineConfig
 from libs.common.registry import Heartbeat, LiveServices, ServiceKind, ServiceRecord
 from libs.common.runtime import cancel_and_wait, freeze_startup_heap
 from libs.common.settings import OrchestratorSettings
-from libs.common.subjects import (
-    ORCHESTRATOR_ADMISSION_CONSUMER,
-    ORCHESTRATOR_EVENTS_CONSUMER,
-    Subjects,
-)
+from libs.common.subjects import ORCHESTRATOR_ADMISSION_CONSUMER, ORCHESTRATOR_EVENTS_CONSUMER, Subjects
 from libs.common.tracing import setup_tracing, shutdown_tracing
 from libs.common.version import VERSION
 from services.orchestrator.admission import MAX_CONCURRENT_ADMISSIONS, Admissions
@@ -120,11 +113,6 @@ class Orchestrator:
                 asyncio.create_task(self._loop_lag_loop(), name="loop-lag"),
                 asyncio.create_task(self._pipeline_log_loop(), name="pipeline-log"),
             ]
-        await self._consume()
-        log.info("orchestrator %s: ready, metrics on :%d", self.settings.instance_id, port)
-
-    async def _consume(self) -> None:
-        """Pull admissions and lifecycle events from the orchestrators' two durable consumers."""
         admissions = Admissions(self._ctx, self._tally)
         events = functools.partial(on_event, self._ctx, self.settings.log_stats, self._tally)
         limits = self.settings.bus_limits
@@ -150,6 +138,7 @@ class Orchestrator:
                 name="orchestrator events",
             ),
         ]
+        log.info("orchestrator %s: ready, metrics on :%d", self.settings.instance_id, port)
 
     async def _queue_depth_loop(self) -> None:
         """Admissions waiting in the requests stream, every few seconds."""
@@ -173,12 +162,10 @@ class Orchestrator:
             hist.observe(max(0.0, time.monotonic() - t0 - LOOP_LAG_PERIOD_S))
 
     async def _pipeline_log_loop(self) -> None:
+        period_s = self.settings.log_stats_interval_s
         while True:
-            await asyncio.sleep(self.settings.log_stats_interval_s)
-            log.info(
-                "%s",
-                self._tally.line(self.pipeline.name, len(self._index), self.settings.log_stats_interval_s),
-            )
+            await asyncio.sleep(period_s)
+            log.info("%s", self._tally.line(self.pipeline.name, len(self._index), period_s))
 
     async def stop(self) -> None:
         for c in self._consumers:

@@ -51,10 +51,8 @@ class ReplicaPicker:
             self._since_beat[(rec.stage, rec.replica)] = 0
 
     def pick(self, stage: int) -> int:
-        """Bind a replica of ``stage`` (raises :class:`NoLiveReplica`); a replica judged dead
-        whose registration has not expired yet is passed over. When no registration of the stage
-        is live, a replica whose last one expired but which answers its liveness probes is
-        taken (its heartbeat is late, not its process: a move to it beats failing the request)."""
+        """Bind a replica of ``stage`` (raises :class:`NoLiveReplica`), passing over those judged
+        dead; when no registration of the stage is live, one that answers its liveness probes."""
         live = [rec for rec in self._services.live(ServiceKind.WORKER, stage) if not self._dead(rec)]
         if not live:  # heartbeats are JetStream writes, which lag behind core NATS under load
             live = [
@@ -75,7 +73,3 @@ class ReplicaPicker:
         self._since_beat[key] = self._since_beat.get(key, 0) + 1
         self._last_pick[key] = next(self._clock)
         return best.replica
-
-    def route(self, stages: list[int]) -> list[int]:
-        """One replica per stage, in stage order."""
-        return [self.pick(s) for s in stages]

@@ -22,11 +22,9 @@ def _bytes(n: int) -> str:
 
 
 def format_summary(rec: RequestRecord, pipeline: PipelineConfig) -> str:
-    """``request <id> <status> e2e <s> | stage times | edge transfers``.
-
-    Stage time: the stage's first input taken → its last output sent (worker clock). e2e: gateway
-    arrival → the last stage's done (two hosts' wall clocks; on one host, one clock).
-    """
+    """``request <id> <status> e2e <s> | stage times | edge transfers``. Stage time: the stage's
+    first input taken → its last output sent (worker clock); e2e: gateway arrival → the last
+    stage's done (wall clocks)."""
     done = [s.done_ns for s in rec.stages if s.done_ns]
     e2e = f"{(max(done) - rec.arrival_ns) / 1e9:.3f} s" if done else "-"
     stages = []
