@@ -1,5 +1,5 @@
 """The stage worker's bus plumbing: pull consumer, per-request tasks, acks, aborts, registry. A
-message is acked once its output is published (kept alive until then); a malformed one is termed.
+message is acked once its output is published (kept alive until then); a malformed one is terminated.
 """
 
 from __future__ import annotations
