@@ -110,12 +110,8 @@ class Admissions:
             return
         tasks = entry_tasks(adm, route)
         hop = Hop(h.FROM_ORCHESTRATOR, h.FROM_ORCHESTRATOR, adm.entry_stage, route[adm.entry_stage])
-        span = start_span(
-            "omni.admit",
-            context_from_headers(msg.headers),
-            SpanKind.CONSUMER,
-            {"omnirelay.request_id": adm.request_id, "omnirelay.route": route, "messaging.system": "nats"},
-        )
+        attrs = {"omnirelay.request_id": adm.request_id, "omnirelay.route": route, "messaging.system": "nats"}
+        span = start_span("omni.admit", context_from_headers(msg.headers), SpanKind.CONSUMER, attrs)
         try:
             acks = [await publish_task(self.ctx.js, self.ctx.subjects, t, hop, span) for t in tasks]
         finally:

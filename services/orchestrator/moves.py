@@ -260,15 +260,8 @@ class Mover:
         attributes = {f"omnirelay.{name}": getattr(move, name) for name in names}
         links = [link] if parent is not None else None
         span = start_span("omni.migrate", parent, SpanKind.PRODUCER, attributes, links=links)
-        span.add_event(
-            "request.moved",
-            {
-                "omnirelay.reason": move.reason,
-                "omnirelay.phase": phase.value,
-                "omnirelay.resumed_tokens": resumed,
-                "omnirelay.start_seq": start,
-            },
-        )
+        event = {"reason": move.reason, "phase": phase.value, "resumed_tokens": resumed, "start_seq": start}
+        span.add_event("request.moved", {f"omnirelay.{key}": value for key, value in event.items()})
         try:
             for msg, task in zip(inputs, tasks, strict=True):
                 hdr = msg.headers or {}

@@ -143,11 +143,10 @@ class Orchestrator:
     async def _queue_depth_loop(self) -> None:
         """Admissions waiting in the requests stream, every few seconds."""
         gauge = self.metrics["vllm:omni_orchestrator_admission_queue_depth"].labels(self.model)
+        stream = self.subjects.requests_stream
         while True:
             try:
-                ci = await self.js.consumer_info(
-                    self.subjects.requests_stream, ORCHESTRATOR_ADMISSION_CONSUMER
-                )
+                ci = await self.js.consumer_info(stream, ORCHESTRATOR_ADMISSION_CONSUMER)
                 gauge.set(ci.num_pending or 0)
             except Exception as e:
                 log.debug("admission consumer info unavailable: %s", e)
