@@ -249,28 +249,10 @@ class Mover:
             held = await self._reroute(upstream, query)
         if s > 0:
             inputs = await self._stored_inputs(s, move.from_replica, rid)
-        tasks = [decode(StageTask, m.data) for m in inputs]
-        start = min((t.seq for t in tasks), default=held.next_seq)
+        start = min((decode(StageTask, m.data).seq for m in inputs), default=held.next_seq)
         resumed = sum(len(d.token_ids) for d in point.deltas)
         phase = Phase.IN_PROGRESS if resumed or point.audio_seq is not None else move.phase
-        # an ``omni.migrate`` span: a child of the request's trace, linked to the attempt that died
-        parent = context_from_headers(inputs[0].headers) if inputs else None
-        link = Link(trace.get_current_span(parent).get_span_context(), {"omnirelay.link": "moved_from"})
-        names = ("request_id", "stage", "from_replica", "to_replica", "attempt")
-        attributes = {f"omnirelay.{name}": getattr(move, name) for name in names}
-        links = [link] if parent is not None else None
-        span = start_span("omni.migrate", parent, SpanKind.PRODUCER, attributes, links=links)
-        event = {"reason": move.reason, "phase": phase.value, "resumed_tokens": resumed, "start_seq": start}
-        span.add_event("request.moved", {f"omnirelay.{key}": value for key, value in event.items()})
-        try:
-            for msg, task in zip(inputs, tasks, strict=True):
-                hdr = msg.headers or {}
-                sender = [hdr.get(key, h.FROM_ORCHESTRATOR) for key in (h.FROM_STAGE, h.FROM_REPLICA)]
-                hop = Hop(*sender, s, move.to_replica)
-                moved = _moved_task(task, move, start, point, seen)
-                await publish_task(self.ctx.js, self.ctx.subjects, moved, hop, span)
-        finally:
-            span.end()
+        await self._send_moved(move, seen, inputs, point, start, phase, resumed)
         t_sent = time.monotonic()
         for msg in inputs:
             with contextlib.suppress(Exception):
@@ -283,26 +265,39 @@ class Mover:
                 move, phase=phase.value, resumed_tokens=resumed, start_seq=start if s > 0 else 0
             )
         steps_ms = [(b - a) * 1e3 for a, b in ((t0, t_claimed), (t_claimed, t_asked), (t_asked, t_sent))]
-        log.warning(
-            "request %s moved: stage %d replica %d -> %d (attempt %d, %s, %s; the client had %d token(s), "
-            "audio up to chunk %s; %d stored input(s) re-sent from seq %d); sent %.0f ms after the verdict "
-            "(claimed %.0f, gateway %.0f, inputs %.0f)",
-            rid,
-            s,
-            move.from_replica,
-            move.to_replica,
-            move.attempt,
-            move.reason,
-            phase.value,
-            resumed,
-            point.audio_seq,
-            len(inputs),
-            start,
-            sum(steps_ms),
-            *steps_ms,
-        )
+        _report(move, phase, resumed, point, len(inputs), start, steps_ms)
         labels = (str(s), str(move.from_replica), str(move.to_replica), move.reason, phase.value)
         self.ctx.count("vllm:omni_requests_migrated", *labels)
+
+    async def _send_moved(
+        self,
+        move: Move,
+        seen: RequestRecord,
+        inputs: list[RawStreamMsg],
+        point: ResumePoint,
+        start: int,
+        phase: Phase,
+        resumed: int,
+    ) -> None:
+        """Send the new attempt the stored ``inputs``, resumed from ``point``, under an
+        ``omni.migrate`` span: a child of the request's trace, linked to the attempt that died."""
+        parent = context_from_headers(inputs[0].headers) if inputs else None
+        link = Link(trace.get_current_span(parent).get_span_context(), {"omnirelay.link": "moved_from"})
+        names = ("request_id", "stage", "from_replica", "to_replica", "attempt")
+        attributes = {f"omnirelay.{name}": getattr(move, name) for name in names}
+        links = [link] if parent is not None else None
+        span = start_span("omni.migrate", parent, SpanKind.PRODUCER, attributes, links=links)
+        event = {"reason": move.reason, "phase": phase.value, "resumed_tokens": resumed, "start_seq": start}
+        span.add_event("request.moved", {f"omnirelay.{key}": value for key, value in event.items()})
+        try:
+            for msg in inputs:
+                hdr = msg.headers or {}
+                sender = [hdr.get(key, h.FROM_ORCHESTRATOR) for key in (h.FROM_STAGE, h.FROM_REPLICA)]
+                hop = Hop(*sender, move.stage, move.to_replica)
+                moved = _moved_task(decode(StageTask, msg.data), move, start, point, seen)
+                await publish_task(self.ctx.js, self.ctx.subjects, moved, hop, span)
+        finally:
+            span.end()
 
     async def _stored_inputs(self, stage: int, replica: int, request_id: str) -> list[RawStreamMsg]:
         """The request's inputs still stored for replica ``replica`` of ``stage`` (unacknowledged)."""
@@ -363,6 +358,30 @@ class Mover:
         self._index.forget(seen.request_id)
         log.warning("request %s failed: %s", seen.request_id, message)
         await self.ctx.end_everywhere(seen, 503, code, message)
+
+
+def _report(
+    move: Move, phase: Phase, resumed: int, point: ResumePoint, inputs: int, start: int, steps_ms: list[float]
+) -> None:
+    """Log a move carried out; ``steps_ms``: verdict → claimed → gateway answered → inputs sent, ms."""
+    log.warning(
+        "request %s moved: stage %d replica %d -> %d (attempt %d, %s, %s; the client had %d token(s), "
+        "audio up to chunk %s; %d stored input(s) re-sent from seq %d); sent %.0f ms after the verdict "
+        "(claimed %.0f, gateway %.0f, inputs %.0f)",
+        move.request_id,
+        move.stage,
+        move.from_replica,
+        move.to_replica,
+        move.attempt,
+        move.reason,
+        phase.value,
+        resumed,
+        point.audio_seq,
+        inputs,
+        start,
+        sum(steps_ms),
+        *steps_ms,
+    )
 
 
 def _moved_task(

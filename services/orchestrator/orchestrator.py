@@ -11,6 +11,7 @@ import logging
 import time
 
 from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
 
 from libs.common.bus import (
     ORCHESTRATOR_ACK_WAIT_S,
@@ -97,6 +98,18 @@ class Orchestrator:
             asyncio.create_task(sweep_deadlines(self._ctx, self._index), name="deadline-sweep"),
             asyncio.create_task(mover.unfinished_moves_loop(), name="unfinished-moves"),
         ]
+        port = await self._register(skv)
+        if self.metrics.enabled:
+            self._tasks += [
+                asyncio.create_task(self._queue_depth_loop(), name="queue-depth"),
+                asyncio.create_task(self._loop_lag_loop(), name="loop-lag"),
+                asyncio.create_task(self._pipeline_log_loop(), name="pipeline-log"),
+            ]
+        self._consumers = await self._consume()
+        log.info("orchestrator %s: ready, metrics on :%d", self.settings.instance_id, port)
+
+    async def _register(self, skv: KeyValue) -> int:
+        """Serve ``/metrics`` and start this instance's registry heartbeat; returns the metrics port."""
         port = start_metrics_server(self.settings.metrics_port, self.settings.metrics_host)
         record = ServiceRecord(
             service=ServiceKind.ORCHESTRATOR,
@@ -107,16 +120,14 @@ class Orchestrator:
         )
         self._heartbeat = Heartbeat(skv, record, lambda: 0)
         await self._heartbeat.start()
-        if self.metrics.enabled:
-            self._tasks += [
-                asyncio.create_task(self._queue_depth_loop(), name="queue-depth"),
-                asyncio.create_task(self._loop_lag_loop(), name="loop-lag"),
-                asyncio.create_task(self._pipeline_log_loop(), name="pipeline-log"),
-            ]
+        return port
+
+    async def _consume(self) -> list[PullConsumer]:
+        """Start taking admissions and lifecycle events, each up to its concurrency limit."""
         admissions = Admissions(self._ctx, self._tally)
         events = functools.partial(on_event, self._ctx, self.settings.log_stats, self._tally)
         limits = self.settings.bus_limits
-        self._consumers = [
+        return [
             await consume(
                 self.nc,
                 self.js,
@@ -138,7 +149,6 @@ class Orchestrator:
                 name="orchestrator events",
             ),
         ]
-        log.info("orchestrator %s: ready, metrics on :%d", self.settings.instance_id, port)
 
     async def _queue_depth_loop(self) -> None:
         """Admissions waiting in the requests stream, every few seconds."""
