@@ -62,7 +62,9 @@ class GatewaySettings(ServiceSettings):
 
     host: str = Field(default="127.0.0.1", description="HTTP bind address")
     port: int = Field(default=8000, ge=0, le=65535, description="HTTP port (the OpenAI API, /health)")
-    admin_port: int = Field(default=8001, ge=0, le=65535, description="/metrics, /prometheus/targets")
+    admin_port: int = Field(
+        default=8001, ge=0, le=65535, description="/metrics and /prometheus/targets, no API key (0: any free)"
+    )
     metrics_host: str = Field(default="127.0.0.1", description="admin port's bind address")
     sched_batch: SchedBatch = True
     api_keys: str = Field(default="", description="API keys (Authorization: Bearer), comma-separated")
@@ -73,19 +75,35 @@ class GatewaySettings(ServiceSettings):
     max_body_bytes: int = Field(default=4 << 20, ge=1024, description="largest request body, bytes (413)")
     max_headers: int = Field(default=100, ge=10, description="most headers in a request (431 above)")
     max_header_bytes: int = Field(default=16 << 10, ge=1024, description="largest request head, bytes (431)")
-    request_head_timeout_s: float = Field(default=10.0, gt=0, description="a request head's deadline, s")
+    request_head_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="a request's head must arrive within this of the connection's start, seconds",
+    )
     keep_alive_s: int = Field(default=5, ge=1, description="idle keep-alive connections close after this, s")
     max_messages: int = Field(default=1024, ge=1, description="most messages in a chat request")
     max_prompt_chars: int = Field(default=500_000, ge=1, description="most characters of a request's prompt")
     max_stop: int = Field(default=4, ge=0, description="most stop sequences in a request (OpenAI's limit)")
-    max_tokens_limit: int = Field(default=8192, ge=1, description="most tokens a request may generate")
+    max_tokens_limit: int = Field(
+        default=8192, ge=1, description="most tokens a request may generate (and the default max_tokens' cap)"
+    )
     allow_ignore_eos: bool | None = Field(default=None, description="allow ignore_eos (unset: loopback only)")
     max_buffered_events: int = Field(
         default=1024, ge=0, description="events a slow reader may leave waiting for 1 s (8 × at once); 0: any"
     )
-    slow_reader_timeout_s: float = Field(default=30.0, gt=0, description="slow write abort timeout, seconds")
-    max_realtime_sessions_per_key: int = Field(default=16, ge=0, description="realtime sessions/key; 0: any")
-    max_concurrent_per_key: int = Field(default=256, ge=0, description="requests per key at once; 0: any")
+    slow_reader_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="a response write the client does not take within this aborts it, seconds",
+    )
+    max_realtime_sessions_per_key: int = Field(
+        default=16, ge=0, description="realtime sessions one API key may hold open at once; 0: no limit"
+    )
+    max_concurrent_per_key: int = Field(
+        default=256,
+        ge=0,
+        description="requests one API key (or client address without keys) may run at once; 0: no limit",
+    )
 
     @field_validator("admin_port")
     @classmethod
@@ -113,10 +131,12 @@ class WorkerSettings(_BackendSettings):
     max_inflight: int = Field(default=128, ge=1, description="requests handled at once")
     engine_nice: int = Field(default=10, ge=0, le=19, description="nice value of the engine's threads")
     journey_tracing_sample_rate: float = Field(
-        default=1.0, ge=0, le=1, description="share of requests traced"
+        default=1.0, ge=0, le=1, description="share of requests whose engine journey events are traced"
     )
     step_tracing_enabled: bool = Field(default=False, description="emit scheduler step spans/events")
-    step_tracing_sample_rate: float = Field(default=0.01, ge=0, le=1, description="share of steps summarized")
+    step_tracing_sample_rate: float = Field(
+        default=0.01, ge=0, le=1, description="share of scheduler steps with a step.BATCH_SUMMARY event"
+    )
     step_tracing_rich_subsample_rate: float = Field(
         default=0.001,
         ge=0,
