@@ -110,22 +110,9 @@ def _with_tracing(kwargs: dict[str, Any], cfg: EngineTracingConfig) -> None:
     os.environ.setdefault("OTEL_SERVICE_NAME", cfg.service_name)
 
 
-def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
-    """Start a vLLM v1 ``AsyncLLM`` for ``spec``'s stage (a ``MockAsyncLLM`` with ``engine.mock``),
-    with ``OmniScheduler``, the stage's wait policy, and with ``log_stats`` the loggers of
-    :func:`~services.stage_worker.engine_metrics.stat_loggers_for` (without it no ``vllm:`` family)."""
-    eng, ident = spec.stage.engine, engine_identity(spec)
-    if eng.mock is not None:
-        from services.stage_worker.mock_engine import build_mock_engine
-
-        return build_mock_engine(model_path, eng.mock, eng.max_num_seqs, ident.label)
-
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.platforms import current_platform
-    from vllm.usage.usage_lib import UsageContext
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    # The environment the engine's processes read.
+def _set_engine_env(spec: LLMEngineSpec, label: str) -> None:
+    """Set the environment the engine's processes read (KV cache, core, wait policy); log the policy."""
+    eng = spec.stage.engine
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(eng.kv_cache_space_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(spec.cpu_core))
     policy = WaitPolicy(spin_s=eng.busy_spin_ms / 1000, nap_s=eng.busy_nap_ms / 1000)
@@ -133,18 +120,17 @@ def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
     log.info(
         "%s: engine processes busy-wait %g ms after each queue read, then check every %g ms "
         "until 1 s (vLLM's own: busy-wait the whole second)",
-        ident.label,
+        label,
         policy.spin_s * 1000,
         policy.nap_s * 1000,
     )
-    stat_loggers = None
-    if spec.log_stats:
-        from services.stage_worker.engine_metrics import stat_loggers_for
 
-        os.environ["VLLM_LOG_STATS_INTERVAL"] = str(spec.log_stats_interval_s)  # as LLMHandler's
-        stat_loggers = stat_loggers_for(ident)
+
+def _engine_kwargs(spec: LLMEngineSpec, model_path: str) -> dict[str, Any]:
+    """``AsyncEngineArgs`` of ``spec``'s stage: ours, the talker's, the stage's extra, tracing."""
     from services.stage_worker.engine_core.scheduler import OMNI_SCHEDULER_CLS
 
+    eng = spec.stage.engine
     kwargs = {
         "model": model_path,
         "served_model_name": spec.pipeline.served_model_name,
@@ -161,6 +147,32 @@ def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
     tracing_cfg = engine_tracing_config(spec)
     if tracing_cfg is not None:
         _with_tracing(kwargs, tracing_cfg)
+    return kwargs
+
+
+def build_async_llm(spec: LLMEngineSpec, model_path: str):  # -> AsyncLLM
+    """Start a vLLM v1 ``AsyncLLM`` for ``spec``'s stage (a ``MockAsyncLLM`` with ``engine.mock``),
+    with ``OmniScheduler``, the stage's wait policy, and with ``log_stats`` the loggers of
+    :func:`~services.stage_worker.engine_metrics.stat_loggers_for` (without it no ``vllm:`` family)."""
+    eng, ident = spec.stage.engine, engine_identity(spec)
+    if eng.mock is not None:
+        from services.stage_worker.mock_engine import build_mock_engine
+
+        return build_mock_engine(model_path, eng.mock, eng.max_num_seqs, ident.label)
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    _set_engine_env(spec, ident.label)
+    stat_loggers = None
+    if spec.log_stats:
+        from services.stage_worker.engine_metrics import stat_loggers_for
+
+        os.environ["VLLM_LOG_STATS_INTERVAL"] = str(spec.log_stats_interval_s)  # as LLMHandler's
+        stat_loggers = stat_loggers_for(ident)
+    kwargs = _engine_kwargs(spec, model_path)
     vllm_config = AsyncEngineArgs(**kwargs).create_engine_config(UsageContext.ENGINE_CONTEXT)
     in_core = model_in_engine_core(
         current_platform.is_cpu(), vllm_config.parallel_config.world_size, eng.extra

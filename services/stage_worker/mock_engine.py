@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
     from vllm.sampling_params import SamplingParams
     from vllm.tokenizers import TokenizerLike
+    from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 
@@ -105,17 +106,9 @@ class MockAsyncLLM:
         **_: Any,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream ``sampling_params.max_tokens`` tokens as ``RequestOutput`` deltas."""
-        from vllm.outputs import CompletionOutput, RequestOutput
-        from vllm.sampling_params import RequestOutputKind
-
         from services.stage_worker.resumed_text import incremental_detokenizer
 
-        if self._shut_down:
-            raise RuntimeError(f"{self.label}: the mock engine is shut down")
-        if sampling_params.output_kind != RequestOutputKind.DELTA:
-            raise ValueError(f"{self.label}: the mock engine streams DELTA outputs only")
-        if request_id in self._running:
-            raise ValueError(f"request id {request_id} already running")
+        self._check_request(sampling_params, request_id)
         ids = prompt_token_ids(prompt)
         max_tokens = sampling_params.max_tokens or 16
         loop, inter = asyncio.get_running_loop(), self._inter_token_s
@@ -140,23 +133,7 @@ class MockAsyncLLM:
                     stop = detok.update(new, False)
                     finish = "stop" if stop is not None else "length" if produced >= max_tokens else None
                     ended = finish is not None
-                    completion = CompletionOutput(
-                        index=0,
-                        text=detok.get_next_output_text(ended, delta=True),
-                        token_ids=list(detok.output_token_ids[sent:]),
-                        cumulative_logprob=None,
-                        logprobs=None,
-                        finish_reason=finish,
-                        stop_reason=stop,
-                    )
-                    yield RequestOutput(
-                        request_id=request_id,
-                        prompt=None,
-                        prompt_token_ids=ids,
-                        prompt_logprobs=None,
-                        outputs=[completion],
-                        finished=ended,
-                    )
+                    yield _output(request_id, ids, detok, sent, finish, stop)
                     if ended:
                         break
             finally:
@@ -166,6 +143,47 @@ class MockAsyncLLM:
                     self.finished += 1
                 else:
                     self.aborted += 1
+
+    def _check_request(self, sampling_params: SamplingParams, request_id: str) -> None:
+        """Raise when the engine is shut down, the outputs are not DELTA or ``request_id`` is running."""
+        from vllm.sampling_params import RequestOutputKind
+
+        if self._shut_down:
+            raise RuntimeError(f"{self.label}: the mock engine is shut down")
+        if sampling_params.output_kind != RequestOutputKind.DELTA:
+            raise ValueError(f"{self.label}: the mock engine streams DELTA outputs only")
+        if request_id in self._running:
+            raise ValueError(f"request id {request_id} already running")
+
+
+def _output(
+    request_id: str,
+    ids: list[int],
+    detok: IncrementalDetokenizer,
+    sent: int,
+    finish: str | None,
+    stop: str | None,
+) -> RequestOutput:
+    """The ``RequestOutput`` delta of ``detok``'s tokens after the first ``sent`` (finished with ``finish``)."""
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    completion = CompletionOutput(
+        index=0,
+        text=detok.get_next_output_text(finish is not None, delta=True),
+        token_ids=list(detok.output_token_ids[sent:]),
+        cumulative_logprob=None,
+        logprobs=None,
+        finish_reason=finish,
+        stop_reason=stop,
+    )
+    return RequestOutput(
+        request_id=request_id,
+        prompt=None,
+        prompt_token_ids=ids,
+        prompt_logprobs=None,
+        outputs=[completion],
+        finished=finish is not None,
+    )
 
 
 def build_mock_engine(

@@ -7,14 +7,16 @@ import asyncio
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
-from libs.common.envelopes import ClientEvent, ClientEventType, Usage
+from libs.common.envelopes import ClientEvent, ClientEventType, Sampling, Usage
 from libs.common.text_chunks import TextChunker
 from services.stage_worker.handlers.llm import LLMHandler
 from services.stage_worker.request_context import RequestContext
 
 if TYPE_CHECKING:
+    from vllm import SamplingParams
     from vllm.outputs import RequestOutput
 
+    from services.stage_worker.inbox import Delivery
     from services.stage_worker.resumed_text import ResumedText
 
 STARTED_DELAY_S = 0.001
@@ -95,11 +97,25 @@ async def _relay(
     return generated, finish_reason
 
 
+def _sampling_params(s: Sampling, max_tokens: int) -> SamplingParams:
+    """vLLM's sampling parameters for ``s``, at most ``max_tokens`` (at least 1), streamed as deltas."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=max(max_tokens, 1),
+        temperature=s.temperature,
+        top_p=s.top_p,
+        seed=s.seed,
+        stop=s.stop or None,
+        ignore_eos=s.ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
 class ThinkerHandler(LLMHandler):
     async def run(self, req: RequestContext) -> None:
-        from vllm import SamplingParams
         from vllm.inputs import tokens_input
-        from vllm.sampling_params import RequestOutputKind
 
         from services.stage_worker.resumed_text import ResumedText, engine_params
 
@@ -111,15 +127,7 @@ class ThinkerHandler(LLMHandler):
         # left of max_tokens (docs/reliability.md).
         resumed = [t for delta in task.resume for t in delta.token_ids]
         left = s.max_tokens - len(resumed)
-        params = SamplingParams(
-            max_tokens=max(left, 1),
-            temperature=s.temperature,
-            top_p=s.top_p,
-            seed=s.seed,
-            stop=s.stop or None,
-            ignore_eos=s.ignore_eos,
-            output_kind=RequestOutputKind.DELTA,
-        )
+        params = _sampling_params(s, left)
         forward = not req.is_last_stage  # an audio request: the talker takes the text in chunks
         chunker = TextChunker(self._stage.chunking.tokens, self._stage.chunking.sentence_end)
         if forward:
@@ -149,6 +157,12 @@ class ThinkerHandler(LLMHandler):
             rest = chunker.flush()
             await req.downstream(final=True, token_ids=rest.token_ids, text=rest.text, offset=rest.offset)
         usage = Usage(prompt_tokens=len(task.prompt_token_ids), completion_tokens=generated)
+        await self._done(req, d, s, usage, finish_reason)
+
+    async def _done(
+        self, req: RequestContext, d: Delivery, s: Sampling, usage: Usage, finish_reason: str | None
+    ) -> None:
+        """Set the span's ``gen_ai.*`` attributes, send ``text_done``, ack ``d``, report ``stage_done``."""
         req.span.set_attributes(
             {
                 "gen_ai.operation.name": "chat",
