@@ -67,12 +67,12 @@ class Launched(ServiceProcess):
             assert (await http.get(f"{self.base_url}/health")).status_code == 200
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def pipeline():
     return load_pipeline()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def otlp() -> Iterator[Receiver]:
     """Where every service of the stack exports its spans (OTLP/HTTP)."""
     server, receiver = start_receiver()
@@ -81,7 +81,7 @@ def otlp() -> Iterator[Receiver]:
     server.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def stack(
     nats_server: NatsServer, otlp: Receiver, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Launched]:

@@ -285,16 +285,16 @@ async def _kill_a_busy_thinker(
     assert rec and not rec["stages"][THINKER]["done_ns"], rec
     out.victim = rec["route"][THINKER]
     await kill_confirmed(worker_pid(stack.proc.pid, THINKER, out.victim), "the thinker worker")
+
     # Moved: the record's new attempt has its input sent, which the orchestrator does after it
     # told the workers (the moved notice) and the gateway (its question fences the old attempt).
-    deadline = time.monotonic() + 10
-    while True:
+    async def moved() -> dict | None:
         rec = await request_record(stack.nats_url, audio_id)
         last = rec["stages"][THINKER]["attempts"][-1]
-        if last["attempt"] > 1 and last["sent_ns"]:
-            break
-        assert time.monotonic() < deadline, f"not moved within 10 s of the kill: {rec}"
-        await asyncio.sleep(0.05)
+        return rec if last["attempt"] > 1 and last["sent_ns"] else None
+
+    rec = await until(moved, "moved within 10 s of the kill", timeout_s=10)
+    last = rec["stages"][THINKER]["attempts"][-1]
     # The talker has taken the moved notice (it logs so): the dead attempt's chunks are stale there.
     await stack.await_log(f"request {audio_id}: stage {THINKER} moved to attempt {last['attempt']}")
     assert not streams[0].done() and not rec["stages"][TALKER]["done_ns"], "the audio request ended too soon"

@@ -3,6 +3,7 @@ HTTP API, and the module-scoped ``prom`` fixture (tests/e2e/test_prometheus.py).
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import time
@@ -15,6 +16,7 @@ import pytest
 import yaml
 
 from libs.stack.local_nats import free_port
+from libs.stack.processes import wait_for
 from tests import needs
 from tests.procs import stop_process
 
@@ -67,22 +69,23 @@ class Prometheus:
         has the two samples it needs. A listed service Prometheus has no sample of yet counts as
         not scraped (it may have just come back: a worker stopped for longer than the registry's
         TTL leaves the listing and its series go stale until it is scraped again)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
+        short: dict[str, int] = {}
+
+        def scraped() -> bool:
             want = {g["labels"]["__meta_omnirelay_instance"] for g in self.sd()}
             window = max(2, int(time.time() - t) + 2)
             got = {
                 r["metric"]["instance"]: sum(1 for ts, v in r["values"] if float(ts) > t and float(v) == 1)
                 for r in self.query(f'up{{job="omnirelay"}}[{window}s]')
             }
-            short = {i: got.get(i, 0) for i in want if got.get(i, 0) < scrapes}
-            if want and not short:
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"not scraped successfully {scrapes} time(s) after {t:.3f} within {timeout_s} s: {short}"
-                )
-            time.sleep(0.2)
+            short.clear()
+            short.update({i: got.get(i, 0) for i in want if got.get(i, 0) < scrapes})
+            return bool(want) and not short
+
+        try:
+            wait_for(scraped, f"scraped {scrapes} time(s) after {t:.3f}", timeout_s, every_s=0.2)
+        except RuntimeError as e:
+            raise AssertionError(f"{e}; short: {short}") from None
 
     def sd(self) -> list[dict[str, Any]]:
         """The stack's service-discovery answer (the targets Prometheus is told about)."""
@@ -94,12 +97,15 @@ class Prometheus:
 
 def eventually(fn, ok, timeout_s: float = WAIT_S, every_s: float = 0.25):
     """``fn()`` until ``ok(value)`` or the timeout; returns the last value (assert on it)."""
-    deadline = time.monotonic() + timeout_s
-    value = fn()
-    while not ok(value) and time.monotonic() < deadline:
-        time.sleep(every_s)
-        value = fn()
-    return value
+    seen = []
+
+    def holds() -> bool:
+        seen.append(fn())
+        return ok(seen[-1])
+
+    with contextlib.suppress(RuntimeError):
+        wait_for(holds, "eventually", timeout_s, every_s)
+    return seen[-1]
 
 
 def sd_groups(stack) -> list[dict[str, Any]]:

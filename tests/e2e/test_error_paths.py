@@ -15,6 +15,7 @@ import time
 import pytest
 
 from libs.stack.bus_state import request_record, snapshot
+from libs.stack.processes import until
 from tests.metrics_scrape import delta, scrape, total
 
 pytestmark = pytest.mark.e2e
@@ -24,43 +25,37 @@ RUNNING = "vllm:omni_num_requests_running"
 
 
 async def _inflight_with_trace(stack, pipeline, trace_id: str, timeout_s: float = 30.0) -> dict:
-    """The in-flight record of the request of ``trace_id`` once every stage has started it."""
-    deadline = time.monotonic() + timeout_s
-    seen = None
-    while time.monotonic() < deadline:
+    """The in-flight record of the request of ``trace_id`` once every stage has started it (the
+    listener a chat skips)."""
+
+    async def started() -> dict | None:
         for rec in (await snapshot(stack.nats_url, pipeline))["inflight"]:
-            if rec["trace_id"] == trace_id:
-                seen = rec
-                if all(
-                    s["started_ns"] for s in rec["stages"][pipeline.thinker_stage :]
-                ):  # the listener skipped
-                    return rec
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"the request of trace {trace_id} did not reach every stage: {seen}")
+            if rec["trace_id"] == trace_id and all(
+                s["started_ns"] for s in rec["stages"][pipeline.thinker_stage :]
+            ):
+                return rec
+        return None
+
+    return await until(started, f"the request of trace {trace_id} at every stage", timeout_s, every_s=0.1)
 
 
 async def _record_until(stack, rid: str, status: str, timeout_s: float = 15.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    rec = None
-    while time.monotonic() < deadline:
+    async def reached() -> dict | None:
         rec = await request_record(stack.nats_url, rid)
-        if rec is not None and rec["status"] == status:
-            return rec
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"record of {rid} not {status} within {timeout_s} s: {rec}")
+        return rec if rec is not None and rec["status"] == status else None
+
+    return await until(reached, f"the record of {rid} {status}", timeout_s, every_s=0.1)
 
 
 async def _idle(stack, pipeline, timeout_s: float = 15.0) -> None:
     """Every worker reports no request in flight (its registered load)."""
-    deadline = time.monotonic() + timeout_s
-    loads: dict = {}
-    while time.monotonic() < deadline:
+
+    async def idle() -> bool:
         snap = await snapshot(stack.nats_url, pipeline)
         loads = {s["key"]: s["load"] for s in snap["services"] if s["service"] == "worker"}
-        if loads and not any(loads.values()):
-            return
-        await asyncio.sleep(0.25)
-    raise AssertionError(f"workers still busy: {loads}")
+        return bool(loads) and not any(loads.values())
+
+    await until(idle, "every worker idle", timeout_s, every_s=0.25)
 
 
 async def test_a_client_that_leaves_a_non_streamed_request_aborts_it_in_every_stage(stack, pipeline) -> None:
@@ -102,12 +97,14 @@ async def test_a_client_that_leaves_a_non_streamed_request_aborts_it_in_every_st
         )
     await _idle(stack, pipeline)  # every stage stopped its part: no worker holds a request
 
+    # the gateway records the request a moment after it aborted it
+    await until(
+        lambda: delta(before, scrape(metrics), SUCCESS, finished_reason="abort") >= 1,
+        "the abort counted",
+        timeout_s=5,
+        every_s=0.1,
+    )
     after = scrape(metrics)
-    for _ in range(50):  # the gateway records the request a moment after it aborted it
-        if delta(before, after, SUCCESS, finished_reason="abort") >= 1:
-            break
-        await asyncio.sleep(0.1)
-        after = scrape(metrics)
     assert delta(before, after, SUCCESS, finished_reason="abort") == 1
     assert delta(before, after, SUCCESS) == 1 and delta(before, after, FAILED) == 0
     assert total(after, RUNNING) == running - 1, "the request is still counted as running"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 
 import httpx
@@ -14,6 +13,7 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from libs.stack.bus_state import request_record, snapshot
+from libs.stack.processes import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -23,14 +23,16 @@ SERVER, CONSUMER = 2, 5  # OTLP SpanKind values
 def _wait_spans(otlp, trace_id: str, complete: Callable[[list], bool], timeout_s: float = 15.0) -> list:
     """The trace's spans once ``complete`` says every span the test checks has arrived (the
     services export in batches, each on its own schedule)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        spans = otlp.trace(trace_id)
-        if complete(spans):
-            return spans
-        time.sleep(0.2)
-    got = sorted({(s.service, s.name) for s in otlp.trace(trace_id)})
-    raise AssertionError(f"trace {trace_id}: incomplete after {timeout_s} s; got {got}")
+
+    def spans() -> list | None:
+        got = otlp.trace(trace_id)
+        return got if complete(got) else None
+
+    try:
+        return wait_for(spans, f"trace {trace_id} complete", timeout_s, every_s=0.2)
+    except RuntimeError as e:
+        got = sorted({(s.service, s.name) for s in otlp.trace(trace_id)})
+        raise AssertionError(f"{e}; got {got}") from None
 
 
 def _journeys_below(spans: list) -> set[str]:

@@ -20,7 +20,7 @@ async def nc(nats_server) -> AsyncIterator[Client]:
     await conn.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def thinker_pair(nats_server, tmp_path_factory) -> Iterator[ThinkerPair]:
     """A gateway and two thinker workers on the session's nats-server, shared by the modules that
     judge faults with a second replica to move to (``tests/thinker_pair.py``); no orchestrator."""

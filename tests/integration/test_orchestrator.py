@@ -81,19 +81,21 @@ def admission(audio: bool = False, deadline_s: float = 60.0) -> Admission:
     )
 
 
-async def wait_record(kv, rid: str, until=lambda rec: True, timeout_s: float = 5.0) -> RequestRecord:
+async def wait_record(kv, rid: str, ok=lambda rec: True, timeout_s: float = 5.0) -> RequestRecord:
     """The request's record once it exists (it is written shortly after the dispatch) and
-    satisfies ``until``; the last one read if time runs out."""
-    rec = None
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    satisfies ``ok``; the last one read if time runs out."""
+    seen: list[RequestRecord] = []
+
+    async def holds() -> bool:
         with contextlib.suppress(KeyNotFoundError):
-            rec = RequestRecord.model_validate_json((await kv.get(rid)).value)
-            if until(rec):
-                break
-        await asyncio.sleep(0.05)
-    assert rec is not None, f"no record of {rid}"
-    return rec
+            seen.append(RequestRecord.model_validate_json((await kv.get(rid)).value))
+            return ok(seen[-1])
+        return False
+
+    with contextlib.suppress(AssertionError):
+        await until(holds, f"the record of {rid}", timeout_s)
+    assert seen, f"no record of {rid}"
+    return seen[-1]
 
 
 async def _answer_probe(msg) -> None:
