@@ -100,6 +100,37 @@ def service_identity(spec: ServiceSpec) -> str:
     return spec.args[0]
 
 
+def _start(
+    stack: Stack,
+    pipeline: PipelineConfig,
+    pipeline_path: Path,
+    port: int,
+    log_stats: bool,
+    data_dir: Path,
+    nats_url: str | None,
+    nats: NatsOptions | None,
+    admin_port: int,
+) -> NatsSecurity | None:
+    """Start NATS (unless ``nats_url`` is given) and every service, and wait until each planned
+    replica is live; the NATS identities made for them (None with an outside NATS)."""
+    from libs.models.tiny import make_tiny
+
+    make_tiny()
+    security = None
+    if nats_url:
+        stack.nats_url = nats_url
+    else:
+        security = prepare(data_dir / SECRETS_DIR, pipeline)
+        options = nats or NatsOptions()
+        stack.start_nats(options.nodes, options.sync_interval, security.server_conf, security.route_password)
+    specs = plan_services(pipeline, pipeline_path, stack.nats_url, port, log_stats, admin_port)
+    stack.start_services(
+        specs, port, None if security is None else lambda s: security.env(service_identity(s))
+    )
+    stack.wait_all_live(pipeline)
+    return security
+
+
 async def run_stack(
     pipeline: PipelineConfig,
     pipeline_path: Path,
@@ -119,7 +150,6 @@ async def run_stack(
     ``admin_port`` (0: a free port); ``<data_dir>/stack.json`` (:mod:`cli.stack_file`) says where
     the stack is while it runs."""
     from libs.common.signals import shutdown_event
-    from libs.models.tiny import make_tiny
 
     stop = shutdown_event()
     stack = Stack(data_dir, stop_timeout_s=STOP_TIMEOUT_S)
@@ -127,22 +157,7 @@ async def run_stack(
     admin_port = admin_port or free_port()
 
     def start() -> NatsSecurity | None:
-        make_tiny()
-        security = None
-        if nats_url:
-            stack.nats_url = nats_url
-        else:
-            security = prepare(data_dir / SECRETS_DIR, pipeline)
-            options = nats or NatsOptions()
-            stack.start_nats(
-                options.nodes, options.sync_interval, security.server_conf, security.route_password
-            )
-        specs = plan_services(pipeline, pipeline_path, stack.nats_url, port, log_stats, admin_port)
-        stack.start_services(
-            specs, port, None if security is None else lambda s: security.env(service_identity(s))
-        )
-        stack.wait_all_live(pipeline)
-        return security
+        return _start(stack, pipeline, pipeline_path, port, log_stats, data_dir, nats_url, nats, admin_port)
 
     try:
         starting = asyncio.ensure_future(asyncio.to_thread(start))

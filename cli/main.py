@@ -60,6 +60,34 @@ LogLevelOpt = Annotated[
 ]
 
 
+RateOpt = float | None
+JourneyRateOpt = Annotated[
+    RateOpt,
+    typer.Option(
+        help="share of requests traced inside the engine, 0..1 [env OMNIRELAY_JOURNEY_TRACING_SAMPLE_RATE; default 1.0]"
+    ),
+]
+StepTracingOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--step-tracing-enabled/--no-step-tracing-enabled",
+        help="scheduler step tracing [env OMNIRELAY_STEP_TRACING_ENABLED; default off]",
+    ),
+]
+StepRateOpt = Annotated[
+    RateOpt,
+    typer.Option(
+        help="share of steps with a batch summary, 0..1 [env OMNIRELAY_STEP_TRACING_SAMPLE_RATE; default 0.01]"
+    ),
+]
+RichRateOpt = Annotated[
+    RateOpt,
+    typer.Option(
+        help="share of summarized steps with per-request snapshots, 0..1 [env OMNIRELAY_STEP_TRACING_RICH_SUBSAMPLE_RATE; default 0.001]"
+    ),
+]
+
+
 def _settings(cls: type[ServiceSettings], **overrides: Any) -> Any:
     """Settings from the environment with the given flags on top; a bad value exits with a
     message naming the flag (and its variable) and the reason."""
@@ -172,31 +200,10 @@ def worker(
             help="seconds between vLLM stats log lines [env OMNIRELAY_LOG_STATS_INTERVAL_S; default 5]",
         ),
     ] = None,
-    journey_tracing_sample_rate: Annotated[
-        float | None,
-        typer.Option(
-            help="share of requests traced inside the engine, 0..1 [env OMNIRELAY_JOURNEY_TRACING_SAMPLE_RATE; default 1.0]"
-        ),
-    ] = None,
-    step_tracing_enabled: Annotated[
-        bool | None,
-        typer.Option(
-            "--step-tracing-enabled/--no-step-tracing-enabled",
-            help="scheduler step tracing [env OMNIRELAY_STEP_TRACING_ENABLED; default off]",
-        ),
-    ] = None,
-    step_tracing_sample_rate: Annotated[
-        float | None,
-        typer.Option(
-            help="share of steps with a batch summary, 0..1 [env OMNIRELAY_STEP_TRACING_SAMPLE_RATE; default 0.01]"
-        ),
-    ] = None,
-    step_tracing_rich_subsample_rate: Annotated[
-        float | None,
-        typer.Option(
-            help="share of summarized steps with per-request snapshots, 0..1 [env OMNIRELAY_STEP_TRACING_RICH_SUBSAMPLE_RATE; default 0.001]"
-        ),
-    ] = None,
+    journey_tracing_sample_rate: JourneyRateOpt = None,
+    step_tracing_enabled: StepTracingOpt = None,
+    step_tracing_sample_rate: StepRateOpt = None,
+    step_tracing_rich_subsample_rate: RichRateOpt = None,
     log_stats: LogStatsOpt = None,
     log_level: LogLevelOpt = None,
 ) -> None:

@@ -90,6 +90,8 @@ class Events:
     """Streams whose record lists a second thinker attempt (moved off the victim)."""
     stale_sent: bool = False
     """The dead attempt's stale event and chunk were sent after its request moved."""
+    victim_started_ns: int = 0
+    """When the killed thinker's incarnation started (its replacement starts later)."""
     t1: float = 0.0
 
 
@@ -304,8 +306,7 @@ async def _kill_a_busy_thinker(
     for rid in ids:
         rec = await request_record(stack.nats_url, rid)
         out.moved += len(rec["stages"][THINKER]["attempts"]) > 1
-    key = f"worker.{pipeline.name}.{THINKER}.{out.victim}"
-    await await_replacement(stack.nats_url, pipeline, key, incarnations[key])  # whole for the tests after
+    out.victim_started_ns = incarnations[f"worker.{pipeline.name}.{THINKER}.{out.victim}"]
 
 
 async def _talk(stack, pipeline) -> None:
@@ -379,17 +380,22 @@ async def _cause_events(stack, pipeline, out: Events) -> None:
 
 
 @pytest.fixture(scope="module")
-def events(stack, pipeline, prom, traffic) -> Events:
+def events(stack, pipeline, prom, traffic) -> Iterator[Events]:
     """Events the traffic does not cause, caused for real after it (the tests comparing the
     traffic's counts have run by then): a codec rejection (a failure and a skipped audio request at
     the gateway), an audio stage stopped for 2 s mid-stream (late chunks), a thinker killed under
     two streams (an eviction and a move) and the dead attempt's stale event and chunk (dropped by
     the gateway and the talker), a malformed stage message (terminated by its worker) and a chunk
-    from a sender whose clock runs ahead (two clamped intervals)."""
+    from a sender whose clock runs ahead (two clamped intervals). The killed thinker's
+    replacement is awaited at the module's end (its engine starts meanwhile): the modules after
+    need the whole stack."""
     prom.wait_scraped_after(traffic.t1 + 1.0)
     out = Events(t0=time.time())
     asyncio.run(_cause_events(stack, pipeline, out))
-    return out
+    yield out
+    if out.victim is not None:
+        key = f"worker.{pipeline.name}.{THINKER}.{out.victim}"
+        asyncio.run(await_replacement(stack.nats_url, pipeline, key, out.victim_started_ns))
 
 
 def outside_codec_worker(stack, pipeline: str, tmp: Path, **env: str) -> tuple[str, ServiceProcess]:
