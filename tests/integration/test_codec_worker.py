@@ -17,7 +17,6 @@ from safetensors.numpy import load_file
 
 from libs.common import headers as h
 from libs.common.envelopes import (
-    AbortNotice,
     ClientEvent,
     ClientEventType,
     NdArray,
@@ -29,7 +28,7 @@ from libs.common.settings import WorkerSettings
 from libs.common.subjects import Subjects, consumer_name
 from libs.models.tiny import resolve_model
 from tests import procs
-from tests.bus import collect, holds_nothing, in_flight
+from tests.bus import abort, collect, holds_nothing, in_flight
 from tests.metrics_scrape import delta, scrape, total
 from tests.pipeline_services import Services
 from tests.procs import CODE2WAV_YAML, TALKER_YAML, THINKER_YAML, write_pipeline
@@ -195,7 +194,7 @@ async def test_abort_notice_stops_a_waiting_request_and_late_chunks_are_dropped(
     await publish_task(js, SUBJECTS, chunk(rid, 0, [1, 2]), HOP)
     assert (await asyncio.wait_for(q.get(), 10)).type == ClientEventType.AUDIO
     assert await in_flight(nc, SUBJECTS, 2, 0) == 1, "the request does not wait for its last chunk"
-    await nc.publish(SUBJECTS.abort, AbortNotice(request_id=rid, reason="client disconnected").encode())
+    await abort(nc, SUBJECTS, rid)
     await procs.until(
         lambda: holds_nothing(nc, SUBJECTS, 2, 0), "the worker stopped the request", timeout_s=10
     )

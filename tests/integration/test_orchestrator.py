@@ -16,7 +16,6 @@ from collections import Counter
 from collections.abc import Iterator
 
 import pytest
-from nats.js.errors import KeyNotFoundError
 
 from libs.common import headers as h
 from libs.common.bus import requests_kv, services_kv
@@ -39,6 +38,7 @@ from libs.common.subjects import ORCHESTRATOR_ADMISSION_CONSUMER, Subjects
 from libs.stack.processes import until
 from services.orchestrator.admission import MAX_CONCURRENT_ADMISSIONS
 from services.orchestrator.orchestrator import HEALTH_PERIOD_S, LOOP_LAG_PERIOD_S
+from tests.client_streams import until_record
 from tests.metrics_scrape import Samples, delta, scrape, total
 from tests.pipeline_services import Services
 from tests.procs import (
@@ -79,23 +79,6 @@ def admission(audio: bool = False, deadline_s: float = 60.0) -> Admission:
         sampling=Sampling(max_tokens=4),
         audio=audio,
     )
-
-
-async def wait_record(kv, rid: str, ok=lambda rec: True, timeout_s: float = 5.0) -> RequestRecord:
-    """The request's record once it exists (it is written shortly after the dispatch) and
-    satisfies ``ok``; the last one read if time runs out."""
-    seen: list[RequestRecord] = []
-
-    async def holds() -> bool:
-        with contextlib.suppress(KeyNotFoundError):
-            seen.append(RequestRecord.model_validate_json((await kv.get(rid)).value))
-            return ok(seen[-1])
-        return False
-
-    with contextlib.suppress(AssertionError):
-        await until(holds, f"the record of {rid}", timeout_s)
-    assert seen, f"no record of {rid}"
-    return seen[-1]
 
 
 async def _answer_probe(msg) -> None:
@@ -178,7 +161,7 @@ async def test_requests_are_spread_over_live_replicas_with_every_header(orchestr
     assert by_replica == {0: 5, 1: 5}, by_replica
     assert {decode(StageTask, m.data).request_id for m in msgs} == {a.request_id for a in sent}
     kv = await requests_kv(nc.jetstream())
-    rec = await wait_record(kv, sent[0].request_id)
+    rec = await until_record(kv, sent[0].request_id, lambda r: True, "written", timeout_s=5)
     assert rec.pipeline == PIPELINE and rec.status == RequestStatus.ADMITTED and len(rec.stages) == 3
 
 
@@ -207,7 +190,9 @@ async def test_lifecycle_events_update_the_record(orchestrator, nc) -> None:
         ),
     )
     kv = await requests_kv(js)
-    rec = await wait_record(kv, adm.request_id, lambda r: r.status == RequestStatus.COMPLETED)
+    rec = await until_record(
+        kv, adm.request_id, lambda r: r.status == RequestStatus.COMPLETED, "completed", timeout_s=5
+    )
     assert rec.status == RequestStatus.COMPLETED and rec.finish_reason == "stop"
     assert (rec.stages[0].started_ns, rec.stages[0].done_ns) == (now, now + 5)
 
