@@ -16,8 +16,11 @@ from libs.common import headers as h
 from libs.common.subjects import Subjects, consumer_name
 from libs.stack.bus_state import request_record, snapshot
 from libs.stack.processes import until
+from tests.metrics_scrape import delta, scrape
 
 pytestmark = pytest.mark.e2e
+
+TERMINATED = "vllm:omni_bus_messages_terminated_total"
 
 
 async def _wait_idle(stack, pipeline, timeout_s: float = 10.0) -> dict:
@@ -114,11 +117,17 @@ async def test_malformed_stage_messages_are_terminated_and_the_worker_keeps_serv
             msgpack.packb({"request_id": 7, "kind": "start"}),
             msgpack.packb([1, 2, 3]),
         ]
-        seqs = [(await js.publish(subjects.stage_in(thinker, 0), body, headers=addr)).seq for body in bad]
-        for seq in seqs:
-            await stack.await_log(
-                f"terminating malformed message on {subjects.stage_in(thinker, 0)} (seq {seq})"
-            )
+        services = {s["key"]: s for s in (await snapshot(stack.nats_url, pipeline))["services"]}
+        metrics_url = services[f"worker.{pipeline.name}.{thinker}.0"]["metrics_url"]
+        before = scrape(metrics_url)
+        for body in bad:
+            await js.publish(subjects.stage_in(thinker, 0), body, headers=addr)
+
+        def terminated() -> float:  # as the worker counts them on its /metrics
+            return delta(before, scrape(metrics_url), TERMINATED)
+
+        await until(lambda: terminated() >= len(bad), f"{len(bad)} malformed messages terminated", 15)
+        assert terminated() == len(bad)
         ci = await js.consumer_info(subjects.stages_stream, consumer_name(thinker, 0))
         assert ci.num_ack_pending == 0 and ci.num_pending == 0
     finally:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import time
 
@@ -27,7 +26,6 @@ STAGE, REPLICA = load_pipeline().thinker_stage, 1
 
 async def test_a_killed_worker_is_restarted_and_requests_keep_completing(stack, pipeline) -> None:
     stage_key = f"{STAGE}:{pipeline.stages[STAGE].name}"
-    name = f"{pipeline.stages[STAGE].name}-{REPLICA}"
     before = {s["key"]: s for s in (await snapshot(stack.nats_url, pipeline))["services"]}
     record_key = f"worker.{pipeline.name}.{STAGE}.{REPLICA}"
     old_started_ns = before[record_key]["started_ns"]
@@ -74,12 +72,7 @@ async def test_a_killed_worker_is_restarted_and_requests_keep_completing(stack, 
         after = [await http.post("/v1/chat/completions", json=body) for _ in range(4)]
         assert [r.status_code for r in after] == [200] * 4
 
-    line = await stack.await_log(f"omnirelay: {name} (pid {pid}) ended with signal 9 (SIGKILL)")
-    number = re.search(r"; restart (\d+) in ", line)
-    assert number, line  # an earlier test may have killed this replica too: any restart number
-    await stack.await_log(f"omnirelay: {name} restarted (pid ", f"restart {number.group(1)})")
-    new_pid = worker_pid(stack.proc.pid, STAGE, REPLICA)
-    assert new_pid != pid
+    assert worker_pid(stack.proc.pid, STAGE, REPLICA) != pid  # health is whole again: a new process
     # The replacement took the identity back. Read with a deadline: the registry is read through a
     # connection of the test's own, and health above came from the gateway's view. A replacement
     # whose heartbeat slipped past the entry's TTL would vanish from routing: each service logs a

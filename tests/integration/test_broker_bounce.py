@@ -2,22 +2,19 @@
 
 ``nats-server`` killed (SIGKILL) and started again on the same store 2 s later. Real gateway, orchestrator and thinker worker on a server of the
 test's own. The worker must neither fail a request because a publish could not go out during the
-outage (it used to: nats-py's reconnect buffer overflowed, ``OutboundBufferLimitError``, every
-request marked failed and the clients left silent until their deadline) nor leave a gap: every
-stream completes with exactly the tokens of the same request without a fault, and no client waits
-longer than :data:`RECOVERY_LIMIT_S` once the broker is back.
+outage (its record would show a second attempt) nor leave a gap: every stream completes in the
+thinker's first attempt with exactly the tokens of the same request without a fault, and no client
+waits longer than :data:`RECOVERY_LIMIT_S` once the broker is back.
 
 ``nats-server`` stopped (SIGSTOP) for longer than the stage's ``stall_timeout_s``: every replica is
 silent meanwhile, and none is to blame. The orchestrator sees its own round trips through the
-broker go unanswered and judges no replica (it used to judge the thinker stalled and move or fail
-its requests); every stream completes in one attempt with the fault-free tokens."""
+broker go unanswered and judges no replica; every stream completes in one attempt with the fault-free tokens."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
-import re
 import signal
 import time
 from collections.abc import Iterator
@@ -115,18 +112,23 @@ def _longest_pause(seen: Seen, down: float) -> float:
     return max(gaps, default=0.0)
 
 
-async def _stage0_done_ns(nats_url: str, request_id: str, timeout_s: float = 10.0) -> int:
-    """When the thinker finished ``request_id`` (its record hears of it a little after the client
-    has the last token), wall clock ns."""
+async def _stage0_done(nats_url: str, request_id: str, timeout_s: float = 10.0) -> dict:
+    """``request_id``'s record once it says the thinker finished it (a little after the client has
+    the last token)."""
 
-    async def done_ns() -> int | None:
+    async def done() -> dict | None:
         rec = None
         # After a node's death the bucket's own stream may still be electing its leader (503).
         with contextlib.suppress(ServiceUnavailableError, NatsTimeoutError):
             rec = await request_record(nats_url, request_id)
-        return rec and rec["stages"][0]["done_ns"]
+        return rec if rec and rec["stages"][0]["done_ns"] else None
 
-    return await until(done_ns, f"request {request_id}: stage 0 done in its record", timeout_s, every_s=0.2)
+    return await until(done, f"request {request_id}: stage 0 done in its record", timeout_s, every_s=0.2)
+
+
+def _in_one_attempt(rec: dict) -> bool:
+    """Whether the thinker's first attempt finished the request: nothing failed it or moved it."""
+    return [a["attempt"] for a in rec["stages"][0]["attempts"]] in ([], [1])
 
 
 async def _streams_under_way(client: AsyncOpenAI, model: str) -> tuple[list[Seen], list[asyncio.Task[None]]]:
@@ -178,7 +180,8 @@ async def test_streams_on_one_replica_survive_a_broker_restart(own_nats, bounce_
     assert [str(s.error) for s in seen if s.error] == []
     # The fault hit the thinker's work: it had not finished every stream when the broker died,
     # and those it had not finished it finished only after the broker was back (it waited).
-    done = [await _stage0_done_ns(own_nats.url, s.id) for s in seen]
+    records = [await _stage0_done(own_nats.url, s.id) for s in seen]
+    done = [rec["stages"][0]["done_ns"] for rec in records]
     cut = [d for d in done if d > killed_ns]
     print(f"streams the thinker finished after the kill: {len(cut)} of {STREAMS}")
     assert cut, "the thinker had finished every stream before the kill: the fault missed"
@@ -187,9 +190,7 @@ async def test_streams_on_one_replica_survive_a_broker_restart(own_nats, bounce_
         assert s.token_ids == reference, (len(s.token_ids), s.id)
         assert s.usage_tokens == MAX_TOKENS and s.finish_reason == "length"
     assert max(recovered, default=0.0) <= RECOVERY_LIMIT_S, recovered
-    worker_log = bounce_stack.worker(0).text()
-    assert "OutboundBufferLimitError" not in worker_log
-    assert not re.search(r"request \S+ failed", worker_log)
+    assert all(_in_one_attempt(rec) for rec in records), [rec["stages"][0] for rec in records]
 
 
 async def test_a_stopped_broker_gets_no_replica_judged(own_nats, bounce_stack) -> None:
@@ -214,12 +215,12 @@ async def test_a_stopped_broker_gets_no_replica_judged(own_nats, bounce_stack) -
     # event) after the broker stopped, whose records stayed open for the whole silence (nothing
     # reaches the bucket while the broker is stopped). The thinker may well finish them during
     # the silence: its events wait in its socket and buffer.
-    done = [await _stage0_done_ns(own_nats.url, s.id) for s in seen]
+    records = [await _stage0_done(own_nats.url, s.id) for s in seen]
+    done = [rec["stages"][0]["done_ns"] for rec in records]
     assert any(d > stopped_ns for d in done), (stopped_ns, resumed_ns, done)
     for s in seen:
         assert s.token_ids == reference, (len(s.token_ids), s.id)
-        rec = await request_record(own_nats.url, s.id)
-        assert [a["attempt"] for a in rec["stages"][0]["attempts"]] in ([], [1]), rec["stages"][0]
+    assert all(_in_one_attempt(rec) for rec in records), [rec["stages"][0] for rec in records]
     assert await _judged(own_nats.url) == judged_before, "a replica was judged dead for the broker's silence"
 
 
@@ -318,10 +319,11 @@ async def test_streams_on_one_replica_survive_the_death_of_the_stream_leader(clu
     )
     assert [str(s.error) for s in seen if s.error] == []
     survivors = ",".join(n.spec.url for n in cluster if n is not victim)
-    done = [await _stage0_done_ns(survivors, s.id) for s in seen]
-    assert any(d > killed_ns for d in done), "the thinker had finished every stream before the kill"
+    records = [await _stage0_done(survivors, s.id) for s in seen]
+    assert any(rec["stages"][0]["done_ns"] > killed_ns for rec in records), (
+        "the thinker had finished every stream before the kill"
+    )
     for s in seen:
         assert s.token_ids == reference, (len(s.token_ids), s.id)
         assert s.usage_tokens == MAX_TOKENS and s.finish_reason == "length"
-    worker_log = cluster_stack.worker(0).text()
-    assert not re.search(r"request \S+ failed", worker_log)
+    assert all(_in_one_attempt(rec) for rec in records), [rec["stages"][0] for rec in records]

@@ -217,44 +217,42 @@ class OnEngine(SimpleNamespace):
     """The scrape after the workload."""
     off: OffEngine
     after_burst: dict[str, float]
-    """Scheduler gauges once at rest after the workload (or as they stood after 10 s)."""
+    """Scheduler gauges once at rest after the workload."""
     busy: dict[str, float]
     """Scheduler gauges in a scrape taken while a long request ran."""
     idle: dict[str, float]
-    """The same gauges once at rest after that request (or as they stood after 10 s)."""
+    """The same gauges once at rest after that request."""
 
 
 async def settled(want_requests: int, want_queries: int, timeout_s: float = 10.0) -> str:
     """The scrape once the engine's Prometheus logger has recorded ``want_requests`` finished
     requests (per-request iteration stats) and ``want_queries`` prefix-cache query tokens (the
     throttled scheduler stats): a finished ``generate`` can return before the output handler
-    records its last outputs. After ``timeout_s`` the scrape as it stands (the tests then fail on
-    the counts)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    records its last outputs."""
+
+    def recorded() -> str | None:
         text = scrape()
         ss = samples(text)
         done = total(ss, "vllm:request_success_total") >= want_requests
-        if (done and total(ss, "vllm:prefix_cache_queries_total") >= want_queries) or (
-            time.monotonic() > deadline
-        ):
-            return text
-        await asyncio.sleep(0.05)
+        return text if done and total(ss, "vllm:prefix_cache_queries_total") >= want_queries else None
+
+    what = f"{want_requests} finished requests and {want_queries} prefix-cache query tokens scraped"
+    return await until(recorded, what, timeout_s)
 
 
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 
 
 async def gauges_at_rest(timeout_s: float = 10.0) -> dict[str, float]:
-    """The scheduler gauges once all are 0, or as they stand after ``timeout_s``. An idle engine
-    runs no steps, so without the idle snapshot a gauge would keep its last busy value."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    """The scheduler gauges once all are 0. An idle engine runs no steps, so without the idle
+    snapshot a gauge would keep its last busy value."""
+
+    def at_rest() -> dict[str, float] | None:
         ss = samples(scrape())
         seen = {g: total(ss, g) for g in GAUGES}
-        if not any(seen.values()) or time.monotonic() > deadline:
-            return seen
-        await asyncio.sleep(0.05)
+        return None if any(seen.values()) else seen
+
+    return await until(at_rest, "the scheduler gauges at 0", timeout_s)
 
 
 async def gauges_while_busy(engine, timeout_s: float = 60.0) -> dict[str, float]:

@@ -41,6 +41,7 @@ from libs.common.envelopes import (
     pack_batch,
     unpack_batch,
 )
+from libs.common.publish import STORE_RETRY_MAX_S
 from libs.common.subjects import BATCH_TOKEN, EVENT_KINDS, Subjects
 from libs.stack.local_nats import free_port
 from tests.client_streams import (
@@ -295,8 +296,10 @@ async def test_a_lost_client_event_is_sent_again_by_its_worker(stack, fault, nc,
 
 
 HOLD_S = 3.0
-"""How long no stream takes ``finished`` events, seconds (the worker's tries come 0.25 s apart,
-doubling to 2 s: about four tries meanwhile)."""
+"""How long no stream takes ``finished`` events, seconds (the worker's tries come
+``STORE_RETRY_S`` apart, doubling to ``STORE_RETRY_MAX_S``: about four tries meanwhile)."""
+LATE_S = 3.0
+"""Slack for a loaded box on top of the longest gap between two tries, seconds."""
 
 
 async def test_a_lifecycle_event_no_stream_takes_is_published_again_until_one_does(stack, fault, nc) -> None:
@@ -326,8 +329,6 @@ async def test_a_lifecycle_event_no_stream_takes_is_published_again_until_one_do
     assert (seen.usage_tokens, len(seen.token_ids), seen.finish_reason) == (64, 64, "length")
     assert (rec.status.value, rec.finish_reason) == ("completed", "length"), rec
     assert "finished.0.1" in rec.events
-    tries = stack.worker(0).text().count(f"request {seen.id}: lifecycle event finished not stored yet")
-    assert tries >= 2, f"{tries} tries logged while no stream took the event"
-    print(
-        f"{tries} tries while no stream took it; the record ended {ended_after_s:.2f} s after the stream listened again"
-    )
+    # Only the worker's next try can have stored it: tries are at most STORE_RETRY_MAX_S apart.
+    assert ended_after_s <= STORE_RETRY_MAX_S + LATE_S, f"the record ended {ended_after_s:.2f} s after"
+    print(f"the record ended {ended_after_s:.2f} s after the stream listened again")

@@ -267,8 +267,6 @@ async def test_a_move_claimed_by_a_killed_orchestrator_is_carried_out_by_the_sur
     for rid in bound:
         assert records[rid].stages[0].attempts[1].claimed_by == survivor.instance
         assert records[rid].stages[0].attempts[1].sent_ns is not None
-    taken = f"orchestrator {victim.instance} died while moving stage 0 to replica {target} (attempt 2)"
-    assert survivor.proc.text().count(taken) == len(bound)
     labels = {"stage": "0", "from_replica": str(dead), "to_replica": str(target), "reason": "exit"}
     assert delta(before, after, "vllm:omni_requests_migrated_total", **labels) == len(bound)
     assert len(evictions) == 1, evictions  # judged by the victim alone: the survivor was stopped
