@@ -1,5 +1,5 @@
 """A worker judges a request's start by its record while the engine already runs it
-(services/stage_worker/record_check.py, ``Worker._check_record``; docs/reliability.md step 11).
+(services/stage_worker/record_check.py, ``Worker._check_record``; docs/reliability.md, "A request at a worker").
 
 A real nats-server and a real thinker worker (the mock engine: the real handler, publishing path
 no model compute, paced so that a request lasts a while). The test plays the
