@@ -68,7 +68,8 @@ def verify_faults(
     ] = FaultSuitePipeline.tiny,
 ) -> None:
     """The fault suite: a stack with two replicas of every stage serves streams while one fault at a
-    time is injected and verified; prints a row per fault (see docs/reliability.md)."""
+    time is injected and verified; prints a row per fault (see docs/reliability.md). Exits 1, its
+    logs kept, when a row does not pass."""
     _checkout_tests()
     from tests.verification.fault_suite import run_fault_suite
 

@@ -3,6 +3,7 @@ adds: the restart policy's back-off, the victim lookup, and a real process under
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from benchmarks.chat_streams import TWO_REPLICA_PIPELINE, Seen
 from libs.common.pipeline import load_pipeline
 from libs.stack.process_plan import plan_services
+from tests.verification.audio_accounting import AudioTally
 from tests.verification.fault_injection import (
     FAULTS,
     REPLICAS,
@@ -19,7 +21,16 @@ from tests.verification.fault_injection import (
     victim_service,
 )
 from tests.verification.fault_sessions import SAMPLES_PER_TOKEN
-from tests.verification.fault_suite import bound_in_stage, busiest, render, replaced_by_a_new_process, row_of
+from tests.verification.fault_suite import (
+    NO_LIVE_REPLICA,
+    Row,
+    bound_in_stage,
+    busiest,
+    passed,
+    render,
+    replaced_by_a_new_process,
+    row_of,
+)
 
 
 def test_a_row_counts_completed_failed_hung_and_wrong_counts_and_the_longest_pause() -> None:
@@ -180,3 +191,40 @@ def test_a_fault_strikes_the_replica_most_streams_still_run_on_at_the_server() -
     assert busiest(bound_in_stage(records, 1)) == (0, 3)
     assert busiest({"a": 0, "b": 1, "c": 1, "f": 0}) == (0, 2)  # a tie: the lowest replica
     assert busiest({"b": 1, "c": 1, "f": 0}) == (1, 2)
+
+
+def _row(**changes) -> Row:
+    clean = Row("f", "pid 7 gone", 4, 4, {}, 0, 0, 0, 0.5)
+    return replace(clean, **changes)
+
+
+def test_a_row_passes_only_when_every_stream_came_through_whole() -> None:
+    kill = Fault("kill -9 a thinker replica", "worker", 0, streams=4)
+    assert passed(kill, _row())
+    assert passed(kill, _row(unlike_reference=None))  # no reference taken
+    assert not passed(kill, _row(completed=3, failed={"replica_lost": 1}))
+    assert not passed(kill, _row(completed=3, hung=1))
+    assert not passed(kill, _row(wrong_count=1))
+    assert not passed(kill, _row(unlike_reference=1))
+    tally = AudioTally(
+        streams=4,
+        whole=4,
+        expected=40,
+        missing=0,
+        repeated=0,
+        unlike=0,
+        input_unlike=0,
+        resent=0,
+        resent_unlike=0,
+        gaps=0,
+    )
+    assert passed(kill, _row(chunks=tally))
+    assert not passed(kill, _row(chunks=replace(tally, whole=3, missing=1)))
+    assert not passed(kill, _row(chunks=replace(tally, whole=3, repeated=2)))
+
+
+def test_every_replica_down_passes_when_every_stream_is_told_so() -> None:
+    down = Fault("kill -9 every thinker replica", "all_replicas", 0, streams=4)
+    assert passed(down, _row(completed=0, failed={NO_LIVE_REPLICA: 4}))
+    assert not passed(down, _row())  # the fault struck nothing
+    assert not passed(down, _row(completed=0, failed={NO_LIVE_REPLICA: 3, "timeout": 1}))

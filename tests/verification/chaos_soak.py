@@ -308,8 +308,9 @@ def run_chaos_soak(
     keep_logs: bool = False,
 ) -> int:
     """Start the stack, soak it for ``minutes`` with a fault every 20–40 s (``seed`` fixes the
-    draws), print the table. Exit status 1 when a request hung or came back with tokens or audio
-    missing or repeated, when an injection was not verified, or when the stack failed; else 0."""
+    draws), print the table. Exit status 1, the logs kept, when a request hung or came back with
+    tokens or audio missing or repeated, when an injection was not verified, or when the stack
+    failed; else 0."""
     faults = SOAK_FAULTS + (ALL_REPLICAS_FAULTS if all_replicas else ())
     results: list[tuple[Account, float]] = []
 
@@ -319,12 +320,13 @@ def run_chaos_soak(
         stack = start_stack(procs, "chaos", pipeline, {}, data_dir, ["--log-stats"])
         results.append(asyncio.run(soak(Injector(stack), minutes, seed, concurrency, faults)))
         stack.stop()
+        acc = results[0][0]
+        if lost_or_hung(acc) or any(not s.took for s, _ in acc.rows):  # run_with_stacks keeps the logs
+            raise RuntimeError("a request hung or lost or repeated tokens or audio, or an injection failed")
 
     code = run_with_stacks("omnirelay-chaos-", work, keep=keep_logs)
-    if not results:
-        return 1
-    acc, t0 = results[0]
-    print(f"chaos soak: {minutes:g} min, seed {seed}, {concurrency} in flight, a fault every 20–40 s")
-    print(render(acc, t0))
-    unverified = sum(not s.took for s, _ in acc.rows)
-    return 1 if code or lost_or_hung(acc) or unverified else 0
+    if results:
+        acc, t0 = results[0]
+        print(f"chaos soak: {minutes:g} min, seed {seed}, {concurrency} in flight, a fault every 20–40 s")
+        print(render(acc, t0))
+    return code

@@ -151,6 +151,24 @@ def row_of(
     )
 
 
+NO_LIVE_REPLICA = "no_live_replica"
+"""The error every stream of an "every replica" row must end with (503)."""
+
+
+def passed(fault: Fault, row: Row) -> bool:
+    """Whether ``row`` keeps the promise (docs/reliability.md, "The fault suite"): every stream
+    completed (every replica of a stage down: every one answered 503 ``no_live_replica``), none
+    hung, none has a wrong token count or differs from the fault-free run, and no audio chunk is
+    missing, repeated or unlike the whole decode."""
+    if fault.target == "all_replicas":
+        ended = row.failed == {NO_LIVE_REPLICA: row.in_flight}
+    else:
+        ended = row.completed == row.in_flight
+    c = row.chunks
+    audio_ok = c is None or not (c.missing or c.repeated or c.unlike or c.input_unlike)
+    return ended and not row.hung and not row.wrong_count and not row.unlike_reference and audio_ok
+
+
 async def reference(
     client, model: str, prompt: str, max_tokens: int, audio: bool = False, stream: bool = False
 ) -> Seen:
@@ -468,13 +486,15 @@ def run_fault_suite(
 ) -> int:
     """Start the stacks the selected faults of ``pipeline_name`` (:data:`PIPELINES`) need (every
     fault, or those whose name contains ``only``) the way ``mode`` says (:data:`MODES`), run the
-    faults in order, print the table (and, with ``keep_logs``, where the stacks' logs are)."""
+    faults in order, print the table (and, with ``keep_logs``, where the stacks' logs are). Exit
+    status 1, the logs kept, when a row did not pass (:func:`passed`) or a stack failed; else 0."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: one of {', '.join(MODES)}")
     from libs.models.tiny import resolve_model
 
     spec = pipelines()[pipeline_name]
     rows: list[Row] = []
+    failing: list[str] = []
     selected = [f for f in spec.faults if not only or only in f.name]
     judge = ChunkJudge(PIPELINE_NAME, resolve_model(spec.codec_model)) if spec.judge_chunks else None
 
@@ -491,7 +511,11 @@ def run_fault_suite(
             for fault in (f for f in selected if f.nats_nodes == nodes):
                 rows.append(asyncio.run(run_fault(injector, fault, MODEL, judge)))
                 log(render(rows[-1:]).splitlines()[-1])
+                if not passed(fault, rows[-1]):
+                    failing.append(fault.name)
             stack.stop()  # the next stack gets the machine to itself
+        if failing:  # run_with_stacks keeps the logs and the command exits 1
+            raise RuntimeError(f"{len(failing)} row(s) did not pass: {'; '.join(failing)}")
 
     code = run_with_stacks("omnirelay-faults-", work, keep=keep_logs)
     print(f"fault suite, pipeline {pipeline_name}, mode {mode}")
