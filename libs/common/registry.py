@@ -204,7 +204,7 @@ class LiveServices:
                 if entry is None:
                     self.ready.set()
                     continue
-                self._last_update = time.monotonic()
+                self._resume_clock(time.monotonic())
                 if entry.operation in ("DEL", "PURGE") or not entry.value:
                     self._entries.pop(entry.key, None)
                     continue
@@ -217,6 +217,13 @@ class LiveServices:
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
+
+    def _resume_clock(self, now: float) -> None:
+        """The watch delivered at ``now``: after a silence past :data:`WATCH_SILENCE_S`, every
+        entry's age goes on from where :meth:`live` froze it, not from the silence's end."""
+        if (frozen_s := now - self._last_update - WATCH_SILENCE_S) > 0:
+            self._entries = {k: (rec, seen + frozen_s) for k, (rec, seen) in self._entries.items()}
+        self._last_update = now
 
     def accept(self, key: str, value: bytes) -> ServiceRecord | None:
         """The record of an update to ``key``, or None (then what ``key`` held is dropped too)."""

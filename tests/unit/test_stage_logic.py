@@ -423,6 +423,23 @@ def test_the_registry_ages_its_entries_only_while_it_hears_updates() -> None:
     assert views.last_heard(ServiceKind.WORKER)[0][1] >= 7.0  # the real age stays known
 
 
+def test_after_a_silence_the_registry_ages_its_entries_from_where_its_clock_stopped() -> None:
+    """The bucket was unreachable for 8 s. When the watch hears an update again, a worker last
+    heard 1 s before the silence is as old as the stopped clock said (1 + 4 s: live), not 9 s
+    (expired until its next beat arrives: no mass expiry on the first update after a silence)."""
+    views = LiveServices(kv=None, pipeline="p", ttl_s=6.0)  # type: ignore[arg-type]
+    worker = ServiceRecord(service=ServiceKind.WORKER, pipeline="p", instance="w", stage=0, replica=0)
+    now = time.monotonic()
+    views._entries = {worker.key: (worker, now - 9.0)}
+    views._last_update = now - 8.0
+    views._resume_clock(now)  # the first update after the silence
+    assert views.live(ServiceKind.WORKER) == [worker]
+    [(_, age)] = views.last_heard(ServiceKind.WORKER)
+    assert 4.9 < age < 5.5, age
+    views._resume_clock(now + 1.0)  # an update a second later: no silence, nothing moves
+    assert views.last_heard(ServiceKind.WORKER)[0][1] >= 5.0
+
+
 class _Gateway:
     """A gateway as a worker's :class:`ClientStream` meets it: what it received of one attempt,
     with the events that ``lose`` names never arriving, answering questions with its position."""
