@@ -7,8 +7,10 @@ it declares get one replica per server (:func:`replicas`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -169,8 +171,9 @@ async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
     try:
         await js.add_stream(cfg)
         return
-    except BadRequestError:
-        pass
+    except BadRequestError as e:
+        if e.err_code != STREAM_NAME_IN_USE:
+            raise
     info = await js.stream_info(cfg.name)
     if _persist_mode(info.config) == _persist_mode(cfg):
         await js.update_stream(cfg)
@@ -207,6 +210,14 @@ T = TypeVar("T")
 
 TOPOLOGY_TRIES = 3
 """Tries of a topology declaration or bucket look-up that JetStream does not answer in time."""
+STREAM_NAME_IN_USE = 10058
+"""JetStream's error code for a stream created under a name in use with another configuration."""
+NO_PEERS_FOR_PLACEMENT = 10005
+"""JetStream's error code for a replicated stream no set of servers can hold yet: a cluster whose
+metadata leader, just elected, does not know its peers yet answers so for a moment."""
+PLACEMENT_WAIT_S, PLACEMENT_RETRY_S = 15.0, 0.25
+"""How long a declaration waits out :data:`NO_PEERS_FOR_PLACEMENT`, and how often it asks again,
+seconds."""
 
 
 async def ensure_topology(js: JetStreamContext, subjects: Subjects, limits: BusLimits = LIMITS) -> None:
@@ -215,13 +226,23 @@ async def ensure_topology(js: JetStreamContext, subjects: Subjects, limits: BusL
 
 
 async def _asked_again(what: str, ask: Callable[[], Awaitable[T]]) -> T:
-    """``ask()``, made again on a JetStream timeout (``TOPOLOGY_TRIES`` in all)."""
-    for tries_left in range(TOPOLOGY_TRIES - 1, 0, -1):
+    """``ask()``, made again on a JetStream timeout (``TOPOLOGY_TRIES`` in all), and every
+    :data:`PLACEMENT_RETRY_S` while a forming cluster cannot place a stream yet (for up to
+    :data:`PLACEMENT_WAIT_S`)."""
+    tries_left, placement_deadline = TOPOLOGY_TRIES - 1, time.monotonic() + PLACEMENT_WAIT_S
+    while True:
         try:
             return await ask()
         except NatsTimeoutError:
+            if tries_left == 0:
+                raise
             log.warning("JetStream did not answer %s in time (%d more tries)", what, tries_left)
-    return await ask()
+            tries_left -= 1
+        except APIError as e:
+            if e.err_code != NO_PEERS_FOR_PLACEMENT or time.monotonic() > placement_deadline:
+                raise
+            log.info("JetStream cannot place %s yet (%s): asking again", what, e.description)
+            await asyncio.sleep(PLACEMENT_RETRY_S)
 
 
 async def _declare_topology(js: JetStreamContext, subjects: Subjects, limits: BusLimits) -> None:

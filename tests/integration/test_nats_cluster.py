@@ -19,9 +19,9 @@ import httpx
 import nats
 import pytest
 from nats.aio.client import Client as NATS
-from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig
+from nats.js.errors import NoStreamResponseError
 
 from libs.common.bus import connect, ensure_topology, requests_kv, server_urls
 from libs.common.subjects import EVICTIONS_BUCKET, REQUESTS_BUCKET, SERVICES_BUCKET, Subjects
@@ -56,13 +56,14 @@ async def test_topology_gets_a_replica_on_every_server_and_scales_what_exists(cl
         assert (await one.jetstream().stream_info(f"KV_{b}")).config.allow_direct is True, b
     kv = await one.jetstream().key_value(REQUESTS_BUCKET)
     # A stream just created on one node of a cluster is not heard on every node at once: a write
-    # may meet "no responders" for a moment (a service's write is tried again when that happens).
+    # may meet "no responders" for a moment, which nats-py raises as "no response from stream" (a
+    # service's write is tried again when that happens: libs/common/publish.py).
 
     async def created() -> bool:
         try:
             await kv.create("r1", b"{}")
             return True
-        except NoRespondersError:
+        except NoStreamResponseError:
             return False
 
     await until(created, "the new bucket taking a write", 10.0, every_s=0.1)

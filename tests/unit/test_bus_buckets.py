@@ -5,6 +5,10 @@ different configuration" (err 10058, a CI run of 2026-11-29). A look-up timing o
 needs a broker stalled at the right moment, so JetStream is scripted here; the cluster itself is
 ``tests/integration/test_broker_bounce.py``.
 
+A three-node cluster whose metadata leader was just elected may answer a stream's creation with
+"no suitable peers for placement" (err 10005, a full-suite run of 2026-12-06): on demand that
+needs a cluster caught in its first moment, so that answer is scripted too.
+
 A bucket's key listing comes in pages of 100,000 keys; so many keys are not written for a unit
 test, so the pages are scripted too (the listing itself is ``tests/integration/test_bucket_keys.py``)."""
 
@@ -16,9 +20,11 @@ from types import SimpleNamespace
 
 import pytest
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.errors import BucketNotFoundError, ServiceUnavailableError
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError, ServiceUnavailableError
 
-from libs.common.bus import TOPOLOGY_TRIES, bucket_keys, requests_kv
+from libs.common import bus
+from libs.common.bus import TOPOLOGY_TRIES, bucket_keys, ensure_topology, requests_kv
+from libs.common.subjects import Subjects
 
 
 class _Client:
@@ -73,6 +79,55 @@ async def test_only_a_bucket_jetstream_says_it_lacks_is_created() -> None:
     assert await requests_kv(js) == "created"  # type: ignore[arg-type]
     (config,) = js.created
     assert config.bucket == "omni_requests" and config.replicas == 1  # a client made outside connect()
+
+
+def _no_peers() -> BadRequestError:
+    return BadRequestError(code=400, err_code=10005, description="no suitable peers for placement")
+
+
+@dataclass
+class FormingCluster:
+    """Answers the first ``refusals`` stream creations with :func:`_no_peers`, then creates; has
+    no stream and no bucket before."""
+
+    refusals: int
+    streams: list[str] = field(default_factory=list)
+    looked_up: list[str] = field(default_factory=list)
+    _nc: _Client = field(default_factory=_Client)
+
+    async def add_stream(self, config: object) -> None:
+        if self.refusals:
+            self.refusals -= 1
+            raise _no_peers()
+        self.streams.append(config.name)
+
+    async def stream_info(self, name: str) -> object:
+        self.looked_up.append(name)
+        raise NotFoundError(code=404, err_code=10059, description="stream not found")
+
+    async def key_value(self, bucket: str) -> object:
+        raise BucketNotFoundError()
+
+    async def create_key_value(self, config: object) -> str:
+        return "created"
+
+
+async def test_a_stream_a_forming_cluster_cannot_place_yet_is_created_once_it_can(monkeypatch) -> None:
+    monkeypatch.setattr(bus, "PLACEMENT_RETRY_S", 0.01)
+    subjects = Subjects("text")
+    js = FormingCluster(refusals=2)
+    await ensure_topology(js, subjects)  # type: ignore[arg-type]
+    assert js.streams == [subjects.requests_stream, subjects.stages_stream, subjects.events_stream]
+    assert not set(js.looked_up) & set(js.streams), "a refused creation was taken for a stream that exists"
+
+
+async def test_a_cluster_that_never_places_the_stream_fails_the_declaration(monkeypatch) -> None:
+    monkeypatch.setattr(bus, "PLACEMENT_RETRY_S", 0.01)
+    monkeypatch.setattr(bus, "PLACEMENT_WAIT_S", 0.1)
+    js = FormingCluster(refusals=10**6)
+    with pytest.raises(BadRequestError) as refused:
+        await ensure_topology(js, Subjects("text"))  # type: ignore[arg-type]
+    assert refused.value.err_code == 10005 and js.streams == []
 
 
 @dataclass
