@@ -428,13 +428,3 @@ async def test_a_bad_stream_message_is_an_error_and_the_stream_goes_on(stack) ->
             if not isinstance(message, bytes):
                 kinds.append(json.loads(message)["type"])
     assert kinds == ["audio.start", "audio.done", "session.done"]
-
-
-async def test_a_session_outlives_the_request_head_timeout(stack) -> None:
-    """The gateway closes connections whose HTTP head takes over 10 s (slowloris); an upgraded
-    WebSocket is not such a connection: a session idle for 12 s still answers."""
-    async with stack.client().realtime.connect(model=stack.model) as conn:
-        await _until(conn, "session.created")
-        await asyncio.sleep(12)
-        await conn.session.update(session={"type": "realtime", "instructions": "awake"})
-        assert (await _until(conn, "session.updated")).session.instructions == "awake"

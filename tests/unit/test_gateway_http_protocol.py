@@ -1,7 +1,8 @@
 """The gateway's HTTP protocol (:mod:`services.gateway.http_protocol`) on a real uvicorn server,
 spoken to over raw sockets: httptools with the two bounds on a request head — a head still
 arriving past the size bound is a 400, one that does not arrive in time loses its connection —
-and neither bound touches what is not a pending head (bodies, later requests of a connection)."""
+and neither bound touches what is not a pending head (bodies, later requests of a connection, a
+connection upgraded to a WebSocket)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import socket
 import time
 from collections.abc import Iterator
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from websockets.sync.client import connect as ws_connect
 
 from libs.common.settings import GatewaySettings
 from libs.stack.local_nats import free_port
@@ -32,6 +34,12 @@ def app() -> FastAPI:
     @api.post("/echo")
     async def echo(request: Request) -> dict[str, int]:
         return {"bytes": len(await request.body())}
+
+    @api.websocket("/ws")
+    async def echo_ws(ws: WebSocket) -> None:
+        await ws.accept()
+        while True:
+            await ws.send_text(await ws.receive_text())
 
     return api
 
@@ -127,3 +135,14 @@ def test_a_head_that_does_not_arrive_in_time_after_a_response_loses_its_connecti
         assert s.recv(4096) == b"", "the server answered a head it has not had"
         waited = time.monotonic() - t0
     assert 0.5 < waited < 20, waited
+
+
+def test_a_websocket_idle_past_the_head_timeout_is_not_cut() -> None:
+    """An upgraded connection is the WebSocket protocol's (a realtime session): idle for longer
+    than the head timeout, it still answers."""
+    with serving(head_timeout_s=1.0) as port, ws_connect(f"ws://127.0.0.1:{port}/ws", open_timeout=10) as ws:
+        ws.send("before")
+        assert ws.recv(timeout=10) == "before"
+        time.sleep(2.0)  # the thing under test: twice the head timeout with nothing sent
+        ws.send("after")
+        assert ws.recv(timeout=10) == "after"
