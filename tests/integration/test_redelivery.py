@@ -133,7 +133,8 @@ async def test_a_message_past_max_deliver_is_counted_as_dead_lettered(nats_serve
     ``max_deliver``, then drops it with an advisory. The worker, resumed, reads the advisory and
     counts it: ``vllm:omni_bus_dead_lettered_total`` moves by exactly the advisories seen."""
     path = write_pipeline(tmp_path / "p.yaml", PIPELINE, THINKER_YAML + TALKER_YAML + CODE2WAV_YAML)
-    services = Services(nats_server.url, path, tmp_path, {"OMNIRELAY_ACK_WAIT_S": "1"})
+    # JetStream redelivers after 1, 1, 2 and 4 ack waits: 4 s to the advisory at 0.5 s each.
+    services = Services(nats_server.url, path, tmp_path, {"OMNIRELAY_ACK_WAIT_S": "0.5"})
     nc = await nats.connect(nats_server.url)
     try:
         worker = services.start_worker(2)
