@@ -37,13 +37,27 @@ from libs.common.subjects import (
     kv_subject,
     max_deliveries_advisory,
 )
-from libs.stack.bus_state import snapshot
+from libs.stack.bus_state import request_record, snapshot
 from libs.stack.processes import until
 from tests.procs import stop_confirmed
 
 E = TypeVar("E")
 EVERY_EVENT = 1 << 31
 """A ``ResumePoint.next_seq`` past any attempt's last event."""
+
+
+async def completed_record(nats_url: str, request_id: str, timeout_s: float = 5.0) -> dict:
+    """The record of ``request_id`` once it is completed and every stage on its route has reported
+    done: each stage's lifecycle events reach the record on their own, so the last stage's
+    ``finished`` (which completes it) may be folded in before an earlier stage's ``stage_done``."""
+    rec = None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        rec = await request_record(nats_url, request_id)
+        if rec and rec["status"] == "completed" and all(s["done_ns"] for s in rec["stages"]):
+            return rec
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{request_id}: not completed with every stage done within {timeout_s} s: {rec}")
 
 
 def client_event_bodies(msg: Msg) -> list[bytes]:

@@ -41,13 +41,13 @@ a process for a few hundred ms now and then (seen in CI: one request of three at
 audio request's first audio at +0.16 s), so the checks take the median gap of several requests.
 (Two of three audio requests at +0.16 s and +0.45 s were vLLM's busy-waiting engines starving the
 gateway and the client: see services/stage_worker/engine_core/wait_plugin.py.)"""
-PLAYER_SLACK_S = 0.06
+PLAYER_SLACK_S = 0.15
 """How much one silence of the client's player (chunks timed as they arrived) may differ from the
-same silence of the gateway's (chunks timed as written): the delivery delay of two chunks on
-loopback differs by far less on a quiet box, but on the loaded 2-core CI box the client's loop
-once took a chunk 41 ms later than the one before it (fresh-clone run of 2026-11-29, 37b2178,
-against a 40 ms slack). Where the client's silence is this close to a threshold, the gateway's
-may fall on either side of it."""
+same silence of the gateway's (chunks timed as written): the delivery delays of two chunks on
+loopback differ by a few ms on a quiet box, but on the loaded 2-core CI box the client once took a
+stream's first chunk 113 ms later than a later one (fresh-clone CI of 98a8446, 2026-12-06: the
+gateway's silence 1.145 s, the player's 1.032 s). Where the client's silence is this close to a
+threshold, the gateway's may fall on either side of it."""
 STAGE_SLACK_S = 0.1
 """How far a stage's own time for a request (first input received → handler done) may differ from
 the same interval seen by the test's subscriber on the bus (first input published → last output

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 import time
@@ -13,7 +12,7 @@ import openai
 import pytest
 
 from libs.models.tiny import resolve_model
-from libs.stack.bus_state import request_record
+from tests.bus import completed_record
 
 pytestmark = pytest.mark.e2e
 
@@ -196,13 +195,7 @@ async def test_request_record_shows_where_the_request_went(stack, pipeline, clie
         max_tokens=4,
         modalities=["text", "audio"],
     )
-    rec = None
-    for _ in range(50):  # lifecycle events are recorded asynchronously, each stage on its own
-        rec = await request_record(stack.nats_url, r.id)
-        if rec and rec["status"] == "completed" and all(s["done_ns"] for s in rec["stages"]):
-            break
-        await asyncio.sleep(0.1)
-    assert rec is not None and rec["status"] == "completed"
+    rec = await completed_record(stack.nats_url, r.id)
     entry = pipeline.thinker_stage
     assert len(rec["route"]) == len(pipeline.stages) and rec["entry_stage"] == entry
     assert rec["route"][:entry] == [-1] * entry, "the listener skipped"
