@@ -62,7 +62,7 @@ def process_label(pid: int) -> str:
     """:func:`label_of` a running process (its pid when it is gone)."""
     try:
         p = psutil.Process(pid)
-        return label_of(p.name(), [a for a in p.cmdline() if a])
+        return label_of(p.name(), " ".join(p.cmdline()).split())  # a forked service's title is one string
     except psutil.Error:
         return str(pid)
 

@@ -115,6 +115,7 @@ def _start(
     replica is live; the NATS identities made for them (None with an outside NATS)."""
     from libs.models.tiny import make_tiny
 
+    stack.start_forker()  # it imports the services' code while the rest starts
     make_tiny()
     security = None
     if nats_url:

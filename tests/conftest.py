@@ -17,7 +17,7 @@ from libs.stack.local_nats import free_port, nats_server_argv, raise_broker_shar
 from libs.stack.processes import wait_for
 from tests import needs
 from tests.broker_watch import BrokerWatch
-from tests.procs import STARTED, stop_left
+from tests.procs import STARTED, close_session_forker, stop_left
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -146,6 +146,7 @@ def _no_service_outlives_its_module() -> Iterator[None]:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Nothing the tests started runs on after them."""
     stop_left(STARTED)
+    close_session_forker()
 
 
 @pytest.fixture(autouse=True)

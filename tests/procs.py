@@ -3,25 +3,55 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlparse
 
 from benchmarks.process_table import descendants
+from libs.common.pipeline import load_pipeline
+from libs.stack.forker import Forker
 from libs.stack.local_nats import free_port
+from libs.stack.local_stack import FORKER_ENV
+from libs.stack.process_plan import SERVICE_IMPORTS
 from libs.stack.processes import Process, until, wait_for
+
+_forker: list[Forker] = []
+"""The session's forker of services, once one was started (:func:`session_forker`)."""
+
+
+def session_forker() -> Forker | None:
+    """The forker the tests' services are forked from (:mod:`libs.stack.forker`), as a stack's
+    are: started on first use, its output in a file beside the session's temporary files; None
+    with ``OMNIRELAY_FORKER=off``."""
+    if os.environ.get(FORKER_ENV, "on") == "off":
+        return None
+    if not _forker:
+        log = Path(tempfile.gettempdir()) / f"omnirelay-tests-forker-{os.getpid()}.log"
+        with log.open("ab") as out:
+            _forker.append(Forker(SERVICE_IMPORTS, out.fileno()))
+    return _forker[0]
+
+
+def close_session_forker() -> None:
+    """End the session's forker (after its services)."""
+    while _forker:
+        _forker.pop().close()
+        (Path(tempfile.gettempdir()) / f"omnirelay-tests-forker-{os.getpid()}.log").unlink(missing_ok=True)
 
 
 class ServiceProcess(Process):
-    """``python -m cli <args>`` with extra environment, logging to ``log``."""
+    """``python -m cli <args>`` with extra environment, logging to ``log``, forked from the
+    session's forker."""
 
     def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
-        super().__init__(args[0], [sys.executable, "-m", "cli", *args], env, log)
+        super().__init__(args[0], [sys.executable, "-m", "cli", *args], env, log, forker=session_forker())
         self.args, self.log = args, log
         self.metrics_url: str | None = None
         self.shared = False
@@ -180,20 +210,22 @@ CODE2WAV_YAML = """\
 """
 
 
-def worker_pid(root: int, stage: int, replica: int) -> int:
-    """The pid of the worker process (stage, replica) under the ``omnirelay up`` process ``root``."""
-    want = {f"OMNIRELAY_STAGE={stage}", f"OMNIRELAY_REPLICA={replica}"}
+def service_pid(root: int, name: str) -> int:
+    """The pid of service ``name`` of the process plan (``orchestrator``, ``thinker-1``) under the
+    ``omnirelay up`` process ``root``: its forker (:mod:`libs.stack.forker`) titles it
+    ``<command line> [<name>]``."""
     found = []
     for pid in descendants(root):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
-            env = set(Path(f"/proc/{pid}/environ").read_text().split("\0"))
-        except OSError:
-            continue
-        if argv[1:4] == ["-m", "cli", "worker"] and want <= env:
-            found.append(pid)
-    assert len(found) == 1, found
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/cmdline").read_text().rstrip("\0").endswith(f" [{name}]"):
+                found.append(pid)
+    assert len(found) == 1, (name, found)
     return found[0]
+
+
+def worker_pid(root: int, stage: int, replica: int) -> int:
+    """The pid of the worker (``stage``, ``replica``) of the default pipeline under ``root``."""
+    return service_pid(root, f"{load_pipeline().stages[stage].name}-{replica}")
 
 
 def process_state(pid: int) -> str:

@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from libs.common.pipeline import PipelineConfig, load_pipeline
+from libs.stack.forker import Forker
 from libs.stack.local_nats import (
     SYNC_INTERVAL,
     ClusterNode,
@@ -33,13 +34,15 @@ from libs.stack.local_nats import (
     free_port,
     nats_server_argv,
 )
-from libs.stack.process_plan import ServiceSpec
-from libs.stack.processes import Process, RestartPolicy, wait_for
+from libs.stack.process_plan import SERVICE_IMPORTS, ServiceSpec
+from libs.stack.processes import Process, RestartPolicy, copied_to_stdout, wait_for
 
 NATS_HEALTH_TIMEOUT_S = 30.0
 """How long the NATS servers may take to report JetStream healthy (a cluster: to elect a leader)."""
 LIVE_TIMEOUT_S = 600.0
 """How long every planned replica may take to be live behind the gateway at the start."""
+FORKER_ENV = "OMNIRELAY_FORKER"
+"""``off``: every service is started as a ``python`` of its own (no :mod:`libs.stack.forker`)."""
 UP_STOP_TIMEOUT_S = 90.0
 """How long ``omnirelay up`` started as one process may take to stop its services after SIGINT."""
 
@@ -77,6 +80,9 @@ class Stack:
         self.prefix_width = 12
         """How wide the name before each copied output line is (without a ``log_dir``)."""
         self._stopping = False
+        self.forker: Forker | None = None
+        """Where the services are forked from (:meth:`start_forker`); None: each is its own
+        ``python`` from the start."""
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str], **options: object) -> Process:
         """Start ``argv`` as process ``name`` of the stack (options: :class:`Process`'s; a service
@@ -174,6 +180,19 @@ class Stack:
         return self.nats_url
 
     # --- services -------------------------------------------------------------------------------
+    def start_forker(self) -> None:
+        """Start the forker the services are forked from (:mod:`libs.stack.forker`), unless
+        ``OMNIRELAY_FORKER=off`` or it runs: it imports their code while NATS starts."""
+        if self.forker is not None or os.environ.get(FORKER_ENV, "on") == "off":
+            return
+        if self.log_dir is not None:
+            with (self.log_dir / "forker.log").open("ab") as log:
+                self.forker = Forker(SERVICE_IMPORTS, log.fileno())
+            return
+        write = copied_to_stdout("forker", self.prefix_width)
+        self.forker = Forker(SERVICE_IMPORTS, write)
+        os.close(write)
+
     def start_services(
         self,
         specs: list[ServiceSpec],
@@ -183,8 +202,10 @@ class Stack:
         """Start every planned service (``extra_env``: what a service adds to its planned
         environment, such as its NATS identity); the gateway serves on ``port``."""
         self.base_url = f"http://127.0.0.1:{port}"
+        self.start_forker()
         for spec in specs:
-            self.spawn(spec.name, spec.argv, {**spec.env, **(extra_env(spec) if extra_env else {})})
+            env = {**spec.env, **(extra_env(spec) if extra_env else {})}
+            self.spawn(spec.name, spec.argv, env, forker=self.forker)
 
     def start_up(
         self, pipeline_path: Path, env: dict[str, str], up_args: list[str], tree: Path | None = None
@@ -226,6 +247,8 @@ class Stack:
             if group:
                 with ThreadPoolExecutor(len(group)) as pool:
                     list(pool.map(Process.stop, group))
+        if self.forker is not None:
+            self.forker.close()
 
 
 def http_status(url: str) -> int | None:

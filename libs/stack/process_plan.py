@@ -16,6 +16,10 @@ from pathlib import Path
 
 from libs.common.pipeline import PipelineConfig
 
+SERVICE_IMPORTS = ("cli.main", "services.stage_worker.worker", "vllm.v1.engine.async_llm")
+"""What the planned services import that costs time (the CLI, the worker with its engine modules,
+vLLM's engine): a stack's forker (:mod:`libs.stack.forker`) imports it before it forks them."""
+
 
 @dataclass(frozen=True)
 class ServiceSpec:

@@ -26,6 +26,8 @@ from typing import IO, TypeVar
 
 import psutil
 
+from libs.stack.forker import ForkedProcess, Forker
+
 T = TypeVar("T")
 
 EXIT_POLL_S = 0.1
@@ -82,6 +84,15 @@ def copy_lines(name: str, source: IO[bytes], width: int, out: IO[str] | None = N
             target.flush()
 
 
+def copied_to_stdout(name: str, width: int) -> int:
+    """A pipe whose lines reach this process's stdout as :func:`copy_lines` copies them (in a
+    thread, until every write end is closed); its write end, for the caller to hand on and close."""
+    read, write = os.pipe()
+    source = os.fdopen(read, "rb")
+    threading.Thread(target=copy_lines, args=(name, source, width), name=f"copy:{name}", daemon=True).start()
+    return write
+
+
 class Process:
     """One process of a stack: ``argv`` with ``env`` over this process's environment (over
     nothing unless ``inherit_env``), in ``cwd``.
@@ -89,7 +100,8 @@ class Process:
     Its output goes to ``log_path`` (appended: a restarted process continues its log), or, without
     one, to this process's stdout with ``name`` before each line (``prefix_width`` wide). It runs
     in a session of its own, so a terminal's Ctrl-C reaches only the caller, which stops it in
-    order, and its process group (vLLM's EngineCore) is killed when it ends or is stopped.
+    order, and its process group (vLLM's EngineCore) is killed when it ends or is stopped. With a
+    ``forker`` (:mod:`libs.stack.forker`), a ``python -m`` command is forked from it while it runs.
     """
 
     def __init__(
@@ -104,11 +116,12 @@ class Process:
         stop_timeout_s: float = 30.0,
         cwd: Path | None = None,
         inherit_env: bool = True,
+        forker: Forker | None = None,
     ) -> None:
         self.name, self.argv, self.env, self.log_path = name, list(argv), dict(env or {}), log_path
         self.prefix_width, self.stop_signal, self.stop_timeout_s = prefix_width, stop_signal, stop_timeout_s
-        self.cwd, self.inherit_env = cwd, inherit_env
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.cwd, self.inherit_env, self.forker = cwd, inherit_env, forker
+        self.proc: subprocess.Popen[bytes] | ForkedProcess | None = None
         """The running incarnation (the last one started)."""
         self.started_s = 0.0
         """``time.monotonic()`` at the last start."""
@@ -130,20 +143,23 @@ class Process:
         env = {**(os.environ if self.inherit_env else {}), **self.env, "PYTHONUNBUFFERED": "1"}
         self.started_s, self.started_ns = time.monotonic(), time.time_ns()
         if self.log_path is None:
-            self.proc = self._popen(env, subprocess.PIPE)
-            assert self.proc.stdout is not None
-            self._thread(copy_lines, self.name, self.proc.stdout, self.prefix_width)
+            write = copied_to_stdout(self.name, self.prefix_width)
+            self.proc = self._launch(env, write)
+            os.close(write)
             return self
         self._offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with self.log_path.open("ab") as out:
-            self.proc = self._popen(env, out)
+            self.proc = self._launch(env, out.fileno())
         return self
 
-    def _popen(self, env: dict[str, str], stdout: int | IO[bytes]) -> subprocess.Popen[bytes]:
+    def _launch(self, env: dict[str, str], out: int) -> subprocess.Popen[bytes] | ForkedProcess:
+        forkable = self.argv[:2] == [sys.executable, "-m"] and self.cwd is None
+        if forkable and self.forker is not None and self.forker.alive:
+            return self.forker.fork(self.argv, env, out, self.name)
         return subprocess.Popen(
             self.argv,
             env=env,
-            stdout=stdout,
+            stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             cwd=self.cwd,

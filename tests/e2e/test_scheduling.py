@@ -20,7 +20,7 @@ def test_front_end_services_yield_on_wakeup_and_workers_do_not(stack) -> None:
     policies: dict[str, set[int]] = {}
     for pid in descendants(stack.proc.pid):
         try:
-            argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+            argv = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ").split()
             policy = os.sched_getscheduler(pid)
         except OSError:
             continue

@@ -111,27 +111,21 @@ def test_verdicts_are_counted_from_the_orchestrators_log_lines_after_the_fault(t
     assert verdicts_since(log, 0) == (3, 2)
 
 
-def _proc(cmdline: str, **env: str) -> tuple[str, list[str]]:
-    return cmdline, [f"{k}={v}" for k, v in env.items()]
-
-
 def test_the_victim_lookup_finds_the_one_worker_of_a_stage_and_replica() -> None:
-    """A worker's EngineCore inherits its environment but not its command line; another replica
-    and another stage differ in one variable each."""
+    """A worker's EngineCore has a title of its own; another replica and another stage differ in
+    their names, one of which begins with the other."""
     py = "/venv/bin/python -m cli"
     table = {
-        10: _proc(f"{py} orchestrator", NATS_URL="nats://x"),
-        11: _proc(f"{py} worker", OMNIRELAY_STAGE="0", OMNIRELAY_REPLICA="0"),
-        12: _proc(f"{py} worker", OMNIRELAY_STAGE="0", OMNIRELAY_REPLICA="1"),
-        13: _proc("VLLM::EngineCore", OMNIRELAY_STAGE="0", OMNIRELAY_REPLICA="1"),
-        14: _proc(f"{py} worker", OMNIRELAY_STAGE="1", OMNIRELAY_REPLICA="1"),
-        15: _proc(f"{py} worker", OMNIRELAY_STAGE="10", OMNIRELAY_REPLICA="1"),
+        10: f"{py} orchestrator [orchestrator]",
+        11: f"{py} worker [thinker-0]",
+        12: f"{py} worker [thinker-1]",
+        13: "VLLM::EngineCore",
+        14: f"{py} worker [talker-1]",
+        15: f"{py} worker [thinker-10]",
     }
-    words = ("-m cli worker", "OMNIRELAY_STAGE=1", "OMNIRELAY_REPLICA=1")
-    assert [pid for pid, (cmd, env) in table.items() if matches(cmd, env, words)] == [14]
-    words = ("-m cli worker", "OMNIRELAY_STAGE=0", "OMNIRELAY_REPLICA=1")
-    assert [pid for pid, (cmd, env) in table.items() if matches(cmd, env, words)] == [12]
-    assert [pid for pid, (cmd, env) in table.items() if matches(cmd, env, ("-m cli orchestrator",))] == [10]
+    assert [pid for pid, cmd in table.items() if matches(cmd, ("-m cli worker", "[thinker-1]"))] == [12]
+    assert [pid for pid, cmd in table.items() if matches(cmd, ("-m cli worker", "[talker-1]"))] == [14]
+    assert [pid for pid, cmd in table.items() if matches(cmd, ("-m cli orchestrator",))] == [10]
 
 
 def test_every_fault_of_one_service_names_a_service_of_the_process_plan(tmp_path: Path) -> None:

@@ -118,21 +118,18 @@ class Injection:
     """The processes signalled."""
 
 
-def matches(cmdline: str, environ: list[str], words: tuple[str, ...]) -> bool:
-    """True when every one of ``words`` is in ``cmdline`` (arguments joined by spaces) or is one
-    of the ``NAME=value`` entries of ``environ``."""
-    return all(w in cmdline or w in environ for w in words)
+def matches(cmdline: str, words: tuple[str, ...]) -> bool:
+    """True when every one of ``words`` is in ``cmdline`` (arguments joined by spaces; a forked
+    service's title ends with ``[<name>]``, :mod:`libs.stack.forker`)."""
+    return all(w in cmdline for w in words)
 
 
 def pids_of(root: int, *words: str) -> list[int]:
-    """Descendants of ``root`` whose command line or environment contains every one of ``words``
-    (:func:`matches`)."""
+    """Descendants of ``root`` whose command line contains every one of ``words`` (:func:`matches`)."""
     found = []
     for pid in descendants(root):
         with contextlib.suppress(OSError):
-            cmd = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
-            env = Path(f"/proc/{pid}/environ").read_text().split("\0")
-            if matches(cmd, env, words):
+            if matches(Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " "), words):
                 found.append(pid)
     return found
 
@@ -245,8 +242,7 @@ class Injector:
         (:func:`supervised`: its restart is held until then)."""
 
     def _pid(self, service: str, *words: str) -> int:
-        """The one process below the stack's root whose command line and environment have
-        ``words``; in a :func:`supervised` stack, it must be the one the policy of ``service``
+        """The one process below the stack's root whose command line has ``words``; in a :func:`supervised` stack, it must be the one the policy of ``service``
         started last (else RuntimeError)."""
         (pid,) = pids_of(self.stack.root_pid, *words)
         if supervised(self.stack) and pid != self.stack.processes[service].pid:
@@ -257,7 +253,7 @@ class Injector:
 
     def target_pid(self, fault: Fault, replica: int) -> int:
         if fault.target == "orchestrator":
-            return self._pid("orchestrator", "-m cli orchestrator")
+            return self._pid("orchestrator", "-m cli orchestrator", "[orchestrator]")
         worker = self.worker_pid(fault.stage, replica)
         if fault.target == "worker":
             return worker
@@ -265,12 +261,8 @@ class Injector:
         return core
 
     def worker_pid(self, stage: int, replica: int) -> int:
-        return self._pid(
-            f"{self.stage_names[stage]}-{replica}",
-            "-m cli worker",
-            f"OMNIRELAY_STAGE={stage}",
-            f"OMNIRELAY_REPLICA={replica}",
-        )
+        name = f"{self.stage_names[stage]}-{replica}"
+        return self._pid(name, "-m cli worker", f"[{name}]")
 
     async def inject(self, fault: Fault, replica: int) -> Injection:
         """Inject ``fault`` (on ``replica`` of its stage, where it has one) and verify that it
