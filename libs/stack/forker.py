@@ -41,8 +41,14 @@ REAP_EVERY_S = 0.05
 """How often the forker collects the exit statuses of its children, seconds."""
 MESSAGE_BYTES = 1 << 20
 """The largest request (a service's environment included), bytes."""
+ANSWER_TIMEOUT_S = 600.0
+"""How long a request may wait for the forker's answer (it answers once its imports are done)."""
 LOST_EXIT = 255
 """The return code of a child that ended after its forker was gone (its status went unread)."""
+
+
+class ForkerGone(RuntimeError):
+    """The forker cannot start a service: it has ended, or does not answer."""
 
 
 class ForkedProcess:
@@ -74,7 +80,8 @@ class ForkedProcess:
 
 class Forker:
     """The stack's end: starts the forker, which imports the modules of ``preload`` (its output to
-    descriptor ``out``, else this process's stdout), and asks it for services. Thread-safe: a supervisor thread may restart one service while another starts."""
+    descriptor ``out``, else this process's stdout), and asks it for services. Thread-safe: a
+    supervisor thread may restart one service while another starts."""
 
     def __init__(self, preload: Sequence[str], out: int | None = None) -> None:
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -104,13 +111,13 @@ class Forker:
         }
         with self._ask:
             if not self.alive:
-                raise RuntimeError("the forker is gone")
+                raise ForkerGone("the forker is gone")
             socket.send_fds(self._sock, [json.dumps(request).encode()], [out])
             with self.exited:
-                if not self.exited.wait_for(lambda: self._pids or not self.alive, timeout=600):
-                    raise RuntimeError("the forker did not answer within 600 s")
+                if not self.exited.wait_for(lambda: self._pids or not self.alive, ANSWER_TIMEOUT_S):
+                    raise ForkerGone(f"the forker did not answer within {ANSWER_TIMEOUT_S:g} s")
                 if not self._pids:
-                    raise RuntimeError("the forker is gone")
+                    raise ForkerGone("the forker is gone")
                 return ForkedProcess(self, self._pids.pop(0), list(argv))
 
     def exit_of(self, pid: int) -> int | None:
@@ -128,6 +135,7 @@ class Forker:
             with self.exited:
                 if kind == "pid":
                     self._pids.append(int(numbers[0]))
+                    self._exits.pop(int(numbers[0]), None)  # a pid used again: a new child
                 else:
                     self._exits[int(numbers[0])] = int(numbers[1])
                 self.exited.notify_all()

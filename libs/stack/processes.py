@@ -26,7 +26,7 @@ from typing import IO, TypeVar
 
 import psutil
 
-from libs.stack.forker import ForkedProcess, Forker
+from libs.stack.forker import ForkedProcess, Forker, ForkerGone
 
 T = TypeVar("T")
 
@@ -155,7 +155,8 @@ class Process:
     def _launch(self, env: dict[str, str], out: int) -> subprocess.Popen[bytes] | ForkedProcess:
         forkable = self.argv[:2] == [sys.executable, "-m"] and self.cwd is None
         if forkable and self.forker is not None and self.forker.alive:
-            return self.forker.fork(self.argv, env, out, self.name)
+            with contextlib.suppress(ForkerGone):  # then a python of its own
+                return self.forker.fork(self.argv, env, out, self.name)
         return subprocess.Popen(
             self.argv,
             env=env,

@@ -66,7 +66,10 @@ async def test_a_supervised_forked_service_that_dies_is_forked_again(tmp_path, f
         await until(lambda: gone(first), "the killed service gone")
         await until(lambda: p.restarts == 1, "forked again", timeout_s=10)
         assert p.pid != first and p.returncode is None
-        assert Path(f"/proc/{p.pid}/cmdline").read_text().rstrip("\0").endswith("[victim]")
+        await until(
+            lambda: Path(f"/proc/{p.pid}/cmdline").read_text().rstrip("\0").endswith("[victim]"),
+            "the new incarnation titled",  # it titles itself just after the fork
+        )
     finally:
         p.stop(5)
     assert notes[0].startswith(f"victim (pid {first}) ended with signal 9 (SIGKILL)")
