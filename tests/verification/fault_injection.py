@@ -242,8 +242,9 @@ class Injector:
         (:func:`supervised`: its restart is held until then)."""
 
     def _pid(self, service: str, *words: str) -> int:
-        """The one process below the stack's root whose command line has ``words``; in a :func:`supervised` stack, it must be the one the policy of ``service``
-        started last (else RuntimeError)."""
+        """The one process below the stack's root whose command line has ``words``; in a
+        :func:`supervised` stack, it must be the one the policy of ``service`` started last (else
+        RuntimeError)."""
         (pid,) = pids_of(self.stack.root_pid, *words)
         if supervised(self.stack) and pid != self.stack.processes[service].pid:
             raise RuntimeError(
