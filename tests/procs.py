@@ -33,8 +33,7 @@ def session_forker() -> Forker | None:
     if os.environ.get(FORKER_ENV, "on") == "off":
         return None
     if not _forker:
-        log = Path(tempfile.gettempdir()) / f"omnirelay-tests-forker-{os.getpid()}.log"
-        with log.open("ab") as out:
+        with _forker_log().open("ab") as out:
             _forker.append(Forker(SERVICE_IMPORTS, out.fileno()))
     return _forker[0]
 
@@ -43,7 +42,11 @@ def close_session_forker() -> None:
     """End the session's forker (after its services)."""
     while _forker:
         _forker.pop().close()
-        (Path(tempfile.gettempdir()) / f"omnirelay-tests-forker-{os.getpid()}.log").unlink(missing_ok=True)
+        _forker_log().unlink(missing_ok=True)
+
+
+def _forker_log() -> Path:
+    return Path(tempfile.gettempdir()) / f"omnirelay-tests-forker-{os.getpid()}.log"
 
 
 class ServiceProcess(Process):
