@@ -131,9 +131,13 @@ async def _as(up: Up, identity: str) -> Client:
     return c
 
 
-async def _received(sub, want: int) -> list[bytes]:
-    """The payloads ``sub`` received once it has ``want`` of them (fails after WAIT_S)."""
-    await until(lambda: sub.pending_msgs >= want, f"{sub.subject}: {want} messages", WAIT_S)
+async def _received(sub, want: int, *clients: Client) -> list[bytes]:
+    """The payloads ``sub`` received once it has ``want`` of them (fails after WAIT_S, naming the
+    errors the server sent ``clients``)."""
+    try:
+        await until(lambda: sub.pending_msgs >= want, f"{sub.subject}: {want} messages", WAIT_S)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; the server's errors: {[c.errors for c in clients]}") from None
     return [(await sub.next_msg(timeout=1)).data for _ in range(sub.pending_msgs)]
 
 
@@ -159,7 +163,8 @@ async def test_a_worker_cannot_read_answers_cancel_requests_or_forge_a_registry_
         control = await gateway.nc.subscribe("omni.text.out.gw1.*")
         await gateway.nc.flush()
         await orchestrator.nc.publish("omni.text.out.gw1.req1", b"an answer")
-        assert await _received(control, 1) == [b"an answer"]
+        await orchestrator.nc.flush()  # the server has the answer: a miss below is the delivery's
+        assert await _received(control, 1, gateway, orchestrator) == [b"an answer"]
         await worker.nc.flush()
         assert stolen.pending_msgs == 0
 
@@ -170,7 +175,8 @@ async def test_a_worker_cannot_read_answers_cancel_requests_or_forge_a_registry_
         await worker.nc.flush()
         await worker.violation("omni.text.ctl.abort")
         await orchestrator.nc.publish("omni.text.ctl.abort", b"control")
-        assert await _received(aborts, 1) == [b"control"]
+        await orchestrator.nc.flush()
+        assert await _received(aborts, 1, other_worker, orchestrator) == [b"control"]
 
         # Registry: another replica's key (undeclared, the attack's low-load decoy) is refused and not
         # written; its own key it may write (the live worker's record, written back as it is).
