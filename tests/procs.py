@@ -16,9 +16,8 @@ from urllib.parse import urlparse
 
 from benchmarks.process_table import descendants
 from libs.common.pipeline import load_pipeline
-from libs.stack.forker import Forker
+from libs.stack.forker import Forker, forking_wanted
 from libs.stack.local_nats import free_port
-from libs.stack.local_stack import FORKER_ENV
 from libs.stack.process_plan import SERVICE_IMPORTS
 from libs.stack.processes import Process, until, wait_for
 
@@ -30,7 +29,7 @@ def session_forker() -> Forker | None:
     """The forker the tests' services are forked from (:mod:`libs.stack.forker`), as a stack's
     are: started on first use, its output in a file beside the session's temporary files; None
     with ``OMNIRELAY_FORKER=off``."""
-    if os.environ.get(FORKER_ENV, "on") == "off":
+    if not forking_wanted():
         return None
     if not _forker:
         with _forker_log().open("ab") as out:

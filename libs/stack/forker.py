@@ -47,6 +47,15 @@ LOST_EXIT = 255
 """The return code of a child that ended after its forker was gone (its status went unread)."""
 
 
+FORKER_ENV = "OMNIRELAY_FORKER"
+"""``off``: every service is started as a ``python`` of its own, not forked from a forker."""
+
+
+def forking_wanted() -> bool:
+    """Whether services are forked from a forker (``OMNIRELAY_FORKER`` is not ``off``)."""
+    return os.environ.get(FORKER_ENV, "on") != "off"
+
+
 class ForkerGone(RuntimeError):
     """The forker cannot start a service: it has ended, or does not answer."""
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from libs.common.pipeline import PipelineConfig, load_pipeline
-from libs.stack.forker import Forker
+from libs.stack.forker import Forker, forking_wanted
 from libs.stack.local_nats import (
     SYNC_INTERVAL,
     ClusterNode,
@@ -41,8 +41,6 @@ NATS_HEALTH_TIMEOUT_S = 30.0
 """How long the NATS servers may take to report JetStream healthy (a cluster: to elect a leader)."""
 LIVE_TIMEOUT_S = 600.0
 """How long every planned replica may take to be live behind the gateway at the start."""
-FORKER_ENV = "OMNIRELAY_FORKER"
-"""``off``: every service is started as a ``python`` of its own (no :mod:`libs.stack.forker`)."""
 UP_STOP_TIMEOUT_S = 90.0
 """How long ``omnirelay up`` started as one process may take to stop its services after SIGINT."""
 
@@ -183,7 +181,7 @@ class Stack:
     def start_forker(self) -> None:
         """Start the forker the services are forked from (:mod:`libs.stack.forker`), unless
         ``OMNIRELAY_FORKER=off`` or it runs: it imports their code while NATS starts."""
-        if self.forker is not None or os.environ.get(FORKER_ENV, "on") == "off":
+        if self.forker is not None or not forking_wanted():
             return
         if self.log_dir is not None:
             with (self.log_dir / "forker.log").open("ab") as log:
