@@ -19,7 +19,7 @@ from cli.nats_commands import nats_app
 from cli.params import SyncInterval, usage_error
 from cli.stack_file import DEFAULT_DATA_DIR
 from cli.verify_commands import verify_app
-from libs.common.logs import setup_logging
+from libs.common.logs import set_service_identity
 from libs.common.pipeline import PipelineConfigError, load_pipeline
 from libs.common.runtime import run_service, yield_on_wakeup
 from libs.common.settings import GatewaySettings, OrchestratorSettings, ServiceSettings, WorkerSettings
@@ -151,7 +151,7 @@ def gateway(
         log_stats=log_stats,
         log_level=log_level,
     )
-    setup_logging(s.log_level, "gateway")
+    set_service_identity(s.log_level, "gateway")
     yield_on_wakeup(s.sched_batch)
     try:
         run_gateway(s, _pipeline(s))
@@ -178,7 +178,7 @@ def orchestrator(
         log_stats=log_stats,
         log_level=log_level,
     )
-    setup_logging(s.log_level, "orchestrator")
+    set_service_identity(s.log_level, "orchestrator")
     yield_on_wakeup(s.sched_batch)
     run_service(run_orchestrator(s, _pipeline(s)))
 
@@ -228,7 +228,7 @@ def worker(
     )
     p = _pipeline(s)
     name = p.stages[s.stage].name if s.stage < len(p.stages) else "?"
-    setup_logging(s.log_level, f"{name}-{s.replica}")
+    set_service_identity(s.log_level, f"{name}-{s.replica}")
     run_service(run_worker(s, p))
 
 

@@ -1,6 +1,7 @@
 """Services forked from a stack's forker (``libs/stack/forker.py``) behave as the ``python -m``
 they stand for: their own output, environment, exit status and session; restarted by a policy;
-and a forker that dies leaves no process of the stack waited for forever."""
+and a forker that dies leaves no process of the stack waited for forever. A service titles itself
+with its name, forked or not (``libs/common/logs.py``)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,26 @@ def test_a_forked_service_is_titled_stopped_by_its_signal_and_reported(tmp_path,
     title = Path(f"/proc/{p.pid}/cmdline").read_text().rstrip("\0")
     assert title == f"{sys.executable} -m forked_probe [sleeper-1]"
     assert p.stop(5) == -signal.SIGTERM and gone(p.pid)
+
+
+@pytest.mark.parametrize("forked", [True, False])
+def test_a_service_is_titled_with_its_name_once_forked_or_not(tmp_path, forker, forked) -> None:
+    body = (
+        "import time\nfrom libs.common.logs import set_service_identity\n"
+        "set_service_identity('INFO', 'thinker-0')\nprint('up', flush=True)\ntime.sleep(60)\n"
+    )
+    argv, env = _module(tmp_path, body)
+    env["PYTHONPATH"] += os.pathsep + str(Path(__file__).resolve().parents[2])
+    p = Process("thinker-0", argv, env, tmp_path / "t.log", forker=forker if forked else None).start()
+    try:
+        until_up = time.monotonic() + 30
+        while "up" not in p.text():
+            assert time.monotonic() < until_up, p.text()
+            time.sleep(0.05)
+        title = Path(f"/proc/{p.pid}/cmdline").read_text().rstrip("\0")
+        assert title == f"{sys.executable} -m forked_probe [thinker-0]"
+    finally:
+        p.stop(5)
 
 
 async def test_a_supervised_forked_service_that_dies_is_forked_again(tmp_path, forker) -> None:

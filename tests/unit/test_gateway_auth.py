@@ -236,7 +236,7 @@ def test_the_gateway_command_refuses_a_public_bind_without_keys_in_one_line(
     # it would stay with the test process.
     for target in (
         "cli.main.yield_on_wakeup",
-        "cli.main.setup_logging",
+        "cli.main.set_service_identity",
         "services.gateway.app.setup_tracing",
     ):
         monkeypatch.setattr(target, lambda *_: None)
