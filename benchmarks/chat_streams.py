@@ -111,8 +111,8 @@ async def send(
     """One greedy chat completion (``temperature: 0``, ``ignore_eos``, the token ids returned)
     through ``client`` (an ``openai.AsyncOpenAI``): what the client saw goes into ``seen``. A
     failure is recorded (its error code, else its type), never raised. A stream's chunks are read
-    by the client's own SSE stream as JSON, not as its chunk models: building each model costs the
-    client ~190 µs a chunk, enough to make it the slowest process of a fault test."""
+    by the client's own SSE stream as JSON, not as its chunk models, which cost the client ~190 µs
+    a chunk to build (results/testing/2026-12-06-suite-cpu-by-process.md)."""
     import openai
     from openai.types.chat import ChatCompletion
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from libs.stack.forker import LOST_EXIT, Forker
-from libs.stack.processes import LAUNCHER_RESTARTS, Process, until
+from libs.stack.processes import LAUNCHER_RESTARTS, Process, until, wait_for
 from tests.procs import gone
 
 
@@ -47,10 +46,7 @@ def test_a_forked_module_has_its_arguments_environment_output_and_exit_code(tmp_
 def test_a_forked_service_is_titled_stopped_by_its_signal_and_reported(tmp_path, forker) -> None:
     argv, env = _module(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(60)\n")
     p = Process("sleeper-1", argv, env, tmp_path / "s.log", forker=forker).start()
-    wait_up = time.monotonic() + 10
-    while "up" not in p.text():
-        assert time.monotonic() < wait_up, p.text()
-        time.sleep(0.05)
+    wait_for(lambda: "up" in p.text(), "the service up", 10)
     title = Path(f"/proc/{p.pid}/cmdline").read_text().rstrip("\0")
     assert title == f"{sys.executable} -m forked_probe [sleeper-1]"
     assert p.stop(5) == -signal.SIGTERM and gone(p.pid)
@@ -66,10 +62,7 @@ def test_a_service_is_titled_with_its_name_once_forked_or_not(tmp_path, forker, 
     env["PYTHONPATH"] += os.pathsep + str(Path(__file__).resolve().parents[2])
     p = Process("thinker-0", argv, env, tmp_path / "t.log", forker=forker if forked else None).start()
     try:
-        until_up = time.monotonic() + 30
-        while "up" not in p.text():
-            assert time.monotonic() < until_up, p.text()
-            time.sleep(0.05)
+        wait_for(lambda: "up" in p.text(), "the service up", 30)
         title = Path(f"/proc/{p.pid}/cmdline").read_text().rstrip("\0")
         assert title == f"{sys.executable} -m forked_probe [thinker-0]"
     finally:
