@@ -18,7 +18,7 @@ from libs.common.envelopes import ClientEvent, ClientEventType, StageTask, TaskK
 from libs.common.publish import Hop, publish_task
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
 from libs.common.subjects import Subjects
-from tests.bus import client_events, collect
+from tests.bus import barrier, client_events, collect
 from tests.pipeline_services import openai_client
 
 PIPELINE = "orpheustiny"
@@ -221,7 +221,7 @@ class BusLog:
 
         await nc.subscribe(SUBJECTS.stages_wildcard, cb=on_stage)
         await nc.subscribe(f"omni.{PIPELINE}.out.>", cb=on_event)
-        await nc.flush()
+        await barrier(nc)
 
 
 async def stream_audio(base_url: str, max_tokens: int, voice: str = "alloy") -> bytes:

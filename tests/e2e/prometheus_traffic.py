@@ -21,6 +21,7 @@ from libs.common.envelopes import StageTask, decode
 from libs.common.subjects import Subjects
 from libs.stack.bus_state import request_record
 from libs.stack.processes import until
+from tests.bus import barrier
 from tests.e2e.prometheus_events import audio_stream
 from tests.e2e.prometheus_server import WAIT_S
 
@@ -112,7 +113,7 @@ async def run_traffic(stack, pipeline, out: Traffic) -> None:
             out.talker_requests[edge[3]] += 1
 
     await nc.subscribe(Subjects(pipeline.name).stages_wildcard, cb=on_stage_msg)
-    await nc.flush()
+    await barrier(nc)
     client = stack.client(120)
     model = pipeline.served_model_name
     await client.models.list()  # the client's first-use costs (connection, headers) are not the server's
@@ -129,7 +130,7 @@ async def run_traffic(stack, pipeline, out: Traffic) -> None:
     for rid in out.ids:
         rec = await done_record(stack, rid)
         out.routes[rid] = [r for r in rec["route"] if r >= 0]  # the stages it ran (the listener skipped)
-    await nc.flush()
+    await barrier(nc)
     await nc.close()
 
 

@@ -19,7 +19,7 @@ import pytest
 from libs.common.envelopes import ClientEvent, ClientEventType
 from libs.common.subjects import Subjects
 from libs.stack.bus_state import request_record
-from tests.bus import client_events
+from tests.bus import barrier, client_events
 
 pytestmark = pytest.mark.e2e
 
@@ -84,9 +84,9 @@ async def test_32_concurrent_streams_complete_independently_on_both_replicas(sta
     nc = await nats.connect(stack.nats_url)
     try:
         await nc.subscribe(Subjects(pipeline.name).out("*", "*"), cb=on_event)
-        await nc.flush()
+        await barrier(nc)
         results = await asyncio.gather(*(_one(client, model, i) for i in range(N)))
-        await nc.flush()
+        await barrier(nc)
     finally:
         await nc.close()
     await client.close()

@@ -27,7 +27,7 @@ from libs.common import headers as h
 from libs.common.envelopes import StageTask, decode
 from libs.common.subjects import Subjects
 from libs.stack.bus_state import request_record, snapshot
-from tests.bus import client_events
+from tests.bus import barrier, client_events
 from tests.metrics_scrape import Samples, delta, scrape, total
 from tests.procs import process_state, stop_confirmed, worker_pid
 
@@ -124,7 +124,7 @@ class BusWatch:
         self.nc = await nats.connect(self.url)
         await self.nc.subscribe(self.subjects.stages_wildcard, cb=self._on_stage)
         await self.nc.subscribe(self.subjects.out("*", "*"), cb=self._on_event)
-        await self.nc.flush()
+        await barrier(self.nc)
 
     async def __aexit__(self, *exc) -> None:
         await self._on_own_loop(self.nc.close())
@@ -159,7 +159,7 @@ class BusWatch:
                 break
             assert time.monotonic() < deadline, f"{rid}: not every stage done within {timeout_s} s: {rec}"
             await asyncio.sleep(0.05)
-        await self._on_own_loop(self.nc.flush())
+        await self._on_own_loop(barrier(self.nc))
         return rec
 
 

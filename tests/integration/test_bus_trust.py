@@ -42,6 +42,7 @@ from services.gateway.pipeline_client import PipelineClient
 from services.gateway.request_stats import GatewayStatLogger
 from services.gateway.responses import error_of
 from services.orchestrator.routing import ReplicaPicker
+from tests.bus import barrier
 
 pytestmark = pytest.mark.integration
 
@@ -108,7 +109,7 @@ async def bus(nats_server):
         seen.append(msg.subject)
 
     await tap.subscribe(f"omni.{PIPELINE.name}.out.>", cb=note)
-    await tap.flush()
+    await barrier(tap)
     yield genuine, forger, seen
     for nc in (genuine, forger, tap):
         await nc.close()
@@ -156,7 +157,7 @@ async def test_forged_and_stale_events_leave_the_stream_as_the_genuine_senders_s
         await send(forger, subject, request_id, **{**thinker, **fields})
 
     await real(type=ClientEventType.STARTED, **thinker, seq=0)  # binds attempt 1 to replica 0
-    await genuine.flush()
+    await barrier(genuine)
     await until(lambda: handle.first is not None, "the genuine first event is taken")
     await forge(SUBJECTS.out(gateway.id, "chatcmpl-other"), type=ClientEventType.TEXT, text="X", seq=1)
     await forge(out, "chatcmpl-other", type=ClientEventType.TEXT, text="X", seq=1)  # another's, on this one's
@@ -188,7 +189,7 @@ async def test_forged_and_stale_events_leave_the_stream_as_the_genuine_senders_s
         (SUBJECTS.out(gateway.id, "chatcmpl-other"), asked),  # another request's subject
     ):
         await forger.publish(subject, query.encode(), reply=inbox)
-    await forger.flush()
+    await barrier(forger)
     before_move = {
         "subject_mismatch": 3,
         "wrong_replica": 4,
@@ -213,11 +214,11 @@ async def test_forged_and_stale_events_leave_the_stream_as_the_genuine_senders_s
         type=ClientEventType.TEXT, text="X", seq=0, attempt=2, replica=0
     )  # not the replica the move named
     await forge(type=ClientEventType.TEXT, text="X", seq=0, attempt=3, replica=1)
-    await forger.flush()
+    await barrier(forger)
     moved = {"stage": 0, "replica": 1, "attempt": 2}
     await real(type=ClientEventType.TEXT, text="lo", token_ids=[6], **moved, seq=0)
     await real(type=ClientEventType.TEXT_DONE, finish_reason="stop", **moved, seq=1)
-    await genuine.flush()
+    await barrier(genuine)
     forged_events = 15  # every client event and question forged above, on this gateway's subjects
     await until(lambda: len(seen) >= len(sent) + forged_events, "the tap has seen every event published")
     assert len(seen) == len(sent) + forged_events
@@ -234,7 +235,7 @@ async def test_forged_and_stale_events_leave_the_stream_as_the_genuine_senders_s
     await until(lambda: gateway.rejected() == expected and gateway.stale() == 1, "every forgery counted", 5)
     # Nothing is counted twice: the genuine senders' last messages came after every forgery, on a
     # connection of their own, so give the gateway a round trip of its own and look again.
-    await gateway.client.nc.flush()
+    await barrier(gateway.client.nc)
     assert gateway.rejected() == expected and gateway.stale() == 1
     gateway.client.release(rid)
     await send(forger, out, rid, type=ClientEventType.TEXT, text="late", **moved, seq=2)
@@ -247,7 +248,7 @@ async def test_an_error_status_the_gateway_does_not_know_reaches_the_client_as_5
     handle = await gateway.client.submit(adm, {})
     out = SUBJECTS.out(gateway.id, adm.request_id)
     await send(genuine, out, adm.request_id, type=ClientEventType.STARTED, stage=0, replica=0, seq=0)
-    await genuine.flush()
+    await barrier(genuine)
     await until(lambda: handle.first is not None, "the genuine first event is taken")
     await send(
         forger,
@@ -258,7 +259,7 @@ async def test_an_error_status_the_gateway_does_not_know_reaches_the_client_as_5
         code="moved",
         message="see http://evil.example",
     )
-    await forger.flush()
+    await barrier(forger)
     first = await asyncio.wait_for(handle.queue.get(), 5)
     assert first.type == ClientEventType.STARTED
     error = await asyncio.wait_for(handle.queue.get(), 5)

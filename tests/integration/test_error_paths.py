@@ -33,7 +33,7 @@ from libs.common.envelopes import Admission, decode
 from libs.common.subjects import Subjects
 from libs.stack.bus_state import request_record
 from libs.stack.processes import until
-from tests.bus import played_worker
+from tests.bus import barrier, played_worker
 from tests.conftest import NatsServer
 from tests.metrics_scrape import delta, scrape
 from tests.pipeline_services import Services
@@ -168,7 +168,7 @@ async def test_a_full_admission_queue_is_429_queue_full(stack: Services) -> None
             assert 0 < limit <= 100_000, f"the admission queue is not bounded: max_msgs={limit}"
             for _ in range(limit - 1 - info.state.messages):
                 await nc.publish(SUBJECTS.requests, b"filler")  # stored: the subject is the stream's
-            await nc.flush()
+            await barrier(nc)
             await until(lambda: _has(js, limit - 1), f"{limit - 1} messages queued")
             before = scrape(stack.metrics_url)
             admitted = asyncio.create_task(ask(client, "the last place in the queue"))

@@ -15,6 +15,7 @@ import pytest
 
 from libs.common.envelopes import AbortNotice, Admission, ClientEvent, ClientEventType, Usage, decode
 from libs.common.subjects import Subjects
+from tests.bus import barrier
 from tests.pipeline_services import Services
 from tests.procs import THINKER_YAML, write_pipeline
 
@@ -54,7 +55,7 @@ class PlaysPipeline:
 
         await self.nc.subscribe(SUBJECTS.requests, cb=on_admission)
         await self.nc.subscribe(SUBJECTS.abort, cb=on_abort)
-        await self.nc.flush()
+        await barrier(self.nc)
         return self
 
     async def send(self, adm: Admission, **event) -> None:

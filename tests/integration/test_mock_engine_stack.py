@@ -20,6 +20,7 @@ from libs.common.envelopes import ClientEvent, decode, unpack_batch
 from libs.common.subjects import Subjects
 from libs.models.tiny import resolve_model
 from services.stage_worker.mock_engine import token_cycle
+from tests.bus import barrier
 from tests.pipeline_services import Services
 from tests.procs import write_pipeline
 
@@ -96,7 +97,7 @@ async def test_concurrent_streams_each_get_every_token(stack, tokenizer, nc) -> 
         batches.append([decode(ClientEvent, b) for b in unpack_batch(msg.data)])
 
     sub = await nc.subscribe(Subjects(PIPELINE).out_batch("*"), cb=on_batch)
-    await nc.flush()
+    await barrier(nc)
     async with stack.client(60) as client:
         results = await asyncio.gather(*(_stream(client, 64) for _ in range(24)))
     await sub.unsubscribe()

@@ -39,6 +39,7 @@ from libs.stack.local_stack import Stack
 from libs.stack.nats_security import SECRETS_DIR, NatsSecurity, prepare
 from libs.stack.nats_tls import ensure_ca
 from libs.stack.processes import until, wait_for
+from tests.bus import barrier
 from tests.client_streams import ended, until_record
 from tests.conftest import wait_port
 from tests.procs import stop_process
@@ -161,21 +162,21 @@ async def test_a_worker_cannot_read_answers_cancel_requests_or_forge_a_registry_
         stolen = await worker.nc.subscribe("omni.text.out.>")
         await worker.violation("omni.text.out.>")
         control = await gateway.nc.subscribe("omni.text.out.gw1.*")
-        await gateway.nc.flush()
+        await barrier(gateway.nc)
         await orchestrator.nc.publish("omni.text.out.gw1.req1", b"an answer")
-        await orchestrator.nc.flush()  # the server has the answer: a miss below is the delivery's
+        await barrier(orchestrator.nc)  # the server has the answer: a miss below is the delivery's
         assert await _received(control, 1, gateway, orchestrator) == [b"an answer"]
-        await worker.nc.flush()
+        await barrier(worker.nc)
         assert stolen.pending_msgs == 0
 
         # Cancel requests: the forged abort is refused, the orchestrator's arrives alone.
         aborts = await other_worker.nc.subscribe("omni.text.ctl.abort")
-        await other_worker.nc.flush()
+        await barrier(other_worker.nc)
         await worker.nc.publish("omni.text.ctl.abort", b"forged")
-        await worker.nc.flush()
+        await barrier(worker.nc)
         await worker.violation("omni.text.ctl.abort")
         await orchestrator.nc.publish("omni.text.ctl.abort", b"control")
-        await orchestrator.nc.flush()
+        await barrier(orchestrator.nc)
         assert await _received(aborts, 1, other_worker, orchestrator) == [b"control"]
 
         # Registry: another replica's key (undeclared, the attack's low-load decoy) is refused and not
@@ -295,13 +296,13 @@ async def test_a_bucket_consumer_delivers_only_where_its_creator_may_listen(tls_
         await (await js.key_value("omni_services")).put("orchestrator.text.x", b"{}")
         answers = await gateway.subscribe("omni.text.out.>")
         own = await operator.subscribe("_INBOX.operator.probe")
-        await gateway.flush()
-        await operator.flush()
+        await barrier(gateway)
+        await barrier(operator)
         ops = operator.jetstream(timeout=3)
         for target in ("omni.text.out.gw1.req1", "omni.text.stage.0.0.in", "_INBOX.operator.probe"):
             await ops.add_consumer("KV_omni_services", ConsumerConfig(deliver_subject=target))
         assert await _received(own, 1) == [b"{}"]
-        await gateway.flush()
+        await barrier(gateway)
         assert answers.pending_msgs == 0
         assert (await js.stream_info("OMNI_TEXT_STAGES")).state.messages == 0
     finally:

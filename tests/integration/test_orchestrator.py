@@ -38,6 +38,7 @@ from libs.common.subjects import ORCHESTRATOR_ADMISSION_CONSUMER, Subjects
 from libs.stack.processes import until
 from services.orchestrator.admission import MAX_CONCURRENT_ADMISSIONS
 from services.orchestrator.orchestrator import HEALTH_PERIOD_S, LOOP_LAG_PERIOD_S
+from tests.bus import barrier
 from tests.client_streams import until_record
 from tests.metrics_scrape import Samples, delta, scrape, total
 from tests.pipeline_services import Services
@@ -233,7 +234,7 @@ async def test_malformed_admission_is_terminated_and_admission_goes_on(orchestra
         f"$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.{SUBJECTS.requests_stream}.{ORCHESTRATOR_ADMISSION_CONSUMER}",
         cb=terminations.put,
     )
-    await nc.flush()
+    await barrier(nc)
     ack = await js.publish(SUBJECTS.requests, b"\x93 not an admission")
     # The broker's own word that the orchestrator terminated it (neither acknowledged nor left).
     terminated = json.loads((await asyncio.wait_for(terminations.get(), 10)).data)

@@ -14,6 +14,7 @@ from libs.common import consumer as consumer_module
 from libs.common.bus import consume
 from libs.common.consumer import LOST_GRACE_S, NEXT_API, WATCH_PERIOD_S, PullConsumer
 from libs.stack.processes import until
+from tests.bus import barrier
 
 pytestmark = pytest.mark.integration
 
@@ -67,7 +68,7 @@ class PullRequests:
             self.at.append(time.monotonic())
 
         await nc.subscribe(NEXT_API.format(stream=stream, consumer="c"), cb=seen)
-        await nc.flush()
+        await barrier(nc)
         return self
 
 
@@ -91,7 +92,7 @@ async def test_every_message_once_in_order_beyond_many_batches(bus) -> None:
     for body in sent:
         await js.publish(f"{name}.in", body)
     await got.wait_for(len(sent), 10)
-    await nc.flush()  # the handler's acks are on the server
+    await barrier(nc)  # the handler's acks are on the server
     info = await js.consumer_info(name, "c")
     # The server delivered each message once (its delivery count would count a second time) and
     # every one is acknowledged: nothing is left that could come again.
@@ -143,7 +144,7 @@ async def test_lost_requests_are_renewed(bus) -> None:
     # the rest of the deadline is slack for a busy machine: without renewal it would never come.
     await got.wait_for(1, consumer.expires_s + LOST_GRACE_S + WATCH_PERIOD_S + 5)
     assert got.payloads == [b"x"]
-    await nc.flush()  # the handler's ack is on the server
+    await barrier(nc)  # the handler's ack is on the server
     assert (await js.consumer_info(name, "c")).num_ack_pending == 0
     await consumer.stop()
 
@@ -184,13 +185,13 @@ async def test_a_refused_request_is_retried_once_a_second_not_in_a_loop(bus) -> 
         asked.append(time.monotonic())
 
     await nc.subscribe(f"$JS.API.CONSUMER.MSG.NEXT.{name}.c", cb=count)
-    await nc.flush()
+    await barrier(nc)
     consumer = PullConsumer(nc, name, "c", Received().handle, batch=8, name="t")
     t0 = time.monotonic()
     await consumer.start()
     await asyncio.sleep(2.5)  # the time over which the requests are counted
     await consumer.stop()
-    await nc.flush()
+    await barrier(nc)
     ticks = (time.monotonic() - t0) / WATCH_PERIOD_S
     # one at the start and one per watchdog tick (a loop would send thousands); at least one retry
     assert 2 <= len(asked) <= ticks + 1, f"{len(asked)} pull requests in {ticks:.1f} watchdog periods"

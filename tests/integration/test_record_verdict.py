@@ -29,7 +29,7 @@ from libs.common.records import RequestRecord
 from libs.common.subjects import Subjects, consumer_name
 from libs.stack.processes import until
 from services.orchestrator.migration import apply_move, plan_move
-from tests.bus import collect
+from tests.bus import barrier, collect
 from tests.pipeline_services import Services
 from tests.procs import TALKER_YAML, THINKER_YAML, write_pipeline
 from tests.records import bound_record
@@ -94,7 +94,7 @@ async def _send(nc, rec: RequestRecord) -> asyncio.Queue[ClientEvent]:
     await (await requests_kv(nc.jetstream())).put(rec.request_id, rec.model_dump_json().encode())
     events: asyncio.Queue[ClientEvent] = asyncio.Queue()
     await nc.subscribe(SUBJECTS.out(GATEWAY, rec.request_id), cb=collect(events, ClientEvent))
-    await nc.flush()
+    await barrier(nc)
     start = _start(rec.request_id, [0] * len(rec.route))  # attempt 1's route: replica 0 everywhere
     await publish_task(nc.jetstream(), SUBJECTS, start, Hop("o", "o", 0, 0))
     return events

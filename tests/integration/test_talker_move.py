@@ -33,7 +33,7 @@ from libs.common.publish import Hop, publish_task
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
 from libs.common.subjects import Subjects
 from libs.stack.processes import until
-from tests.bus import abort, collect
+from tests.bus import abort, barrier, collect
 from tests.metrics_scrape import delta, scrape
 from tests.pipeline_services import Services
 from tests.procs import CODE2WAV_YAML, THINKER_YAML, kill_confirmed, write_pipeline
@@ -283,7 +283,7 @@ async def test_chunks_of_a_thinker_attempt_the_request_moved_past_are_dropped(st
     await until(lambda: events.qsize() > 0, "the audio of attempt 1's first text chunk", timeout_s=60)
     moved = AbortNotice(request_id=rid, reason=MOVED, stage=0, attempt=2)
     await nc.publish(SUBJECTS.abort, moved.encode())
-    await nc.flush()
+    await barrier(nc)
     # the notice (core NATS) is there before the stale chunk (JetStream)
     await talker1.await_log(
         f"request {rid}: stage 0 moved to attempt 2; chunks of older attempts are stale here", timeout_s=10
