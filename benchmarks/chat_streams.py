@@ -35,6 +35,7 @@ class Seen:
     """One client's request as it saw it (``time.monotonic()`` readings, seconds)."""
 
     id: str = ""
+    """The request's id: its chunks', or the ``X-Request-Id`` of its error response."""
     token_ids: list[int] = field(default_factory=list)
     at: list[float] = field(default_factory=list)
     """When each chunk with tokens or audio arrived (a response not streamed: one arrival)."""
@@ -143,6 +144,7 @@ async def send(
                 _chunk_seen(seen, chunk, time.monotonic())
                 await asyncio.sleep(0)  # a whole response already read would otherwise end unseen
     except openai.APIError as e:
+        seen.id = seen.id or getattr(e, "request_id", None) or ""  # an admitted request's id
         code = getattr(e, "code", None)
         seen.error_code = str(code) if code else None
         seen.error = seen.error_code or type(e).__name__

@@ -18,6 +18,7 @@ from libs.common.tracing import context_from_headers
 from libs.common.voices import OPENAI_VOICES, default_voice, talker_config
 from services.gateway.audio_input import decode_audio, duration_s
 from services.gateway.auth import authorize
+from services.gateway.errors import REQUEST_ID_HEADER
 from services.gateway.limits import admit
 from services.gateway.responses import (
     AUDIO_EXPIRY_S,
@@ -60,9 +61,6 @@ api = APIRouter(dependencies=[Depends(authorize), Depends(admit)])
 """The OpenAI API (``/v1/*``): every route needs a valid API key (:func:`authorize`) and a slot
 of its key's concurrency (:func:`admit`)."""
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-REQUEST_ID_HEADER = "X-Request-Id"
-"""A speech or transcription response's request id (its key in ``omni_requests``; OpenAI's bodies
-of these routes have none)."""
 
 
 def _arrival(request: Request) -> Arrival:

@@ -225,6 +225,7 @@ async def test_a_gateway_that_does_not_answer_a_move_fails_it_503_replica_lost(s
                 await asyncio.wait_for(call, 30)
             assert_openai_error(e.value, 503, "replica_lost")
             assert "gateway did not answer" in e.value.message
+            assert e.value.request_id == task.request_id  # the failed request's record is found
     finally:
         await client.close()
 
