@@ -36,6 +36,11 @@ from services.gateway.submission import Submitter
 
 log = logging.getLogger(__name__)
 
+REQUEST_ID_HEADER = b"x-request-id"
+"""An admitted request's id (its key in ``omni_requests``) on each of its HTTP responses, errors
+included (OpenAI's client reads it as ``request_id``); a request refused before its admission has
+none."""
+
 
 class ResponseTimer:
     """ASGI middleware timing each HTTP request on the gateway's clocks.
@@ -44,6 +49,9 @@ class ResponseTimer:
     carried to every service) and ``time.monotonic()`` (for intervals measured here) — and, for
     a request with a submitted job (``scope["state"]["job"]``), records when the response body's
     first and last bytes were handed to the HTTP server.
+
+    Every response of a request with a job names it in :data:`REQUEST_ID_HEADER`, an error
+    included.
 
     It also ends a response whose client reads too slowly (:class:`SlowReader`: too many events
     waiting, or a body write not taken within ``send_timeout_s``): the request is aborted in every
@@ -65,6 +73,8 @@ class ResponseTimer:
         async def timed_send(message) -> None:
             nonlocal first_body
             job = state.get("job")
+            if job is not None and message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), (REQUEST_ID_HEADER, job.id.encode())]
             if job is None or message["type"] != "http.response.body":
                 await send(message)
                 return

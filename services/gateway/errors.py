@@ -26,12 +26,6 @@ _TYPES = {
 }
 
 
-REQUEST_ID_HEADER = "X-Request-Id"
-"""An admitted request's id (its key in ``omni_requests``) on its response, an error included:
-OpenAI's client reads it as ``request_id``. The bodies of speech, transcriptions and errors carry
-no id of their own."""
-
-
 class APIError(Exception):
     """An error the client sees: HTTP status, message, OpenAI error code and offending parameter."""
 
@@ -79,11 +73,8 @@ def install_error_handlers(app: FastAPI) -> None:
     """Render every error, ours and the framework's, as OpenAI's error JSON."""
 
     @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError) -> Response:
-        response = response_of(e)
-        if (job := getattr(request.state, "job", None)) is not None:
-            response.headers[REQUEST_ID_HEADER] = job.id
-        return response
+    async def _api_error(_: Request, e: APIError) -> Response:
+        return response_of(e)
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, e: ClientGone) -> Response:

@@ -18,7 +18,6 @@ from libs.common.tracing import context_from_headers
 from libs.common.voices import OPENAI_VOICES, default_voice, talker_config
 from services.gateway.audio_input import decode_audio, duration_s
 from services.gateway.auth import authorize
-from services.gateway.errors import REQUEST_ID_HEADER
 from services.gateway.limits import admit
 from services.gateway.responses import (
     AUDIO_EXPIRY_S,
@@ -152,12 +151,13 @@ async def audio_speech(body: SpeechRequest, request: Request) -> StreamingRespon
     job = await request.app.state.submitter.speech(body, _arrival(request))
     request.state.job = job
     await until_started(request, job)
-    headers = {**SSE_HEADERS, REQUEST_ID_HEADER: job.id}
     if body.stream_format == "sse":
         return StreamingResponse(
-            speech_events(job, encoding), media_type="text/event-stream", headers=headers
+            speech_events(job, encoding), media_type="text/event-stream", headers=SSE_HEADERS
         )
-    return StreamingResponse(speech_file(job, encoding), media_type=encoding.content_type, headers=headers)
+    return StreamingResponse(
+        speech_file(job, encoding), media_type=encoding.content_type, headers=SSE_HEADERS
+    )
 
 
 # --- transcriptions ---------------------------------------------------------------------------
@@ -171,12 +171,9 @@ async def audio_transcriptions(form: Annotated[TranscriptionForm, Form()], reque
     if form.stream:
         await until_started(request, job)
         events = TranscriptEvents(duration_s(pcm16))
-        response: Response = _sse(job, [], events.render, events.tail)
-    else:
-        t = await guarded(request, job, transcript_of(job))
-        response = transcription_body(t, form.response_format, form.temperature)
-    response.headers[REQUEST_ID_HEADER] = job.id
-    return response
+        return _sse(job, [], events.render, events.tail)
+    t = await guarded(request, job, transcript_of(job))
+    return transcription_body(t, form.response_format, form.temperature)
 
 
 # --- chat -------------------------------------------------------------------------------------

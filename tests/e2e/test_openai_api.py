@@ -86,7 +86,7 @@ def test_chat_non_streaming_text(client, pipeline, tokenizer) -> None:
 
 def test_chat_streaming_text_usage_matches_streamed_tokens(client, pipeline, tokenizer) -> None:
     messages = [{"role": "user", "content": "Hello there"}]
-    stream = client.chat.completions.create(
+    raw = client.chat.completions.with_raw_response.create(
         model=pipeline.served_model_name,
         messages=messages,
         max_tokens=20,
@@ -94,6 +94,7 @@ def test_chat_streaming_text_usage_matches_streamed_tokens(client, pipeline, tok
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True, "return_token_ids": True},
     )
+    stream = raw.parse()
     text, ids, finish, usage, chunk_ids = [], [], None, None, set()
     for chunk in stream:
         chunk_ids.add(chunk.id)
@@ -103,7 +104,7 @@ def test_chat_streaming_text_usage_matches_streamed_tokens(client, pipeline, tok
             text.append(c.delta.content or "")
             ids.extend((c.model_extra or {}).get("token_ids") or [])
             finish = c.finish_reason or finish
-    assert len(chunk_ids) == 1
+    assert chunk_ids == {raw.headers["x-request-id"]}  # the head names the request too
     assert finish == "length"
     assert usage is not None and usage.completion_tokens == len(ids) == 20
     assert usage.prompt_tokens == chat_prompt_tokens(tokenizer, messages)
@@ -189,12 +190,14 @@ async def test_chat_audio_streaming_pcm_chunks(stack, pipeline) -> None:
 
 
 async def test_request_record_shows_where_the_request_went(stack, pipeline, client) -> None:
-    r = client.chat.completions.create(
+    raw = client.chat.completions.with_raw_response.create(
         model=pipeline.served_model_name,
         messages=[{"role": "user", "content": "Hi"}],
         max_tokens=4,
         modalities=["text", "audio"],
     )
+    r = raw.parse()
+    assert raw.headers["x-request-id"] == r.id  # the key of its record, as in every response
     rec = await completed_record(stack.nats_url, r.id)
     entry = pipeline.thinker_stage
     assert len(rec["route"]) == len(pipeline.stages) and rec["entry_stage"] == entry
