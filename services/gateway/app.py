@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = b"x-request-id"
 """An admitted request's id (its key in ``omni_requests``) on each of its HTTP responses, errors
 included (OpenAI's client reads it as ``request_id``); a request refused before its admission has
-none."""
+none, nor has the 500 of an unexpected exception (Starlette renders it outside every middleware)."""
 
 
 class ResponseTimer:
