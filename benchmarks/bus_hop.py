@@ -69,6 +69,7 @@ def _receive(url: str, mode: str, count: int, conn: Connection, cpu: int | None)
 async def _receive_async(url: str, mode: str, count: int, conn: Connection) -> list[float]:
     from libs.common.bus import connect, consume, stage_consumer_config
     from libs.common.subjects import Subjects
+    from libs.stack.bus_state import barrier
 
     subjects = Subjects(PIPELINE)
     nc = await connect(url, f"bench-bus-{mode}")
@@ -89,7 +90,7 @@ async def _receive_async(url: str, mode: str, count: int, conn: Connection) -> l
         consumer = None
         if mode == "core":
             await nc.subscribe(subjects.out("bench", "hop"), cb=on_msg)
-            await nc.flush()
+            await barrier(nc)  # the sender is told "ready" only once the server has the SUB
         else:
             cfg = stage_consumer_config(subjects, 0, 0)
             stream = subjects.stages_stream

@@ -37,7 +37,7 @@ from libs.common.subjects import (
     kv_subject,
     max_deliveries_advisory,
 )
-from libs.stack.bus_state import request_record, snapshot
+from libs.stack.bus_state import barrier, request_record, snapshot
 from libs.stack.processes import until
 from tests.procs import stop_confirmed
 
@@ -58,16 +58,6 @@ async def completed_record(nats_url: str, request_id: str, timeout_s: float = 5.
             return rec
         await asyncio.sleep(0.05)
     raise AssertionError(f"{request_id}: not completed with every stage done within {timeout_s} s: {rec}")
-
-
-async def barrier(nc: Client) -> None:
-    """Return once the server has processed every command ``nc`` sent before the call (a SUB, a
-    PUB, an ack). nats-py's ``flush()`` writes its PING straight to the socket, ahead of commands
-    still waiting for the client's flusher task, so its PONG proves nothing about them (a SUB just
-    made missed a message published after one flush in 109 of 2,000 tries here); the second
-    flush's PING leaves after them."""
-    await nc.flush()
-    await nc.flush()
 
 
 def client_event_bodies(msg: Msg) -> list[bytes]:

@@ -18,7 +18,8 @@ from libs.common.envelopes import ClientEvent, ClientEventType, StageTask, TaskK
 from libs.common.publish import Hop, publish_task
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
 from libs.common.subjects import Subjects
-from tests.bus import barrier, client_events, collect
+from libs.stack.bus_state import barrier
+from tests.bus import client_events, collect
 from tests.pipeline_services import openai_client
 
 PIPELINE = "orpheustiny"

@@ -19,9 +19,8 @@ import openai
 from libs.common import headers as h
 from libs.common.envelopes import StageTask, decode
 from libs.common.subjects import Subjects
-from libs.stack.bus_state import request_record
+from libs.stack.bus_state import barrier, request_record
 from libs.stack.processes import until
-from tests.bus import barrier
 from tests.e2e.prometheus_events import audio_stream
 from tests.e2e.prometheus_server import WAIT_S
 

@@ -18,8 +18,8 @@ import pytest
 
 from libs.common.envelopes import ClientEvent, ClientEventType
 from libs.common.subjects import Subjects
-from libs.stack.bus_state import request_record
-from tests.bus import barrier, client_events
+from libs.stack.bus_state import barrier, request_record
+from tests.bus import client_events
 
 pytestmark = pytest.mark.e2e
 

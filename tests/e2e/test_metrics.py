@@ -26,8 +26,8 @@ import pytest
 from libs.common import headers as h
 from libs.common.envelopes import StageTask, decode
 from libs.common.subjects import Subjects
-from libs.stack.bus_state import request_record, snapshot
-from tests.bus import barrier, client_events
+from libs.stack.bus_state import barrier, request_record, snapshot
+from tests.bus import client_events
 from tests.metrics_scrape import Samples, delta, scrape, total
 from tests.procs import process_state, stop_confirmed, worker_pid
 

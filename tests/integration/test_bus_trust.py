@@ -36,13 +36,13 @@ from libs.common.pipeline import PipelineConfig
 from libs.common.registry import LiveServices, ServiceKind, ServiceRecord
 from libs.common.settings import GatewaySettings
 from libs.common.subjects import Subjects
+from libs.stack.bus_state import barrier
 from libs.stack.processes import until
 from services.gateway.discovery import sd_targets
 from services.gateway.pipeline_client import PipelineClient
 from services.gateway.request_stats import GatewayStatLogger
 from services.gateway.responses import error_of
 from services.orchestrator.routing import ReplicaPicker
-from tests.bus import barrier
 
 pytestmark = pytest.mark.integration
 

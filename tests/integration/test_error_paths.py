@@ -31,9 +31,9 @@ from nats.js.errors import NotFoundError
 
 from libs.common.envelopes import Admission, decode
 from libs.common.subjects import Subjects
-from libs.stack.bus_state import request_record
+from libs.stack.bus_state import barrier, request_record
 from libs.stack.processes import until
-from tests.bus import barrier, played_worker
+from tests.bus import played_worker
 from tests.conftest import NatsServer
 from tests.metrics_scrape import delta, scrape
 from tests.pipeline_services import Services

@@ -15,7 +15,7 @@ import pytest
 
 from libs.common.envelopes import AbortNotice, Admission, ClientEvent, ClientEventType, Usage, decode
 from libs.common.subjects import Subjects
-from tests.bus import barrier
+from libs.stack.bus_state import barrier
 from tests.pipeline_services import Services
 from tests.procs import THINKER_YAML, write_pipeline
 

@@ -19,8 +19,8 @@ from vllm.tokenizers import get_tokenizer
 from libs.common.envelopes import ClientEvent, decode, unpack_batch
 from libs.common.subjects import Subjects
 from libs.models.tiny import resolve_model
+from libs.stack.bus_state import barrier
 from services.stage_worker.mock_engine import token_cycle
-from tests.bus import barrier
 from tests.pipeline_services import Services
 from tests.procs import write_pipeline
 

@@ -34,12 +34,12 @@ from libs.common.bus import bucket_keys, connect, ensure_topology, server_urls
 from libs.common.nats_credentials import auth_from
 from libs.common.pipeline import load_pipeline
 from libs.common.subjects import SERVICES_BUCKET, Subjects
+from libs.stack.bus_state import barrier
 from libs.stack.local_nats import free_port, nats_server_argv
 from libs.stack.local_stack import Stack
 from libs.stack.nats_security import SECRETS_DIR, NatsSecurity, prepare
 from libs.stack.nats_tls import ensure_ca
 from libs.stack.processes import until, wait_for
-from tests.bus import barrier
 from tests.client_streams import ended, until_record
 from tests.conftest import wait_port
 from tests.procs import stop_process

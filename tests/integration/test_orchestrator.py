@@ -35,10 +35,10 @@ from libs.common.publish import publish_lifecycle
 from libs.common.records import RequestRecord, RequestStatus, StageProgress
 from libs.common.registry import ServiceKind, ServiceRecord
 from libs.common.subjects import ORCHESTRATOR_ADMISSION_CONSUMER, Subjects
+from libs.stack.bus_state import barrier
 from libs.stack.processes import until
 from services.orchestrator.admission import MAX_CONCURRENT_ADMISSIONS
 from services.orchestrator.orchestrator import HEALTH_PERIOD_S, LOOP_LAG_PERIOD_S
-from tests.bus import barrier
 from tests.client_streams import until_record
 from tests.metrics_scrape import Samples, delta, scrape, total
 from tests.pipeline_services import Services

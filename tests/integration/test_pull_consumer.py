@@ -13,8 +13,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StreamConfig
 from libs.common import consumer as consumer_module
 from libs.common.bus import consume
 from libs.common.consumer import LOST_GRACE_S, NEXT_API, WATCH_PERIOD_S, PullConsumer
+from libs.stack.bus_state import barrier
 from libs.stack.processes import until
-from tests.bus import barrier
 
 pytestmark = pytest.mark.integration
 

@@ -27,9 +27,10 @@ from libs.common.envelopes import ClientEvent, ClientEventType, Sampling, StageT
 from libs.common.publish import Hop, publish_task
 from libs.common.records import RequestRecord
 from libs.common.subjects import Subjects, consumer_name
+from libs.stack.bus_state import barrier
 from libs.stack.processes import until
 from services.orchestrator.migration import apply_move, plan_move
-from tests.bus import barrier, collect
+from tests.bus import collect
 from tests.pipeline_services import Services
 from tests.procs import TALKER_YAML, THINKER_YAML, write_pipeline
 from tests.records import bound_record

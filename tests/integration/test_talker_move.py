@@ -32,8 +32,9 @@ from libs.common.envelopes import (
 from libs.common.publish import Hop, publish_task
 from libs.common.records import RequestRecord, RequestStatus, StageAttempt, StageProgress
 from libs.common.subjects import Subjects
+from libs.stack.bus_state import barrier
 from libs.stack.processes import until
-from tests.bus import abort, barrier, collect
+from tests.bus import abort, collect
 from tests.metrics_scrape import delta, scrape
 from tests.pipeline_services import Services
 from tests.procs import CODE2WAV_YAML, THINKER_YAML, kill_confirmed, write_pipeline
