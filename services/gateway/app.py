@@ -73,9 +73,9 @@ class ResponseTimer:
         async def timed_send(message) -> None:
             nonlocal first_body
             job = state.get("job")
-            if job is not None and message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", ()), (REQUEST_ID_HEADER, job.id.encode())]
             if job is None or message["type"] != "http.response.body":
+                if job is not None and message["type"] == "http.response.start":
+                    message["headers"] = [*message.get("headers", ()), (REQUEST_ID_HEADER, job.id.encode())]
                 await send(message)
                 return
             # Stamped before the bytes are handed to the server: after ``send`` returns, this loop
