@@ -244,9 +244,8 @@ class TokenCostOptions:
 
     concurrency: tuple[int, ...] = (1, 16)
     rounds: int = 5
-    requests: dict[int, int] = field(default_factory=lambda: {1: 96, 16: 256})
-    """Concurrency → requests per side per round; a level not named gets 16 × c (at least
-    96)."""
+    requests: dict[int, int] = field(default_factory=lambda: {1: 48, 16: 128})
+    """Concurrency → requests per side per round; a level not named gets 8 × c (at least 48)."""
     max_tokens: int = 64
     warmup: int = 32
     tree_a: Path | None = None
@@ -254,7 +253,7 @@ class TokenCostOptions:
     json_path: Path | None = None
 
     def requests_at(self, c: int) -> int:
-        return self.requests.get(c, max(96, 16 * c))
+        return self.requests.get(c, max(48, 8 * c))
 
 
 @dataclass(frozen=True)

@@ -469,7 +469,7 @@ def bench_token_cost(
         typer.Option(
             min=1,
             help="requests per side per round and level",
-            show_default="96 at c=1, 256 at c=16, else max(96, 16 × c)",
+            show_default="48 at c=1, 128 at c=16, else max(48, 8 × c)",
         ),
     ] = None,
     max_tokens: Annotated[int, typer.Option(min=2, help="output tokens per request (ignore_eos)")] = 64,

@@ -17,7 +17,14 @@ from libs.stack.local_nats import free_port, nats_server_argv, raise_broker_shar
 from libs.stack.processes import wait_for
 from tests import needs
 from tests.broker_watch import BrokerWatch
-from tests.procs import STARTED, close_session_forker, stop_left
+from tests.procs import STARTED, close_session_forker, session_forker, stop_left
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Start the session's forker before collection: its imports (torch and vLLM, ~12 s of one
+    core) run beside collection's (~20 s of the other) instead of delaying the first test that
+    starts a service."""
+    session_forker()
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -61,8 +61,13 @@ CLIENT_LAG_S = 3.0
 streams on a two-core box), seconds: its pause is that much shorter than the stall."""
 
 
-async def _reference(stack, pipeline) -> list[int]:
-    """The tokens of the same request without a fault (greedy)."""
+@pytest.fixture(scope="module")
+def reference(stack, pipeline) -> list[int]:
+    """The tokens of the streams' request without a fault (greedy; asked once for the module)."""
+    return asyncio.run(_greedy(stack, pipeline))
+
+
+async def _greedy(stack, pipeline) -> list[int]:
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as http:
         r = await http.post(
             "/v1/chat/completions",
@@ -202,14 +207,13 @@ async def _registered(stack, pipeline) -> list[dict]:
     return services
 
 
-async def test_streams_on_a_killed_replica_move_and_complete(stack, pipeline) -> None:
+async def test_streams_on_a_killed_replica_move_and_complete(stack, pipeline, reference) -> None:
     """``kill -9`` of a thinker worker while it streams."""
     reason = "exit"
     services = await _registered(stack, pipeline)
     incarnations = {s["key"]: s["started_ns"] for s in services}
     (orchestrator,) = [s["metrics_url"] for s in services if s["service"] == "orchestrator"]
     (gateway,) = [s["metrics_url"] for s in services if s["service"] == "gateway"]
-    reference = await _reference(stack, pipeline)
     before_o, before_g = scrape(orchestrator), scrape(gateway)
 
     client, seen, tasks, victim, started = await _streams_and_victim(stack, pipeline)
@@ -261,14 +265,13 @@ async def test_streams_on_a_killed_replica_move_and_complete(stack, pipeline) ->
             assert (await http.get("/health")).json()["status"] == "ok"
 
 
-async def test_streams_on_a_stopped_replica_move_after_the_stall_timeout(stack, pipeline) -> None:
+async def test_streams_on_a_stopped_replica_move_after_the_stall_timeout(stack, pipeline, reference) -> None:
     """SIGSTOP: the process lives and holds its connection, but answers nothing. Its streams move
     ``stall_timeout_s`` later and complete in full; after SIGCONT it stops the work it no longer
     owns, and nothing it still sends reaches a client."""
     stall_s = pipeline.stages[THINKER].stall_timeout_s
     services = await _registered(stack, pipeline)
     (orchestrator,) = [s["metrics_url"] for s in services if s["service"] == "orchestrator"]
-    reference = await _reference(stack, pipeline)
     before = scrape(orchestrator)
 
     client, seen, tasks, victim, _ = await _streams_and_victim(stack, pipeline)

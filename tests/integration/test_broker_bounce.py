@@ -93,16 +93,34 @@ def bounce_stack(own_nats, tmp_path_factory) -> Iterator[Services]:
         yield services
 
 
-async def _reference(client: AsyncOpenAI, model: str) -> list[int]:
-    """The greedy tokens of the streams' request without a fault (asked until the stack routes)."""
+async def _routed(client: AsyncOpenAI, model: str, max_tokens: int = 8) -> list[int]:
+    """The greedy tokens of the streams' prompt, ``max_tokens`` of them, asked until the stack
+    routes (a fresh stack's registry views may not have its worker yet)."""
     seen = Seen()
     for _ in range(60):
         seen = Seen()
-        await send(client, model, seen, PROMPT, MAX_TOKENS)
+        await send(client, model, seen, PROMPT, max_tokens)
         if seen.error is None:
             return seen.token_ids
         await asyncio.sleep(0.5)
-    raise AssertionError(f"the reference request failed: {seen.error}")
+    raise AssertionError(f"the request failed: {seen.error}")
+
+
+@pytest.fixture(scope="module")
+def reference(bounce_stack: Services) -> list[int]:
+    """The streams' tokens without a fault: the greedy answer of the tiny thinker the module's
+    stacks all run (one request of ``MAX_TOKENS``, asked once for the module's tests)."""
+
+    async def ask() -> list[int]:
+        client = bounce_stack.client(CLIENT_TIMEOUT_S)
+        try:
+            return await _routed(client, f"{PIPELINE}-model", MAX_TOKENS)
+        finally:
+            await client.close()
+
+    tokens = asyncio.run(ask())
+    assert len(tokens) == MAX_TOKENS
+    return tokens
 
 
 def _longest_pause(seen: Seen, down: float) -> float:
@@ -151,11 +169,10 @@ async def _streams_under_way(client: AsyncOpenAI, model: str) -> tuple[list[Seen
     return seen, tasks
 
 
-async def test_streams_on_one_replica_survive_a_broker_restart(own_nats, bounce_stack) -> None:
+async def test_streams_on_one_replica_survive_a_broker_restart(own_nats, bounce_stack, reference) -> None:
     model = f"{PIPELINE}-model"
     client = bounce_stack.client(CLIENT_TIMEOUT_S)
-    reference = await _reference(client, model)
-    assert len(reference) == MAX_TOKENS
+    await _routed(client, model)
     seen, tasks = await _streams_under_way(client, model)
     at_kill = [len(s.token_ids) for s in seen]
     killed_ns = time.time_ns()
@@ -193,10 +210,10 @@ async def test_streams_on_one_replica_survive_a_broker_restart(own_nats, bounce_
     assert all(_in_one_attempt(rec) for rec in records), [rec["stages"][0] for rec in records]
 
 
-async def test_a_stopped_broker_gets_no_replica_judged(own_nats, bounce_stack) -> None:
+async def test_a_stopped_broker_gets_no_replica_judged(own_nats, bounce_stack, reference) -> None:
     model = f"{PIPELINE}-model"
     client = bounce_stack.client(CLIENT_TIMEOUT_S)
-    reference = await _reference(client, model)
+    await _routed(client, model)
     judged_before = await _judged(own_nats.url)
     seen, tasks = await _streams_under_way(client, model)
     pid = own_nats.proc.pid
@@ -247,7 +264,7 @@ async def test_an_admission_the_broker_lost_is_sent_again_when_the_gateway_recon
     model = f"{PIPELINE}-model"
     subjects = Subjects(PIPELINE)
     client = bounce_stack.client(CLIENT_TIMEOUT_S)
-    await _reference(client, model)  # the stack routes
+    await _routed(client, model)
     await kill_confirmed(bounce_stack.orchestrator.proc.pid, "the orchestrator")
     asked = asyncio.create_task(
         client.chat.completions.create(
@@ -290,15 +307,16 @@ def cluster_stack(cluster, tmp_path) -> Iterator[Services]:
         yield services
 
 
-async def test_streams_on_one_replica_survive_the_death_of_the_stream_leader(cluster, cluster_stack) -> None:
+async def test_streams_on_one_replica_survive_the_death_of_the_stream_leader(
+    cluster, cluster_stack, reference
+) -> None:
     """Issue 18's cluster row: ``kill -9`` of the node that leads the stage streams while ONE
     thinker replica streams every request. The cluster elects a new leader; every client, KV and
     stream goes on through the other two nodes, and every stream completes with exactly the
     fault-free tokens."""
     model = f"{CLUSTER_PIPELINE}-model"
     client = cluster_stack.client(CLIENT_TIMEOUT_S)
-    reference = await _reference(client, model)
-    assert len(reference) == MAX_TOKENS
+    await _routed(client, model)
     nc = await connect(cluster_stack.nats_url, "test")
     try:
         info = await nc.jetstream().stream_info(Subjects(CLUSTER_PIPELINE).stages_stream)
