@@ -37,7 +37,15 @@ STAGES_YAML = (
     + f"    no_replica_wait_s: {NO_REPLICA_WAIT_S}\n"
 )
 """Two thinker replicas that run one request at a time (the others wait in the engine): a fault
-that strikes seconds late still finds requests there."""
+that strikes seconds late still finds requests there. Replica :data:`BATCHING` reads
+:data:`BATCHING_YAML` instead."""
+SERIAL, BATCHING = 0, 1
+"""The replica that runs one request at a time, the one a fault strikes when both hold as many
+streams (:func:`strike_order`), and the one that runs :data:`BATCH` at once: the streams moved to
+it do not queue behind its own, which takes the fault tests' final phase from the sum of every
+stream's time down to about the longest one's."""
+BATCH = 8
+BATCHING_YAML = STAGES_YAML.replace("max_num_seqs: 1", f"max_num_seqs: {BATCH}")
 SETTLED_PROBES, PROBE_EVERY_S, PROBE_WAIT_S = 6, 0.5, 1.0
 """A restarted worker is settled once it answered this many liveness probes in a row, sent this
 far apart (seconds), each within this (seconds)."""
@@ -51,6 +59,8 @@ class ThinkerPair:
     judges, with :meth:`start_orchestrator` or services of its own on :attr:`path`)."""
 
     services: Services
+    batching_pipeline: Path
+    """The pipeline file replica :data:`BATCHING` reads (:data:`BATCHING_YAML`)."""
 
     @property
     def base_url(self) -> str:
@@ -98,7 +108,7 @@ class ThinkerPair:
         their liveness probes promptly (:meth:`_settled`)."""
         restarted = [r for r, w in self.workers.items() if w.proc.poll() is not None]
         for r in restarted:
-            self.services.start_worker(0, r, WORKER_ENV)
+            self.services.start_worker(0, r, self.worker_env(r))
         await self.services.ready()
         if restarted:
             await self._settled(restarted)
@@ -132,6 +142,12 @@ class ThinkerPair:
         finally:
             await nc.close()
 
+    def worker_env(self, replica: int) -> dict[str, str]:
+        """What a worker of ``replica`` adds to its environment."""
+        if replica == BATCHING:
+            return {**WORKER_ENV, "OMNIRELAY_PIPELINE": str(self.batching_pipeline)}
+        return WORKER_ENV
+
     def alive(self) -> list[int]:
         """The replicas whose worker process runs."""
         return [r for r, w in self.workers.items() if w.proc.poll() is None]
@@ -140,14 +156,23 @@ class ThinkerPair:
 def start_pair(nats_url: str, tmp: Path) -> ThinkerPair:
     """The gateway and both workers, started side by side; returns once they serve."""
     path = write_pipeline(tmp / "p.yaml", PIPELINE, STAGES_YAML, timeout_s=120)
-    services = Services(nats_url, path, tmp, shared=True)
-    services.start(
-        orchestrators=0,
-        workers=[(0, 0), (0, 1)],
-        worker_env=WORKER_ENV,
-        gateway_env={"OMNIRELAY_INSTANCE_ID": GATEWAY},
+    pair = ThinkerPair(
+        Services(nats_url, path, tmp, shared=True),
+        write_pipeline(tmp / "batching.yaml", PIPELINE, BATCHING_YAML, timeout_s=120),
     )
-    return ThinkerPair(services.wait_ready())
+    pair.services.start(orchestrators=0, gateway_env={"OMNIRELAY_INSTANCE_ID": GATEWAY})
+    for r in (SERIAL, BATCHING):
+        pair.services.start_worker(0, r, pair.worker_env(r))
+    pair.services.wait_ready()
+    return pair
+
+
+def strike_order(bound: dict[int, set[str]]) -> list[int]:
+    """The replicas a fault may strike, given the streams bound to each: :data:`SERIAL` alone
+    when it holds two (one runs, one waits), else every replica, those with more streams first."""
+    if len(bound.get(SERIAL, ())) >= 2:
+        return [SERIAL]
+    return sorted(bound, key=lambda r: (-len(bound[r]), r))
 
 
 def stop_pair(pair: ThinkerPair) -> None:

@@ -55,22 +55,23 @@ from tests.client_streams import (
 from tests.metrics_scrape import delta, scrape
 from tests.pipeline_services import Services
 from tests.procs import ServiceProcess, gone, kill_confirmed, process_state, stop_all, stop_confirmed
-from tests.thinker_pair import MODEL, PIPELINE, STALL_TIMEOUT_S, ThinkerPair
+from tests.thinker_pair import MODEL, PIPELINE, STALL_TIMEOUT_S, ThinkerPair, strike_order
 
 pytestmark = pytest.mark.integration
 
 PROBE_WAIT_S = STALL_TIMEOUT_S - 1.0
 """How long the test's own liveness probe waits for its answer, seconds."""
 LONG = 600
-"""Tokens of each stream where the fault strikes the engine: with one request at a time per replica,
-the victim's three take seconds, so a fault that strikes late still finds them there."""
+"""Tokens of each stream where the fault strikes the engine: the serial replica runs its three one
+at a time, which takes seconds, so a fault that strikes late still finds them there."""
 UNDER_WAY_LONG = 1900
 """Tokens of each stream in the tests that stop a process (the worker, or its EngineCore), which
 need a request still under way on the victim when it stops: 600 tokens can all be generated
 between the victim's liveness answer and the stop (the tiny thinker's context is 2048)."""
 UNDER_WAY_STREAMS = 4
-"""Streams of the tests that stop a process: two on each replica, one running and one waiting (it needs two on
-the victim); each of its tokens is generated once or twice, so fewer keep its time down."""
+"""Streams of the tests that stop a process: two on each replica (on the serial one, one running and
+one waiting: it needs two on the victim); each of its tokens is generated once or twice, so fewer
+keep its time down."""
 
 
 def engine_core_of(worker: ServiceProcess) -> int:
@@ -146,7 +147,7 @@ async def streaming(pair: ThinkerPair, tokens: int = LONG, count: int = STREAMS)
         for _ in range(TRIES):
             streams = await Streams.start(client, MODEL, count, tokens, nc)
             bound = await bound_by_replica(kv, streams, PIPELINE)
-            victim = await holding(nc, PIPELINE, sorted(bound, key=lambda r: -len(bound[r])), timeout_s=30)
+            victim = await holding(nc, PIPELINE, strike_order(bound), timeout_s=30)
             if victim is not None:
                 break
             streams.cancel()  # none was struck: nothing is judged of them

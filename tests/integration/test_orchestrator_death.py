@@ -48,17 +48,17 @@ from tests.procs import (
     kill_confirmed,
     stop_confirmed,
 )
-from tests.thinker_pair import MODEL, NO_REPLICA_WAIT_S, PIPELINE, ThinkerPair
+from tests.thinker_pair import MODEL, NO_REPLICA_WAIT_S, PIPELINE, ThinkerPair, strike_order
 
 pytestmark = pytest.mark.integration
 
 SUBJECTS = Subjects(PIPELINE)
 REQUESTS, MAX_TOKENS = 8, 64
 STREAMS, LONG = 4, 1900
-"""Streams under way when a fault strikes (two on each replica: one running and one waiting, as
-the victim needs), and their tokens (the tiny thinker's context is 2048). The survivor then
-generates every token of its own streams and the moved ones, one request at a time, so each
-stream more costs the test about 1,900 tokens of a tiny engine's time."""
+"""Streams under way when a fault strikes (two on each replica; on the serial one, the victim
+when both hold two, one runs and one waits), and their tokens (the tiny thinker's context is 2048).
+The survivor, the batching replica, then runs its own streams and the moved ones at once
+(``tests/thinker_pair.py``)."""
 HELD_WITHIN_S = 1.0
 """How long after the requests are sent the victim must show held admissions, seconds (it holds
 them for ``ORCHESTRATOR_ACK_WAIT_S``: then they are redelivered to the survivor)."""
@@ -232,7 +232,7 @@ async def test_a_move_claimed_by_a_killed_orchestrator_is_carried_out_by_the_sur
         judged = {r: await _eviction_keys(nc, r) for r in (0, 1)}
         streams = await Streams.start(client, MODEL, STREAMS, LONG, nc)
         by = await bound_by_replica(kv, streams, PIPELINE)
-        dead = await holding(nc, PIPELINE, sorted(by, key=lambda r: -len(by[r])))
+        dead = await holding(nc, PIPELINE, strike_order(by))
         assert dead is not None, "no thinker held two of the streams"
         on_dead, target, judged_before = by[dead], 1 - dead, judged[dead]
         try:
