@@ -64,12 +64,13 @@ PIPELINE = "lostmsgs"
 MODEL = f"{PIPELINE}-model"
 SUBJECTS = Subjects(PIPELINE)
 GATEWAY = "gwlostmsgs"
-STREAMS, LONG = 4, 1900
+STREAMS, LONG = 4, 600
 """Streams under way together when the client event is lost, and their tokens."""
 INTER_TOKEN_MS = 5
 """The thinker runs on the mock engine (``engine.mock``: the real worker and publishing path, no
-model compute), paced at this many ms per token, so each stream lasts ~9.5 s on any box: what is
-judged here is the bus, the worker's delivery and the gateway, not the engine."""
+model compute), paced at this many ms per token, so each stream lasts ~3 s on any box, however
+long its lost event takes to be sent again: what is judged here is the bus, the worker's delivery
+and the gateway, not the engine."""
 STAGES_YAML = THINKER_YAML.replace(
     "dtype: float32}", f"dtype: float32, mock: {{inter_token_ms: {INTER_TOKEN_MS}}}}}"
 )
