@@ -21,10 +21,11 @@ from tests.procs import STARTED, close_session_forker, session_forker, stop_left
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Start the session's forker before collection: its imports (torch and vLLM, ~12 s of one
-    core) run beside collection's (~20 s of the other) instead of delaying the first test that
-    starts a service."""
-    session_forker()
+    """Under ``make test``, start the session's forker before collection: its imports (torch and
+    vLLM, ~12 s of one core) run beside collection's (~20 s of the other) instead of delaying the
+    first test that starts a service. A run by hand starts it on first use."""
+    if os.environ.get(needs.NEED_ALL_ENV) == "1":
+        session_forker()
 
 
 @pytest.hookimpl(tryfirst=True)

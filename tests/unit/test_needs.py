@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from libs.stack.forker import FORKER_ENV
 from tests import needs
 
 REPO = Path(__file__).parents[2]
@@ -21,6 +22,7 @@ def _run(tmp_path: Path, need_all: bool) -> str:
         'from tests import needs\n\ndef test_b():\n    needs.program("no-such-program-xyz", "absent")\n'
     )
     env = {k: v for k, v in os.environ.items() if k != needs.NEED_ALL_ENV}
+    env[FORKER_ENV] = "off"  # the inner session starts no service: no forker to import vLLM for it
     if need_all:
         env[needs.NEED_ALL_ENV] = "1"
     out = subprocess.run(
