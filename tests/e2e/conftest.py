@@ -16,7 +16,7 @@ from libs.common.pipeline import load_pipeline
 from libs.stack.local_nats import free_port
 from libs.stack.processes import until
 from tests.conftest import NatsServer
-from tests.e2e.prometheus_events import dead_lettered, events  # noqa: F401 (fixtures of test_prometheus.py)
+from tests.e2e.prometheus_events import dead_letter_under_way, dead_lettered, events  # noqa: F401 (fixtures of test_prometheus.py)
 from tests.e2e.prometheus_server import prom  # noqa: F401 (a fixture of test_prometheus.py)
 from tests.otlp_receiver import Receiver, start_receiver
 from tests.pipeline_services import CLIENT_TIMEOUT_S, openai_client

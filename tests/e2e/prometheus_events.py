@@ -16,6 +16,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -380,7 +381,7 @@ async def _cause_events(stack, pipeline, out: Events) -> None:
 
 
 @pytest.fixture(scope="module")
-def events(stack, pipeline, prom, traffic) -> Iterator[Events]:
+def events(stack, pipeline, prom, traffic, dead_letter_under_way) -> Iterator[Events]:
     """Events the traffic does not cause, caused for real after it (the tests comparing the
     traffic's counts have run by then): a codec rejection (a failure and a skipped audio request at
     the gateway), an audio stage stopped for 2 s mid-stream (late chunks), a thinker killed under
@@ -447,46 +448,61 @@ class DeadLetter:
 
 
 @pytest.fixture(scope="module")
-def dead_lettered(stack, prom, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DeadLetter]:
+def dead_letter_under_way(
+    stack, prom, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Future[DeadLetter]]:
     """A code2wav worker of another pipeline (``DEAD_PIPELINE``), started outside the stack with a
     1 s ``ack_wait`` (the stack's consumers keep their 30 s, whose redeliveries would take 4 min),
-    loses a message past ``max_deliver`` (``tests.bus.dead_letter``). It runs until the module's
+    loses a message past ``max_deliver`` (:func:`_lose_one`), in a thread of its own: most of its
+    ~17 s is the broker's redelivery backoff, which :func:`events` (a fixture that needs this
+    one) spends causing its faults on the stack's own pipeline. The worker runs until the module's
     end: its counter stays a live series for the dashboard check."""
     instance, worker = outside_codec_worker(
         stack, DEAD_PIPELINE, tmp_path_factory.mktemp("deadletter"), OMNIRELAY_ACK_WAIT_S="1"
     )
     try:
-        wait_registered(stack, DEAD_PIPELINE, worker)
-        assert eventually(lambda: prom.scalar(f'up{{instance="{instance}"}}'), lambda v: v == 1) == 1
-        t0 = time.time()
-        held = _bad_chunk(
-            {"request_id": f"dead-{uuid.uuid4().hex}", "gateway_id": "nobody", "route": [0, 0, 0]}, [1, 2]
-        )
-        held = held.replace(seq=1, final=False)  # chunk 0 never comes: it is held
-
-        async def lose() -> int:
-            nc = await nats.connect(stack.nats_url)
-            try:
-                return await dead_letter(
-                    nc, Subjects(DEAD_PIPELINE), Hop("1", "0", 2, 0), held, worker.proc.pid
-                )
-            finally:
-                await nc.close()
-
-        advisories = asyncio.run(lose())
-        # The worker counts the advisory when it runs again (it was stopped when the advisory
-        # came); t1 is after its own /metrics shows it.
-        counted = eventually(
-            lambda: total(scrape(worker.metrics_url), "vllm:omni_bus_dead_lettered_total"), bool, timeout_s=30
-        )
-        assert counted == 1, f"the worker counted {counted} dead letters"
-        t1 = time.time()
-        # Stopped for longer than the registry's TTL, it left the service discovery meanwhile: its
-        # series are stale until it is listed and scraped again.
-        listed = eventually(
-            lambda: instance in {g["labels"]["__meta_omnirelay_instance"] for g in prom.sd()}, bool
-        )
-        assert listed, f"{instance} did not come back to the service discovery"
-        yield DeadLetter(instance, advisories, t0, t1)
+        with ThreadPoolExecutor(1, thread_name_prefix="dead-letter") as pool:
+            yield pool.submit(_lose_one, stack, prom, instance, worker)
     finally:
         assert worker.stop() == 0, worker.text()[-2000:]
+
+
+@pytest.fixture(scope="module")
+def dead_lettered(dead_letter_under_way: Future[DeadLetter]) -> DeadLetter:
+    """The message the outside worker lost (:func:`dead_letter_under_way`), once it is lost."""
+    return dead_letter_under_way.result(timeout=120)
+
+
+def _lose_one(stack, prom, instance: str, worker: ServiceProcess) -> DeadLetter:
+    """``worker`` registered and scraped, a message it holds made to pass ``max_deliver``
+    (``tests.bus.dead_letter``), counted by it and listed again for Prometheus."""
+    wait_registered(stack, DEAD_PIPELINE, worker)
+    assert eventually(lambda: prom.scalar(f'up{{instance="{instance}"}}'), lambda v: v == 1) == 1
+    t0 = time.time()
+    held = _bad_chunk(
+        {"request_id": f"dead-{uuid.uuid4().hex}", "gateway_id": "nobody", "route": [0, 0, 0]}, [1, 2]
+    )
+    held = held.replace(seq=1, final=False)  # chunk 0 never comes: it is held
+
+    async def lose() -> int:
+        nc = await nats.connect(stack.nats_url)
+        try:
+            return await dead_letter(nc, Subjects(DEAD_PIPELINE), Hop("1", "0", 2, 0), held, worker.proc.pid)
+        finally:
+            await nc.close()
+
+    advisories = asyncio.run(lose())
+    # The worker counts the advisory when it runs again (it was stopped when the advisory came);
+    # t1 is after its own /metrics shows it.
+    counted = eventually(
+        lambda: total(scrape(worker.metrics_url), "vllm:omni_bus_dead_lettered_total"), bool, timeout_s=30
+    )
+    assert counted == 1, f"the worker counted {counted} dead letters"
+    t1 = time.time()
+    # Stopped for longer than the registry's TTL, it left the service discovery meanwhile: its
+    # series are stale until it is listed and scraped again.
+    listed = eventually(
+        lambda: instance in {g["labels"]["__meta_omnirelay_instance"] for g in prom.sd()}, bool
+    )
+    assert listed, f"{instance} did not come back to the service discovery"
+    return DeadLetter(instance, advisories, t0, t1)
