@@ -293,22 +293,19 @@ async def _ensure_kv_replicas(js: JetStreamContext, bucket: str, ttl_s: float) -
 
 
 async def _kv(js: JetStreamContext, bucket: str, ttl_s: float) -> KeyValue:
-    """``bucket``, created with :func:`replicas` replicas only when JetStream says it has none."""
+    """``bucket``, created with :func:`replicas` replicas only when JetStream says it has none
+    (each asked again as :func:`_asked_again` says)."""
     try:
         return await _asked_again(f"the look-up of bucket {bucket}", lambda: js.key_value(bucket))
     except NotFoundError:  # nats-py's BucketNotFoundError is one
         pass
     n = replicas(js)
-    return await js.create_key_value(
-        KeyValueConfig(
-            bucket=bucket,
-            history=1,
-            ttl=ttl_s,
-            storage=StorageType.FILE,
-            replicas=n,
-            direct=direct_reads(n),
-        )
+    config = KeyValueConfig(
+        bucket=bucket, history=1, ttl=ttl_s, storage=StorageType.FILE, replicas=n, direct=direct_reads(n)
     )
+    # Asked again on a timeout: a cluster just formed, busy with other declarations, has taken
+    # longer than a request's timeout to create a replicated bucket (creating it again is a no-op).
+    return await _asked_again(f"the creation of bucket {bucket}", lambda: js.create_key_value(config))
 
 
 async def services_kv(js: JetStreamContext, limits: BusLimits = LIMITS) -> KeyValue:
