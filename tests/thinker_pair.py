@@ -36,9 +36,9 @@ STAGES_YAML = (
     + f"    stall_timeout_s: {STALL_TIMEOUT_S}\n"
     + f"    no_replica_wait_s: {NO_REPLICA_WAIT_S}\n"
 )
-"""Two thinker replicas that run one request at a time (the others wait in the engine): a fault
-that strikes seconds late still finds requests there. Replica :data:`BATCHING` reads
-:data:`BATCHING_YAML` instead."""
+"""Two thinker replicas, each running one request at a time as this file says (the others wait in
+the engine): a fault that strikes seconds late still finds requests there. Replica
+:data:`BATCHING` reads :data:`BATCHING_YAML` instead."""
 SERIAL, BATCHING = 0, 1
 """The replica that runs one request at a time, the one a fault strikes when both hold as many
 streams (:func:`strike_order`), and the one that runs :data:`BATCH` at once: the streams moved to
