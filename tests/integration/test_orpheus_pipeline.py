@@ -69,8 +69,8 @@ FRAME_SAMPLES = 2048
 """PCM samples per SNAC 24 kHz frame (hop 512 × the coarsest stride 4)."""
 CHUNK_FRAMES = 2
 MAX_FRAMES_PER_CHAR, MIN_FRAMES = 0.1, 4
-FAULT_TOKENS = 480
-"""Thinker tokens of the move test's request: 30 text chunks of 16 tokens. The test holds the thinker
+FAULT_TOKENS = 240
+"""Thinker tokens of the move test's request: 15 text chunks of 16 tokens. The test holds the thinker
 (SIGSTOP) once it has sent a few, until the talker is killed: the talker makes frames several times
 slower than the thinker makes tokens, and a loaded box had it send all 126 chunks of 2,000 tokens
 before the talker's second segment began."""
