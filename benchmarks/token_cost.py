@@ -356,8 +356,11 @@ def measure(opts: TokenCostOptions) -> Measurement:
     data_dir = Path(tempfile.mkdtemp(prefix="omnirelay-token-cost-"))
     procs = Processes(data_dir)
     try:
-        sides = _sides(opts, procs, data_dir)
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            # No request: the client's process starts and imports its client while the sides start.
+            client_ready = pool.submit(client_job, [], "", 0, 1, opts.max_tokens, 0)
+            sides = _sides(opts, procs, data_dir)
+            client_ready.result()
             paired = _measure_sides(opts, sides, pool)
     except RuntimeError as e:
         raise RuntimeError(f"{e} (logs kept in {data_dir})") from None

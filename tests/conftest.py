@@ -19,13 +19,34 @@ from tests import needs
 from tests.broker_watch import BrokerWatch
 from tests.procs import STARTED, close_session_forker, session_forker, stop_left
 
+E2E_DIR = Path(__file__).parent / "e2e"
+
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Under ``make test``, start the session's forker before collection: its imports (torch and
-    vLLM, ~12 s of one core) run beside collection's (~20 s of the other) instead of delaying the
-    first test that starts a service. A run by hand starts it on first use."""
-    if os.environ.get(needs.NEED_ALL_ENV) == "1":
-        session_forker()
+    """Under ``make test``, start before collection what the tests wait for longest: the session's
+    forker, and the e2e stack (with the session's nats-server) when the e2e tests are selected.
+    Their imports (torch and vLLM, ~12 s of a core each) and the stack's engines then start while
+    pytest collects (~20 s) instead of before the first test that needs them. A run by hand starts
+    each on first use."""
+    if os.environ.get(needs.NEED_ALL_ENV) != "1":
+        return
+    session_forker()
+    if _selects(session.config, E2E_DIR):
+        from tests.e2e.launched import launched
+
+        # The session's temporary directories, as the ``tmp_path_factory`` fixture returns them.
+        tmp = session.config._tmp_path_factory  # type: ignore[attr-defined]
+        launched(session_nats(tmp).url, tmp)
+
+
+def _selects(config: pytest.Config, directory: Path) -> bool:
+    """Whether the session's arguments take in the tests of ``directory``: it, a directory above
+    it or a path in it."""
+    for arg in config.args:
+        path = (config.invocation_params.dir / arg.split("::")[0]).resolve()
+        if path == directory or path in directory.parents or directory in path.parents:
+            return True
+    return False
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -91,10 +112,21 @@ class NatsServer:
             self.proc.wait(10)
 
 
+_SESSION_NATS: list[NatsServer] = []
+
+
+def session_nats(tmp_path_factory: pytest.TempPathFactory) -> NatsServer:
+    """The session's nats-server, started on the first call."""
+    if not _SESSION_NATS:
+        server = NatsServer(tmp_path_factory.mktemp("jetstream"))
+        server.start()
+        _SESSION_NATS.append(server)
+    return _SESSION_NATS[0]
+
+
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
-    server = NatsServer(tmp_path_factory.mktemp("jetstream"))
-    server.start()
+    server = session_nats(tmp_path_factory)
     assert server.proc is not None
     watch = BrokerWatch(
         server.proc.pid,
@@ -152,9 +184,12 @@ def _no_service_outlives_its_module() -> Iterator[None]:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Nothing the tests started runs on after them."""
+    """Nothing the tests started runs on after them (the session's nats-server included: started
+    before collection, it outlives a session that ran no test)."""
     stop_left(STARTED)
     close_session_forker()
+    while _SESSION_NATS:
+        _SESSION_NATS.pop().stop()
 
 
 @pytest.fixture(autouse=True)

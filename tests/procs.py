@@ -50,10 +50,11 @@ def _forker_log() -> Path:
 
 class ServiceProcess(Process):
     """``python -m cli <args>`` with extra environment, logging to ``log``, forked from the
-    session's forker."""
+    session's forker (``forked``) or started as a new Python."""
 
-    def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
-        super().__init__(args[0], [sys.executable, "-m", "cli", *args], env, log, forker=session_forker())
+    def __init__(self, args: list[str], env: dict[str, str], log: Path, *, forked: bool = True) -> None:
+        forker = session_forker() if forked else None
+        super().__init__(args[0], [sys.executable, "-m", "cli", *args], env, log, forker=forker)
         self.args, self.log = args, log
         self.metrics_url: str | None = None
         self.shared = False

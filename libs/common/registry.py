@@ -27,8 +27,8 @@ WATCH_SILENCE_S = 2 * LIMITS.heartbeat_s
 """A registry watch silent this long is cut off from the bucket, seconds (:meth:`LiveServices.live`)."""
 MIN_BEAT_GAP_S = 0.25
 """Least time between two beats, seconds (:meth:`Heartbeat.load_dropped`)."""
-LATE_BEAT_S = 2 * LIMITS.heartbeat_s
-"""A write stored this long after the one before it is logged as late, seconds."""
+LATE_BEATS = 2
+"""A write stored this many heartbeat periods after the one before it is logged as late."""
 MAX_LOGGED_KEYS = 10_000
 """Rejected keys remembered so that each is logged once (past this many, forgotten)."""
 
@@ -89,7 +89,8 @@ def record_problem(key: str, rec: ServiceRecord, pipeline: PipelineConfig | None
 
 
 class Heartbeat:
-    """Keeps a :class:`ServiceRecord` alive in the registry (``load``, ``liveness`` read per beat)."""
+    """Keeps a :class:`ServiceRecord` alive in the registry (``load``, ``liveness`` read per beat),
+    writing it every ``period_s`` seconds."""
 
     def __init__(
         self,
@@ -97,7 +98,9 @@ class Heartbeat:
         record: ServiceRecord,
         load: Callable[[], int],
         liveness: Callable[[], Liveness] | None = None,
+        period_s: float = LIMITS.heartbeat_s,
     ) -> None:
+        self._period_s = period_s
         self._kv = kv
         self._record = record
         self._load = load
@@ -108,17 +111,17 @@ class Heartbeat:
         """When the last write was acknowledged (``time.monotonic()``)."""
 
     async def beat(self) -> None:
-        """Write the record now, waiting at most one heartbeat period for the acknowledgement."""
+        """Write the record now, waiting at most one period for the acknowledgement."""
         self._record.load = self._load()
         if self._liveness is not None:
             now = self._liveness()
             self._record.busy, self._record.progress = now.busy, now.progress
         self._record.heartbeat_ns = time.time_ns()
-        async with asyncio.timeout(LIMITS.heartbeat_s):
+        async with asyncio.timeout(self._period_s):
             await self._kv.put(self._record.key, self._record.model_dump_json().encode())
         stored, before = time.monotonic(), self._stored_s
         self._stored_s = stored
-        if before is not None and stored - before > LATE_BEAT_S:
+        if before is not None and stored - before > LATE_BEATS * self._period_s:
             log.warning(
                 "heartbeat of %s stored %.1f s after the one before (TTL %.0f s): readers may have counted it dead",
                 self._record.key,
@@ -146,7 +149,7 @@ class Heartbeat:
             # Due a period after the last beat began (an absolute deadline): after a stall it is
             # written the moment this process runs again.
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout_at(max(began + LIMITS.heartbeat_s, loop.time() + MIN_BEAT_GAP_S)):
+                async with asyncio.timeout_at(max(began + self._period_s, loop.time() + MIN_BEAT_GAP_S)):
                     await asyncio.sleep(MIN_BEAT_GAP_S)
                     await self._early.wait()
             self._early.clear()

@@ -73,7 +73,7 @@ async def test_a_killed_worker_is_restarted_and_requests_keep_completing(stack, 
     assert worker_pid(stack.proc.pid, STAGE, REPLICA) != pid  # health is whole again: a new process
     # The replacement took the identity back (awaited above). A replacement whose heartbeat slipped
     # past the entry's TTL would vanish from routing: each service logs a write stored more than
-    # LATE_BEAT_S after the one before, and none may show up for it.
+    # LATE_BEATS periods after the one before, and none may show up for it.
     since = stack.log_text()[log_offset:].splitlines()
     late = [line for line in since if "heartbeat of " + record_key in line]
     assert late == [], late
