@@ -2,7 +2,8 @@
 started as ``python -m cli <command>`` with that service's compose environment (NATS address,
 pipeline path, hosts and ports swapped for local ones); the gateway must become healthy, the
 compose healthcheck commands must pass against the processes, and a text+audio chat request must
-return audio."""
+return audio. Each command runs once in a Python of its own, as a container runs it (``FRESH``);
+the other workers are forked, as ``omnirelay up`` forks its services."""
 
 from __future__ import annotations
 
@@ -38,8 +39,15 @@ from tests.compose_files import (
     load_compose,
     omnirelay_services,
 )
+from tests.procs import session_forker
 
 pytestmark = pytest.mark.integration
+
+FRESH = {"gateway", "orchestrator", "thinker-0"}
+"""The services started as a Python of their own: one of each command (``gateway``,
+``orchestrator``, ``worker`` with a vLLM engine). The other workers run the same ``python -m cli
+worker`` forked from the session's forker: five fresh workers would import torch and vLLM five
+times (~12 s of a core each) on the two cores."""
 
 
 # --- 3. native start -----------------------------------------------------------------------------
@@ -111,6 +119,7 @@ def test_compose_services_start_natively_and_serve_audio(
     make_tiny()  # once, before the workers race for it (it is lock-safe, this only saves time)
     pipeline = load_pipeline(DEFAULT_PIPELINE)
     services = omnirelay_services(load_compose(COMPOSE_FILE))
+    assert set(services) >= FRESH, sorted(services)
 
     # NATS as the launcher starts it, on free loopback ports, with nats-init's identities and TLS.
     secrets = prepare(tmp_path / "nats-secrets", pipeline, tls=True)
@@ -130,7 +139,10 @@ def test_compose_services_start_natively_and_serve_audio(
             name, as_env(svc["environment"]), nats_url, tmp_path / "gateway-data", secrets.root
         )
         argv = [sys.executable, "-m", "cli", *svc["command"]]
-        stack.spawn(name, argv, base | envs[name], cwd=REPO, inherit_env=False)
+        if name in FRESH:
+            stack.spawn(name, argv, base | envs[name], cwd=REPO, inherit_env=False)
+        else:
+            stack.spawn(name, argv, base | envs[name], inherit_env=False, forker=session_forker())
 
     gateway = f"http://127.0.0.1:{envs['gateway']['OMNIRELAY_PORT']}"
     stack.wait(lambda: http_status(f"{gateway}/health") == 200, "the gateway healthy", HEALTHY_TIMEOUT_S)
