@@ -122,9 +122,12 @@ def judgment_lifted(judged: Death, heartbeat: ServiceRecord) -> bool:
 class BrokerProof:
     """Whether the broker carried this orchestrator's round trips to itself promptly: one slower
     than :data:`PROBE_TIMEOUT_S`, or failed, leaves the broker unproven until its end (until now
-    while it is under way); a replica's silence counts only from then (:meth:`silent_s`). Clock:
-    ``time.monotonic()``."""
+    while it is under way). A replica not heard since before that end is silent only from the end
+    plus the slow time's length (:meth:`silent_s`): what it produced meanwhile goes out first, and
+    its answers queue behind it. Clock: ``time.monotonic()``."""
 
+    unproven_since: float = 0.0
+    """When the last slow time began (the start of its first slow or failed round trip)."""
     unproven_until: float = 0.0
     """When the broker was last seen slow (end of the last slow or failed round trip)."""
     outstanding: set[float] = field(default_factory=set)
@@ -133,18 +136,27 @@ class BrokerProof:
     def sent(self, now: float) -> None:
         self.outstanding.add(now)
 
-    def done(self, sent_at: float, now: float, ok: bool) -> None:
-        """A round trip begun at ``sent_at`` ended at ``now`` (``ok``: its answer came)."""
+    def done(self, sent_at: float, now: float, ok: bool) -> bool:
+        """A round trip begun at ``sent_at`` ended at ``now`` (``ok``: its answer came); whether
+        it began a slow time."""
         self.outstanding.discard(sent_at)
-        if not ok or now - sent_at > PROBE_TIMEOUT_S:
-            self.unproven_until = max(self.unproven_until, now)
+        if ok and now - sent_at <= PROBE_TIMEOUT_S:
+            return False
+        began = sent_at > self.unproven_until
+        self.unproven_since = sent_at if began else min(self.unproven_since, sent_at)
+        self.unproven_until = max(self.unproven_until, now)
+        return began
 
     def silent_s(self, since: float, now: float) -> float:
         """Seconds of a replica's silence (no answer since ``since``) the broker is not to blame
-        for: 0 while a round trip is late, else from the later of ``since`` and its last slow time."""
+        for: 0 while a round trip is late; from ``since`` if it answered after the last slow time,
+        else from that time's end plus its length."""
         if any(now - t > PROBE_TIMEOUT_S for t in self.outstanding):
             return 0.0
-        return max(0.0, now - max(since, self.unproven_until))
+        if since >= self.unproven_until:
+            return now - since
+        backlog_s = self.unproven_until - self.unproven_since
+        return max(0.0, now - self.unproven_until - backlog_s)
 
 
 @dataclass
@@ -254,13 +266,11 @@ class ReplicaWatch:
             await self._nc.request(self._own_alive, b"", timeout=PROBE_TIMEOUT_S + PROBE_PERIOD_S)
         except (NatsError, TimeoutError):  # a timeout, a closed or reconnecting connection
             ok = False
-        slow_since = self._broker.unproven_until
         now = time.monotonic()
-        self._broker.done(sent_at, now, ok)
-        if self._broker.unproven_until > slow_since and slow_since < sent_at:  # a slow time begins
+        if self._broker.done(sent_at, now, ok):
             log.info(
                 "the broker carried this orchestrator's own probe %s after %.2f s: replicas' "
-                "silence counts from the end of this slow time",
+                "silence counts from the end of this slow time plus its length",
                 "with an answer" if ok else "without an answer",
                 now - sent_at,
             )

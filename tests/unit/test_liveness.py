@@ -42,22 +42,34 @@ def test_a_prompt_broker_leaves_a_replicas_silence_whole() -> None:
     assert proof.silent_s(since=0.5, now=3.0) == 2.5
 
 
-def test_silence_counts_only_from_the_end_of_the_brokers_last_slow_round_trip() -> None:
-    """The broker quiet from 10 to 16 s: a replica last heard at 9 s is silent 1 s at 17 s, not 8."""
+def test_silence_counts_only_from_the_end_of_the_brokers_slow_time_plus_its_length() -> None:
+    """The broker quiet from 10 to 16 s: a replica last heard at 9 s may spend as long again
+    sending what it produced meanwhile, so it is silent from 22 s, not 9."""
     proof = BrokerProof()
     proof.sent(10.0)
     assert proof.silent_s(since=9.0, now=10.0 + PROBE_TIMEOUT_S / 2) == 1.0 + PROBE_TIMEOUT_S / 2
     assert proof.silent_s(since=9.0, now=10.0 + PROBE_TIMEOUT_S + 0.1) == 0.0  # the PONG is late
-    proof.done(10.0, 16.0, ok=True)
-    assert proof.silent_s(since=9.0, now=17.0) == 1.0
-    assert proof.silent_s(since=16.5, now=17.0) == 0.5  # an answer after the quiet time: as usual
+    assert proof.done(10.0, 16.0, ok=True)  # a slow time began
+    assert proof.silent_s(since=9.0, now=17.0) == 0.0
+    assert proof.silent_s(since=9.0, now=23.0) == 1.0
+    assert proof.silent_s(since=16.5, now=17.0) == 0.5  # it answered after the slow time: as usual
+
+
+def test_overlapping_slow_round_trips_are_one_slow_time() -> None:
+    proof = BrokerProof()
+    for t in (10.0, 10.5, 11.0):
+        proof.sent(t)
+    assert proof.done(10.5, 10.6, ok=False)  # a closed connection fails fast...
+    assert not proof.done(10.0, 11.5, ok=False)  # ...an earlier round trip's timeout comes later
+    assert not proof.done(11.0, 12.5, ok=True)  # slow: the same slow time, from 10 to 12.5 s
+    assert proof.silent_s(since=9.0, now=16.0) == 1.0
 
 
 def test_a_failed_round_trip_leaves_the_broker_unproven_until_it_ended() -> None:
     proof = BrokerProof()
     proof.sent(5.0)
-    proof.done(5.0, 5.2, ok=False)  # a closed or reconnecting connection fails fast
-    assert proof.silent_s(since=1.0, now=8.0) == 8.0 - 5.2
+    assert proof.done(5.0, 5.2, ok=False)  # a closed or reconnecting connection fails fast
+    assert proof.silent_s(since=1.0, now=8.0) == 8.0 - 5.2 - 0.2
 
 
 def _rec(rid: str, route: list[int], done: list[bool]) -> RequestRecord:
