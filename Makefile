@@ -49,7 +49,7 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 test: models lint test-deps
-	OMNIRELAY_TESTS_NEED_ALL=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+	OMNIRELAY_TESTS_NEED_ALL=1 $(BIN)/python -m tests.lanes $(PYTEST_ARGS)
 
 # Debian's packages the tests use: prometheus, docker-compose 1.29 (reads the compose files in
 # tests/integration/test_compose.py) and espeak-ng (real speech for the listener's tests).
