@@ -14,6 +14,8 @@ lane does. With arguments, they are pytest's, and one session runs them (``PYTES
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -43,24 +45,22 @@ stack's engines) keeps both cores busy for its first half minute."""
 
 
 def main(args: list[str]) -> int:
-    """Run the suite (no ``args``) in two lanes, or pytest with ``args``; the exit status."""
+    """Run the suite (no ``args``) in two lanes and return the exit status; with ``args``, this
+    process becomes pytest with them."""
     pytest = [sys.executable, "-m", "pytest"]
     if args:
-        return subprocess.call([*pytest, *args])
+        os.execv(sys.executable, [*pytest, *args])
     with tempfile.TemporaryFile("w+b") as out:
         waiting = subprocess.Popen([*pytest, *WAITING], stdout=out, stderr=subprocess.STDOUT)
-        try:
-            main_rc = subprocess.call([*pytest, *(f"--ignore={m}" for m in WAITING), "tests"])
-        except BaseException:  # Ctrl-C: both lanes end
-            waiting.terminate()
-            raise
-        finally:
-            waiting_rc = waiting.wait()
+        rest = subprocess.Popen([*pytest, *(f"--ignore={m}" for m in WAITING), "tests"])
+        # Ctrl-C reaches both lanes from the terminal: each ends its session, and this waits for them.
+        signal.signal(signal.SIGINT, lambda *_: None)
+        rest_rc, waiting_rc = rest.wait(), waiting.wait()
         out.seek(0)
         print(f"\n=== the waiting lane ({len(WAITING)} modules; exit status {waiting_rc}) ===", flush=True)
         sys.stdout.buffer.write(out.read())
         sys.stdout.flush()
-    return main_rc or waiting_rc
+    return rest_rc or waiting_rc
 
 
 if __name__ == "__main__":
