@@ -45,6 +45,8 @@ __all__ = ["BACKSTOP_S", "JS_STREAM_FULL", "PipelineClient", "RequestHandle", "t
 log = logging.getLogger(__name__)
 
 JS_STREAM_FULL = 10077
+ASKED_AGAIN_S = 1.0
+"""How long the admission's second publish waits for its ack, seconds (after the first timed out)."""
 """JetStream error code: maximum messages exceeded (the admission queue is full)."""
 
 
@@ -269,9 +271,14 @@ class PipelineClient:
         }
         handle.admission = (adm.encode(), headers)
         try:
-            await self.js.publish(
-                self.subjects.requests, handle.admission[0], headers=headers, timeout=PUBLISH_TIMEOUT_S
-            )
+            data, subject = handle.admission[0], self.subjects.requests
+            try:
+                await self.js.publish(subject, data, headers=headers, timeout=PUBLISH_TIMEOUT_S)
+            except NatsTimeout:
+                # Maybe an ack left unread: this process stopped or starved past the timeout runs
+                # the due timer first. The same admission again is stored at most once (its
+                # Nats-Msg-Id), and the answer says whether the stream has it.
+                await self.js.publish(subject, data, headers=headers, timeout=ASKED_AGAIN_S)
         except JSAPIError as e:
             self.release(adm.request_id)
             if e.err_code == JS_STREAM_FULL:
