@@ -45,9 +45,9 @@ __all__ = ["BACKSTOP_S", "JS_STREAM_FULL", "PipelineClient", "RequestHandle", "t
 log = logging.getLogger(__name__)
 
 JS_STREAM_FULL = 10077
+"""JetStream error code: maximum messages exceeded (the admission queue is full)."""
 ASKED_AGAIN_S = 1.0
 """How long the admission's second publish waits for its ack, seconds (after the first timed out)."""
-"""JetStream error code: maximum messages exceeded (the admission queue is full)."""
 
 
 class PipelineClient:

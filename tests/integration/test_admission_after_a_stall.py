@@ -1,9 +1,9 @@
 """A gateway stopped or starved for longer than its admission's publish timeout, with the stream's
-ack already in its socket, still admits the request, once: after a stall the event loop runs the
-due timer before it reads what arrived meanwhile, and the gateway then asks the stream again with
-the same ``Nats-Msg-Id``. (Seen in a CI run: a gateway stopped 6 s right after publishing told its
-client 503 ``bus_unavailable`` for a request that was queued and ran.) A real nats-server; the
-stall is the test's own event loop blocked while it waits for the ack."""
+ack already in its socket, still admits the request, once, rather than tell its client 503
+``bus_unavailable`` ("not queued") for a request that was queued: after a stall the event loop runs
+the due timer before it reads what arrived meanwhile, and the gateway then asks the stream again
+with the same ``Nats-Msg-Id``. A real nats-server; the stall is the test's own event loop blocked
+while it waits for the ack."""
 
 from __future__ import annotations
 
