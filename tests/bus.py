@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -19,9 +20,11 @@ from nats.js.api import ConsumerInfo
 from libs.common.bus import services_kv
 from libs.common.envelopes import (
     AbortNotice,
+    Admission,
     ClientEvent,
     Liveness,
     ResumePoint,
+    Sampling,
     StageTask,
     decode,
     unpack_batch,
@@ -44,6 +47,20 @@ from tests.procs import stop_confirmed
 E = TypeVar("E")
 EVERY_EVENT = 1 << 31
 """A ``ResumePoint.next_seq`` past any attempt's last event."""
+
+
+def text_admission(gateway_id: str) -> Admission:
+    """A chat request's admission from gateway ``gateway_id``: prompt ``[1, 2, 3]``, 8 tokens, due
+    30 s from now."""
+    now = time.time_ns()
+    return Admission(
+        request_id=f"chatcmpl-{uuid.uuid4().hex}",
+        gateway_id=gateway_id,
+        arrival_ns=now,
+        deadline_ns=now + 30 * 10**9,
+        prompt_token_ids=[1, 2, 3],
+        sampling=Sampling(max_tokens=8),
+    )
 
 
 async def completed_record(nats_url: str, request_id: str, timeout_s: float = 5.0) -> dict:

@@ -13,12 +13,12 @@ import uuid
 
 import pytest
 
-from libs.common.envelopes import Admission, Sampling
 from libs.common.pipeline import PipelineConfig
 from libs.common.settings import GatewaySettings
 from libs.common.subjects import Subjects
 from services.gateway import pipeline_client
 from services.gateway.pipeline_client import PipelineClient
+from tests.bus import text_admission
 
 pytestmark = pytest.mark.integration
 
@@ -53,15 +53,7 @@ async def test_an_ack_read_after_the_timeout_admits_the_request_once(nats_server
                 asyncio.get_running_loop().call_soon(time.sleep, STALL_S)
 
         monkeypatch.setattr(client.nc, "publish", send_then_stall)
-        now = time.time_ns()
-        adm = Admission(
-            request_id=f"chatcmpl-{uuid.uuid4().hex}",
-            gateway_id=client.gateway_id,
-            arrival_ns=now,
-            deadline_ns=now + 30 * 10**9,
-            prompt_token_ids=[1, 2, 3],
-            sampling=Sampling(max_tokens=8),
-        )
+        adm = text_admission(client.gateway_id)
         handle = await client.submit(adm, {})
         assert stalled and time.monotonic() - stalled[0] >= STALL_S  # the stall happened
         assert handle.request_id == adm.request_id

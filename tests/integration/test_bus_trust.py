@@ -12,7 +12,6 @@ the counters are judged, and the counters must reach their values and stay there
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 
 import nats
@@ -22,12 +21,10 @@ from prometheus_client import CollectorRegistry
 from libs.common.bus import services_kv
 from libs.common.bus_trust import REJECTED_FAMILY, Rejected, rejection_counter
 from libs.common.envelopes import (
-    Admission,
     ClientEvent,
     ClientEventType,
     ResumePoint,
     ResumeQuery,
-    Sampling,
     decode,
 )
 from libs.common.jetstream import JetStream
@@ -43,6 +40,7 @@ from services.gateway.pipeline_client import PipelineClient
 from services.gateway.request_stats import GatewayStatLogger
 from services.gateway.responses import error_of
 from services.orchestrator.routing import ReplicaPicker
+from tests.bus import text_admission
 
 pytestmark = pytest.mark.integration
 
@@ -115,18 +113,6 @@ async def bus(nats_server):
         await nc.close()
 
 
-def admission(gateway_id: str) -> Admission:
-    now = time.time_ns()
-    return Admission(
-        request_id=f"chatcmpl-{uuid.uuid4().hex}",
-        gateway_id=gateway_id,
-        arrival_ns=now,
-        deadline_ns=now + 30 * 10**9,
-        prompt_token_ids=[1, 2, 3],
-        sampling=Sampling(max_tokens=8),
-    )
-
-
 async def counted(gateway: Gateway, want: dict[str, float], what: str) -> None:
     """Wait until the gateway's counter is ``want`` (a failure shows both)."""
     try:
@@ -141,7 +127,7 @@ async def send(nc, subject: str, rid: str, **fields) -> None:
 
 async def test_forged_and_stale_events_leave_the_stream_as_the_genuine_senders_sent_it(gateway, bus) -> None:
     genuine, forger, seen = bus
-    adm = admission(gateway.id)
+    adm = text_admission(gateway.id)
     handle = await gateway.client.submit(adm, {})
     rid, out = adm.request_id, SUBJECTS.out(gateway.id, adm.request_id)
     thinker = {"stage": 0, "replica": 0, "attempt": 1}
@@ -244,7 +230,7 @@ async def test_forged_and_stale_events_leave_the_stream_as_the_genuine_senders_s
 
 async def test_an_error_status_the_gateway_does_not_know_reaches_the_client_as_502(gateway, bus) -> None:
     genuine, forger, _seen = bus
-    adm = admission(gateway.id)
+    adm = text_admission(gateway.id)
     handle = await gateway.client.submit(adm, {})
     out = SUBJECTS.out(gateway.id, adm.request_id)
     await send(genuine, out, adm.request_id, type=ClientEventType.STARTED, stage=0, replica=0, seq=0)
