@@ -200,6 +200,7 @@ def test_a_row_passes_only_when_every_stream_came_through_whole() -> None:
     assert not passed(kill, _row(completed=3, hung=1))
     assert not passed(kill, _row(wrong_count=1))
     assert not passed(kill, _row(unlike_reference=1))
+    assert not passed(kill, _row(struck=False))  # the streams ended before the fault
     tally = AudioTally(
         streams=4,
         whole=4,

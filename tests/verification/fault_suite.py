@@ -93,6 +93,9 @@ class Row:
     chunks: AudioTally | None = None
     """The completed audio streams' chunks against the whole decode of the code chunks sent on
     the bus (the ``orpheus`` pipeline; None: not judged)."""
+    struck: bool = True
+    """The fault was injected while the streams ran and its victims were seen gone, zombies or
+    stopped (``Injection.took``)."""
 
 
 def whole(fault: Fault, s: Seen) -> bool:
@@ -156,10 +159,12 @@ NO_LIVE_REPLICA = "no_live_replica"
 
 
 def passed(fault: Fault, row: Row) -> bool:
-    """Whether ``row`` keeps the promise (docs/reliability.md, "The fault suite"): every stream
-    completed (every replica of a stage down: every one answered 503 ``no_live_replica``), none
-    hung, none has a wrong token count or differs from the fault-free run, and no audio chunk is
-    missing, repeated or unlike the whole decode."""
+    """Whether ``row`` keeps the promise (docs/reliability.md, "The fault suite"): the fault
+    struck, every stream completed (every replica of a stage down: every one answered 503
+    ``no_live_replica``), none hung, none has a wrong token count or differs from the fault-free
+    run, and no audio chunk is missing, repeated or unlike the whole decode."""
+    if not row.struck:
+        return False
     if fault.target == "all_replicas":
         ended = row.failed == {NO_LIVE_REPLICA: row.in_flight}
     else:
@@ -324,17 +329,19 @@ async def _strike_and_watch(
     bound = await _strike_moment(injector, fault, seen, tasks)
     if bound is None:  # the stack is broken, or too fast for the streams: say so, and go on
         await asyncio.wait(tasks)
-        return row_of(fault, "not injected: the streams ended first", time.monotonic(), seen, ref)
+        row = row_of(fault, "not injected: the streams ended first", time.monotonic(), seen, ref)
+        return replace(row, struck=False)
     # The victim: the replica of the stage that most of the streams under way run on.
     replica, on_it = busiest(bound)
     # Watched from the fault on (a replacement registers with a later started_ns than befores').
     back = asyncio.create_task(_replacement(injector.stack, fault, replica, befores, time.time_ns()))
     fault_s = time.monotonic()
     try:
-        verified = (await injector.inject(fault, replica)).verified
+        injection = await injector.inject(fault, replica)
     except BaseException:
         back.cancel()
         raise
+    verified = injection.verified
     if fault.target in ("worker", "engine_core"):
         verified += f"; {on_it} of {len(bound)} streams under way on it"
     log(f"{fault.name}: injected ({verified})")
@@ -346,7 +353,7 @@ async def _strike_and_watch(
     verified += f"; then {dead} replica(s) judged dead, {moved} request(s) moved"
     if fault.target in CLUSTER_NODE_TARGETS:
         await asyncio.to_thread(injector.restore)
-    row = row_of(fault, verified, fault_s, seen, ref)
+    row = replace(row_of(fault, verified, fault_s, seen, ref), struck=injection.took)
     # The next fault meets a whole stack: a killed worker (or one that gave up on its hung engine)
     # or orchestrator is replaced (by the launcher, or by its restart policy); the column says when.
     back_s = await back
